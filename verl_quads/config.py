@@ -1,0 +1,140 @@
+"""One vocabulary and one configuration for both sides.
+
+The user sets ONE switch, ``actor_rollout_ref.actor.quant`` (options under
+``actor_rollout_ref.actor.quant_config.*``); :class:`QuantConfig` validates it and derives what
+the trainer and the rollout each run:
+
+=============  ==================  ==========================================
+``quant``      trainer (QAT) mode  rollout (vLLM ``quads_nvfp4``) mode
+=============  ==================  ==========================================
+``none``       ``none``            none (stock BF16 vLLM)
+``naive``      ``none``            ``naive``  (W4A4, round-to-nearest)
+``w4a16``      ``w4a16``           ``w4a16``  (weight-only)
+``quads``      ``w4a16``           ``quads``  (W4A4 + residual compensation)
+``trace``      ``trace``           ``trace``  (W4A4 + guidance capture)
+``w4a4_qat``   ``w4a4_qat``        ``naive``  (the paper's symmetric ablation)
+=============  ==================  ==========================================
+
+Scale granularity (both sides must agree; decided here once):
+
+- Weights: one float32 global scale per tensor for linear layers; layers that vLLM fuses into
+  one GEMM share one (q/k/v -> ``qkv_proj``, gate/up -> ``gate_up_proj``): the amax is taken
+  over the group. Routed experts: one global scale per expert, gate and up of an expert
+  sharing it (vLLM's NVFP4 MoE kernels take one w13 scale per expert), down per expert.
+- Activations (W4A4 modes): one global scale per token (row), computed dynamically from the
+  row's amax. This makes a token's quantization independent of what else is in the batch, so
+  the trainer can reproduce the rollout's activation codes (needed by TRACE).
+- QUADS residual selection: per call over 16-channel blocks by residual energy (DESIGN.md §1),
+  ``residual_per_token=True`` switches to per-token selection.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+
+QUANT_MODES = ("none", "naive", "w4a16", "quads", "trace", "w4a4_qat")
+TRAINER_MODES = ("none", "w4a16", "w4a4_qat", "trace")
+ROLLOUT_MODES = ("none", "w4a16", "naive", "quads", "trace")
+BACKENDS = ("auto", "torch", "triton", "native")
+
+_TRAINER_OF = {"none": "none", "naive": "none", "w4a16": "w4a16", "quads": "w4a16", "trace": "trace", "w4a4_qat": "w4a4_qat"}
+_ROLLOUT_OF = {"none": "none", "naive": "naive", "w4a16": "w4a16", "quads": "quads", "trace": "trace", "w4a4_qat": "naive"}
+
+#: Module-name patterns (regular expressions, matched with ``re.search`` against the
+#: fully-qualified module name) kept in BF16 by default: embeddings, lm_head, MoE router gates
+#: (``mlp.gate`` exactly, not ``gate_proj``/``gate_up_proj``), norms.
+DEFAULT_IGNORE = (
+    r"(^|\.)embed_tokens$",
+    r"(^|\.)lm_head$",
+    r"(^|\.)mlp\.gate$",
+    r"(^|\.)router$",
+    r"norm$",
+)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Validated quantization settings (the ``actor.quant`` / ``actor.quant_config`` keys).
+
+    Attributes:
+        quant: user-facing mode, one of :data:`QUANT_MODES`.
+        residual_ratio: QUADS fraction k of 16-channel blocks compensated, in [0, 1].
+        residual_per_token: select residual blocks per token instead of per GEMM call.
+        guided_layers: TRACE: number of last decoder layers whose GEMM inputs are guided (> 0).
+        trace_base_mode: trainer mode for the layers TRACE does not guide (``w4a16`` or ``w4a4_qat``).
+        ignore: regex patterns of module names kept in BF16 (see :data:`DEFAULT_IGNORE`).
+        backend: kernel backend, one of :data:`BACKENDS` (``auto`` picks by device; asking for one
+            that cannot run is an error).
+    """
+
+    quant: str = "none"
+    residual_ratio: float = 0.5
+    residual_per_token: bool = False
+    guided_layers: int = 20
+    trace_base_mode: str = "w4a16"
+    ignore: tuple[str, ...] = DEFAULT_IGNORE
+    backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.quant not in QUANT_MODES:
+            raise ValueError(
+                f"actor_rollout_ref.actor.quant={self.quant!r} is not a verl-quads mode; allowed: {', '.join(QUANT_MODES)}"
+            )
+        if not (isinstance(self.residual_ratio, (int, float)) and 0.0 <= float(self.residual_ratio) <= 1.0):
+            raise ValueError(
+                f"actor_rollout_ref.actor.quant_config.residual_ratio={self.residual_ratio!r}: must be a number in [0, 1]"
+            )
+        if not isinstance(self.guided_layers, int) or self.guided_layers < 1:
+            raise ValueError(
+                f"actor_rollout_ref.actor.quant_config.guided_layers={self.guided_layers!r}: must be an integer >= 1"
+            )
+        if self.trace_base_mode not in ("w4a16", "w4a4_qat"):
+            raise ValueError(
+                f"actor_rollout_ref.actor.quant_config.trace_base_mode={self.trace_base_mode!r}: allowed: w4a16, w4a4_qat"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(
+                f"actor_rollout_ref.actor.quant_config.backend={self.backend!r}: allowed: {', '.join(BACKENDS)}"
+            )
+        object.__setattr__(self, "ignore", tuple(self.ignore))
+        for pat in self.ignore:
+            try:
+                re.compile(pat)
+            except re.error as e:
+                raise ValueError(f"actor_rollout_ref.actor.quant_config.ignore: bad regex {pat!r}: {e}") from e
+
+    @property
+    def trainer_mode(self) -> str:
+        """What the trainer's QAT forward runs (one of :data:`TRAINER_MODES`)."""
+        return _TRAINER_OF[self.quant]
+
+    @property
+    def rollout_mode(self) -> str:
+        """What vLLM runs (one of :data:`ROLLOUT_MODES`)."""
+        return _ROLLOUT_OF[self.quant]
+
+    def is_ignored(self, module_name: str) -> bool:
+        """True if the module stays BF16."""
+        return any(re.search(p, module_name) for p in self.ignore)
+
+    @classmethod
+    def from_mapping(cls, quant: str, options: dict | None = None) -> "QuantConfig":
+        """Build from verl's ``actor.quant`` value and ``actor.quant_config`` mapping; unknown keys fail."""
+        options = dict(options or {})
+        known = {f.name for f in fields(cls)} - {"quant"}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(
+                f"actor_rollout_ref.actor.quant_config has unknown key(s) {unknown}; allowed: {sorted(known)}"
+            )
+        if "ignore" in options and options["ignore"] is not None:
+            options["ignore"] = tuple(options["ignore"])
+        return cls(quant=quant, **options)
+
+    def to_dict(self) -> dict:
+        """Plain dict (JSON-able) of all fields, e.g. to pass to vLLM's quantization config."""
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
+
+
+__all__ = ["QUANT_MODES", "TRAINER_MODES", "ROLLOUT_MODES", "BACKENDS", "DEFAULT_IGNORE", "QuantConfig"]

@@ -1,0 +1,1 @@
+"""verl glue: config schema, engine/worker registration, metrics."""

@@ -1,0 +1,180 @@
+"""NVFP4: the one quantization core that the trainer and the rollout both call.
+
+Public API (names other modules rely on): :class:`NVFP4Tensor`, :func:`quantize`,
+:func:`dequantize`, :func:`fake_quantize`, :func:`fake_quantize_ste`,
+:func:`global_scale_from_amax`, :func:`swizzle_block_scale` / :func:`unswizzle_block_scale`,
+compressed-tensors / ModelOpt conversions, residual compensation
+(:func:`residual_quantize`, :func:`residual_fake_quantize`) and guided rounding
+(:func:`extract_guidance`, :func:`quantize_guided`).
+
+``backend``: ``"torch"`` (the reference, :mod:`.reference`), ``"triton"`` (:mod:`.triton_kernels`,
+same bytes; on a machine without a GPU only under ``TRITON_INTERPRET=1``) or ``"auto"`` (triton
+for CUDA tensors, torch otherwise). Asking for triton where it cannot run is an error, never a
+silent switch to torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verl_quads.nvfp4 import reference as _ref
+from verl_quads.nvfp4.format import (
+    BLOCK_SIZE,
+    E2M1_VALUES,
+    E4M3_MAX,
+    FP4_MAX,
+    NVFP4Tensor,
+    e2m1_table,
+    pack_codes,
+    unpack_codes,
+)
+from verl_quads.nvfp4.guidance import GuidanceRecord, extract_guidance, pack_bits, unpack_bits
+from verl_quads.nvfp4.guidance import quantize_guided as _quantize_guided_ref
+from verl_quads.nvfp4.layout import (
+    from_compressed_tensors,
+    from_modelopt,
+    swizzle_block_scale,
+    to_compressed_tensors,
+    to_modelopt,
+    unswizzle_block_scale,
+)
+from verl_quads.nvfp4.reference import global_scale_from_amax, validate_input
+from verl_quads.nvfp4.residual import ResidualNVFP4, num_selected_blocks
+from verl_quads.nvfp4.residual import residual_quantize as _residual_quantize_ref
+from verl_quads.nvfp4.ste import fake_quantize_ste
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _use_triton(x: torch.Tensor, backend: str) -> bool:
+    if backend not in BACKENDS:
+        raise ValueError(f"NVFP4 backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "torch":
+        return False
+    if backend == "auto":
+        return x.is_cuda
+    from verl_quads.nvfp4 import triton_kernels
+
+    triton_kernels.check_available(x)
+    return True
+
+
+def quantize(
+    x: torch.Tensor,
+    global_scale: torch.Tensor | float | None = None,
+    *,
+    backend: str = "auto",
+    check_finite: bool = True,
+) -> NVFP4Tensor:
+    """Quantize ``x`` ``[..., K]`` (float32/bf16/fp16, K % 16 == 0); see :mod:`.reference`."""
+    if _use_triton(x, backend):
+        from verl_quads.nvfp4 import triton_kernels
+
+        return triton_kernels.quantize(x, global_scale, check_finite=check_finite)
+    return _ref.quantize(x, global_scale, check_finite=check_finite)
+
+
+def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, backend: str = "auto") -> torch.Tensor:
+    """Dequantize to ``dtype`` (float32 products, one cast)."""
+    if _use_triton(q.packed, backend):
+        from verl_quads.nvfp4 import triton_kernels
+
+        return triton_kernels.dequantize(q, dtype)
+    return _ref.dequantize(q, dtype)
+
+
+def fake_quantize(
+    x: torch.Tensor,
+    global_scale: torch.Tensor | float | None = None,
+    *,
+    backend: str = "auto",
+    check_finite: bool = True,
+) -> torch.Tensor:
+    """Quantize-dequantize, same shape and dtype as ``x`` (no autograd; see :func:`fake_quantize_ste`)."""
+    if _use_triton(x, backend):
+        from verl_quads.nvfp4 import triton_kernels
+
+        return triton_kernels.fake_quantize(x, global_scale, check_finite=check_finite)
+    return _ref.fake_quantize(x, global_scale, check_finite=check_finite)
+
+
+def residual_quantize(
+    x: torch.Tensor,
+    ratio: float,
+    global_scale: torch.Tensor | float | None = None,
+    *,
+    per_token: bool = False,
+    backend: str = "auto",
+    check_finite: bool = True,
+) -> ResidualNVFP4:
+    """QUADS residual compensation of a 2-D activation; see :mod:`.residual`."""
+    if _use_triton(x, backend):
+        from verl_quads.nvfp4 import triton_kernels
+
+        return triton_kernels.residual_quantize(x, ratio, global_scale, per_token=per_token, check_finite=check_finite)
+    return _residual_quantize_ref(x, ratio, global_scale, per_token=per_token, check_finite=check_finite)
+
+
+def residual_fake_quantize(
+    x: torch.Tensor,
+    ratio: float,
+    global_scale: torch.Tensor | float | None = None,
+    *,
+    per_token: bool = False,
+    backend: str = "auto",
+    check_finite: bool = True,
+) -> torch.Tensor:
+    """``Q(x) + Q(R_sel)`` in x's dtype; see :mod:`.residual`."""
+    if _use_triton(x, backend):
+        from verl_quads.nvfp4 import triton_kernels
+
+        return triton_kernels.residual_fake_quantize(
+            x, ratio, global_scale, per_token=per_token, check_finite=check_finite
+        )
+    r = _residual_quantize_ref(x, ratio, global_scale, per_token=per_token, check_finite=check_finite)
+    return r.dequantize(x.dtype)
+
+
+def quantize_guided(
+    x: torch.Tensor, guidance: GuidanceRecord, *, backend: str = "auto", check_finite: bool = True
+) -> NVFP4Tensor:
+    """TRACE: quantize ``x`` under a rollout's guidance record; see :mod:`.guidance`."""
+    if _use_triton(x, backend):
+        from verl_quads.nvfp4 import triton_kernels
+
+        return triton_kernels.quantize_guided(x, guidance, check_finite=check_finite)
+    return _quantize_guided_ref(x, guidance, check_finite=check_finite)
+
+
+__all__ = [
+    "BACKENDS",
+    "BLOCK_SIZE",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "FP4_MAX",
+    "GuidanceRecord",
+    "NVFP4Tensor",
+    "ResidualNVFP4",
+    "dequantize",
+    "e2m1_table",
+    "extract_guidance",
+    "fake_quantize",
+    "fake_quantize_ste",
+    "from_compressed_tensors",
+    "from_modelopt",
+    "global_scale_from_amax",
+    "num_selected_blocks",
+    "pack_bits",
+    "pack_codes",
+    "quantize",
+    "quantize_guided",
+    "residual_fake_quantize",
+    "residual_quantize",
+    "swizzle_block_scale",
+    "to_compressed_tensors",
+    "to_modelopt",
+    "unpack_bits",
+    "unpack_codes",
+    "unswizzle_block_scale",
+    "validate_input",
+]

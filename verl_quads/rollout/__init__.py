@@ -1,0 +1,1 @@
+"""vLLM side: the ``quads_nvfp4`` quantization config and its linear / fused-MoE methods."""
