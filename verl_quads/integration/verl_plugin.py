@@ -1,0 +1,21 @@
+"""``verl.plugins`` entry point.
+
+verl 0.9.1 resolves every entry point of the group ``verl.plugins`` on ``import verl`` (it
+loads the object, it does not call it), so registration happens when this module is imported:
+:func:`load` runs at import time and is also exposed so the entry point can name it.
+"""
+
+from __future__ import annotations
+
+from verl_quads._plugin_errors import loud
+
+
+@loud("verl plugin (verl.plugins entry point)")
+def load() -> None:
+    """Register verl-quads with verl. Idempotent."""
+    # Registration of the CPU platform, config schema and engines is added by the
+    # CPU-runtime and trainer-side work; nothing is registered yet.
+    return None
+
+
+load()

@@ -1,0 +1,12 @@
+"""``vllm.general_plugins`` entry point: vLLM calls :func:`register` in every engine process."""
+
+from __future__ import annotations
+
+from verl_quads._plugin_errors import loud
+
+
+@loud("vLLM plugin (vllm.general_plugins entry point)")
+def register() -> None:
+    """Register the ``quads_nvfp4`` quantization config with vLLM. Idempotent."""
+    # The quantization config is added by the rollout-side work; nothing is registered yet.
+    return None
