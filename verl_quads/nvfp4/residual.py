@@ -49,10 +49,12 @@ class ResidualNVFP4:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``deq(first) + scatter(deq(second))`` in float32, cast to ``dtype`` (default x's)."""
-        out = dequantize_to_float32(self.first)
+        from verl_quads.nvfp4 import dequantize  # the backend dispatcher (triton for CUDA tensors)
+
+        out = dequantize(self.first, torch.float32)
         m, k = out.shape
         if self.block_idx.numel():
-            sec = dequantize_to_float32(self.second).unflatten(-1, (-1, BLOCK_SIZE))
+            sec = dequantize(self.second, torch.float32).unflatten(-1, (-1, BLOCK_SIZE))
             blocks = out.unflatten(-1, (-1, BLOCK_SIZE))
             idx = self.block_idx if self.block_idx.dim() == 2 else self.block_idx.expand(m, -1)
             blocks.scatter_add_(1, idx.unsqueeze(-1).expand(-1, -1, BLOCK_SIZE), sec)

@@ -1,0 +1,97 @@
+"""Triton kernels produce the reference's bytes (torch.equal). On CPU they run under
+TRITON_INTERPRET=1 (scripts/test.sh sets it) at small shapes; the same tests run on the H200 at
+realistic shapes via tests/gpu."""
+
+import os
+
+import pytest
+import torch
+
+import verl_quads.nvfp4 as nv
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it on CPU)",
+)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _x(shape, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=g) / torch.rand(*shape, generator=g).clamp(min=0.02)
+    x = x.reshape(-1, shape[-1])
+    x[:, 3] *= 50
+    x[: max(1, x.shape[0] // 4), 16:32] *= 1e-5  # scales in the E4M3 subnormal range
+    x[:, 32:48] = 0.0
+    x[0, 48:64] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * torch.tensor([1.0, -1.0]).repeat(8)
+    return x.reshape(shape).to(dtype).to(DEV)
+
+
+def _eq_q(a, b):
+    return torch.equal(a.packed, b.packed) and torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(5, 64), (3, 2, 96), (17, 256)])
+def test_quantize_dequantize_qdq_match_reference(dtype, shape):
+    x = _x(shape, dtype)
+    for gs in (None, nv.global_scale_from_amax(x.float().abs().amax(-1, keepdim=True))):
+        qt = nv.quantize(x, gs, backend="triton")
+        qr = nv.quantize(x, gs, backend="torch")
+        assert _eq_q(qt, qr) and torch.equal(qt.global_scale, qr.global_scale)
+        assert torch.equal(nv.dequantize(qr, dtype, backend="triton"), nv.dequantize(qr, dtype, backend="torch"))
+        assert torch.equal(nv.fake_quantize(x, gs, backend="triton"), nv.fake_quantize(x, gs, backend="torch"))
+
+
+def test_per_expert_global_scale():
+    w = _x((4, 8, 64), torch.bfloat16)
+    gs = nv.global_scale_from_amax(w.float().abs().amax(dim=(1, 2), keepdim=True))
+    assert _eq_q(nv.quantize(w, gs, backend="triton"), nv.quantize(w, gs, backend="torch"))
+
+
+def test_every_e4m3_scale_value_rounds_like_torch():
+    # block maxima sweeping all E4M3 magnitudes and the midpoints between them (ties included)
+    vals = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (vals[1:] + vals[:-1]) / 2
+    targets = torch.cat([vals, mids, mids * (1 + 1e-6), mids * (1 - 1e-6)])
+    targets = targets[: (targets.numel() // 4) * 4]
+    # with global scale 448*6/6 = 448, block max m gives scale value 448*m/6: choose m accordingly
+    x = torch.zeros(targets.numel(), 16)
+    x[:, 0] = targets * 6.0 / 448.0
+    x[:, 1] = 6.0 / 448.0 * 448.0 / 448.0  # keep some mass
+    x = x.to(DEV)
+    gs = torch.tensor(448.0)
+    assert _eq_q(nv.quantize(x, gs, backend="triton"), nv.quantize(x, gs, backend="torch"))
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+@pytest.mark.parametrize("ratio", [0.0, 0.25, 0.5, 1.0])
+def test_residual_matches_reference(ratio, per_token):
+    x = _x((24, 128), torch.bfloat16, seed=3)
+    for gs in (None, nv.global_scale_from_amax(x.float().abs().amax(-1, keepdim=True))):
+        rt = nv.residual_quantize(x, ratio, gs, per_token=per_token, backend="triton")
+        rr = nv.residual_quantize(x, ratio, gs, per_token=per_token, backend="torch")
+        assert torch.equal(rt.block_idx, rr.block_idx)
+        assert _eq_q(rt.first, rr.first) and _eq_q(rt.second, rr.second)
+        assert torch.equal(rt.second.global_scale, rr.second.global_scale)
+        assert torch.equal(
+            nv.residual_fake_quantize(x, ratio, gs, per_token=per_token, backend="triton"),
+            nv.residual_fake_quantize(x, ratio, gs, per_token=per_token, backend="torch"),
+        )
+
+
+def test_guided_matches_reference():
+    x = _x((12, 128), torch.bfloat16, seed=4)
+    gs = nv.global_scale_from_amax(x.float().abs().amax(-1, keepdim=True))
+    rec = nv.extract_guidance(nv.quantize(x, gs, backend="torch"))
+    noisy = (x.float() * (1 + 0.02 * torch.randn(x.shape, device=x.device))).to(x.dtype)
+    assert _eq_q(nv.quantize_guided(noisy, rec, backend="triton"), nv.quantize_guided(noisy, rec, backend="torch"))
+
+
+def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        nv.quantize(torch.zeros(2, 16), backend="triton")
