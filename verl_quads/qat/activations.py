@@ -1,0 +1,76 @@
+"""Activation (GEMM input) fake quantization for the W4A4 trainer modes.
+
+- ``rtn`` (``w4a4_qat``): per-token NVFP4 QDQ, round-to-nearest, global scale per row
+  ``global_scale_from_amax(amax(|row|))`` (``QuantConfig``: activations one scale per token),
+  straight-through gradient.
+- ``guided`` (``trace``): the same per-row quantization, but rounding follows the rollout's
+  :class:`~verl_quads.nvfp4.GuidanceRecord` (its block and global scales, its codeword choice) via
+  :func:`verl_quads.nvfp4.quantize_guided`; straight-through gradient. Rows the record does not
+  cover (padding, the one trailing position, see :mod:`.guidance`) are given their own
+  round-to-nearest guidance, so they quantize exactly as ``rtn``.
+
+Inputs are ``[..., K]`` in bf16/fp16/fp32, K % 16 == 0; outputs have the input's shape and dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verl_quads.nvfp4 import (
+    GuidanceRecord,
+    dequantize,
+    extract_guidance,
+    fake_quantize_ste,
+    global_scale_from_amax,
+    quantize,
+    quantize_guided,
+)
+
+
+def per_token_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """Encode scale per row: float32 ``[..., 1]``."""
+    return global_scale_from_amax(x.detach().abs().amax(dim=-1, keepdim=True).to(torch.float32))
+
+
+def qdq_rtn(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """Per-token round-to-nearest NVFP4 QDQ with STE."""
+    return fake_quantize_ste(x, per_token_global_scale(x), backend=backend)
+
+
+class _GuidedQDQ(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, record: GuidanceRecord, backend: str):  # type: ignore[override]
+        return dequantize(quantize_guided(x, record, backend=backend), x.dtype, backend=backend)
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        return grad, None, None
+
+
+def merged_record(
+    x: torch.Tensor,
+    parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    covered: torch.Tensor,
+    backend: str = "auto",
+) -> GuidanceRecord:
+    """One record for ``x`` ``[M, ..., K]``: the rollout's rows where ``covered`` (bool ``[M]``),
+    the round-to-nearest guidance of ``x`` itself elsewhere."""
+    bits, bscale, gscale = (p.to(x.device) for p in parts)
+    if not bool(covered.all()):
+        own = extract_guidance(quantize(x.detach(), per_token_global_scale(x), backend=backend))
+        c = covered.to(x.device)
+        shape = (-1,) + (1,) * (x.dim() - 1)
+        bits = torch.where(c.view(shape), bits, own.bits)
+        bscale = torch.where(c.view(shape), bscale.view(torch.uint8), own.block_scale.view(torch.uint8)).view(
+            torch.float8_e4m3fn
+        )
+        gscale = torch.where(c.view(shape), gscale, own.global_scale)
+    return GuidanceRecord(bits, bscale, gscale, x.shape)
+
+
+def qdq_guided(x: torch.Tensor, record: GuidanceRecord, backend: str = "auto") -> torch.Tensor:
+    """NVFP4 QDQ of ``x`` under ``record`` (shape must match), with STE."""
+    return _GuidedQDQ.apply(x, record, backend)
+
+
+__all__ = ["per_token_global_scale", "qdq_rtn", "merged_record", "qdq_guided"]

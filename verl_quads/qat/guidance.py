@@ -1,0 +1,223 @@
+"""TRACE guidance on the trainer side: the provider interface and the per-batch token map.
+
+Keying (DESIGN.md §1): one entry per ``(sequence uid, policy version, layer, GEMM)``:
+
+- ``uid``: the sequence's id (verl's ``non_tensor_batch["uid"]`` is per prompt; the rollout side
+  must use a per-sequence id, e.g. ``f"{uid}/{sample_index}"``); any string.
+- ``policy_version``: int, the trainer step whose weights the rollout ran. A record of another
+  version is stale and refused.
+- ``layer``: decoder-layer index (0-based, as in ``model.layers.<i>``).
+- ``gemm``: vLLM's GEMM name: ``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj`` (dense
+  MLP), ``experts.w13``, ``experts.w2`` (fused MoE).
+
+An entry holds a :class:`~verl_quads.nvfp4.GuidanceRecord` for the rows of that GEMM's input for
+that sequence, in token-position order, with a per-token global scale ``[T, 1]``:
+
+- linear GEMMs and ``experts.w13``: shape ``[T, K]`` (one row per token position; w13's input
+  is the token's hidden state, the same for all its experts).
+- ``experts.w2``: shape ``[T, top_k, I]`` (one row per (token, routing slot)), plus
+  ``expert_ids`` int64 ``[T, top_k]``: the experts the rollout routed to. The trainer requires the
+  same routing (e.g. router replay); any mismatch is an error.
+
+``T`` is the number of positions the rollout ran through the model for the sequence. Since the
+rollout never feeds the last sampled token, ``T`` may be the trainer's length ``n`` or ``n - 1``;
+the one uncovered last position (whose output enters no log-prob) is rounded to nearest. Any other
+length is an error. Padding rows are rounded to nearest (their outputs are masked).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from verl_quads.nvfp4 import GuidanceRecord
+
+GEMM_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts.w13", "experts.w2")
+
+
+class GuidanceError(RuntimeError):
+    """A TRACE guidance record is missing, stale or does not fit (never silently ignored)."""
+
+
+@dataclass(frozen=True)
+class GuidanceKey:
+    uid: str
+    policy_version: int
+    layer: int
+    gemm: str
+
+    def __str__(self) -> str:
+        return f"(uid={self.uid!r}, policy_version={self.policy_version}, layer={self.layer}, gemm={self.gemm!r})"
+
+
+@dataclass(frozen=True)
+class GuidanceEntry:
+    """What the rollout stored for one key: the record, and for ``experts.w2`` the routing."""
+
+    record: GuidanceRecord
+    expert_ids: torch.Tensor | None = None
+
+
+@runtime_checkable
+class GuidanceProvider(Protocol):
+    """Source of guidance entries. ``get`` raises :class:`GuidanceError` when it has none for
+    the key (missing) or only one of another policy version (stale)."""
+
+    def get(self, key: GuidanceKey) -> GuidanceEntry: ...
+
+
+class InMemoryGuidanceStore:
+    """A dict-backed :class:`GuidanceProvider` (what the rollout side fills; used in tests)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[str, int, str], tuple[int, GuidanceEntry]] = {}
+
+    def put(self, key: GuidanceKey, record: GuidanceRecord, expert_ids: torch.Tensor | None = None) -> None:
+        """Store (replacing any other version of the same uid/layer/GEMM)."""
+        if key.gemm not in GEMM_NAMES:
+            raise ValueError(f"guidance GEMM {key.gemm!r} unknown; allowed: {', '.join(GEMM_NAMES)}")
+        if (key.gemm == "experts.w2") != (expert_ids is not None):
+            raise ValueError(f"guidance {key}: expert_ids is required for experts.w2 and only for it")
+        self._entries[(key.uid, key.layer, key.gemm)] = (key.policy_version, GuidanceEntry(record, expert_ids))
+
+    def get(self, key: GuidanceKey) -> GuidanceEntry:
+        hit = self._entries.get((key.uid, key.layer, key.gemm))
+        if hit is None:
+            raise GuidanceError(f"TRACE: no guidance record for {key}")
+        version, entry = hit
+        if version != key.policy_version:
+            raise GuidanceError(
+                f"TRACE: stale guidance for {key}: the record is from policy version {version}, "
+                f"the trainer is at {key.policy_version}"
+            )
+        return entry
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+@dataclass
+class TraceBatch:
+    """Which sequence and position each token row of the current forward belongs to.
+
+    Attributes:
+        provider: where records come from.
+        policy_version: the trainer's current policy version.
+        uids: one id per sequence in the batch.
+        row_seq: int64 ``[N]``: for each flattened token row of the model input (``input_ids``
+            flattened in row-major order), the index into ``uids``, or -1 for padding.
+        row_pos: int64 ``[N]``: the row's position within its sequence (0-based).
+    """
+
+    provider: GuidanceProvider
+    policy_version: int
+    uids: list[str]
+    row_seq: torch.Tensor
+    row_pos: torch.Tensor
+    #: If set, guided layers do NOT read guidance: they round to nearest and store what they
+    #: chose here (under this batch's keys). For tests and diagnostics (a trainer-made record is
+    #: what a rollout with identical activations would store); never used in training.
+    record_into: "InMemoryGuidanceStore | None" = None
+
+    @classmethod
+    def padded(
+        cls, provider: GuidanceProvider, policy_version: int, uids: list[str], attention_mask: torch.Tensor
+    ) -> "TraceBatch":
+        """Padded batch ``[B, S]``: row ``b`` is sequence ``uids[b]``; its valid tokens (mask 1, any
+        left/right padding) are positions 0, 1, ... in order."""
+        if attention_mask.dim() != 2 or attention_mask.shape[0] != len(uids):
+            raise ValueError(f"TraceBatch.padded: attention_mask {tuple(attention_mask.shape)} vs {len(uids)} uids")
+        m = attention_mask.bool()
+        pos = torch.cumsum(m.long(), dim=1) - 1
+        seq = torch.arange(len(uids)).unsqueeze(1).expand_as(m)
+        return cls(provider, policy_version, list(uids), torch.where(m, seq, -1).flatten(), torch.where(m, pos, -1).flatten())
+
+    @classmethod
+    def packed(cls, provider: GuidanceProvider, policy_version: int, uids: list[str], seq_lens: list[int], total_rows: int | None = None) -> "TraceBatch":
+        """Packed (remove-padding) batch ``[1, sum(seq_lens)]``; trailing rows up to ``total_rows`` are padding."""
+        seq = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(seq_lens)])
+        pos = torch.cat([torch.arange(n) for n in seq_lens])
+        pad = (total_rows or len(seq)) - len(seq)
+        if pad < 0:
+            raise ValueError(f"TraceBatch.packed: total_rows={total_rows} < sum(seq_lens)={len(seq)}")
+        return cls(provider, policy_version, list(uids), torch.cat([seq, torch.full((pad,), -1)]), torch.cat([pos, torch.full((pad,), -1)]))
+
+    def store(self, layer: int, gemm: str, record: GuidanceRecord, expert_ids: torch.Tensor | None = None) -> None:
+        """Split a record over all token rows ``[N, ..., K]`` per sequence into ``record_into``."""
+        if self.record_into is None:
+            raise RuntimeError("TraceBatch.store: record_into is not set")
+        for i, uid in enumerate(self.uids):
+            rows = torch.nonzero(self.row_seq == i).flatten()
+            rows = rows[torch.argsort(self.row_pos[rows])]
+            dev = record.bits.device
+            r = rows.to(dev)
+            rec = GuidanceRecord(
+                record.bits[r], record.block_scale[r], record.global_scale[r], torch.Size((len(rows), *record.shape[1:]))
+            )
+            eids = None if expert_ids is None else expert_ids[rows.to(expert_ids.device)]
+            self.record_into.put(GuidanceKey(uid, self.policy_version, layer, gemm), rec, eids)
+
+    def seq_lengths(self) -> torch.Tensor:
+        valid = self.row_seq >= 0
+        return torch.bincount(self.row_seq[valid], minlength=len(self.uids))
+
+    def gather(self, layer: int, gemm: str, rows_shape: tuple[int, ...], k: int) -> tuple[GuidanceRecord, torch.Tensor, torch.Tensor | None]:
+        """Assemble, for the current forward, one record over all token rows of a GEMM input.
+
+        Returns ``(parts, covered, expert_ids)`` where ``parts`` is a GuidanceRecord-like tuple of
+        tensors laid out over ``[N, *rows_shape[1:], K]`` (``bits``, ``block_scale``, ``global_scale``)
+        with zeros where not covered, ``covered`` bool ``[N]`` and ``expert_ids`` ``[N, top_k]`` or None.
+        """
+        n_rows = self.row_seq.numel()
+        if rows_shape[0] != n_rows:
+            raise GuidanceError(
+                f"TRACE: layer {layer} {gemm}: the GEMM input has {rows_shape[0]} token rows but the TraceBatch "
+                f"maps {n_rows}; the TraceBatch does not describe this forward"
+            )
+        inner = tuple(rows_shape[1:])
+        lengths = self.seq_lengths().tolist()
+        bits = torch.zeros((n_rows, *inner, k // 8), dtype=torch.uint8)
+        bscale = torch.zeros((n_rows, *inner, k // 16), dtype=torch.float8_e4m3fn)
+        gscale = torch.ones((n_rows, *inner, 1), dtype=torch.float32)
+        covered = torch.zeros(n_rows, dtype=torch.bool)
+        eids = None
+        for i, uid in enumerate(self.uids):
+            key = GuidanceKey(uid, self.policy_version, layer, gemm)
+            entry = self.provider.get(key)
+            rec = entry.record
+            n = lengths[i]
+            t = rec.shape[0] if len(rec.shape) else 0
+            want = (t,) + inner + (k,)
+            if tuple(rec.shape) != want or t not in (n, n - 1) or tuple(rec.global_scale.shape) != (t,) + inner + (1,):
+                raise GuidanceError(
+                    f"TRACE: guidance for {key} has shape {tuple(rec.shape)} (global scale "
+                    f"{tuple(rec.global_scale.shape)}); the trainer needs [T, {', '.join(map(str, inner + (k,)))}] with "
+                    f"T in ({n}, {n - 1}) for this sequence of {n} tokens and a per-token global scale [T, ..., 1]"
+                )
+            rows = torch.nonzero((self.row_seq == i) & (self.row_pos < t)).flatten()
+            pos = self.row_pos[rows]
+            bits[rows] = rec.bits[pos].cpu()
+            bscale[rows] = rec.block_scale[pos].cpu()
+            gscale[rows] = rec.global_scale[pos].cpu()
+            covered[rows] = True
+            if entry.expert_ids is not None:
+                if eids is None:
+                    eids = torch.full((n_rows, entry.expert_ids.shape[-1]), -1, dtype=torch.long)
+                eids[rows] = entry.expert_ids[pos].cpu().long()
+        return (bits, bscale, gscale), covered, eids
+
+
+__all__ = [
+    "GEMM_NAMES",
+    "GuidanceError",
+    "GuidanceKey",
+    "GuidanceEntry",
+    "GuidanceProvider",
+    "InMemoryGuidanceStore",
+    "TraceBatch",
+]

@@ -1,0 +1,351 @@
+"""Make a Hugging Face causal LM quantization-aware without touching its parameters.
+
+:func:`apply_qat` swaps the class of each quantized module for a subclass whose ``forward``
+uses NVFP4-QDQ weights (and, in W4A4 modes, QDQ GEMM inputs). Parameters, their names,
+``state_dict`` and the optimizer are unchanged, so FSDP2 (``fully_shard``, which swaps classes the
+same way and composes with ours in either order), optimizers and checkpoints see the stock model.
+The QDQ runs inside ``forward``, after FSDP2's pre-forward all-gather, so it sees the full
+unsharded weight.
+
+Quantized modules (everything else is untouched):
+
+- every ``nn.Linear`` whose name ``QuantConfig.is_ignored`` does not match;
+- every fused-experts module (direct 3-D parameters named ``gate_up_proj``/``up_proj``/
+  ``down_proj``, transformers 5 ``@use_experts_implementation`` classes) not ignored.
+
+Per-layer activation handling (``act``): ``none`` (w4a16), ``rtn`` (w4a4_qat) or ``guided`` (trace,
+for decoder layers ``>= num_layers - guided_layers``; other layers follow ``trace_base_mode``).
+
+Fused experts: with ``act == none`` the model's own experts forward runs (whatever
+``experts_implementation`` the model uses) with the QDQ weights substituted for the duration of
+the call; W4A4 modes run :meth:`_QATExperts._a4_forward`, a per-expert loop that QDQs the w13 input
+(per token) and the w2 input (per (token, expert) row).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verl_quads.config import QuantConfig
+from verl_quads.nvfp4 import extract_guidance, quantize
+from verl_quads.qat.activations import merged_record, per_token_global_scale, qdq_guided, qdq_rtn
+from verl_quads.qat.guidance import GuidanceError, TraceBatch
+from verl_quads.qat.weights import (
+    EXPERT_PARAMS,
+    FUSED_GROUPS,
+    check_unsharded,
+    linear_global_scale,
+    qdq_expert_weight,
+    qdq_linear_weight,
+)
+
+_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
+
+
+@dataclass
+class QATState:
+    """Shared by all QAT modules of one model (held as ``model._verl_quads_qat``)."""
+
+    config: QuantConfig
+    num_layers: int  # decoder layers (trace mode; -1 otherwise)
+    backend: str = "torch"
+    trace: TraceBatch | None = None
+    #: fully-qualified name -> (kind, gemm, layer, act) of every quantized module.
+    modules: dict[str, tuple[str, str, int | None, str]] = field(default_factory=dict)
+    original_classes: dict[str, type] = field(default_factory=dict)
+
+    def require_trace(self, name: str) -> TraceBatch:
+        if self.trace is None:
+            raise GuidanceError(
+                f"TRACE: {name} is a guided layer but no TraceBatch is active; run forward (and backward, "
+                "if activations are recomputed) inside verl_quads.qat.trace_context(model, batch)"
+            )
+        return self.trace
+
+
+def _own_guidance(x: torch.Tensor, backend: str):
+    return extract_guidance(quantize(x.detach(), per_token_global_scale(x), backend=backend))
+
+
+def _guided_input(state: QATState, name: str, layer: int, gemm: str, x: torch.Tensor) -> torch.Tensor:
+    """Guided QDQ of a token-rows input ``[..., K]`` (leading dims = the model's token rows)."""
+    tb = state.require_trace(name)
+    flat = x.reshape(-1, x.shape[-1])
+    if tb.record_into is not None:
+        tb.store(layer, gemm, _own_guidance(flat, state.backend))
+        return qdq_rtn(x, state.backend)
+    parts, covered, _ = tb.gather(layer, gemm, tuple(flat.shape[:-1]), flat.shape[-1])
+    rec = merged_record(flat, parts, covered, state.backend)
+    return qdq_guided(flat, rec, state.backend).reshape(x.shape)
+
+
+class _QATLinear:
+    """Mixin placed before ``nn.Linear`` (or a subclass of it)."""
+
+    _qat_state: QATState
+    _qat_name: str
+    _qat_gemm: str
+    _qat_layer: int | None
+    _qat_act: str
+    _qat_group: list
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        st = self._qat_state
+        for m in self._qat_group:
+            check_unsharded(m.weight, f"{m._qat_name}.weight")
+        gs = linear_global_scale([m.weight for m in self._qat_group])
+        w = qdq_linear_weight(self.weight, gs, st.backend)
+        if self._qat_act == "rtn":
+            x = qdq_rtn(x, st.backend)
+        elif self._qat_act == "guided":
+            x = _guided_input(st, self._qat_name, self._qat_layer, self._qat_gemm, x)
+        return F.linear(x, w, self.bias)
+
+
+class _QATExperts:
+    """Mixin placed before a transformers-5 fused-experts class."""
+
+    _qat_state: QATState
+    _qat_name: str
+    _qat_layer: int | None
+    _qat_act: str
+    _qat_params: tuple[str, ...]
+
+    def _qdq_weights(self) -> dict[str, torch.Tensor]:
+        transposed = bool(getattr(self, "is_transposed", False))
+        out = {}
+        for p in self._qat_params:
+            w = self._parameters[p]
+            check_unsharded(w, f"{self._qat_name}.{p}")
+            out[p] = qdq_expert_weight(w, transposed, self._qat_state.backend)
+        return out
+
+    def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):  # type: ignore[override]
+        qw = self._qdq_weights()
+        if self._qat_act == "none":
+            saved = {p: self._parameters[p] for p in qw}
+            try:
+                self._parameters.update(qw)  # plain tensors for the duration of the call
+                return super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+            finally:
+                self._parameters.update(saved)
+        if args or kwargs:
+            raise TypeError(f"verl-quads QAT: {self._qat_name}: unexpected extra experts arguments {args} {list(kwargs)}")
+        return self._a4_forward(qw, hidden_states, top_k_index, top_k_weights)
+
+    def _a4_forward(self, qw, hidden_states, top_k_index, top_k_weights):
+        """Per-expert loop with QDQ GEMM inputs. hidden_states ``[T, H]``, top_k_index/weights ``[T, k]``."""
+        st = self._qat_state
+        if "gate_up_proj" not in qw or not getattr(self, "has_gate", True):
+            raise NotImplementedError(f"verl-quads QAT: {self._qat_name}: W4A4 modes need gate_up_proj experts")
+        transposed = bool(getattr(self, "is_transposed", False))
+        has_bias = bool(getattr(self, "has_bias", False))
+        w13, w2 = qw["gate_up_proj"], qw["down_proj"]
+        n_exp = w13.shape[0]
+        recording = None
+        if self._qat_act == "rtn":
+            x = qdq_rtn(hidden_states, st.backend)
+            w2_rec = None
+        elif st.require_trace(self._qat_name).record_into is not None:
+            x = _guided_input(st, self._qat_name, self._qat_layer, "experts.w13", hidden_states)
+            w2_rec = None
+            recording = torch.zeros(
+                (*top_k_index.shape, (w2.shape[-2] if transposed else w2.shape[-1])), dtype=hidden_states.dtype,
+                device=hidden_states.device,
+            )
+        else:
+            x = _guided_input(st, self._qat_name, self._qat_layer, "experts.w13", hidden_states)
+            tb = st.require_trace(self._qat_name)
+            inner = (top_k_index.shape[1], w2.shape[-1] if not transposed else w2.shape[-2])
+            parts, covered, eids = tb.gather(self._qat_layer, "experts.w2", (hidden_states.shape[0],) + inner[:1], inner[1])
+            cov = covered.to(top_k_index.device)
+            if eids is None or not torch.equal(eids.to(top_k_index.device)[cov], top_k_index[cov].long()):
+                n_bad = -1 if eids is None else int((eids.to(top_k_index.device)[cov] != top_k_index[cov]).any(-1).sum())
+                raise GuidanceError(
+                    f"TRACE: layer {self._qat_layer} experts.w2: the trainer's routing differs from the rollout's on "
+                    f"{n_bad} token(s); guided rounding of the expert inputs needs identical routing (router replay)"
+                )
+            w2_rec = (parts, covered)
+        out = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            hit = torch.unique(top_k_index[(top_k_index >= 0) & (top_k_index < n_exp)]).tolist()
+        for e in hit:
+            tok, slot = torch.where(top_k_index == e)
+            we13 = w13[e].transpose(0, 1) if transposed else w13[e]
+            h = F.linear(x[tok], we13, self.gate_up_proj_bias[e] if has_bias else None)
+            h = self._apply_gate(h)
+            if recording is not None:
+                recording[tok, slot] = h.detach()
+                h = qdq_rtn(h, st.backend)
+            elif w2_rec is None:
+                h = qdq_rtn(h, st.backend)
+            else:
+                (bits, bsc, gsc), covered = w2_rec
+                ct, cs = tok.cpu(), slot.cpu()
+                rec = merged_record(h, (bits[ct, cs], bsc[ct, cs], gsc[ct, cs]), covered[ct], st.backend)
+                h = qdq_guided(h, rec, st.backend)
+            we2 = w2[e].transpose(0, 1) if transposed else w2[e]
+            y = F.linear(h, we2, self.down_proj_bias[e] if has_bias else None)
+            y = y * top_k_weights[tok, slot, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        if recording is not None:
+            # Rows of unrouted (token, slot) pairs stay zero; they are never read back.
+            st.trace.store(self._qat_layer, "experts.w2", _own_guidance(recording, st.backend), top_k_index.detach())
+        return out
+
+
+_CLASS_CACHE: dict[tuple[type, type], type] = {}
+
+
+def _swap_class(module: nn.Module, mixin: type) -> None:
+    base = type(module)
+    key = (mixin, base)
+    if key not in _CLASS_CACHE:
+        _CLASS_CACHE[key] = type(f"QAT{base.__name__}", (mixin, base), {})
+    module.__class__ = _CLASS_CACHE[key]
+
+
+def _num_layers(model: nn.Module) -> int:
+    cfg = getattr(model, "config", None)
+    for c in (cfg, getattr(cfg, "text_config", None)):
+        n = getattr(c, "num_hidden_layers", None)
+        if isinstance(n, int):
+            return n
+    idx = [int(m.group(1)) for name, _ in model.named_modules() if (m := _LAYER_RE.search(name))]
+    if not idx:
+        raise ValueError("verl-quads QAT: cannot find the number of decoder layers (no config.num_hidden_layers)")
+    return max(idx) + 1
+
+
+def _layer_of(name: str) -> int | None:
+    found = _LAYER_RE.findall(name)
+    return int(found[-1]) if found else None
+
+
+def _expert_params(module: nn.Module) -> tuple[str, ...]:
+    return tuple(n for n, p in module.named_parameters(recurse=False) if p is not None and p.dim() == 3)
+
+
+def apply_qat(model: nn.Module, config: QuantConfig | str, *, backend: str | None = None) -> QATState | None:
+    """Make ``model`` quantization-aware in place for ``config.trainer_mode``.
+
+    ``config``: a :class:`QuantConfig` or a ``quant`` mode string. ``backend``: NVFP4 backend for
+    the QDQ (default: ``config.backend``, ``auto`` = triton on CUDA, torch on CPU). Returns the
+    :class:`QATState` (also at ``model._verl_quads_qat``), or None for trainer mode ``none`` (the
+    model is left exactly as it was). Raises if the model is already QAT-enabled, or if a
+    module has 3-D parameters that are not fused experts verl-quads knows.
+    """
+    if isinstance(config, str):
+        config = QuantConfig(quant=config)
+    if getattr(model, "_verl_quads_qat", None) is not None:
+        raise RuntimeError("verl-quads QAT: apply_qat was already applied to this model")
+    mode = config.trainer_mode
+    if mode == "none":
+        return None
+    be = backend or config.backend
+    num_layers = _num_layers(model) if mode == "trace" else -1
+    state = QATState(config=config, num_layers=num_layers, backend="auto" if be == "native" else be)
+    first_guided = state.num_layers - config.guided_layers
+
+    def act_for(layer: int | None) -> str:
+        if mode == "w4a16":
+            return "none"
+        if mode == "w4a4_qat":
+            return "rtn"
+        if layer is not None and layer >= first_guided:
+            return "guided"
+        return "rtn" if config.trace_base_mode == "w4a4_qat" else "none"
+
+    names = {m: n for n, m in model.named_modules()}
+    todo: list[tuple[str, nn.Module, str]] = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, _QATLinear) or isinstance(mod, _QATExperts):
+            raise RuntimeError(f"verl-quads QAT: {name} is already QAT-enabled")
+        if config.is_ignored(name):
+            continue
+        if isinstance(mod, nn.Linear):
+            todo.append((name, mod, "linear"))
+            continue
+        three_d = _expert_params(mod)
+        if three_d:
+            unknown = [p for p in three_d if p not in EXPERT_PARAMS]
+            if unknown:
+                raise ValueError(
+                    f"verl-quads QAT: {name} ({type(mod).__name__}) has 3-D parameters {unknown} that are not fused "
+                    f"experts verl-quads knows ({', '.join(EXPERT_PARAMS)}); add its name to "
+                    "actor_rollout_ref.actor.quant_config.ignore to keep it BF16"
+                )
+            todo.append((name, mod, "experts"))
+
+    for name, mod, kind in todo:
+        layer = _layer_of(name)
+        act = act_for(layer)
+        if kind == "linear":
+            leaf = name.rsplit(".", 1)[-1]
+            parent_name = name.rsplit(".", 1)[0] if "." in name else ""
+            parent = model.get_submodule(parent_name) if parent_name else model
+            group, gemm = [mod], leaf
+            for members, fused in FUSED_GROUPS.items():
+                if leaf in members:
+                    gemm = fused
+                    group = [
+                        getattr(parent, s)
+                        for s in members
+                        if isinstance(getattr(parent, s, None), nn.Linear) and not config.is_ignored(f"{parent_name}.{s}")
+                    ]
+            if act == "guided" and gemm not in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                raise ValueError(f"verl-quads QAT: {name}: no TRACE guidance GEMM name for linear {leaf!r}")
+            state.original_classes[name] = type(mod)
+            _swap_class(mod, _QATLinear)
+            mod._qat_state, mod._qat_name, mod._qat_gemm, mod._qat_layer, mod._qat_act = state, name, gemm, layer, act
+            mod._qat_group = group
+            state.modules[name] = ("linear", gemm, layer, act)
+        else:
+            state.original_classes[name] = type(mod)
+            _swap_class(mod, _QATExperts)
+            mod._qat_state, mod._qat_name, mod._qat_layer, mod._qat_act = state, name, layer, act
+            mod._qat_params = tuple(p for p in _expert_params(mod))
+            state.modules[name] = ("experts", "experts", layer, act)
+    del names
+    model._verl_quads_qat = state
+    return state
+
+
+def remove_qat(model: nn.Module) -> None:
+    """Undo :func:`apply_qat` (restores the original classes)."""
+    state = getattr(model, "_verl_quads_qat", None)
+    if state is None:
+        return
+    for name, cls in state.original_classes.items():
+        mod = model.get_submodule(name)
+        base = type(mod)
+        # FSDP2 may have wrapped our class in its own; restore the class below ours.
+        if issubclass(base, (_QATLinear, _QATExperts)) and base.__mro__[1] in (_QATLinear, _QATExperts):
+            mod.__class__ = cls
+        else:
+            raise RuntimeError(f"verl-quads QAT: cannot remove QAT from {name} ({base.__name__}): class changed since")
+        for a in ("_qat_state", "_qat_name", "_qat_gemm", "_qat_layer", "_qat_act", "_qat_group", "_qat_params"):
+            mod.__dict__.pop(a, None)
+    del model._verl_quads_qat
+
+
+@contextlib.contextmanager
+def trace_context(model: nn.Module, batch: TraceBatch):
+    """Activate ``batch`` for the TRACE-guided layers of ``model`` (forward and any recompute)."""
+    state = getattr(model, "_verl_quads_qat", None)
+    if state is None:
+        raise RuntimeError("verl-quads QAT: trace_context on a model without apply_qat")
+    prev, state.trace = state.trace, batch
+    try:
+        yield batch
+    finally:
+        state.trace = prev
+
+
+__all__ = ["QATState", "apply_qat", "remove_qat", "trace_context"]
