@@ -8,5 +8,6 @@ from verl_quads._plugin_errors import loud
 @loud("vLLM plugin (vllm.general_plugins entry point)")
 def register() -> None:
     """Register the ``quads_nvfp4`` quantization config with vLLM. Idempotent."""
-    # The quantization config is added by the rollout-side work; nothing is registered yet.
-    return None
+    from verl_quads.rollout.quant_config import register_quant_config
+
+    register_quant_config()

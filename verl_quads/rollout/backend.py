@@ -1,0 +1,78 @@
+"""Which kernel backend the rollout runs, decided once per engine from the device.
+
+=========  ==========================================  ===============================
+backend    runs on                                     status
+=========  ==========================================  ===============================
+torch      anywhere (vLLM CPU included)                reference emulation, tested
+triton     CUDA GPUs without FP4 tensor cores (Hopper)  not implemented yet: clear error
+native     sm_100+ (Blackwell) with vLLM's FP4 ops      not implemented yet: clear error
+=========  ==========================================  ===============================
+
+``auto`` picks torch on CPU, native on sm_100+, triton on other CUDA GPUs. A backend that cannot
+run on this device (or is not implemented) raises :class:`BackendUnavailableError` at engine
+start; nothing silently falls back to a slower or different path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROLLOUT_BACKENDS = ("torch", "triton", "native")
+
+
+class BackendUnavailableError(RuntimeError):
+    """The requested backend cannot run on this device/build."""
+
+
+def _cuda_capability() -> tuple[int, int] | None:
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability()
+
+
+def resolve_backend(requested: str, *, device_type: str | None = None) -> str:
+    """Return the concrete backend for ``requested`` (``auto``/``torch``/``triton``/``native``).
+
+    ``device_type``: vLLM's platform device type (``"cpu"``, ``"cuda"``, ...); defaults to vLLM's
+    ``current_platform.device_type`` when vLLM is importable, else ``"cuda"`` if a GPU is visible.
+    Raises :class:`BackendUnavailableError` for a combination that cannot run.
+    """
+    if device_type is None:
+        try:
+            from vllm.platforms import current_platform
+
+            device_type = current_platform.device_type
+        except Exception:  # pragma: no cover - vLLM always present where this runs
+            device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    cap = _cuda_capability() if device_type == "cuda" else None
+    if requested == "auto":
+        if device_type != "cuda":
+            backend = "torch"
+        elif cap is not None and cap[0] >= 10:
+            backend = "native"
+        else:
+            backend = "triton"
+    else:
+        backend = requested
+    if backend not in ROLLOUT_BACKENDS:
+        raise BackendUnavailableError(f"quads_nvfp4: unknown backend {requested!r}; allowed: auto, torch, triton, native")
+    if backend == "torch":
+        return backend
+    cap_s = f"sm_{cap[0]}{cap[1]}" if cap else "an unknown GPU"
+    hint = "Set quant_config.backend='torch' to run the (slow) reference emulation explicitly."
+    if device_type != "cuda":
+        raise BackendUnavailableError(
+            f"quads_nvfp4: backend {backend!r} needs a CUDA GPU, but vLLM runs on {device_type!r}. {hint}"
+        )
+    if backend == "native" and (cap is None or cap[0] < 10):
+        raise BackendUnavailableError(
+            f"quads_nvfp4: backend 'native' needs FP4 tensor cores (sm_100+), this GPU is {cap_s}. "
+            f"Use backend='triton' on Hopper. {hint}"
+        )
+    raise BackendUnavailableError(
+        f"quads_nvfp4: backend {backend!r} (for {cap_s}) is not implemented in this "
+        f"verl-quads version yet. {hint}"
+    )
+
+
+__all__ = ["ROLLOUT_BACKENDS", "BackendUnavailableError", "resolve_backend"]

@@ -1,0 +1,125 @@
+"""The ``torch`` backend: NVFP4 GEMMs emulated with the shared NVFP4 core, then plain matmuls.
+
+Every quantization goes through :mod:`verl_quads.nvfp4` (the same code the trainer calls), so the
+rollout's codes and scales are the trainer's bit for bit. What this module defines is only the
+arithmetic around them, modelled on an FP4 tensor-core GEMM (exact FP4 x FP4 products, float32
+accumulation, one rounding to the output dtype):
+
+- weights: NVFP4 (uint8 codes + E4M3 block scales + float32 global scale(s)), dequantized to
+  float32 (exact: one product per element);
+- activations of the W4A4 modes: one float32 global scale per token (row), ``448 * 6 /
+  amax(|row|)``, block scales and codes from :func:`verl_quads.nvfp4.quantize`; dequantized to
+  float32 (exact). ``w4a16`` keeps the activation as is (upcast to float32, exact);
+- GEMM: ``x_f32 @ w_f32.T`` in float32, bias added in float32, one cast to the input dtype.
+
+Modes (rollout vocabulary of :class:`verl_quads.config.QuantConfig`): ``w4a16``, ``naive``
+(W4A4, round-to-nearest-even activations), ``quads`` (W4A4 + residual compensation:
+``Q(x) + Q(R_sel)``, :func:`verl_quads.nvfp4.residual_quantize`), ``trace`` (``naive`` arithmetic;
+the activation's :class:`~verl_quads.nvfp4.GuidanceRecord` is returned for capture).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verl_quads import nvfp4
+from verl_quads.nvfp4 import GuidanceRecord, NVFP4Tensor
+
+W4A4_MODES = ("naive", "quads", "trace")
+RUNTIME_MODES = ("w4a16",) + W4A4_MODES
+
+
+@dataclass(frozen=True)
+class ActQuant:
+    """How activations are quantized in one GEMM call.
+
+    Attributes:
+        mode: one of :data:`RUNTIME_MODES`.
+        residual_ratio: QUADS fraction of 16-blocks compensated (``quads`` only).
+        residual_per_token: QUADS per-token instead of per-call block selection.
+        capture: ``trace`` only: also return the guidance record of the activation.
+    """
+
+    mode: str
+    residual_ratio: float = 0.5
+    residual_per_token: bool = False
+    capture: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in RUNTIME_MODES:
+            raise ValueError(f"quads_nvfp4: runtime mode must be one of {RUNTIME_MODES}, got {self.mode!r}")
+
+
+def per_token_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """float32 ``[M, 1]`` encode scales ``448 * 6 / amax(|x[m]|)`` of a 2-D activation (1.0 for a zero row)."""
+    return nvfp4.global_scale_from_amax(x.abs().amax(dim=-1, keepdim=True).to(torch.float32))
+
+
+def quantize_activation(x: torch.Tensor, q: ActQuant) -> tuple[torch.Tensor, GuidanceRecord | None]:
+    """Activation operand of one GEMM, float32 ``[M, K]``, and its guidance record (trace only).
+
+    ``x``: 2-D ``[M, K]`` (bf16/fp16/fp32, K % 16 == 0 for the W4A4 modes). ``w4a16`` returns
+    ``x`` upcast to float32. Non-finite activations are not checked here (hot path).
+    """
+    if q.mode == "w4a16":
+        return x.to(torch.float32), None
+    if x.shape[0] == 0:
+        return x.to(torch.float32), None
+    gs = per_token_global_scale(x)
+    if q.mode == "quads":
+        r = nvfp4.residual_quantize(
+            x, q.residual_ratio, gs, per_token=q.residual_per_token, backend="torch", check_finite=False
+        )
+        return r.dequantize(torch.float32), None
+    xq = nvfp4.quantize(x, gs, backend="torch", check_finite=False)
+    record = nvfp4.extract_guidance(xq) if (q.mode == "trace" and q.capture) else None
+    return nvfp4.dequantize(xq, torch.float32, backend="torch"), record
+
+
+def quantize_weight(w: torch.Tensor, reduce_dims: tuple[int, ...] | None = None) -> NVFP4Tensor:
+    """NVFP4 of a weight ``[..., N, K]``; one global scale over ``reduce_dims`` (default: all dims).
+
+    Linear layers pass None (one scale per tensor; a fused qkv/gate_up tensor thus shares one);
+    expert stacks ``[E, N, K]`` pass ``(1, 2)`` (one scale per expert, shape ``[E, 1, 1]``).
+    """
+    if reduce_dims is None:
+        amax = w.abs().amax().to(torch.float32)
+    else:
+        amax = w.abs().amax(dim=reduce_dims, keepdim=True).to(torch.float32)
+    return nvfp4.quantize(w, nvfp4.global_scale_from_amax(amax), backend="torch")
+
+
+def weight_f32(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """Dequantize held NVFP4 weight tensors to float32 ``[..., N, K]`` (exact).
+
+    ``packed`` uint8 ``[..., N, K/2]``, ``block_scale`` e4m3 ``[..., N, K/16]``, ``global_scale``
+    float32 0-d (per tensor) or ``[E]`` (per expert of an ``[E, N, K]`` stack).
+    """
+    gs = global_scale
+    if gs.dim() == 1:
+        gs = gs.view(-1, *([1] * (packed.dim() - 1)))
+    shape = torch.Size((*packed.shape[:-1], packed.shape[-1] * 2))
+    t = NVFP4Tensor(packed, block_scale, gs, shape, torch.bfloat16)
+    return nvfp4.dequantize(t, torch.float32, backend="torch")
+
+
+def gemm(x_f32: torch.Tensor, w_f32: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """``x_f32 @ w_f32.T (+ bias)`` in float32, one cast to ``out_dtype``."""
+    y = x_f32 @ w_f32.t()
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(out_dtype)
+
+
+__all__ = [
+    "W4A4_MODES",
+    "RUNTIME_MODES",
+    "ActQuant",
+    "per_token_global_scale",
+    "quantize_activation",
+    "quantize_weight",
+    "weight_f32",
+    "gemm",
+]

@@ -1,0 +1,110 @@
+"""``quads_nvfp4`` linear method (vLLM ``LinearMethodBase``) for the quantized linear layers.
+
+Parameters of a layer (names follow compressed-tensors' NVFP4 scheme so packed checkpoints and the
+weight sync map onto them directly):
+
+- load format (created in :meth:`create_weights`, read from an ordinary BF16 checkpoint):
+  ``weight``: params_dtype ``[N, K]`` (N = sum of the fused output partitions, e.g. q|k|v).
+- kernel format (created by :meth:`process_weights_after_loading`, which then deletes ``weight``):
+  ``weight_packed``: uint8 ``[N, K/2]`` (two E2M1 codes per byte, even element in the low nibble);
+  ``weight_scale``: float8_e4m3fn ``[N, K/16]`` (linear, un-swizzled layout);
+  ``weight_global_scale``: float32 0-d, the encode scale ``448*6/amax`` over the whole (fused)
+  tensor, so q/k/v and gate/up share one (``QuantConfig`` decision).
+
+These are ``nn.Parameter``s of fixed shape: a later ``process_weights_after_loading`` (vLLM's
+layerwise reload) writes into them with ``copy_``; their storage never moves (CUDA graphs stay valid).
+Nothing is repacked to oneDNN: this method owns the layer's forward.
+"""
+
+from __future__ import annotations
+
+import torch
+from vllm.model_executor.layers.linear import LinearMethodBase
+from vllm.model_executor.utils import set_weight_attrs
+
+from verl_quads.rollout import emulation
+from verl_quads.rollout.emulation import ActQuant
+
+KERNEL_PARAMS = ("weight_packed", "weight_scale", "weight_global_scale")
+
+
+def set_kernel_param(layer: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    """Write ``value`` into parameter ``name``: in place if it exists with that shape/dtype, else register it."""
+    old = layer._parameters.get(name)
+    if old is not None and old.shape == value.shape and old.dtype == value.dtype and not old.is_meta:
+        old.data.copy_(value)
+        return
+    if old is not None:
+        delattr(layer, name)
+    layer.register_parameter(name, torch.nn.Parameter(value.contiguous(), requires_grad=False))
+
+
+class QuadsNVFP4LinearMethod(LinearMethodBase):
+    """NVFP4 weights, activations per ``act`` (see :mod:`verl_quads.rollout.emulation`).
+
+    Args:
+        act: activation quantization of this layer's GEMM.
+        backend: concrete backend (only ``torch`` is implemented).
+        capture_key: ``(layer index, gemm name)`` when this GEMM's guidance is captured (trace).
+    """
+
+    def __init__(self, act: ActQuant, backend: str = "torch", capture_key: tuple[int, str] | None = None):
+        super().__init__()
+        if backend != "torch":
+            raise NotImplementedError(f"quads_nvfp4 linear: backend {backend!r} is not implemented")
+        self.act = act
+        self.backend = backend
+        self.capture_key = capture_key
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ):
+        if input_size_per_partition % 16:
+            raise ValueError(
+                f"quads_nvfp4: {getattr(layer, 'prefix', type(layer).__name__)} has input size "
+                f"{input_size_per_partition} per partition, not a multiple of 16 (NVFP4 block); "
+                "add it to quant_config.ignore"
+            )
+        weight = torch.nn.Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
+        )
+        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
+        set_weight_attrs(weight, extra_weight_attrs)
+        layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        w = layer._parameters.get("weight")
+        if w is None:
+            # Already in kernel format (e.g. packed weights loaded straight into weight_packed).
+            missing = [n for n in KERNEL_PARAMS if n not in layer._parameters]
+            if missing:
+                raise RuntimeError(f"quads_nvfp4: layer has neither 'weight' nor {missing}")
+            return
+        q = emulation.quantize_weight(w.data)
+        set_kernel_param(layer, "weight_packed", q.packed)
+        set_kernel_param(layer, "weight_scale", q.block_scale)
+        set_kernel_param(layer, "weight_global_scale", q.global_scale.reshape(()))
+        delattr(layer, "weight")
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        w = emulation.weight_f32(layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
+        x2 = x.reshape(-1, x.shape[-1])
+        xf, record = emulation.quantize_activation(x2, self.act)
+        if record is not None and self.capture_key is not None:
+            from verl_quads.rollout.capture import get_store
+
+            get_store().add(*self.capture_key, record)
+        y = emulation.gemm(xf, w, bias, x.dtype)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+
+__all__ = ["KERNEL_PARAMS", "QuadsNVFP4LinearMethod", "set_kernel_param"]

@@ -1,0 +1,153 @@
+"""``quads_nvfp4`` routed-experts method (vLLM ``FusedMoEMethodBase``).
+
+Parameters of a ``RoutedExperts`` layer with E local experts, hidden H, expert intermediate I:
+
+- load format (from a BF16 checkpoint, through the layer's own ``weight_loader``):
+  ``w13_weight``: params_dtype ``[E, 2I, H]`` (gate rows then up rows), ``w2_weight``: ``[E, H, I]``.
+- kernel format (made by :meth:`process_weights_after_loading`, which deletes the BF16 ones):
+  ``w13_weight_packed`` uint8 ``[E, 2I, H/2]``, ``w13_weight_scale`` float8_e4m3fn ``[E, 2I, H/16]``,
+  ``w13_weight_global_scale`` float32 ``[E]`` (one per expert, gate and up share it);
+  ``w2_weight_packed`` uint8 ``[E, H, I/2]``, ``w2_weight_scale`` e4m3 ``[E, H, I/16]``,
+  ``w2_weight_global_scale`` float32 ``[E]``. Fixed shapes, rewritten in place on reload.
+
+Forward (torch backend; routing is done by vLLM's runner and passed in as ``topk_ids``/``topk_weights``):
+``x`` is quantized once (per-token global scales) for all experts; per active expert, GEMM1 in
+float32 -> cast to the input dtype; ``silu(gate) * up`` in float32 -> cast; the GEMM2 input is
+quantized (per token-slot row; ``quads``: residual block selection per expert call); GEMM2 in
+float32 -> cast; the router-weighted sum over the top-k slots in float32, one final cast.
+A per-expert Python loop: a reference, not a product path (the triton/native backends are grouped).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
+from vllm.model_executor.utils import set_weight_attrs
+
+from verl_quads.rollout import emulation
+from verl_quads.rollout.emulation import ActQuant
+from verl_quads.rollout.linear import set_kernel_param
+
+KERNEL_PARAMS = tuple(f"{w}_weight_{p}" for w in ("w13", "w2") for p in ("packed", "scale", "global_scale"))
+
+
+class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
+    """NVFP4 routed experts, activations per ``act``.
+
+    Args:
+        moe: vLLM's ``FusedMoEConfig`` of the layer.
+        act: activation quantization of both expert GEMMs.
+        backend: concrete backend (only ``torch`` is implemented).
+        capture_layer: decoder layer index when guidance is captured (trace), else None.
+    """
+
+    def __init__(self, moe, act: ActQuant, backend: str = "torch", capture_layer: int | None = None):
+        super().__init__(moe)
+        if backend != "torch":
+            raise NotImplementedError(f"quads_nvfp4 MoE: backend {backend!r} is not implemented")
+        if getattr(moe, "has_bias", False):
+            raise NotImplementedError("quads_nvfp4 MoE: expert biases are not supported")
+        act_name = getattr(getattr(moe, "activation", None), "value", None)
+        if act_name not in (None, "silu"):
+            raise NotImplementedError(f"quads_nvfp4 MoE: activation {act_name!r} not supported (only gated silu)")
+        self.act = act
+        self.backend = backend
+        self.capture_layer = capture_layer
+
+    def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra):
+        for name, dim in (("hidden", hidden_size), ("intermediate", intermediate_size_per_partition)):
+            if dim % 16:
+                raise ValueError(f"quads_nvfp4 MoE: {name} size {dim} is not a multiple of 16 (NVFP4 block)")
+        w13 = torch.nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size_per_partition, hidden_size, dtype=params_dtype),
+            requires_grad=False,
+        )
+        w2 = torch.nn.Parameter(
+            torch.empty(num_experts, hidden_size, intermediate_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
+        )
+        for name, p in (("w13_weight", w13), ("w2_weight", w2)):
+            layer.register_parameter(name, p)
+            set_weight_attrs(p, extra)
+
+    def get_fused_moe_quant_config(self, layer):
+        return None  # this method runs its own GEMMs; no vLLM modular kernel is built
+
+    def process_weights_after_loading(self, layer) -> None:
+        for stem in ("w13", "w2"):
+            w = layer._parameters.get(f"{stem}_weight")
+            if w is None:
+                missing = [n for n in KERNEL_PARAMS if n.startswith(stem) and n not in layer._parameters]
+                if missing:
+                    raise RuntimeError(f"quads_nvfp4 MoE: layer has neither {stem}_weight nor {missing}")
+                continue
+            q = emulation.quantize_weight(w.data, reduce_dims=(1, 2))
+            set_kernel_param(layer, f"{stem}_weight_packed", q.packed)
+            set_kernel_param(layer, f"{stem}_weight_scale", q.block_scale)
+            set_kernel_param(layer, f"{stem}_weight_global_scale", q.global_scale.reshape(-1))
+            delattr(layer, f"{stem}_weight")
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        return self.forward_reference(layer, x, topk_weights, topk_ids)
+
+    def forward_reference(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+        """Routed-experts output ``[T, H]`` in x's dtype (see module docstring for the arithmetic)."""
+        t, _ = x.shape
+        k = topk_ids.shape[1]
+        ids = topk_ids.to(torch.int64)
+        expert_map = getattr(layer, "expert_map", None)
+        if expert_map is not None:
+            ids = expert_map.to(x.device)[ids].to(torch.int64)
+        if getattr(layer, "apply_router_weight_on_input", False):
+            if k != 1:
+                raise NotImplementedError("apply_router_weight_on_input needs top_k == 1")
+            x = (x.to(torch.float32) * topk_weights.to(torch.float32)).to(x.dtype)
+            slot_weights = torch.ones_like(topk_weights, dtype=torch.float32)
+        else:
+            slot_weights = topk_weights.to(torch.float32)
+
+        xf, rec = emulation.quantize_activation(x, self.act)
+        if rec is not None and self.capture_layer is not None:
+            from verl_quads.rollout.capture import get_store
+
+            get_store().add(self.capture_layer, "mlp.experts.w13", rec)
+
+        inter = layer.w2_weight_packed.shape[-1] * 2
+        act_all = torch.zeros(t, k, inter, dtype=x.dtype, device=x.device)
+        experts = [int(e) for e in torch.unique(ids).tolist() if e >= 0]
+        rows = {}
+        for e in experts:
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            rows[e] = (tok, slot)
+            w13 = emulation.weight_f32(layer.w13_weight_packed[e], layer.w13_weight_scale[e], layer.w13_weight_global_scale[e])
+            h = emulation.gemm(xf[tok], w13, None, x.dtype)
+            a = (F.silu(h[:, :inter].to(torch.float32)) * h[:, inter:].to(torch.float32)).to(x.dtype)
+            act_all[tok, slot] = a
+
+        out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+        if self.act.mode == "quads":
+            a_f = {e: emulation.quantize_activation(act_all[tok, slot], self.act)[0] for e, (tok, slot) in rows.items()}
+        else:
+            flat_f, rec2 = emulation.quantize_activation(act_all.reshape(t * k, inter), self.act)
+            flat_f = flat_f.reshape(t, k, inter)
+            a_f = {e: flat_f[tok, slot] for e, (tok, slot) in rows.items()}
+            if rec2 is not None and self.capture_layer is not None:
+                from verl_quads.nvfp4 import GuidanceRecord
+                from verl_quads.rollout.capture import get_store
+
+                rec2 = GuidanceRecord(
+                    rec2.bits.reshape(t, k, -1),
+                    rec2.block_scale.reshape(t, k, -1),
+                    rec2.global_scale.reshape(t, k, 1),
+                    torch.Size((t, k, inter)),
+                )
+                get_store().add(self.capture_layer, "mlp.experts.w2", rec2, expert_ids=ids)
+        for e, (tok, slot) in rows.items():
+            w2 = emulation.weight_f32(layer.w2_weight_packed[e], layer.w2_weight_scale[e], layer.w2_weight_global_scale[e])
+            y = emulation.gemm(a_f[e], w2, None, x.dtype)
+            out.index_add_(0, tok, y.to(torch.float32) * slot_weights[tok, slot].unsqueeze(-1))
+        return out.to(x.dtype)
+
+
+__all__ = ["KERNEL_PARAMS", "QuadsNVFP4MoEMethod"]
