@@ -201,3 +201,254 @@ def test_each_mode_generates_with_logprobs(engines, ckpts, mode):
     gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
     assert len(gates) == LAYERS and all(isinstance(g.quant_method, UnquantizedLinearMethod) for g in gates)
     assert all(g.weight.dtype == torch.bfloat16 for g in gates if hasattr(g, "weight"))
+
+
+# ----------------------------------------------------------------------------- helpers: real activations
+def capture_activations(llm, prompts=PROMPTS):
+    """Run a generation and return the real GEMM inputs seen by every quantized layer.
+
+    Returns ``(lin, moe, records)``: ``lin`` {name: layer}, ``moe`` {name: layer}, ``records`` a list
+    of ``(kind, name, inputs, step)``, ``inputs`` = ``x`` (linear) or ``(x, topk_weights, topk_ids)``
+    (experts); ``step`` = (request ids per row, positions) of the runner step when TRACE capture is on.
+    """
+    model = model_of(llm)
+    lin, moe = quantized_layers(model)
+    records, handles = [], []
+
+    def step_info():
+        s = get_store()._current
+        if s is None:
+            return None
+        rows = [rid for i, rid in enumerate(s.req_ids) for _ in range(s.query_start_loc[i], s.query_start_loc[i + 1])]
+        return rows, s.positions.clone()
+
+    for name, layer in lin.items():
+        def pre(mod, args, name=name):
+            records.append(("linear", name, args[0].detach().clone(), step_info()))
+        handles.append(layer.register_forward_pre_hook(pre))
+    for name, layer in moe.items():
+        method = layer.quant_method
+        orig = method.apply
+
+        def apply(layer, x, topk_weights, topk_ids, *a, name=name, orig=orig, **k):
+            records.append(("moe", name, (x.detach().clone(), topk_weights.clone(), topk_ids.clone()), step_info()))
+            return orig(layer, x, topk_weights, topk_ids, *a, **k)
+        method.apply = apply
+    try:
+        generate(llm, prompts)
+    finally:
+        for h in handles:
+            h.remove()
+        for layer in moe.values():
+            del layer.quant_method.apply
+    return lin, moe, records
+
+
+def linear_bf16_weight(ck: dict, name: str) -> torch.Tensor:
+    """The checkpoint's BF16 weight of a vLLM linear layer (fused qkv rebuilt as q|k|v)."""
+    base = name.rsplit(".", 1)[0]
+    if name.endswith("qkv_proj"):
+        return torch.cat([ck[f"{base}.{p}.weight"] for p in ("q_proj", "k_proj", "v_proj")])
+    return ck[f"{name}.weight"]
+
+
+def expert_bf16_weights(ck: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 ``[E, 2I, H]`` (gate|up) and w2 ``[E, H, I]`` from the checkpoint's per-expert tensors."""
+    base = name[: name.index(".mlp.")] + ".mlp.experts"
+    w13 = torch.stack([torch.cat([ck[f"{base}.{e}.gate_proj.weight"], ck[f"{base}.{e}.up_proj.weight"]]) for e in range(EXPERTS)])
+    w2 = torch.stack([ck[f"{base}.{e}.down_proj.weight"] for e in range(EXPERTS)])
+    return w13, w2
+
+
+def qdq_f32(t: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
+    return nvfp4.dequantize(nvfp4.quantize(t, gs, backend="torch"), torch.float32, backend="torch")
+
+
+def act_operand(x: torch.Tensor, mode: str, ratio: float = 0.5) -> torch.Tensor:
+    """Reference activation operand (float32) written directly against verl_quads.nvfp4."""
+    if mode in ("w4a16", "bf16"):
+        return x.float()
+    gs = nvfp4.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
+    if mode == "quads":
+        return nvfp4.residual_quantize(x, ratio, gs, backend="torch").dequantize(torch.float32)
+    return qdq_f32(x, gs)
+
+
+def ref_linear(x, w_bf16, mode, ratio=0.5, quant_weight=True):
+    w = qdq_f32(w_bf16, nvfp4.global_scale_from_amax(w_bf16.abs().amax().float())) if quant_weight else w_bf16.float()
+    return act_operand(x, mode, ratio) @ w.t()
+
+
+def ref_experts(x, topk_w, topk_ids, w13_bf16, w2_bf16, mode, ratio=0.5, quant_weight=True):
+    """Routed experts, float32 result; mirrors the documented arithmetic (per-expert loop)."""
+    if quant_weight:
+        w13 = qdq_f32(w13_bf16, nvfp4.global_scale_from_amax(w13_bf16.abs().amax(dim=(1, 2), keepdim=True).float()))
+        w2 = qdq_f32(w2_bf16, nvfp4.global_scale_from_amax(w2_bf16.abs().amax(dim=(1, 2), keepdim=True).float()))
+    else:
+        w13, w2 = w13_bf16.float(), w2_bf16.float()
+    out_dtype = x.dtype
+    xa = act_operand(x, mode, ratio)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
+    ids = topk_ids.long()
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        h = (xa[tok] @ w13[e].t()).to(out_dtype)
+        a = (torch.nn.functional.silu(h[:, :INTER].float()) * h[:, INTER:].float()).to(out_dtype)
+        y = (act_operand(a, mode, ratio) @ w2[e].t()).to(out_dtype)
+        out.index_add_(0, tok, y.float() * topk_w[tok, slot].float().unsqueeze(-1))
+    return out
+
+
+def rel_err(y, ref):
+    return float((y.float() - ref.float()).norm() / ref.float().norm())
+
+
+# ----------------------------------------------------------------------------- 2. method == nvfp4 reference
+def test_methods_match_nvfp4_qdq_plus_plain_matmul(engines, ckpts):
+    from verl_quads.rollout.linear import QuadsNVFP4LinearMethod
+    from verl_quads.rollout.moe import QuadsNVFP4MoEMethod
+
+    llm = engines.get(ckpts[0], "naive")
+    lin, moe, records = capture_activations(llm)
+    ck = checkpoint_tensors(ckpts[0])
+    n_checked = 0
+    for mode in ("w4a16", "naive", "quads"):
+        for kind, name, inp, _ in records[:: max(1, len(records) // 24)]:
+            if kind == "linear":
+                layer = lin[name]
+                y = QuadsNVFP4LinearMethod(ActQuant(mode, 0.5)).apply(layer, inp)
+                ref = ref_linear(inp, linear_bf16_weight(ck, name), mode).to(inp.dtype)
+            else:
+                layer = moe[name]
+                x, tw, ti = inp
+                y = QuadsNVFP4MoEMethod(layer.moe_config, ActQuant(mode, 0.5)).apply(layer, x, tw, ti, None, None)
+                ref = ref_experts(x, tw, ti, *expert_bf16_weights(ck, name), mode).to(x.dtype)
+            # same fp32 products; only the summation order may differ -> at most bf16 rounding flips
+            torch.testing.assert_close(y, ref, rtol=2**-7, atol=1e-5, msg=f"{mode} {name}")
+            n_checked += 1
+    assert n_checked >= 3 * 8
+
+
+# ----------------------------------------------------------------------------- 3. per-layer error
+RATIOS = (0.25, 0.5, 0.75, 1.0)
+
+
+def test_per_layer_error_quads_below_naive_and_decreasing_in_ratio(engines, ckpts):
+    from verl_quads.rollout.linear import QuadsNVFP4LinearMethod
+    from verl_quads.rollout.moe import QuadsNVFP4MoEMethod
+
+    llm = engines.get(ckpts[0], "naive")
+    lin, moe, records = capture_activations(llm)
+    ck = checkpoint_tensors(ckpts[0])
+    # concatenate each layer's captured inputs (prefill + decode steps) into one batch per layer
+    by_layer: dict[str, list] = {}
+    for kind, name, inp, _ in records:
+        by_layer.setdefault(name, []).append(inp)
+    table = {}
+    for name, inps in by_layer.items():
+        if name in lin:
+            layer = lin[name]
+            x = torch.cat(inps)
+            ref = ref_linear(x, linear_bf16_weight(ck, name), "bf16", quant_weight=False)
+
+            def run(mode, ratio=0.5):
+                return QuadsNVFP4LinearMethod(ActQuant(mode, ratio)).apply(layer, x)
+        else:
+            layer = moe[name]
+            x = torch.cat([i[0] for i in inps])
+            tw = torch.cat([i[1] for i in inps])
+            ti = torch.cat([i[2] for i in inps])
+            ref = ref_experts(x, tw, ti, *expert_bf16_weights(ck, name), "bf16", quant_weight=False)
+
+            def run(mode, ratio=0.5):
+                return QuadsNVFP4MoEMethod(layer.moe_config, ActQuant(mode, ratio)).apply(layer, x, tw, ti, None, None)
+        row = {"tokens": x.shape[0], "w4a16": rel_err(run("w4a16"), ref), "naive": rel_err(run("naive"), ref)}
+        for r in RATIOS:
+            row[f"quads@{r}"] = rel_err(run("quads", r), ref)
+        table[name] = row
+    print("\n[per-layer relative output error vs BF16 (NVFP4 weights in all quantized modes)]")
+    for name, row in table.items():
+        print(f"  {name:45s} " + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
+    for name, row in table.items():
+        errs = [row[f"quads@{r}"] for r in RATIOS]
+        assert all(e < row["naive"] for e in errs), (name, row)
+        assert all(a > b for a, b in zip(errs, errs[1:])), (name, row)  # strictly decreasing in the ratio
+        assert row["w4a16"] <= errs[-1] * 1.5, (name, row)  # full compensation approaches weight-only error
+
+
+# ----------------------------------------------------------------------------- 4. TRACE guidance capture
+def test_trace_guidance_record_reproduces_rollout_codes(engines, ckpts):
+    llm = engines.get(ckpts[0], "trace")
+    get_store().clear()
+    lin, moe, records = capture_activations(llm)
+    guidance = llm.collective_rpc(fetch_guidance)[0]  # one worker; {internal request id: RequestGuidance}
+    assert get_store().request_ids() == []  # fetched = removed
+    assert len(guidance) == len(PROMPTS)
+    tok = llm.get_tokenizer()
+    prompt_lens = sorted(len(tok(p).input_ids) for p in PROMPTS)
+    assert sorted(g.num_tokens for g in guidance.values()) == [n + MAX_TOKENS - 1 for n in prompt_lens]
+    for g in guidance.values():
+        # every prompt position and every fed-back generated token (the last sampled one is never fed)
+        assert g.positions.tolist() == list(range(g.num_tokens))
+        assert set(g.records) == {(l, k) for l in range(LAYERS)
+                                  for k in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.experts.w13", "mlp.experts.w2")}
+    # bytes per token: 1 bit/element + 1 byte per 16 + 4 bytes of global scale, per GEMM input
+    per = lambda k: k // 8 + k // 16 + 4  # noqa: E731
+    expect = LAYERS * (per(HIDDEN) + per(HEADS * HEAD_DIM) + per(HIDDEN) + TOP_K * per(INTER))
+    bpt = {g.bytes_per_token for g in guidance.values()}
+    print(f"\n[trace] guidance bytes/token = {bpt} (BF16 GEMM inputs would be "
+          f"{LAYERS * 2 * (HIDDEN + HEADS * HEAD_DIM + HIDDEN + TOP_K * INTER)})")
+    assert bpt == {float(expect)}
+
+    n_checked = 0
+    for kind, name, inp, step in records:
+        assert step is not None, "activation seen outside a runner step"
+        rows, positions = step
+        layer_idx = int(name.split("layers.")[1].split(".")[0])
+        gemm = "mlp.experts.w13" if kind == "moe" else name.split(f"layers.{layer_idx}.")[1]
+        x = inp[0] if kind == "moe" else inp
+        for r, (rid, pos) in enumerate(zip(rows, positions.tolist())):
+            rec = guidance[rid].record(pos, layer_idx, gemm)
+            row = x[r]
+            rollout = nvfp4.quantize(row, per_token_global_scale(row[None])[0], backend="torch")
+            guided = nvfp4.quantize_guided(row, rec, backend="torch")
+            assert torch.equal(guided.packed, rollout.packed), (rid, pos, name)
+            assert torch.equal(guided.block_scale.view(torch.uint8), rollout.block_scale.view(torch.uint8))
+            assert torch.equal(guided.global_scale, rollout.global_scale)
+            n_checked += 1
+        if kind == "moe":  # routed slots' expert ids kept beside the w2 record
+            for r, (rid, pos) in enumerate(zip(rows, positions.tolist())):
+                g = guidance[rid]
+                i = int((g.positions == pos).nonzero()[0, 0])
+                assert torch.equal(g.expert_ids[layer_idx][i], inp[2][r].long())
+    assert n_checked >= sum(g.num_tokens for g in guidance.values()) * LAYERS * 3
+
+
+# ----------------------------------------------------------------------------- 5. weight reload
+def test_reload_A_B_A_is_bit_exact_and_keeps_storage(engines, ckpts):
+    """vLLM 0.32 layerwise reload (``reload_weights`` -> process_weights_after_loading -> copy into
+    the original storage): A, then B, then A again gives A's tokens and logprobs bit for bit."""
+    a_path, b_path = ckpts
+    llm = engines.get(a_path, "quads")
+    model = model_of(llm)
+    res_a, _ = generate(llm)
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    t0 = time.perf_counter()
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(b_path)})
+    print(f"\n[reload] B in {time.perf_counter() - t0:.2f}s")
+    res_b, _ = generate(llm)
+    assert res_b != res_a
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p, before[n][1].view(torch.uint8) if p.dtype == torch.float8_e4m3fn else before[n][1])]
+    assert any(n.endswith("weight_packed") for n in changed)
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(a_path)})
+    res_a2, _ = generate(llm)
+    assert [t for t, _ in res_a2] == [t for t, _ in res_a]
+    assert [lp for _, lp in res_a2] == [lp for _, lp in res_a]  # float equality: bit for bit
+    after = dict(model.named_parameters())
+    assert set(after) == set(before)
+    for n, p in after.items():
+        assert p.data_ptr() == before[n][0], f"{n} moved (CUDA graphs would read stale memory)"
+        old = before[n][1]
+        if p.dtype == torch.float8_e4m3fn:
+            p, old = p.view(torch.uint8), old.view(torch.uint8)
+        assert torch.equal(p, old), n
