@@ -13,6 +13,9 @@ from verl_quads._plugin_errors import loud
 @loud("verl plugin (verl.plugins entry point)")
 def load() -> None:
     """Register verl-quads with verl. Idempotent."""
+    from verl_quads.integration.trainer import register_trainer
+
+    register_trainer()  # actor.quant config key + QAT engine; must run before the CPU engines register
     # Registration of the CPU platform, config schema and engines is added by the
     # CPU-runtime and trainer-side work; nothing is registered yet.
     return None

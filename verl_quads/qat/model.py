@@ -121,7 +121,7 @@ class _QATExperts:
         transposed = bool(getattr(self, "is_transposed", False))
         out = {}
         for p in self._qat_params:
-            w = self._parameters[p]
+            w = getattr(self, p)
             check_unsharded(w, f"{self._qat_name}.{p}")
             out[p] = qdq_expert_weight(w, transposed, self._qat_state.backend)
         return out
@@ -129,12 +129,17 @@ class _QATExperts:
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):  # type: ignore[override]
         qw = self._qdq_weights()
         if self._qat_act == "none":
-            saved = {p: self._parameters[p] for p in qw}
+            # Substitute the QDQ tensors for the duration of the call, where the attribute lives now
+            # (``_parameters``; FSDP1 puts unsharded views in ``__dict__``), then restore the originals.
+            where = {p: (self._parameters if p in self._parameters else self.__dict__) for p in qw}
+            saved = {p: where[p][p] for p in qw}
             try:
-                self._parameters.update(qw)  # plain tensors for the duration of the call
+                for p, t in qw.items():
+                    where[p][p] = t
                 return super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
             finally:
-                self._parameters.update(saved)
+                for p, t in saved.items():
+                    where[p][p] = t
         if args or kwargs:
             raise TypeError(f"verl-quads QAT: {self._qat_name}: unexpected extra experts arguments {args} {list(kwargs)}")
         return self._a4_forward(qw, hidden_states, top_k_index, top_k_weights)

@@ -1,0 +1,96 @@
+"""Trainer-side registration with verl 0.9.1: the config key and the QAT-enabled FSDP engine.
+
+:func:`register_trainer` (called from the ``verl.plugins`` entry point, so in the driver and in
+every Ray worker on ``import verl``):
+
+1. installs the Hydra patch that adds ``actor_rollout_ref.actor.quant`` / ``quant_config`` to verl's
+   FSDP actor config (``verl_quads/patches/hydra_actor_quant_key.py``);
+2. once verl imports its FSDP engine module, registers :class:`QuadsFSDPEngineWithLMHead` through
+   verl's ``EngineRegistry`` for ``(cuda, nvidia)`` (preferred over verl's device-only ``cuda``
+   entry by the registry's lookup) and for ``cpu`` (if nothing is registered there yet, so the CPU
+   platform's registration then keeps ours).
+
+The engine is verl's ``FSDPEngineWithLMHead`` plus one step: before FSDP wrapping, if the actor
+config carried a ``QuantConfig`` (``engine_config._verl_quads_quant``, set by
+``QuadsFSDPActorConfig``) with a trainer mode other than ``none``, :func:`verl_quads.qat.apply_qat`
+runs on the module. With ``quant=none`` (or for the ref model, whose config has no such attribute)
+it behaves exactly like verl's engine.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("verl_quads")
+
+FSDP_ENGINE_MODULE = "verl.workers.engine.fsdp.transformer_impl"
+
+_engine_classes: dict[str, type] = {}
+
+
+def make_engine_class(stock: type) -> type:
+    """A subclass of verl's ``FSDPEngineWithLMHead`` that applies verl-quads QAT before FSDP wrapping."""
+    if "lm" in _engine_classes:
+        return _engine_classes["lm"]
+
+    class QuadsFSDPEngineWithLMHead(stock):
+        """verl's FSDP LM engine + verl-quads NVFP4 QAT (``actor_rollout_ref.actor.quant``)."""
+
+        def _build_fsdp_module(self, module):
+            qc = getattr(self.engine_config, "_verl_quads_quant", None)
+            if qc is not None and qc.trainer_mode != "none" and not self.engine_config.forward_only:
+                from verl_quads.qat import apply_qat
+
+                if getattr(self, "_qat_enabled", False):
+                    raise ValueError(
+                        "verl-quads: actor_rollout_ref.actor.quant and fsdp_config.qat.enable are both set; "
+                        "disable verl's QAT (fsdp_config.qat.enable=false)"
+                    )
+                if getattr(self, "_is_lora", False):
+                    raise NotImplementedError("verl-quads QAT with LoRA adapters is not supported yet")
+                strategy = getattr(self.engine_config, "strategy", None)
+                if strategy != "fsdp2":
+                    raise ValueError(f"verl-quads QAT needs actor_rollout_ref.actor.strategy=fsdp2, got {strategy!r}")
+                state = apply_qat(module, qc)
+                n_lin = sum(1 for v in state.modules.values() if v[0] == "linear")
+                n_exp = sum(1 for v in state.modules.values() if v[0] == "experts")
+                logger.warning(
+                    "verl-quads: QAT %s (trainer mode %s) on %d linear and %d fused-expert modules",
+                    qc.quant, qc.trainer_mode, n_lin, n_exp,
+                )
+            return super()._build_fsdp_module(module)
+
+    QuadsFSDPEngineWithLMHead.__module__ = __name__
+    _engine_classes["lm"] = QuadsFSDPEngineWithLMHead
+    return QuadsFSDPEngineWithLMHead
+
+
+def _register_engines(module) -> None:
+    from verl.workers.engine.base import EngineRegistry
+
+    cls = make_engine_class(module.FSDPEngineWithLMHead)
+    registry = EngineRegistry._engines.setdefault("language_model", {})
+    for backend in ("fsdp", "fsdp2"):
+        have = registry.get(backend, {})
+        if have.get(("cuda", "nvidia")) is not cls:
+            EngineRegistry.register(model_type="language_model", backend=backend, device="cuda", vendor="nvidia")(cls)
+        if "cpu" not in have:
+            EngineRegistry.register(model_type="language_model", backend=backend, device="cpu")(cls)
+        elif have["cpu"] is not cls:
+            raise RuntimeError(
+                f"verl-quads: an engine ({have['cpu'].__name__}) is already registered for language_model/{backend}/cpu; "
+                "verl-quads' trainer registration must run first (verl_plugin.load)"
+            )
+
+
+def register_trainer() -> None:
+    """Config key + engine registration (idempotent)."""
+    from verl_quads.patches import hydra_actor_quant_key
+    from verl_quads.patches._post_import import when_imported
+
+    hydra_actor_quant_key.apply()
+    if "lm" not in _engine_classes:
+        when_imported(FSDP_ENGINE_MODULE, _register_engines)
+
+
+__all__ = ["register_trainer", "make_engine_class", "FSDP_ENGINE_MODULE"]
