@@ -59,8 +59,8 @@ def test_trace_with_own_guidance_equals_round_to_nearest(family):
     # 2 guided layers x (qkv, o, w13, w2 | qkv, o, gate_up, down) x 2 sequences
     assert len(store) == 2 * 4 * 2
     assert {k[2] for k in store._entries} == (
-        {"qkv_proj", "o_proj", "experts.w13", "experts.w2"} if family == "qwen3_moe" else
-        {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"})
+        {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.experts.w13", "mlp.experts.w2"} if family == "qwen3_moe" else
+        {"self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"})
     assert {k[1] for k in store._entries} == {1, 2}
     l0, g0 = _run(rtn, ids)
     l1, g1 = _run(trace, ids, TraceBatch.padded(store, 7, UIDS, torch.ones_like(ids)))
@@ -74,10 +74,10 @@ def test_guidance_decides_the_rounding():
     store = _record(trace, ids)
     # Flip every guidance bit of the last layer's expert-w2 input of one sequence (the last layer, so the
     # routing upstream stays the same): the rounding, and so the logits, must change.
-    key = ("a/0", 2, "experts.w2")
+    key = ("a/0", 2, "mlp.experts.w2")
     version, entry = store._entries[key]
     flipped = dataclasses.replace(entry.record, bits=entry.record.bits ^ 0xFF)
-    store.put(GuidanceKey("a/0", version, 2, "experts.w2"), flipped, entry.expert_ids)
+    store.put(GuidanceKey("a/0", version, 2, "mlp.experts.w2"), flipped, entry.expert_ids)
     l0, _ = _run(rtn, ids)
     l1, _ = _run(trace, ids, TraceBatch.padded(store, 7, UIDS, torch.ones_like(ids)))
     assert not torch.equal(l0[0], l1[0])
@@ -90,7 +90,7 @@ def test_padded_batch_and_uncovered_last_position():
     mask = torch.ones_like(ids)
     mask[1, 6:] = 0  # right padding: sequence b has 6 tokens
     store = _record(trace, ids, mask=mask)
-    assert store.get(GuidanceKey("b/0", 7, 1, "qkv_proj")).record.shape == (6, 64)
+    assert store.get(GuidanceKey("b/0", 7, 1, "self_attn.qkv_proj")).record.shape == (6, 64)
     # The rollout never feeds the last sampled token: records of n - 1 positions are accepted.
     for (uid, layer, gemm), (v, e) in list(store._entries.items()):
         r = e.record
@@ -128,9 +128,9 @@ def test_routing_mismatch_is_an_error():
     trace, _ = _models()
     ids = tokens()
     store = _record(trace, ids)
-    v, e = store._entries[("b/0", 1, "experts.w2")]
-    store.put(GuidanceKey("b/0", v, 1, "experts.w2"), e.record, (e.expert_ids + 1) % 4)
-    with pytest.raises(GuidanceError, match="layer 1 experts.w2: the trainer's routing differs .* on 8 token"):
+    v, e = store._entries[("b/0", 1, "mlp.experts.w2")]
+    store.put(GuidanceKey("b/0", v, 1, "mlp.experts.w2"), e.record, (e.expert_ids + 1) % 4)
+    with pytest.raises(GuidanceError, match="layer 1 mlp.experts.w2: the trainer's routing differs .* on 8 token"):
         _run(trace, ids, TraceBatch.padded(store, 7, UIDS, torch.ones_like(ids)))
 
 
@@ -151,3 +151,34 @@ def test_packed_layout_matches_padded():
         # on the first sequence, whose tokens see no other sequence in causal attention.
         out = trace(input_ids=packed, position_ids=pos).logits
     assert torch.equal(out[0, :8], l_pad[0])
+
+
+def test_rollout_capture_provider_adapts_request_guidance():
+    """The trainer reads the rollout's capture format (verl_quads.rollout.capture.RequestGuidance) directly."""
+    from verl_quads.qat import RolloutGuidanceProvider
+
+    try:
+        from verl_quads.rollout.capture import RequestGuidance
+    except ImportError as e:  # pragma: no cover
+        pytest.skip(f"rollout capture unavailable: {e}")
+    trace, rtn = _models()
+    ids = tokens()
+    store = _record(trace, ids)
+    caps = {}
+    for uid in UIDS:
+        recs, eids = {}, {}
+        for (u, layer, gemm), (v, e) in store._entries.items():
+            if u == uid:
+                recs[(layer, gemm)] = e.record
+                if e.expert_ids is not None:
+                    eids[layer] = e.expert_ids
+        caps[uid] = RequestGuidance(f"req-{uid}", torch.arange(ids.shape[1]), recs, eids, policy_version=7)
+    provider = RolloutGuidanceProvider(caps)
+    l0, _ = _run(rtn, ids)
+    l1, _ = _run(trace, ids, TraceBatch.padded(provider, 7, UIDS, torch.ones_like(ids)))
+    assert torch.equal(l0, l1)
+    with pytest.raises(GuidanceError, match="the rollout ran policy version 7, the trainer is at 9"):
+        _run(trace, ids, TraceBatch.padded(provider, 9, UIDS, torch.ones_like(ids)))
+    caps["a/0"].positions = torch.tensor([0, 1, 2, 4, 5, 6, 7, 8])
+    with pytest.raises(GuidanceError, match="prefix caching"):
+        _run(trace, ids, TraceBatch.padded(provider, 7, UIDS, torch.ones_like(ids)))

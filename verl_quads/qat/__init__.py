@@ -15,6 +15,7 @@ from verl_quads.qat.guidance import (
     GuidanceKey,
     GuidanceProvider,
     InMemoryGuidanceStore,
+    RolloutGuidanceProvider,
     TraceBatch,
 )
 from verl_quads.qat.model import QATState, apply_qat, remove_qat, trace_context
@@ -27,6 +28,7 @@ __all__ = [
     "GuidanceProvider",
     "InMemoryGuidanceStore",
     "QATState",
+    "RolloutGuidanceProvider",
     "TraceBatch",
     "apply_qat",
     "remove_qat",

@@ -7,15 +7,17 @@ Keying (DESIGN.md §1): one entry per ``(sequence uid, policy version, layer, GE
 - ``policy_version``: int, the trainer step whose weights the rollout ran. A record of another
   version is stale and refused.
 - ``layer``: decoder-layer index (0-based, as in ``model.layers.<i>``).
-- ``gemm``: vLLM's GEMM name: ``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj`` (dense
-  MLP), ``experts.w13``, ``experts.w2`` (fused MoE).
+- ``gemm``: the GEMM's module path inside the decoder layer, with vLLM's fused names (the rollout's
+  capture uses the same strings): ``self_attn.qkv_proj``, ``self_attn.o_proj``, ``mlp.gate_up_proj``,
+  ``mlp.down_proj`` (dense MLP), ``mlp.experts.w13``, ``mlp.experts.w2`` (fused MoE). The trainer
+  derives them from its module names (q/k/v -> qkv_proj, gate/up -> gate_up_proj).
 
 An entry holds a :class:`~verl_quads.nvfp4.GuidanceRecord` for the rows of that GEMM's input for
 that sequence, in token-position order, with a per-token global scale ``[T, 1]``:
 
-- linear GEMMs and ``experts.w13``: shape ``[T, K]`` (one row per token position; w13's input
+- linear GEMMs and ``*.experts.w13``: shape ``[T, K]`` (one row per token position; w13's input
   is the token's hidden state, the same for all its experts).
-- ``experts.w2``: shape ``[T, top_k, I]`` (one row per (token, routing slot)), plus
+- ``*.experts.w2``: shape ``[T, top_k, I]`` (one row per (token, routing slot)), plus
   ``expert_ids`` int64 ``[T, top_k]``: the experts the rollout routed to. The trainer requires the
   same routing (e.g. router replay); any mismatch is an error.
 
@@ -34,7 +36,19 @@ import torch
 
 from verl_quads.nvfp4 import GuidanceRecord
 
-GEMM_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "experts.w13", "experts.w2")
+#: The GEMM names of the supported families (Qwen3 / Qwen3-MoE / OLMoE / Llama-style layers).
+GEMM_NAMES = (
+    "self_attn.qkv_proj",
+    "self_attn.o_proj",
+    "mlp.gate_up_proj",
+    "mlp.down_proj",
+    "mlp.experts.w13",
+    "mlp.experts.w2",
+)
+
+
+def is_expert_w2(gemm: str) -> bool:
+    return gemm.endswith(".w2")
 
 
 class GuidanceError(RuntimeError):
@@ -76,10 +90,8 @@ class InMemoryGuidanceStore:
 
     def put(self, key: GuidanceKey, record: GuidanceRecord, expert_ids: torch.Tensor | None = None) -> None:
         """Store (replacing any other version of the same uid/layer/GEMM)."""
-        if key.gemm not in GEMM_NAMES:
-            raise ValueError(f"guidance GEMM {key.gemm!r} unknown; allowed: {', '.join(GEMM_NAMES)}")
-        if (key.gemm == "experts.w2") != (expert_ids is not None):
-            raise ValueError(f"guidance {key}: expert_ids is required for experts.w2 and only for it")
+        if (is_expert_w2(key.gemm)) != (expert_ids is not None):
+            raise ValueError(f"guidance {key}: expert_ids is required for experts' w2 inputs and only for them")
         self._entries[(key.uid, key.layer, key.gemm)] = (key.policy_version, GuidanceEntry(record, expert_ids))
 
     def get(self, key: GuidanceKey) -> GuidanceEntry:
@@ -99,6 +111,45 @@ class InMemoryGuidanceStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class RolloutGuidanceProvider:
+    """A :class:`GuidanceProvider` over the rollout's per-request captures.
+
+    ``requests``: ``{uid: capture}`` where a capture has the attributes of
+    ``verl_quads.rollout.capture.RequestGuidance``: ``positions`` int64 ``[T]``, ``records``
+    ``{(layer, gemm): GuidanceRecord}`` with leading dimension T, ``expert_ids`` ``{layer: [T, top_k]}``
+    and ``policy_version``. Positions must be exactly ``0..T-1`` (a gap, e.g. from vLLM prefix caching,
+    is an error, not a silent fallback).
+    """
+
+    def __init__(self, requests: dict) -> None:
+        self._requests = dict(requests)
+
+    def get(self, key: GuidanceKey) -> GuidanceEntry:
+        cap = self._requests.get(key.uid)
+        if cap is None:
+            raise GuidanceError(f"TRACE: no rollout capture for sequence {key.uid!r} (wanted {key})")
+        if cap.policy_version != key.policy_version:
+            raise GuidanceError(
+                f"TRACE: stale guidance for {key}: the rollout ran policy version {cap.policy_version}, "
+                f"the trainer is at {key.policy_version}"
+            )
+        t = int(cap.positions.numel())
+        if not torch.equal(cap.positions.cpu(), torch.arange(t, dtype=cap.positions.dtype)):
+            raise GuidanceError(
+                f"TRACE: rollout capture of {key.uid!r} does not cover positions 0..{t - 1} contiguously "
+                "(prefix caching must be off for TRACE)"
+            )
+        rec = cap.records.get((key.layer, key.gemm))
+        if rec is None:
+            raise GuidanceError(
+                f"TRACE: no guidance record for {key}; the capture has {sorted(cap.records, key=str)[:8]}..."
+            )
+        eids = cap.expert_ids.get(key.layer) if is_expert_w2(key.gemm) else None
+        if is_expert_w2(key.gemm) and eids is None:
+            raise GuidanceError(f"TRACE: capture for {key} has no expert ids")
+        return GuidanceEntry(rec, eids)
 
 
 @dataclass
@@ -219,5 +270,7 @@ __all__ = [
     "GuidanceEntry",
     "GuidanceProvider",
     "InMemoryGuidanceStore",
+    "RolloutGuidanceProvider",
     "TraceBatch",
+    "is_expert_w2",
 ]

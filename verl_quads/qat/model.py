@@ -116,6 +116,7 @@ class _QATExperts:
     _qat_layer: int | None
     _qat_act: str
     _qat_params: tuple[str, ...]
+    _qat_gemm: str  # module path inside the decoder layer, e.g. "mlp.experts"
 
     def _qdq_weights(self) -> dict[str, torch.Tensor]:
         transposed = bool(getattr(self, "is_transposed", False))
@@ -158,22 +159,22 @@ class _QATExperts:
             x = qdq_rtn(hidden_states, st.backend)
             w2_rec = None
         elif st.require_trace(self._qat_name).record_into is not None:
-            x = _guided_input(st, self._qat_name, self._qat_layer, "experts.w13", hidden_states)
+            x = _guided_input(st, self._qat_name, self._qat_layer, self._qat_gemm + ".w13", hidden_states)
             w2_rec = None
             recording = torch.zeros(
                 (*top_k_index.shape, (w2.shape[-2] if transposed else w2.shape[-1])), dtype=hidden_states.dtype,
                 device=hidden_states.device,
             )
         else:
-            x = _guided_input(st, self._qat_name, self._qat_layer, "experts.w13", hidden_states)
+            x = _guided_input(st, self._qat_name, self._qat_layer, self._qat_gemm + ".w13", hidden_states)
             tb = st.require_trace(self._qat_name)
             inner = (top_k_index.shape[1], w2.shape[-1] if not transposed else w2.shape[-2])
-            parts, covered, eids = tb.gather(self._qat_layer, "experts.w2", (hidden_states.shape[0],) + inner[:1], inner[1])
+            parts, covered, eids = tb.gather(self._qat_layer, self._qat_gemm + ".w2", (hidden_states.shape[0],) + inner[:1], inner[1])
             cov = covered.to(top_k_index.device)
             if eids is None or not torch.equal(eids.to(top_k_index.device)[cov], top_k_index[cov].long()):
                 n_bad = -1 if eids is None else int((eids.to(top_k_index.device)[cov] != top_k_index[cov]).any(-1).sum())
                 raise GuidanceError(
-                    f"TRACE: layer {self._qat_layer} experts.w2: the trainer's routing differs from the rollout's on "
+                    f"TRACE: layer {self._qat_layer} {self._qat_gemm}.w2: the trainer's routing differs from the rollout's on "
                     f"{n_bad} token(s); guided rounding of the expert inputs needs identical routing (router replay)"
                 )
             w2_rec = (parts, covered)
@@ -201,7 +202,7 @@ class _QATExperts:
             out.index_add_(0, tok, y.to(out.dtype))
         if recording is not None:
             # Rows of unrouted (token, slot) pairs stay zero; they are never read back.
-            st.trace.store(self._qat_layer, "experts.w2", _own_guidance(recording, st.backend), top_k_index.detach())
+            st.trace.store(self._qat_layer, self._qat_gemm + ".w2", _own_guidance(recording, st.backend), top_k_index.detach())
         return out
 
 
@@ -231,6 +232,13 @@ def _num_layers(model: nn.Module) -> int:
 def _layer_of(name: str) -> int | None:
     found = _LAYER_RE.findall(name)
     return int(found[-1]) if found else None
+
+
+def _in_layer_path(name: str, layer: int | None) -> str:
+    """Module path inside its decoder layer (``self_attn.q_proj``), or the full name outside layers."""
+    if layer is None:
+        return name
+    return name.split(f"layers.{layer}.", 1)[-1]
 
 
 def _expert_params(module: nn.Module) -> tuple[str, ...]:
@@ -291,21 +299,22 @@ def apply_qat(model: nn.Module, config: QuantConfig | str, *, backend: str | Non
     for name, mod, kind in todo:
         layer = _layer_of(name)
         act = act_for(layer)
+        rel = _in_layer_path(name, layer)
+        if act == "guided" and layer is None:
+            raise ValueError(f"verl-quads QAT: {name} is guided (trace) but is not inside a decoder layer")
         if kind == "linear":
             leaf = name.rsplit(".", 1)[-1]
             parent_name = name.rsplit(".", 1)[0] if "." in name else ""
             parent = model.get_submodule(parent_name) if parent_name else model
-            group, gemm = [mod], leaf
+            group, gemm = [mod], rel
             for members, fused in FUSED_GROUPS.items():
                 if leaf in members:
-                    gemm = fused
+                    gemm = rel[: len(rel) - len(leaf)] + fused
                     group = [
                         getattr(parent, s)
                         for s in members
                         if isinstance(getattr(parent, s, None), nn.Linear) and not config.is_ignored(f"{parent_name}.{s}")
                     ]
-            if act == "guided" and gemm not in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
-                raise ValueError(f"verl-quads QAT: {name}: no TRACE guidance GEMM name for linear {leaf!r}")
             state.original_classes[name] = type(mod)
             _swap_class(mod, _QATLinear)
             mod._qat_state, mod._qat_name, mod._qat_gemm, mod._qat_layer, mod._qat_act = state, name, gemm, layer, act
@@ -314,9 +323,9 @@ def apply_qat(model: nn.Module, config: QuantConfig | str, *, backend: str | Non
         else:
             state.original_classes[name] = type(mod)
             _swap_class(mod, _QATExperts)
-            mod._qat_state, mod._qat_name, mod._qat_layer, mod._qat_act = state, name, layer, act
+            mod._qat_state, mod._qat_name, mod._qat_gemm, mod._qat_layer, mod._qat_act = state, name, rel, layer, act
             mod._qat_params = tuple(p for p in _expert_params(mod))
-            state.modules[name] = ("experts", "experts", layer, act)
+            state.modules[name] = ("experts", rel, layer, act)
     del names
     model._verl_quads_qat = state
     return state
