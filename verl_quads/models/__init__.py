@@ -1,0 +1,1 @@
+"""Small local models and data for tests and demos (no downloads)."""
