@@ -95,3 +95,14 @@ def test_triton_on_cpu_without_interpreter_is_an_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         nv.quantize(torch.zeros(2, 16), backend="triton")
+
+
+def test_e2m1_rounding_on_a_dense_grid_with_all_ties():
+    # every multiple of 2**-12 in [-6, 6] (ties of all thresholds included) as scaled values:
+    # with global scale 448 and block max 6 the output scale is exactly 1.
+    vals = torch.arange(-6 * 4096, 6 * 4096 + 1, dtype=torch.float32) / 4096
+    vals = vals[: (vals.numel() // 15) * 15].reshape(-1, 15)
+    x = torch.cat([vals, torch.full((vals.shape[0], 1), 6.0)], dim=1).to(DEV)
+    gs = torch.tensor(448.0)
+    assert _eq_q(nv.quantize(x, gs, backend="triton"), nv.quantize(x, gs, backend="torch"))
+    assert torch.equal(nv.fake_quantize(x, gs, backend="triton"), nv.fake_quantize(x, gs, backend="torch"))

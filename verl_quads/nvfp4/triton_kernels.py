@@ -16,12 +16,15 @@ every byte equals the reference; the selection itself can differ from the refere
 two blocks' energies are equal up to float32 summation order (the 16-element sums are reduced
 in a different order), which on continuous data does not occur in practice.
 
-Layout assumptions: inputs are viewed as 2-D ``[R, K]`` row-major contiguous (leading dims
-flattened); global scales are expanded to one float32 per row.
+Layout: a contiguous ``[..., K]`` input is processed as ``R * K / 16`` consecutive 16-element
+blocks (K % 16 == 0, so no block straddles a row); even and odd elements are loaded as two
+tiles so that two codes pack into one byte without a register shuffle. Global scales are read
+per row through a divisor (scalar, per row, per expert) without materializing them per row.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -87,15 +90,27 @@ if triton is not None:
         return tl.where(exp == 0, sub, nrm)
 
     @triton.jit
+    def _e2m1_round(a):
+        """Round-to-nearest-even of |y| in [0, 6] onto the E2M1 grid, in a few integer ops.
+        Returns (magnitude index int32 0..7, rounded value float32).
+
+        Below 1 the grid step is 0.5: adding and subtracting 2**22 (where float32's ulp is 0.5)
+        rounds to it with IEEE round-to-nearest-even. From 1 up, E2M1 is a float with one
+        mantissa bit: round the float32 bits to one mantissa bit (RNE), and the index is the
+        resulting exponent/mantissa field minus that of 0.5's position. (Kernels run with FP
+        fusion off, so the add/sub pair is not folded.)"""
+        sub = (a + 4194304.0) - 4194304.0
+        bits = a.to(tl.int32, bitcast=True)
+        rb = (bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22
+        small = a < 1.0
+        idx = tl.where(small, (sub * 2.0).to(tl.int32), rb - 252)
+        val = tl.where(small, sub, (rb << 22).to(tl.float32, bitcast=True))
+        return idx, val
+
+    @triton.jit
     def _e2m1_index(a):
         """Round-to-nearest-even E2M1 magnitude index (int32 0..7) of |y| in [0, 6]."""
-        idx = (a > 0.25).to(tl.int32)
-        idx += (a >= 0.75).to(tl.int32)
-        idx += (a > 1.25).to(tl.int32)
-        idx += (a >= 1.75).to(tl.int32)
-        idx += (a > 2.5).to(tl.int32)
-        idx += (a >= 3.5).to(tl.int32)
-        idx += (a > 5.0).to(tl.int32)
+        idx, _ = _e2m1_round(a)
         return idx
 
     @triton.jit
@@ -111,30 +126,61 @@ if triton is not None:
         return ((y.to(tl.int32, bitcast=True) >> 31) & 1).to(tl.int32)
 
     @triton.jit
-    def _scales(xb, gs):
-        """xb [BR, NB, 16] float32, gs [BR] -> (scale value [BR, NB], scale byte, output_scale [BR, NB])."""
-        vec_max = tl.max(tl.abs(xb), axis=2)
-        s = gs[:, None] * (vec_max * 0.16666666666666666)
+    def _scales(vec_max, gs):
+        """Per-block max |x| and global scale (same shape) -> (scale value, scale byte, output_scale)."""
+        s = gs * (vec_max * 0.16666666666666666)
         s = tl.minimum(s, 448.0)
         sval, sbyte = _e4m3_round(s)
+        return sval, sbyte, _output_scale(sval, gs)
+
+    @triton.jit
+    def _output_scale(sval, gs):
+        """1 / (scale * (1 / gs)) with 1/0 := 0, IEEE divisions (the reference's order)."""
         inv_gs = tl.math.div_rn(tl.full(gs.shape, 1.0, tl.float32), gs)
-        denom = sval * inv_gs[:, None]
+        denom = sval * inv_gs
         safe = tl.where(denom == 0, 1.0, denom)
-        out_scale = tl.where(denom == 0, 0.0, tl.math.div_rn(tl.full(denom.shape, 1.0, tl.float32), safe))
-        return sval, sbyte, out_scale
+        return tl.where(denom == 0, 0.0, tl.math.div_rn(tl.full(denom.shape, 1.0, tl.float32), safe))
 
     @triton.jit
-    def _pack(codes, BR: tl.constexpr, BK: tl.constexpr):
-        c = tl.reshape(codes, (BR, BK // 2, 2))
-        lo, hi = tl.split(c)
-        return (lo | (hi << 4)).to(tl.uint8)
+    def _load_pairs(ptr, b, bmask, SPLIT: tl.constexpr):
+        """Even and odd elements of 16-element blocks ``b`` as two float32 [BLK, 8] tiles.
+        SPLIT: one contiguous [BLK, 16] load split in registers; else two stride-2 loads."""
+        if SPLIT:
+            e = tl.arange(0, 16)
+            x = tl.load(ptr + b[:, None] * 16 + e[None, :], mask=bmask[:, None], other=0.0).to(tl.float32)
+            xe, xo = tl.split(tl.reshape(x, (x.shape[0], 8, 2)))
+        else:
+            j = tl.arange(0, 8)
+            base = b[:, None] * 16 + 2 * j[None, :]
+            xe = tl.load(ptr + base, mask=bmask[:, None], other=0.0).to(tl.float32)
+            xo = tl.load(ptr + base + 1, mask=bmask[:, None], other=0.0).to(tl.float32)
+        return xe, xo
 
     @triton.jit
-    def _unpack(p, BR: tl.constexpr, BK: tl.constexpr):
-        p = p.to(tl.int32)
-        lo = p & 15
-        hi = p >> 4
-        return tl.reshape(tl.join(lo, hi), (BR, BK))
+    def _store_pairs(ptr, b, ve, vo, bmask, OUT: tl.constexpr):
+        """Interleave even/odd float32 [BLK, 8] tiles back into blocks and store them contiguously."""
+        v = tl.reshape(tl.join(ve, vo), (ve.shape[0], 16))
+        e = tl.arange(0, 16)
+        _store_out(ptr + b[:, None] * 16 + e[None, :], v, bmask[:, None], OUT)
+
+    @triton.jit
+    def _qdq_pairs(xe, xo, sval, gs, os):
+        """First-pass QDQ values (float32) of a block pair tile given its scale value and output scale."""
+        ye = tl.minimum(tl.maximum(xe * os[:, None], -6.0), 6.0)
+        yo = tl.minimum(tl.maximum(xo * os[:, None], -6.0), 6.0)
+        factor = tl.math.div_rn(sval, gs)[:, None]
+        _, re = _e2m1_round(tl.abs(ye))
+        _, ro = _e2m1_round(tl.abs(yo))
+        ve = re * factor
+        vo = ro * factor
+        return tl.where(_signbit(ye) == 1, -ve, ve), tl.where(_signbit(yo) == 1, -vo, vo)
+
+    @triton.jit
+    def _block_word(ce, co, j):
+        """The 8 packed bytes of each block ([BLK, 8] even/odd codes) as one int64 word, byte j =
+        ce[:, j] | co[:, j] << 4 (little-endian), so a block is one 8-byte store."""
+        byte = (ce | (co << 4)).to(tl.int64)
+        return tl.sum(byte << (8 * j[None, :]).to(tl.int64), axis=1)
 
     @triton.jit
     def _store_out(ptr, v, mask, OUT: tl.constexpr):
@@ -152,167 +198,188 @@ if triton is not None:
     @triton.jit
     def _quant_kernel(
         x_ptr, gs_ptr, packed_ptr, scale_ptr, out_ptr, energy_ptr, ramax_ptr,
-        R, K,
-        BR: tl.constexpr, BK: tl.constexpr, MODE: tl.constexpr, OUT: tl.constexpr,
+        NBLK, NBK, GS_DIV,
+        BLK: tl.constexpr, MODE: tl.constexpr, OUT: tl.constexpr, SPLIT: tl.constexpr,
     ):
-        """MODE 0: write packed + scales. 1: write the QDQ result to out_ptr. 2: MODE 0 + residual
-        energy and residual amax per (row, block) (float32 [R, K/16])."""
-        NB: tl.constexpr = BK // 16
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        cols = tl.program_id(1) * BK + tl.arange(0, BK)
-        rmask = rows < R
-        mask = rmask[:, None] & (cols[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        gs = tl.load(gs_ptr + rows, mask=rmask, other=1.0)
-        xb = tl.reshape(x, (BR, NB, 16))
-        sval, sbyte, out_scale = _scales(xb, gs)
-        y = xb * out_scale[:, :, None]
-        y = tl.minimum(tl.maximum(y, -6.0), 6.0)
-        idx = _e2m1_index(tl.abs(y))
-        bcols = tl.program_id(1) * NB + tl.arange(0, NB)
-        bmask = rmask[:, None] & (bcols[None, :] < K // 16)
+        """Block layout: the input is NBLK = R * K / 16 consecutive 16-element blocks; a program
+        handles BLK of them as even/odd [BLK, 8] tiles (``_load_pairs``), so two codes pack into
+        one byte without a shuffle. Block b belongs to row b // NBK, whose global scale
+        is gs[row // GS_DIV].
+
+        MODE 0: write packed codes + E4M3 scale bytes. 1: write the QDQ result. 2: MODE 0 plus
+        each block's residual energy and residual amax (float32 [NBLK]). 3: MODE 2 without the
+        packed codes (the residual QDQ path needs only scales and block statistics)."""
+        b = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
+        bmask = b < NBLK
+        j = tl.arange(0, 8)
+        m2 = bmask[:, None]
+        xe, xo = _load_pairs(x_ptr, b, bmask, SPLIT)
+        gs = tl.load(gs_ptr + (b // NBK) // GS_DIV, mask=bmask, other=1.0)
+        vec_max = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
+        sval, sbyte, out_scale = _scales(vec_max, gs)
         if MODE == 1:
-            factor = tl.math.div_rn(sval, gs[:, None])
-            v = _e2m1_value(idx) * factor[:, :, None]
-            v = tl.where(_signbit(y) == 1, -v, v)
-            _store_out(out_ptr + rows[:, None] * K + cols[None, :], tl.reshape(v, (BR, BK)), mask, OUT)
+            ve, vo = _qdq_pairs(xe, xo, sval, gs, out_scale)
+            _store_pairs(out_ptr, b, ve, vo, bmask, OUT)
         else:
-            codes = tl.reshape((_signbit(y) << 3) | idx, (BR, BK))
-            pcols = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
-            pmask = rmask[:, None] & (pcols[None, :] < K // 2)
-            tl.store(packed_ptr + rows[:, None] * (K // 2) + pcols[None, :], _pack(codes, BR, BK), mask=pmask)
-            tl.store(scale_ptr + rows[:, None] * (K // 16) + bcols[None, :], sbyte.to(tl.uint8), mask=bmask)
-            if MODE == 2:
-                factor = tl.math.div_rn(sval, gs[:, None])
-                v = _e2m1_value(idx) * factor[:, :, None]
-                v = tl.where(_signbit(y) == 1, -v, v)
-                r = xb - v
-                tl.store(energy_ptr + rows[:, None] * (K // 16) + bcols[None, :], tl.sum(r * r, axis=2), mask=bmask)
-                tl.store(ramax_ptr + rows[:, None] * (K // 16) + bcols[None, :], tl.max(tl.abs(r), axis=2), mask=bmask)
+            if MODE != 3:
+                ye = tl.minimum(tl.maximum(xe * out_scale[:, None], -6.0), 6.0)
+                yo = tl.minimum(tl.maximum(xo * out_scale[:, None], -6.0), 6.0)
+                ce = (_signbit(ye) << 3) | _e2m1_index(tl.abs(ye))
+                co = (_signbit(yo) << 3) | _e2m1_index(tl.abs(yo))
+                tl.store(packed_ptr + b, _block_word(ce, co, j), mask=bmask)
+            tl.store(scale_ptr + b, sbyte.to(tl.uint8), mask=bmask)
+            if MODE >= 2:
+                ve, vo = _qdq_pairs(xe, xo, sval, gs, out_scale)
+                re = xe - ve
+                ro = xo - vo
+                tl.store(energy_ptr + b, tl.sum(re * re, axis=1) + tl.sum(ro * ro, axis=1), mask=bmask)
+                ramax = tl.maximum(tl.max(tl.abs(re), axis=1), tl.max(tl.abs(ro), axis=1))
+                tl.store(ramax_ptr + b, ramax, mask=bmask)
 
     @triton.jit
     def _dequant_kernel(
-        packed_ptr, scale_ptr, gs_ptr, out_ptr, R, K,
-        BR: tl.constexpr, BK: tl.constexpr, OUT: tl.constexpr,
+        packed_ptr, scale_ptr, gs_ptr, out_ptr, NBLK, NBK, GS_DIV,
+        BLK: tl.constexpr, OUT: tl.constexpr, SPLIT: tl.constexpr,  # SPLIT: unused (uniform launch)
     ):
-        NB: tl.constexpr = BK // 16
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        rmask = rows < R
-        pcols = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
-        p = tl.load(packed_ptr + rows[:, None] * (K // 2) + pcols[None, :],
-                    mask=rmask[:, None] & (pcols[None, :] < K // 2), other=0)
-        codes = tl.reshape(_unpack(p, BR, BK), (BR, NB, 16))
-        bcols = tl.program_id(1) * NB + tl.arange(0, NB)
-        sb = tl.load(scale_ptr + rows[:, None] * (K // 16) + bcols[None, :],
-                     mask=rmask[:, None] & (bcols[None, :] < K // 16), other=0).to(tl.int32)
-        gs = tl.load(gs_ptr + rows, mask=rmask, other=1.0)
-        factor = tl.math.div_rn(_e4m3_decode(sb), gs[:, None])
-        v = _e2m1_value(codes & 7) * factor[:, :, None]
-        v = tl.where((codes >> 3) == 1, -v, v)
-        cols = tl.program_id(1) * BK + tl.arange(0, BK)
-        _store_out(out_ptr + rows[:, None] * K + cols[None, :], tl.reshape(v, (BR, BK)),
-                   rmask[:, None] & (cols[None, :] < K), OUT)
+        """Block layout as in ``_quant_kernel``: low nibbles are the even elements, high the odd."""
+        b = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
+        bmask = b < NBLK
+        j = tl.arange(0, 8)
+        m2 = bmask[:, None]
+        w = tl.load(packed_ptr + b, mask=bmask, other=0)
+        p = ((w[:, None] >> (8 * j[None, :]).to(tl.int64)) & 0xFF).to(tl.int32)
+        sb = tl.load(scale_ptr + b, mask=bmask, other=0).to(tl.int32)
+        gs = tl.load(gs_ptr + (b // NBK) // GS_DIV, mask=bmask, other=1.0)
+        factor = tl.math.div_rn(_e4m3_decode(sb), gs)[:, None]
+        ce = p & 15
+        co = p >> 4
+        ve = _e2m1_value(ce & 7) * factor
+        vo = _e2m1_value(co & 7) * factor
+        ve = tl.where((ce >> 3) == 1, -ve, ve)
+        vo = tl.where((co >> 3) == 1, -vo, vo)
+        _store_pairs(out_ptr, b, ve, vo, bmask, OUT)
 
     @triton.jit
     def _residual_second_kernel(
         x_ptr, gs1_ptr, scale1_ptr, idx_ptr, gs2_ptr, packed_ptr, scale_ptr,
-        R, K, NSEL,
-        BR: tl.constexpr, BS: tl.constexpr,
+        NSLOT, NSEL, NBK, GS1_DIV,
+        BLK: tl.constexpr, SPLIT: tl.constexpr,
     ):
-        """Second pass over BS selected blocks per program: recompute the first-pass QDQ of those
-        blocks from x and its stored scales, take the residual, quantize it with gs2."""
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        rmask = rows < R
-        sel = tl.program_id(1) * BS + tl.arange(0, BS)
-        smask = rmask[:, None] & (sel[None, :] < NSEL)
-        blk = tl.load(idx_ptr + rows[:, None] * NSEL + sel[None, :], mask=smask, other=0)
-        e = tl.arange(0, 16)
-        m3 = smask[:, :, None]
-        x = tl.load(x_ptr + rows[:, None, None] * K + blk[:, :, None] * 16 + e[None, None, :], mask=m3, other=0.0)
-        x = x.to(tl.float32)
-        gs1 = tl.load(gs1_ptr + rows, mask=rmask, other=1.0)
-        s1 = _e4m3_decode(tl.load(scale1_ptr + rows[:, None] * (K // 16) + blk, mask=smask, other=0).to(tl.int32))
-        inv_gs = tl.math.div_rn(tl.full(gs1.shape, 1.0, tl.float32), gs1)
-        denom = s1 * inv_gs[:, None]
-        safe = tl.where(denom == 0, 1.0, denom)
-        out_scale = tl.where(denom == 0, 0.0, tl.math.div_rn(tl.full(denom.shape, 1.0, tl.float32), safe))
-        y = tl.minimum(tl.maximum(x * out_scale[:, :, None], -6.0), 6.0)
-        v = _e2m1_value(_e2m1_index(tl.abs(y))) * tl.math.div_rn(s1, gs1[:, None])[:, :, None]
-        v = tl.where(_signbit(y) == 1, -v, v)
-        r = x - v
-        gs2 = tl.load(gs2_ptr + rows, mask=rmask, other=1.0)
-        sval, sbyte, out2 = _scales(r, gs2)
-        y2 = tl.minimum(tl.maximum(r * out2[:, :, None], -6.0), 6.0)
-        codes = tl.reshape((_signbit(y2) << 3) | _e2m1_index(tl.abs(y2)), (BR, BS * 16))
-        pcols = tl.program_id(1) * (BS * 8) + tl.arange(0, BS * 8)
-        tl.store(packed_ptr + rows[:, None] * (NSEL * 8) + pcols[None, :], _pack(codes, BR, BS * 16),
-                 mask=rmask[:, None] & (pcols[None, :] < NSEL * 8))
-        tl.store(scale_ptr + rows[:, None] * NSEL + sel[None, :], sbyte.to(tl.uint8), mask=smask)
+        """Second pass over the NSLOT = M * NSEL selected (row, block) slots, BLK per program:
+        recompute the first-pass QDQ of the block from x and its stored scale, take the residual,
+        quantize it with the row's second-pass global scale gs2[row]."""
+        s = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
+        smask = s < NSLOT
+        row = s // NSEL
+        blk = tl.load(idx_ptr + s, mask=smask, other=0)
+        src = row * NBK + blk  # the source block's index in the block layout
+        j = tl.arange(0, 8)
+        m2 = smask[:, None]
+        xe, xo = _load_pairs(x_ptr, src, smask, SPLIT)
+        gs1 = tl.load(gs1_ptr + row // GS1_DIV, mask=smask, other=1.0)
+        s1 = _e4m3_decode(tl.load(scale1_ptr + src, mask=smask, other=0).to(tl.int32))
+        ve, vo = _qdq_pairs(xe, xo, s1, gs1, _output_scale(s1, gs1))
+        re = xe - ve
+        ro = xo - vo
+        gs2 = tl.load(gs2_ptr + row, mask=smask, other=1.0)
+        vec_max = tl.maximum(tl.max(tl.abs(re), axis=1), tl.max(tl.abs(ro), axis=1))
+        sval, sbyte, os2 = _scales(vec_max, gs2)
+        ze = tl.minimum(tl.maximum(re * os2[:, None], -6.0), 6.0)
+        zo = tl.minimum(tl.maximum(ro * os2[:, None], -6.0), 6.0)
+        ce = (_signbit(ze) << 3) | _e2m1_index(tl.abs(ze))
+        co = (_signbit(zo) << 3) | _e2m1_index(tl.abs(zo))
+        tl.store(packed_ptr + s, _block_word(ce, co, j), mask=smask)
+        tl.store(scale_ptr + s, sbyte.to(tl.uint8), mask=smask)
 
     @triton.jit
-    def _guided_kernel(
-        x_ptr, bits_ptr, scale_ptr, gs_ptr, packed_ptr, R, K,
-        BR: tl.constexpr, BK: tl.constexpr,
+    def _residual_qdq_kernel(
+        x_ptr, gs1_ptr, scale1_ptr, slot_ptr, gs2_ptr, out_ptr,
+        NBLK, NBK, GS1_DIV, SLOT_DIV,
+        BLK: tl.constexpr, OUT: tl.constexpr, SPLIT: tl.constexpr,
     ):
-        NB: tl.constexpr = BK // 16
-        rows = tl.program_id(0) * BR + tl.arange(0, BR)
-        rmask = rows < R
-        cols = tl.program_id(1) * BK + tl.arange(0, BK)
-        x = tl.load(x_ptr + rows[:, None] * K + cols[None, :], mask=rmask[:, None] & (cols[None, :] < K), other=0.0)
-        xb = tl.reshape(x.to(tl.float32), (BR, NB, 16))
-        bcols = tl.program_id(1) * NB + tl.arange(0, NB)
-        bmask = rmask[:, None] & (bcols[None, :] < K // 16)
-        s = _e4m3_decode(tl.load(scale_ptr + rows[:, None] * (K // 16) + bcols[None, :], mask=bmask, other=0).to(tl.int32))
-        gs = tl.load(gs_ptr + rows, mask=rmask, other=1.0)
-        inv_gs = tl.math.div_rn(tl.full(gs.shape, 1.0, tl.float32), gs)
-        denom = s * inv_gs[:, None]
-        safe = tl.where(denom == 0, 1.0, denom)
-        out_scale = tl.where(denom == 0, 0.0, tl.math.div_rn(tl.full(denom.shape, 1.0, tl.float32), safe))
-        y = tl.reshape(tl.minimum(tl.maximum(xb * out_scale[:, :, None], -6.0), 6.0), (BR, BK))
+        """Fused ``Q(x) + Q(R_sel)`` in one pass over x: each block's first-pass QDQ (from its
+        stored E4M3 scale) plus, for a selected block, the QDQ of its residual under the row's
+        second-pass global scale gs2[row]; summed in float32 and cast once. ``slot_ptr`` (int8)
+        holds 1 for selected blocks: per block index ([NBK], SLOT_DIV = 0, per-call selection)
+        or per (row, block) ([R * NBK], SLOT_DIV = 1, per-token selection)."""
+        b = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
+        bmask = b < NBLK
+        row = b // NBK
+        xe, xo = _load_pairs(x_ptr, b, bmask, SPLIT)
+        gs1 = tl.load(gs1_ptr + row // GS1_DIV, mask=bmask, other=1.0)
+        s1 = _e4m3_decode(tl.load(scale1_ptr + b, mask=bmask, other=0).to(tl.int32))
+        ve, vo = _qdq_pairs(xe, xo, s1, gs1, _output_scale(s1, gs1))
+        sel = tl.load(slot_ptr + (b % NBK) + row * NBK * SLOT_DIV, mask=bmask, other=0) != 0
+        re = xe - ve
+        ro = xo - vo
+        gs2 = tl.load(gs2_ptr + row, mask=bmask, other=1.0)
+        vec_max = tl.maximum(tl.max(tl.abs(re), axis=1), tl.max(tl.abs(ro), axis=1))
+        s2, _, os2 = _scales(vec_max, gs2)
+        we, wo = _qdq_pairs(re, ro, s2, gs2, os2)
+        ve = tl.where(sel[:, None], ve + we, ve)
+        vo = tl.where(sel[:, None], vo + wo, vo)
+        _store_pairs(out_ptr, b, ve, vo, bmask, OUT)
+
+    @triton.jit
+    def _guided_code(y, bit):
+        """Guided E2M1 code of scaled value y given the record's low magnitude bit."""
         a = tl.abs(y)
-        # floor index on the grid and whether |y| is a grid point
         lo = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32) + (a >= 2.0).to(tl.int32)
         lo += (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32) + (a >= 6.0).to(tl.int32)
         on_grid = _e2m1_value(lo) == a
-        # guidance bit of element c: byte c // 8, bit c % 8
-        bcol8 = tl.program_id(1) * (BK // 8) + tl.arange(0, BK // 8)
-        gb = tl.load(bits_ptr + rows[:, None] * (K // 8) + bcol8[None, :],
-                     mask=rmask[:, None] & (bcol8[None, :] < K // 8), other=0).to(tl.int32)
-        shifts = tl.arange(0, 8)
-        bit = tl.reshape((gb[:, :, None] >> shifts[None, None, :]) & 1, (BR, BK))
-        hi = tl.minimum(lo + 1, 7)
-        pick = tl.where((lo & 1) == bit, lo, hi)
-        mag = tl.where(on_grid, lo, pick)
-        codes = (_signbit(y) << 3) | mag
-        pcols = tl.program_id(1) * (BK // 2) + tl.arange(0, BK // 2)
-        tl.store(packed_ptr + rows[:, None] * (K // 2) + pcols[None, :], _pack(codes, BR, BK),
-                 mask=rmask[:, None] & (pcols[None, :] < K // 2))
+        pick = tl.where((lo & 1) == bit, lo, tl.minimum(lo + 1, 7))
+        return (_signbit(y) << 3) | tl.where(on_grid, lo, pick)
+
+    @triton.jit
+    def _guided_kernel(
+        x_ptr, bits_ptr, scale_ptr, gs_ptr, packed_ptr, NBLK, NBK, GS_DIV,
+        BLK: tl.constexpr, SPLIT: tl.constexpr,
+    ):
+        """Block layout as in ``_quant_kernel``; a block's 16 guidance bits are 2 bytes (LSB first),
+        so even element 2j has bit 2j and odd element 2j+1 bit 2j+1 of that 16-bit word."""
+        b = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
+        bmask = b < NBLK
+        j = tl.arange(0, 8)
+        m2 = bmask[:, None]
+        xe, xo = _load_pairs(x_ptr, b, bmask, SPLIT)
+        sval = _e4m3_decode(tl.load(scale_ptr + b, mask=bmask, other=0).to(tl.int32))
+        gs = tl.load(gs_ptr + (b // NBK) // GS_DIV, mask=bmask, other=1.0)
+        os = _output_scale(sval, gs)[:, None]
+        w = tl.load(bits_ptr + b, mask=bmask, other=0).to(tl.int32) & 0xFFFF
+        be = (w[:, None] >> (2 * j[None, :])) & 1
+        bo = (w[:, None] >> (2 * j[None, :] + 1)) & 1
+        ce = _guided_code(tl.minimum(tl.maximum(xe * os, -6.0), 6.0), be)
+        co = _guided_code(tl.minimum(tl.maximum(xo * os, -6.0), 6.0), bo)
+        tl.store(packed_ptr + b, _block_word(ce, co, j), mask=bmask)
 
 
-def _tiles(r: int, k: int) -> tuple[int, int]:
-    bk = 16
-    while bk < 256 and bk * 2 <= k:
-        bk *= 2
-    br = max(1, min(64, 4096 // bk))
-    while br > 1 and br // 2 >= r:
-        br //= 2
-    return br, bk
+#: Blocks (of 16 elements) per program, warps, and the load style of ``_load_pairs`` for the
+#: elementwise kernels. Tuned on the H200 by ``verl-quads bench nvfp4 --sweep``.
+TILE_CONFIG = {"blocks": 128, "num_warps": 2, "split": True}
 
 
-def _rows_gs(gs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """One float32 global scale per row of the 2-D view of ``x``."""
-    return gs.expand(*x.shape[:-1], 1).reshape(-1).contiguous()
+def _grid(n: int) -> tuple[int]:
+    return (triton.cdiv(n, TILE_CONFIG["blocks"]),)
 
 
-def _prepare(x: torch.Tensor, global_scale, check_finite: bool):
-    check_available(x)
-    validate_input(x, check_finite=check_finite)
-    if global_scale is None:
-        gs = global_scale_from_amax(x.abs().amax() if x.numel() else torch.tensor(0.0)).to(x.device)
-    else:
-        gs = _check_global_scale(global_scale, x)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    return gs, x2
+def _gs_rows(gs: torch.Tensor, lead: tuple[int, ...]) -> tuple[torch.Tensor, int]:
+    """Global scales as a flat float32 vector plus GS_DIV, the number of consecutive rows of the
+    2-D view that share one entry. Scalar, per-row and per-leading-prefix (e.g. per expert
+    [E, 1, 1]) scales need no copy; any other broadcast pattern is expanded per row."""
+    rows = 1
+    for d in lead:
+        rows *= d
+    if gs.numel() == 1:
+        return gs.reshape(1).contiguous(), max(rows, 1)
+    g = gs.reshape(gs.shape[:-1])  # drop the trailing 1
+    # leading dims of gs equal to x's, then only 1s: entries are per prefix of rows
+    n = 0
+    while n < len(lead) and g.shape[n] == lead[n]:
+        n += 1
+    if all(d == 1 for d in g.shape[n:]) and n > 0:
+        per = rows // math.prod(lead[:n])
+        return g.reshape(-1).contiguous(), per
+    return gs.expand(*lead, 1).reshape(-1).contiguous(), 1
 
 
 def _out_arg(out: torch.Tensor) -> torch.Tensor:
@@ -321,35 +388,51 @@ def _out_arg(out: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(kernel, grid, *args, **meta):
-    kernel[grid](*args, enable_fp_fusion=False, **meta)
+    kernel[grid](*args, enable_fp_fusion=False, num_warps=TILE_CONFIG["num_warps"], BLK=TILE_CONFIG["blocks"],
+                 SPLIT=TILE_CONFIG["split"], **meta)
+
+
+def _prepare(x: torch.Tensor, global_scale, check_finite: bool):
+    check_available(x)
+    validate_input(x, check_finite=check_finite)
+    if global_scale is None:
+        gs = global_scale_from_amax(x.abs().amax() if x.numel() else torch.tensor(0.0)).to(x.device)
+    elif check_finite:
+        gs = _check_global_scale(global_scale, x)
+    else:  # hot path: shape/dtype checks only (no device sync)
+        gs = global_scale if isinstance(global_scale, torch.Tensor) else torch.tensor(float(global_scale))
+        if gs.dtype != torch.float32 or gs.dim() not in (0, x.dim()) or (gs.dim() and gs.shape[-1] != 1):
+            _check_global_scale(gs, x)  # raises the full message
+    return gs, x.contiguous()
 
 
 def quantize(x: torch.Tensor, global_scale=None, *, check_finite: bool = True) -> NVFP4Tensor:
     """Triton :func:`verl_quads.nvfp4.quantize`."""
-    gs, x2 = _prepare(x, global_scale, check_finite)
-    r, k = x2.shape
-    packed = torch.empty(r, k // 2, dtype=torch.uint8, device=x.device)
-    scale = torch.empty(r, k // BLOCK_SIZE, dtype=torch.uint8, device=x.device)
-    if r and k:
-        br, bk = _tiles(r, k)
-        _launch(_quant_kernel, (triton.cdiv(r, br), triton.cdiv(k, bk)), x2, _rows_gs(gs, x), packed, scale,
-                packed, packed, packed, r, k, BR=br, BK=bk, MODE=0, OUT=0)
+    gs, xc = _prepare(x, global_scale, check_finite)
+    k = x.shape[-1]
     lead = tuple(x.shape[:-1])
-    return NVFP4Tensor(packed.reshape(*lead, k // 2), scale.view(torch.float8_e4m3fn).reshape(*lead, k // 16),
-                       gs, x.shape, x.dtype)
+    nblk = xc.numel() // BLOCK_SIZE
+    packed = torch.empty(*lead, k // 2, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(*lead, k // BLOCK_SIZE, dtype=torch.uint8, device=x.device)
+    if nblk:
+        g, div = _gs_rows(gs, lead)
+        words = packed.view(torch.int64)  # one 8-byte word per block (see _block_word)
+        _launch(_quant_kernel, _grid(nblk), xc, g, words, scale, words, words, words, nblk, k // BLOCK_SIZE, div,
+                MODE=0, OUT=0)
+    return NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs, x.shape, x.dtype)
 
 
 def fake_quantize(x: torch.Tensor, global_scale=None, *, check_finite: bool = True) -> torch.Tensor:
     """Triton :func:`verl_quads.nvfp4.fake_quantize` (one fused pass, nothing packed)."""
-    gs, x2 = _prepare(x, global_scale, check_finite)
-    r, k = x2.shape
-    out = torch.empty_like(x2)
-    if r and k:
-        br, bk = _tiles(r, k)
+    gs, xc = _prepare(x, global_scale, check_finite)
+    out = torch.empty_like(xc)
+    nblk = xc.numel() // BLOCK_SIZE
+    if nblk:
+        g, div = _gs_rows(gs, tuple(x.shape[:-1]))
         o = _out_arg(out)
-        _launch(_quant_kernel, (triton.cdiv(r, br), triton.cdiv(k, bk)), x2, _rows_gs(gs, x), o, o, o,
-                o, o, r, k, BR=br, BK=bk, MODE=1, OUT=_OUT_DTYPES[x.dtype])
-    return out.reshape(x.shape)
+        _launch(_quant_kernel, _grid(nblk), xc, g, o, o, o, o, o, nblk, x.shape[-1] // BLOCK_SIZE, div,
+                MODE=1, OUT=_OUT_DTYPES[x.dtype])
+    return out
 
 
 def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -357,67 +440,95 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     check_available(q.packed)
     if dtype not in _OUT_DTYPES:
         raise ValueError(f"NVFP4 dequantize: dtype must be one of {list(_OUT_DTYPES)}, got {dtype}")
-    k = q.shape[-1]
-    p2 = q.packed.reshape(-1, k // 2).contiguous()
-    r = p2.shape[0]
-    out = torch.empty(r, k, dtype=dtype, device=q.packed.device)
-    if r and k:
-        br, bk = _tiles(r, k)
-        gs_rows = q.global_scale.expand(*q.shape[:-1], 1).reshape(-1).contiguous()
-        sc = q.block_scale.reshape(r, k // 16).contiguous().view(torch.uint8)
-        _launch(_dequant_kernel, (triton.cdiv(r, br), triton.cdiv(k, bk)), p2, sc, gs_rows, _out_arg(out), r, k,
-                BR=br, BK=bk, OUT=_OUT_DTYPES[dtype])
-    return out.reshape(q.shape)
+    out = torch.empty(q.shape, dtype=dtype, device=q.packed.device)
+    nblk = out.numel() // BLOCK_SIZE
+    if nblk:
+        g, div = _gs_rows(q.global_scale, tuple(q.shape[:-1]))
+        _launch(_dequant_kernel, _grid(nblk), q.packed.contiguous().view(torch.int64), q.block_scale.contiguous().view(torch.uint8),
+                g, _out_arg(out), nblk, q.shape[-1] // BLOCK_SIZE, div,
+                OUT=_OUT_DTYPES[dtype])
+    return out
+
+
+def _select_per_call(score: torch.Tensor, n_sel: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n_sel`` highest of ``score`` [NB] (ties: lower index first), as ascending indices
+    [n_sel] and a bool mask [NB], without sorting and without a host sync: a block's rank is the
+    number of blocks ahead of it; the indices are scattered to their prefix-sum positions."""
+    nb = score.shape[0]
+    ar = torch.arange(nb, device=score.device)
+    ahead = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (ar[None, :] < ar[:, None]))
+    mask = ahead.sum(1) < n_sel
+    target = torch.where(mask, torch.cumsum(mask, 0) - 1, n_sel)
+    buf = torch.empty(n_sel + 1, dtype=torch.int64, device=score.device).scatter_(0, target, ar)
+    return buf[:n_sel], mask
+
+
+def _residual_first_pass(x: torch.Tensor, ratio: float, global_scale, per_token: bool, check_finite: bool,
+                         packed: bool):
+    """First pass (codes if ``packed``, scales, block energies and residual amax), the block
+    selection, and the second-pass global scale. Returns a dict of the pieces."""
+    if x.dim() != 2:
+        raise ValueError(f"residual_quantize: x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
+    gs, xc = _prepare(x, global_scale, check_finite)
+    m, k = x.shape
+    nb = k // BLOCK_SIZE
+    n_sel = num_selected_blocks(k, ratio)
+    codes = torch.empty(m, k // 2 if packed else 0, dtype=torch.uint8, device=x.device)
+    scale = torch.empty(m, nb, dtype=torch.uint8, device=x.device)
+    energy = torch.empty(m, nb, dtype=torch.float32, device=x.device)
+    ramax = torch.empty(m, nb, dtype=torch.float32, device=x.device)
+    g1, div1 = _gs_rows(gs, (m,))
+    if m * nb:
+        words = codes.view(torch.int64) if packed else energy  # MODE 3 writes no codes
+        _launch(_quant_kernel, _grid(m * nb), xc, g1, words, scale, words, energy, ramax, m * nb, nb, div1,
+                MODE=2 if packed else 3, OUT=0)
+    if per_token:
+        order = torch.sort(energy, dim=-1, descending=True, stable=True).indices
+        idx = torch.sort(order[..., :n_sel], dim=-1).values
+        mask = torch.zeros(m, nb, dtype=torch.bool, device=x.device).scatter_(1, idx, True)
+    else:
+        idx, mask = _select_per_call(energy.sum(0), n_sel)
+        mask = mask.unsqueeze(0)
+    per_row = gs.dim() == 2 and gs.shape[0] == m and m > 1
+    sel_amax = torch.where(mask, ramax, torch.zeros((), dtype=ramax.dtype, device=x.device))
+    amax = sel_amax.amax(-1, keepdim=True) if per_row else sel_amax.amax()
+    gs2 = global_scale_from_amax(amax)
+    return dict(gs=gs, xc=xc, g1=g1, div1=div1, codes=codes, scale=scale, idx=idx, mask=mask, gs2=gs2,
+                gs2_rows=gs2.expand(m, 1).reshape(-1).contiguous(), m=m, k=k, nb=nb, n_sel=n_sel)
 
 
 def residual_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, per_token: bool = False,
                       check_finite: bool = True) -> ResidualNVFP4:
     """Triton :func:`verl_quads.nvfp4.residual_quantize` (see the module docstring for the steps)."""
-    if x.dim() != 2:
-        raise ValueError(f"residual_quantize: x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
-    gs, x2 = _prepare(x, global_scale, check_finite)
-    m, k = x2.shape
-    nb = k // BLOCK_SIZE
-    n_sel = num_selected_blocks(k, ratio)
-    packed = torch.empty(m, k // 2, dtype=torch.uint8, device=x.device)
-    scale = torch.empty(m, nb, dtype=torch.uint8, device=x.device)
-    energy = torch.empty(m, nb, dtype=torch.float32, device=x.device)
-    ramax = torch.empty(m, nb, dtype=torch.float32, device=x.device)
-    gs1 = _rows_gs(gs, x)
-    if m and k:
-        br, bk = _tiles(m, k)
-        _launch(_quant_kernel, (triton.cdiv(m, br), triton.cdiv(k, bk)), x2, gs1, packed, scale, packed,
-                energy, ramax, m, k, BR=br, BK=bk, MODE=2, OUT=0)
-    first = NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs, x.shape, x.dtype)
-    score = energy if per_token else energy.sum(0)
-    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
-    idx = torch.sort(order[..., :n_sel], dim=-1).values
-    rows_idx = (idx if per_token else idx.expand(m, -1)).contiguous()
-    per_row = gs.dim() == 2 and gs.shape[0] == m and m > 1
-    sel_amax = torch.gather(ramax, 1, rows_idx)
-    if n_sel == 0:
-        amax = torch.zeros((m, 1) if per_row else (), dtype=torch.float32, device=x.device)
-    else:
-        amax = sel_amax.amax(-1, keepdim=True) if per_row else sel_amax.amax()
-    gs2 = global_scale_from_amax(amax)
+    p = _residual_first_pass(x, ratio, global_scale, per_token, check_finite, packed=True)
+    m, n_sel = p["m"], p["n_sel"]
     packed2 = torch.empty(m, n_sel * 8, dtype=torch.uint8, device=x.device)
     scale2 = torch.empty(m, n_sel, dtype=torch.uint8, device=x.device)
-    if m and n_sel:
-        bs = 16
-        while bs > 1 and bs // 2 >= n_sel:
-            bs //= 2
-        br = max(1, min(64, 256 // bs))
-        _launch(_residual_second_kernel, (triton.cdiv(m, br), triton.cdiv(n_sel, bs)), x2, gs1, scale,
-                rows_idx, gs2.expand(m, 1).reshape(-1).contiguous(), packed2, scale2, m, k, n_sel, BR=br, BS=bs)
-    second = NVFP4Tensor(packed2, scale2.view(torch.float8_e4m3fn), gs2, torch.Size((m, n_sel * 16)), torch.float32)
-    return ResidualNVFP4(first, second, idx, ratio)
+    if m * n_sel:
+        rows_idx = (p["idx"] if per_token else p["idx"].expand(m, -1)).contiguous()
+        _launch(_residual_second_kernel, _grid(m * n_sel), p["xc"], p["g1"], p["scale"], rows_idx,
+                p["gs2_rows"], packed2.view(torch.int64), scale2, m * n_sel, n_sel, p["nb"], p["div1"])
+    first = NVFP4Tensor(p["codes"], p["scale"].view(torch.float8_e4m3fn), p["gs"], x.shape, x.dtype)
+    second = NVFP4Tensor(packed2, scale2.view(torch.float8_e4m3fn), p["gs2"], torch.Size((m, n_sel * 16)),
+                         torch.float32)
+    return ResidualNVFP4(first, second, p["idx"], ratio)
 
 
 def residual_fake_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, per_token: bool = False,
                            check_finite: bool = True) -> torch.Tensor:
-    """Triton :func:`verl_quads.nvfp4.residual_fake_quantize`."""
-    r = residual_quantize(x, ratio, global_scale, per_token=per_token, check_finite=check_finite)
-    return r.dequantize(x.dtype)
+    """Triton :func:`verl_quads.nvfp4.residual_fake_quantize`: first pass, selection, then one fused
+    kernel that writes ``Q(x) + Q(R_sel)`` without materializing either pass."""
+    if x.dtype not in _OUT_DTYPES:
+        validate_input(x)
+    p = _residual_first_pass(x, ratio, global_scale, per_token, check_finite, packed=False)
+    m, nb = p["m"], p["nb"]
+    out = torch.empty_like(p["xc"])
+    sel = p["mask"].to(torch.int8).contiguous()
+    if m * nb:
+        _launch(_residual_qdq_kernel, _grid(m * nb), p["xc"], p["g1"], p["scale"], sel, p["gs2_rows"], _out_arg(out),
+                m * nb, nb, p["div1"], 1 if per_token else 0, OUT=_OUT_DTYPES[x.dtype])
+    return out
+
 
 def quantize_guided(x: torch.Tensor, guidance: GuidanceRecord, *, check_finite: bool = True) -> NVFP4Tensor:
     """Triton :func:`verl_quads.nvfp4.quantize_guided`."""
@@ -429,15 +540,14 @@ def quantize_guided(x: torch.Tensor, guidance: GuidanceRecord, *, check_finite: 
             f"{tuple(guidance.shape)} (stale or foreign record)"
         )
     k = x.shape[-1]
-    x2 = x.reshape(-1, k).contiguous()
-    r = x2.shape[0]
-    gs = guidance.global_scale.to(x.device)
-    packed = torch.empty(r, k // 2, dtype=torch.uint8, device=x.device)
-    if r and k:
-        br, bk = _tiles(r, k)
-        _launch(_guided_kernel, (triton.cdiv(r, br), triton.cdiv(k, bk)), x2,
-                guidance.bits.to(x.device).reshape(r, k // 8).contiguous(),
-                guidance.block_scale.to(x.device).reshape(r, k // 16).contiguous().view(torch.uint8),
-                _rows_gs(gs, x), packed, r, k, BR=br, BK=bk)
     lead = tuple(x.shape[:-1])
-    return NVFP4Tensor(packed.reshape(*lead, k // 2), guidance.block_scale.to(x.device), gs, x.shape, x.dtype)
+    xc = x.contiguous()
+    gs = guidance.global_scale.to(x.device)
+    packed = torch.empty(*lead, k // 2, dtype=torch.uint8, device=x.device)
+    nblk = xc.numel() // BLOCK_SIZE
+    if nblk:
+        g, div = _gs_rows(gs, lead)
+        _launch(_guided_kernel, _grid(nblk), xc, guidance.bits.to(x.device).contiguous().view(torch.int16),
+                guidance.block_scale.to(x.device).contiguous().view(torch.uint8), g, packed.view(torch.int64), nblk, k // BLOCK_SIZE,
+                div)
+    return NVFP4Tensor(packed, guidance.block_scale.to(x.device), gs, x.shape, x.dtype)

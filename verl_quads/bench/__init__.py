@@ -1,0 +1,1 @@
+"""Benchmarks (``verl-quads bench ...``): each reports ratios against a baseline timed in the same run."""

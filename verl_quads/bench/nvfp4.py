@@ -1,0 +1,106 @@
+"""``verl-quads bench nvfp4``: NVFP4 kernel throughput as a fraction of measured copy bandwidth.
+
+In one run, on one device: device-to-device copy bandwidth (``dst.copy_(src)``, bytes read +
+written), then for each kernel its time and effective bandwidth (bytes it must read + write)
+as a fraction of the copy bandwidth, for the Triton kernels and the torch reference. "call us"
+is an eager Python call (host overhead included, back-to-back calls); "graph us" replays the
+same call captured in a CUDA graph (device time only, as inside vLLM's captured graphs); the
+bandwidth columns use the graph time where there is one. Residual
+compensation is also reported as a ratio to plain quantize (goal <= 1.5x at k = 0.5).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import verl_quads.nvfp4 as nv
+from verl_quads.bench.timing import device_name, graph_time_s, median_time_s, print_table
+
+
+def _bytes_quant(m: int, k: int, in_bytes: int) -> int:
+    return m * k * in_bytes + m * k // 2 + m * k // 16
+
+
+def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, sweep: bool) -> str:
+    from verl_quads.nvfp4 import triton_kernels as tk
+
+    dev = "cuda"
+    out = [f"device: {device_name()}"]
+    print(out[0], flush=True)
+    if sweep:
+        m, k = shapes[-1]
+        x = torch.randn(m, k, device=dev, dtype=dtype)
+        gs = nv.global_scale_from_amax(x.abs().amax())
+        rows = []
+        best = None
+        for split in (True, False):
+            for blocks in (64, 128, 256):
+                for nw in (1, 2, 4):
+                    tk.TILE_CONFIG.update(blocks=blocks, num_warps=nw, split=split)
+                    t = graph_time_s(lambda: nv.quantize(x, gs, backend="triton", check_finite=False))
+                    t2 = graph_time_s(lambda: nv.fake_quantize(x, gs, backend="triton", check_finite=False))
+                    rows.append([split, blocks, nw, t * 1e6, t2 * 1e6])
+                    if best is None or t + t2 < best[0]:
+                        best = (t + t2, dict(tk.TILE_CONFIG))
+        out.append(print_table(f"tile sweep, quantize {m}x{k} {dtype}", ["split load", "blocks/program", "warps", "quantize us", "QDQ us"], rows))
+        tk.TILE_CONFIG.update(best[1])
+        out.append(f"chosen tile config: {best[1]}")
+        print(out[-1], flush=True)
+    rows = []
+    for m, k in shapes:
+        x = torch.randn(m, k, device=dev, dtype=dtype)
+        x[:, :: max(1, k // 8)] *= 30.0  # outlier channels
+        gs = nv.global_scale_from_amax(x.abs().amax())
+        gs_row = nv.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
+        eb = x.element_size()
+        src = torch.empty(m * k * eb * 2, dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        t_copy = median_time_s(lambda: dst.copy_(src))
+        bw = 2 * src.numel() / t_copy
+        rows.append([f"{m}x{k}", "copy (baseline)", "-", t_copy * 1e6, "-", bw / 1e9, 1.0])
+        q = nv.quantize(x, gs, backend="triton")
+        cases = [
+            ("quantize", lambda b: nv.quantize(x, gs, backend=b, check_finite=False), _bytes_quant(m, k, eb)),
+            ("quantize (per-row gs)", lambda b: nv.quantize(x, gs_row, backend=b, check_finite=False), _bytes_quant(m, k, eb)),
+            ("dequantize", lambda b: nv.dequantize(q, dtype, backend=b), _bytes_quant(m, k, eb)),
+            ("fake_quantize (QDQ)", lambda b: nv.fake_quantize(x, gs, backend=b, check_finite=False), 2 * m * k * eb),
+            ("fake_quantize (QDQ, per-row gs)", lambda b: nv.fake_quantize(x, gs_row, backend=b, check_finite=False),
+             2 * m * k * eb),
+            ("residual_quantize k=0.5", lambda b: nv.residual_quantize(x, 0.5, gs_row, backend=b, check_finite=False),
+             _bytes_quant(m, k, eb) + m * k // 4 + m * k // 32),
+            ("residual QDQ k=0.5", lambda b: nv.residual_fake_quantize(x, 0.5, gs_row, backend=b, check_finite=False),
+             2 * m * k * eb),
+        ]
+        rec = nv.extract_guidance(nv.quantize(x, gs_row, backend="triton"))
+        cases.append(("quantize_guided", lambda b: nv.quantize_guided(x, rec, backend=b, check_finite=False),
+                      _bytes_quant(m, k, eb) + m * k // 8))
+        times = {}
+        for name, fn, nbytes in cases:
+            for b in ("triton", "torch") if with_torch else ("triton",):
+                t_call = median_time_s(lambda: fn(b), 2, 5 if b == "torch" else 20, 3 if b == "torch" else 10)
+                t_dev = graph_time_s(lambda: fn(b)) if b == "triton" else None
+                t = t_dev if t_dev is not None else t_call
+                times[(name, b)] = t
+                rows.append([f"{m}x{k}", name, b, t_call * 1e6, "-" if t_dev is None else t_dev * 1e6,
+                             nbytes / t / 1e9, nbytes / t / bw])
+        for name in ("residual_quantize k=0.5", "residual QDQ k=0.5"):
+            base = "quantize (per-row gs)" if name.startswith("residual_quantize") else "fake_quantize (QDQ, per-row gs)"
+            r = times[(name, "triton")] / times[(base, "triton")]
+            rows.append([f"{m}x{k}", f"{name} / {base}", "triton", "-", "-", "-", f"{r:.2f}x"])
+    out.append(print_table(f"NVFP4 kernels, input {dtype}", ["shape", "kernel", "backend", "call us", "graph us", "GB/s", "of copy BW"], rows))
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="verl-quads bench nvfp4", description=__doc__)
+    p.add_argument("--shapes", default="4096x2048,4096x4096,8192x8192", help="comma-separated MxK")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--no-torch", action="store_true", help="skip the torch reference rows")
+    p.add_argument("--sweep", action="store_true", help="sweep tile configs first and use the best")
+    a = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("verl-quads bench nvfp4 needs a CUDA GPU (CPU numbers are not the point)")
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    run(shapes, getattr(torch, a.dtype), not a.no_torch, a.sweep)
