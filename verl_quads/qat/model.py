@@ -19,7 +19,7 @@ for decoder layers ``>= num_layers - guided_layers``; other layers follow ``trac
 Fused experts: with ``act == none`` the model's own experts forward runs (whatever
 ``experts_implementation`` the model uses) with the QDQ weights substituted for the duration of
 the call; W4A4 modes run :meth:`_QATExperts._a4_forward`, a per-expert loop that QDQs the w13 input
-(per token) and the w2 input (per (token, expert) row).
+(per token, once) and the w2 inputs (per (token, expert) row, all rows in one call).
 """
 
 from __future__ import annotations
@@ -146,63 +146,78 @@ class _QATExperts:
         return self._a4_forward(qw, hidden_states, top_k_index, top_k_weights)
 
     def _a4_forward(self, qw, hidden_states, top_k_index, top_k_weights):
-        """Per-expert loop with QDQ GEMM inputs. hidden_states ``[T, H]``, top_k_index/weights ``[T, k]``."""
+        """W4A4 experts. hidden_states ``[T, H]``, top_k_index/weights ``[T, k]``; returns ``[T, H]``.
+
+        The (token, slot) pairs are grouped by expert (stable sort, so each expert's rows are in
+        ascending token order, as ``torch.where`` gives them). The w13 input is QDQ'd once per token,
+        the w2 inputs of all pairs in one call (per row, so the grouping does not change any value).
+        """
         st = self._qat_state
         if "gate_up_proj" not in qw or not getattr(self, "has_gate", True):
             raise NotImplementedError(f"verl-quads QAT: {self._qat_name}: W4A4 modes need gate_up_proj experts")
         transposed = bool(getattr(self, "is_transposed", False))
         has_bias = bool(getattr(self, "has_bias", False))
         w13, w2 = qw["gate_up_proj"], qw["down_proj"]
-        n_exp = w13.shape[0]
-        recording = None
-        if self._qat_act == "rtn":
+        n_exp, top_k = w13.shape[0], top_k_index.shape[1]
+        inter = w2.shape[-2] if transposed else w2.shape[-1]
+        act = self._qat_act
+        tb = st.require_trace(self._qat_name) if act == "guided" else None
+        recording = tb is not None and tb.record_into is not None
+        if act == "rtn":
             x = qdq_rtn(hidden_states, st.backend)
-            w2_rec = None
-        elif st.require_trace(self._qat_name).record_into is not None:
-            x = _guided_input(st, self._qat_name, self._qat_layer, self._qat_gemm + ".w13", hidden_states)
-            w2_rec = None
-            recording = torch.zeros(
-                (*top_k_index.shape, (w2.shape[-2] if transposed else w2.shape[-1])), dtype=hidden_states.dtype,
-                device=hidden_states.device,
-            )
         else:
             x = _guided_input(st, self._qat_name, self._qat_layer, self._qat_gemm + ".w13", hidden_states)
-            tb = st.require_trace(self._qat_name)
-            inner = (top_k_index.shape[1], w2.shape[-1] if not transposed else w2.shape[-2])
-            parts, covered, eids = tb.gather(self._qat_layer, self._qat_gemm + ".w2", (hidden_states.shape[0],) + inner[:1], inner[1])
+        w2_guidance = None
+        if tb is not None and not recording:
+            parts, covered, eids = tb.gather(self._qat_layer, self._qat_gemm + ".w2", (hidden_states.shape[0], top_k), inter)
             cov = covered.to(top_k_index.device)
             if eids is None or not torch.equal(eids.to(top_k_index.device)[cov], top_k_index[cov].long()):
                 n_bad = -1 if eids is None else int((eids.to(top_k_index.device)[cov] != top_k_index[cov]).any(-1).sum())
                 raise GuidanceError(
-                    f"TRACE: layer {self._qat_layer} {self._qat_gemm}.w2: the trainer's routing differs from the rollout's on "
-                    f"{n_bad} token(s); guided rounding of the expert inputs needs identical routing (router replay)"
+                    f"TRACE: layer {self._qat_layer} {self._qat_gemm}.w2: the trainer's routing differs from the "
+                    f"rollout's on {n_bad} token(s); guided rounding of the expert inputs needs identical routing "
+                    "(router replay)"
                 )
-            w2_rec = (parts, covered)
-        out = torch.zeros_like(hidden_states)
+            w2_guidance = (parts, covered)
         with torch.no_grad():
-            hit = torch.unique(top_k_index[(top_k_index >= 0) & (top_k_index < n_exp)]).tolist()
-        for e in hit:
-            tok, slot = torch.where(top_k_index == e)
+            flat = top_k_index.reshape(-1)
+            valid = (flat >= 0) & (flat < n_exp)
+            order = torch.argsort(torch.where(valid, flat, n_exp), stable=True)[: int(valid.sum())]
+            counts = torch.bincount(flat[order], minlength=n_exp).tolist()
+            tok_all, slot_all = order // top_k, order % top_k
+        # gate/up GEMM per expert, then one QDQ over all (token, slot) rows
+        hs, segs, start = [], [], 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            tok = tok_all[start : start + n]
             we13 = w13[e].transpose(0, 1) if transposed else w13[e]
             h = F.linear(x[tok], we13, self.gate_up_proj_bias[e] if has_bias else None)
-            h = self._apply_gate(h)
-            if recording is not None:
-                recording[tok, slot] = h.detach()
-                h = qdq_rtn(h, st.backend)
-            elif w2_rec is None:
-                h = qdq_rtn(h, st.backend)
-            else:
-                (bits, bsc, gsc), covered = w2_rec
-                ct, cs = tok.cpu(), slot.cpu()
-                rec = merged_record(h, (bits[ct, cs], bsc[ct, cs], gsc[ct, cs]), covered[ct], st.backend)
-                h = qdq_guided(h, rec, st.backend)
+            hs.append(self._apply_gate(h))
+            segs.append((e, start, n))
+            start += n
+        if not hs:
+            return torch.zeros_like(hidden_states)
+        h_all = torch.cat(hs, dim=0)
+        if recording:
+            full = torch.zeros((hidden_states.shape[0], top_k, inter), dtype=h_all.dtype, device=h_all.device)
+            full[tok_all, slot_all] = h_all.detach()
+            # rows of unrouted (token, slot) pairs stay zero; they are never read back
+            tb.store(self._qat_layer, self._qat_gemm + ".w2", _own_guidance(full, st.backend), top_k_index.detach())
+        if w2_guidance is None:
+            h_all = qdq_rtn(h_all, st.backend)
+        else:
+            (bits, bsc, gsc), covered = w2_guidance
+            ct, cs = tok_all.cpu(), slot_all.cpu()
+            rec = merged_record(h_all, (bits[ct, cs], bsc[ct, cs], gsc[ct, cs]), covered[ct], st.backend)
+            h_all = qdq_guided(h_all, rec, st.backend)
+        out = torch.zeros_like(hidden_states)
+        for e, start, n in segs:
+            tok, slot = tok_all[start : start + n], slot_all[start : start + n]
             we2 = w2[e].transpose(0, 1) if transposed else w2[e]
-            y = F.linear(h, we2, self.down_proj_bias[e] if has_bias else None)
+            y = F.linear(h_all[start : start + n], we2, self.down_proj_bias[e] if has_bias else None)
             y = y * top_k_weights[tok, slot, None]
             out.index_add_(0, tok, y.to(out.dtype))
-        if recording is not None:
-            # Rows of unrouted (token, slot) pairs stay zero; they are never read back.
-            st.trace.store(self._qat_layer, self._qat_gemm + ".w2", _own_guidance(recording, st.backend), top_k_index.detach())
         return out
 
 
