@@ -208,7 +208,10 @@ class TraceBatch:
             dev = record.bits.device
             r = rows.to(dev)
             rec = GuidanceRecord(
-                record.bits[r], record.block_scale[r], record.global_scale[r], torch.Size((len(rows), *record.shape[1:]))
+                record.bits[r],
+                record.block_scale.view(torch.uint8)[r].view(torch.float8_e4m3fn),
+                record.global_scale[r],
+                torch.Size((len(rows), *record.shape[1:])),
             )
             eids = None if expert_ids is None else expert_ids[rows.to(expert_ids.device)]
             self.record_into.put(GuidanceKey(uid, self.policy_version, layer, gemm), rec, eids)
@@ -217,12 +220,15 @@ class TraceBatch:
         valid = self.row_seq >= 0
         return torch.bincount(self.row_seq[valid], minlength=len(self.uids))
 
-    def gather(self, layer: int, gemm: str, rows_shape: tuple[int, ...], k: int) -> tuple[GuidanceRecord, torch.Tensor, torch.Tensor | None]:
+    def gather(
+        self, layer: int, gemm: str, rows_shape: tuple[int, ...], k: int, device: torch.device | str = "cpu"
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None]:
         """Assemble, for the current forward, one record over all token rows of a GEMM input.
 
         Returns ``(parts, covered, expert_ids)`` where ``parts`` is a GuidanceRecord-like tuple of
         tensors laid out over ``[N, *rows_shape[1:], K]`` (``bits``, ``block_scale``, ``global_scale``)
-        with zeros where not covered, ``covered`` bool ``[N]`` and ``expert_ids`` ``[N, top_k]`` or None.
+        with zeros where not covered, ``covered`` bool ``[N]`` and ``expert_ids`` ``[N, top_k]`` or None,
+        all on ``device`` (records are copied there if they live elsewhere).
         """
         n_rows = self.row_seq.numel()
         if rows_shape[0] != n_rows:
@@ -232,10 +238,12 @@ class TraceBatch:
             )
         inner = tuple(rows_shape[1:])
         lengths = self.seq_lengths().tolist()
-        bits = torch.zeros((n_rows, *inner, k // 8), dtype=torch.uint8)
-        bscale = torch.zeros((n_rows, *inner, k // 16), dtype=torch.float8_e4m3fn)
-        gscale = torch.ones((n_rows, *inner, 1), dtype=torch.float32)
-        covered = torch.zeros(n_rows, dtype=torch.bool)
+        dev = torch.device(device)
+        bits = torch.zeros((n_rows, *inner, k // 8), dtype=torch.uint8, device=dev)
+        bscale = torch.zeros((n_rows, *inner, k // 16), dtype=torch.uint8, device=dev)  # e4m3 bytes
+        gscale = torch.ones((n_rows, *inner, 1), dtype=torch.float32, device=dev)
+        covered = torch.zeros(n_rows, dtype=torch.bool, device=dev)
+        row_seq, row_pos = self.row_seq.to(dev), self.row_pos.to(dev)
         eids = None
         for i, uid in enumerate(self.uids):
             key = GuidanceKey(uid, self.policy_version, layer, gemm)
@@ -250,17 +258,17 @@ class TraceBatch:
                     f"{tuple(rec.global_scale.shape)}); the trainer needs [T, {', '.join(map(str, inner + (k,)))}] with "
                     f"T in ({n}, {n - 1}) for this sequence of {n} tokens and a per-token global scale [T, ..., 1]"
                 )
-            rows = torch.nonzero((self.row_seq == i) & (self.row_pos < t)).flatten()
-            pos = self.row_pos[rows]
-            bits[rows] = rec.bits[pos].cpu()
-            bscale[rows] = rec.block_scale[pos].cpu()
-            gscale[rows] = rec.global_scale[pos].cpu()
+            rows = torch.nonzero((row_seq == i) & (row_pos < t)).flatten()
+            pos = row_pos[rows]
+            bits[rows] = rec.bits.to(dev)[pos]
+            bscale[rows] = rec.block_scale.to(dev).view(torch.uint8)[pos]
+            gscale[rows] = rec.global_scale.to(dev)[pos]
             covered[rows] = True
             if entry.expert_ids is not None:
                 if eids is None:
-                    eids = torch.full((n_rows, entry.expert_ids.shape[-1]), -1, dtype=torch.long)
-                eids[rows] = entry.expert_ids[pos].cpu().long()
-        return (bits, bscale, gscale), covered, eids
+                    eids = torch.full((n_rows, entry.expert_ids.shape[-1]), -1, dtype=torch.long, device=dev)
+                eids[rows] = entry.expert_ids.to(dev)[pos].long()
+        return (bits, bscale.view(torch.float8_e4m3fn), gscale), covered, eids
 
 
 __all__ = [

@@ -69,6 +69,11 @@ class QATState:
         return self.trace
 
 
+def _f8_rows(t: torch.Tensor, *idx: torch.Tensor) -> torch.Tensor:
+    """Advanced indexing of a float8 tensor through its bytes (not every device indexes float8)."""
+    return t.view(torch.uint8)[idx].view(t.dtype)
+
+
 def _own_guidance(x: torch.Tensor, backend: str):
     return extract_guidance(quantize(x.detach(), per_token_global_scale(x), backend=backend))
 
@@ -80,7 +85,7 @@ def _guided_input(state: QATState, name: str, layer: int, gemm: str, x: torch.Te
     if tb.record_into is not None:
         tb.store(layer, gemm, _own_guidance(flat, state.backend))
         return qdq_rtn(x, state.backend)
-    parts, covered, _ = tb.gather(layer, gemm, tuple(flat.shape[:-1]), flat.shape[-1])
+    parts, covered, _ = tb.gather(layer, gemm, tuple(flat.shape[:-1]), flat.shape[-1], flat.device)
     rec = merged_record(flat, parts, covered, state.backend)
     return qdq_guided(flat, rec, state.backend).reshape(x.shape)
 
@@ -169,7 +174,9 @@ class _QATExperts:
             x = _guided_input(st, self._qat_name, self._qat_layer, self._qat_gemm + ".w13", hidden_states)
         w2_guidance = None
         if tb is not None and not recording:
-            parts, covered, eids = tb.gather(self._qat_layer, self._qat_gemm + ".w2", (hidden_states.shape[0], top_k), inter)
+            parts, covered, eids = tb.gather(
+                self._qat_layer, self._qat_gemm + ".w2", (hidden_states.shape[0], top_k), inter, hidden_states.device
+            )
             cov = covered.to(top_k_index.device)
             if eids is None or not torch.equal(eids.to(top_k_index.device)[cov], top_k_index[cov].long()):
                 n_bad = -1 if eids is None else int((eids.to(top_k_index.device)[cov] != top_k_index[cov]).any(-1).sum())
@@ -208,8 +215,9 @@ class _QATExperts:
             h_all = qdq_rtn(h_all, st.backend)
         else:
             (bits, bsc, gsc), covered = w2_guidance
-            ct, cs = tok_all.cpu(), slot_all.cpu()
-            rec = merged_record(h_all, (bits[ct, cs], bsc[ct, cs], gsc[ct, cs]), covered[ct], st.backend)
+            rec = merged_record(
+                h_all, (bits[tok_all, slot_all], _f8_rows(bsc, tok_all, slot_all), gsc[tok_all, slot_all]), covered[tok_all], st.backend
+            )
             h_all = qdq_guided(h_all, rec, st.backend)
         out = torch.zeros_like(hidden_states)
         for e, start, n in segs:
