@@ -67,6 +67,9 @@ def global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
 
     ``amax`` is clamped below at the smallest normal float32 first; a result that is not finite
     (amax == 0 overflows) becomes 1.0, the convention of compressed-tensors' ``generate_gparam``.
+    Order of float32 operations: ``reciprocal(amax) * 2688`` — what torch does for
+    ``python_float / tensor`` (vLLM's reference writes it that way), which differs from a true
+    division ``2688 / amax`` in about a quarter of inputs; kernels reproduce this order.
     So an all-zero tensor gets global scale 1.0, block scales 0 and all-zero codes.
     """
     a = torch.as_tensor(amax).to(torch.float32)

@@ -197,7 +197,7 @@ if triton is not None:
 
     @triton.jit
     def _quant_kernel(
-        x_ptr, gs_ptr, packed_ptr, scale_ptr, out_ptr, energy_ptr, ramax_ptr,
+        x_ptr, gs_ptr, packed_ptr, scale_ptr, out_ptr,
         NBLK, NBK, GS_DIV,
         BLK: tl.constexpr, MODE: tl.constexpr, OUT: tl.constexpr, SPLIT: tl.constexpr,
     ):
@@ -206,9 +206,7 @@ if triton is not None:
         one byte without a shuffle. Block b belongs to row b // NBK, whose global scale
         is gs[row // GS_DIV].
 
-        MODE 0: write packed codes + E4M3 scale bytes. 1: write the QDQ result. 2: MODE 0 plus
-        each block's residual energy and residual amax (float32 [NBLK]). 3: MODE 2 without the
-        packed codes (the residual QDQ path needs only scales and block statistics)."""
+        MODE 0: write packed codes + E4M3 scale bytes. 1: write the QDQ result."""
         b = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
         bmask = b < NBLK
         j = tl.arange(0, 8)
@@ -221,20 +219,12 @@ if triton is not None:
             ve, vo = _qdq_pairs(xe, xo, sval, gs, out_scale)
             _store_pairs(out_ptr, b, ve, vo, bmask, OUT)
         else:
-            if MODE != 3:
-                ye = tl.minimum(tl.maximum(xe * out_scale[:, None], -6.0), 6.0)
-                yo = tl.minimum(tl.maximum(xo * out_scale[:, None], -6.0), 6.0)
-                ce = (_signbit(ye) << 3) | _e2m1_index(tl.abs(ye))
-                co = (_signbit(yo) << 3) | _e2m1_index(tl.abs(yo))
-                tl.store(packed_ptr + b, _block_word(ce, co, j), mask=bmask)
+            ye = tl.minimum(tl.maximum(xe * out_scale[:, None], -6.0), 6.0)
+            yo = tl.minimum(tl.maximum(xo * out_scale[:, None], -6.0), 6.0)
+            ce = (_signbit(ye) << 3) | _e2m1_index(tl.abs(ye))
+            co = (_signbit(yo) << 3) | _e2m1_index(tl.abs(yo))
+            tl.store(packed_ptr + b, _block_word(ce, co, j), mask=bmask)
             tl.store(scale_ptr + b, sbyte.to(tl.uint8), mask=bmask)
-            if MODE >= 2:
-                ve, vo = _qdq_pairs(xe, xo, sval, gs, out_scale)
-                re = xe - ve
-                ro = xo - vo
-                tl.store(energy_ptr + b, tl.sum(re * re, axis=1) + tl.sum(ro * ro, axis=1), mask=bmask)
-                ramax = tl.maximum(tl.max(tl.abs(re), axis=1), tl.max(tl.abs(ro), axis=1))
-                tl.store(ramax_ptr + b, ramax, mask=bmask)
 
     @triton.jit
     def _dequant_kernel(
@@ -258,6 +248,85 @@ if triton is not None:
         ve = tl.where((ce >> 3) == 1, -ve, ve)
         vo = tl.where((co >> 3) == 1, -vo, vo)
         _store_pairs(out_ptr, b, ve, vo, bmask, OUT)
+
+    @triton.jit
+    def _residual_stats_kernel(
+        x_ptr, gs_ptr, packed_ptr, scale_ptr, energy_ptr, ramax_ptr,
+        M, NBK, GS_DIV,
+        RT: tl.constexpr, CT: tl.constexpr, PACK: tl.constexpr, PARTIAL: tl.constexpr, SPLIT: tl.constexpr,
+        BLK: tl.constexpr,  # unused (uniform launch)
+    ):
+        """Residual first pass over a tile of RT rows x CT blocks: E4M3 scales (and packed codes
+        if PACK), each block's residual amax (float32 [M, NBK]) and residual energy — per block
+        ([M, NBK]) or, if PARTIAL, summed over the tile's rows ([cdiv(M, RT), NBK]) so that the
+        per-call score is one small reduction away."""
+        rows = tl.program_id(0) * RT + tl.arange(0, RT)
+        cols = tl.program_id(1) * CT + tl.arange(0, CT)
+        tmask = (rows[:, None] < M) & (cols[None, :] < NBK)
+        b = tl.reshape(rows[:, None].to(tl.int64) * NBK + cols[None, :], (RT * CT,))
+        bmask = tl.reshape(tmask, (RT * CT,))
+        j = tl.arange(0, 8)
+        xe, xo = _load_pairs(x_ptr, b, bmask, SPLIT)
+        gs = tl.load(gs_ptr + (b // NBK) // GS_DIV, mask=bmask, other=1.0)
+        vec_max = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
+        sval, sbyte, out_scale = _scales(vec_max, gs)
+        tl.store(scale_ptr + b, sbyte.to(tl.uint8), mask=bmask)
+        if PACK:
+            ye = tl.minimum(tl.maximum(xe * out_scale[:, None], -6.0), 6.0)
+            yo = tl.minimum(tl.maximum(xo * out_scale[:, None], -6.0), 6.0)
+            ce = (_signbit(ye) << 3) | _e2m1_index(tl.abs(ye))
+            co = (_signbit(yo) << 3) | _e2m1_index(tl.abs(yo))
+            tl.store(packed_ptr + b, _block_word(ce, co, j), mask=bmask)
+        ve, vo = _qdq_pairs(xe, xo, sval, gs, out_scale)
+        re = xe - ve
+        ro = xo - vo
+        tl.store(ramax_ptr + b, tl.maximum(tl.max(tl.abs(re), axis=1), tl.max(tl.abs(ro), axis=1)), mask=bmask)
+        energy = tl.sum(re * re, axis=1) + tl.sum(ro * ro, axis=1)
+        if PARTIAL:
+            part = tl.sum(tl.reshape(energy, (RT, CT)), axis=0)
+            tl.store(energy_ptr + tl.program_id(0) * NBK + cols, part, mask=cols < NBK)
+        else:
+            tl.store(energy_ptr + b, energy, mask=bmask)
+
+    @triton.jit
+    def _select_kernel(score_ptr, mask_ptr, idx_ptr, NB, NSEL, NBP: tl.constexpr, CH: tl.constexpr):
+        """One program: the NSEL highest scores of [NB] (ties: lower index first) as an int8 mask
+        [NB] and ascending indices [NSEL]. A block's rank is the number of blocks ahead of it."""
+        i = tl.arange(0, NBP)
+        vi = i < NB
+        si = tl.load(score_ptr + i, mask=vi, other=0.0)
+        rank = tl.zeros([NBP], dtype=tl.int32)
+        for start in range(0, NB, CH):
+            jj = start + tl.arange(0, CH)
+            vj = jj < NB
+            sj = tl.load(score_ptr + jj, mask=vj, other=0.0)
+            ahead = (sj[None, :] > si[:, None]) | ((sj[None, :] == si[:, None]) & (jj[None, :] < i[:, None]))
+            rank += tl.sum((ahead & vj[None, :]).to(tl.int32), axis=1)
+        sel = (rank < NSEL) & vi
+        tl.store(mask_ptr + i, sel.to(tl.int8), mask=vi)
+        pos = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(idx_ptr + pos, i.to(tl.int64), mask=sel)
+
+    @triton.jit
+    def _row_gs2_kernel(ramax_ptr, mask_ptr, amax_ptr, gs2_ptr, M, NBK, MASK_ROW, RB: tl.constexpr,
+                        CH: tl.constexpr):
+        """Per row: amax of the residual over its selected blocks and the second-pass encode scale
+        ``reciprocal(max(amax, tiny)) * 2688`` (1.0 if not finite), as the reference computes it.
+        The mask is per block ([NBK], MASK_ROW = 0) or per (row, block) (MASK_ROW = 1)."""
+        rows = tl.program_id(0) * RB + tl.arange(0, RB)
+        rmask = rows < M
+        amax = tl.zeros([RB], dtype=tl.float32)
+        for start in range(0, NBK, CH):
+            c = start + tl.arange(0, CH)
+            m2 = rmask[:, None] & (c[None, :] < NBK)
+            ra = tl.load(ramax_ptr + rows[:, None].to(tl.int64) * NBK + c[None, :], mask=m2, other=0.0)
+            sel = tl.load(mask_ptr + rows[:, None].to(tl.int64) * NBK * MASK_ROW + c[None, :], mask=m2, other=0)
+            amax = tl.maximum(amax, tl.max(tl.where(sel != 0, ra, 0.0), axis=1))
+        tl.store(amax_ptr + rows, amax, mask=rmask)
+        a = tl.maximum(amax, 1.1754943508222875e-38)
+        g = tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), a) * 2688.0
+        g = tl.where(g == float("inf"), 1.0, g)
+        tl.store(gs2_ptr + rows, g, mask=rmask)
 
     @triton.jit
     def _residual_second_kernel(
@@ -417,7 +486,7 @@ def quantize(x: torch.Tensor, global_scale=None, *, check_finite: bool = True) -
     if nblk:
         g, div = _gs_rows(gs, lead)
         words = packed.view(torch.int64)  # one 8-byte word per block (see _block_word)
-        _launch(_quant_kernel, _grid(nblk), xc, g, words, scale, words, words, words, nblk, k // BLOCK_SIZE, div,
+        _launch(_quant_kernel, _grid(nblk), xc, g, words, scale, words, nblk, k // BLOCK_SIZE, div,
                 MODE=0, OUT=0)
     return NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs, x.shape, x.dtype)
 
@@ -430,7 +499,7 @@ def fake_quantize(x: torch.Tensor, global_scale=None, *, check_finite: bool = Tr
     if nblk:
         g, div = _gs_rows(gs, tuple(x.shape[:-1]))
         o = _out_arg(out)
-        _launch(_quant_kernel, _grid(nblk), xc, g, o, o, o, o, o, nblk, x.shape[-1] // BLOCK_SIZE, div,
+        _launch(_quant_kernel, _grid(nblk), xc, g, o, o, o, nblk, x.shape[-1] // BLOCK_SIZE, div,
                 MODE=1, OUT=_OUT_DTYPES[x.dtype])
     return out
 
@@ -450,51 +519,52 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
     return out
 
 
-def _select_per_call(score: torch.Tensor, n_sel: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``n_sel`` highest of ``score`` [NB] (ties: lower index first), as ascending indices
-    [n_sel] and a bool mask [NB], without sorting and without a host sync: a block's rank is the
-    number of blocks ahead of it; the indices are scattered to their prefix-sum positions."""
-    nb = score.shape[0]
-    ar = torch.arange(nb, device=score.device)
-    ahead = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (ar[None, :] < ar[:, None]))
-    mask = ahead.sum(1) < n_sel
-    target = torch.where(mask, torch.cumsum(mask, 0) - 1, n_sel)
-    buf = torch.empty(n_sel + 1, dtype=torch.int64, device=score.device).scatter_(0, target, ar)
-    return buf[:n_sel], mask
+_STATS_TILE = (8, 16)  # rows x blocks per program of the residual statistics kernel
 
 
 def _residual_first_pass(x: torch.Tensor, ratio: float, global_scale, per_token: bool, check_finite: bool,
                          packed: bool):
-    """First pass (codes if ``packed``, scales, block energies and residual amax), the block
-    selection, and the second-pass global scale. Returns a dict of the pieces."""
+    """First pass (scales, codes if ``packed``, block statistics), the block selection and the
+    second-pass global scale. Returns a dict of the pieces."""
     if x.dim() != 2:
         raise ValueError(f"residual_quantize: x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
     gs, xc = _prepare(x, global_scale, check_finite)
     m, k = x.shape
     nb = k // BLOCK_SIZE
     n_sel = num_selected_blocks(k, ratio)
-    codes = torch.empty(m, k // 2 if packed else 0, dtype=torch.uint8, device=x.device)
-    scale = torch.empty(m, nb, dtype=torch.uint8, device=x.device)
-    energy = torch.empty(m, nb, dtype=torch.float32, device=x.device)
-    ramax = torch.empty(m, nb, dtype=torch.float32, device=x.device)
+    dev = x.device
+    rt, ct = _STATS_TILE
+    codes = torch.empty(m, k // 2 if packed else 8, dtype=torch.uint8, device=dev)
+    scale = torch.empty(m, nb, dtype=torch.uint8, device=dev)
+    energy = torch.empty(m if per_token else triton.cdiv(m, rt), nb, dtype=torch.float32, device=dev)
+    ramax = torch.empty(m, nb, dtype=torch.float32, device=dev)
     g1, div1 = _gs_rows(gs, (m,))
+    idx = torch.zeros(m if per_token else 1, n_sel, dtype=torch.int64, device=dev)
+    mask = torch.zeros(m if per_token else 1, nb, dtype=torch.int8, device=dev)
+    amax_rows = torch.zeros(m, dtype=torch.float32, device=dev)
+    gs2_rows = torch.ones(m, dtype=torch.float32, device=dev)
     if m * nb:
-        words = codes.view(torch.int64) if packed else energy  # MODE 3 writes no codes
-        _launch(_quant_kernel, _grid(m * nb), xc, g1, words, scale, words, energy, ramax, m * nb, nb, div1,
-                MODE=2 if packed else 3, OUT=0)
-    if per_token:
-        order = torch.sort(energy, dim=-1, descending=True, stable=True).indices
-        idx = torch.sort(order[..., :n_sel], dim=-1).values
-        mask = torch.zeros(m, nb, dtype=torch.bool, device=x.device).scatter_(1, idx, True)
-    else:
-        idx, mask = _select_per_call(energy.sum(0), n_sel)
-        mask = mask.unsqueeze(0)
+        _launch(_residual_stats_kernel, (triton.cdiv(m, rt), triton.cdiv(nb, ct)), xc, g1, codes.view(torch.int64),
+                scale, energy, ramax, m, nb, div1, RT=rt, CT=ct, PACK=packed, PARTIAL=not per_token)
+        if per_token:
+            order = torch.sort(energy, dim=-1, descending=True, stable=True).indices
+            idx = torch.sort(order[..., :n_sel], dim=-1).values
+            mask.scatter_(1, idx, 1)
+        elif n_sel:
+            score = energy.sum(0)
+            nbp = triton.next_power_of_2(nb)
+            _select_kernel[(1,)](score, mask, idx, nb, n_sel, NBP=nbp, CH=max(1, min(64, 16384 // nbp)))
+        rb = 16
+        _row_gs2_kernel[(triton.cdiv(m, rb),)](ramax, mask, amax_rows, gs2_rows, m, nb, 1 if per_token else 0,
+                                              RB=rb, CH=64)
     per_row = gs.dim() == 2 and gs.shape[0] == m and m > 1
-    sel_amax = torch.where(mask, ramax, torch.zeros((), dtype=ramax.dtype, device=x.device))
-    amax = sel_amax.amax(-1, keepdim=True) if per_row else sel_amax.amax()
-    gs2 = global_scale_from_amax(amax)
-    return dict(gs=gs, xc=xc, g1=g1, div1=div1, codes=codes, scale=scale, idx=idx, mask=mask, gs2=gs2,
-                gs2_rows=gs2.expand(m, 1).reshape(-1).contiguous(), m=m, k=k, nb=nb, n_sel=n_sel)
+    if per_row:
+        gs2 = gs2_rows.unsqueeze(-1)
+    else:  # per-tensor first pass: one second-pass scale from the amax over all selected blocks
+        gs2 = global_scale_from_amax(amax_rows.amax() if m else torch.zeros((), device=dev))
+        gs2_rows = gs2.expand(m).contiguous()
+    return dict(gs=gs, xc=xc, g1=g1, div1=div1, codes=codes, scale=scale, idx=idx if per_token else idx[0],
+                mask=mask, gs2=gs2, gs2_rows=gs2_rows, m=m, k=k, nb=nb, n_sel=n_sel)
 
 
 def residual_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, per_token: bool = False,
@@ -523,7 +593,7 @@ def residual_fake_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, 
     p = _residual_first_pass(x, ratio, global_scale, per_token, check_finite, packed=False)
     m, nb = p["m"], p["nb"]
     out = torch.empty_like(p["xc"])
-    sel = p["mask"].to(torch.int8).contiguous()
+    sel = p["mask"]
     if m * nb:
         _launch(_residual_qdq_kernel, _grid(m * nb), p["xc"], p["g1"], p["scale"], sel, p["gs2_rows"], _out_arg(out),
                 m * nb, nb, p["div1"], 1 if per_token else 0, OUT=_OUT_DTYPES[x.dtype])
