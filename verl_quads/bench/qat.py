@@ -1,0 +1,149 @@
+"""``verl-quads bench qat`` (or ``python -m verl_quads.bench.qat``): QAT overhead of one MoE decoder layer.
+
+One transformers ``Qwen3MoeDecoderLayer`` at Qwen3-30B-A3B width by default (hidden 2048, 32 query /
+4 KV heads of 128, 128 experts, top-8, expert intermediate 768), bf16 weights (what the layer sees
+under FSDP2 mixed precision), 4096 tokens of one sequence, forward + backward (gradients w.r.t. the
+input and every weight). Timed in one run, same process, same input, for:
+
+- ``bf16``: the stock layer;
+- ``w4a16`` (QUADS trainer): NVFP4 QDQ (STE) of every linear and expert weight;
+- ``w4a4_qat``: + per-token NVFP4 QDQ of every GEMM input;
+- ``trace``: the layer guided (``guided_layers=1``) with guidance records made beforehand from the
+  layer's own activations (the rollout would supply them; the cost of applying them is the same).
+
+Reported: median ms per forward+backward (CUDA events; ``median_time_s``) and the ratio to ``bf16``.
+Goals (issue 4): ``w4a16`` <= 1.10, ``trace`` <= 1.20. Runs on CPU too with small ``--tokens``
+(smoke test), where the numbers mean little.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+
+import torch
+from torch import nn
+
+from verl_quads.bench.timing import device_name, median_time_s, print_table
+from verl_quads.config import QuantConfig
+
+MODES = ("bf16", "w4a16", "w4a4_qat", "trace")
+_QUANT_OF = {"w4a16": "quads", "w4a4_qat": "w4a4_qat", "trace": "trace"}
+
+
+def build_layer(a: argparse.Namespace, device: str, dtype: torch.dtype):
+    """A one-layer container ``model.layers[0]`` (so QAT finds layer 0) + rotary embedding."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeDecoderLayer, Qwen3MoeRotaryEmbedding
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=1024, hidden_size=a.hidden, num_hidden_layers=1, num_attention_heads=a.heads,
+        num_key_value_heads=a.kv_heads, head_dim=a.head_dim, moe_intermediate_size=a.moe_inter,
+        intermediate_size=4 * a.moe_inter, num_experts=a.experts, num_experts_per_tok=a.top_k,
+        decoder_sparse_step=1, norm_topk_prob=True, max_position_embeddings=max(a.tokens, 4096),
+    )
+    cfg._attn_implementation = a.attn
+    # A standalone layer has no PreTrainedModel to pick the experts implementation: set it here.
+    cfg._experts_implementation = a.experts_impl
+    torch.manual_seed(0)
+    root = nn.Module()
+    root.config = cfg
+    root.layers = nn.ModuleList([Qwen3MoeDecoderLayer(cfg, 0)])
+    with torch.no_grad():
+        for p in root.parameters():
+            p.copy_(torch.randn_like(p) * 0.02 + (1.0 if p.dim() == 1 else 0.0))
+    root = root.to(device=device, dtype=dtype)
+    rope = Qwen3MoeRotaryEmbedding(cfg).to(device)
+    return root, rope, cfg
+
+
+def run(a: argparse.Namespace) -> str:
+    from verl_quads.qat import InMemoryGuidanceStore, TraceBatch, apply_qat, trace_context
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16
+    base, rope, cfg = build_layer(a, device, dtype)
+    g = torch.Generator(device=device).manual_seed(1)
+    x0 = torch.randn(1, a.tokens, a.hidden, device=device, dtype=dtype, generator=g)
+    pos = torch.arange(a.tokens, device=device).unsqueeze(0)
+    pe = rope(x0, pos)
+    dy = torch.randn(1, a.tokens, a.hidden, device=device, dtype=dtype, generator=g) * 1e-2
+    lines = [f"device: {device_name()}",
+             f"layer: hidden {a.hidden}, heads {a.heads}/{a.kv_heads}x{a.head_dim}, experts {a.experts} top-{a.top_k}, "
+             f"expert inter {a.moe_inter}, tokens {a.tokens}, attention {cfg._attn_implementation}, "
+             f"experts impl {cfg._experts_implementation}, NVFP4 backend {a.backend}"]
+    print("\n".join(lines), flush=True)
+
+    rows, t_bf16 = [], None
+    for mode in a.modes:
+        layer_root = copy.deepcopy(base)
+        ctx = None
+        if mode != "bf16":
+            qc = QuantConfig(quant=_QUANT_OF[mode], guided_layers=1, backend=a.backend)
+            apply_qat(layer_root, qc)
+        layer = layer_root.layers[0]
+        if mode == "trace":
+            store = InMemoryGuidanceStore()
+            tb = TraceBatch.padded(store, 0, ["seq0"], torch.ones(1, a.tokens, dtype=torch.long))
+            tb.record_into = store
+            with torch.no_grad(), trace_context(layer_root, tb):
+                layer(x0, attention_mask=None, position_embeddings=pe)
+            ctx = TraceBatch.padded(store, 0, ["seq0"], torch.ones(1, a.tokens, dtype=torch.long))
+
+        x = x0.detach().clone().requires_grad_(True)
+
+        def step():
+            for p in layer.parameters():
+                p.grad = None
+            x.grad = None
+            if ctx is not None:
+                with trace_context(layer_root, ctx):
+                    y = layer(x, attention_mask=None, position_embeddings=pe)
+                    y.backward(dy)
+            else:
+                y = layer(x, attention_mask=None, position_embeddings=pe)
+                y.backward(dy)
+
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t = median_time_s(step, warmup=a.warmup, iters=a.iters, inner=1)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+        if mode == "bf16":
+            t_bf16 = t
+        rows.append([mode, t * 1e3, (t / t_bf16) if t_bf16 else float("nan"), peak])
+        print(f"{mode}: {t * 1e3:.2f} ms", flush=True)
+        del layer_root, layer
+    table = print_table("one MoE decoder layer, forward+backward", ["mode", "ms", "x bf16", "peak GiB"], rows)
+    return "\n".join(lines + [table])
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="verl-quads bench qat", description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--moe-inter", type=int, default=768)
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"), help="NVFP4 kernel backend")
+    p.add_argument("--attn", default="sdpa", help="transformers attention implementation (sdpa, eager, ...)")
+    p.add_argument("--experts-impl", default="grouped_mm",
+                   help="transformers experts implementation (grouped_mm: what a Qwen3-MoE model gets by default)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    a = p.parse_args(argv)
+    if a.modes[0] != "bf16":
+        a.modes = ["bf16"] + [m for m in a.modes if m != "bf16"]  # ratios need the baseline first
+    return a
+
+
+def main(argv: list[str] | None = None) -> str:
+    """Run and return the report (the table is printed as it is made)."""
+    return run(parse(argv))
+
+
+if __name__ == "__main__":
+    main()
