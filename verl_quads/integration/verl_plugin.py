@@ -19,9 +19,6 @@ def load() -> None:
     from verl_quads.patches import apply_verl_cpu_patches
 
     apply_verl_cpu_patches()  # CPU platform + CPU patches; no-op with an accelerator torch
-    # Registration of the CPU platform, config schema and engines is added by the
-    # CPU-runtime and trainer-side work; nothing is registered yet.
-    return None
 
 
 load()

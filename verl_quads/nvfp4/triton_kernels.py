@@ -178,9 +178,13 @@ if triton is not None:
     @triton.jit
     def _block_word(ce, co, j):
         """The 8 packed bytes of each block ([BLK, 8] even/odd codes) as one int64 word, byte j =
-        ce[:, j] | co[:, j] << 4 (little-endian), so a block is one 8-byte store."""
-        byte = (ce | (co << 4)).to(tl.int64)
-        return tl.sum(byte << (8 * j[None, :]).to(tl.int64), axis=1)
+        ce[:, j] | co[:, j] << 4 (little-endian), so a block is one 8-byte store. Built from two
+        32-bit halves: 64-bit shifts cost several instructions each."""
+        byte = ce | (co << 4)
+        sh = 8 * (j % 4)
+        lo = tl.sum(tl.where(j[None, :] < 4, byte << sh[None, :], 0), axis=1)
+        hi = tl.sum(tl.where(j[None, :] >= 4, byte << sh[None, :], 0), axis=1)
+        return (hi.to(tl.int64) << 32) | (lo.to(tl.int64) & 0xFFFFFFFF)
 
     @triton.jit
     def _store_out(ptr, v, mask, OUT: tl.constexpr):
