@@ -202,7 +202,7 @@ def test_a4_expert_loop_without_quantization_equals_stock_eager(monkeypatch):
             e.down_proj.copy_(torch.stack([fake_quantize(w) for w in e.down_proj]))
     cfg = QuantConfig(quant="w4a4_qat", ignore=QuantConfig().ignore + (r"self_attn",))
     apply_qat(model, cfg)
-    monkeypatch.setattr(qm, "qdq_rtn", lambda x, backend="auto": x)
+    monkeypatch.setattr(qm, "qdq_rtn", lambda x, backend="auto", check_finite=True: x)
     ids = tokens()
     l0, g0 = _fwd_bwd(stock, ids)
     l1, g1 = _fwd_bwd(model, ids)
@@ -223,3 +223,16 @@ def test_qat_module_errors_are_clear():
     m.blocks.weird = torch.nn.Parameter(torch.zeros(2, 16, 16))
     with pytest.raises(ValueError, match=r"blocks .*weird"):
         apply_qat(m, "quads")
+
+
+def test_check_finite_option():
+    """Off by default (no device sync per QDQ; NaN propagates as in BF16); on: a clear error."""
+    model = tiny_model("qwen3")
+    with torch.no_grad():
+        model.model.layers[0].self_attn.o_proj.weight[0, 0] = float("nan")
+    strict = copy.deepcopy(model)
+    apply_qat(model, "quads")
+    assert torch.isnan(model(input_ids=tokens()).logits).any()
+    apply_qat(strict, "quads", check_finite=True)
+    with pytest.raises(ValueError, match="contains 1 NaN"):
+        strict(input_ids=tokens())

@@ -32,19 +32,20 @@ def per_token_global_scale(x: torch.Tensor) -> torch.Tensor:
     return global_scale_from_amax(x.detach().abs().amax(dim=-1, keepdim=True).to(torch.float32))
 
 
-def qdq_rtn(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+def qdq_rtn(x: torch.Tensor, backend: str = "auto", check_finite: bool = True) -> torch.Tensor:
     """Per-token round-to-nearest NVFP4 QDQ with STE."""
-    return fake_quantize_ste(x, per_token_global_scale(x), backend=backend)
+    return fake_quantize_ste(x, per_token_global_scale(x), backend=backend, check_finite=check_finite)
 
 
 class _GuidedQDQ(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, record: GuidanceRecord, backend: str):  # type: ignore[override]
-        return dequantize(quantize_guided(x, record, backend=backend), x.dtype, backend=backend)
+    def forward(ctx, x, record: GuidanceRecord, backend: str, check_finite: bool):  # type: ignore[override]
+        q = quantize_guided(x, record, backend=backend, check_finite=check_finite)
+        return dequantize(q, x.dtype, backend=backend)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return grad, None, None
+        return grad, None, None, None
 
 
 def merged_record(
@@ -52,12 +53,15 @@ def merged_record(
     parts: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     covered: torch.Tensor,
     backend: str = "auto",
+    check_finite: bool = True,
 ) -> GuidanceRecord:
     """One record for ``x`` ``[M, ..., K]``: the rollout's rows where ``covered`` (bool ``[M]``),
     the round-to-nearest guidance of ``x`` itself elsewhere."""
     bits, bscale, gscale = (p.to(x.device) for p in parts)
     if not bool(covered.all()):
-        own = extract_guidance(quantize(x.detach(), per_token_global_scale(x), backend=backend))
+        own = extract_guidance(
+            quantize(x.detach(), per_token_global_scale(x), backend=backend, check_finite=check_finite)
+        )
         c = covered.to(x.device)
         shape = (-1,) + (1,) * (x.dim() - 1)
         bits = torch.where(c.view(shape), bits, own.bits)
@@ -68,9 +72,11 @@ def merged_record(
     return GuidanceRecord(bits, bscale, gscale, x.shape)
 
 
-def qdq_guided(x: torch.Tensor, record: GuidanceRecord, backend: str = "auto") -> torch.Tensor:
+def qdq_guided(
+    x: torch.Tensor, record: GuidanceRecord, backend: str = "auto", check_finite: bool = True
+) -> torch.Tensor:
     """NVFP4 QDQ of ``x`` under ``record`` (shape must match), with STE."""
-    return _GuidedQDQ.apply(x, record, backend)
+    return _GuidedQDQ.apply(x, record, backend, check_finite)
 
 
 __all__ = ["per_token_global_scale", "qdq_rtn", "merged_record", "qdq_guided"]

@@ -55,6 +55,8 @@ class QATState:
     config: QuantConfig
     num_layers: int  # decoder layers (trace mode; -1 otherwise)
     backend: str = "torch"
+    #: Finite checks of every QDQ input (one device sync each); off by default in training.
+    check_finite: bool = False
     trace: TraceBatch | None = None
     #: fully-qualified name -> (kind, gemm, layer, act) of every quantized module.
     modules: dict[str, tuple[str, str, int | None, str]] = field(default_factory=dict)
@@ -74,8 +76,9 @@ def _f8_rows(t: torch.Tensor, *idx: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)[idx].view(t.dtype)
 
 
-def _own_guidance(x: torch.Tensor, backend: str):
-    return extract_guidance(quantize(x.detach(), per_token_global_scale(x), backend=backend))
+def _own_guidance(x: torch.Tensor, state: "QATState"):
+    q = quantize(x.detach(), per_token_global_scale(x), backend=state.backend, check_finite=state.check_finite)
+    return extract_guidance(q)
 
 
 def _guided_input(state: QATState, name: str, layer: int, gemm: str, x: torch.Tensor) -> torch.Tensor:
@@ -83,11 +86,11 @@ def _guided_input(state: QATState, name: str, layer: int, gemm: str, x: torch.Te
     tb = state.require_trace(name)
     flat = x.reshape(-1, x.shape[-1])
     if tb.record_into is not None:
-        tb.store(layer, gemm, _own_guidance(flat, state.backend))
-        return qdq_rtn(x, state.backend)
+        tb.store(layer, gemm, _own_guidance(flat, state))
+        return qdq_rtn(x, state.backend, state.check_finite)
     parts, covered, _ = tb.gather(layer, gemm, tuple(flat.shape[:-1]), flat.shape[-1], flat.device)
-    rec = merged_record(flat, parts, covered, state.backend)
-    return qdq_guided(flat, rec, state.backend).reshape(x.shape)
+    rec = merged_record(flat, parts, covered, state.backend, state.check_finite)
+    return qdq_guided(flat, rec, state.backend, state.check_finite).reshape(x.shape)
 
 
 class _QATLinear:
@@ -105,9 +108,9 @@ class _QATLinear:
         for m in self._qat_group:
             check_unsharded(m.weight, f"{m._qat_name}.weight")
         gs = linear_global_scale([m.weight for m in self._qat_group])
-        w = qdq_linear_weight(self.weight, gs, st.backend)
+        w = qdq_linear_weight(self.weight, gs, st.backend, st.check_finite)
         if self._qat_act == "rtn":
-            x = qdq_rtn(x, st.backend)
+            x = qdq_rtn(x, st.backend, st.check_finite)
         elif self._qat_act == "guided":
             x = _guided_input(st, self._qat_name, self._qat_layer, self._qat_gemm, x)
         return F.linear(x, w, self.bias)
@@ -129,7 +132,7 @@ class _QATExperts:
         for p in self._qat_params:
             w = getattr(self, p)
             check_unsharded(w, f"{self._qat_name}.{p}")
-            out[p] = qdq_expert_weight(w, transposed, self._qat_state.backend)
+            out[p] = qdq_expert_weight(w, transposed, self._qat_state.backend, self._qat_state.check_finite)
         return out
 
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):  # type: ignore[override]
@@ -169,7 +172,7 @@ class _QATExperts:
         tb = st.require_trace(self._qat_name) if act == "guided" else None
         recording = tb is not None and tb.record_into is not None
         if act == "rtn":
-            x = qdq_rtn(hidden_states, st.backend)
+            x = qdq_rtn(hidden_states, st.backend, st.check_finite)
         else:
             x = _guided_input(st, self._qat_name, self._qat_layer, self._qat_gemm + ".w13", hidden_states)
         w2_guidance = None
@@ -210,15 +213,14 @@ class _QATExperts:
             full = torch.zeros((hidden_states.shape[0], top_k, inter), dtype=h_all.dtype, device=h_all.device)
             full[tok_all, slot_all] = h_all.detach()
             # rows of unrouted (token, slot) pairs stay zero; they are never read back
-            tb.store(self._qat_layer, self._qat_gemm + ".w2", _own_guidance(full, st.backend), top_k_index.detach())
+            tb.store(self._qat_layer, self._qat_gemm + ".w2", _own_guidance(full, st), top_k_index.detach())
         if w2_guidance is None:
-            h_all = qdq_rtn(h_all, st.backend)
+            h_all = qdq_rtn(h_all, st.backend, st.check_finite)
         else:
             (bits, bsc, gsc), covered = w2_guidance
-            rec = merged_record(
-                h_all, (bits[tok_all, slot_all], _f8_rows(bsc, tok_all, slot_all), gsc[tok_all, slot_all]), covered[tok_all], st.backend
-            )
-            h_all = qdq_guided(h_all, rec, st.backend)
+            parts = (bits[tok_all, slot_all], _f8_rows(bsc, tok_all, slot_all), gsc[tok_all, slot_all])
+            rec = merged_record(h_all, parts, covered[tok_all], st.backend, st.check_finite)
+            h_all = qdq_guided(h_all, rec, st.backend, st.check_finite)
         out = torch.zeros_like(hidden_states)
         for e, start, n in segs:
             tok, slot = tok_all[start : start + n], slot_all[start : start + n]
@@ -268,11 +270,15 @@ def _expert_params(module: nn.Module) -> tuple[str, ...]:
     return tuple(n for n, p in module.named_parameters(recurse=False) if p is not None and p.dim() == 3)
 
 
-def apply_qat(model: nn.Module, config: QuantConfig | str, *, backend: str | None = None) -> QATState | None:
+def apply_qat(
+    model: nn.Module, config: QuantConfig | str, *, backend: str | None = None, check_finite: bool = False
+) -> QATState | None:
     """Make ``model`` quantization-aware in place for ``config.trainer_mode``.
 
     ``config``: a :class:`QuantConfig` or a ``quant`` mode string. ``backend``: NVFP4 backend for
-    the QDQ (default: ``config.backend``, ``auto`` = triton on CUDA, torch on CPU). Returns the
+    the QDQ (default: ``config.backend``, ``auto`` = triton on CUDA, torch on CPU). ``check_finite``:
+    check every QDQ input for NaN/Inf and raise (one device sync per QDQ; off by default, a
+    non-finite value then propagates to the loss as in the BF16 model). Returns the
     :class:`QATState` (also at ``model._verl_quads_qat``), or None for trainer mode ``none`` (the
     model is left exactly as it was). Raises if the model is already QAT-enabled, or if a
     module has 3-D parameters that are not fused experts verl-quads knows.
@@ -286,7 +292,9 @@ def apply_qat(model: nn.Module, config: QuantConfig | str, *, backend: str | Non
         return None
     be = backend or config.backend
     num_layers = _num_layers(model) if mode == "trace" else -1
-    state = QATState(config=config, num_layers=num_layers, backend="auto" if be == "native" else be)
+    state = QATState(
+        config=config, num_layers=num_layers, backend="auto" if be == "native" else be, check_finite=check_finite
+    )
     first_guided = state.num_layers - config.guided_layers
 
     def act_for(layer: int | None) -> str:

@@ -68,19 +68,23 @@ def expert_global_scale(w: torch.Tensor) -> torch.Tensor:
     return global_scale_from_amax(w.detach().abs().amax(dim=(1, 2), keepdim=True).to(torch.float32))
 
 
-def qdq_linear_weight(w: torch.Tensor, global_scale: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+def qdq_linear_weight(
+    w: torch.Tensor, global_scale: torch.Tensor, backend: str = "auto", check_finite: bool = True
+) -> torch.Tensor:
     """NVFP4 QDQ (STE) of a linear weight ``[out, in]``, blocks along ``in``; same dtype as ``w``."""
-    return fake_quantize_ste(w, global_scale, backend=backend)
+    return fake_quantize_ste(w, global_scale, backend=backend, check_finite=check_finite)
 
 
-def qdq_expert_weight(w: torch.Tensor, transposed: bool, backend: str = "auto") -> torch.Tensor:
+def qdq_expert_weight(
+    w: torch.Tensor, transposed: bool, backend: str = "auto", check_finite: bool = True
+) -> torch.Tensor:
     """NVFP4 QDQ (STE) of a fused expert weight, per-expert global scale, blocks along K.
 
     ``w``: ``[E, out, in]`` (``transposed=False``) or ``[E, in, out]`` (``transposed=True``).
     Returns a tensor of ``w``'s shape and dtype.
     """
     w_oi = w.transpose(-1, -2) if transposed else w
-    q = fake_quantize_ste(w_oi, expert_global_scale(w_oi), backend=backend)
+    q = fake_quantize_ste(w_oi, expert_global_scale(w_oi), backend=backend, check_finite=check_finite)
     return q.transpose(-1, -2) if transposed else q
 
 
