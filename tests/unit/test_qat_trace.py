@@ -182,3 +182,13 @@ def test_rollout_capture_provider_adapts_request_guidance():
     caps["a/0"].positions = torch.tensor([0, 1, 2, 4, 5, 6, 7, 8])
     with pytest.raises(GuidanceError, match="prefix caching"):
         _run(trace, ids, TraceBatch.padded(provider, 7, UIDS, torch.ones_like(ids)))
+
+
+def test_gemm_names_are_layer_paths_with_vllm_fused_names_through_wrappers():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = tiny_model("qwen3_moe", layers=2)
+    model.model.layers[0] = checkpoint_wrapper(model.model.layers[0])  # activation checkpointing renames
+    state = apply_qat(model, QuantConfig(quant="trace", guided_layers=2))
+    names = {(layer, gemm) for _, gemm, layer, _ in state.modules.values()}
+    assert names == {(i, g) for i in (0, 1) for g in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.experts")}

@@ -45,6 +45,7 @@ from verl_quads.qat.weights import (
     qdq_linear_weight,
 )
 
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
@@ -261,6 +262,8 @@ def _layer_of(name: str) -> int | None:
 
 def _in_layer_path(name: str, layer: int | None) -> str:
     """Module path inside its decoder layer (``self_attn.q_proj``), or the full name outside layers."""
+    for wrapper in _WRAPPER_PREFIXES:  # activation-checkpoint / FSDP1 / torch.compile wrappers
+        name = name.replace(wrapper, "")
     if layer is None:
         return name
     return name.split(f"layers.{layer}.", 1)[-1]
