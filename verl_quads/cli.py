@@ -3,7 +3,8 @@
 - ``verl-quads demo``: quantize a tiny random Qwen3-MoE (built locally, no download) with the
   NVFP4 core and print its per-layer error table (the end-to-end GRPO demo replaces this once
   the CPU runtime and both halves exist).
-- ``verl-quads bench nvfp4``: kernel benchmark (CUDA).
+- ``verl-quads bench nvfp4|qat``: benchmarks (CUDA); each prints ratios to a baseline timed in
+  the same run.
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ def _demo(argv: list[str]) -> None:
 
 def _bench(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="verl-quads bench")
-    p.add_argument("what", choices=["nvfp4"])
+    p.add_argument("what", choices=sorted(BENCHES))
     a, rest = p.parse_known_args(argv)
-    if a.what == "nvfp4":
-        from verl_quads.bench.nvfp4 import main
+    import importlib
 
-        main(rest)
+    importlib.import_module(BENCHES[a.what]).main(rest)
 
 
+BENCHES = {"nvfp4": "verl_quads.bench.nvfp4", "qat": "verl_quads.bench.qat"}
 COMMANDS = {"demo": _demo, "bench": _bench}
 
 
