@@ -29,7 +29,13 @@ def _bench(argv: list[str]) -> None:
 
 
 BENCHES = {"nvfp4": "verl_quads.bench.nvfp4", "qat": "verl_quads.bench.qat"}
-COMMANDS = {"demo": _demo, "bench": _bench}
+def _probe(argv: list[str]) -> None:
+    from verl_quads.diagnostics.probe import main
+
+    main(argv)
+
+
+COMMANDS = {"demo": _demo, "bench": _bench, "probe": _probe}
 
 
 def main(argv: list[str] | None = None) -> None:

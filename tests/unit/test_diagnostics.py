@@ -1,0 +1,127 @@
+"""verl_quads.diagnostics.stats on synthetic tensors (values checked against hand/numpy computations),
+and the HF rollout emulator (equal to the QAT trainer in float32; the vLLM MoE method where installed)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from verl_quads.diagnostics import stats as S
+
+
+def test_gap_stats_matches_numpy():
+    g = torch.Generator().manual_seed(0)
+    r = -torch.rand(4, 50, generator=g) * 3
+    t = r + torch.randn(4, 50, generator=g) * 0.1
+    mask = torch.rand(4, 50, generator=g) > 0.3
+    out = S.gap_stats(r, t, mask)
+    d = (t - r).double().numpy()[mask.numpy()]
+    assert out["n_tokens"] == int(mask.sum())
+    assert out["logp_gap_max"] == pytest.approx(np.abs(d).max())
+    assert out["logp_gap_mean"] == pytest.approx(np.abs(d).mean())
+    assert out["logp_gap_p99"] == pytest.approx(np.quantile(np.abs(d), 0.99))
+    assert out["k3_kl"] == pytest.approx(np.mean(np.exp(d) - d - 1))
+
+
+def test_gap_stats_masked_tokens_do_not_count_and_empty_mask_raises():
+    r = torch.zeros(1, 3)
+    t = torch.tensor([[0.1, 100.0, -0.2]])
+    out = S.gap_stats(r, t, torch.tensor([[True, False, True]]))
+    assert out["logp_gap_max"] == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="no token"):
+        S.gap_stats(r, t, torch.zeros(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="shape"):
+        S.gap_stats(r, t, torch.ones(1, 2, dtype=torch.bool))
+
+
+def test_k3_is_zero_for_identical_and_positive_otherwise():
+    r = -torch.rand(2, 10)
+    assert S.gap_stats(r, r.clone(), torch.ones(2, 10, dtype=torch.bool))["k3_kl"] == 0.0
+    assert S.gap_stats(r, r + 0.3, torch.ones(2, 10, dtype=torch.bool))["k3_kl"] == pytest.approx(math.exp(0.3) - 1.3)
+
+
+def test_argmax_differs():
+    a = torch.tensor([[1, 2, 3, 4]])
+    b = torch.tensor([[1, 0, 3, 0]])
+    assert S.argmax_differs(a, b, torch.ones(1, 4, dtype=torch.bool)) == 0.5
+    assert S.argmax_differs(a, b, torch.tensor([[True, False, True, True]])) == pytest.approx(1 / 3)
+
+
+def test_routing_disagreement_sets_not_order():
+    r = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]]])  # [T=2, L=2, k=2]
+    t = torch.tensor([[[1, 0], [2, 4]], [[4, 5], [0, 1]]])
+    out = S.routing_disagreement(r, t)
+    assert out["routing_set_differs"] == 0.5  # (0,1): same set reordered; (2,3)vs(2,4) differs; (6,7)vs(0,1) differs
+    assert out["routing_slot_differs"] == pytest.approx(3 / 8)
+    masked = S.routing_disagreement(r, t, torch.tensor([True, False]))
+    assert masked["routing_set_differs"] == 0.5 and masked["routing_slot_differs"] == 0.25
+
+
+def test_relative_error_and_closure_and_summarize():
+    ref = torch.tensor([[3.0, 4.0], [0.0, 0.0]])
+    assert S.relative_error(ref, ref + torch.tensor([[0.0, 0.5], [0.0, 0.0]])) == pytest.approx(0.1)
+    assert S.relative_error(ref, ref * 2, torch.tensor([True, False])) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="zero"):
+        S.relative_error(torch.zeros(2), torch.ones(2))
+    assert S.closure(0.3, 1.0, 0.2) == pytest.approx(0.875)
+    assert math.isnan(S.closure(0.3, 0.2, 0.2))
+    s = S.summarize([{"a": 1.0, "b": 2.0}, {"a": 3.0}, {"a": 5.0}])
+    assert set(s) == {"a"} and s["a"]["mean"] == 3.0 and s["a"]["std"] == 2.0 and s["a"]["min"] == 1.0 and s["a"]["n"] == 3
+
+
+# ------------------------------------------------------------------ HF rollout emulator
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from verl_quads.diagnostics.outliers import build_tiny_with_outliers
+
+    return build_tiny_with_outliers(tmp_path_factory.mktemp("tiny_outliers"))
+
+
+def _load(path, dtype):
+    from verl_quads.diagnostics.probe import load_hf
+
+    return load_hf(path, "sdpa", "cpu", dtype=dtype)
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "w4a4_qat"])
+def test_emulator_equals_qat_trainer_in_float32(tiny, mode):
+    """Same quantization choices on both sides, float32 model: the emulated rollout's hidden states equal
+    the QAT trainer's to float32 summation-order rounding (w4a4_qat's RTN activations = the rollout's naive
+    activations), while quantization itself moves them by orders of magnitude more."""
+    from verl_quads.diagnostics.hf_rollout import RolloutEmulator, RolloutSpec
+    from verl_quads.qat import apply_qat
+
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    t, e = _load(tiny, torch.float32), _load(tiny, torch.float32)
+    apply_qat(t, mode, backend="torch")
+    spec = RolloutSpec(True, "none" if mode == "w4a16" else "naive")
+    with torch.no_grad(), RolloutEmulator(e, spec).installed():
+        he = e(input_ids=ids, output_hidden_states=True).hidden_states
+    with torch.no_grad():
+        ht = t(input_ids=ids, output_hidden_states=True).hidden_states
+    for a, b in zip(he, ht):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        hb = _load(tiny, torch.float32)(input_ids=ids, output_hidden_states=True).hidden_states
+    assert (hb[-1] - ht[-1]).abs().max() > 1e-2  # and quantization did change something
+
+
+def test_emulator_remove_restores_and_routing_recorded(tiny):
+    from verl_quads.diagnostics.hf_rollout import RolloutEmulator, RolloutSpec, assemble_routing
+
+    m = _load(tiny, torch.bfloat16)
+    ids = torch.randint(0, 500, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = m(input_ids=ids).logits
+        emu = RolloutEmulator(m, RolloutSpec(True, "quads", 0.5))
+        with emu.installed():
+            emu.rows = (torch.zeros(6, dtype=torch.long), torch.arange(6))
+            q = m(input_ids=ids).logits
+        back = m(input_ids=ids).logits
+    assert not torch.equal(ref, q)
+    torch.testing.assert_close(ref, back, rtol=0, atol=0)
+    rt = assemble_routing(emu.routing, 1, 6, m.config.num_experts_per_tok)
+    assert rt.shape == (1, 6, m.config.num_hidden_layers, m.config.num_experts_per_tok) and bool((rt >= 0).all())
