@@ -5,6 +5,8 @@
   the CPU runtime and both halves exist).
 - ``verl-quads bench nvfp4|qat``: benchmarks (CUDA); each prints ratios to a baseline timed in
   the same run.
+- ``verl-quads probe``: rollout-vs-trainer log-prob gap per quantization mode (tables, decomposition,
+  per-layer error, PNG + JSON); ``verl-quads probe --help``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def _bench(argv: list[str]) -> None:
 
 
 BENCHES = {"nvfp4": "verl_quads.bench.nvfp4", "qat": "verl_quads.bench.qat"}
+
+
 def _probe(argv: list[str]) -> None:
     from verl_quads.diagnostics.probe import main
 
