@@ -23,7 +23,7 @@ import torch
 vllm = pytest.importorskip("vllm")
 
 from verl_quads import nvfp4  # noqa: E402
-from verl_quads.rollout.capture import fetch_guidance, get_store  # noqa: E402
+from verl_quads.rollout.capture import collect_guidance, get_store  # noqa: E402
 from verl_quads.rollout.emulation import ActQuant, per_token_global_scale  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
@@ -381,7 +381,7 @@ def test_trace_guidance_record_reproduces_rollout_codes(engines, ckpts):
     llm = engines.get(ckpts[0], "trace")
     get_store().clear()
     lin, moe, records = capture_activations(llm)
-    guidance = llm.collective_rpc(fetch_guidance)[0]  # one worker; {internal request id: RequestGuidance}
+    guidance = collect_guidance(llm)  # {internal request id: RequestGuidance}
     assert get_store().request_ids() == []  # fetched = removed
     assert len(guidance) == len(PROMPTS)
     tok = llm.get_tokenizer()
@@ -452,3 +452,30 @@ def test_reload_A_B_A_is_bit_exact_and_keeps_storage(engines, ckpts):
         if p.dtype == torch.float8_e4m3fn:
             p, old = p.view(torch.uint8), old.view(torch.uint8)
         assert torch.equal(p, old), n
+
+
+# ----------------------------------------------------------------------------- 6. separate engine process
+def test_env_var_config_and_guidance_fetch_across_processes(engines, ckpts, monkeypatch):
+    """The default vLLM layout (engine core in another process): the plugin is loaded there through
+    the ``vllm.general_plugins`` entry point, the mode comes from ``VERL_QUADS_QUANT_CONFIG``
+    (inherited by the spawned process), and the guidance is shipped back through collective_rpc."""
+    engines.close()
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # to send fetch_guidance to the worker
+    monkeypatch.setenv("VERL_QUADS_QUANT_CONFIG", '{"quant": "trace", "guided_layers": 1}')
+    t0 = time.perf_counter()
+    llm = vllm.LLM(str(ckpts[0]), quantization="quads_nvfp4", enforce_eager=True, dtype="bfloat16", max_model_len=128,
+                   seed=0, enable_prefix_caching=False, kv_cache_memory_bytes=32 << 20)
+    print(f"\n[engine] multiprocess trace start {time.perf_counter() - t0:.1f}s")
+    try:
+        res, dt = generate(llm, PROMPTS[:2])
+        assert all(len(t) == MAX_TOKENS for t, _ in res)
+        guidance = collect_guidance(llm, ["0", "1"])  # external ids of this LLM's requests
+        assert set(guidance) == {"0", "1"}
+        for g in guidance.values():
+            assert {layer for layer, _ in g.records} == {LAYERS - 1}  # guided_layers=1: the last layer only
+            assert g.positions.tolist() == list(range(g.num_tokens))
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()

@@ -123,6 +123,9 @@ def test_guidance_store_keys_rows_by_request_and_position():
     assert torch.equal(nvfp4.quantize_guided(x2[1], rec, backend="torch").packed,
                        nvfp4.quantize(x2[1], rec.global_scale, backend="torch").packed)
     assert a.bytes_per_token == 32 // 8 + 32 // 16 + 4
+    back = type(a).from_wire(a.to_wire())  # the RPC form: plain tensors/ints/strings
+    assert torch.equal(back.positions, a.positions) and back.request_id == a.request_id
+    assert torch.equal(back.records[(0, "self_attn.qkv_proj")].block_scale.view(torch.uint8), got.block_scale.view(torch.uint8))
     assert store.pop("a") is None
     b = store.pop("b-89abcdef")
     assert b.positions.tolist() == [0, 1, 2]

@@ -22,9 +22,11 @@ so it has none either; a request recomputed after preemption keeps the latest re
 Records are stamped with :attr:`GuidanceStore.policy_version` (set by the weight sync); a request
 whose steps span two versions is refused at :meth:`pop`.
 
-Retrieval from the driver: ``llm.collective_rpc(fetch_guidance, args=([request_id, ...],))``
-(vLLM needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to ship a function to workers running in
-other processes; in-process engines need nothing) returns ``{request_id: RequestGuidance}``.
+Retrieval from the driver: :func:`collect_guidance` (``llm.collective_rpc(fetch_guidance, ...)``
+then :meth:`RequestGuidance.from_wire`; vLLM needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` to
+ship a function to workers in other processes; in-process engines need nothing) returns
+``{request_id: RequestGuidance}``. The wire form (:meth:`RequestGuidance.to_wire`) is plain
+tensors/ints/strings, so the weight-sync/trainer side can ship it further as is.
 """
 
 from __future__ import annotations
@@ -104,6 +106,36 @@ class RequestGuidance:
     @property
     def bytes_per_token(self) -> float:
         return self.nbytes / max(self.num_tokens, 1)
+
+    def to_wire(self) -> dict:
+        """Plain dict of str/int/list/uint8-int64-float32 tensors (what vLLM's RPC can carry).
+
+        vLLM's msgpack RPC cannot carry dataclasses (a call returning one hangs), hence this form;
+        float8 block scales travel as their uint8 bytes.
+        """
+        return {
+            "request_id": self.request_id,
+            "positions": self.positions,
+            "policy_version": self.policy_version,
+            "records": [
+                {"layer": layer, "gemm": gemm, "bits": r.bits, "block_scale": r.block_scale.view(torch.uint8),
+                 "global_scale": r.global_scale, "shape": list(r.shape)}
+                for (layer, gemm), r in self.records.items()
+            ],
+            "expert_ids": [[layer, t] for layer, t in self.expert_ids.items()],
+        }
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "RequestGuidance":
+        """Inverse of :meth:`to_wire`."""
+        records = {
+            (int(r["layer"]), r["gemm"]): GuidanceRecord(
+                r["bits"], r["block_scale"].view(torch.float8_e4m3fn), r["global_scale"], torch.Size(r["shape"])
+            )
+            for r in d["records"]
+        }
+        experts = {int(layer): t for layer, t in d["expert_ids"]}
+        return cls(d["request_id"], d["positions"], records, experts, d["policy_version"])
 
     def record(self, position: int, layer: int, gemm: str) -> GuidanceRecord:
         """The record of one token (leading dimension dropped)."""
@@ -235,10 +267,10 @@ def get_store() -> GuidanceStore:
     return _STORE
 
 
-def fetch_guidance(worker, request_ids: list[str] | None = None) -> dict[str, RequestGuidance]:
+def fetch_guidance(worker, request_ids: list[str] | None = None) -> dict[str, dict]:
     """``collective_rpc`` target: pop the given requests' guidance (all if None) from the worker's store.
 
-    Keys of the result are the ids as asked (internal ids when ``request_ids`` is None).
+    Returns ``{id as asked (internal id when request_ids is None): RequestGuidance.to_wire()}``.
     """
     store = get_store()
     ids = store.request_ids() if request_ids is None else request_ids
@@ -246,8 +278,18 @@ def fetch_guidance(worker, request_ids: list[str] | None = None) -> dict[str, Re
     for rid in ids:
         g = store.pop(rid)
         if g is not None:
-            out[rid] = g
+            out[rid] = g.to_wire()
     return out
+
+
+def collect_guidance(llm, request_ids: list[str] | None = None) -> dict[str, RequestGuidance]:
+    """Driver side: fetch and decode guidance from every worker of a ``vllm.LLM`` (merged; TP ranks
+    hold identical records of replicated activations, the first one is kept)."""
+    merged: dict[str, RequestGuidance] = {}
+    for per_worker in llm.collective_rpc(fetch_guidance, args=(request_ids,)):
+        for rid, wire in per_worker.items():
+            merged.setdefault(rid, RequestGuidance.from_wire(wire))
+    return merged
 
 
 _HOOK_LOCK = threading.Lock()
@@ -300,6 +342,7 @@ __all__ = [
     "RequestGuidance",
     "get_store",
     "fetch_guidance",
+    "collect_guidance",
     "install_runner_hook",
     "external_request_id",
     "slice_record",

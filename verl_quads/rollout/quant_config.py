@@ -87,11 +87,6 @@ class QuadsNVFP4Config(QuantizationConfig):
         self.mode = quant_config.rollout_mode
         self.backend = resolve_backend(quant_config.backend)
         self._guided_from: int | None = None
-        if self.mode == "trace":
-            from verl_quads.rollout.capture import get_store, install_runner_hook
-
-            install_runner_hook()
-            get_store().enabled = True
         logger.info("verl-quads: quads_nvfp4 mode=%s backend=%s config=%s", self.mode, self.backend, quant_config)
 
     # --- QuantizationConfig interface ---
@@ -141,8 +136,21 @@ class QuadsNVFP4Config(QuantizationConfig):
         layer_idx, gemm = (int(m.group(1)), m.group(2)) if m else (None, None)
         cfg = self.quant_config
         capture = self.mode == "trace" and layer_idx is not None and layer_idx >= self._guided_layer_start()
+        if capture:
+            self._enable_capture()
         act = ActQuant(self.mode, cfg.residual_ratio, cfg.residual_per_token, capture)
         return act, layer_idx, gemm
+
+    def _enable_capture(self) -> None:
+        """Trace mode: hook the model runner and enable this process's store.
+
+        Done here, in the process that builds the model, not in ``__init__``: vLLM builds the config
+        in the front-end process and pickles it into the engine-core/worker processes.
+        """
+        from verl_quads.rollout.capture import get_store, install_runner_hook
+
+        install_runner_hook()
+        get_store().enabled = True
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.fused_moe import RoutedExperts

@@ -12,4 +12,7 @@ def register() -> None:
     from verl_quads.rollout.quant_config import register_quant_config
 
     apply_vllm_cpu_patches()  # verl's weight sync on vLLM CPU (issue 3); no-op elsewhere
+    from verl_quads.patches import vllm_packed_weight_sync
+
+    vllm_packed_weight_sync.apply_if_verl_installed()  # packed NVFP4 sync into quads_nvfp4 engines (issue 6)
     register_quant_config()
