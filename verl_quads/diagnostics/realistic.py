@@ -1,0 +1,230 @@
+"""A small Qwen3-MoE with real activation outliers, trained on local text, then probed (GPU script).
+
+No pretrained MoE can be downloaded, and random weights have no outlier channels, so quantization
+error on them is not representative. This script, runnable with torch + transformers only (no vLLM;
+the probe's rollout is then verl-quads' own rollout arithmetic over the HF model, and says so):
+
+1. collects text that exists offline on the machine: the ``.py`` files of the installed Python
+   packages (``site-packages``, sorted paths, each file's first ``--max-file-bytes`` bytes), split
+   into train / held-out by file;
+2. trains a byte-level BPE tokenizer on a sample of it (``tokenizers``, locally);
+3. builds a ``Qwen3MoeForCausalLM`` (default 8 layers, hidden 1024, 32 experts top-4, expert
+   intermediate 512) from a fixed seed and trains it with AdamW (bf16 autocast on CUDA) on random
+   windows of the train text for ``--seconds`` seconds;
+4. reports activation outlier statistics per layer (kurtosis, max/median of per-channel absmax of
+   the attention and MLP GEMM inputs) for the random-init and the trained model;
+5. saves the checkpoint + tokenizer, and runs the probe statistics (``--seeds`` >= 3 batches, prompts
+   = held-out snippets) for the given modes, then ``trace`` for several numbers of guided layers with
+   the guidance cache size each costs.
+
+Prints tables; writes ``realistic.json`` (+ the probe's ``probe.json``/``probe.txt``/``probe.png``) in
+``--out``. ``--toy`` shrinks everything for a CPU smoke test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import site
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+
+def collect_source_text(max_files: int, max_file_bytes: int, seed: int = 0) -> tuple[str, str, dict]:
+    """(train text, held-out text, provenance) from installed packages' ``.py`` files."""
+    roots = sorted({p for p in [sysconfig.get_paths()["purelib"], *site.getsitepackages()] if Path(p).is_dir()})
+    files = sorted(f for r in roots for f in Path(r).rglob("*.py") if f.is_file())
+    if not files:
+        raise RuntimeError(f"realistic: no .py files under {roots}")
+    rng = random.Random(seed)
+    rng.shuffle(files)
+    files = files[:max_files]
+    texts = []
+    for f in files:
+        try:
+            texts.append(f.read_bytes()[:max_file_bytes].decode("utf-8", errors="replace"))
+        except OSError:
+            continue
+    n_hold = max(1, len(texts) // 20)
+    prov = {"roots": roots, "n_files": len(texts), "n_heldout_files": n_hold, "max_file_bytes": max_file_bytes,
+            "selection": f"all *.py under roots, shuffled with random.Random({seed}), first {max_files}"}
+    return "\n".join(texts[n_hold:]), "\n".join(texts[:n_hold]), prov
+
+
+def train_tokenizer(text: str, out_dir: Path, vocab_size: int):
+    """Byte-level BPE on ``text`` (first 4 MB), saved as a HF fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    sample = text[: 4 << 20]
+    tok.train_from_iterator((sample[i : i + 10000] for i in range(0, len(sample), 10000)), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+def build_model(vocab: int, layers: int, hidden: int, heads: int, kv_heads: int, experts: int, top_k: int, inter: int, seed: int):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * inter, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads if hidden // heads >= 32 else 32,
+        max_position_embeddings=4096, moe_intermediate_size=inter, num_experts=experts, num_experts_per_tok=top_k,
+        decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False, router_aux_loss_coef=0.01,
+        output_router_logits=False,
+    )
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(cfg)
+
+
+def train(model, ids: torch.Tensor, *, seconds: float, seq: int, batch: int, lr: float, device: str, seed: int) -> dict:
+    """AdamW on random windows of ``ids`` for ``seconds``; returns the loss curve summary."""
+    model.to(device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    g = torch.Generator().manual_seed(seed)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
+    t0, step, losses = time.perf_counter(), 0, []
+    while time.perf_counter() - t0 < seconds:
+        starts = torch.randint(0, ids.numel() - seq - 1, (batch,), generator=g)
+        x = torch.stack([ids[s : s + seq + 1] for s in starts.tolist()]).to(device)
+        warm = min(1.0, (step + 1) / 100)
+        for grp in opt.param_groups:
+            grp["lr"] = lr * warm
+        with amp:
+            loss = model(input_ids=x[:, :-1], labels=x[:, :-1].clone()).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        step += 1
+        if step % 100 == 0:
+            print(f"  step {step} loss {sum(losses[-100:]) / len(losses[-100:]):.3f} ({time.perf_counter() - t0:.0f}s)", flush=True)
+    model.eval()
+    k = max(1, len(losses) // 10)
+    return {"steps": step, "seconds": time.perf_counter() - t0, "loss_first": sum(losses[:k]) / k,
+            "loss_last": sum(losses[-k:]) / k, "tokens": step * batch * seq}
+
+
+def guidance_bytes_per_token(cfg, guided_layers: int) -> int:
+    """TRACE cache per token: for each guided layer's GEMM inputs, K/8 bits + K/16 scales + 4-byte global scale."""
+    per = lambda k: k // 8 + k // 16 + 4  # noqa: E731
+    h, q = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+    return guided_layers * (per(h) + per(q) + per(h) + cfg.num_experts_per_tok * per(cfg.moe_intermediate_size))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m verl_quads.diagnostics.realistic", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="realistic_out")
+    p.add_argument("--seconds", type=float, default=420.0, help="training wall time")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument("--inter", type=int, default=512, help="expert intermediate size")
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-files", type=int, default=20000)
+    p.add_argument("--max-file-bytes", type=int, default=20000)
+    p.add_argument("--modes", default="bf16,naive,w4a16,w4a4_qat,quads@0.125,quads@0.25,quads@0.5,quads@0.75,quads@1.0,trace")
+    p.add_argument("--guided-sweep", default="", help="comma list of guided-layer counts for trace (default: L/4,L/2,L)")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--n-prompts", type=int, default=32)
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--toy", action="store_true", help="tiny sizes for a CPU smoke test")
+    a = p.parse_args(argv)
+    if a.toy:
+        a.layers, a.hidden, a.heads, a.kv_heads, a.experts, a.top_k, a.inter = 2, 64, 2, 1, 4, 2, 32
+        a.vocab, a.seq, a.batch, a.max_files, a.max_file_bytes = 300, 32, 4, 40, 4000
+        a.n_prompts, a.prompt_tokens, a.max_new_tokens = 4, 12, 4
+    from verl_quads.diagnostics import probe as P
+    from verl_quads.diagnostics.outliers import activation_outlier_stats
+
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_all = time.perf_counter()
+    train_text, held_text, prov = collect_source_text(a.max_files, a.max_file_bytes, a.seed)
+    print(f"text: {len(train_text) / 1e6:.1f} MB train, {len(held_text) / 1e6:.2f} MB held-out from {prov['n_files']} files")
+    ckpt = out / "model"
+    tok = train_tokenizer(train_text, ckpt, a.vocab)
+    ids = torch.tensor(tok(train_text[: 400 << 20]).input_ids, dtype=torch.long)
+    model = build_model(len(tok), a.layers, a.hidden, a.heads, a.kv_heads, a.experts, a.top_k, a.inter, a.seed)
+    model.config.eos_token_id = model.config.pad_token_id = tok.eos_token_id
+    held = torch.tensor(tok(held_text).input_ids, dtype=torch.long)
+    probe_in = torch.stack([held[i * 256 : i * 256 + min(256, a.seq)] for i in range(4)])
+    model.to(a.device)
+    stats_init = activation_outlier_stats(model.to(torch.bfloat16), probe_in.to(a.device))
+    model.float()
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params; training {a.seconds:.0f}s on {a.device}")
+    tr = train(model, ids, seconds=a.seconds, seq=a.seq, batch=a.batch, lr=a.lr, device=a.device, seed=a.seed)
+    print(f"trained: {tr['steps']} steps, {tr['tokens'] / 1e6:.1f}M tokens, loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}")
+    model.to(torch.bfloat16)
+    stats_trained = activation_outlier_stats(model, probe_in.to(a.device))
+    print("\nactivation outliers (GEMM inputs): kurtosis and max/median channel absmax, random init -> trained")
+    for k in stats_trained:
+        i, t = stats_init[k], stats_trained[k]
+        print(f"  {k:16s} kurtosis {i['kurtosis']:9.1f} -> {t['kurtosis']:9.1f}   max/median {i['max_over_median']:8.1f} -> "
+              f"{t['max_over_median']:8.1f} (channel {t['max_channel']})")
+    model.save_pretrained(ckpt, safe_serialization=True)
+    cfg = model.config
+    del model
+    if a.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    # held-out prompts: windows of held-out tokens, decoded back to text
+    n_p = min(a.n_prompts, max(1, held.numel() // (a.prompt_tokens * 2)))
+    prompts = tuple(tok.decode(held[i * a.prompt_tokens * 2 : i * a.prompt_tokens * 2 + a.prompt_tokens]) for i in range(n_p))
+    res = P.run_probe(ckpt, modes=a.modes.split(","), prompts=prompts, seeds=tuple(range(a.seeds)),
+                      max_new_tokens=a.max_new_tokens, engine="hf", device=a.device, guided_layers=cfg.num_hidden_layers)
+    print()
+    print(P.format_tables(res))
+    P.write_outputs(res, out)
+    sweep = [int(x) for x in a.guided_sweep.split(",") if x] or sorted({max(1, cfg.num_hidden_layers // 4), max(1, cfg.num_hidden_layers // 2), cfg.num_hidden_layers})
+    trace_sweep = {}
+    for gl in sweep:
+        r = P.run_probe(ckpt, modes=("trace",), prompts=prompts, seeds=tuple(range(a.seeds)), max_new_tokens=a.max_new_tokens,
+                        engine="hf", device=a.device, guided_layers=gl, decompose=False)
+        tot = r.per_mode["trace"]["total"]
+        row = {"guided_layers": gl, "cache_bytes_per_token": guidance_bytes_per_token(cfg, gl), "total": tot}
+        if "naive" in res.per_mode and "bf16" in res.per_mode:
+            from verl_quads.diagnostics.stats import closure
+
+            row["closure"] = {k: closure(tot[k]["mean"], res.per_mode["naive"]["total"][k]["mean"], res.per_mode["bf16"]["total"][k]["mean"])
+                              for k in ("logp_gap_max", "logp_gap_p99", "logp_gap_mean")}
+        trace_sweep[gl] = row
+    print("\n== trace: closure vs guided layers (mean over seeds) ==")
+    for gl, row in trace_sweep.items():
+        c = row.get("closure", {})
+        print(f"  guided {gl:3d}/{cfg.num_hidden_layers}: cache {row['cache_bytes_per_token']:7d} B/token  p99 "
+              f"{row['total']['logp_gap_p99']['mean']:.4f}±{row['total']['logp_gap_p99']['std']:.4f}  closure p99 "
+              f"{c.get('logp_gap_p99', float('nan')):.3f} max {c.get('logp_gap_max', float('nan')):.3f}")
+    report = {"provenance": prov, "args": vars(a), "training": tr, "outliers_init": stats_init, "outliers_trained": stats_trained,
+              "probe": res.to_json(), "trace_sweep": trace_sweep, "wall_s": time.perf_counter() - t_all,
+              "how": "Qwen3-MoE trained from scratch on installed packages' .py files (byte-level BPE trained locally); "
+                     "rollout = verl-quads rollout arithmetic over HF (no vLLM)"}
+    (out / "realistic.json").write_text(json.dumps(report, indent=1, default=float))
+    print(f"\nwrote {out / 'realistic.json'} ({report['wall_s']:.0f}s total)")
+    return report
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
