@@ -225,9 +225,9 @@ class VLLMEngine:
         guidance, routing = None, None
         if mode.cfg.rollout_mode == "trace":
             from verl_quads.qat import RolloutGuidanceProvider
-            from verl_quads.rollout.capture import fetch_guidance
+            from verl_quads.rollout.capture import collect_guidance
 
-            caps = llm.collective_rpc(fetch_guidance)[0]
+            caps = collect_guidance(llm)
             by_uid = {}
             for rid, cap in caps.items():
                 by_uid[cap.external_id if cap.external_id in uids else rid] = cap
