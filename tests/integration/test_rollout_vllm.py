@@ -118,6 +118,13 @@ class _Engines:
         self.key = key
         return self.llm
 
+    def close_failed(self):
+        """Clean up after an engine whose construction raised."""
+        gc.collect()
+        from vllm.distributed import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+
     def close(self):
         if self.llm is None:
             return
@@ -422,6 +429,16 @@ def test_trace_guidance_record_reproduces_rollout_codes(engines, ckpts):
                 i = int((g.positions == pos).nonzero()[0, 0])
                 assert torch.equal(g.expert_ids[layer_idx][i], inp[2][r].long())
     assert n_checked >= sum(g.num_tokens for g in guidance.values()) * LAYERS * 3
+
+
+def test_trace_refuses_prefix_caching(engines, ckpts):
+    engines.close()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    with pytest.raises(Exception, match="prefix caching off"):
+        vllm.LLM(str(ckpts[0]), quantization="quads_nvfp4", enforce_eager=True, dtype="bfloat16", max_model_len=128,
+                 enable_prefix_caching=True, kv_cache_memory_bytes=32 << 20,
+                 hf_overrides={"quantization_config": {"quant_method": "quads_nvfp4", "quant": "trace"}})
+    engines.close_failed()
 
 
 # ----------------------------------------------------------------------------- 5. weight reload

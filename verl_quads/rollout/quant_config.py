@@ -69,6 +69,15 @@ def _num_hidden_layers() -> int | None:
         return None
 
 
+def _prefix_caching_enabled() -> bool:
+    try:
+        from vllm.config import get_current_vllm_config
+
+        return bool(get_current_vllm_config().cache_config.enable_prefix_caching)
+    except Exception:
+        return False
+
+
 class QuadsNVFP4Config(QuantizationConfig):
     """vLLM side of a :class:`~verl_quads.config.QuantConfig` (see module docstring)."""
 
@@ -149,6 +158,12 @@ class QuadsNVFP4Config(QuantizationConfig):
         """
         from verl_quads.rollout.capture import get_store, install_runner_hook
 
+        if _prefix_caching_enabled():
+            raise ValueError(
+                "quads_nvfp4 trace mode needs prefix caching off: cached prompt positions are never "
+                "computed, so their guidance would be missing. Pass enable_prefix_caching=False "
+                "(verl: actor_rollout_ref.rollout.enable_prefix_caching=False)."
+            )
         install_runner_hook()
         get_store().enabled = True
 
