@@ -83,7 +83,8 @@ def test_metrics_on_synthetic_batch():
 
 
 def test_patch_registered_and_wraps_verl_metrics():
-    """In a fresh interpreter: apply() replaces the function verl's trainers call, idempotently, also the
+    """In a fresh interpreter: the plugin applied the patch on ``import verl``; apply() replaces the function
+    verl's trainers call, idempotently, also the
     name bound by v1/trainer_base on later import; the result holds verl's keys and ours."""
     code = textwrap.dedent("""
         import torch
@@ -91,7 +92,9 @@ def test_patch_registered_and_wraps_verl_metrics():
         from verl import DataProto
         from verl_quads.patches import verl_gap_metrics as p
         import verl.utils.debug.metrics as m
-        orig = m.calculate_debug_metrics
+        # `import verl` already applied it through the verl.plugins entry point
+        assert getattr(m.calculate_debug_metrics, "__verl_quads_patch__", None) == "verl_gap_metrics"
+        orig = m.calculate_debug_metrics.__verl_quads_original__
         p.apply(); p.apply()
         assert m.calculate_debug_metrics.__verl_quads_original__ is orig
         import verl.trainer.ppo.v1.trainer_base as tb

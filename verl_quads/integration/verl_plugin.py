@@ -19,6 +19,9 @@ def load() -> None:
     from verl_quads.patches import apply_verl_cpu_patches
 
     apply_verl_cpu_patches()  # CPU platform + CPU patches; no-op with an accelerator torch
+    from verl_quads.patches import verl_gap_metrics
+
+    verl_gap_metrics.apply()  # quads/logp_gap_* and quads/k3_kl next to verl's rollout metrics
 
 
 load()
