@@ -158,3 +158,14 @@ def test_header_roundtrip_and_bad_header():
 )
 def test_vllm_module_names(hf, vllm):
     assert vllm_module_of(hf) == vllm
+
+
+def test_bench_formulas():
+    from verl_quads.sync.bench import QWEN3_30B_A3B, guidance_bytes_per_token, qwen3_moe_sync_bytes
+
+    b = qwen3_moe_sync_bytes(**QWEN3_30B_A3B)
+    assert 0.28125 < b["quantized_packed"] / b["quantized_bf16"] < 0.2814
+    assert 29e9 < b["total_bf16"] / 2 < 32e9  # ~30.5B parameters
+    g = guidance_bytes_per_token(2048, 32, 128, 768, 8, 20)
+    assert g["per_layer"] == (256 + 128 + 4) + (512 + 256 + 4) + (256 + 128 + 4) + 8 * (96 + 48 + 4) + 8 == 2740
+    assert g["per_token"] == 54800

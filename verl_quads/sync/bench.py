@@ -41,6 +41,22 @@ def qwen3_moe_sync_bytes(hidden, layers, heads, kv_heads, head_dim, experts, moe
     }
 
 
+def guidance_bytes_per_token(hidden, heads, head_dim, moe_inter, top_k, guided_layers, expert_id_bytes=1) -> dict:
+    """TRACE guidance bytes per token for a Qwen3-MoE layer stack (rollout -> trainer).
+
+    Per guided GEMM input of K elements: ``K/8`` (1 bit each) + ``K/16`` (E4M3 block scales) + 4
+    (float32 per-token global scale). Guided inputs per layer: qkv_proj (K = hidden), o_proj
+    (K = heads*head_dim), experts w13 (K = hidden, once per token), experts w2 (``top_k`` rows of
+    K = moe_inter) + the routed expert ids (``expert_id_bytes`` each).
+    """
+    def rec(k):
+        return k // 8 + k // 16 + 4
+
+    per_layer = rec(hidden) + rec(heads * head_dim) + rec(hidden) + top_k * rec(moe_inter) + top_k * expert_id_bytes
+    bf16 = 2 * (hidden + heads * head_dim + hidden + top_k * moe_inter)
+    return {"per_layer": per_layer, "per_token": per_layer * guided_layers, "bf16_per_token": bf16 * guided_layers}
+
+
 def measure_tiny() -> tuple[object, float]:
     """Pack a tiny random Qwen3-MoE with QAT; returns (SyncStats, seconds)."""
     import torch
@@ -73,6 +89,14 @@ def main(argv: list[str] | None = None) -> None:
         f"{b['quantized_packed'] / gib:.2f} GiB packed vs {b['quantized_bf16'] / gib:.2f} GiB bf16 "
         f"({b['quantized_packed'] / b['quantized_bf16']:.4f}x); whole sync {b['total_packed'] / gib:.2f} GiB vs "
         f"{b['total_bf16'] / gib:.2f} GiB ({b['total_packed'] / b['total_bf16']:.3f}x)"
+    )
+    c = QWEN3_30B_A3B
+    g = guidance_bytes_per_token(c["hidden"], c["heads"], c["head_dim"], c["moe_inter"], 8, 20)
+    tokens = 16384
+    print(
+        f"Qwen3-30B-A3B TRACE guidance (computed, 20 guided layers, top-8): {g['per_token']} B/token "
+        f"({g['per_layer']} B/layer; bf16 activations would be {g['bf16_per_token']} B/token, "
+        f"{g['bf16_per_token'] / g['per_token']:.1f}x more); one 16k-token sequence {g['per_token'] * tokens / 2**20:.0f} MiB"
     )
 
 
