@@ -8,6 +8,14 @@ triton     CUDA GPUs without FP4 tensor cores (Hopper)  not implemented yet: cle
 native     sm_100+ (Blackwell) with vLLM's FP4 ops      not implemented yet: clear error
 =========  ==========================================  ===============================
 
+Note for ``native`` (why it is not a thin wrapper yet): vLLM's ``scaled_fp4_quant`` takes one
+activation global scale per call and ``cutlass_scaled_fp4_mm`` one scalar ``alpha``; our decided
+activation granularity is one global scale per token (row), which the trainer needs to reproduce
+a token's codes. A native path must quantize rows with their own scales (own kernel, then
+``swizzle_block_scale``), run the FP4 GEMM with ``alpha = 1 / weight_global_scale`` and scale the
+output rows by ``1 / activation_global_scale`` -- in float32 before the final cast, or the output
+is rounded twice (vLLM's FP4 GEMM writes bf16/fp16 only). To be designed and measured on Blackwell.
+
 ``auto`` picks torch on CPU, native on sm_100+, triton on other CUDA GPUs. A backend that cannot
 run on this device (or is not implemented) raises :class:`BackendUnavailableError` at engine
 start; nothing silently falls back to a slower or different path.
