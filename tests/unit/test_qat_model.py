@@ -167,11 +167,17 @@ def test_w4a4_linear_quantizes_inputs_per_token():
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe"])
-def test_w4a4_experts_match_per_expert_reference(family):
-    model = tiny_model(family)
+@pytest.mark.parametrize("impl", ["grouped_mm", "eager"])
+def test_w4a4_experts_match_per_expert_reference(family, impl, monkeypatch):
+    """grouped_mm: the model's implementation with the _apply_gate QDQ hook; eager: our per-expert loop."""
+    import verl_quads.qat.model as qm
+
+    model = tiny_model(family, experts_impl=impl)
     experts = model.model.layers[0].mlp.experts
     w13, w2 = experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()
     apply_qat(model, "w4a4_qat")
+    if impl == "grouped_mm":  # the fast path must be the one taken
+        monkeypatch.setattr(qm._QATExperts, "_a4_forward", lambda *a: (_ for _ in ()).throw(AssertionError("loop")))
     torch.manual_seed(3)
     h = torch.randn(7, 64).to(torch.bfloat16)
     idx = torch.stack([torch.randperm(4)[:2] for _ in range(7)])

@@ -18,7 +18,10 @@ for decoder layers ``>= num_layers - guided_layers``; other layers follow ``trac
 
 Fused experts: with ``act == none`` the model's own experts forward runs (whatever
 ``experts_implementation`` the model uses) with the QDQ weights substituted for the duration of
-the call; W4A4 modes run :meth:`_QATExperts._a4_forward`, a per-expert loop that QDQs the w13 input
+the call. ``act == rtn`` with the ``grouped_mm``/``batched_mm`` implementations does the same on the
+per-token QDQ'd input and QDQs the w2 input per row inside ``_apply_gate`` (exact: per-row QDQ does
+not depend on row order). Otherwise (``guided``, which must know each row's (token, slot), or the
+eager implementation) :meth:`_QATExperts._a4_forward` runs: a per-expert loop that QDQs the w13 input
 (per token, once) and the w2 inputs (per (token, expert) row, all rows in one call).
 """
 
@@ -45,6 +48,8 @@ from verl_quads.qat.weights import (
     qdq_linear_weight,
 )
 
+#: transformers experts implementations that call ``self._apply_gate`` between the two GEMMs.
+_APPLY_GATE_IMPLS = ("grouped_mm", "batched_mm")
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
@@ -136,20 +141,44 @@ class _QATExperts:
             out[p] = qdq_expert_weight(w, transposed, self._qat_state.backend, self._qat_state.check_finite)
         return out
 
+    def _stock_forward(self, qw, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        """The model's own experts forward with the QDQ weights substituted for the duration of the call,
+        where the attribute lives now (``_parameters``; FSDP1 puts unsharded views in ``__dict__``)."""
+        where = {p: (self._parameters if p in self._parameters else self.__dict__) for p in qw}
+        saved = {p: where[p][p] for p in qw}
+        try:
+            for p, t in qw.items():
+                where[p][p] = t
+            return super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        finally:
+            for p, t in saved.items():
+                where[p][p] = t
+
+    def _gate_hook_supported(self) -> bool:
+        """Whether the model's experts forward routes the w2 input through ``self._apply_gate``."""
+        impl = getattr(getattr(self, "config", None), "_experts_implementation", None)
+        return impl in _APPLY_GATE_IMPLS and getattr(self, "has_gate", False) and hasattr(self, "_apply_gate")
+
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):  # type: ignore[override]
         qw = self._qdq_weights()
         if self._qat_act == "none":
-            # Substitute the QDQ tensors for the duration of the call, where the attribute lives now
-            # (``_parameters``; FSDP1 puts unsharded views in ``__dict__``), then restore the originals.
-            where = {p: (self._parameters if p in self._parameters else self.__dict__) for p in qw}
-            saved = {p: where[p][p] for p in qw}
+            return self._stock_forward(qw, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        if self._qat_act == "rtn" and self._gate_hook_supported():
+            # Fast path (grouped/batched GEMMs of the model's implementation): per-token QDQ of the w13
+            # input here, per-row QDQ of the w2 input on the way out of ``_apply_gate``. Per-row QDQ does
+            # not depend on the order the implementation puts the (token, expert) rows in.
+            st = self._qat_state
+            x = qdq_rtn(hidden_states, st.backend, st.check_finite)
+            cls_gate = type(self)._apply_gate
+
+            def gate_then_qdq(gate_up_out):
+                return qdq_rtn(cls_gate(self, gate_up_out), st.backend, st.check_finite)
+
+            self.__dict__["_apply_gate"] = gate_then_qdq
             try:
-                for p, t in qw.items():
-                    where[p][p] = t
-                return super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+                return self._stock_forward(qw, x, top_k_index, top_k_weights, *args, **kwargs)
             finally:
-                for p, t in saved.items():
-                    where[p][p] = t
+                del self.__dict__["_apply_gate"]
         if args or kwargs:
             raise TypeError(f"verl-quads QAT: {self._qat_name}: unexpected extra experts arguments {args} {list(kwargs)}")
         return self._a4_forward(qw, hidden_states, top_k_index, top_k_weights)
