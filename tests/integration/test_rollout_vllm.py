@@ -89,7 +89,12 @@ def checkpoint_tensors(path: Path) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- engines
 class _Engines:
-    """One in-process engine at a time (the machine is small and shared)."""
+    """One in-process engine at a time (the machine is small and shared).
+
+    Callers must not keep their own reference to an engine past the next ``get``: an old engine
+    garbage-collected after a new one started tears down the process-global distributed state the
+    new one uses ("pipeline model parallel group is not initialized").
+    """
 
     def __init__(self):
         self.key = None
