@@ -139,8 +139,8 @@ def test_untrained_model_refused():
 
 
 def test_header_roundtrip_and_bad_header():
-    h = decode_header(encode_header("trace", "trace", "trace", ["b", "a"]))
-    assert h["modules"] == ["a", "b"] and h["quant"] == "trace"
+    h = decode_header(encode_header("trace", "trace", "trace", ["b", "a"], version=3))
+    assert h["modules"] == ["a", "b"] and h["quant"] == "trace" and h["version"] == 3
     with pytest.raises(SyncError, match="not valid JSON"):
         decode_header(torch.tensor([1, 2, 255], dtype=torch.uint8))
 

@@ -53,10 +53,15 @@ class SyncModeError(SyncError):
     """The trainer's and the engine's quantization modes do not match."""
 
 
-def encode_header(quant: str, trainer_mode: str, rollout_mode: str, modules: list[str]) -> torch.Tensor:
-    """The header tensor: uint8 ``[n]`` holding UTF-8 JSON."""
+def encode_header(quant: str, trainer_mode: str, rollout_mode: str, modules: list[str], version: int = 0) -> torch.Tensor:
+    """The header tensor: uint8 ``[n]`` holding UTF-8 JSON.
+
+    ``version``: the policy version of these weights (the trainer engine's sync counter, 0 for the
+    first sync); the engine stamps TRACE guidance captured with them with it.
+    """
     doc = {
         "format": FORMAT_VERSION,
+        "version": int(version),
         "quant": quant,
         "trainer_mode": trainer_mode,
         "rollout_mode": rollout_mode,

@@ -235,6 +235,10 @@ def update_weights_packed(ext, peft_config: dict | None = None, base_sync_done: 
     model = ext.model_runner.model
     plan = plan_load(model, staged, qc.mode)
     apply_load(model, vllm_config.model_config, plan)
+    if qc.mode == "trace":  # TRACE records made from now on carry the trainer's policy version
+        from verl_quads.rollout.capture import get_store
+
+        get_store().policy_version = int(plan.header["version"])
     logger.warning(
         "verl-quads: packed sync loaded %d NVFP4 tensors (%.3f MiB) in place + %d unquantized tensors",
         len(plan.packed), plan.packed_bytes / 2**20, len(plan.unquantized),

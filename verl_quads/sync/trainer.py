@@ -142,6 +142,7 @@ def pack_for_rollout(
     backend: str = "auto",
     stats: SyncStats | None = None,
     effective: dict[str, torch.Tensor] | None = None,
+    version: int = 0,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Packed sync stream (header first) from full trainer tensors ``named`` (HF names).
 
@@ -152,7 +153,9 @@ def pack_for_rollout(
     end of the stream if a planned module's weights never arrived.
     """
     stats = stats if stats is not None else SyncStats()
-    header = encode_header(plan.config.quant, plan.config.trainer_mode, plan.config.rollout_mode, plan.vllm_modules())
+    header = encode_header(
+        plan.config.quant, plan.config.trainer_mode, plan.config.rollout_mode, plan.vllm_modules(), version
+    )
     stats.header_bytes += header.numel()
     stats.tensors += 1
     yield HEADER_NAME, header
@@ -221,6 +224,7 @@ def engine_per_tensor_param(engine) -> Iterator[tuple[str, torch.Tensor]]:
     Same source as verl's ``get_per_tensor_param`` (``state_dict`` with ``convert_weight_keys``, each
     DTensor gathered lazily with ``full_tensor``) but without ``unfuse_moe_params``: experts are packed
     in their fused ``[E, out, in]`` form, which is vLLM's layout. LoRA and FSDP1 are refused.
+    The header carries the policy version ``engine._verl_quads_policy_version`` (0, 1, 2, ... per sync).
     """
     from torch.distributed.tensor import DTensor
     from verl.utils.device import get_device_id
@@ -243,7 +247,9 @@ def engine_per_tensor_param(engine) -> Iterator[tuple[str, torch.Tensor]]:
     effective: dict[str, torch.Tensor] | None = {} if dump_dir else None
     from verl.workers.engine.fsdp.utils import unfuse_moe_params
 
-    stream = pack_for_rollout(full, plan, _param_dtype(engine), stats=stats, effective=effective)
+    version = getattr(engine, "_verl_quads_policy_version", -1) + 1
+    engine._verl_quads_policy_version = version
+    stream = pack_for_rollout(full, plan, _param_dtype(engine), stats=stats, effective=effective, version=version)
     # experts the plan does not pack (ignored) still leave in verl's per-expert form
     yield from unfuse_moe_params(stream, engine.model_config.hf_config.model_type)
     logger.warning("verl-quads: %s", stats.summary())

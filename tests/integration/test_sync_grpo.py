@@ -1,0 +1,75 @@
+"""Packed NVFP4 weight sync inside the stock verl 0.9.1 GRPO run on CPU (issue 6).
+
+``python -m verl.trainer.main_ppo`` (the CPU command of ``test_cpu_grpo.py``) with
+``actor_rollout_ref.actor.quant=quads`` and the vLLM engine in ``quads_nvfp4`` mode ``quads``
+(``engine_kwargs.vllm``; see docs/sync.md "Wiring"), 2 GRPO steps. With ``VERL_QUADS_SYNC_DUMP_DIR``
+both ends of every sync dump what they hold: the actor worker the QAT effective weights it computed
+from its own parameters (QAT code path), the vLLM worker its quads_nvfp4 parameters after loading.
+Asserts: one sync before the first rollout + one per step on both sides; after every sync, for every
+quantized layer, vLLM's dequantization equals the actor's QAT effective weight (``torch.equal``);
+the weights changed between the first and the last sync; bytes ~0.28x of bf16 in the actor's log.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.verl, pytest.mark.vllm]
+
+ROLLOUT_QUADS = [
+    "+actor_rollout_ref.rollout.engine_kwargs.vllm.quantization=quads_nvfp4",
+    "+actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides="
+    "{quantization_config:{quant_method:quads_nvfp4,quant:quads}}",
+]
+
+
+def test_grpo_quads_packed_sync_bit_exact(tmp_path):
+    import torch
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from test_cpu_grpo import STEPS, cpu_grpo_command, parse_step_metrics
+
+    from verl_quads.models.data import write_gsm8k_parquet
+    from verl_quads.models.tiny import build_tiny_qwen3_moe
+    from verl_quads.rollout.emulation import weight_f32
+
+    model_dir = build_tiny_qwen3_moe(tmp_path / "model")
+    write_gsm8k_parquet(tmp_path / "data")
+    dump = tmp_path / "dump"
+    cmd = cpu_grpo_command(model_dir, tmp_path / "data") + ["actor_rollout_ref.actor.quant=quads"] + ROLLOUT_QUADS
+    env = dict(os.environ, VERL_QUADS_SYNC_DUMP_DIR=str(dump), VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
+               RAY_DEDUP_LOGS="0")
+    t0 = time.time()
+    log_path = tmp_path / "main_ppo.log"
+    with open(log_path, "w") as f:
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=900)
+    log = log_path.read_text(errors="replace")
+    assert proc.returncode == 0, f"main_ppo failed after {time.time() - t0:.0f}s:\n{log[-6000:]}"
+    assert sorted(parse_step_metrics(log)) == list(range(1, STEPS + 1))
+    ratios = [float(r) for r in re.findall(r"quantized layers [\d.]+ MiB vs [\d.]+ MiB bf16 \(([\d.]+)x\)", log)]
+    assert ratios and all(0.28125 <= r < 0.2825 for r in ratios), ratios
+
+    trainer = sorted(dump.glob("trainer_sync_*.pt"))
+    vllm_side = sorted(dump.glob("packed_sync_*.pt"))
+    assert len(trainer) == len(vllm_side) >= STEPS + 1, ([p.name for p in trainer], [p.name for p in vllm_side])
+    firsts = lasts = None
+    for t_path, v_path in zip(trainer, vllm_side):
+        eff = torch.load(t_path)["effective"]
+        v = torch.load(v_path)
+        assert v["header"]["quant"] == "quads"
+        held = v["vllm"]
+        assert len(eff) == 8
+        for name, want in eff.items():
+            got = weight_f32(held[f"{name}_packed"], held[f"{name}_scale"], held[f"{name}_global_scale"])
+            assert torch.equal(got.to(want.dtype), want), (t_path.name, name)
+        firsts = firsts or eff
+        lasts = eff
+    assert any(not torch.equal(firsts[k], lasts[k]) for k in firsts), "weights did not change between syncs"
+    print(f"main_ppo wall {time.time() - t0:.0f}s, {len(trainer)} syncs, ratio {ratios[0]:.4f}")
