@@ -2,7 +2,7 @@
 
 Public API (names other modules rely on): :class:`NVFP4Tensor`, :func:`quantize`,
 :func:`dequantize`, :func:`fake_quantize`, :func:`fake_quantize_ste`,
-:func:`global_scale_from_amax`, :func:`swizzle_block_scale` / :func:`unswizzle_block_scale`,
+:func:`global_scale_from_amax`, :func:`per_row_global_scale`, :func:`swizzle_block_scale` / :func:`unswizzle_block_scale`,
 compressed-tensors / ModelOpt conversions, residual compensation
 (:func:`residual_quantize`, :func:`residual_fake_quantize`) and guided rounding
 (:func:`extract_guidance`, :func:`quantize_guided`).
@@ -38,7 +38,7 @@ from verl_quads.nvfp4.layout import (
     to_modelopt,
     unswizzle_block_scale,
 )
-from verl_quads.nvfp4.reference import global_scale_from_amax, validate_input
+from verl_quads.nvfp4.reference import global_scale_from_amax, per_row_global_scale, validate_input
 from verl_quads.nvfp4.residual import ResidualNVFP4, num_selected_blocks
 from verl_quads.nvfp4.residual import residual_quantize as _residual_quantize_ref
 from verl_quads.nvfp4.ste import fake_quantize_ste
@@ -166,6 +166,7 @@ __all__ = [
     "num_selected_blocks",
     "pack_bits",
     "pack_codes",
+    "per_row_global_scale",
     "quantize",
     "quantize_guided",
     "residual_fake_quantize",

@@ -78,6 +78,12 @@ def global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
     return torch.where(torch.isfinite(gs), gs, torch.ones_like(gs))
 
 
+def per_row_global_scale(x: torch.Tensor) -> torch.Tensor:
+    """Encode scale per row (the activation convention: one per token): float32 ``[..., 1]``,
+    :func:`global_scale_from_amax` of each row's ``amax(|x|)`` (1.0 for an all-zero row). Detached."""
+    return global_scale_from_amax(x.detach().abs().amax(dim=-1, keepdim=True).to(torch.float32))
+
+
 def _check_global_scale(gs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     if not isinstance(gs, torch.Tensor):
         gs = torch.tensor(float(gs), dtype=torch.float32)
@@ -174,6 +180,7 @@ def fake_quantize(
 __all__ = [
     "validate_input",
     "global_scale_from_amax",
+    "per_row_global_scale",
     "e2m1_magnitude_index",
     "block_scales",
     "scaled_values",

@@ -21,15 +21,14 @@ from verl_quads.nvfp4 import (
     dequantize,
     extract_guidance,
     fake_quantize_ste,
-    global_scale_from_amax,
+    per_row_global_scale,
     quantize,
     quantize_guided,
 )
 
 
-def per_token_global_scale(x: torch.Tensor) -> torch.Tensor:
-    """Encode scale per row: float32 ``[..., 1]``."""
-    return global_scale_from_amax(x.detach().abs().amax(dim=-1, keepdim=True).to(torch.float32))
+#: Activations get one global scale per token (row): the core's definition, shared with the rollout.
+per_token_global_scale = per_row_global_scale
 
 
 def qdq_rtn(x: torch.Tensor, backend: str = "auto", check_finite: bool = True) -> torch.Tensor:

@@ -52,9 +52,8 @@ class ActQuant:
             raise ValueError(f"quads_nvfp4: runtime mode must be one of {RUNTIME_MODES}, got {self.mode!r}")
 
 
-def per_token_global_scale(x: torch.Tensor) -> torch.Tensor:
-    """float32 ``[M, 1]`` encode scales ``448 * 6 / amax(|x[m]|)`` of a 2-D activation (1.0 for a zero row)."""
-    return nvfp4.global_scale_from_amax(x.abs().amax(dim=-1, keepdim=True).to(torch.float32))
+#: One encode scale per token (row), float32 ``[M, 1]``: the core's definition, shared with the trainer.
+per_token_global_scale = nvfp4.per_row_global_scale
 
 
 def quantize_activation(x: torch.Tensor, q: ActQuant) -> tuple[torch.Tensor, GuidanceRecord | None]:
