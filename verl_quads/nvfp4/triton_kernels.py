@@ -164,6 +164,16 @@ if triton is not None:
         _store_out(ptr + b[:, None] * 16 + e[None, :], v, bmask[:, None], OUT)
 
     @triton.jit
+    def _packed_word(xe, xo, os, j):
+        """E2M1 codes of a block-pair tile under output scale ``os`` [BLK], packed per block
+        into one int64 word (see ``_block_word``)."""
+        ye = tl.minimum(tl.maximum(xe * os[:, None], -6.0), 6.0)
+        yo = tl.minimum(tl.maximum(xo * os[:, None], -6.0), 6.0)
+        ce = (_signbit(ye) << 3) | _e2m1_index(tl.abs(ye))
+        co = (_signbit(yo) << 3) | _e2m1_index(tl.abs(yo))
+        return _block_word(ce, co, j)
+
+    @triton.jit
     def _qdq_pairs(xe, xo, sval, gs, os):
         """First-pass QDQ values (float32) of a block pair tile given its scale value and output scale."""
         ye = tl.minimum(tl.maximum(xe * os[:, None], -6.0), 6.0)
@@ -223,11 +233,7 @@ if triton is not None:
             ve, vo = _qdq_pairs(xe, xo, sval, gs, out_scale)
             _store_pairs(out_ptr, b, ve, vo, bmask, OUT)
         else:
-            ye = tl.minimum(tl.maximum(xe * out_scale[:, None], -6.0), 6.0)
-            yo = tl.minimum(tl.maximum(xo * out_scale[:, None], -6.0), 6.0)
-            ce = (_signbit(ye) << 3) | _e2m1_index(tl.abs(ye))
-            co = (_signbit(yo) << 3) | _e2m1_index(tl.abs(yo))
-            tl.store(packed_ptr + b, _block_word(ce, co, j), mask=bmask)
+            tl.store(packed_ptr + b, _packed_word(xe, xo, out_scale, j), mask=bmask)
             tl.store(scale_ptr + b, sbyte.to(tl.uint8), mask=bmask)
 
     @triton.jit
@@ -276,11 +282,7 @@ if triton is not None:
         sval, sbyte, out_scale = _scales(vec_max, gs)
         tl.store(scale_ptr + b, sbyte.to(tl.uint8), mask=bmask)
         if PACK:
-            ye = tl.minimum(tl.maximum(xe * out_scale[:, None], -6.0), 6.0)
-            yo = tl.minimum(tl.maximum(xo * out_scale[:, None], -6.0), 6.0)
-            ce = (_signbit(ye) << 3) | _e2m1_index(tl.abs(ye))
-            co = (_signbit(yo) << 3) | _e2m1_index(tl.abs(yo))
-            tl.store(packed_ptr + b, _block_word(ce, co, j), mask=bmask)
+            tl.store(packed_ptr + b, _packed_word(xe, xo, out_scale, j), mask=bmask)
         ve, vo = _qdq_pairs(xe, xo, sval, gs, out_scale)
         re = xe - ve
         ro = xo - vo
@@ -357,11 +359,7 @@ if triton is not None:
         gs2 = tl.load(gs2_ptr + row, mask=smask, other=1.0)
         vec_max = tl.maximum(tl.max(tl.abs(re), axis=1), tl.max(tl.abs(ro), axis=1))
         sval, sbyte, os2 = _scales(vec_max, gs2)
-        ze = tl.minimum(tl.maximum(re * os2[:, None], -6.0), 6.0)
-        zo = tl.minimum(tl.maximum(ro * os2[:, None], -6.0), 6.0)
-        ce = (_signbit(ze) << 3) | _e2m1_index(tl.abs(ze))
-        co = (_signbit(zo) << 3) | _e2m1_index(tl.abs(zo))
-        tl.store(packed_ptr + s, _block_word(ce, co, j), mask=smask)
+        tl.store(packed_ptr + s, _packed_word(re, ro, os2, j), mask=smask)
         tl.store(scale_ptr + s, sbyte.to(tl.uint8), mask=smask)
 
     @triton.jit
