@@ -52,6 +52,10 @@ def make_engine_class(stock: type) -> type:
                 if strategy != "fsdp2":
                     raise ValueError(f"verl-quads QAT needs actor_rollout_ref.actor.strategy=fsdp2, got {strategy!r}")
                 state = apply_qat(module, qc)
+                if qc.trainer_mode == "trace":
+                    from verl_quads.qat.replay import install_router_replay
+
+                    self._verl_quads_replay = install_router_replay(module, state)
                 n_lin = sum(1 for v in state.modules.values() if v[0] == "linear")
                 n_exp = sum(1 for v in state.modules.values() if v[0] == "experts")
                 logger.warning(
@@ -59,6 +63,39 @@ def make_engine_class(stock: type) -> type:
                     qc.quant, qc.trainer_mode, n_lin, n_exp,
                 )
             return super()._build_fsdp_module(module)
+
+        # ---- TRACE (issue 6): the rollout's guidance records drive the guided layers of each micro-batch
+        def _verl_quads_trace_state(self):
+            inner = getattr(self.module, "_fsdp_wrapped_module", self.module)
+            state = getattr(inner, "_verl_quads_qat", None)
+            return state if state is not None and state.config.trainer_mode == "trace" else None
+
+        def forward_backward_batch(self, data, loss_function, forward_only=False):
+            state = self._verl_quads_trace_state()
+            if state is None:
+                return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+            from verl_quads.integration.trace import trace_pass
+
+            replay = getattr(self, "_verl_quads_replay", None)
+            t0, c0 = (replay.tokens, replay.changed) if replay else (0, 0)
+            with trace_pass(self, state, data, forward_only) as session:
+                self._verl_quads_trace_session = session
+                try:
+                    out = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+                finally:
+                    self._verl_quads_trace_session = None
+                    if replay:
+                        session.replay_tokens, session.replay_disagree = replay.tokens - t0, replay.changed - c0
+            if isinstance(out, dict) and isinstance(out.get("metrics"), dict):
+                out["metrics"].update(session.metrics())
+            return out
+
+        def prepare_model_inputs(self, micro_batch):
+            model_inputs, output_args = super().prepare_model_inputs(micro_batch)
+            session = getattr(self, "_verl_quads_trace_session", None)
+            if session is not None:
+                session.begin_micro_batch(micro_batch, model_inputs, output_args)
+            return model_inputs, output_args
 
         def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
             # verl-quads weight sync (issue 6): a QAT actor sends the packed NVFP4 its forward uses.
@@ -98,6 +135,9 @@ def register_trainer() -> None:
     from verl_quads.patches._post_import import when_imported
 
     hydra_actor_quant_key.apply()
+    from verl_quads.patches import verl_rollout_guidance
+
+    verl_rollout_guidance.register()  # vLLM server returns each sequence's TRACE record (post-import hook)
     if "lm" not in _engine_classes:
         when_imported(FSDP_ENGINE_MODULE, _register_engines)
 

@@ -220,6 +220,40 @@ class TraceBatch:
         valid = self.row_seq >= 0
         return torch.bincount(self.row_seq[valid], minlength=len(self.uids))
 
+    def routing(self, layer: int, gemm: str, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """The rollout's routing over the token rows of the current forward (router replay).
+
+        Returns ``(expert_ids, covered)``: int64 ``[N, top_k]`` (-1 where not covered) and bool ``[N]``,
+        from the ``expert_ids`` stored beside ``gemm``'s (an ``experts.w2``) records; same checks as
+        :meth:`gather` (missing / stale / wrong length raise :class:`GuidanceError`).
+        """
+        if not is_expert_w2(gemm):
+            raise ValueError(f"TraceBatch.routing: {gemm!r} is not an experts' w2 GEMM")
+        n_rows = self.row_seq.numel()
+        lengths = self.seq_lengths().tolist()
+        dev = torch.device(device)
+        row_seq, row_pos = self.row_seq.to(dev), self.row_pos.to(dev)
+        covered = torch.zeros(n_rows, dtype=torch.bool, device=dev)
+        eids = None
+        for i, uid in enumerate(self.uids):
+            key = GuidanceKey(uid, self.policy_version, layer, gemm)
+            entry = self.provider.get(key)
+            ids = entry.expert_ids
+            n = lengths[i]
+            if ids is None or ids.dim() != 2 or ids.shape[0] not in (n, n - 1):
+                raise GuidanceError(
+                    f"TRACE: routing for {key}: expert ids {None if ids is None else tuple(ids.shape)}, the "
+                    f"trainer needs [T, top_k] with T in ({n}, {n - 1})"
+                )
+            if eids is None:
+                eids = torch.full((n_rows, ids.shape[1]), -1, dtype=torch.long, device=dev)
+            rows = torch.nonzero((row_seq == i) & (row_pos < ids.shape[0])).flatten()
+            eids[rows] = ids.to(dev)[row_pos[rows]].long()
+            covered[rows] = True
+        if eids is None:
+            raise GuidanceError(f"TRACE: routing for layer {layer} {gemm}: the TraceBatch has no sequences")
+        return eids, covered
+
     def gather(
         self, layer: int, gemm: str, rows_shape: tuple[int, ...], k: int, device: torch.device | str = "cpu"
     ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None]:

@@ -335,6 +335,10 @@ def install_runner_hook() -> None:
         _model_forward._verl_quads_wrapped = True  # type: ignore[attr-defined]
         cls._model_forward = _model_forward
         logger.info("verl-quads: TRACE guidance capture hooked into GPUModelRunner._model_forward")
+    # under verl: the RPC its vLLM server calls to return each request's record (patches/verl_rollout_guidance.py)
+    from verl_quads.patches.verl_rollout_guidance import install_worker_rpc
+
+    install_worker_rpc()
 
 
 __all__ = [

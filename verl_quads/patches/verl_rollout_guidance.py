@@ -1,0 +1,168 @@
+"""Patch: verl's vLLM server returns each request's TRACE guidance record with its tokens.
+
+Upstream (verl 0.9.1): ``verl/workers/rollout/vllm_rollout/vllm_async_server.py``
+``vLLMHttpServer.generate(prompt_ids, sampling_params, request_id, ...)`` runs one request on the
+server's ``AsyncLLM`` and returns a ``TokenOutput`` (token ids, rollout log-probs, optional routed
+experts, ``extra_fields``). The agent loop copies ``extra_fields`` into its ``AgentLoopOutput``, and
+``AgentLoopWorker._postprocess`` turns every ``extra_fields`` key into a per-sample object column of
+the batch's ``non_tensor_batch``, which ``DataProto.to_tensordict`` carries (as a per-row list) into
+the actor's ``compute_log_prob`` / ``update_actor`` micro-batches. verl has no hook to add data
+computed *inside* the vLLM workers to a request's output.
+
+Change: when the server's engine is a ``quads_nvfp4`` engine in ``trace`` mode, after the original
+``generate`` returns, the wrapper pops the request's guidance from the worker's capture store
+(``collective_rpc`` of the method :data:`WORKER_METHOD` that :func:`install_worker_rpc` adds to
+verl's worker extension class ``vLLMColocateWorkerExtension`` inside the vLLM worker process; a
+method name, so no pickled function and no ``VLLM_ALLOW_INSECURE_SERIALIZATION``) and stores its
+wire form (:func:`compact_wire`: bit-packed bits, E4M3 block-scale bytes, float32 global scales,
+int16 expert ids, all CPU tensors) under ``extra_fields["quads_guidance"]``. It therefore becomes
+``non_tensor_batch["quads_guidance"]`` (one dict per generated sequence, host memory), keyed by the
+request id and stamped with the policy version. Engines in any other mode: unchanged (no RPC).
+A trace engine that has no record for a completed request raises (never a silent fallback); an
+aborted request (empty output) carries none, and the trainer refuses such a row.
+
+Applied by :func:`apply` in every process that imports verl's server module (the ``verl.plugins``
+entry point registers a post-import hook); :func:`install_worker_rpc` is called by the capture hook
+(``verl_quads.rollout.capture.install_runner_hook``) in the vLLM worker process, trace mode only.
+Test: ``tests/unit/test_patches_guidance.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from verl_quads.patches._guard import require_version
+
+logger = logging.getLogger("verl_quads")
+
+PATCH = "verl_rollout_guidance"
+SUPPORTED_VERL = ("0.9.1",)
+SERVER_MODULE = "verl.workers.rollout.vllm_rollout.vllm_async_server"
+SERVER_CLASS = "vLLMHttpServer"
+SERVER_METHOD = "generate"
+WORKER_MODULE = "verl.workers.rollout.vllm_rollout.utils"
+WORKER_CLASS = "vLLMColocateWorkerExtension"
+WORKER_METHOD = "verl_quads_fetch_guidance"
+#: The non-tensor batch column (and TokenOutput.extra_fields key) that carries the records.
+FIELD = "quads_guidance"
+
+
+def compact_wire(wire: dict) -> dict:
+    """The wire form with expert ids as int16 (vLLM's capture keeps int64; ids < 32768 always hold
+    for the MoE models we support). Everything else is already compact (1 bit/element, 1 byte/16)."""
+    out = dict(wire)
+    ids = []
+    for layer, t in wire["expert_ids"]:
+        if t.numel() and int(t.max()) >= 2**15:
+            raise ValueError(f"verl-quads: expert id {int(t.max())} does not fit int16")
+        ids.append([layer, t.to(torch.int16)])
+    out["expert_ids"] = ids
+    return out
+
+
+def wire_nbytes(wire: dict) -> int:
+    """Bytes a wire record holds in tensors: bits + block scales + global scales + expert ids
+    (positions excluded: they are implied, ``0..T-1``)."""
+    n = 0
+    for r in wire["records"]:
+        n += r["bits"].numel() + r["block_scale"].numel() + 4 * r["global_scale"].numel()
+    for _, t in wire["expert_ids"]:
+        n += t.numel() * t.element_size()
+    return n
+
+
+def wire_num_tokens(wire: dict) -> int:
+    return int(wire["positions"].numel())
+
+
+# ----------------------------------------------------------------------------- worker side
+def _fetch(self, request_ids: list[str]) -> dict:
+    """Worker RPC: ``{"enabled": bool, "records": {request id: wire}}`` (popped from the store)."""
+    from verl_quads.rollout.capture import fetch_guidance, get_store
+
+    store = get_store()
+    return {"enabled": store.enabled, "records": fetch_guidance(self, list(request_ids)) if store.enabled else {}}
+
+
+def install_worker_rpc() -> bool:
+    """Add :data:`WORKER_METHOD` to verl's vLLM worker extension (vLLM worker process). Returns
+    whether verl is installed (without verl there is nothing to call it)."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is None:
+        return False
+    require_version(PATCH, ("verl",), SUPPORTED_VERL)
+    cls = getattr(importlib.import_module(WORKER_MODULE), WORKER_CLASS)
+    if getattr(cls, WORKER_METHOD, None) is not _fetch:
+        setattr(cls, WORKER_METHOD, _fetch)
+    return True
+
+
+# ----------------------------------------------------------------------------- server side
+def engine_is_trace(server) -> bool:
+    """Whether the server's vLLM engine runs ``quads_nvfp4`` in trace mode (front-end config)."""
+    from verl_quads.sync.receiver import engine_quant_config
+
+    vllm_config = getattr(getattr(server, "engine", None), "vllm_config", None)
+    qc = engine_quant_config(vllm_config) if vllm_config is not None else None
+    return qc is not None and getattr(qc, "mode", None) == "trace"
+
+
+async def attach_guidance(server, request_id: str, out) -> None:
+    """Pop ``request_id``'s record from the engine's workers and put it into ``out.extra_fields``."""
+    results = await server.engine.collective_rpc(WORKER_METHOD, args=([request_id],))
+    if not results or not results[0].get("enabled"):
+        raise RuntimeError(
+            f"verl-quads TRACE: the vLLM workers of {type(server).__name__} report guidance capture disabled "
+            "although the engine is in quads_nvfp4 trace mode"
+        )
+    wire = results[0]["records"].get(request_id)  # TP ranks hold identical records: first one
+    if not out.token_ids:  # aborted: nothing generated, no record to keep
+        return
+    if wire is None:
+        raise RuntimeError(
+            f"verl-quads TRACE: no guidance record captured for request {request_id!r} "
+            f"({len(out.token_ids)} generated tokens); refusing to return a sequence the trainer cannot guide"
+        )
+    out.extra_fields[FIELD] = compact_wire(wire)
+
+
+def apply(module=None) -> None:
+    """Wrap ``vLLMHttpServer.generate`` (idempotent). ``module``: the imported server module."""
+    require_version(PATCH, ("verl",), SUPPORTED_VERL)
+    import importlib
+
+    module = module or importlib.import_module(SERVER_MODULE)
+    cls = getattr(module, SERVER_CLASS)
+    current = getattr(cls, SERVER_METHOD)
+    if getattr(current, "__verl_quads_patch__", None) == PATCH:
+        return
+
+    @functools.wraps(current)
+    async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
+        out = await current(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+        trace = self.__dict__.get("_verl_quads_trace")
+        if trace is None:
+            trace = self.__dict__["_verl_quads_trace"] = engine_is_trace(self)
+        if trace:
+            await attach_guidance(self, request_id, out)
+        return out
+
+    generate.__verl_quads_patch__ = PATCH
+    generate.__verl_quads_original__ = current
+    setattr(cls, SERVER_METHOD, generate)
+
+
+def register() -> None:
+    """Apply once verl's server module is imported (``verl.plugins`` entry point)."""
+    from verl_quads.patches._post_import import when_imported
+
+    when_imported(SERVER_MODULE, apply)
+
+
+__all__ = ["FIELD", "WORKER_METHOD", "apply", "register", "install_worker_rpc", "compact_wire", "wire_nbytes",
+           "wire_num_tokens", "engine_is_trace"]
