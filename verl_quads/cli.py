@@ -1,8 +1,11 @@
 """The ``verl-quads`` command.
 
-- ``verl-quads demo``: quantize a tiny random Qwen3-MoE (built locally, no download) with the
-  NVFP4 core and print its per-layer error table (the end-to-end GRPO demo replaces this once
-  the CPU runtime and both halves exist).
+- ``verl-quads demo [--quant quads|none|w4a16|w4a4_qat|...] [--steps N] [--model DIR] [--data DIR]``:
+  stock verl GRPO (``python -m verl.trainer.main_ppo``, Ray, FSDP2 actor, vLLM CPU rollout) on the
+  embedded tiny math MoE with ``actor_rollout_ref.actor.quant=<mode>``; per-step reward and
+  ``quads/*`` mismatch metrics, then a summary (``verl-quads demo --help``).
+- ``verl-quads quantize-demo``: quantize a tiny random Qwen3-MoE with the NVFP4 core and print its
+  per-layer error table (no verl, no vLLM; seconds).
 - ``verl-quads bench nvfp4|qat``: benchmarks (CUDA); each prints ratios to a baseline timed in
   the same run.
 - ``verl-quads probe``: rollout-vs-trainer log-prob gap per quantization mode (tables, decomposition,
@@ -16,6 +19,12 @@ import sys
 
 
 def _demo(argv: list[str]) -> None:
+    from verl_quads.demo import main
+
+    main(argv)
+
+
+def _quantize_demo(argv: list[str]) -> None:
     from verl_quads.demo_quantize import main
 
     main(argv)
@@ -39,7 +48,7 @@ def _probe(argv: list[str]) -> None:
     main(argv)
 
 
-COMMANDS = {"demo": _demo, "bench": _bench, "probe": _probe}
+COMMANDS = {"demo": _demo, "quantize-demo": _quantize_demo, "bench": _bench, "probe": _probe}
 
 
 def main(argv: list[str] | None = None) -> None:

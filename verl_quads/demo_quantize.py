@@ -1,4 +1,4 @@
-"""``verl-quads demo`` (interim): quantize a tiny random Qwen3-MoE and print its error table.
+"""``verl-quads quantize-demo``: quantize a tiny random Qwen3-MoE and print its error table.
 
 Builds the tiny Qwen3-MoE of :mod:`verl_quads.models.tiny` locally (no download), then runs the
 trainer-side forward in each QAT mode against BF16 on the same token ids and reports:
@@ -34,7 +34,7 @@ def _weights_table(model: torch.nn.Module, cfg: QuantConfig) -> list[list[object
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="verl-quads demo", description=__doc__)
+    p = argparse.ArgumentParser(prog="verl-quads quantize-demo", description=__doc__)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--tokens", type=int, default=64)
