@@ -1,8 +1,8 @@
 """Packed NVFP4 weight sync inside the stock verl 0.9.1 GRPO run on CPU (issue 6).
 
 ``python -m verl.trainer.main_ppo`` (the CPU command of ``test_cpu_grpo.py``) with
-``actor_rollout_ref.actor.quant=quads`` and the vLLM engine in ``quads_nvfp4`` mode ``quads``
-(``engine_kwargs.vllm``; see docs/sync.md "Wiring"), 2 GRPO steps. With ``VERL_QUADS_SYNC_DUMP_DIR``
+``actor_rollout_ref.actor.quant=quads`` as the only verl-quads setting (it also starts the vLLM engine
+in ``quads_nvfp4`` mode ``quads``; see docs/sync.md "Wiring"), 2 GRPO steps. With ``VERL_QUADS_SYNC_DUMP_DIR``
 both ends of every sync dump what they hold: the actor worker the QAT effective weights it computed
 from its own parameters (QAT code path), the vLLM worker its quads_nvfp4 parameters after loading.
 Asserts: one sync before the first rollout + one per step on both sides; after every sync, for every
@@ -23,12 +23,6 @@ import pytest
 
 pytestmark = [pytest.mark.slow, pytest.mark.verl, pytest.mark.vllm]
 
-ROLLOUT_QUADS = [
-    "+actor_rollout_ref.rollout.engine_kwargs.vllm.quantization=quads_nvfp4",
-    "+actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides="
-    "{quantization_config:{quant_method:quads_nvfp4,quant:quads}}",
-]
-
 
 def test_grpo_quads_packed_sync_bit_exact(tmp_path):
     import torch
@@ -43,7 +37,7 @@ def test_grpo_quads_packed_sync_bit_exact(tmp_path):
     model_dir = build_tiny_qwen3_moe(tmp_path / "model")
     write_gsm8k_parquet(tmp_path / "data")
     dump = tmp_path / "dump"
-    cmd = cpu_grpo_command(model_dir, tmp_path / "data") + ["actor_rollout_ref.actor.quant=quads"] + ROLLOUT_QUADS
+    cmd = cpu_grpo_command(model_dir, tmp_path / "data") + ["actor_rollout_ref.actor.quant=quads"]
     env = dict(os.environ, VERL_QUADS_SYNC_DUMP_DIR=str(dump), VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1",
                RAY_DEDUP_LOGS="0")
     t0 = time.time()

@@ -16,6 +16,9 @@ def load() -> None:
     from verl_quads.integration.trainer import register_trainer
 
     register_trainer()  # actor.quant config key + QAT engine; must run before the CPU engines register
+    from verl_quads.patches import hydra_rollout_quant_mirror
+
+    hydra_rollout_quant_mirror.apply()  # rollout.{quant,quant_config} mirror actor's -> vLLM quads_nvfp4 (one switch)
     from verl_quads.patches import apply_verl_cpu_patches
 
     apply_verl_cpu_patches()  # CPU platform + CPU patches; no-op with an accelerator torch
