@@ -18,6 +18,16 @@ Change (every platform, only in vLLM processes, only with verl installed):
   packed stream (our header tensor in a bucket) fails with an error naming the trainer's and the
   engine's mode before anything of that bucket is loaded.
 
+Failure handling (why ``main_ppo`` used to hang): verl's ``BucketedWeightSender`` (actor side) waits
+for a ZMQ reply after every bucket with a blocking ``recv()`` and no timeout, and only then awaits the
+vLLM RPC that would carry the receiver's exception. A bucket callback that raises inside
+``BucketedWeightReceiver.receive_weights`` closes the receiving socket without replying, so the
+sender blocks forever and the error is never seen. Here a failing bucket (our refusal, or verl's
+own load raising) is recorded, the remaining buckets are received and acknowledged without being
+loaded, and the first error is raised once the stream is complete: the sender finishes, verl's
+``ServerAdapter.update_weights`` awaits the RPC, and the error reaches the trainer (and ``main_ppo``
+exits non-zero with it).
+
 The trainer side (sending the packed stream) is not a patch: ``QuadsFSDPEngineWithLMHead`` (our
 engine subclass registered through verl's ``EngineRegistry``) overrides ``get_per_tensor_param``.
 """
@@ -25,8 +35,12 @@ engine subclass registered through verl's ``EngineRegistry``) overrides ``get_pe
 from __future__ import annotations
 
 import functools
+import logging
+import traceback
 
 from verl_quads.patches._guard import require_version
+
+logger = logging.getLogger("verl_quads")
 
 PATCH = "vllm_packed_weight_sync"
 SUPPORTED_VERL = ("0.9.1",)
@@ -42,6 +56,22 @@ def _vllm_version() -> str:
     return vllm.__version__
 
 
+def _detach_frames(e: BaseException) -> None:
+    """Drop the tracebacks of ``e`` and its causes (already logged).
+
+    Their frames reach, through ``f_back``, verl's receive loop whose locals view the transfer
+    buffer; keeping them alive until the stream ends makes the receiver's shared-memory close fail.
+    """
+    todo, seen = [e], set()
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        x.__traceback__ = None
+        todo += [x.__cause__, x.__context__]
+
+
 def update_weights_from_ipc_dispatch(self, original, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
     """Packed path for quads_nvfp4 engines; ``original`` (guarded against packed streams) otherwise."""
     from verl_quads.sync.receiver import engine_quant_config, refuse_packed_on_unquantized, update_weights_packed
@@ -50,18 +80,38 @@ def update_weights_from_ipc_dispatch(self, original, peft_config: dict = None, b
         update_weights_packed(self, peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
         return None  # like upstream (an RPC result is pickled; the load plan holds live parameters)
     inner = self._update_weights  # bound method of the class
+    failures: list[BaseException] = []
 
     def guarded_update_weights(weights, *args, **kwargs):
-        weights = list(weights)
-        qc = getattr(self.model_runner.vllm_config, "quant_config", None)
-        refuse_packed_on_unquantized(weights, f"quantization={type(qc).__name__ if qc else None}")
-        return inner(weights, *args, **kwargs)
+        if failures:  # drain: the sender needs a reply per bucket (see module docstring); load nothing more
+            return None
+        try:
+            weights = list(weights)
+            qc = getattr(self.model_runner.vllm_config, "quant_config", None)
+            refuse_packed_on_unquantized(weights, f"quantization={type(qc).__name__ if qc else None}")
+            return inner(weights, *args, **kwargs)
+        except Exception as e:
+            # Formatted here, not exc_info: a handler that keeps the record would keep the frames alive.
+            logger.error(
+                "verl-quads: weight sync failed; receiving the rest of the stream, then raising:\n%s",
+                "".join(traceback.format_exception(e)),
+            )
+            _detach_frames(e)
+            failures.append(e)
+            return None
 
     self._update_weights = guarded_update_weights
     try:
-        return original(self, peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
+        result = original(self, peft_config=peft_config, base_sync_done=base_sync_done, use_shm=use_shm)
+    except Exception as later:
+        if failures:  # the post-load step of a half-loaded model may fail too: report the first cause
+            raise failures[0] from later
+        raise
     finally:
         del self._update_weights
+    if failures:
+        raise failures[0]
+    return result
 
 
 def apply() -> None:
