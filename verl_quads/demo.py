@@ -310,7 +310,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="verl-quads demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--quant", default="quads", choices=QUANT_MODES,
                    help="actor_rollout_ref.actor.quant (default quads; none = BF16 baseline)")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--model", default=str(ASSET), help="HF checkpoint dir (default: the embedded tiny_math_moe)")
     p.add_argument("--data", default=str(ASSET / "data"), help="dir with train.parquet / test.parquet")
     p.add_argument("--workdir", default=None, help="where main_ppo runs and logs (default ./verl_quads_demo_<quant>)")
