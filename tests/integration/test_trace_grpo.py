@@ -32,10 +32,11 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.verl,
     pytest.mark.vllm,
-    # Known failure (2026-11-29): step 1's compute_log_prob raises "guided layer but no TraceBatch is
-    # active" — the QAT engine's trace override of forward_backward_batch is not in effect in the Ray
-    # worker. Not run until fixed (it costs ~5 min of CI); see the closing note of that session.
-    pytest.mark.xfail(run=False, strict=True, reason="TRACE e2e in verl not working yet: no TraceBatch in compute_log_prob"),
+    # 2026-11-29: three bugs found and fixed (Ray workers imported a stale clone through the shared
+    # venv's editable install; vLLM's untyped RPC reply mangled the record tensors; verl's v1
+    # TransferQueue path carries the record inside each row's ``extra_fields``). Not yet seen passing
+    # end to end: run with --runxfail; remove this mark once it passes.
+    pytest.mark.xfail(run=False, strict=True, reason="TRACE e2e in verl not yet seen passing after the fixes"),
 ]
 
 ROLLOUT_TRACE = [
@@ -60,6 +61,7 @@ def test_grpo_trace_guidance_reaches_trainer(tmp_path):
     sys.path.insert(0, os.path.dirname(__file__))
     from test_cpu_grpo import STEPS, cpu_grpo_command, parse_step_metrics
 
+    import verl_quads
     from verl_quads.models.data import write_gsm8k_parquet
     from verl_quads.models.tiny import build_tiny_qwen3_moe
 
@@ -67,8 +69,12 @@ def test_grpo_trace_guidance_reaches_trainer(tmp_path):
     write_gsm8k_parquet(tmp_path / "data")
     dump, sync_dump = tmp_path / "trace_dump", tmp_path / "sync_dump"
     cmd = cpu_grpo_command(model_dir, tmp_path / "data") + ["actor_rollout_ref.actor.quant=trace"] + ROLLOUT_TRACE
+    # The Ray workers must import verl_quads from this checkout: the venv's editable install points at
+    # whichever clone last ran scripts/setup_env.sh (the venv is shared by hash), so put ours first.
+    src = os.path.dirname(os.path.dirname(os.path.abspath(verl_quads.__file__)))
     env = dict(os.environ, VERL_QUADS_TRACE_DUMP_DIR=str(dump), VERL_QUADS_SYNC_DUMP_DIR=str(sync_dump),
-               VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0")
+               VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1", RAY_DEDUP_LOGS="0",
+               PYTHONPATH=os.pathsep.join([src] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     t0 = time.time()
     log_path = tmp_path / "main_ppo.log"
     with open(log_path, "w") as f:
@@ -84,6 +90,7 @@ def test_grpo_trace_guidance_reaches_trainer(tmp_path):
     kinds = [p["pass"] for p in passes]
     assert kinds.count("log_prob") == STEPS and kinds.count("update") >= STEPS, kinds
     for p in passes:
+        assert p["source"] == os.path.join(src, "verl_quads"), (p["source"], src)  # the worker ran this checkout
         assert p["tokens"] > 0 and p["bytes"] == want_bpt * p["tokens"], (p, want_bpt)
         assert p["audit_elements"] > 10_000, p
         assert p["bit_mismatch"] == 0 and p["block_scale_mismatch"] == 0 and p["global_scale_mismatch"] == 0, p

@@ -69,13 +69,40 @@ def test_compact_wire_and_bytes():
         g.compact_wire(bad)
 
 
+def _vllm_rpc_roundtrip(reply):
+    """What verl's server gets back from ``AsyncLLM.collective_rpc``: the worker's return value
+    through vLLM's engine-core msgpack transport as an (untyped) utility result."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder, UtilityResult
+
+    return MsgpackDecoder(UtilityResult).decode(MsgpackEncoder().encode(UtilityResult(reply))).result
+
+
+def test_rpc_transport_needs_plain_form(monkeypatch):
+    monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
+    raw = _vllm_rpc_roundtrip({"r-1": _wire(T=300)})  # tensors are not rebuilt without type info
+    assert not isinstance(raw["r-1"]["expert_ids"][0][1], torch.Tensor)
+    w = _wire(T=300)
+    w["empty"] = torch.empty(0, 3, dtype=torch.float8_e4m3fn)
+    back = g.from_plain(_vllm_rpc_roundtrip(g.to_plain(w)))
+    assert torch.equal(back["expert_ids"][0][1], w["expert_ids"][0][1]) and back["expert_ids"][0][0] == 1
+    for k in ("bits", "block_scale", "global_scale"):
+        assert torch.equal(back["records"][0][k], w["records"][0][k]) and back["records"][0][k].dtype == w["records"][0][k].dtype
+    assert torch.equal(back["positions"], w["positions"]) and back["empty"].shape == (0, 3)
+    assert back["empty"].dtype == torch.float8_e4m3fn and back["records"][0]["shape"] == [300, 64]
+    with pytest.raises(TypeError, match="malformed tensor"):
+        g.from_plain({g.TENSOR_KEY: "int64", "shape": [1], "data": 3})
+
+
 class _Engine:
+    """An engine whose workers hold ``records`` (wire form) and answer through vLLM's transport."""
+
     def __init__(self, reply):
         self.reply, self.calls = reply, []
 
     async def collective_rpc(self, method, args=()):
         self.calls.append((method, args))
-        return [self.reply]
+        reply = dict(self.reply, records=g.to_plain(self.reply["records"]))  # as _fetch returns it
+        return [_vllm_rpc_roundtrip(reply)]
 
 
 def _out(tokens):
@@ -104,3 +131,29 @@ def test_worker_rpc_installed_on_verl_extension():
 
     assert g.install_worker_rpc()
     assert getattr(vLLMColocateWorkerExtension, g.WORKER_METHOD) is g._fetch
+
+
+def test_trainer_reads_records_from_both_verl_carriers():
+    """DataProto path: a ``quads_guidance`` column; v1 TransferQueue path: inside each row's ``extra_fields``."""
+    from verl.utils import tensordict_utils as tu
+
+    from verl_quads.integration.trace import GuidanceError, batch_guidance
+
+    def rows(carrier, missing=()):
+        out = []
+        for i in range(3):
+            w = dict(g.compact_wire(_wire()), request_id=f"r-{i}")
+            ef = {"turn_scores": []} if i in missing else {g.FIELD: w, "turn_scores": []}
+            row = {"input_ids": torch.arange(4), "uid": f"u{i}"}
+            row.update({g.FIELD: w} if carrier == "column" else {"extra_fields": ef})
+            out.append(row)
+        return tu.list_of_dict_to_tensordict(out)
+
+    for carrier in ("column", "extra_fields"):
+        keys, wires = batch_guidance(rows(carrier))
+        assert keys == [f"u{i}/r-{i}" for i in range(3)]
+        assert wires[2]["expert_ids"][0][1].dtype == torch.int16
+    with pytest.raises(GuidanceError, match="row 1 .*no rollout guidance record"):
+        batch_guidance(rows("extra_fields", missing=(1,)))
+    with pytest.raises(GuidanceError, match="0 carry"):
+        batch_guidance(tu.list_of_dict_to_tensordict([{"input_ids": torch.arange(4)}]))

@@ -67,9 +67,21 @@ def _wire_to_device(wire: dict, device) -> dict:
     return out
 
 
+def _guidance_rows(td) -> list:
+    """Each row's record. verl's agent loop carries ``TokenOutput.extra_fields`` in one of two ways:
+    the DataProto path (``AgentLoopWorker._postprocess``) makes each key a column (``td[FIELD]``);
+    the v1 trainer's TransferQueue path (``AgentLoopWorkerTQ``) stores the whole dict per row as the
+    ``extra_fields`` column. A row whose dict lacks the key yields None (an error in the caller)."""
+    if FIELD in td.keys():
+        return _rows(td, FIELD)
+    if "extra_fields" in td.keys():
+        return [r.get(FIELD) if isinstance(r, dict) else None for r in _rows(td, "extra_fields")]
+    return []
+
+
 def batch_guidance(td) -> tuple[list[str], list[dict]]:
     """``(sequence keys, wire records)`` of every row of a verl TensorDict; raises if any is missing."""
-    wires = _rows(td, FIELD)
+    wires = _guidance_rows(td)
     uids = _rows(td, "uid")
     n = td.batch_size[0]
     if len(wires) != n:
@@ -178,7 +190,8 @@ class TraceSession:
         rec = {"pass": "log_prob" if self.forward_only else "update", "pid": os.getpid(), "policy_version": self.version,
                "bytes": self.nbytes, "tokens": self.ntokens, "response_tokens": self.nresp,
                "micro_batches": self.micro_batches, "replay_disagree": self.replay_disagree,
-               "replay_tokens": self.replay_tokens, **(self.audit.as_dict() if self.audit else {})}
+               "replay_tokens": self.replay_tokens, "source": str(Path(__file__).resolve().parents[1]),
+               **(self.audit.as_dict() if self.audit else {})}
         path = Path(d) / f"trace_{os.getpid()}_{time.time_ns()}.json"
         path.write_text(json.dumps(rec))
 

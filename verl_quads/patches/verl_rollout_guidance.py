@@ -78,13 +78,52 @@ def wire_num_tokens(wire: dict) -> int:
     return int(wire["positions"].numel())
 
 
+# ----------------------------------------------------------------------------- RPC transport
+# vLLM's engine-core RPC (msgpack) returns a utility result *untyped* unless
+# VLLM_ALLOW_INSECURE_SERIALIZATION is set: a tensor inside a returned dict then arrives as its raw
+# encoding (``[dtype, shape, data-or-buffer-index]``), not as a tensor. So the worker method returns
+# msgpack-native values only: each tensor becomes ``{TENSOR_KEY: dtype, "shape": [...], "data": bytes}``.
+TENSOR_KEY = "__verl_quads_tensor__"
+
+
+def to_plain(obj):
+    """Tensors (anywhere in nested dicts/lists) -> msgpack-native dicts of dtype, shape and raw bytes."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().to("cpu").contiguous()
+        return {TENSOR_KEY: str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                "data": t.reshape(-1).view(torch.uint8).numpy().tobytes()}
+    if isinstance(obj, dict):
+        return {k: to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_plain(v) for v in obj]
+    return obj
+
+
+def from_plain(obj):
+    """Inverse of :func:`to_plain`."""
+    if isinstance(obj, dict):
+        if TENSOR_KEY in obj:
+            dtype, shape, data = getattr(torch, obj[TENSOR_KEY]), obj["shape"], obj["data"]
+            if not isinstance(dtype, torch.dtype) or not isinstance(data, (bytes, bytearray, memoryview)):
+                raise TypeError(f"verl-quads TRACE: malformed tensor in a guidance RPC reply: {obj[TENSOR_KEY]!r}")
+            if len(data) == 0:
+                return torch.empty(shape, dtype=dtype)
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+        return {k: from_plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [from_plain(v) for v in obj]
+    return obj
+
+
 # ----------------------------------------------------------------------------- worker side
 def _fetch(self, request_ids: list[str]) -> dict:
-    """Worker RPC: ``{"enabled": bool, "records": {request id: wire}}`` (popped from the store)."""
+    """Worker RPC: ``{"enabled": bool, "records": {request id: wire}}`` (popped from the store), in
+    the msgpack-native form of :func:`to_plain`."""
     from verl_quads.rollout.capture import fetch_guidance, get_store
 
     store = get_store()
-    return {"enabled": store.enabled, "records": fetch_guidance(self, list(request_ids)) if store.enabled else {}}
+    records = fetch_guidance(self, list(request_ids)) if store.enabled else {}
+    return {"enabled": store.enabled, "records": to_plain(records)}
 
 
 def install_worker_rpc() -> bool:
@@ -121,6 +160,7 @@ async def attach_guidance(server, request_id: str, out) -> None:
             "although the engine is in quads_nvfp4 trace mode"
         )
     wire = results[0]["records"].get(request_id)  # TP ranks hold identical records: first one
+    wire = from_plain(wire) if wire is not None else None
     if not out.token_ids:  # aborted: nothing generated, no record to keep
         return
     if wire is None:
