@@ -292,7 +292,6 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _summary(prog: _Progress, record: dict) -> None:
     ms = record["metrics"]
-    first, last = ms[min(ms)], ms[max(ms)]
     keys = [k for k, _, _ in SHOWN if k != "timing_s/step"]
     prog.line(f"summary: quant={record['quant']}, {len(ms)} GRPO steps in {record['wall_s']:.0f}s "
               f"(main_ppo wall time, incl. Ray/vLLM start-up)")
@@ -303,7 +302,6 @@ def _summary(prog: _Progress, record: dict) -> None:
         else:
             prog.line(f"  {k:34s} not logged")
     prog.line(f"metrics: {Path(record['log']).parent / 'metrics.json'}")
-    del first, last
 
 
 def parser() -> argparse.ArgumentParser:
