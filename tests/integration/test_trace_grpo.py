@@ -32,11 +32,6 @@ pytestmark = [
     pytest.mark.slow,
     pytest.mark.verl,
     pytest.mark.vllm,
-    # 2026-11-29: three bugs found and fixed (Ray workers imported a stale clone through the shared
-    # venv's editable install; vLLM's untyped RPC reply mangled the record tensors; verl's v1
-    # TransferQueue path carries the record inside each row's ``extra_fields``). Not yet seen passing
-    # end to end: run with --runxfail; remove this mark once it passes.
-    pytest.mark.xfail(run=False, strict=True, reason="TRACE e2e in verl not yet seen passing after the fixes"),
 ]
 
 ROLLOUT_TRACE = [

@@ -87,7 +87,8 @@ def make_engine_class(stock: type) -> type:
                     if replay:
                         session.replay_tokens, session.replay_disagree = replay.tokens - t0, replay.changed - c0
             if isinstance(out, dict) and isinstance(out.get("metrics"), dict):
-                out["metrics"].update(session.metrics())
+                # as a micro-batch list, like verl's own metrics (its worker gathers over dp, then chains)
+                out["metrics"].update({k: [v] for k, v in session.metrics().items()})
             return out
 
         def prepare_model_inputs(self, micro_batch):
