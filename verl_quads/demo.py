@@ -79,21 +79,12 @@ SHOWN = [  # (metric key, column title, format)
 
 
 def rollout_overrides(quant: str) -> list[str]:
-    """vLLM engine settings that make the rollout run ``quant``'s rollout mode (``quads_nvfp4``).
-
-    ``actor.quant`` does not configure the rollout engine by itself yet (docs/sync.md, "Wiring the
-    rollout engine"), so the demo passes the same mode to vLLM through ``engine_kwargs.vllm``.
-    """
-    rollout_mode = QuantConfig(quant=quant).rollout_mode
-    if rollout_mode == "none":
-        return []
-    # the trace rollout refuses prefix caching (cached prompt positions would carry no guidance)
-    extra = ["actor_rollout_ref.rollout.enable_prefix_caching=False"] if rollout_mode == "trace" else []
-    return extra + [
-        "+actor_rollout_ref.rollout.engine_kwargs.vllm.quantization=quads_nvfp4",
-        "+actor_rollout_ref.rollout.engine_kwargs.vllm.hf_overrides="
-        f"{{quantization_config:{{quant_method:quads_nvfp4,quant:{quant}}}}}",
-    ]
+    """Rollout settings the mode needs beyond ``actor.quant`` (which configures vLLM's ``quads_nvfp4``
+    engine by itself, verl_quads/patches/hydra_rollout_quant_mirror.py): the trace rollout refuses
+    prefix caching (cached prompt positions would carry no guidance)."""
+    if QuantConfig(quant=quant).rollout_mode == "trace":
+        return ["actor_rollout_ref.rollout.enable_prefix_caching=False"]
+    return []
 
 
 def grpo_command(model: Path, data: Path, *, quant: str, steps: int, batch: int = 8, n: int = 4, lr: float = 1e-4,

@@ -93,14 +93,18 @@ def test_recipe_composes_with_verl(tmp_path, recipe, mode):
         assert rollout.quantization == "fp8"
     else:
         assert rollout.quantization is None
-    vllm_kwargs = arr.rollout.get("engine_kwargs", {}).get("vllm", {}) or {}
+    # actor.quant alone configures vLLM: the rollout config verl builds carries the engine settings
+    vllm_kwargs = (rollout.engine_kwargs or {}).get("vllm", {}) or {}
     if quant.rollout_mode == "none":
         assert "quantization" not in vllm_kwargs
     else:  # the vLLM engine runs quads_nvfp4 in the same mode as the trainer expects
         assert vllm_kwargs["quantization"] == "quads_nvfp4"
         from omegaconf import OmegaConf
 
-        qc = quant_config_from_args(OmegaConf.to_container(vllm_kwargs["hf_overrides"]["quantization_config"]))
+        qc_args = vllm_kwargs["hf_overrides"]["quantization_config"]
+        if not isinstance(qc_args, dict):
+            qc_args = OmegaConf.to_container(qc_args)
+        qc = quant_config_from_args(qc_args)
         assert qc.rollout_mode == quant.rollout_mode
     if mode == "trace":
         assert rollout.enable_prefix_caching is False
