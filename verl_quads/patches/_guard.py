@@ -50,3 +50,18 @@ def require_version(patch: str, dist_names: tuple[str, ...], supported: tuple[st
             f"(see patches/README.md), or install a supported version."
         )
     return found
+
+
+def install_method_patch(cls: type, name: str, patch: str, make_patched) -> None:
+    """Replace ``cls.<name>`` by ``make_patched(current)`` once, marking the result with
+    ``__verl_quads_patch__ = patch`` and ``__verl_quads_original__ = current`` (idempotent: a method
+    already carrying this patch's mark is left alone)."""
+    import functools
+
+    current = getattr(cls, name)
+    if getattr(current, "__verl_quads_patch__", None) == patch:
+        return
+    patched = functools.wraps(current)(make_patched(current))
+    patched.__verl_quads_patch__ = patch
+    patched.__verl_quads_original__ = current
+    setattr(cls, name, patched)

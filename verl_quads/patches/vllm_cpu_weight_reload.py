@@ -28,12 +28,11 @@ that the rollout runs with the actor's weights.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 from pathlib import Path
 
-from verl_quads.patches._guard import require_version
+from verl_quads.patches._guard import install_method_patch, require_version
 
 PATCH = "vllm_cpu_weight_reload"
 SUPPORTED_VERL = ("0.9.1",)
@@ -146,14 +145,11 @@ def apply() -> None:
     import importlib
 
     cls = getattr(importlib.import_module(TARGET_MODULE), TARGET_CLASS)
-    current = getattr(cls, TARGET_METHOD)
-    if getattr(current, "__verl_quads_patch__", None) == PATCH:
-        return
 
-    @functools.wraps(current)
-    def patched(self, *args, **kwargs):
-        return update_weights_from_ipc_cpu(self, *args, **kwargs)
+    def make_patched(current):
+        def patched(self, *args, **kwargs):
+            return update_weights_from_ipc_cpu(self, *args, **kwargs)
 
-    patched.__verl_quads_patch__ = PATCH
-    patched.__verl_quads_original__ = current
-    setattr(cls, TARGET_METHOD, patched)
+        return patched
+
+    install_method_patch(cls, TARGET_METHOD, PATCH, make_patched)

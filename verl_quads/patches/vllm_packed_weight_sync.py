@@ -34,11 +34,10 @@ engine subclass registered through verl's ``EngineRegistry``) overrides ``get_pe
 
 from __future__ import annotations
 
-import functools
 import logging
 import traceback
 
-from verl_quads.patches._guard import require_version
+from verl_quads.patches._guard import install_method_patch, require_version
 
 logger = logging.getLogger("verl_quads")
 
@@ -121,17 +120,14 @@ def apply() -> None:
     import importlib
 
     cls = getattr(importlib.import_module(TARGET_MODULE), TARGET_CLASS)
-    current = getattr(cls, TARGET_METHOD)
-    if getattr(current, "__verl_quads_patch__", None) == PATCH:
-        return
 
-    @functools.wraps(current)
-    def patched(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
-        return update_weights_from_ipc_dispatch(self, current, peft_config, base_sync_done, use_shm)
+    def make_patched(current):
+        def patched(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
+            return update_weights_from_ipc_dispatch(self, current, peft_config, base_sync_done, use_shm)
 
-    patched.__verl_quads_patch__ = PATCH
-    patched.__verl_quads_original__ = current
-    setattr(cls, TARGET_METHOD, patched)
+        return patched
+
+    install_method_patch(cls, TARGET_METHOD, PATCH, make_patched)
 
 
 def apply_if_verl_installed() -> bool:
