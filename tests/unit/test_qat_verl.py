@@ -104,7 +104,10 @@ def test_hydra_patch_guards_upstream():
     assert "quant" not in raw and "quant_config" not in raw
     from hydra._internal.config_repository import ConfigRepository
 
-    assert getattr(ConfigRepository.load_config, "_verl_quads_wrapped", False), "patch not installed by import verl"
+    from verl_quads.patches._guard import patches_in_chain
+
+    assert h.PATCH in patches_in_chain(ConfigRepository.load_config), "patch not installed by import verl"
+    assert h.apply() is False  # idempotent, also under the rollout mirror's wrapper
     assert md.version("hydra-core") in h.SUPPORTED_HYDRA
     with pytest.raises(PatchVersionError, match="hydra-core 1.3.8; found 1.4.0"):
         h.apply(hydra_version="1.4.0")

@@ -127,8 +127,11 @@ def test_upstream_symbols_the_wiring_relies_on():
     for runner in (TaskRunnerV1, TaskRunner):  # the mirrors are resolved before any worker gets the config
         assert "OmegaConf.resolve(config)" in inspect.getsource(runner.run), runner
     wrapped = ConfigRepository.load_config
-    assert getattr(wrapped, "_verl_quads_rollout_wrapped", False), "mirror patch not installed by import verl"
-    assert getattr(wrapped, "_verl_quads_wrapped", False)  # the actor-key patch is still in the chain
+    from verl_quads.patches._guard import patches_in_chain
+
+    chain = patches_in_chain(wrapped)
+    assert h.PATCH in chain, "mirror patch not installed by import verl"
+    assert "hydra_actor_quant_key" in chain  # the actor-key patch is still in the chain
     assert h.apply() is False  # idempotent
     with pytest.raises(PatchVersionError, match="hydra-core 1.3.8; found 1.4.0"):
         h.apply(hydra_version="1.4.0")

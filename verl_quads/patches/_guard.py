@@ -52,16 +52,55 @@ def require_version(patch: str, dist_names: tuple[str, ...], supported: tuple[st
     return found
 
 
-def install_method_patch(cls: type, name: str, patch: str, make_patched) -> None:
-    """Replace ``cls.<name>`` by ``make_patched(current)`` once, marking the result with
-    ``__verl_quads_patch__ = patch`` and ``__verl_quads_original__ = current`` (idempotent: a method
-    already carrying this patch's mark is left alone)."""
+def patches_in_chain(fn) -> list[str]:
+    """Names of the verl-quads patches wrapped around ``fn``, outermost first.
+
+    Follows the ``__verl_quads_original__`` links that :func:`install_method_patch` leaves; a
+    function without marks gives ``[]``.
+    """
+    names = []
+    while fn is not None and hasattr(fn, "__verl_quads_original__"):
+        names.append(fn.__dict__.get("__verl_quads_patch__"))
+        fn = fn.__verl_quads_original__
+    return names
+
+
+def install_method_patch(owner, name: str, patch: str, make_patched) -> bool:
+    """Replace ``owner.<name>`` (a class or a module attribute) by ``make_patched(current)``.
+
+    The result is marked with ``__verl_quads_patch__ = patch`` and ``__verl_quads_original__ =
+    current``, so patches stack and each can be found (:func:`patches_in_chain`). Idempotent: if
+    ``patch`` is anywhere in the current chain (another patch may have wrapped it since), nothing
+    changes. Returns True if installed now.
+    """
     import functools
 
-    current = getattr(cls, name)
-    if getattr(current, "__verl_quads_patch__", None) == patch:
-        return
+    current = getattr(owner, name)
+    if patch in patches_in_chain(current):
+        return False
     patched = functools.wraps(current)(make_patched(current))
     patched.__verl_quads_patch__ = patch
     patched.__verl_quads_original__ = current
-    setattr(cls, name, patched)
+    setattr(owner, name, patched)
+    return True
+
+
+def install_config_augmenter(patch: str, augment) -> bool:
+    """Wrap Hydra's ``ConfigRepository.load_config`` so that ``augment(config_path, node)`` may
+    replace a loaded config node (it returns the new node, or None to leave it). One wrapper per
+    ``patch`` (idempotent); the Hydra-version guard is the caller's. Returns True if installed now.
+    """
+    from hydra._internal.config_repository import ConfigRepository
+
+    def make_patched(inner):
+        def load_config(self, config_path):
+            ret = inner(self, config_path)
+            if ret is not None:
+                new = augment(config_path, ret.config)
+                if new is not None:
+                    ret.config = new
+            return ret
+
+        return load_config
+
+    return install_method_patch(ConfigRepository, "load_config", patch, make_patched)

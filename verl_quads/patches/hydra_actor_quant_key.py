@@ -22,14 +22,12 @@ values. Any other ``_target_`` on ``actor/dp_actor`` means upstream changed: lou
 
 from __future__ import annotations
 
-from verl_quads.patches._guard import PatchVersionError, require_version
+from verl_quads.patches._guard import PatchVersionError, install_config_augmenter, require_version
 
 PATCH = "hydra_actor_quant_key"
 SUPPORTED_HYDRA = ("1.3.8",)
 SUPPORTED_VERL = ("0.9.1",)
 CONFIG_PATH = "actor/dp_actor"
-
-_applied = False
 
 
 def augment(config_path: str, config):
@@ -63,31 +61,9 @@ def augment(config_path: str, config):
 
 def apply(*, hydra_version: str | None = None, verl_version: str | None = None) -> bool:
     """Install the wrapper (idempotent). Returns True if installed now."""
-    global _applied
     require_version(PATCH, ("hydra-core",), SUPPORTED_HYDRA, found=hydra_version)
     require_version(PATCH, ("verl",), SUPPORTED_VERL, found=verl_version)
-    if _applied:
-        return False
-    from hydra._internal.config_repository import ConfigRepository
-
-    original = ConfigRepository.load_config
-    if getattr(original, "_verl_quads_wrapped", False):
-        _applied = True
-        return False
-
-    def load_config(self, config_path):
-        ret = original(self, config_path)
-        if ret is not None:
-            new = augment(config_path, ret.config)
-            if new is not None:
-                ret.config = new
-        return ret
-
-    load_config._verl_quads_wrapped = True  # type: ignore[attr-defined]
-    load_config.__wrapped__ = original  # type: ignore[attr-defined]
-    ConfigRepository.load_config = load_config
-    _applied = True
-    return True
+    return install_config_augmenter(PATCH, augment)
 
 
 __all__ = ["PATCH", "SUPPORTED_HYDRA", "SUPPORTED_VERL", "augment", "apply"]

@@ -25,9 +25,7 @@ Any other ``_target_`` on ``rollout/rollout`` means upstream changed: loud error
 
 from __future__ import annotations
 
-import functools
-
-from verl_quads.patches._guard import PatchVersionError, require_version
+from verl_quads.patches._guard import PatchVersionError, install_config_augmenter, require_version
 
 PATCH = "hydra_rollout_quant_mirror"
 SUPPORTED_HYDRA = ("1.3.8",)
@@ -35,7 +33,6 @@ SUPPORTED_VERL = ("0.9.1",)
 CONFIG_PATH = "rollout/rollout"
 QUANT_INTERP = "${oc.select:actor_rollout_ref.actor.quant,none}"
 OPTIONS_INTERP = "${oc.select:actor_rollout_ref.actor.quant_config,null}"
-_MARK = "_verl_quads_rollout_wrapped"
 
 
 def augment(config_path: str, config):
@@ -71,27 +68,10 @@ def apply(*, hydra_version: str | None = None, verl_version: str | None = None) 
     """Install the wrapper (idempotent; after the actor-key patch). Returns True if installed now."""
     require_version(PATCH, ("hydra-core",), SUPPORTED_HYDRA, found=hydra_version)
     require_version(PATCH, ("verl",), SUPPORTED_VERL, found=verl_version)
-    from hydra._internal.config_repository import ConfigRepository
-
     from verl_quads.patches import hydra_actor_quant_key
 
     hydra_actor_quant_key.apply()
-    inner = ConfigRepository.load_config
-    if getattr(inner, _MARK, False):
-        return False
-
-    @functools.wraps(inner)  # keeps the actor patch's marker visible: it is still in the chain
-    def load_config(self, config_path):
-        ret = inner(self, config_path)
-        if ret is not None:
-            new = augment(config_path, ret.config)
-            if new is not None:
-                ret.config = new
-        return ret
-
-    setattr(load_config, _MARK, True)
-    ConfigRepository.load_config = load_config
-    return True
+    return install_config_augmenter(PATCH, augment)
 
 
 __all__ = ["PATCH", "SUPPORTED_HYDRA", "SUPPORTED_VERL", "CONFIG_PATH", "augment", "apply"]

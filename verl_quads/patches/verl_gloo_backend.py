@@ -14,10 +14,9 @@ through our ``verl.plugins`` entry point).
 
 from __future__ import annotations
 
-import functools
 import sys
 
-from verl_quads.patches._guard import require_version
+from verl_quads.patches._guard import install_method_patch, require_version
 
 PATCH = "verl_gloo_backend"
 SUPPORTED_VERL = ("0.9.1",)
@@ -32,22 +31,22 @@ def apply() -> None:
     import verl.utils.distributed as dist
 
     original = getattr(dist, TARGET_NAME)
-    if getattr(original, "__verl_quads_patch__", None) == PATCH:
+
+    def make_patched(original):
+        def initialize_global_process_group_ray(timeout_second=None, backend=None):
+            from verl.utils.device import get_device_name
+
+            if backend is None and get_device_name() == "cpu":
+                backend = CPU_BACKEND
+            return original(timeout_second=timeout_second, backend=backend)
+
+        return initialize_global_process_group_ray
+
+    if not install_method_patch(dist, TARGET_NAME, PATCH, make_patched):
         return
-
-    @functools.wraps(original)
-    def initialize_global_process_group_ray(timeout_second=None, backend=None):
-        from verl.utils.device import get_device_name
-
-        if backend is None and get_device_name() == "cpu":
-            backend = CPU_BACKEND
-        return original(timeout_second=timeout_second, backend=backend)
-
-    initialize_global_process_group_ray.__verl_quads_patch__ = PATCH
-    initialize_global_process_group_ray.__verl_quads_original__ = original
-    setattr(dist, TARGET_NAME, initialize_global_process_group_ray)
+    patched = getattr(dist, TARGET_NAME)
     # Modules that already did ``from verl.utils.distributed import ...`` hold the old name.
     for user in ("verl.workers.engine_workers",):
         mod = sys.modules.get(user)
         if mod is not None and getattr(mod, TARGET_NAME, None) is original:
-            setattr(mod, TARGET_NAME, initialize_global_process_group_ray)
+            setattr(mod, TARGET_NAME, patched)
