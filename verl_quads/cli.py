@@ -8,6 +8,8 @@
   per-layer error table (no verl, no vLLM; seconds).
 - ``verl-quads bench nvfp4|qat``: benchmarks (CUDA); each prints ratios to a baseline timed in
   the same run.
+- ``verl-quads export --model DIR --out DIR [--quant-config JSON]``: a trained checkpoint (HF dir or verl
+  checkpoint with ``huggingface/``) -> compressed-tensors NVFP4 checkpoint with the packed sync's weights.
 - ``verl-quads probe``: rollout-vs-trainer log-prob gap per quantization mode (tables, decomposition,
   per-layer error, PNG + JSON); ``verl-quads probe --help``.
 """
@@ -48,7 +50,13 @@ def _probe(argv: list[str]) -> None:
     main(argv)
 
 
-COMMANDS = {"demo": _demo, "quantize-demo": _quantize_demo, "bench": _bench, "probe": _probe}
+def _export(argv: list[str]) -> None:
+    from verl_quads.sync.export import main
+
+    main(argv)
+
+
+COMMANDS = {"demo": _demo, "quantize-demo": _quantize_demo, "bench": _bench, "probe": _probe, "export": _export}
 
 
 def main(argv: list[str] | None = None) -> None:
