@@ -4,9 +4,15 @@
 backend    runs on                                     status
 =========  ==========================================  ===============================
 torch      anywhere (vLLM CPU included)                reference emulation, tested
-triton     CUDA GPUs without FP4 tensor cores (Hopper)  not implemented yet: clear error
+triton     CUDA GPUs (meant for Hopper: no FP4 MMA)     fused NVFP4 dequantize + bf16 GEMM
+                                                       (:mod:`verl_quads.nvfp4.triton_gemm`)
 native     sm_100+ (Blackwell) with vLLM's FP4 ops      not implemented yet: clear error
 =========  ==========================================  ===============================
+
+``triton`` keeps weights packed (NVFP4) and dequantizes tiles inside the GEMM; W4A4 activations
+are quantized by the core and read packed as well (FP4 x FP4 products are exact in bf16), so its
+outputs equal the ``torch`` backend's up to float32 summation order (tests/unit/test_nvfp4_gemm.py).
+It runs on any CUDA GPU Triton supports, Blackwell included (explicit ``backend='triton'``).
 
 Note for ``native`` (why it is not a thin wrapper yet): vLLM's ``scaled_fp4_quant`` takes one
 activation global scale per call and ``cutlass_scaled_fp4_mm`` one scalar ``alpha``; our decided
@@ -77,9 +83,19 @@ def resolve_backend(requested: str, *, device_type: str | None = None) -> str:
             f"quads_nvfp4: backend 'native' needs FP4 tensor cores (sm_100+), this GPU is {cap_s}. "
             f"Use backend='triton' on Hopper. {hint}"
         )
+    if backend == "triton":
+        from verl_quads.nvfp4 import triton_kernels
+
+        if triton_kernels.triton is None:
+            raise BackendUnavailableError(
+                f"quads_nvfp4: backend 'triton' needs the triton package, which cannot be imported: "
+                f"{triton_kernels._TRITON_IMPORT_ERROR}. {hint}"
+            )
+        return backend
     raise BackendUnavailableError(
         f"quads_nvfp4: backend {backend!r} (for {cap_s}) is not implemented in this "
-        f"verl-quads version yet. {hint}"
+        f"verl-quads version yet. Set quant_config.backend='triton' (fused NVFP4 GEMMs on bf16 "
+        f"tensor cores) or 'torch'. {hint}"
     )
 
 

@@ -44,14 +44,17 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
 
     Args:
         act: activation quantization of this layer's GEMM.
-        backend: concrete backend (only ``torch`` is implemented).
+        backend: concrete backend: ``torch`` (reference emulation) or ``triton`` (fused NVFP4
+            dequantize + GEMM, :mod:`verl_quads.nvfp4.triton_gemm`; CUDA tensors).
         capture_key: ``(layer index, gemm name)`` when this GEMM's guidance is captured (trace).
     """
 
     def __init__(self, act: ActQuant, backend: str = "torch", capture_key: tuple[int, str] | None = None):
         super().__init__()
-        if backend != "torch":
-            raise NotImplementedError(f"quads_nvfp4 linear: backend {backend!r} is not implemented")
+        if backend not in ("torch", "triton"):
+            raise NotImplementedError(
+                f"quads_nvfp4 linear: backend {backend!r} is not implemented (implemented: torch, triton)"
+            )
         self.act = act
         self.backend = backend
         self.capture_key = capture_key
@@ -95,6 +98,8 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
         delattr(layer, "weight")
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.backend == "triton":
+            return self._apply_triton(layer, x, bias)
         w = emulation.weight_f32(layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
         x2 = x.reshape(-1, x.shape[-1])
         xf, record = emulation.quantize_activation(x2, self.act)
@@ -105,6 +110,23 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
         y = emulation.gemm(xf, w, bias, x.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
+    def _apply_triton(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The ``triton`` backend: activation quantized by the NVFP4 core (same codes as the torch
+        backend), then one fused dequantize + GEMM launch reading the packed weight."""
+        from verl_quads.nvfp4 import triton_gemm
+
+        x2 = x.reshape(-1, x.shape[-1])
+        capture = self.act.capture and self.capture_key is not None
+        op, record = triton_gemm.quantize_activation(
+            x2, self.act.mode, residual_ratio=self.act.residual_ratio,
+            residual_per_token=self.act.residual_per_token, capture=capture,
+        )
+        if record is not None and capture:
+            from verl_quads.rollout.capture import get_store
+
+            get_store().add(*self.capture_key, record)
+        y = triton_gemm.nvfp4_gemm(op, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, bias)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 __all__ = ["KERNEL_PARAMS", "QuadsNVFP4LinearMethod", "set_kernel_param"]

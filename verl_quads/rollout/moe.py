@@ -15,7 +15,8 @@ Forward (torch backend; routing is done by vLLM's runner and passed in as ``topk
 float32 -> cast to the input dtype; ``silu(gate) * up`` in float32 -> cast; the GEMM2 input is
 quantized (per token-slot row; ``quads``: residual block selection per expert call); GEMM2 in
 float32 -> cast; the router-weighted sum over the top-k slots in float32, one final cast.
-A per-expert Python loop: a reference, not a product path (the triton/native backends are grouped).
+A per-expert Python loop: a reference, not a product path. The ``triton`` backend
+(:meth:`QuadsNVFP4MoEMethod.forward_triton`) runs the same arithmetic as one grouped launch per GEMM.
 """
 
 from __future__ import annotations
@@ -38,14 +39,17 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
     Args:
         moe: vLLM's ``FusedMoEConfig`` of the layer.
         act: activation quantization of both expert GEMMs.
-        backend: concrete backend (only ``torch`` is implemented).
+        backend: concrete backend: ``torch`` (the per-expert reference below) or ``triton``
+            (grouped fused NVFP4 GEMMs, :meth:`forward_triton`).
         capture_layer: decoder layer index when guidance is captured (trace), else None.
     """
 
     def __init__(self, moe, act: ActQuant, backend: str = "torch", capture_layer: int | None = None):
         super().__init__(moe)
-        if backend != "torch":
-            raise NotImplementedError(f"quads_nvfp4 MoE: backend {backend!r} is not implemented")
+        if backend not in ("torch", "triton"):
+            raise NotImplementedError(
+                f"quads_nvfp4 MoE: backend {backend!r} is not implemented (implemented: torch, triton)"
+            )
         if getattr(moe, "has_bias", False):
             raise NotImplementedError("quads_nvfp4 MoE: expert biases are not supported")
         act_name = getattr(getattr(moe, "activation", None), "value", None)
@@ -89,11 +93,13 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
             delattr(layer, f"{stem}_weight")
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        if self.backend == "triton":
+            return self.forward_triton(layer, x, topk_weights, topk_ids)
         return self.forward_reference(layer, x, topk_weights, topk_ids)
 
-    def forward_reference(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
-        """Routed-experts output ``[T, H]`` in x's dtype (see module docstring for the arithmetic)."""
-        t, _ = x.shape
+    @staticmethod
+    def _routing_inputs(layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+        """(x, local expert ids int64 [T, k] (-1: not a local expert), float32 slot weights [T, k])."""
         k = topk_ids.shape[1]
         ids = topk_ids.to(torch.int64)
         expert_map = getattr(layer, "expert_map", None)
@@ -106,6 +112,74 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
             slot_weights = torch.ones_like(topk_weights, dtype=torch.float32)
         else:
             slot_weights = topk_weights.to(torch.float32)
+        return x, ids, slot_weights
+
+    def _capture_w2(self, rec2, t: int, k: int, inter: int, ids: torch.Tensor) -> None:
+        from verl_quads.nvfp4 import GuidanceRecord
+        from verl_quads.rollout.capture import get_store
+
+        rec2 = GuidanceRecord(
+            rec2.bits.reshape(t, k, -1),
+            rec2.block_scale.reshape(t, k, -1),
+            rec2.global_scale.reshape(t, k, 1),
+            torch.Size((t, k, inter)),
+        )
+        get_store().add(self.capture_layer, "mlp.experts.w2", rec2, expert_ids=ids)
+
+    def forward_triton(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+        """Routed-experts output ``[T, H]`` in x's dtype, ``triton`` backend: the same arithmetic as
+        :meth:`forward_reference` (same activation codes; float32 accumulation order differs) with
+        ONE grouped launch per expert GEMM (:func:`verl_quads.nvfp4.triton_gemm.nvfp4_gemm` over the
+        token-slots sorted by expert). GEMM1 writes ``[T * k, 2I]`` in slot order; ``silu(gate) * up``
+        in float32, cast; GEMM2's input is quantized per token-slot row (``quads`` with per-call
+        selection: one selection per expert, a host-synchronizing loop over the active experts);
+        GEMM2 writes ``[T * k, H]`` in slot order; the router-weighted sum over k in float32, one cast."""
+        from verl_quads.nvfp4 import triton_gemm as tg
+
+        t, hidden = x.shape
+        k = topk_ids.shape[1]
+        x, ids, slot_weights = self._routing_inputs(layer, x, topk_weights, topk_ids)
+        if t == 0:
+            return torch.zeros(0, hidden, dtype=x.dtype, device=x.device)
+        n_exp = layer.w13_weight_packed.shape[0]
+        inter = layer.w2_weight_packed.shape[-1] * 2
+        s = t * k
+        routing = tg.moe_align(ids, n_exp, tg.pick_block_m(-(-s // min(n_exp, s))))
+        q = self.act
+        capture = q.capture and self.capture_layer is not None
+        op1, rec = tg.quantize_activation(x, q.mode, residual_ratio=q.residual_ratio,
+                                          residual_per_token=q.residual_per_token, capture=capture)
+        if rec is not None:
+            from verl_quads.rollout.capture import get_store
+
+            get_store().add(self.capture_layer, "mlp.experts.w13", rec)
+        token_rows = torch.div(routing.sorted_slots, k, rounding_mode="floor")
+        h = tg.nvfp4_gemm(op1, layer.w13_weight_packed, layer.w13_weight_scale, layer.w13_weight_global_scale,
+                          routing=routing, a_rows=token_rows, out_rows=s)
+        a = (F.silu(h[:, :inter].to(torch.float32)) * h[:, inter:].to(torch.float32)).to(x.dtype)
+        if q.mode == "quads" and not q.residual_per_token:
+            valid = ids.reshape(-1) >= 0
+            counts = torch.bincount(ids.reshape(-1)[valid], minlength=n_exp).tolist()  # host sync
+            n_valid = sum(counts)
+            sorted_a = a[routing.sorted_slots[:n_valid].long()]
+            op2 = tg.quads_grouped_operand(sorted_a, counts, list(range(n_exp)), n_exp, q.residual_ratio)
+            a_rows = torch.arange(s, dtype=torch.int32, device=x.device)
+        else:
+            op2, rec2 = tg.quantize_activation(a, q.mode, residual_ratio=q.residual_ratio,
+                                               residual_per_token=q.residual_per_token, capture=capture)
+            if rec2 is not None:
+                self._capture_w2(rec2, t, k, inter, ids)
+            a_rows = None
+        y = tg.nvfp4_gemm(op2, layer.w2_weight_packed, layer.w2_weight_scale, layer.w2_weight_global_scale,
+                          routing=routing, a_rows=a_rows, out_rows=s)
+        out = (y.reshape(t, k, hidden).to(torch.float32) * slot_weights.unsqueeze(-1)).sum(1)
+        return out.to(x.dtype)
+
+    def forward_reference(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
+        """Routed-experts output ``[T, H]`` in x's dtype (see module docstring for the arithmetic)."""
+        t, _ = x.shape
+        k = topk_ids.shape[1]
+        x, ids, slot_weights = self._routing_inputs(layer, x, topk_weights, topk_ids)
 
         xf, rec = emulation.quantize_activation(x, self.act)
         if rec is not None and self.capture_layer is not None:
@@ -133,16 +207,7 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
             flat_f = flat_f.reshape(t, k, inter)
             a_f = {e: flat_f[tok, slot] for e, (tok, slot) in rows.items()}
             if rec2 is not None and self.capture_layer is not None:
-                from verl_quads.nvfp4 import GuidanceRecord
-                from verl_quads.rollout.capture import get_store
-
-                rec2 = GuidanceRecord(
-                    rec2.bits.reshape(t, k, -1),
-                    rec2.block_scale.reshape(t, k, -1),
-                    rec2.global_scale.reshape(t, k, 1),
-                    torch.Size((t, k, inter)),
-                )
-                get_store().add(self.capture_layer, "mlp.experts.w2", rec2, expert_ids=ids)
+                self._capture_w2(rec2, t, k, inter, ids)
         for e, (tok, slot) in rows.items():
             w2 = emulation.weight_f32(layer.w2_weight_packed[e], layer.w2_weight_scale[e], layer.w2_weight_global_scale[e])
             y = emulation.gemm(a_f[e], w2, None, x.dtype)

@@ -1,0 +1,624 @@
+"""Fused NVFP4 dequantize + GEMM on bf16 tensor cores (Triton): the rollout's ``triton`` backend.
+
+For GPUs without FP4 tensor cores (Hopper). The weight operand stays packed NVFP4 in memory and is
+dequantized tile by tile inside the GEMM, so a GEMM reads 0.5625 bytes per weight element instead
+of 2 (bf16): decode-sized GEMMs, which are bound by weight bytes, get faster; the arithmetic is the
+one of an FP4 tensor-core GEMM:
+
+- an NVFP4 element ``code_value * block_scale`` (E2M1 x E4M3: at most 6 significant bits, range
+  2**-10 .. 2688) is EXACT in bf16 (and fp16), so tiles are dequantized WITHOUT the global scale
+  and multiplied on bf16 tensor cores (``tl.dot``) with float32 accumulation: every product is
+  exact, only the float32 accumulation order differs from the torch reference;
+- the float32 accumulator is multiplied by ``1 / weight_global_scale`` (per tensor or per expert)
+  and, for W4A4 operands, by ``1 / activation_global_scale`` of the row (one per token), then
+  bias is added in float32 and the result is cast once to the output dtype;
+- QUADS (``Q(x) + Q(R_sel)``): the residual operand has its own per-row global scale, so it is
+  accumulated in a second float32 accumulator (second K-loop over the selected 16-blocks only:
+  ``K' = K (1 + ratio)`` of work for per-call selection; a dense second pass over all K for
+  per-token selection) and the two are combined in float32 in the epilogue:
+  ``y = (acc1 / gs1_row + acc2 / gs2_row) / gs_w``.
+
+Differences to the torch reference (:mod:`verl_quads.rollout.emulation`, ``x_f32 @ w_f32.T``):
+the reference multiplies each element by ``fl(block_scale / global_scale)`` before summing, this
+module divides the sum once; and the float32 summation order differs. Both are float32-rounding
+effects (relative ~1e-7 of the sum's terms); after the cast to bf16 the outputs agree to within one
+bf16 ulp of the output magnitude (tests measure and assert it).
+
+Activation quantization is NOT done here: :func:`quantize_activation` calls the core
+(:func:`verl_quads.nvfp4.quantize` / :func:`~verl_quads.nvfp4.residual_quantize`, backend
+``"triton"``), so the rollout's codes are the trainer's bit for bit; the GEMM reads the packed
+activation like an FP4 GEMM would.
+
+Layouts (all contiguous, row-major):
+
+- weight: ``w_packed`` uint8 ``[N, K/2]`` or ``[E, N, K/2]`` (element 2i in the LOW nibble),
+  ``w_scale`` float8_e4m3fn ``[..., N, K/16]``, ``w_gs`` float32 encode scale, 0-d (per tensor) or
+  ``[E]`` (per expert);
+- activation (:class:`ActOperand`): ``values`` ``[M, K]`` bf16/fp16/fp32 (w4a16) or an
+  :class:`NVFP4Tensor` ``[M, K]`` with per-row global scale ``[M, 1]`` (W4A4); the QUADS residual
+  as packed ``[M, NSEL2 * 8]`` + e4m3 ``[M, NSEL2]`` + float32 ``[M]`` and a block table.
+
+Grouped MoE GEMM (one launch for all experts): token-slots are sorted by expert (stable, see
+:func:`moe_align`); the launch grid has a fixed upper bound of M-tiles (``cdiv(S, BM) + min(E, S)``),
+each tile reads its expert and row range from a tile table built on the device (no host sync, so
+the launch can be captured in a CUDA graph); tiles past the last expert's do no work. A tile's rows
+are gathered through ``a_rows`` (e.g. slot -> token for the first expert GEMM) and written through
+``out_rows`` (slot order).
+
+Decode (small M): the GEMM is bound by weight bytes; :func:`pick_config` uses small BLOCK_M and
+splits K across programs (``split_k``) until the grid fills the GPU; partial sums go to a float32
+workspace ``[split_k, rows, N]`` and are reduced in a fixed order (deterministic) by torch.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+
+import torch
+
+from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
+from verl_quads.nvfp4.guidance import GuidanceRecord
+from verl_quads.nvfp4.triton_kernels import check_available, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from verl_quads.nvfp4.triton_kernels import _e2m1_value, _e4m3_decode, _store_out
+
+ACT_MODES = ("w4a16", "naive", "quads", "trace")
+_OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fp4_tile(p_ptr, s_ptr, prow, srow, rmask, kb, kbmask, R: tl.constexpr, G: tl.constexpr):
+        """Dequantize (without the global scale) an NVFP4 tile of R rows x G 16-blocks to float32
+        ``[R, G * 16]``: value = E2M1(code) * E4M3(block scale), exact.
+
+        ``prow``/``srow`` [R] int64: offset of each row's packed bytes / scale bytes; ``kb`` [G]:
+        the block indices to read (contiguous, or gathered for the QUADS residual); masked rows or
+        blocks read as 0."""
+        j = tl.arange(0, 8)
+        m2 = rmask[:, None] & kbmask[None, :]
+        b = tl.load(p_ptr + prow[:, None, None] + kb[None, :, None] * 8 + j[None, None, :],
+                    mask=m2[:, :, None], other=0).to(tl.int32)
+        sc = tl.load(s_ptr + srow[:, None] + kb[None, :], mask=m2, other=0).to(tl.int32)
+        sv = _e4m3_decode(sc)[:, :, None]
+        lo = b & 15
+        hi = b >> 4
+        ve = _e2m1_value(lo & 7) * sv
+        vo = _e2m1_value(hi & 7) * sv
+        ve = tl.where(lo >= 8, -ve, ve)
+        vo = tl.where(hi >= 8, -vo, vo)
+        return tl.reshape(tl.join(ve, vo), (R, G * 16))
+
+    @triton.jit
+    def _mma(acc, a, w, DT: tl.constexpr):
+        """``acc + a @ w.T`` with float32 accumulation; operands in DT (0: float32 IEEE, 1: bf16,
+        2: fp16 tensor cores). Dequantized NVFP4 values are exact in all three."""
+        if DT == 0:
+            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        elif DT == 1:
+            acc += tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+        else:
+            acc += tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)))
+        return acc
+
+    @triton.jit
+    def _nvfp4_gemm_kernel(
+        a_ptr, as_ptr, ags_ptr, a2_ptr, a2s_ptr, a2gs_ptr, idx2_ptr,
+        w_ptr, ws_ptr, wgs_ptr, bias_ptr, out_ptr,
+        arow_ptr, orow_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
+        M, N, K, NSEL2, OUT_ROWS, KB_PER_SPLIT, JB_PER_SPLIT,
+        A4: tl.constexpr, DT: tl.constexpr, DT2: tl.constexpr, SECOND: tl.constexpr, GROUPED: tl.constexpr,
+        HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, OUT: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr, G2: tl.constexpr,
+    ):
+        """One (BM rows x BN cols) output tile, K-range ``pid_k`` of ``SPLIT_K``.
+
+        A4: 0 = A operand is values [M, K]; 1 = packed NVFP4 (codes [M, K/2], scales [M, K/16],
+        per-row global scale [M]). DT / DT2: operand type of the first / residual dot (see ``_mma``). SECOND: QUADS residual operand,
+        0 none, 1 gathered blocks (block table idx2 [E, NSEL2]), 2 dense (NSEL2 = K/16, no table).
+        GROUPED: rows come from the tile table (expert, row range) and are gathered/scattered through
+        arow/orow; else rows are pid_m * BM + i, expert 0. GK/G2: 16-blocks per K step of the
+        first/second loop. SPLIT_K > 1: write float32 partials to out[pid_k, row, col] (no bias)."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        KB = K // 16
+        if GROUPED:
+            e = tl.load(tile_e_ptr + pid_m)
+            r0 = tl.load(tile_r0_ptr + pid_m)
+            r1 = tl.load(tile_r1_ptr + pid_m)
+            rows = r0 + tl.arange(0, BM)
+            rmask = rows < r1
+            arow = tl.load(arow_ptr + rows, mask=rmask, other=0).to(tl.int64)
+            orow = tl.load(orow_ptr + rows, mask=rmask, other=0).to(tl.int64)
+            live = e >= 0
+            ec = tl.maximum(e, 0).to(tl.int64)
+        else:
+            rows = pid_m * BM + tl.arange(0, BM)
+            rmask = rows < M
+            arow = rows.to(tl.int64)
+            orow = arow
+            live = pid_m >= 0
+            ec = (pid_m * 0).to(tl.int64)
+        cols = pid_n * BN + tl.arange(0, BN)
+        nmask = cols < N
+        wrow = ec * N + cols.to(tl.int64)
+        wprow = wrow * (K // 2)
+        wsrow = wrow * KB
+
+        kb_lo = pid_k * KB_PER_SPLIT
+        kb_hi = tl.minimum(kb_lo + KB_PER_SPLIT, KB)
+        kb_hi = tl.where(live, kb_hi, kb_lo)  # a tile past the last expert's: no work
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for kb0 in range(kb_lo, kb_hi, GK):
+            kb = kb0 + tl.arange(0, GK)
+            kbm = kb < kb_hi
+            w = _fp4_tile(w_ptr, ws_ptr, wprow, wsrow, nmask, kb, kbm, BN, GK)
+            if A4:
+                a = _fp4_tile(a_ptr, as_ptr, arow * (K // 2), arow * KB, rmask, kb, kbm, BM, GK)
+            else:
+                k = kb0 * 16 + tl.arange(0, GK * 16)
+                a = tl.load(a_ptr + arow[:, None] * K + k[None, :], mask=rmask[:, None] & (k < kb_hi * 16)[None, :],
+                            other=0.0)
+            acc = _mma(acc, a, w, DT)
+
+        gw = tl.load(wgs_ptr + ec)
+        inv_w = tl.math.div_rn(tl.full([BN], 1.0, tl.float32), gw + tl.zeros([BN], tl.float32))
+        if A4:
+            g1 = tl.load(ags_ptr + arow, mask=rmask, other=1.0)
+            y = acc * tl.math.div_rn(tl.full([BM], 1.0, tl.float32), g1)[:, None]
+        else:
+            y = acc
+        if SECOND != 0:
+            jb_lo = pid_k * JB_PER_SPLIT
+            jb_hi = tl.minimum(jb_lo + JB_PER_SPLIT, NSEL2)
+            jb_hi = tl.where(live, jb_hi, jb_lo)
+            acc2 = tl.zeros([BM, BN], dtype=tl.float32)
+            for j0 in range(jb_lo, jb_hi, G2):
+                jb = j0 + tl.arange(0, G2)
+                jm = jb < jb_hi
+                a2 = _fp4_tile(a2_ptr, a2s_ptr, arow * NSEL2 * 8, arow * NSEL2, rmask, jb, jm, BM, G2)
+                if SECOND == 1:
+                    wb = tl.load(idx2_ptr + ec * NSEL2 + jb, mask=jm, other=0)
+                else:
+                    wb = jb
+                w2 = _fp4_tile(w_ptr, ws_ptr, wprow, wsrow, nmask, wb, jm, BN, G2)
+                acc2 = _mma(acc2, a2, w2, DT2)
+            g2 = tl.load(a2gs_ptr + arow, mask=rmask, other=1.0)
+            y += acc2 * tl.math.div_rn(tl.full([BM], 1.0, tl.float32), g2)[:, None]
+        y = y * inv_w[None, :]
+        omask = rmask[:, None] & nmask[None, :]
+        if SPLIT_K > 1:
+            tl.store(out_ptr + (pid_k * OUT_ROWS + orow)[:, None] * N + cols[None, :], y, mask=omask)
+        else:
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+            _store_out(out_ptr + orow[:, None] * N + cols[None, :], y, omask, OUT)
+
+
+# --------------------------------------------------------------------------------------------------
+# host side
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """Launch configuration of :func:`nvfp4_gemm`.
+
+    Attributes:
+        block_m / block_n: output tile (rows x cols); block_m >= 16 (tl.dot minimum).
+        block_k: K elements per step of the first loop (a multiple of 16, power of 2).
+        block_k2: K elements per step of the QUADS residual loop (gathered 16-blocks).
+        split_k: K-ranges computed by separate programs (decode); 1 = no workspace.
+        num_warps / num_stages: Triton launch options.
+    """
+
+    block_m: int = 64
+    block_n: int = 128
+    block_k: int = 64
+    block_k2: int = 64
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1  # the interpreter: no split-K by default
+
+
+def pick_block_m(rows_per_group: int) -> int:
+    """BLOCK_M for a GEMM whose row groups (one per expert, or the whole M) hold ~``rows_per_group`` rows."""
+    for bm in (16, 32, 64):
+        if rows_per_group <= bm:
+            return bm
+    return 128
+
+
+def pick_config(rows_per_group: int, m_tiles: int, n: int, k: int, device: torch.device,
+                block_m: int | None = None) -> GemmConfig:
+    """Heuristic launch configuration (tuned by ``verl-quads bench rollout --sweep`` on the H200).
+
+    Small M (decode): BLOCK_M 16/32, wide K steps, and split-K until ~2 programs per SM, so that
+    weight streaming (not the tensor-core tile shape) bounds the time."""
+    bm = block_m or pick_block_m(rows_per_group)
+    if bm <= 32:
+        cfg = GemmConfig(block_m=bm, block_n=64, block_k=128, block_k2=64, num_warps=4, num_stages=4)
+    elif bm == 64:
+        cfg = GemmConfig(block_m=64, block_n=128, block_k=64, block_k2=64, num_warps=4, num_stages=3)
+    else:
+        cfg = GemmConfig(block_m=128, block_n=128, block_k=64, block_k2=64, num_warps=8, num_stages=3)
+    tiles = m_tiles * -(-n // cfg.block_n)
+    target = 2 * _num_sms(device)
+    split = 1
+    while tiles * split * 2 <= target and k // (cfg.block_k * split * 2) >= 2:
+        split *= 2
+    return replace(cfg, split_k=split)
+
+
+@dataclass(frozen=True)
+class ActOperand:
+    """Activation operand of :func:`nvfp4_gemm`, rows ``[M, K]``.
+
+    Attributes:
+        mode: one of :data:`ACT_MODES` (``w4a16``: ``values`` is used; the others: ``first``).
+        dtype: the output dtype (the activation's original dtype).
+        values: w4a16: the activation itself, bf16/fp16/fp32 ``[M, K]`` (contiguous).
+        first: W4A4: ``Q(x)``, NVFP4 ``[M, K]`` with one float32 global scale per row.
+        second_packed / second_scale / second_gs: QUADS residual ``Q(R_sel)``: uint8
+            ``[M, NSEL2 * 8]``, e4m3 ``[M, NSEL2]``, float32 ``[M]`` (per row).
+        block_idx: int32 ``[G, NSEL2]``: the K 16-block that residual block j multiplies, per row
+            group (one group for a dense GEMM, one per expert for a grouped one); None with a
+            residual operand means dense (NSEL2 = K/16, block j is block j; per-token selection).
+    """
+
+    mode: str
+    dtype: torch.dtype
+    values: torch.Tensor | None = None
+    first: NVFP4Tensor | None = None
+    second_packed: torch.Tensor | None = None
+    second_scale: torch.Tensor | None = None
+    second_gs: torch.Tensor | None = None
+    block_idx: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.values.shape) if self.values is not None else tuple(self.first.shape)
+
+
+def _row_gs(gs: torch.Tensor, m: int) -> torch.Tensor:
+    """A global scale (0-d, [1, 1] or [M, 1]) as a contiguous float32 vector [M]."""
+    return gs.reshape(-1).to(torch.float32).expand(m).contiguous() if gs.numel() == 1 else gs.reshape(m).contiguous()
+
+
+def _residual_operand(r, mode: str, dtype: torch.dtype) -> ActOperand:
+    """ActOperand of a :class:`~verl_quads.nvfp4.ResidualNVFP4` of ``[M, K]`` (one row group)."""
+    m, k = r.first.shape
+    nb = k // BLOCK_SIZE
+    n_sel = r.block_idx.shape[-1]
+    gs1 = _row_gs(r.first.global_scale, m)
+    first = NVFP4Tensor(r.first.packed, r.first.block_scale, gs1.unsqueeze(-1), r.first.shape, r.first.dtype)
+    gs2 = _row_gs(r.second.global_scale, m)
+    if n_sel == 0:
+        return ActOperand(mode, dtype, first=first)
+    if r.block_idx.dim() == 1:  # per call: one block table, the second pass reads only the selected blocks
+        return ActOperand(mode, dtype, first=first, second_packed=r.second.packed.contiguous(),
+                          second_scale=r.second.block_scale.contiguous(), second_gs=gs2,
+                          block_idx=r.block_idx.to(torch.int32).reshape(1, n_sel).contiguous())
+    # per token: scatter the selected blocks into a dense [M, K] operand (zero codes/scales elsewhere)
+    idx = r.block_idx.to(torch.int64)
+    packed = torch.zeros(m, nb, 8, dtype=torch.uint8, device=idx.device)
+    packed.scatter_(1, idx.unsqueeze(-1).expand(-1, -1, 8), r.second.packed.reshape(m, n_sel, 8))
+    scale = torch.zeros(m, nb, dtype=torch.uint8, device=idx.device)
+    scale.scatter_(1, idx, r.second.block_scale.view(torch.uint8))
+    return ActOperand(mode, dtype, first=first, second_packed=packed.reshape(m, nb * 8),
+                      second_scale=scale.view(torch.float8_e4m3fn), second_gs=gs2)
+
+
+def quantize_activation(
+    x: torch.Tensor,
+    mode: str,
+    *,
+    residual_ratio: float = 0.5,
+    residual_per_token: bool = False,
+    capture: bool = False,
+) -> tuple[ActOperand, GuidanceRecord | None]:
+    """Activation operand of one GEMM (``x`` ``[M, K]``), quantized by the NVFP4 core (backend
+    ``"triton"``) with one global scale per token, and the guidance record (``trace`` with
+    ``capture``, else None). Same codes as :func:`verl_quads.rollout.emulation.quantize_activation`."""
+    from verl_quads import nvfp4 as nv
+
+    if mode not in ACT_MODES:
+        raise ValueError(f"nvfp4 GEMM: act_mode must be one of {ACT_MODES}, got {mode!r}")
+    if x.dim() != 2:
+        raise ValueError(f"nvfp4 GEMM: activation must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in _OUT_CODES:
+        raise ValueError(f"nvfp4 GEMM: activation dtype {x.dtype}; allowed: float32, bfloat16, float16")
+    if mode == "w4a16":
+        return ActOperand(mode, x.dtype, values=x.contiguous()), None
+    gs = nv.per_row_global_scale(x)
+    if mode == "quads":
+        r = nv.residual_quantize(x, residual_ratio, gs, per_token=residual_per_token, backend="triton",
+                                 check_finite=False)
+        return _residual_operand(r, mode, x.dtype), None
+    q = nv.quantize(x, gs, backend="triton", check_finite=False)
+    record = nv.extract_guidance(q) if (mode == "trace" and capture) else None
+    first = NVFP4Tensor(q.packed, q.block_scale, _row_gs(q.global_scale, x.shape[0]).unsqueeze(-1), q.shape, q.dtype)
+    return ActOperand(mode, x.dtype, first=first), record
+
+
+def quads_grouped_operand(x_sorted: torch.Tensor, group_sizes: list[int], group_ids: list[int], num_groups: int,
+                          ratio: float) -> ActOperand:
+    """QUADS operand of rows sorted by group (expert) with residual block selection PER GROUP (the
+    reference's per-expert-call selection): one :func:`verl_quads.nvfp4.residual_quantize` call per
+    non-empty group (a Python loop over active experts; the core has no segmented selection yet).
+
+    ``x_sorted`` ``[S, K]``: rows of group ``group_ids[i]`` are the ``group_sizes[i]`` consecutive
+    rows after the previous groups'. Returns the operand in that row order with a block table
+    ``[num_groups, NSEL]`` (rows of absent groups are 0)."""
+    from verl_quads import nvfp4 as nv
+
+    s, k = x_sorted.shape
+    dev = x_sorted.device
+    n_sel = nv.num_selected_blocks(k, ratio)
+    packed1 = torch.empty(s, k // 2, dtype=torch.uint8, device=dev)
+    scale1 = torch.empty(s, k // BLOCK_SIZE, dtype=torch.uint8, device=dev)
+    gs1 = torch.ones(s, dtype=torch.float32, device=dev)
+    packed2 = torch.zeros(s, n_sel * 8, dtype=torch.uint8, device=dev)
+    scale2 = torch.zeros(s, n_sel, dtype=torch.uint8, device=dev)
+    gs2 = torch.ones(s, dtype=torch.float32, device=dev)
+    table = torch.zeros(num_groups, n_sel, dtype=torch.int32, device=dev)
+    start = 0
+    for g, n in zip(group_ids, group_sizes):
+        if n == 0:
+            continue
+        xs = x_sorted[start:start + n]
+        r = nv.residual_quantize(xs, ratio, nv.per_row_global_scale(xs), per_token=False, backend="triton",
+                                 check_finite=False)
+        packed1[start:start + n] = r.first.packed
+        scale1[start:start + n] = r.first.block_scale.view(torch.uint8)
+        gs1[start:start + n] = _row_gs(r.first.global_scale, n)
+        if n_sel:
+            packed2[start:start + n] = r.second.packed
+            scale2[start:start + n] = r.second.block_scale.view(torch.uint8)
+            gs2[start:start + n] = _row_gs(r.second.global_scale, n)
+            table[g] = r.block_idx.to(torch.int32)
+        start += n
+    first = NVFP4Tensor(packed1, scale1.view(torch.float8_e4m3fn), gs1.unsqueeze(-1), torch.Size((s, k)),
+                        x_sorted.dtype)
+    if n_sel == 0:
+        return ActOperand("quads", x_sorted.dtype, first=first)
+    return ActOperand("quads", x_sorted.dtype, first=first, second_packed=packed2,
+                      second_scale=scale2.view(torch.float8_e4m3fn), second_gs=gs2, block_idx=table)
+
+
+@dataclass(frozen=True)
+class GroupedRouting:
+    """Token-slots sorted by expert, and the tile table of one grouped launch (all int32, on device).
+
+    Attributes:
+        sorted_slots: ``[S]`` slot index (``token * top_k + k``) of each sorted row; slots routed to
+            no local expert (id < 0) sort last and belong to no tile.
+        tile_expert / tile_row0 / tile_row1: ``[T_max]`` expert and sorted-row range ``[row0, row1)``
+            of each M-tile (expert -1 and an empty range past the last expert's tiles).
+        block_m: the M-tile height the table was built for (the GEMM's BLOCK_M).
+        num_experts: E.
+    """
+
+    sorted_slots: torch.Tensor
+    tile_expert: torch.Tensor
+    tile_row0: torch.Tensor
+    tile_row1: torch.Tensor
+    block_m: int
+    num_experts: int
+
+
+def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> GroupedRouting:
+    """Sort token-slots by expert and build the tile table, with torch ops on the ids' device (no
+    host synchronization). ``expert_ids``: int ``[T, top_k]`` local expert ids, -1 = not local."""
+    flat = expert_ids.reshape(-1).to(torch.int64)
+    s = flat.numel()
+    dev = flat.device
+    key = torch.where(flat < 0, torch.full_like(flat, num_experts), flat)
+    order = torch.sort(key, stable=True).indices
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=dev).scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
+    start = torch.cumsum(counts, 0) - counts
+    tiles = (counts + block_m - 1) // block_m
+    tile_end = torch.cumsum(tiles, 0)
+    t_max = -(-s // block_m) + min(num_experts, s)
+    t = torch.arange(t_max, device=dev)
+    e = torch.searchsorted(tile_end, t, right=True)
+    live = e < num_experts
+    ec = e.clamp(max=num_experts - 1)
+    local = t - (tile_end[ec] - tiles[ec])
+    r0 = start[ec] + local * block_m
+    r1 = start[ec] + counts[ec]
+    zero = torch.zeros_like(r0)
+    return GroupedRouting(
+        sorted_slots=order.to(torch.int32),
+        tile_expert=torch.where(live, ec, torch.full_like(ec, -1)).to(torch.int32),
+        tile_row0=torch.where(live, r0, zero).to(torch.int32),
+        tile_row1=torch.where(live, torch.minimum(r1, r0 + block_m), zero).to(torch.int32),
+        block_m=block_m,
+        num_experts=num_experts,
+    )
+
+
+def _check_weight(w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor, k: int, grouped: bool):
+    want = 3 if grouped else 2
+    if w_packed.dtype != torch.uint8 or w_packed.dim() != want or w_packed.shape[-1] * 2 != k:
+        raise ValueError(
+            f"nvfp4 GEMM: w_packed must be uint8 {'[E, N, K/2]' if grouped else '[N, K/2]'} with K = {k} "
+            f"(the activation's), got {w_packed.dtype} {tuple(w_packed.shape)}"
+        )
+    if w_scale.dtype != torch.float8_e4m3fn or tuple(w_scale.shape) != (*w_packed.shape[:-1], k // BLOCK_SIZE):
+        raise ValueError(
+            f"nvfp4 GEMM: w_scale must be float8_e4m3fn {(*w_packed.shape[:-1], k // BLOCK_SIZE)}, got "
+            f"{w_scale.dtype} {tuple(w_scale.shape)}"
+        )
+    n_gs = w_packed.shape[0] if grouped else 1
+    if w_gs.dtype != torch.float32 or w_gs.numel() != n_gs:
+        raise ValueError(
+            f"nvfp4 GEMM: w_gs must be float32 with {n_gs} element(s) ({'one per expert' if grouped else 'per tensor'}), "
+            f"got {w_gs.dtype} {tuple(w_gs.shape)}"
+        )
+
+
+def nvfp4_gemm(
+    act: ActOperand,
+    w_packed: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_gs: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    routing: GroupedRouting | None = None,
+    a_rows: torch.Tensor | None = None,
+    out_rows: int | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """``act @ dequant(W).T (+ bias)``: float32 accumulation, one cast to ``act.dtype``.
+
+    Dense (``routing`` None): ``w_packed`` ``[N, K/2]``, ``w_gs`` 0-d; returns ``[M, N]``.
+    Grouped (``routing`` from :func:`moe_align`): ``w_packed`` ``[E, N, K/2]``, ``w_gs`` ``[E]``; sorted
+    row i (expert from the tile table) reads activation row ``a_rows[i]`` (int32 ``[S]``; default
+    the sorted row itself) and is written to output row ``routing.sorted_slots[i]`` of a
+    ``[out_rows, N]`` result (default S rows); rows of slots with no local expert are 0.
+    ``config``: launch configuration (default :func:`pick_config`; its block_m must equal the routing's).
+    """
+    m, k = act.shape
+    grouped = routing is not None
+    _check_weight(w_packed, w_scale, w_gs, k, grouped)
+    dev = w_packed.device
+    check_available(w_packed)
+    n = w_packed.shape[-2]
+    if bias is not None and (grouped or bias.shape != (n,)):
+        raise ValueError(f"nvfp4 GEMM: bias must be [{n}] (dense GEMMs only), got {tuple(bias.shape)}")
+    if grouped:
+        s = routing.sorted_slots.numel()
+        rows_out = s if out_rows is None else out_rows
+        t_max = routing.tile_expert.numel()
+        if config is None:
+            per = -(-s // max(1, min(routing.num_experts, s)))
+            config = pick_config(per, t_max, n, k, dev, block_m=routing.block_m)
+        elif config.block_m != routing.block_m:
+            raise ValueError(f"nvfp4 GEMM: config.block_m {config.block_m} != routing.block_m {routing.block_m}")
+        m_tiles = t_max
+        arow_t = routing.sorted_slots if a_rows is None else a_rows.to(torch.int32).contiguous()
+        orow_t = routing.sorted_slots
+    else:
+        rows_out = m
+        config = config or pick_config(m, -(-m // pick_block_m(m)), n, k, dev)
+        m_tiles = -(-m // config.block_m)
+        arow_t = orow_t = None
+    bm, bn, bk, bk2 = config.block_m, config.block_n, config.block_k, config.block_k2
+    if bm < 16 or bn < 16 or bk % 16 or bk2 % 16:
+        raise ValueError(f"nvfp4 GEMM: bad config {config} (block_m/block_n >= 16, block_k multiple of 16)")
+    zero_rows = grouped  # rows of slots routed to no local expert stay 0
+    split = config.split_k
+    if rows_out == 0 or n == 0:
+        return torch.zeros(rows_out, n, dtype=act.dtype, device=dev)
+    if split > 1:
+        out = torch.zeros(split, rows_out, n, dtype=torch.float32, device=dev)
+        out_arg = out
+    else:
+        alloc = torch.zeros if zero_rows else torch.empty
+        out = alloc(rows_out, n, dtype=act.dtype, device=dev)
+        out_arg = out.view(torch.int16) if act.dtype == torch.bfloat16 else out
+    kb = k // BLOCK_SIZE
+    gk, g2 = bk // BLOCK_SIZE, bk2 // BLOCK_SIZE
+    kb_per = -(-kb // split)
+    kb_per = -(-kb_per // gk) * gk
+    a4 = act.mode != "w4a16"
+    if a4:
+        a, a_s, a_gs = act.first.packed, act.first.block_scale.view(torch.uint8), act.first.global_scale.reshape(-1)
+        dt = 1
+    else:
+        a, a_s, a_gs = act.values, act.values, act.values
+        dt = _OUT_CODES[act.values.dtype]
+    if _interpreting():
+        dt = 0  # the interpreter's bf16/fp16 tl.dot is wrong (triton 3.9); float32 gives the same exact products
+    dt2 = 0 if _interpreting() else 1
+    second = 0
+    nsel2 = 0
+    a2 = a2s = a2gs = idx2 = a
+    jb_per = 0
+    if act.second_packed is not None:
+        second = 2 if act.block_idx is None else 1
+        a2, a2s, a2gs = act.second_packed, act.second_scale.view(torch.uint8), act.second_gs
+        nsel2 = act.second_scale.shape[-1]
+        if second == 1:
+            idx2 = act.block_idx
+            if grouped and idx2.shape[0] == 1:  # one selection for all rows (e.g. the experts' shared input)
+                idx2 = idx2.expand(routing.num_experts, -1).contiguous()
+            if idx2.shape[0] != (routing.num_experts if grouped else 1) or idx2.shape[1] != nsel2:
+                raise ValueError(f"nvfp4 GEMM: residual block table {tuple(idx2.shape)} does not fit "
+                                 f"{routing.num_experts if grouped else 1} group(s) x {nsel2} blocks")
+        jb_per = -(-nsel2 // split)
+        jb_per = -(-jb_per // g2) * g2
+    w_s = w_scale.view(torch.uint8)
+    bias_t = bias if bias is not None else w_gs
+    dummy = w_gs
+    grid = (m_tiles, -(-n // bn), split)
+    _nvfp4_gemm_kernel[grid](
+        a, a_s, a_gs, a2, a2s, a2gs, idx2,
+        w_packed, w_s, w_gs.reshape(-1), bias_t, out_arg,
+        arow_t if grouped else dummy, orow_t if grouped else dummy,
+        routing.tile_expert if grouped else dummy, routing.tile_row0 if grouped else dummy,
+        routing.tile_row1 if grouped else dummy,
+        m, n, k, nsel2, rows_out, kb_per, jb_per,
+        A4=a4, DT=dt, DT2=dt2, SECOND=second, GROUPED=grouped, HAS_BIAS=bias is not None, SPLIT_K=split,
+        OUT=_OUT_CODES[act.dtype], BM=bm, BN=bn, GK=gk, G2=g2,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if split > 1:
+        y = out.sum(0)
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        return y.to(act.dtype)
+    return out
+
+
+def nvfp4_linear(
+    x: torch.Tensor,
+    w_packed: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_gs: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    act_mode: str = "w4a16",
+    *,
+    residual_ratio: float = 0.5,
+    residual_per_token: bool = False,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """``x`` ``[M, K]`` (bf16/fp16/fp32) times an NVFP4 weight ``[N, K]`` (``w_packed`` uint8
+    ``[N, K/2]``, ``w_scale`` e4m3 ``[N, K/16]``, ``w_gs`` float32 0-d encode scale), plus ``bias``
+    ``[N]``: ``[M, N]`` in x's dtype. ``act_mode``: ``w4a16`` (x as is), ``naive``/``trace`` (x
+    quantized to NVFP4 per token), ``quads`` (``Q(x) + Q(R_sel)``, ratio ``residual_ratio``).
+    Use :func:`quantize_activation` + :func:`nvfp4_gemm` to also get the trace guidance record."""
+    act, _ = quantize_activation(x, act_mode, residual_ratio=residual_ratio, residual_per_token=residual_per_token)
+    return nvfp4_gemm(act, w_packed, w_scale, w_gs, bias, config=config)
+
+
+__all__ = [
+    "ACT_MODES",
+    "ActOperand",
+    "GemmConfig",
+    "GroupedRouting",
+    "moe_align",
+    "nvfp4_gemm",
+    "nvfp4_linear",
+    "pick_block_m",
+    "pick_config",
+    "quads_grouped_operand",
+    "quantize_activation",
+]
