@@ -1,0 +1,125 @@
+"""Fused NVFP4 GEMMs (verl_quads/nvfp4/triton_gemm.py) on a CUDA GPU (the H200) at Qwen3-30B-A3B
+shapes, against the torch reference of the rollout (verl_quads/rollout/emulation.py; no vLLM
+needed): hidden 2048, q/k/v 2048 -> (32 + 4 + 4) * 128, o_proj 4096 -> 2048, 128 experts top-8 with
+expert intermediate 768 (w13 [128, 1536, 2048], w2 [128, 2048, 768]).
+
+Per output element: |y - ref| <= 1 bf16 ulp(ref) + 4 K eps_f32 (|x| @ |w|.T) (products exact on
+both sides, float32 summation order differs; see tests/unit/test_nvfp4_gemm.py). The observed
+maximum in ulps is printed (pytest -s).
+"""
+
+import pytest
+import torch
+
+from verl_quads.nvfp4 import triton_gemm as tg
+from verl_quads.rollout import emulation as em
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+
+
+def _x(m, k, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, k, device=DEV, generator=g)
+    x[:, ::293] *= 30.0  # outlier channels
+    return x.to(torch.bfloat16)
+
+
+def _w(shape, seed=1):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, device=DEV, generator=g) * 0.02
+
+
+def _check(y, ref, xf, wf, what):
+    r = ref.float()
+    d = (y.float() - r).abs()
+    ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.abs().clamp(min=1e-30))) * 2.0 ** -7,
+                      torch.full_like(r, 1e-38))
+    bound = ulp + 4 * xf.shape[1] * torch.finfo(torch.float32).eps * (xf.abs() @ wf.abs().t())
+    worst = float((d / ulp).max())
+    equal = float((y == ref).float().mean())
+    print(f"{what}: max |diff| {worst:.2f} bf16 ulp, {equal:.2%} bit-equal")
+    assert bool((d <= bound).all()), f"{what}: {worst:.2f} ulp"
+
+
+@pytest.mark.parametrize("mode, per_token", [("w4a16", False), ("naive", False), ("quads", False), ("quads", True)])
+@pytest.mark.parametrize("name, n, k", [("qkv", 5120, 2048), ("o_proj", 2048, 4096)])
+@pytest.mark.parametrize("m", [1, 8, 64, 4096])
+def test_dense_real_shapes(mode, per_token, name, n, k, m):
+    x = _x(m, k)
+    q_w = em.quantize_weight(_w((n, k)))
+    bias = None
+    xf, _ = em.quantize_activation(x, em.ActQuant(mode, 0.5, per_token))
+    wf = em.weight_f32(q_w.packed, q_w.block_scale, q_w.global_scale.reshape(()))
+    ref = em.gemm(xf, wf, bias, x.dtype)
+    y = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, q_w.global_scale.reshape(()), bias, mode,
+                        residual_per_token=per_token)
+    _check(y, ref, xf, wf, f"{name} M={m} {mode} per_token={per_token}")
+
+
+@pytest.mark.parametrize("mode, per_token", [("w4a16", False), ("naive", False), ("quads", True)])
+@pytest.mark.parametrize("gemm", ["w13", "w2"])
+@pytest.mark.parametrize("tokens", [1, 64, 512])
+def test_grouped_experts_real_shapes(mode, per_token, gemm, tokens):
+    e, topk = 128, 8
+    n, k = (1536, 2048) if gemm == "w13" else (2048, 768)
+    q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
+    gs = q_w.global_scale.reshape(-1)
+    g = torch.Generator(device=DEV).manual_seed(2)
+    ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]  # random routing, distinct experts
+    s = tokens * topk
+    if gemm == "w13":  # rows = tokens, gathered per slot
+        x = _x(tokens, k)
+        rows_of = lambda slots: torch.div(slots, topk, rounding_mode="floor")  # noqa: E731
+    else:  # rows = token-slots
+        x = _x(s, k)
+        rows_of = lambda slots: slots  # noqa: E731
+    op, _ = tg.quantize_activation(x, mode, residual_per_token=per_token)
+    xf, _ = em.quantize_activation(x, em.ActQuant(mode, 0.5, per_token))
+    routing = tg.moe_align(ids, e, tg.pick_block_m(-(-s // min(e, s))))
+    y = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing,
+                      a_rows=rows_of(routing.sorted_slots), out_rows=s)
+    flat = ids.reshape(-1)
+    ys = []
+    for ex in flat.unique().tolist():
+        slots = (flat == ex).nonzero().squeeze(-1)
+        wf = em.weight_f32(q_w.packed[ex], q_w.block_scale[ex], gs[ex])
+        xr = xf[rows_of(slots)]
+        # per expert: the same check as the dense GEMMs (prints the worst expert last if -s)
+        r = ref = em.gemm(xr, wf, None, x.dtype)
+        ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.float().abs().clamp(min=1e-30))) * 2.0 ** -7,
+                          torch.full_like(r.float(), 1e-38))
+        bound = ulp + 4 * k * torch.finfo(torch.float32).eps * (xr.abs() @ wf.abs().t())
+        d = (y[slots].float() - ref.float()).abs()
+        ys.append(float((d / ulp).max()))
+        assert bool((d <= bound).all()), f"{gemm} T={tokens} expert {ex} {mode}: {ys[-1]:.2f} ulp"
+    print(f"{gemm} T={tokens} {mode} per_token={per_token}: {len(ys)} experts, max |diff| {max(ys):.2f} bf16 ulp")
+
+
+def test_grouped_launch_replays_in_a_cuda_graph():
+    """moe_align + quantize + grouped GEMM need no host sync: captured once, replayed with new routing."""
+    e, topk, tokens, n, k = 128, 8, 16, 1536, 2048
+    q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
+    gs = q_w.global_scale.reshape(-1)
+    x = _x(tokens, k)
+    ids = torch.randint(0, e, (tokens, topk), device=DEV)
+
+    def run():
+        r = tg.moe_align(ids, e, 16)
+        op, _ = tg.quantize_activation(x, "naive")
+        return tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=r,
+                             a_rows=torch.div(r.sorted_slots, topk, rounding_mode="floor"), out_rows=tokens * topk)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = run()
+    ids.copy_(torch.randint(0, e, (tokens, topk), device=DEV))
+    x.copy_(_x(tokens, k, seed=5))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y_graph, run())
