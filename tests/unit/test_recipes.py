@@ -5,8 +5,7 @@ records its argument vector instead of starting verl, so the overrides tested ar
 script would pass to ``python -m verl.trainer.main_ppo``. They are then composed into verl's stock
 ``ppo_trainer`` config (with the verl-quads plugin loaded by ``import verl``, as in a real run) and the
 actor / rollout nodes are converted into verl's config dataclasses: a typo, a renamed verl key or a bad
-value fails here. Modes marked ``# not-end-to-end:`` must be refused by run.sh (exit 3, reason printed)
-and still compose (so they are ready when the missing piece lands).
+value fails here. Every mode runs through run.sh (none is refused).
 """
 
 from __future__ import annotations
@@ -63,16 +62,8 @@ def test_recipe_composes_with_verl(tmp_path, recipe, mode):
     from verl_quads.config import QuantConfig
     from verl_quads.rollout.quant_config import quant_config_from_args
 
-    text = (ROOT / "recipes" / "modes" / f"{mode}.args").read_text()
-    refused = "\n# not-end-to-end:" in "\n" + text
     rc, argv, err = _run_sh_args(tmp_path, recipe, mode)
-    if refused:
-        assert rc == 3 and "does not run end to end yet" in err and not argv, (rc, err)
-        lines = [ln for ln in (ROOT / "recipes" / f"{recipe}.args").read_text().splitlines()
-                 if ln and not ln.startswith("#")]
-        argv = ["-m", "verl.trainer.main_ppo"] + lines + _mode_lines(mode)
-    else:
-        assert rc == 0, err
+    assert rc == 0, err
     assert argv[:2] == ["-m", "verl.trainer.main_ppo"], argv[:3]
     overrides = argv[2:]
     assert overrides[-len(_mode_lines(mode)):] == _mode_lines(mode)

@@ -4,6 +4,11 @@ On a tiny random Qwen3-MoE with verl-quads QAT, after two optimizer steps: the p
 dequantizes to exactly (torch.equal) the weight the QAT forward multiplies by — read from the real
 forward for linear layers (``layer(I) = W^T``), from the experts' own QDQ for fused experts — in the
 layout vLLM holds (q|k|v fused, w13 = gate then up); bytes ~0.28x bf16; broken plans fail loudly.
+
+``quant=naive`` (stock trainer, no QAT): :func:`plan_for_stock_trainer` leaves the model untouched,
+plans the same modules QAT would quantize, and the packed stream holds exactly the bytes the engine's
+own BF16-checkpoint quantization (``rollout.emulation.quantize_weight``) makes from the trainer's
+weights cast to bf16, which dequantize to ``nvfp4.fake_quantize`` of them with the shared scales.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from verl_quads.sync.format import (
     encode_header,
     vllm_module_of,
 )
-from verl_quads.sync.trainer import SyncStats, pack_for_rollout, plan_from_model
+from verl_quads.sync.trainer import SyncStats, pack_for_rollout, plan_for_stock_trainer, plan_from_model
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +174,87 @@ def test_bench_formulas():
     g = guidance_bytes_per_token(2048, 32, 128, 768, 8, 20)
     assert g["per_layer"] == (256 + 128 + 4) + (512 + 256 + 4) + (256 + 128 + 4) + 8 * (96 + 48 + 4) + 8 == 2740
     assert g["per_token"] == 54800
+
+
+# ---- quant=naive: stock trainer, packed NVFP4 sync ----------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory):
+    """The tiny model in float32 (an FSDP master copy), one optimizer step, no QAT."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_quads.models.tiny import build_tiny_qwen3_moe
+
+    path = build_tiny_qwen3_moe(tmp_path_factory.mktemp("tiny_stock") / "m")
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ids = torch.randint(0, 300, (2, 10), generator=torch.Generator().manual_seed(3))
+    model(input_ids=ids).logits.logsumexp(-1).mean().backward()
+    opt.step()
+    return model
+
+
+def test_naive_plan_leaves_model_stock_and_matches_qat_selection(stock, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from verl_quads.config import QuantConfig
+    from verl_quads.models.tiny import build_tiny_qwen3_moe
+    from verl_quads.qat import apply_qat
+
+    classes = {n: type(m) for n, m in stock.named_modules()}
+    plan = plan_for_stock_trainer(stock, QuantConfig(quant="naive"))
+    assert getattr(stock, "_verl_quads_qat", None) is None
+    assert {n: type(m) for n, m in stock.named_modules()} == classes  # dry run undone
+    other = AutoModelForCausalLM.from_pretrained(build_tiny_qwen3_moe(tmp_path / "m"), torch_dtype=torch.float32)
+    apply_qat(other, "quads", backend="torch")
+    qat_plan = plan_from_model(other)
+    assert plan.linear_groups == qat_plan.linear_groups and plan.experts == qat_plan.experts
+    assert plan.config.quant == "naive" and len(plan.vllm_modules()) == 3 * stock.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("quant", ["none", "quads", "w4a4_qat"])
+def test_naive_plan_refuses_other_modes(stock, quant):
+    from verl_quads.config import QuantConfig
+
+    with pytest.raises(SyncError, match=f"quant={quant!r}"):
+        plan_for_stock_trainer(stock, QuantConfig(quant=quant))
+
+
+def test_naive_stream_is_engine_quantization_of_bf16_weights(stock):
+    from verl_quads.config import QuantConfig
+    from verl_quads.rollout.emulation import quantize_weight
+
+    plan = plan_for_stock_trainer(stock, QuantConfig(quant="naive"))
+    src, eff = {}, {}
+    items = list(pack_for_rollout(((n, p.detach()) for n, p in stock.state_dict().items()), plan, torch.bfloat16,
+                                  backend="torch", source=src, effective=eff))
+    h = decode_header(items[0][1])
+    assert (h["quant"], h["trainer_mode"], h["rollout_mode"]) == ("naive", "none", "naive")
+    d = dict(items)
+    sd = stock.state_dict()
+    checked = 0
+    for i in range(stock.config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        # the test assembles vLLM's layout itself from the trainer's state dict
+        want_src = {
+            f"{p}.self_attn.qkv_proj.weight": torch.cat([sd[f"{p}.self_attn.{m}.weight"] for m in ("q_proj", "k_proj", "v_proj")]),
+            f"{p}.self_attn.o_proj.weight": sd[f"{p}.self_attn.o_proj.weight"],
+            f"{p}.mlp.experts.w13_weight": sd[f"{p}.mlp.experts.gate_up_proj"],
+            f"{p}.mlp.experts.w2_weight": sd[f"{p}.mlp.experts.down_proj"],
+        }
+        for name, w32 in want_src.items():
+            w = w32.to(torch.bfloat16)
+            assert torch.equal(src[name], w), name
+            per_expert = name.endswith(("w13_weight", "w2_weight"))
+            engine = quantize_weight(w, reduce_dims=(1, 2) if per_expert else None)  # the engine's BF16 load path
+            assert torch.equal(d[f"{name}_packed"], engine.packed), name
+            assert torch.equal(d[f"{name}_scale"].view(torch.uint8), engine.block_scale.view(torch.uint8)), name
+            assert torch.equal(d[f"{name}_global_scale"], engine.global_scale.reshape(d[f"{name}_global_scale"].shape))
+            amax = w.abs().amax(dim=(1, 2), keepdim=True) if per_expert else w.abs().amax()
+            qdq = nvfp4.fake_quantize(w, nvfp4.global_scale_from_amax(amax.float()), backend="torch")
+            assert torch.equal(_dequant(d, name), qdq), name
+            assert torch.equal(eff[name], qdq), name
+            checked += 1
+    assert checked == len(src) == 4 * stock.config.num_hidden_layers
+    assert "model.layers.0.self_attn.q_proj.weight" not in d and d["model.layers.0.mlp.gate.weight"].dtype == torch.float32

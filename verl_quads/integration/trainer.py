@@ -13,8 +13,11 @@ every Ray worker on ``import verl``):
 The engine is verl's ``FSDPEngineWithLMHead`` plus one step: before FSDP wrapping, if the actor
 config carried a ``QuantConfig`` (``engine_config._verl_quads_quant``, set by
 ``QuadsFSDPActorConfig``) with a trainer mode other than ``none``, :func:`verl_quads.qat.apply_qat`
-runs on the module. With ``quant=none`` (or for the ref model, whose config has no such attribute)
-it behaves exactly like verl's engine.
+runs on the module. With ``quant=naive`` (trainer mode ``none``, NVFP4 rollout) no QAT is applied
+(the forward is verl's), but the weight sync is planned before wrapping
+(:func:`verl_quads.sync.trainer.plan_for_stock_trainer`) and sends packed NVFP4 (round-to-nearest of
+the trainer's weights), the only stream a ``quads_nvfp4`` engine loads. With ``quant=none`` (or for
+the ref model, whose config has no such attribute) it behaves exactly like verl's engine.
 """
 
 from __future__ import annotations
@@ -38,6 +41,24 @@ def make_engine_class(stock: type) -> type:
 
         def _build_fsdp_module(self, module):
             qc = getattr(self.engine_config, "_verl_quads_quant", None)
+            if qc is not None and qc.trainer_mode == "none" and qc.rollout_mode != "none" and not self.engine_config.forward_only:
+                # naive: stock forward, packed NVFP4 sync (planned on the bare module, before wrapping)
+                if getattr(self, "_is_lora", False):
+                    raise NotImplementedError(f"verl-quads actor.quant={qc.quant} with LoRA adapters is not supported yet")
+                strategy = getattr(self.engine_config, "strategy", None)
+                if strategy != "fsdp2":
+                    raise ValueError(
+                        f"verl-quads actor.quant={qc.quant} (packed NVFP4 weight sync) needs "
+                        f"actor_rollout_ref.actor.strategy=fsdp2, got {strategy!r}"
+                    )
+                from verl_quads.sync.trainer import plan_for_stock_trainer
+
+                self._verl_quads_sync_plan = plan_for_stock_trainer(module, qc)
+                logger.warning(
+                    "verl-quads: %s: stock trainer forward (no QAT); weight sync packs %d modules to NVFP4 "
+                    "(round-to-nearest, rollout mode %s)",
+                    qc.quant, len(self._verl_quads_sync_plan.vllm_modules()), qc.rollout_mode,
+                )
             if qc is not None and qc.trainer_mode != "none" and not self.engine_config.forward_only:
                 from verl_quads.qat import apply_qat
 
@@ -100,12 +121,14 @@ def make_engine_class(stock: type) -> type:
 
         def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
             # verl-quads weight sync (issue 6): a QAT actor sends the packed NVFP4 its forward uses.
+            # quant=naive: a stock forward, but the packed stream planned in _build_fsdp_module.
             inner = getattr(self.module, "_fsdp_wrapped_module", self.module)
-            if getattr(inner, "_verl_quads_qat", None) is None:
+            plan = getattr(self, "_verl_quads_sync_plan", None)
+            if getattr(inner, "_verl_quads_qat", None) is None and plan is None:
                 return super().get_per_tensor_param(layered_summon=layered_summon, base_sync_done=base_sync_done, **kwargs)
             from verl_quads.sync.trainer import engine_per_tensor_param
 
-            return engine_per_tensor_param(self), None
+            return engine_per_tensor_param(self, plan), None
 
     QuadsFSDPEngineWithLMHead.__module__ = __name__
     _engine_classes["lm"] = QuadsFSDPEngineWithLMHead

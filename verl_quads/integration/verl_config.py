@@ -246,10 +246,11 @@ def _make_actor_class():
             qc = quant_config_from(self.quant, self.quant_config)
             qat = getattr(self.fsdp_config, "qat", None)
             check_no_verl_qat(qc, bool(getattr(qat, "enable", False)))
-            if qc.trainer_mode != "none" and self.strategy != "fsdp2":
+            if qc.quant != "none" and self.strategy != "fsdp2":  # QAT and/or the packed sync (naive)
                 raise ValueError(
                     f"actor_rollout_ref.actor.quant={qc.quant} needs actor_rollout_ref.actor.strategy=fsdp2 "
-                    f"(got {self.strategy!r}); verl-quads QAT is tested under FSDP2 only"
+                    f"(got {self.strategy!r}); verl-quads QAT and the packed NVFP4 weight sync are tested under "
+                    "FSDP2 only"
                 )
             object.__setattr__(self, "quant", qc.quant)
             object.__setattr__(self, "quant_config", {k: v for k, v in qc.to_dict().items() if k != "quant"})

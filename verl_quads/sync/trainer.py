@@ -12,7 +12,15 @@ module the QAT forward quantizes (``QATState.modules``), it emits exactly what t
   ``dequantize(packed) == fake_quantize(w, gs)`` = the QAT effective weight, bit for bit.
 
 Everything else passes through unchanged. :func:`engine_per_tensor_param` is the verl engine hook
-(``FSDPEngineWithLMHead.get_per_tensor_param`` replacement for QAT engines).
+(``FSDPEngineWithLMHead.get_per_tensor_param`` replacement for QAT engines and for ``quant=naive``).
+
+``quant=naive`` (stock trainer, NVFP4 W4A4 rollout): the trainer runs no QAT, but its sync is the same
+packed stream, planned by :func:`plan_for_stock_trainer` (the modules ``apply_qat`` would quantize,
+found by a dry run of it). The engine then holds ``nvfp4.fake_quantize`` of the trainer's
+``param_dtype`` weights with the same scale sharing (q/k/v and gate/up one global scale, experts one
+per expert), i.e. exactly what the engine computes when it quantizes a BF16 checkpoint at load
+(``QuadsNVFP4LinearMethod.process_weights_after_loading``: amax over the fused weight). The trainer
+not quantizing its own forward is what ``naive`` means.
 """
 
 from __future__ import annotations
@@ -105,6 +113,35 @@ def plan_from_model(model: torch.nn.Module) -> SyncPlan:
     return plan
 
 
+def plan_for_stock_trainer(model: torch.nn.Module, config: QuantConfig) -> SyncPlan:
+    """Plan for a trainer that runs no QAT (trainer mode ``none``) but syncs to an NVFP4 engine (``naive``).
+
+    The quantized modules are the ones :func:`verl_quads.qat.apply_qat` selects for ``config``'s
+    ``ignore`` list (same rule as the engine's): found by applying QAT in mode ``w4a16`` and removing it
+    again, so ``model`` is left with its original classes and no QAT state. Call it on the bare HF
+    module, before FSDP wrapping. Raises if the model already carries QAT, or if ``config`` has a
+    trainer mode (then :func:`plan_from_model` is the plan) or no NVFP4 rollout.
+    """
+    import dataclasses
+
+    from verl_quads.qat import apply_qat, remove_qat
+
+    if config.trainer_mode != "none" or config.rollout_mode == "none":
+        raise SyncError(
+            f"packed sync: plan_for_stock_trainer is for quant=naive (stock trainer, NVFP4 rollout); got "
+            f"actor.quant={config.quant!r} (trainer mode {config.trainer_mode!r}, rollout mode {config.rollout_mode!r})"
+        )
+    if getattr(model, "_verl_quads_qat", None) is not None:
+        raise SyncError("packed sync: the trainer model already carries verl-quads QAT; use plan_from_model")
+    apply_qat(model, dataclasses.replace(config, quant="w4a16"), backend="torch")
+    try:
+        plan = plan_from_model(model)
+    finally:
+        remove_qat(model)
+    plan.config = config
+    return plan
+
+
 def _pack_linear(members: dict[str, torch.Tensor], param_dtype: torch.dtype, backend: str) -> nvfp4.NVFP4Tensor:
     ws = [w.to(param_dtype) for w in members.values()]
     for n, w in zip(members, ws):
@@ -134,6 +171,15 @@ def qat_effective_experts(w: torch.Tensor, transposed: bool, param_dtype: torch.
     return q.transpose(-1, -2) if transposed else q
 
 
+def _vllm_layout_linear(ws: list[torch.Tensor], param_dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([w.to(param_dtype) for w in ws], dim=0)
+
+
+def _vllm_layout_experts(w: torch.Tensor, transposed: bool, param_dtype: torch.dtype) -> torch.Tensor:
+    w = w.to(param_dtype)
+    return w.transpose(-1, -2).contiguous() if transposed else w
+
+
 def pack_for_rollout(
     named: Iterable[tuple[str, torch.Tensor]],
     plan: SyncPlan,
@@ -142,6 +188,7 @@ def pack_for_rollout(
     backend: str = "auto",
     stats: SyncStats | None = None,
     effective: dict[str, torch.Tensor] | None = None,
+    source: dict[str, torch.Tensor] | None = None,
     version: int = 0,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Packed sync stream (header first) from full trainer tensors ``named`` (HF names).
@@ -149,8 +196,13 @@ def pack_for_rollout(
     ``stats`` (filled while the stream is consumed) counts bytes; ``effective``, if given, receives the
     QAT effective weight (computed by the QAT code path, :func:`qat_effective_linear` /
     :func:`qat_effective_experts`) of every packed tensor in ``param_dtype`` under
-    ``<vllm module>.weight`` or ``<vllm module>.w13_weight`` / ``.w2_weight`` (vLLM layout). Raises :class:`SyncError` at the
-    end of the stream if a planned module's weights never arrived.
+    ``<vllm module>.weight`` or ``<vllm module>.w13_weight`` / ``.w2_weight`` (vLLM layout); for a
+    stock trainer (``naive``) that is the same function of its weights, ``fake_quantize`` with the
+    shared scales, which no trainer forward uses. ``source``, if given, receives under the same names
+    the unquantized weights that were packed, cast to ``param_dtype``, in vLLM's layout (fused members
+    concatenated along dim 0 in fused order; experts ``[E, out, in]``), e.g. for tests that check the
+    packed result against their own QDQ. Raises :class:`SyncError` at the end of the stream if a
+    planned module's weights never arrived.
     """
     stats = stats if stats is not None else SyncStats()
     header = encode_header(
@@ -164,7 +216,9 @@ def pack_for_rollout(
     pending: dict[str, dict[str, torch.Tensor]] = {}
     done: set[str] = set()
 
-    def emit(vmod: str, prefix: str, q: nvfp4.NVFP4Tensor, numel: int, gs: torch.Tensor, qat_effective):
+    def emit(vmod: str, prefix: str, q: nvfp4.NVFP4Tensor, numel: int, gs: torch.Tensor, qat_effective, src):
+        if source is not None:
+            source[f"{vmod}.{prefix}weight"] = src().detach()
         stats.packed_bytes += q.packed.numel() + q.block_scale.numel() + gs.numel() * 4
         stats.bf16_quantized_bytes += 2 * numel
         stats.quantized_numel += numel
@@ -188,14 +242,16 @@ def pack_for_rollout(
                 q = _pack_linear(ordered, param_dtype, backend)
                 done.add(group)
                 eff = functools.partial(qat_effective_linear, list(ordered.values()), param_dtype)
-                yield from emit(group, "", q, q.packed.numel() * 2, q.global_scale.reshape(()), eff)
+                src = functools.partial(_vllm_layout_linear, list(ordered.values()), param_dtype)
+                yield from emit(group, "", q, q.packed.numel() * 2, q.global_scale.reshape(()), eff, src)
             continue
         if mod in plan.experts and leaf in HF_EXPERT_PARAMS:
             stem = HF_EXPERT_PARAMS[leaf]
             q = _pack_experts(t, plan.experts[mod], param_dtype, backend)
             done.add(f"{mod}.{stem}")
             eff = functools.partial(qat_effective_experts, t, plan.experts[mod], param_dtype)
-            yield from emit(vllm_module_of(mod), f"{stem}_", q, q.packed.numel() * 2, q.global_scale.reshape(-1), eff)
+            src = functools.partial(_vllm_layout_experts, t, plan.experts[mod], param_dtype)
+            yield from emit(vllm_module_of(mod), f"{stem}_", q, q.packed.numel() * 2, q.global_scale.reshape(-1), eff, src)
             continue
         stats.passthrough_bytes += t.numel() * t.element_size()
         stats.tensors += 1
@@ -218,8 +274,9 @@ def _param_dtype(engine) -> torch.dtype:
     return PrecisionType.to_dtype(mp.get("param_dtype", "bf16")) if mp is not None else torch.bfloat16
 
 
-def engine_per_tensor_param(engine) -> Iterator[tuple[str, torch.Tensor]]:
-    """The packed stream of a verl FSDP2 engine whose module carries verl-quads QAT.
+def engine_per_tensor_param(engine, plan: SyncPlan | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """The packed stream of a verl FSDP2 engine whose module carries verl-quads QAT, or of a stock
+    engine in ``quant=naive`` with ``plan`` from :func:`plan_for_stock_trainer` (made before wrapping).
 
     Same source as verl's ``get_per_tensor_param`` (``state_dict`` with ``convert_weight_keys``, each
     DTensor gathered lazily with ``full_tensor``) but without ``unfuse_moe_params``: experts are packed
@@ -236,7 +293,7 @@ def engine_per_tensor_param(engine) -> Iterator[tuple[str, torch.Tensor]]:
         raise NotImplementedError("verl-quads packed sync: LoRA actors are not supported")
     if fsdp_version(engine.module) != 2:
         raise NotImplementedError("verl-quads packed sync needs actor strategy fsdp2")
-    plan = plan_from_model(inner)
+    plan = plan if plan is not None else plan_from_model(inner)
     params = convert_weight_keys(engine.module.state_dict(), inner)
     device = get_device_id()
     full = (
@@ -245,11 +302,13 @@ def engine_per_tensor_param(engine) -> Iterator[tuple[str, torch.Tensor]]:
     stats = SyncStats()
     dump_dir = os.environ.get(DUMP_ENV)
     effective: dict[str, torch.Tensor] | None = {} if dump_dir else None
+    source: dict[str, torch.Tensor] | None = {} if dump_dir else None
     from verl.workers.engine.fsdp.utils import unfuse_moe_params
 
     version = getattr(engine, "_verl_quads_policy_version", -1) + 1
     engine._verl_quads_policy_version = version
-    stream = pack_for_rollout(full, plan, _param_dtype(engine), stats=stats, effective=effective, version=version)
+    stream = pack_for_rollout(full, plan, _param_dtype(engine), stats=stats, effective=effective, source=source,
+                             version=version)
     # experts the plan does not pack (ignored) still leave in verl's per-expert form
     yield from unfuse_moe_params(stream, engine.model_config.hf_config.model_type)
     logger.warning("verl-quads: %s", stats.summary())
@@ -258,7 +317,11 @@ def engine_per_tensor_param(engine) -> Iterator[tuple[str, torch.Tensor]]:
     if dump_dir and rank0:
         path = Path(dump_dir) / f"trainer_sync_{os.getpid()}_{next(_dump_counter):03d}.pt"
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"effective": {k: v.cpu() for k, v in effective.items()}, "stats": stats.__dict__}, path)
+        torch.save({"effective": {k: v.cpu() for k, v in effective.items()},
+                    "source": {k: v.cpu() for k, v in source.items()},
+                    "header": {"quant": plan.config.quant, "trainer_mode": plan.config.trainer_mode,
+                               "rollout_mode": plan.config.rollout_mode, "version": version},
+                    "stats": stats.__dict__}, path)
 
 
-__all__ = ["SyncStats", "SyncPlan", "plan_from_model", "pack_for_rollout", "engine_per_tensor_param", "DUMP_ENV"]
+__all__ = ["SyncStats", "SyncPlan", "plan_from_model", "plan_for_stock_trainer", "pack_for_rollout", "engine_per_tensor_param", "DUMP_ENV"]
