@@ -284,5 +284,63 @@ def active_session() -> TraceSession | None:
     return _ACTIVE[-1] if _ACTIVE else None
 
 
-__all__ = ["FIELD", "DUMP_ENV", "METRIC_BPT", "TraceSession", "trace_pass", "batch_guidance", "guidance_bytes",
+# ----------------------------------------------------------------------------- routing (all modes)
+class RouterRecorder:
+    """Trainer side of ``quads/routing_disagreement``: the top-k expert ids the trainer's routers pick.
+
+    A forward hook on every MoE router (``<...>.layers.<i>.mlp.gate``, a module returning
+    ``(router_logits, top_k_weights, top_k_index)`` such as transformers 5's ``Qwen3MoeTopKRouter``)
+    records ``top_k_index`` (int ``[rows, top_k]``, rows = the model input's flattened token rows) of
+    each forward, per decoder layer. :meth:`take` returns the last forward's ids stacked as int16
+    ``[rows, layers, top_k]`` (layers in ascending index order) and clears them. Use as a context
+    manager (hooks removed on exit). Recording does not change any output.
+
+    To become the logged metric it needs the verl engine to run it around ``compute_log_prob``'s
+    forward and to put the ids, mapped to verl's ``[bsz, seqlen, layers, top_k]`` layout, under
+    ``verl_quads.patches.verl_gap_metrics.ACTOR_ROUTING_KEY`` (not wired: see docs/sync.md).
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        import re
+
+        pat = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
+        self.routers = {int(m.group(1)): mod for name, mod in model.named_modules() if (m := pat.search(name))}
+        if not self.routers:
+            raise ValueError(
+                f"verl-quads routing: {type(model).__name__} has no MoE router modules (<...>.layers.<i>.mlp.gate)"
+            )
+        self._ids: dict[int, torch.Tensor] = {}
+        self._handles: list = []
+
+    def _hook(self, layer: int):
+        def hook(module, args, output):
+            if not (isinstance(output, tuple) and len(output) == 3):
+                raise TypeError(
+                    f"verl-quads routing: router of layer {layer} ({type(module).__name__}) returned "
+                    f"{type(output).__name__}; expected (router_logits, top_k_weights, top_k_index)"
+                )
+            self._ids[layer] = output[2].detach().reshape(-1, output[2].shape[-1])
+
+        return hook
+
+    def __enter__(self) -> "RouterRecorder":
+        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in sorted(self.routers.items())]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def take(self) -> torch.Tensor:
+        """int16 ``[rows, layers, top_k]`` of the last forward (every router must have run)."""
+        missing = sorted(set(self.routers) - set(self._ids))
+        if missing:
+            raise RuntimeError(f"verl-quads routing: routers of layers {missing} did not run in the last forward")
+        out = torch.stack([self._ids[i] for i in sorted(self.routers)], dim=1).to(torch.int16)
+        self._ids = {}
+        return out
+
+
+__all__ = ["RouterRecorder", "FIELD", "DUMP_ENV", "METRIC_BPT", "TraceSession", "trace_pass", "batch_guidance", "guidance_bytes",
            "active_session", "install_audit"]

@@ -16,7 +16,8 @@ verl's function returns ``training/rollout_probs_diff_*`` (differences of *proba
 There is no extension point for extra per-step metrics, hence this wrapper: it calls the original
 unchanged and adds, from the same tensors, ``quads/logp_gap_max``, ``quads/logp_gap_p99``,
 ``quads/logp_gap_mean``, ``quads/k3_kl`` (:func:`verl_quads.diagnostics.stats.gap_stats`, masked by
-``response_mask``), and ``quads/routing_set_differs`` / ``quads/routing_slot_differs`` when the batch
+``response_mask``), and ``quads/routing_disagreement`` (= ``quads/routing_set_differs``) /
+``quads/routing_slot_differs`` when the batch
 holds both sides' routing: the rollout's under verl's key ``routed_experts`` (router replay R3 records
 it) and the trainer's under :data:`ACTOR_ROUTING_KEY` (``[bsz, seqlen, layers, top_k]`` each). Nothing
 in verl 0.9.1 fills :data:`ACTOR_ROUTING_KEY`: the trainer engine must store it for the routing metric
@@ -42,6 +43,8 @@ IMPORTERS = ("verl.trainer.ppo.v1.trainer_base",)
 PREFIX = "quads/"
 ROLLOUT_ROUTING_KEY = "routed_experts"
 ACTOR_ROUTING_KEY = "quads_actor_routed_experts"
+#: fraction of valid (response token, MoE layer) pairs whose top-k expert sets differ (= routing_set_differs)
+ROUTING_METRIC = PREFIX + "routing_disagreement"
 
 
 def quads_gap_metrics(batch) -> dict[str, float]:
@@ -73,7 +76,9 @@ def quads_gap_metrics(batch) -> dict[str, float]:
         rm = mask
         if r.shape[1] >= n:  # [bsz, seqlen, L, k] over prompt+response: take the response positions
             r, t = r[:, -n:], t[:, -n:]
-        out.update({PREFIX + k: v for k, v in S.routing_disagreement(r, t, rm).items()})
+        rd = S.routing_disagreement(r, t, rm)
+        out.update({PREFIX + k: v for k, v in rd.items()})
+        out[ROUTING_METRIC] = rd["routing_set_differs"]
     return out
 
 
@@ -114,4 +119,4 @@ def apply() -> None:
             when_imported(name, rebind)
 
 
-__all__ = ["ACTOR_ROUTING_KEY", "PATCH", "ROLLOUT_ROUTING_KEY", "apply", "quads_gap_metrics"]
+__all__ = ["ACTOR_ROUTING_KEY", "ROUTING_METRIC", "PATCH", "ROLLOUT_ROUTING_KEY", "apply", "quads_gap_metrics"]
