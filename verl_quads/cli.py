@@ -6,7 +6,7 @@
   ``quads/*`` mismatch metrics, then a summary (``verl-quads demo --help``).
 - ``verl-quads quantize-demo``: quantize a tiny random Qwen3-MoE with the NVFP4 core and print its
   per-layer error table (no verl, no vLLM; seconds).
-- ``verl-quads bench nvfp4|qat``: benchmarks (CUDA); each prints ratios to a baseline timed in
+- ``verl-quads bench nvfp4|qat|rollout``: benchmarks (CUDA); each prints ratios to a baseline timed in
   the same run.
 - ``verl-quads export --model DIR --out DIR [--quant-config JSON]``: a trained checkpoint (HF dir or verl
   checkpoint with ``huggingface/``) -> compressed-tensors NVFP4 checkpoint with the packed sync's weights.
@@ -41,7 +41,8 @@ def _bench(argv: list[str]) -> None:
     importlib.import_module(BENCHES[a.what]).main(rest)
 
 
-BENCHES = {"nvfp4": "verl_quads.bench.nvfp4", "qat": "verl_quads.bench.qat", "sync": "verl_quads.sync.bench"}
+BENCHES = {"nvfp4": "verl_quads.bench.nvfp4", "qat": "verl_quads.bench.qat", "sync": "verl_quads.sync.bench",
+           "rollout": "verl_quads.bench.rollout"}
 
 
 def _probe(argv: list[str]) -> None:

@@ -179,3 +179,14 @@ __all__ = [
     "unswizzle_block_scale",
     "validate_input",
 ]
+
+#: Fused NVFP4 dequantize + GEMM (the rollout's ``triton`` backend), imported on first use (needs triton).
+_GEMM_EXPORTS = ("nvfp4_linear", "nvfp4_gemm", "moe_align")
+
+
+def __getattr__(name: str):
+    if name in _GEMM_EXPORTS:
+        from verl_quads.nvfp4 import triton_gemm
+
+        return getattr(triton_gemm, name)
+    raise AttributeError(f"module 'verl_quads.nvfp4' has no attribute {name!r}")
