@@ -75,6 +75,7 @@ CASES = [
     (7, 40, 96, "quads", torch.bfloat16, False, True, 1),
     (1, 48, 128, "quads", torch.bfloat16, False, False, 2),
     (9, 40, 96, "quads", torch.bfloat16, True, False, 1),
+    (1, 48, 128, "quads", torch.bfloat16, True, True, 1),  # per-token, M=1: unselected weight blocks skipped
 ]
 
 

@@ -132,3 +132,21 @@ def test_moe_triton_single_token_decode():
     ref = QuadsNVFP4MoEMethod(cfg, ActQuant("naive")).apply(layer, x, tw, ids, None, None)
     y = QuadsNVFP4MoEMethod(cfg, ActQuant("naive"), "triton").apply(layer, x, tw, ids, None, None)
     _close(y, ref, "moe naive M=1")
+
+
+def test_triton_methods_compile_as_opaque_custom_ops():
+    """vLLM compiles the model with torch.compile: the triton path must trace without graph breaks
+    (fullgraph=True; the launch code is hidden behind torch.ops.verl_quads.*) and give the eager result.
+    backend="eager": Dynamo's graph capture only (no Inductor / C++ compiler needed here)."""
+    layer = _linear_layer()
+    x = torch.randn(4, 96, dtype=torch.bfloat16)
+    lin = QuadsNVFP4LinearMethod(ActQuant("quads", 0.5, True), "triton")
+    moe_layer, cfg = _moe_layer()
+    moe = QuadsNVFP4MoEMethod(cfg, ActQuant("naive"), "triton")
+    xm = torch.randn(3, 64, dtype=torch.bfloat16)
+    ids, tw = torch.tensor([[0, 3], [1, 3], [2, 0]]), torch.full((3, 2), 0.5)
+    torch._dynamo.reset()
+    f_lin = torch.compile(lambda x: lin.apply(layer, x), backend="eager", fullgraph=True)
+    f_moe = torch.compile(lambda x, w, i: moe.apply(moe_layer, x, w, i, None, None), backend="eager", fullgraph=True)
+    assert torch.equal(f_lin(x), lin.apply(layer, x))
+    assert torch.equal(f_moe(xm, tw, ids), moe.apply(moe_layer, xm, tw, ids, None, None))

@@ -14,8 +14,9 @@ one of an FP4 tensor-core GEMM:
   bias is added in float32 and the result is cast once to the output dtype;
 - QUADS (``Q(x) + Q(R_sel)``): the residual operand has its own per-row global scale, so it is
   accumulated in a second float32 accumulator (second K-loop over the selected 16-blocks only:
-  ``K' = K (1 + ratio)`` of work for per-call selection; a dense second pass over all K for
-  per-token selection) and the two are combined in float32 in the epilogue:
+  ``K' = K (1 + ratio)`` of work for per-call selection; for per-token selection a second pass
+  over all K in which a weight block is read only if some row of the tile selected it, so a
+  decode tile streams ~``ratio * K`` extra weight columns) and the two are combined in float32:
   ``y = (acc1 / gs1_row + acc2 / gs2_row) / gs_w``.
 
 Differences to the torch reference (:mod:`verl_quads.rollout.emulation`, ``x_f32 @ w_f32.T``):
@@ -185,9 +186,15 @@ if triton is not None:
                 a2 = _fp4_tile(a2_ptr, a2s_ptr, arow * NSEL2 * 8, arow * NSEL2, rmask, jb, jm, BM, G2)
                 if SECOND == 1:
                     wb = tl.load(idx2_ptr + ec * NSEL2 + jb, mask=jm, other=0)
+                    wm = jm
                 else:
+                    # dense residual (per-token selection): read a weight block only if some row of
+                    # this tile selected it (non-zero scale), so decode streams ~ratio * K of weights
                     wb = jb
-                w2 = _fp4_tile(w_ptr, ws_ptr, wprow, wsrow, nmask, wb, jm, BN, G2)
+                    s2 = tl.load(a2s_ptr + (arow * NSEL2)[:, None] + jb[None, :], mask=rmask[:, None] & jm[None, :],
+                                 other=0)
+                    wm = jm & (tl.max(s2.to(tl.int32), axis=0) > 0)
+                w2 = _fp4_tile(w_ptr, ws_ptr, wprow, wsrow, nmask, wb, wm, BN, G2)
                 acc2 = _mma(acc2, a2, w2, DT2)
             g2 = tl.load(a2gs_ptr + arow, mask=rmask, other=1.0)
             y += acc2 * tl.math.div_rn(tl.full([BM], 1.0, tl.float32), g2)[:, None]
@@ -609,12 +616,120 @@ def nvfp4_linear(
     return nvfp4_gemm(act, w_packed, w_scale, w_gs, bias, config=config)
 
 
+def moe_forward(
+    x: torch.Tensor,
+    slot_weights: torch.Tensor,
+    expert_ids: torch.Tensor,
+    w13_packed: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w13_gs: torch.Tensor,
+    w2_packed: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w2_gs: torch.Tensor,
+    act_mode: str,
+    *,
+    residual_ratio: float = 0.5,
+    residual_per_token: bool = False,
+    on_record=None,
+) -> torch.Tensor:
+    """Routed experts (gated silu) with ONE grouped launch per expert GEMM; ``[T, H]`` in x's dtype.
+
+    ``x`` ``[T, H]``; ``slot_weights`` float32 ``[T, k]`` (router weights); ``expert_ids`` int
+    ``[T, k]`` local expert ids (-1: not on this rank, contributes 0); ``w13_*``: ``[E, 2I, H/2]``
+    uint8 (gate rows then up rows), e4m3 ``[E, 2I, H/16]``, float32 ``[E]``; ``w2_*``: ``[E, H, I/2]``,
+    ``[E, H, I/16]``, ``[E]``. The arithmetic of the rollout's torch reference
+    (``QuadsNVFP4MoEMethod.forward_reference``): x quantized once per token for all experts; GEMM1
+    -> cast; ``silu(gate) * up`` in float32 -> cast; GEMM2's input quantized per token-slot row
+    (``quads`` with per-call selection: one selection per expert, :func:`quads_grouped_operand`, a
+    host-synchronizing loop over the active experts; every other mode has no host sync); GEMM2 ->
+    cast; router-weighted sum over the k slots in float32, one cast.
+
+    ``on_record(gemm, record)`` (trace): receives the guidance record of GEMM1's input
+    (``"mlp.experts.w13"``, ``[T, H]``) and of GEMM2's input (``"mlp.experts.w2"``, ``[T * k, I]`` in
+    slot order)."""
+    t, hidden = x.shape
+    k = expert_ids.shape[1]
+    if t == 0:
+        return torch.zeros(0, hidden, dtype=x.dtype, device=x.device)
+    n_exp = w13_packed.shape[0]
+    inter = w2_packed.shape[-1] * 2
+    s = t * k
+    routing = moe_align(expert_ids, n_exp, pick_block_m(-(-s // min(n_exp, s))))
+    capture = on_record is not None
+    op1, rec = quantize_activation(x, act_mode, residual_ratio=residual_ratio,
+                                   residual_per_token=residual_per_token, capture=capture)
+    if rec is not None:
+        on_record("mlp.experts.w13", rec)
+    token_rows = torch.div(routing.sorted_slots, k, rounding_mode="floor")
+    h = nvfp4_gemm(op1, w13_packed, w13_scale, w13_gs, routing=routing, a_rows=token_rows, out_rows=s)
+    a = (torch.nn.functional.silu(h[:, :inter].to(torch.float32)) * h[:, inter:].to(torch.float32)).to(x.dtype)
+    if act_mode == "quads" and not residual_per_token:
+        flat = expert_ids.reshape(-1)
+        counts = torch.bincount(flat[flat >= 0], minlength=n_exp).tolist()  # host sync
+        sorted_a = a[routing.sorted_slots[: sum(counts)].long()]
+        op2 = quads_grouped_operand(sorted_a, counts, list(range(n_exp)), n_exp, residual_ratio)
+        a_rows = torch.arange(s, dtype=torch.int32, device=x.device)
+    else:
+        op2, rec2 = quantize_activation(a, act_mode, residual_ratio=residual_ratio,
+                                        residual_per_token=residual_per_token, capture=capture)
+        if rec2 is not None:
+            on_record("mlp.experts.w2", rec2)
+        a_rows = None
+    y = nvfp4_gemm(op2, w2_packed, w2_scale, w2_gs, routing=routing, a_rows=a_rows, out_rows=s)
+    return (y.reshape(t, k, hidden).to(torch.float32) * slot_weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+# --- torch custom ops: the same calls as opaque nodes for torch.compile (vLLM compiles the model;
+# Dynamo must not trace the launch code). No guidance capture through them (a Python side effect):
+# the rollout calls the functions above directly when it captures.
+
+def _linear_op(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
+               bias: torch.Tensor | None, act_mode: str, residual_ratio: float,
+               residual_per_token: bool) -> torch.Tensor:
+    return nvfp4_linear(x, w_packed, w_scale, w_gs, bias, act_mode, residual_ratio=residual_ratio,
+                        residual_per_token=residual_per_token)
+
+
+def _moe_op(x: torch.Tensor, slot_weights: torch.Tensor, expert_ids: torch.Tensor, w13_packed: torch.Tensor,
+            w13_scale: torch.Tensor, w13_gs: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor,
+            w2_gs: torch.Tensor, act_mode: str, residual_ratio: float, residual_per_token: bool) -> torch.Tensor:
+    return moe_forward(x, slot_weights, expert_ids, w13_packed, w13_scale, w13_gs, w2_packed, w2_scale, w2_gs,
+                       act_mode, residual_ratio=residual_ratio, residual_per_token=residual_per_token)
+
+
+linear_op = torch.library.custom_op(
+    "verl_quads::nvfp4_linear", _linear_op, mutates_args=(),
+    schema="(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_gs, Tensor? bias, str act_mode, "
+           "float residual_ratio, bool residual_per_token) -> Tensor",
+)
+moe_op = torch.library.custom_op(
+    "verl_quads::nvfp4_moe", _moe_op, mutates_args=(),
+    schema="(Tensor x, Tensor slot_weights, Tensor expert_ids, Tensor w13_packed, Tensor w13_scale, "
+           "Tensor w13_gs, Tensor w2_packed, Tensor w2_scale, Tensor w2_gs, str act_mode, "
+           "float residual_ratio, bool residual_per_token) -> Tensor",
+)
+
+
+@linear_op.register_fake
+def _(x, w_packed, w_scale, w_gs, bias, act_mode, residual_ratio, residual_per_token):
+    return x.new_empty(x.shape[0], w_packed.shape[0])
+
+
+@moe_op.register_fake
+def _(x, slot_weights, expert_ids, w13_packed, w13_scale, w13_gs, w2_packed, w2_scale, w2_gs, act_mode,
+      residual_ratio, residual_per_token):
+    return torch.empty_like(x)
+
+
 __all__ = [
     "ACT_MODES",
     "ActOperand",
     "GemmConfig",
     "GroupedRouting",
+    "linear_op",
     "moe_align",
+    "moe_forward",
+    "moe_op",
     "nvfp4_gemm",
     "nvfp4_linear",
     "pick_block_m",

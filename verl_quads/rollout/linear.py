@@ -112,11 +112,19 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
 
     def _apply_triton(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The ``triton`` backend: activation quantized by the NVFP4 core (same codes as the torch
-        backend), then one fused dequantize + GEMM launch reading the packed weight."""
+        backend), then one fused dequantize + GEMM launch reading the packed weight. Without guidance
+        capture it runs as the custom op ``torch.ops.verl_quads.nvfp4_linear`` (opaque to
+        torch.compile); with capture (trace) eagerly, handing the record to the guidance store."""
         from verl_quads.nvfp4 import triton_gemm
 
         x2 = x.reshape(-1, x.shape[-1])
         capture = self.act.capture and self.capture_key is not None
+        if not capture:
+            y = torch.ops.verl_quads.nvfp4_linear(
+                x2, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, bias, self.act.mode,
+                self.act.residual_ratio, self.act.residual_per_token,
+            )
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         op, record = triton_gemm.quantize_activation(
             x2, self.act.mode, residual_ratio=self.act.residual_ratio,
             residual_per_token=self.act.residual_per_token, capture=capture,

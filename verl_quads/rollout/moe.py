@@ -128,52 +128,33 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
 
     def forward_triton(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
         """Routed-experts output ``[T, H]`` in x's dtype, ``triton`` backend: the same arithmetic as
-        :meth:`forward_reference` (same activation codes; float32 accumulation order differs) with
-        ONE grouped launch per expert GEMM (:func:`verl_quads.nvfp4.triton_gemm.nvfp4_gemm` over the
-        token-slots sorted by expert). GEMM1 writes ``[T * k, 2I]`` in slot order; ``silu(gate) * up``
-        in float32, cast; GEMM2's input is quantized per token-slot row (``quads`` with per-call
-        selection: one selection per expert, a host-synchronizing loop over the active experts);
-        GEMM2 writes ``[T * k, H]`` in slot order; the router-weighted sum over k in float32, one cast."""
+        :meth:`forward_reference` (same activation codes; float32 summation order differs) with ONE
+        grouped launch per expert GEMM (:func:`verl_quads.nvfp4.triton_gemm.moe_forward`). Without
+        guidance capture it runs as the custom op ``torch.ops.verl_quads.nvfp4_moe`` (opaque to
+        torch.compile); with capture (trace) eagerly, handing the records to the guidance store."""
         from verl_quads.nvfp4 import triton_gemm as tg
 
-        t, hidden = x.shape
+        t, _ = x.shape
         k = topk_ids.shape[1]
         x, ids, slot_weights = self._routing_inputs(layer, x, topk_weights, topk_ids)
-        if t == 0:
-            return torch.zeros(0, hidden, dtype=x.dtype, device=x.device)
-        n_exp = layer.w13_weight_packed.shape[0]
-        inter = layer.w2_weight_packed.shape[-1] * 2
-        s = t * k
-        routing = tg.moe_align(ids, n_exp, tg.pick_block_m(-(-s // min(n_exp, s))))
         q = self.act
-        capture = q.capture and self.capture_layer is not None
-        op1, rec = tg.quantize_activation(x, q.mode, residual_ratio=q.residual_ratio,
-                                          residual_per_token=q.residual_per_token, capture=capture)
-        if rec is not None:
-            from verl_quads.rollout.capture import get_store
+        weights = (layer.w13_weight_packed, layer.w13_weight_scale, layer.w13_weight_global_scale,
+                   layer.w2_weight_packed, layer.w2_weight_scale, layer.w2_weight_global_scale)
+        if not (q.capture and self.capture_layer is not None):
+            return torch.ops.verl_quads.nvfp4_moe(x, slot_weights, ids, *weights, q.mode, q.residual_ratio,
+                                                  q.residual_per_token)
+        from verl_quads.rollout.capture import get_store
 
-            get_store().add(self.capture_layer, "mlp.experts.w13", rec)
-        token_rows = torch.div(routing.sorted_slots, k, rounding_mode="floor")
-        h = tg.nvfp4_gemm(op1, layer.w13_weight_packed, layer.w13_weight_scale, layer.w13_weight_global_scale,
-                          routing=routing, a_rows=token_rows, out_rows=s)
-        a = (F.silu(h[:, :inter].to(torch.float32)) * h[:, inter:].to(torch.float32)).to(x.dtype)
-        if q.mode == "quads" and not q.residual_per_token:
-            valid = ids.reshape(-1) >= 0
-            counts = torch.bincount(ids.reshape(-1)[valid], minlength=n_exp).tolist()  # host sync
-            n_valid = sum(counts)
-            sorted_a = a[routing.sorted_slots[:n_valid].long()]
-            op2 = tg.quads_grouped_operand(sorted_a, counts, list(range(n_exp)), n_exp, q.residual_ratio)
-            a_rows = torch.arange(s, dtype=torch.int32, device=x.device)
-        else:
-            op2, rec2 = tg.quantize_activation(a, q.mode, residual_ratio=q.residual_ratio,
-                                               residual_per_token=q.residual_per_token, capture=capture)
-            if rec2 is not None:
-                self._capture_w2(rec2, t, k, inter, ids)
-            a_rows = None
-        y = tg.nvfp4_gemm(op2, layer.w2_weight_packed, layer.w2_weight_scale, layer.w2_weight_global_scale,
-                          routing=routing, a_rows=a_rows, out_rows=s)
-        out = (y.reshape(t, k, hidden).to(torch.float32) * slot_weights.unsqueeze(-1)).sum(1)
-        return out.to(x.dtype)
+        inter = layer.w2_weight_packed.shape[-1] * 2
+
+        def on_record(gemm: str, rec) -> None:
+            if gemm == "mlp.experts.w2":
+                self._capture_w2(rec, t, k, inter, ids)
+            else:
+                get_store().add(self.capture_layer, gemm, rec)
+
+        return tg.moe_forward(x, slot_weights, ids, *weights, q.mode, residual_ratio=q.residual_ratio,
+                              residual_per_token=q.residual_per_token, on_record=on_record)
 
     def forward_reference(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
         """Routed-experts output ``[T, H]`` in x's dtype (see module docstring for the arithmetic)."""
