@@ -11,14 +11,17 @@ In one run, on one device, per (shape, M):
   shapes, ``torch._grouped_mm`` over the expert-sorted rows for the experts (per-expert Python loop
   of matmuls when ``_grouped_mm`` is unavailable; the row says which);
 - ``w4a16``, ``naive`` (W4A4 emulated: activation quantized per token by the core, read packed),
-  ``quads k=R`` (per-call residual selection; per expert for the experts: a host-synchronizing
-  loop, timed eagerly) and ``quads k=R per-token`` (one call, graph-capturable): the whole GEMM call
+  ``quads k=R`` (per-call residual selection; for w2 one selection per expert: a
+  host-synchronizing loop, timed eagerly) and ``quads k=R per-token`` (one call, graph-capturable): the whole GEMM call
   including the activation's quantization, and "gemm only" (operand prepared outside the timing);
 - time is device time of the call captured in a CUDA graph (``graph``), or an eager call's time
   where it cannot be captured (``eager``); ``x bf16`` is the BF16 time divided by this time
   (> 1: faster than BF16); weight bandwidth counts the weight bytes the GEMM must read (NVFP4
   codes + block scales; the active experts' only), as a fraction of the device-to-device copy
   bandwidth measured in the same run.
+
+``moe``: the whole routed-experts layer, :func:`triton_gemm.moe_forward` vs a BF16 layer built
+from ``torch._grouped_mm`` (same structure), per mode.
 
 ``--sweep`` first tries a set of launch configurations per (shape, M) for the w4a16 and naive
 GEMMs and uses the fastest (printed), so the heuristic of :func:`triton_gemm.pick_config` can be
@@ -44,8 +47,8 @@ NUM_EXPERTS, TOP_K = 128, 8
 DEVICE = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny SHAPES) may set "cpu"
 
 
-def _time(fn) -> tuple[float, str]:
-    t = graph_time_s(fn)
+def _time(fn, eager: bool = False) -> tuple[float, str]:
+    t = None if eager else graph_time_s(fn)
     if t is not None:
         return t, "graph"
     return median_time_s(fn, 3, 10, 3), "eager"
@@ -92,6 +95,66 @@ def _bf16_grouped(x_sorted: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor,
     return loop, "bf16 per-expert matmul loop"
 
 
+def _moe_layer_rows(ms: list[int], ratio: float, bw: float, dev: str, g: torch.Generator) -> list[list[object]]:
+    """Whole routed-experts layer (hidden 2048, intermediate 768, 128 experts top-8, random routing):
+    :func:`triton_gemm.moe_forward` (one grouped launch per GEMM, routing sort included) vs a BF16
+    layer of the same structure (stable sort by expert, ``torch._grouped_mm`` w13, silu * up,
+    ``torch._grouped_mm`` w2, router-weighted ``index_add_``; expert offsets precomputed, i.e. the
+    baseline gets its routing metadata for free)."""
+    from verl_quads import nvfp4 as nv
+    from verl_quads.nvfp4 import triton_gemm as tg
+
+    e, hidden, inter = NUM_EXPERTS, SHAPES["w13"][2], SHAPES["w13"][1] // 2
+    qs, bf = {}, {}
+    for name, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
+        w = torch.randn(e, n, k, device=dev, generator=g) * 0.02
+        q = nv.quantize(w, nv.global_scale_from_amax(w.abs().amax(dim=(1, 2), keepdim=True)), backend="triton")
+        qs[name] = (q.packed, q.block_scale, q.global_scale.reshape(-1))
+        bf[name] = w.to(torch.bfloat16).transpose(-2, -1)  # [E, K, N] for _grouped_mm
+        del w
+    rows = []
+    for m in ms:
+        tag = f"moe layer M={m}"
+        x = torch.randn(m, hidden, device=dev, generator=g).to(torch.bfloat16)
+        x[:, ::293] *= 30.0
+        ids = torch.rand(m, e, device=dev, generator=g).argsort(-1)[:, :TOP_K]
+        sw = torch.softmax(torch.randn(m, TOP_K, device=dev, generator=g), -1)
+        flat = ids.reshape(-1)
+        counts = torch.bincount(flat, minlength=e)
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        active = int(flat.unique().numel())
+        wbytes = active * 3 * hidden * inter * 9 // 16
+        bf_bytes = active * 3 * hidden * inter * 2
+
+        def bf16_layer():
+            order = torch.sort(flat, stable=True).indices
+            tok = torch.div(order, TOP_K, rounding_mode="floor")
+            h = torch._grouped_mm(x[tok], bf["w13"], offs=offs)
+            a = torch.nn.functional.silu(h[:, :inter]) * h[:, inter:]
+            y = torch._grouped_mm(a, bf["w2"], offs=offs)
+            out = torch.zeros(m, hidden, dtype=torch.float32, device=dev)
+            return out.index_add_(0, tok, y.float() * sw.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
+
+        try:
+            bf16_layer()
+            t_base, how = _time(bf16_layer)
+            rows.append([tag, "bf16 layer (torch._grouped_mm)", how, t_base * 1e6, 1.0, bf_bytes / t_base / 1e9,
+                         bf_bytes / t_base / bw])
+        except Exception as ex:  # pragma: no cover - depends on the torch build
+            print(f"{tag}: bf16 layer baseline failed ({type(ex).__name__}: {ex})", flush=True)
+            t_base = float("nan")
+        for label, mode, per_token in (("w4a16", "w4a16", True), ("naive", "naive", True),
+                                       (f"quads k={ratio} per-token", "quads", True),
+                                       (f"quads k={ratio} per-expert selection", "quads", False)):
+            def fn(mode=mode, per_token=per_token):
+                return tg.moe_forward(x, sw, ids, *qs["w13"], *qs["w2"], mode, residual_ratio=ratio,
+                                      residual_per_token=per_token)
+
+            t, how = _time(fn, eager=not per_token)
+            rows.append([tag, f"triton {label} layer", how, t * 1e6, t_base / t, wbytes / t / 1e9, wbytes / t / bw])
+    return rows
+
+
 def run(shapes: list[str], ms: list[int], ratio: float, sweep: bool) -> str:
     from verl_quads import nvfp4 as nv
     from verl_quads.nvfp4 import triton_gemm as tg
@@ -105,7 +168,11 @@ def run(shapes: list[str], ms: list[int], ratio: float, sweep: bool) -> str:
     rows = []
     best_cfgs = []
     g = torch.Generator(device=dev).manual_seed(0)
+    if "moe" in shapes:
+        rows += _moe_layer_rows(ms, ratio, bw, dev, g)
     for name in shapes:
+        if name == "moe":
+            continue
         grouped, n, k = SHAPES[name]
         e = NUM_EXPERTS if grouped else 1
         w = torch.randn(e, n, k, device=dev, generator=g, dtype=torch.float32) * 0.02
@@ -154,15 +221,19 @@ def run(shapes: list[str], ms: list[int], ratio: float, sweep: bool) -> str:
                         (f"quads k={ratio}", "quads", False), (f"quads k={ratio} per-token", "quads", True)]
             for label, mode, per_token in variants:
                 cfg = None
-                if mode == "quads" and grouped and not per_token:
-                    # per-expert selection (the reference's per-expert call): host-synchronizing loop
+                eager = False
+                if mode == "quads" and name == "w2" and not per_token:
+                    # per-expert selection (the reference's per-expert call; GEMM1's input x is one call
+                    # shared by all experts): a host-synchronizing loop, timed eagerly with the bincount
                     sorted_x = x[a_rows.long()]
-                    clist = counts.tolist()
+                    eager = True
+                    flat_ids = ids.reshape(-1)
 
                     def full():
+                        clist = torch.bincount(flat_ids, minlength=e).tolist()
                         return gemm(tg.quads_grouped_operand(sorted_x, clist, list(range(e)), e, ratio))
 
-                    op = tg.quads_grouped_operand(sorted_x, clist, list(range(e)), e, ratio)
+                    op = tg.quads_grouped_operand(sorted_x, counts.tolist(), list(range(e)), e, ratio)
                     ar = torch.arange(s, dtype=torch.int32, device=dev)
 
                     def gemm_only():
@@ -193,7 +264,7 @@ def run(shapes: list[str], ms: list[int], ratio: float, sweep: bool) -> str:
                         return gemm(op, cfg)
 
                 for what, fn in (("", full), (" (gemm only)", gemm_only)):
-                    t, how = _time(fn)
+                    t, how = _time(fn, eager=eager and fn is full)
                     rows.append([tag, f"triton {label}{what}", how, t * 1e6, t_base / t, wbytes / t / 1e9,
                                  wbytes / t / bw])
             torch.cuda.empty_cache()
@@ -208,8 +279,9 @@ def run(shapes: list[str], ms: list[int], ratio: float, sweep: bool) -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="verl-quads bench rollout", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="qkv,o_proj,w13,w2", help=f"comma-separated, from {list(SHAPES)}")
-    p.add_argument("--m", default="4096,1,8,64", help="comma-separated token counts M")
+    p.add_argument("--shapes", default="moe,qkv,o_proj,w13,w2",
+                   help=f"comma-separated, from {['moe'] + list(SHAPES)} (moe: the whole routed-experts layer)")
+    p.add_argument("--m", default="4096,1,8,64,256", help="comma-separated token counts M")
     p.add_argument("--ratio", type=float, default=0.5, help="QUADS residual ratio k")
     p.add_argument("--sweep", action="store_true", help="try launch configs per shape and use the fastest")
     p.add_argument("--out", default=None, help="also write the tables to this file")
@@ -217,7 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("verl-quads bench rollout needs a CUDA GPU (CPU numbers are not the point)")
     shapes = [s for s in a.shapes.split(",") if s]
-    bad = [s for s in shapes if s not in SHAPES]
+    bad = [s for s in shapes if s not in SHAPES and s != "moe"]
     if bad:
         raise SystemExit(f"verl-quads bench rollout: unknown shape(s) {bad}; allowed: {list(SHAPES)}")
     text = run(shapes, [int(v) for v in a.m.split(",")], a.ratio, a.sweep)
