@@ -123,3 +123,50 @@ def test_grouped_launch_replays_in_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(y_graph, run())
+
+
+def _moe_reference(x, sw, ids, q13, q2, mode, per_token):
+    """The rollout's torch reference of the routed experts (forward_reference of
+    verl_quads/rollout/moe.py, which imports vLLM and so cannot run here), per expert, float32 GEMMs."""
+    t, hidden = x.shape
+    k = ids.shape[1]
+    act = em.ActQuant(mode, 0.5, per_token)
+    xf, _ = em.quantize_activation(x, act)
+    inter = q2[0].shape[-1] * 2
+    a_all = torch.zeros(t, k, inter, dtype=x.dtype, device=x.device)
+    rows = {}
+    for e in ids.unique().tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        rows[e] = (tok, slot)
+        h = em.gemm(xf[tok], em.weight_f32(q13[0][e], q13[1][e], q13[2][e]), None, x.dtype)
+        a_all[tok, slot] = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(x.dtype)
+    out = torch.zeros(t, hidden, dtype=torch.float32, device=x.device)
+    flat_f = em.quantize_activation(a_all.reshape(t * k, inter), act)[0].reshape(t, k, inter)
+    for e, (tok, slot) in rows.items():
+        a_f = em.quantize_activation(a_all[tok, slot], act)[0] if mode == "quads" else flat_f[tok, slot]
+        y = em.gemm(a_f, em.weight_f32(q2[0][e], q2[1][e], q2[2][e]), None, x.dtype)
+        out.index_add_(0, tok, y.float() * sw[tok, slot].unsqueeze(-1))
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("mode, per_token", [("w4a16", True), ("naive", True), ("quads", True), ("quads", False)])
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_moe_layer_real_shape(mode, per_token, tokens):
+    """moe_forward (two grouped launches) == the per-expert torch reference, Qwen3-30B-A3B experts.
+    GEMM1 outputs that round differently can flip a GEMM2 activation code, so the bound is relative:
+    max |diff| <= 2**-6 max |ref| (the fraction of bit-equal outputs is printed)."""
+    e, topk, hidden, inter = 128, 8, 2048, 768
+    q13 = em.quantize_weight(_w((e, 2 * inter, hidden)), reduce_dims=(1, 2))
+    q2 = em.quantize_weight(_w((e, hidden, inter), seed=3), reduce_dims=(1, 2))
+    q13 = (q13.packed, q13.block_scale, q13.global_scale.reshape(-1))
+    q2 = (q2.packed, q2.block_scale, q2.global_scale.reshape(-1))
+    x = _x(tokens, hidden)
+    g = torch.Generator(device=DEV).manual_seed(4)
+    ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
+    sw = torch.softmax(torch.randn(tokens, topk, device=DEV, generator=g), -1)
+    y = tg.moe_forward(x, sw, ids, *q13, *q2, mode, residual_ratio=0.5, residual_per_token=per_token)
+    ref = _moe_reference(x, sw, ids, q13, q2, mode, per_token)
+    rel = float((y.float() - ref.float()).abs().max() / ref.float().abs().max())
+    print(f"moe layer T={tokens} {mode} per_token={per_token}: max |diff| / max |ref| = {rel:.2e}, "
+          f"{float((y == ref).float().mean()):.2%} bit-equal")
+    assert rel <= 2 ** -6
