@@ -24,8 +24,11 @@ Scale granularity (both sides must agree; decided here once):
 - Activations (W4A4 modes): one global scale per token (row), computed dynamically from the
   row's amax. This makes a token's quantization independent of what else is in the batch, so
   the trainer can reproduce the rollout's activation codes (needed by TRACE).
-- QUADS residual selection: per call over 16-channel blocks by residual energy (DESIGN.md §1),
-  ``residual_per_token=True`` switches to per-token selection.
+- QUADS residual selection: per token (row) over 16-channel blocks by residual energy
+  (``residual_per_token=True``, the default; docs/quads_selection.md): like the per-token global
+  scale, it keeps a token's activation independent of its batch mates, so generation is
+  batch-invariant. ``residual_per_token=False`` selects once per GEMM call (the sum of the
+  scores over the call's rows; DESIGN.md §1's first definition), which is not batch-invariant.
 """
 
 from __future__ import annotations
@@ -60,7 +63,8 @@ class QuantConfig:
     Attributes:
         quant: user-facing mode, one of :data:`QUANT_MODES`.
         residual_ratio: QUADS fraction k of 16-channel blocks compensated, in [0, 1].
-        residual_per_token: select residual blocks per token instead of per GEMM call.
+        residual_per_token: select the compensated residual blocks per token (default, batch-
+            invariant) instead of once per GEMM call.
         guided_layers: TRACE: number of last decoder layers whose GEMM inputs are guided (> 0).
         trace_base_mode: trainer mode for the layers TRACE does not guide (``w4a16`` or ``w4a4_qat``).
         ignore: regex patterns of module names kept in BF16 (see :data:`DEFAULT_IGNORE`).
@@ -70,7 +74,7 @@ class QuantConfig:
 
     quant: str = "none"
     residual_ratio: float = 0.5
-    residual_per_token: bool = False
+    residual_per_token: bool = True
     guided_layers: int = 20
     trace_base_mode: str = "w4a16"
     ignore: tuple[str, ...] = DEFAULT_IGNORE

@@ -35,9 +35,9 @@ def test_error_decreases_monotonically_in_ratio(per_token):
     assert errs[-1] < 0.3 * errs[0], errs
 
 
-def test_selection_picks_the_highest_residual_blocks():
+def test_per_call_selection_picks_the_highest_residual_blocks():
     x = _activations()
-    r = nv.residual_quantize(x, 0.25, backend="torch")
+    r = nv.residual_quantize(x, 0.25, per_token=False, backend="torch")
     res = x.float() - nv.dequantize(r.first, torch.float32, backend="torch")
     energy = res.unflatten(-1, (-1, 16)).square().sum((0, 2))
     n_sel = nv.num_selected_blocks(512, 0.25)
@@ -48,12 +48,76 @@ def test_selection_picks_the_highest_residual_blocks():
     assert torch.equal(r.second.packed, want.packed)
 
 
+def test_per_token_selection_picks_each_rows_highest_residual_blocks():
+    x = _activations()
+    gs = nv.per_row_global_scale(x)
+    r = nv.residual_quantize(x, 0.25, gs, backend="torch")
+    res = x.float() - nv.dequantize(r.first, torch.float32, backend="torch")
+    from verl_quads.nvfp4.residual import block_energy
+
+    energy = block_energy(res)  # [M, 32], the rule's exact summation order
+    assert r.block_idx.shape == (64, 8)
+    for i in range(64):
+        sel = r.block_idx[i].tolist()
+        assert sel == sorted(sel)
+        assert energy[i, sel].min() >= energy[i, [b for b in range(32) if b not in sel]].max()
+
+
 def test_per_token_selection_is_independent_of_batch_mates():
     x = _activations()
     gs = nv.global_scale_from_amax(x.float().abs().amax(-1, keepdim=True))
     full = nv.residual_fake_quantize(x, 0.5, gs, per_token=True, backend="torch")
     one = nv.residual_fake_quantize(x[3:4], 0.5, gs[3:4], per_token=True, backend="torch")
     assert torch.equal(full[3:4], one)
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_quads_activation_of_a_row_depends_on_its_batch_mates_only_per_call(per_token):
+    """The rollout's quads activation quantization (QuantConfig -> ActQuant -> quantize_activation):
+    per-token selection (the default) gives every row the same result alone or in any batch;
+    per-call selection does not (so this test can fail)."""
+    from verl_quads.config import QuantConfig
+    from verl_quads.rollout.emulation import ActQuant, quantize_activation
+
+    cfg = QuantConfig("quads", residual_ratio=0.25) if per_token else QuantConfig("quads", residual_ratio=0.25,
+                                                                                 residual_per_token=False)
+    assert cfg.residual_per_token is per_token
+    q = ActQuant(cfg.rollout_mode, cfg.residual_ratio, cfg.residual_per_token)
+    x = _activations(m=16)
+    other = _activations(m=16, seed=1)
+    full, _ = quantize_activation(x, q)
+    mixed, _ = quantize_activation(torch.cat([x[:8], other[8:]]), q)
+    alone = torch.cat([quantize_activation(x[i : i + 1], q)[0] for i in range(x.shape[0])])
+    same = [torch.equal(full[i], alone[i]) for i in range(16)] + [torch.equal(full[i], mixed[i]) for i in range(8)]
+    if per_token:
+        assert all(same)
+    else:
+        assert not all(same), "per-call selection unexpectedly batch-invariant on this data"
+
+
+def test_per_token_is_the_default_selection():
+    from verl_quads.config import QuantConfig
+    from verl_quads.rollout.emulation import ActQuant
+
+    assert QuantConfig("quads").residual_per_token is True and ActQuant("quads").residual_per_token is True
+    x = _activations(m=8)
+    assert torch.equal(nv.residual_fake_quantize(x, 0.5, backend="torch"),
+                       nv.residual_fake_quantize(x, 0.5, per_token=True, backend="torch"))
+
+
+def test_output_aware_score_weights_the_residual_energy():
+    x = _activations(m=8, k=64)
+    res = x.float() - nv.fake_quantize(x, backend="torch").float()
+    w = torch.ones(64)
+    w[48:] = 1e6  # block 3 dominates the weighted score
+    r = nv.residual_quantize(x, 0.25, per_token=True, score_weight=w, backend="torch")
+    assert (r.block_idx == 3).all()
+    # ones reproduce the unweighted rule; the hand-computed energy agrees with the pairwise tree up to rounding
+    assert torch.equal(nv.residual_quantize(x, 0.5, score_weight=torch.ones(64), backend="torch").block_idx,
+                       nv.residual_quantize(x, 0.5, backend="torch").block_idx)
+    from verl_quads.nvfp4.residual import block_energy
+
+    torch.testing.assert_close(block_energy(res), res.unflatten(-1, (-1, 16)).square().sum(-1), rtol=1e-6, atol=0)
 
 
 def test_bad_ratio_and_shape():

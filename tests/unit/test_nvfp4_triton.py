@@ -65,20 +65,88 @@ def test_every_e4m3_scale_value_rounds_like_torch():
     assert _eq_q(nv.quantize(x, gs, backend="triton"), nv.quantize(x, gs, backend="torch"))
 
 
+def _eq_residual(rt, rr):
+    assert torch.equal(rt.block_idx, rr.block_idx), (rt.block_idx, rr.block_idx)
+    assert _eq_q(rt.first, rr.first) and _eq_q(rt.second, rr.second)
+    assert torch.equal(rt.first.global_scale, rr.first.global_scale)
+    assert torch.equal(rt.second.global_scale, rr.second.global_scale)
+    assert rt.second.shape == rr.second.shape
+
+
+def _check_residual(x, ratio, gs, per_token, w=None):
+    kw = dict(per_token=per_token, score_weight=w)
+    _eq_residual(nv.residual_quantize(x, ratio, gs, backend="triton", **kw),
+                 nv.residual_quantize(x, ratio, gs, backend="torch", **kw))
+    assert torch.equal(nv.residual_fake_quantize(x, ratio, gs, backend="triton", **kw),
+                       nv.residual_fake_quantize(x, ratio, gs, backend="torch", **kw))
+
+
 @pytest.mark.parametrize("per_token", [False, True])
-@pytest.mark.parametrize("ratio", [0.0, 0.25, 0.5, 1.0])
+@pytest.mark.parametrize("ratio", [0.0, 0.125, 0.25, 0.5, 1.0])
 def test_residual_matches_reference(ratio, per_token):
-    x = _x((24, 128), torch.bfloat16, seed=3)
+    x = _x((24, 128), torch.bfloat16, seed=3)  # ratio 0.125: exactly one block of 8 per row
     for gs in (None, nv.global_scale_from_amax(x.float().abs().amax(-1, keepdim=True))):
-        rt = nv.residual_quantize(x, ratio, gs, per_token=per_token, backend="triton")
-        rr = nv.residual_quantize(x, ratio, gs, per_token=per_token, backend="torch")
-        assert torch.equal(rt.block_idx, rr.block_idx)
-        assert _eq_q(rt.first, rr.first) and _eq_q(rt.second, rr.second)
-        assert torch.equal(rt.second.global_scale, rr.second.global_scale)
-        assert torch.equal(
-            nv.residual_fake_quantize(x, ratio, gs, per_token=per_token, backend="triton"),
-            nv.residual_fake_quantize(x, ratio, gs, per_token=per_token, backend="torch"),
-        )
+        _check_residual(x, ratio, gs, per_token)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k", [16, 80, 208])  # K / 16 = 1, 5, 13 blocks: not powers of two
+def test_residual_odd_k_zero_rows_and_weights_match_reference(dtype, k):
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(7, k, generator=g) / torch.rand(7, k, generator=g).clamp(min=0.05))
+    x[2] = 0.0  # an all-zero row: every score ties at 0 -> the lowest blocks
+    x = x.to(dtype).to(DEV)
+    gs = nv.per_row_global_scale(x)
+    w = torch.rand(k, generator=g).to(DEV)
+    w[:16] = 0.0  # a zero-weight block
+    for per_token in (True, False):
+        for ratio in (0.0, 0.3, 1.0):
+            _check_residual(x, ratio, gs, per_token)
+            _check_residual(x, ratio, gs, per_token, w)
+    _check_residual(x[:1], 0.5, gs[:1], True)  # a single row (second-pass scale is 0-d, as in the reference)
+    _check_residual(x[:0], 0.5, gs[:0], True)  # no rows
+
+
+def test_residual_score_ties_break_to_the_lower_block_like_the_reference():
+    # rows built from repeated blocks: equal scores in several blocks, in per-token and per-call mode
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(4, 16, generator=g)
+    x = torch.stack([torch.cat([base[r % 4], base[(r + 1) % 4]] * 5) for r in range(6)])  # K = 160, 10 blocks
+    x[3] = torch.cat([base[0]] * 10)  # ten equal blocks
+    x[4, 48:] = 0.0
+    x[5] = 0.0
+    x = x.to(DEV)
+    gs = nv.per_row_global_scale(x)
+    for per_token in (True, False):
+        for ratio in (0.1, 0.3, 0.5, 0.7):
+            _check_residual(x, ratio, gs, per_token)
+    r = nv.residual_quantize(x, 0.3, gs, backend="triton")
+    assert r.block_idx[3].tolist() == [0, 1, 2] and r.block_idx[5].tolist() == [0, 1, 2]
+
+
+def test_fused_per_token_kernel_is_the_path_taken_and_equals_the_multi_kernel_path(monkeypatch):
+    from verl_quads.nvfp4 import triton_kernels as tk
+
+    x = _x((9, 96), torch.bfloat16, seed=5)
+    gs = nv.per_row_global_scale(x)
+    calls = []
+    real = tk._residual_rows
+    monkeypatch.setattr(tk, "_residual_rows", lambda *a, **k: calls.append(1) or real(*a, **k))
+    fused = nv.residual_quantize(x, 0.5, gs, backend="triton")
+    fused_qdq = nv.residual_fake_quantize(x, 0.5, gs, backend="triton")
+    assert len(calls) == 2
+    monkeypatch.setitem(tk.ROW_CONFIG, "max_blocks", 4)  # 6 blocks -> too long for the fused kernel
+    _eq_residual(fused, nv.residual_quantize(x, 0.5, gs, backend="triton"))
+    assert torch.equal(fused_qdq, nv.residual_fake_quantize(x, 0.5, gs, backend="triton"))
+    assert len(calls) == 2
+
+
+def test_residual_score_weight_is_validated():
+    x = torch.randn(2, 32)
+    for bad in (torch.ones(16), torch.ones(32, dtype=torch.float64), -torch.ones(32), torch.full((32,), float("nan"))):
+        for backend in ("torch", "triton"):
+            with pytest.raises(ValueError, match="score_weight"):
+                nv.residual_quantize(x.to(DEV), 0.5, backend=backend, score_weight=bad.to(DEV))
 
 
 def test_guided_matches_reference():

@@ -6,7 +6,9 @@ as a fraction of the copy bandwidth, for the Triton kernels and the torch refere
 is an eager Python call (host overhead included, back-to-back calls); "graph us" replays the
 same call captured in a CUDA graph (device time only, as inside vLLM's captured graphs); the
 bandwidth columns use the graph time where there is one. Residual
-compensation is also reported as a ratio to plain quantize (goal <= 1.5x at k = 0.5).
+compensation (k = 0.25 and 0.5; per-token selection = the fused one-kernel path, per-call = the
+multi-kernel path) is also reported as a ratio to plain per-row-scale quantize / QDQ (goal <= 1.5x
+at k = 0.5).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def _bytes_quant(m: int, k: int, in_bytes: int) -> int:
     return m * k * in_bytes + m * k // 2 + m * k // 16
 
 
-def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, sweep: bool) -> str:
+def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, sweep: bool, row_sweep: bool = False) -> str:
     from verl_quads.nvfp4 import triton_kernels as tk
 
     dev = "cuda"
@@ -48,6 +50,25 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
         tk.TILE_CONFIG.update(best[1])
         out.append(f"chosen tile config: {best[1]}")
         print(out[-1], flush=True)
+    if row_sweep:
+        m, k = shapes[-1]
+        x = torch.randn(m, k, device=dev, dtype=dtype)
+        gs_row = nv.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
+        rows = []
+        best = None
+        for ept in (8, 16, 32, 64, 128):
+            tk.ROW_CONFIG.update(elems_per_thread=ept)
+            t = graph_time_s(lambda: nv.residual_fake_quantize(x, 0.5, gs_row, backend="triton", check_finite=False))
+            t2 = graph_time_s(lambda: nv.residual_quantize(x, 0.5, gs_row, backend="triton", check_finite=False))
+            nbp = 1 << (k // 16 - 1).bit_length()
+            rows.append([ept, tk._row_warps(nbp), t * 1e6, t2 * 1e6])
+            if best is None or t + t2 < best[0]:
+                best = (t + t2, ept)
+        out.append(print_table(f"fused per-token residual kernel sweep, k=0.5, {m}x{k} {dtype}",
+                               ["elems/thread", "warps", "residual QDQ us", "residual_quantize us"], rows))
+        tk.ROW_CONFIG.update(elems_per_thread=best[1])
+        out.append(f"chosen ROW_CONFIG: {dict(tk.ROW_CONFIG)}")
+        print(out[-1], flush=True)
     rows = []
     for m, k in shapes:
         x = torch.randn(m, k, device=dev, dtype=dtype)
@@ -68,11 +89,22 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
             ("fake_quantize (QDQ)", lambda b: nv.fake_quantize(x, gs, backend=b, check_finite=False), 2 * m * k * eb),
             ("fake_quantize (QDQ, per-row gs)", lambda b: nv.fake_quantize(x, gs_row, backend=b, check_finite=False),
              2 * m * k * eb),
-            ("residual_quantize k=0.5", lambda b: nv.residual_quantize(x, 0.5, gs_row, backend=b, check_finite=False),
-             _bytes_quant(m, k, eb) + m * k // 4 + m * k // 32),
-            ("residual QDQ k=0.5", lambda b: nv.residual_fake_quantize(x, 0.5, gs_row, backend=b, check_finite=False),
-             2 * m * k * eb),
         ]
+        for ratio in (0.25, 0.5):
+            for per_token, tag in ((True, "per-token, fused"), (False, "per-call")):
+                idx_bytes = m * int(ratio * k / 16) * 8 if per_token else int(ratio * k / 16) * 8
+                cases.append((f"residual_quantize k={ratio:g} ({tag})",
+                              lambda b, r=ratio, pt=per_token: nv.residual_quantize(
+                                  x, r, gs_row, per_token=pt, backend=b, check_finite=False),
+                              _bytes_quant(m, k, eb) + int(m * k * ratio) // 2 + int(m * k * ratio) // 16 + idx_bytes))
+                cases.append((f"residual QDQ k={ratio:g} ({tag})",
+                              lambda b, r=ratio, pt=per_token: nv.residual_fake_quantize(
+                                  x, r, gs_row, per_token=pt, backend=b, check_finite=False),
+                              2 * m * k * eb))
+        col_w = torch.rand(k, device=dev, dtype=torch.float32)  # stands in for a weight's squared column norms
+        cases.append(("residual QDQ k=0.5 (per-token, fused, output-aware score)",
+                      lambda b: nv.residual_fake_quantize(x, 0.5, gs_row, score_weight=col_w, backend=b,
+                                                          check_finite=False), 2 * m * k * eb + 4 * k))
         rec = nv.extract_guidance(nv.quantize(x, gs_row, backend="triton"))
         cases.append(("quantize_guided", lambda b: nv.quantize_guided(x, rec, backend=b, check_finite=False),
                       _bytes_quant(m, k, eb) + m * k // 8))
@@ -85,7 +117,7 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
                 times[(name, b)] = t
                 rows.append([f"{m}x{k}", name, b, t_call * 1e6, "-" if t_dev is None else t_dev * 1e6,
                              nbytes / t / 1e9, nbytes / t / bw])
-        for name in ("residual_quantize k=0.5", "residual QDQ k=0.5"):
+        for name in [c[0] for c in cases if c[0].startswith("residual")]:
             base = "quantize (per-row gs)" if name.startswith("residual_quantize") else "fake_quantize (QDQ, per-row gs)"
             r = times[(name, "triton")] / times[(base, "triton")]
             rows.append([f"{m}x{k}", f"{name} / {base}", "triton", "-", "-", "-", f"{r:.2f}x"])
@@ -99,8 +131,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--no-torch", action="store_true", help="skip the torch reference rows")
     p.add_argument("--sweep", action="store_true", help="sweep tile configs first and use the best")
+    p.add_argument("--row-sweep", action="store_true",
+                   help="sweep the fused per-token residual kernel's warps (ROW_CONFIG) first and use the best")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("verl-quads bench nvfp4 needs a CUDA GPU (CPU numbers are not the point)")
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    run(shapes, getattr(torch, a.dtype), not a.no_torch, a.sweep)
+    run(shapes, getattr(torch, a.dtype), not a.no_torch, a.sweep, a.row_sweep)

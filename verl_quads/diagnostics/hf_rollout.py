@@ -54,7 +54,7 @@ class RolloutSpec:
     weights: bool
     act: str
     residual_ratio: float = 0.5
-    residual_per_token: bool = False
+    residual_per_token: bool = True
     guided_layers: int = 20
 
     def __post_init__(self) -> None:

@@ -62,23 +62,29 @@ class Mode:
 
 
 def parse_mode(text: str, *, guided_layers: int = 20) -> Mode:
-    """``bf16``/``none``, ``naive``, ``w4a16``, ``w4a4_qat``, ``trace``, ``quads`` or ``quads@<ratio>``."""
+    """``bf16``/``none``, ``naive``, ``w4a16``, ``w4a4_qat``, ``trace``, ``quads`` or ``quads@<ratio>``,
+    optionally ``quads@<ratio>:call`` (per-call residual selection) / ``:token`` (per token, the default)."""
     t = text.strip()
     if t in ("bf16", "none"):
         return Mode("bf16", QuantConfig("none"))
     if t.startswith("quads"):
-        ratio = 0.5
+        ratio, sel = 0.5, "token"
+        if ":" in t:  # quads@R:call selects the residual blocks once per GEMM call (default: per token)
+            t, sel = t.split(":", 1)
+            if sel not in ("token", "call"):
+                raise ValueError(f"probe: bad QUADS selection in {text!r} (want quads@0.5:token or quads@0.5:call)")
         if "@" in t:
             try:
                 ratio = float(t.split("@", 1)[1])
             except ValueError as e:
                 raise ValueError(f"probe: bad QUADS ratio in {text!r} (want quads@0.5)") from e
-        return Mode(f"quads@{ratio:g}", QuantConfig("quads", residual_ratio=ratio))
+        name = f"quads@{ratio:g}" + (":call" if sel == "call" else "")
+        return Mode(name, QuantConfig("quads", residual_ratio=ratio, residual_per_token=sel == "token"))
     if t == "trace":
         return Mode("trace", QuantConfig("trace", guided_layers=guided_layers))
     if t in ("naive", "w4a16", "w4a4_qat"):
         return Mode(t, QuantConfig(t))
-    raise ValueError(f"probe: unknown mode {text!r}; allowed: bf16, naive, w4a16, w4a4_qat, quads[@ratio], trace")
+    raise ValueError(f"probe: unknown mode {text!r}; allowed: bf16, naive, w4a16, w4a4_qat, quads[@ratio][:call|:token], trace")
 
 
 @dataclass

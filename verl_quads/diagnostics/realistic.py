@@ -15,7 +15,12 @@ the probe's rollout is then verl-quads' own rollout arithmetic over the HF model
    the attention and MLP GEMM inputs) for the random-init and the trained model;
 5. saves the checkpoint + tokenizer, and runs the probe statistics (``--seeds`` >= 3 batches, prompts
    = held-out snippets) for the given modes, then ``trace`` for several numbers of guided layers with
-   the guidance cache size each costs.
+   the guidance cache size each costs;
+6. (``--rule-ratios``) compares QUADS residual selection rules on the trained model's GEMM inputs:
+   per-call vs per-token selection, residual energy vs output-aware score (energy weighted by the
+   weight's squared column norms), as relative GEMM output error (:func:`selection_rule_errors`).
+   End to end, ``--modes ...,quads@0.5,quads@0.5:call`` compares per-token and per-call selection
+   in the probe's log-prob gaps.
 
 Prints tables; writes ``realistic.json`` (+ the probe's ``probe.json``/``probe.txt``/``probe.png``) in
 ``--out``. ``--toy`` shrinks everything for a CPU smoke test.
@@ -117,6 +122,99 @@ def train(model, ids: torch.Tensor, *, seconds: float, seq: int, batch: int, lr:
             "loss_last": sum(losses[-k:]) / k, "tokens": step * batch * seq}
 
 
+#: QUADS selection rules compared by :func:`selection_rule_errors`: (per_token, output-aware score).
+SELECTION_RULES = {"per_call": (False, False), "per_token": (True, False),
+                   "per_call_outaware": (False, True), "per_token_outaware": (True, True)}
+
+
+def selection_rule_errors(model, input_ids: torch.Tensor, ratios: tuple[float, ...], max_rows: int = 4096) -> dict:
+    """Per-GEMM relative output error of QUADS activation quantization under each selection rule.
+
+    Captures the GEMM inputs of a forward pass over ``input_ids`` (per decoder layer: the q/k/v input
+    with ``W = [Wq; Wk; Wv]``, the o_proj input, and per routed expert its gate_up input and its
+    down_proj input ``silu(x Wg^T) * (x Wu^T)`` recomputed in float32 from the captured rows), then for
+    each rule of :data:`SELECTION_RULES` and ratio k measures
+    ``||(Q_k(X) - X) W^T||_F / ||X W^T||_F`` in float32 with per-token global scales (the rollout's
+    convention), where ``Q_k`` is :func:`verl_quads.nvfp4.residual_fake_quantize` (torch reference);
+    the output-aware rules pass ``score_weight = (W.float() ** 2).sum(0)``. Per-call rules select once
+    per GEMM call: for experts, per expert's group of routed rows (as the rollout's MoE calls do).
+    ``naive`` (k = 0) is the baseline. Returns ``{"gemms": {name: {rule@k: err}}, "mean": {rule@k: mean err},
+    "median_ratio_to_naive": {...}}``.
+    """
+    import torch.nn.functional as F
+
+    import verl_quads.nvfp4 as nv
+
+    captured = []  # (name, X [rows, K] float32-able, W [N, K])
+    hooks = []
+    for li, layer in enumerate(model.model.layers):
+        att = layer.self_attn
+        wqkv = torch.cat([att.q_proj.weight, att.k_proj.weight, att.v_proj.weight]).detach()
+        hooks.append(att.q_proj.register_forward_pre_hook(
+            lambda m, a, li=li, w=wqkv: captured.append((f"L{li}.qkv", a[0].detach().reshape(-1, a[0].shape[-1]), w))))
+        hooks.append(att.o_proj.register_forward_pre_hook(
+            lambda m, a, li=li: captured.append((f"L{li}.o_proj", a[0].detach().reshape(-1, a[0].shape[-1]), m.weight.detach()))))
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None and hasattr(experts, "gate_up_proj"):
+            def pre(m, args, kwargs, li=li):
+                hs = args[0] if args else kwargs["hidden_states"]
+                idx = args[1] if len(args) > 1 else kwargs["top_k_index"]
+                hs = hs.detach().reshape(-1, hs.shape[-1])
+                for e in torch.unique(idx).tolist():
+                    if e < 0 or e >= m.gate_up_proj.shape[0]:
+                        continue
+                    rows = (idx == e).any(-1).nonzero().squeeze(-1)
+                    x = hs[rows]
+                    wgu = m.gate_up_proj[e].detach()
+                    captured.append((f"L{li}.e{e}.gate_up", x, wgu))
+                    g, u = F.linear(x.float(), wgu.float()).chunk(2, dim=-1)
+                    captured.append((f"L{li}.e{e}.down", (F.silu(g) * u).to(x.dtype), m.down_proj[e].detach()))
+            hooks.append(experts.register_forward_pre_hook(pre, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(input_ids=input_ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    gemms: dict[str, dict[str, float]] = {}
+    with torch.no_grad():
+        for name, x, w in captured:
+            x = x[:max_rows]
+            if x.shape[0] == 0 or x.shape[-1] % 16:
+                continue
+            wf = w.float()
+            ref = F.linear(x.float(), wf)
+            denom = ref.norm().item()
+            if denom == 0:
+                continue
+            gs = nv.per_row_global_scale(x)
+            col = wf.square().sum(0)
+            row = {"naive": (F.linear(nv.fake_quantize(x, gs, backend="torch").float(), wf) - ref).norm().item() / denom}
+            for k in ratios:
+                for rule, (per_token, outaware) in SELECTION_RULES.items():
+                    q = nv.residual_fake_quantize(x, k, gs, per_token=per_token, score_weight=col if outaware else None,
+                                                  backend="torch", check_finite=False)
+                    row[f"{rule}@{k:g}"] = (F.linear(q.float(), wf) - ref).norm().item() / denom
+            gemms[name] = row
+    keys = list(next(iter(gemms.values())).keys()) if gemms else []
+    mean = {k: sum(r[k] for r in gemms.values()) / len(gemms) for k in keys}
+    ratio_naive = {}
+    for k in keys:
+        rs = sorted(r[k] / r["naive"] for r in gemms.values() if r["naive"] > 0)
+        ratio_naive[k] = rs[len(rs) // 2] if rs else float("nan")
+    return {"gemms": gemms, "mean": mean, "median_ratio_to_naive": ratio_naive, "n_gemms": len(gemms)}
+
+
+def format_rule_table(res: dict) -> str:
+    """One line per rule@k: mean relative output error over the GEMMs and median ratio to naive."""
+    lines = [f"== QUADS selection rules: relative GEMM output error over {res['n_gemms']} GEMM calls "
+             "(attention qkv/o, each routed expert's gate_up/down) =="]
+    lines.append(f"  {'rule':28s} {'mean rel err':>13s} {'median err/naive':>17s}")
+    for k, v in res["mean"].items():
+        lines.append(f"  {k:28s} {v:13.5f} {res['median_ratio_to_naive'][k]:17.3f}")
+    return "\n".join(lines)
+
+
 def guidance_bytes_per_token(cfg, guided_layers: int) -> int:
     """TRACE cache per token: for each guided layer's GEMM inputs, K/8 bits + K/16 scales + 4-byte global scale."""
     per = lambda k: k // 8 + k // 16 + 4  # noqa: E731
@@ -129,7 +227,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     p = argparse.ArgumentParser(prog="python -m verl_quads.diagnostics.realistic", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="realistic_out")
-    p.add_argument("--seconds", type=float, default=420.0, help="training wall time")
+    p.add_argument("--seconds", type=float, default=280.0,
+                   help="training wall time (s); with the default probe, --seconds + --probe-reserve-s must fit --max-total-s")
+    p.add_argument("--max-total-s", type=float, default=590.0,
+                   help="refuse to start if --seconds plus --probe-reserve-s exceeds this (one device call allows 600 s)")
+    p.add_argument("--probe-reserve-s", type=float, default=300.0,
+                   help="time everything but training takes (s). Measured on the H200 (2026-11-29): 305 s with the default "
+                        "modes, 3 seeds, 24 prompts x 16 new tokens, trace sweep of 3 (455 s total with --seconds 150). "
+                        "Lower it only with a smaller probe (fewer --modes / --seeds / --n-prompts, --guided-sweep with one "
+                        "entry); the phase times printed at the end tell what each part took")
+    p.add_argument("--rule-ratios", default="0.25,0.5",
+                   help="QUADS selection-rule comparison (per-call vs per-token, plain vs output-aware score) at these "
+                        "ratios on the trained model's GEMM inputs; empty to skip")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--heads", type=int, default=16)
@@ -157,15 +266,29 @@ def main(argv: list[str] | None = None) -> dict:
         a.layers, a.hidden, a.heads, a.kv_heads, a.experts, a.top_k, a.inter = 2, 64, 2, 1, 4, 2, 32
         a.vocab, a.seq, a.batch, a.max_files, a.max_file_bytes = 300, 32, 4, 40, 4000
         a.n_prompts, a.prompt_tokens, a.max_new_tokens = 4, 12, 4
+    if a.seconds <= 0:
+        raise SystemExit(f"--seconds must be > 0, got {a.seconds}")
+    if not a.toy and a.seconds + a.probe_reserve_s > a.max_total_s:
+        raise SystemExit(
+            f"--seconds {a.seconds:g} + --probe-reserve-s {a.probe_reserve_s:g} exceeds --max-total-s {a.max_total_s:g}: "
+            "the probe would not fit in one device call. Lower --seconds, or shrink the probe (--modes, --seeds, "
+            "--n-prompts, --rule-ratios '') and lower --probe-reserve-s, or raise --max-total-s if the call allows it."
+        )
     from verl_quads.diagnostics import probe as P
     from verl_quads.diagnostics.outliers import activation_outlier_stats
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     t_all = time.perf_counter()
+    phases: dict[str, float] = {}
+
+    def phase(name: str, t0: float) -> float:
+        phases[name] = round(time.perf_counter() - t0, 1)
+        return time.perf_counter()
     train_text, held_text, prov = collect_source_text(a.max_files, a.max_file_bytes, a.seed)
     print(f"text: {len(train_text) / 1e6:.1f} MB train, {len(held_text) / 1e6:.2f} MB held-out from {prov['n_files']} files")
     ckpt = out / "model"
+    t_ph = phase("text", t_all)
     tok = train_tokenizer(train_text, ckpt, a.vocab)
     ids = torch.tensor(tok(train_text[: 400 << 20]).input_ids, dtype=torch.long)
     model = build_model(len(tok), a.layers, a.hidden, a.heads, a.kv_heads, a.experts, a.top_k, a.inter, a.seed)
@@ -176,8 +299,10 @@ def main(argv: list[str] | None = None) -> dict:
     stats_init = activation_outlier_stats(model.to(torch.bfloat16), probe_in.to(a.device))
     model.float()
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params; training {a.seconds:.0f}s on {a.device}")
+    t_ph = phase("tokenizer+init+outliers_init", t_ph)
     tr = train(model, ids, seconds=a.seconds, seq=a.seq, batch=a.batch, lr=a.lr, device=a.device, seed=a.seed)
     print(f"trained: {tr['steps']} steps, {tr['tokens'] / 1e6:.1f}M tokens, loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}")
+    t_ph = phase("train", t_ph)
     model.to(torch.bfloat16)
     stats_trained = activation_outlier_stats(model, probe_in.to(a.device))
     print("\nactivation outliers (GEMM inputs): kurtosis and max/median channel absmax, random init -> trained")
@@ -185,6 +310,15 @@ def main(argv: list[str] | None = None) -> dict:
         i, t = stats_init[k], stats_trained[k]
         print(f"  {k:16s} kurtosis {i['kurtosis']:9.1f} -> {t['kurtosis']:9.1f}   max/median {i['max_over_median']:8.1f} -> "
               f"{t['max_over_median']:8.1f} (channel {t['max_channel']})")
+    t_ph = phase("outliers_trained", t_ph)
+    rules = None
+    ratios = tuple(float(r) for r in a.rule_ratios.split(",") if r.strip())
+    if ratios:
+        t_r = time.perf_counter()
+        rules = selection_rule_errors(model, probe_in.to(a.device), ratios)
+        print()
+        print(format_rule_table(rules) + f"  ({time.perf_counter() - t_r:.0f}s)")
+    t_ph = phase("selection_rules", t_ph)
     model.save_pretrained(ckpt, safe_serialization=True)
     cfg = model.config
     del model
@@ -195,6 +329,7 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = tuple(tok.decode(held[i * a.prompt_tokens * 2 : i * a.prompt_tokens * 2 + a.prompt_tokens]) for i in range(n_p))
     res = P.run_probe(ckpt, modes=a.modes.split(","), prompts=prompts, seeds=tuple(range(a.seeds)),
                       max_new_tokens=a.max_new_tokens, engine="hf", device=a.device, guided_layers=cfg.num_hidden_layers)
+    t_ph = phase("probe", t_ph)
     print()
     print(P.format_tables(res))
     P.write_outputs(res, out)
@@ -211,6 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
             row["closure"] = {k: closure(tot[k]["mean"], res.per_mode["naive"]["total"][k]["mean"], res.per_mode["bf16"]["total"][k]["mean"])
                               for k in ("logp_gap_max", "logp_gap_p99", "logp_gap_mean")}
         trace_sweep[gl] = row
+    t_ph = phase("trace_sweep", t_ph)
     print("\n== trace: closure vs guided layers (mean over seeds) ==")
     for gl, row in trace_sweep.items():
         c = row.get("closure", {})
@@ -218,10 +354,11 @@ def main(argv: list[str] | None = None) -> dict:
               f"{row['total']['logp_gap_p99']['mean']:.4f}±{row['total']['logp_gap_p99']['std']:.4f}  closure p99 "
               f"{c.get('logp_gap_p99', float('nan')):.3f} max {c.get('logp_gap_max', float('nan')):.3f}")
     report = {"provenance": prov, "args": vars(a), "training": tr, "outliers_init": stats_init, "outliers_trained": stats_trained,
-              "probe": res.to_json(), "trace_sweep": trace_sweep, "wall_s": time.perf_counter() - t_all,
+              "probe": res.to_json(), "trace_sweep": trace_sweep, "selection_rules": rules, "phase_seconds": phases, "wall_s": time.perf_counter() - t_all,
               "how": "Qwen3-MoE trained from scratch on installed packages' .py files (byte-level BPE trained locally); "
                      "rollout = verl-quads rollout arithmetic over HF (no vLLM)"}
     (out / "realistic.json").write_text(json.dumps(report, indent=1, default=float))
+    print(f"\nphase seconds: {phases}")
     print(f"\nwrote {out / 'realistic.json'} ({report['wall_s']:.0f}s total)")
     return report
 

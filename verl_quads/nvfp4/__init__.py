@@ -103,16 +103,25 @@ def residual_quantize(
     ratio: float,
     global_scale: torch.Tensor | float | None = None,
     *,
-    per_token: bool = False,
+    per_token: bool = True,
+    score_weight: torch.Tensor | None = None,
     backend: str = "auto",
     check_finite: bool = True,
 ) -> ResidualNVFP4:
-    """QUADS residual compensation of a 2-D activation; see :mod:`.residual`."""
+    """QUADS residual compensation of a 2-D activation; see :mod:`.residual`.
+
+    ``per_token``: select the compensated 16-blocks per row (default; batch-invariant) or per call.
+    ``score_weight``: optional float32 ``[K]`` per-channel weight of the residual energy score
+    (e.g. the squared column norms of the layer's weight: output-aware selection)."""
     if _use_triton(x, backend):
         from verl_quads.nvfp4 import triton_kernels
 
-        return triton_kernels.residual_quantize(x, ratio, global_scale, per_token=per_token, check_finite=check_finite)
-    return _residual_quantize_ref(x, ratio, global_scale, per_token=per_token, check_finite=check_finite)
+        return triton_kernels.residual_quantize(
+            x, ratio, global_scale, per_token=per_token, score_weight=score_weight, check_finite=check_finite
+        )
+    return _residual_quantize_ref(
+        x, ratio, global_scale, per_token=per_token, score_weight=score_weight, check_finite=check_finite
+    )
 
 
 def residual_fake_quantize(
@@ -120,18 +129,21 @@ def residual_fake_quantize(
     ratio: float,
     global_scale: torch.Tensor | float | None = None,
     *,
-    per_token: bool = False,
+    per_token: bool = True,
+    score_weight: torch.Tensor | None = None,
     backend: str = "auto",
     check_finite: bool = True,
 ) -> torch.Tensor:
-    """``Q(x) + Q(R_sel)`` in x's dtype; see :mod:`.residual`."""
+    """``Q(x) + Q(R_sel)`` in x's dtype; see :func:`residual_quantize` and :mod:`.residual`."""
     if _use_triton(x, backend):
         from verl_quads.nvfp4 import triton_kernels
 
         return triton_kernels.residual_fake_quantize(
-            x, ratio, global_scale, per_token=per_token, check_finite=check_finite
+            x, ratio, global_scale, per_token=per_token, score_weight=score_weight, check_finite=check_finite
         )
-    r = _residual_quantize_ref(x, ratio, global_scale, per_token=per_token, check_finite=check_finite)
+    r = _residual_quantize_ref(
+        x, ratio, global_scale, per_token=per_token, score_weight=score_weight, check_finite=check_finite
+    )
     return r.dequantize(x.dtype)
 
 

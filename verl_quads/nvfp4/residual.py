@@ -1,16 +1,33 @@
-"""QUADS residual activation compensation (DESIGN.md §1, "our definition").
+"""QUADS residual activation compensation (DESIGN.md §1, "our definition"; docs/quads_selection.md).
 
-First pass: ``q1 = Q(x)``. Residual ``R = x - deq(q1)`` in float32. Each 16-channel block along
-K gets a score, the sum of ``R**2`` over the rows that share a selection (all rows of the call
-for ``per_token=False``, each row alone for ``per_token=True``). The ``n_sel = round(ratio *
-K / 16)`` highest-scoring blocks are selected (ties: lower block index first; the selected
-indices are returned sorted ascending), and ``R_sel`` (those blocks' columns, gathered) is
-quantized in a second pass with its own global scale. The compensated activation is
+First pass: ``q1 = Q(x)``. Residual ``R = x - deq(q1)`` in float32. Selection of 16-channel
+blocks along K, fixed exactly (the Triton kernels reproduce it bit for bit):
+
+- per-(row, block) energy ``e[m, b]`` = sum over the block's 16 elements of ``R**2`` (times
+  ``score_weight[c]`` per channel ``c`` when given), summed as a pairwise tree of adjacent pairs:
+  ``s = v[0::2] + v[1::2]`` repeated 16 -> 8 -> 4 -> 2 -> 1 (:func:`block_energy`);
+- score: ``per_token=True`` (the default of :class:`verl_quads.config.QuantConfig`): the row's own
+  ``e[m, :]``, so a token's result does not depend on the other tokens of the batch;
+  ``per_token=False`` (per GEMM call): ``e.sum(0)``, one selection shared by all rows
+  (:func:`call_scores`, the same torch reduction in both backends);
+- the ``n_sel = round(ratio * K / 16)`` highest scores are selected; ties (equal float32 scores,
+  e.g. all-zero rows) go to the lower block index (a stable descending sort); the selected indices
+  are returned sorted ascending. ``-0.0`` cannot occur (scores are sums of non-negative terms
+  starting from ``+0``).
+
+``R_sel`` (the selected blocks' columns, gathered in ascending block order) is quantized in a
+second pass with its own global scale. The compensated activation is
 ``deq(q1) + scatter(deq(q2))``, summed in float32 and cast once.
 
+``score_weight`` (float32 ``[K]``, finite, >= 0; optional) makes the score output-aware: with
+``score_weight = (W.float() ** 2).sum(0)`` for the layer's weight ``W`` ``[N, K]`` the block score
+is the residual energy each block contributes to the GEMM output, ``sum_c R[c]**2 ||W[:, c]||**2``
+(cross terms between channels ignored).
+
 Per-call selection keeps the second pass a plain FP4 GEMM over gathered columns (or fusable into
-the first as K' = K (1 + ratio)); per-token selection makes each token's result independent of
-the other tokens in the batch (a trainer can reproduce it), at the price of a dense second pass.
+the first as K' = K (1 + ratio)) but makes a token's activation depend on its batch mates (a
+trainer cannot reproduce it, and generation is not batch-invariant); per-token selection makes
+each token independent at the price of a per-row gathered second pass.
 """
 
 from __future__ import annotations
@@ -69,11 +86,49 @@ def num_selected_blocks(k: int, ratio: float) -> int:
     return int(math.floor(ratio * (k // BLOCK_SIZE) + 0.5))
 
 
-def select_blocks(residual: torch.Tensor, n_sel: int, per_token: bool) -> torch.Tensor:
-    """Indices of the ``n_sel`` blocks with the largest residual energy (see module docstring)."""
-    energy = residual.unflatten(-1, (-1, BLOCK_SIZE)).square().sum(-1)  # [M, nb]
+def check_score_weight(
+    score_weight: torch.Tensor | None, k: int, device, check_values: bool = True
+) -> torch.Tensor | None:
+    """Validate ``score_weight`` (float32 ``[K]``, finite, >= 0; the value check syncs the device
+    and is skipped with ``check_values=False``) and move it to ``device``; ``-0.0`` becomes ``+0.0``
+    (scores must be non-negative floats, see the module docstring)."""
+    if score_weight is None:
+        return None
+    w = score_weight
+    if not isinstance(w, torch.Tensor) or w.dtype != torch.float32 or tuple(w.shape) != (k,):
+        raise ValueError(
+            f"residual score_weight must be a float32 tensor of shape [K] = [{k}] (one weight per input channel), got "
+            f"{type(w).__name__} {getattr(w, 'dtype', '')} {tuple(getattr(w, 'shape', ()))}"
+        )
+    if check_values and (not bool(torch.isfinite(w).all()) or bool((w < 0).any())):
+        raise ValueError(f"residual score_weight (shape {tuple(w.shape)}) must be finite and >= 0")
+    return w.to(device).abs().contiguous()
+
+
+def block_energy(residual: torch.Tensor, score_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-(row, block) score ``[M, K // 16]`` float32: sum of ``R**2`` (times ``score_weight``)
+    over each 16-block, as the pairwise tree of adjacent pairs described in the module docstring."""
+    v = residual.to(torch.float32).unflatten(-1, (-1, BLOCK_SIZE)).square()
+    if score_weight is not None:
+        v = v * score_weight.unflatten(-1, (-1, BLOCK_SIZE))
+    while v.shape[-1] > 1:
+        v = v[..., 0::2] + v[..., 1::2]
+    return v.squeeze(-1).contiguous()
+
+
+def call_scores(energy: torch.Tensor) -> torch.Tensor:
+    """Per-call block scores ``[K // 16]``: ``energy.sum(0)`` (one torch reduction shared by both backends)."""
+    return energy.sum(0)
+
+
+def select_blocks(
+    residual: torch.Tensor, n_sel: int, per_token: bool, score_weight: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Indices of the ``n_sel`` highest-scoring blocks (see module docstring), sorted ascending:
+    ``[M, n_sel]`` per token, ``[n_sel]`` per call."""
+    energy = block_energy(residual, score_weight)  # [M, nb]
     if not per_token:
-        energy = energy.sum(0)
+        energy = call_scores(energy)
     order = torch.sort(energy, dim=-1, descending=True, stable=True).indices
     return torch.sort(order[..., :n_sel], dim=-1).values
 
@@ -83,14 +138,17 @@ def residual_quantize(
     ratio: float,
     global_scale: torch.Tensor | float | None = None,
     *,
-    per_token: bool = False,
+    per_token: bool = True,
+    score_weight: torch.Tensor | None = None,
     check_finite: bool = True,
 ) -> ResidualNVFP4:
-    """Residual-compensated NVFP4 of a 2-D activation ``x`` ``[M, K]``.
+    """Residual-compensated NVFP4 of a 2-D activation ``x`` ``[M, K]`` (float32/bf16/fp16).
 
     ``global_scale`` is the first pass's (as in :func:`~verl_quads.nvfp4.quantize`); the second
     pass's global scale comes from the amax of ``R_sel`` (per tensor; per row if ``global_scale``
-    is per row, i.e. shape ``[M, 1]``).
+    is per row, i.e. shape ``[M, 1]``). ``per_token`` / ``score_weight``: the selection rule (see
+    the module docstring). Per-token selection is batch-invariant only with a per-row
+    ``global_scale`` (a per-tensor one couples the rows through its amax).
     """
     validate_input(x, check_finite=check_finite)
     if x.dim() != 2:
@@ -99,7 +157,8 @@ def residual_quantize(
     first = quantize(x, global_scale, check_finite=False)
     residual = x.to(torch.float32) - dequantize_to_float32(first)
     n_sel = num_selected_blocks(k, ratio)
-    idx = select_blocks(residual, n_sel, per_token)
+    w = check_score_weight(score_weight, k, x.device, check_values=check_finite)
+    idx = select_blocks(residual, n_sel, per_token, w)
     gather_idx = idx if per_token else idx.expand(m, -1)
     r_sel = torch.gather(
         residual.unflatten(-1, (-1, BLOCK_SIZE)), 1, gather_idx.unsqueeze(-1).expand(-1, -1, BLOCK_SIZE)
@@ -118,10 +177,11 @@ def residual_fake_quantize(
     ratio: float,
     global_scale: torch.Tensor | float | None = None,
     *,
-    per_token: bool = False,
+    per_token: bool = True,
+    score_weight: torch.Tensor | None = None,
     check_finite: bool = True,
 ) -> torch.Tensor:
     """QDQ form ``Q(x) + Q(R_sel)`` of :func:`residual_quantize`, same shape and dtype as ``x``."""
-    return residual_quantize(x, ratio, global_scale, per_token=per_token, check_finite=check_finite).dequantize(
-        x.dtype
-    )
+    return residual_quantize(
+        x, ratio, global_scale, per_token=per_token, score_weight=score_weight, check_finite=check_finite
+    ).dequantize(x.dtype)

@@ -9,12 +9,22 @@ Each kernel produces the same bytes as :mod:`.reference` (tests compare with ``t
 - kernels are launched with ``enable_fp_fusion=False``: a multiply feeding an add must not be
   contracted into an FMA, which would round differently from the reference.
 
-The residual path (QUADS) runs in three steps: a first-pass kernel that also writes each
-(row, 16-block)'s residual energy and residual amax; the block selection in torch on those small
-``[M, K / 16]`` tensors; a second-pass kernel over the selected blocks. Given the same selection
-every byte equals the reference; the selection itself can differ from the reference only where
-two blocks' energies are equal up to float32 summation order (the 16-element sums are reduced
-in a different order), which on continuous data does not occur in practice.
+The residual path (QUADS, selection rule in :mod:`.residual`):
+
+- per-token selection with a per-row global scale (the rollout's case, the default): one fused
+  kernel, one program per row (``_residual_row_kernel``): first pass, residual scores, the row's
+  top-k blocks by a bitwise threshold search (no sort), the row's second-pass global scale, and
+  either ``Q(x) + Q(R_sel)`` or both packed passes;
+- otherwise (per-call selection, or a per-tensor global scale, or rows longer than
+  ``ROW_CONFIG["max_blocks"]`` blocks): a first-pass kernel that also writes each (row, 16-block)'s
+  score and residual amax, the selection (per call: ``call_scores`` + ``_select_kernel``; per token:
+  torch's stable sort), the second-pass scale kernel, and a second-pass / fused QDQ kernel.
+
+Both paths produce the reference's bytes and block indices (``torch.equal``), ties included: the
+block scores are summed in the reference's explicit pairwise order, and the per-call score is the
+same torch reduction (``call_scores``) on the same per-row scores. Exception: an input whose
+residual squared overflows float32 (|R| > 1.8e19) with a zero ``score_weight`` entry gives a NaN
+score, whose ordering is not specified.
 
 Layout: a contiguous ``[..., K]`` input is processed as ``R * K / 16`` consecutive 16-element
 blocks (K % 16 == 0, so no block straddles a row); even and odd elements are loaded as two
@@ -32,7 +42,8 @@ import torch
 from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
 from verl_quads.nvfp4.guidance import GuidanceRecord
 from verl_quads.nvfp4.reference import _check_global_scale, global_scale_from_amax, validate_input
-from verl_quads.nvfp4.residual import ResidualNVFP4, num_selected_blocks
+from verl_quads.nvfp4.residual import ResidualNVFP4, call_scores, check_score_weight, num_selected_blocks
+from verl_quads.nvfp4.residual import residual_quantize as _ref_residual_quantize
 
 try:
     import triton
@@ -91,21 +102,22 @@ if triton is not None:
 
     @triton.jit
     def _e2m1_round(a):
-        """Round-to-nearest-even of |y| in [0, 6] onto the E2M1 grid, in a few integer ops.
+        """Round-to-nearest-even of |y| in [0, 6] onto the E2M1 grid, in 8 integer/float ops.
         Returns (magnitude index int32 0..7, rounded value float32).
 
-        Below 1 the grid step is 0.5: adding and subtracting 2**22 (where float32's ulp is 0.5)
-        rounds to it with IEEE round-to-nearest-even. From 1 up, E2M1 is a float with one
-        mantissa bit: round the float32 bits to one mantissa bit (RNE), and the index is the
-        resulting exponent/mantissa field minus that of 0.5's position. (Kernels run with FP
-        fusion off, so the add/sub pair is not folded.)"""
-        sub = (a + 4194304.0) - 4194304.0
-        bits = a.to(tl.int32, bitcast=True)
-        rb = (bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22
-        small = a < 1.0
-        idx = tl.where(small, (sub * 2.0).to(tl.int32), rb - 252)
-        val = tl.where(small, sub, (rb << 22).to(tl.float32, bitcast=True))
-        return idx, val
+        One magic add does the rounding: with ``e = max(exponent(a), 0)`` (0, 1 or 2 for
+        a <= 6), ``magic = 2**(e + 22)`` has a float32 ulp of ``2**(e - 1)``, which is the E2M1
+        grid step in a's binade (0.5 below 2, 1 in [2, 4), 2 in [4, 6]), so IEEE round-to-
+        nearest-even of ``a + magic`` rounds a onto the grid with E2M1's tie rule (ties to the
+        even code: .25->0, .75->1, 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4). The index is the number of
+        grid steps above ``magic`` (``bits(a + magic) - bits(magic)``) plus ``2 e`` (the codes below
+        the binade): ``(magic_bits >> 22) - 298`` = 2 e. The value is ``(a + magic) - magic``, exact.
+        (Kernels run with FP fusion off; the add/sub pair is not folded.)"""
+        mb = tl.maximum(a.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000) + 0x0B000000
+        magic = mb.to(tl.float32, bitcast=True)
+        s = a + magic
+        idx = (s.to(tl.int32, bitcast=True) - mb) + ((mb >> 22) - 298)
+        return idx, s - magic
 
     @triton.jit
     def _e2m1_index(a):
@@ -166,24 +178,43 @@ if triton is not None:
     @triton.jit
     def _packed_word(xe, xo, os, j):
         """E2M1 codes of a block-pair tile under output scale ``os`` [BLK], packed per block
-        into one int64 word (see ``_block_word``)."""
-        ye = tl.minimum(tl.maximum(xe * os[:, None], -6.0), 6.0)
-        yo = tl.minimum(tl.maximum(xo * os[:, None], -6.0), 6.0)
-        ce = (_signbit(ye) << 3) | _e2m1_index(tl.abs(ye))
-        co = (_signbit(yo) << 3) | _e2m1_index(tl.abs(yo))
+        into one int64 word (see ``_block_word``). ``clamp(p, -6, 6)`` of the reference is
+        ``min(|p|, 6)`` with p's sign bit (code bit 3 = bit 31 of p >> 28)."""
+        pe = xe * os[:, None]
+        po = xo * os[:, None]
+        ce = ((pe.to(tl.int32, bitcast=True) >> 28) & 8) | _e2m1_index(tl.minimum(tl.abs(pe), 6.0))
+        co = ((po.to(tl.int32, bitcast=True) >> 28) & 8) | _e2m1_index(tl.minimum(tl.abs(po), 6.0))
         return _block_word(ce, co, j)
 
     @triton.jit
     def _qdq_pairs(xe, xo, sval, gs, os):
-        """First-pass QDQ values (float32) of a block pair tile given its scale value and output scale."""
-        ye = tl.minimum(tl.maximum(xe * os[:, None], -6.0), 6.0)
-        yo = tl.minimum(tl.maximum(xo * os[:, None], -6.0), 6.0)
+        """First-pass QDQ values (float32) of a block pair tile given its scale value and output
+        scale: ``±e2m1(min(|x os|, 6)) * (sval / gs)`` (the sign of x os, -0.0 included)."""
+        pe = xe * os[:, None]
+        po = xo * os[:, None]
         factor = tl.math.div_rn(sval, gs)[:, None]
-        _, re = _e2m1_round(tl.abs(ye))
-        _, ro = _e2m1_round(tl.abs(yo))
-        ve = re * factor
-        vo = ro * factor
-        return tl.where(_signbit(ye) == 1, -ve, ve), tl.where(_signbit(yo) == 1, -vo, vo)
+        _, re = _e2m1_round(tl.minimum(tl.abs(pe), 6.0))
+        _, ro = _e2m1_round(tl.minimum(tl.abs(po), 6.0))
+        ve = (re * factor).to(tl.int32, bitcast=True) | (pe.to(tl.int32, bitcast=True) & -2147483648)
+        vo = (ro * factor).to(tl.int32, bitcast=True) | (po.to(tl.int32, bitcast=True) & -2147483648)
+        return ve.to(tl.float32, bitcast=True), vo.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _tree_energy(re, ro, we, wo, HAS_W: tl.constexpr):
+        """Per-block score [BLK] of residual pair tiles [BLK, 8]: sum of r**2 (times the channel
+        weight if HAS_W) as the reference's pairwise tree of adjacent pairs (16 -> 8 -> 4 -> 2 -> 1,
+        ``v[0::2] + v[1::2]``); even/odd tiles hold elements 2j / 2j+1, so level one is se + so."""
+        se = re * re
+        so = ro * ro
+        if HAS_W:
+            se = se * we
+            so = so * wo
+        s8 = se + so
+        a4, b4 = tl.split(tl.reshape(s8, (s8.shape[0], 4, 2)))
+        s4 = a4 + b4
+        a2, b2 = tl.split(tl.reshape(s4, (s4.shape[0], 2, 2)))
+        a1, b1 = tl.split(a2 + b2)
+        return a1 + b1
 
     @triton.jit
     def _block_word(ce, co, j):
@@ -261,15 +292,14 @@ if triton is not None:
 
     @triton.jit
     def _residual_stats_kernel(
-        x_ptr, gs_ptr, packed_ptr, scale_ptr, energy_ptr, ramax_ptr,
+        x_ptr, gs_ptr, w_ptr, packed_ptr, scale_ptr, energy_ptr, ramax_ptr,
         M, NBK, GS_DIV,
-        RT: tl.constexpr, CT: tl.constexpr, PACK: tl.constexpr, PARTIAL: tl.constexpr, SPLIT: tl.constexpr,
+        RT: tl.constexpr, CT: tl.constexpr, PACK: tl.constexpr, HAS_W: tl.constexpr, SPLIT: tl.constexpr,
         BLK: tl.constexpr,  # unused (uniform launch)
     ):
         """Residual first pass over a tile of RT rows x CT blocks: E4M3 scales (and packed codes
-        if PACK), each block's residual amax (float32 [M, NBK]) and residual energy — per block
-        ([M, NBK]) or, if PARTIAL, summed over the tile's rows ([cdiv(M, RT), NBK]) so that the
-        per-call score is one small reduction away."""
+        if PACK), each block's residual amax and its score (``_tree_energy``, channel weights
+        w [K] if HAS_W), both float32 [M, NBK]."""
         rows = tl.program_id(0) * RT + tl.arange(0, RT)
         cols = tl.program_id(1) * CT + tl.arange(0, CT)
         tmask = (rows[:, None] < M) & (cols[None, :] < NBK)
@@ -287,12 +317,82 @@ if triton is not None:
         re = xe - ve
         ro = xo - vo
         tl.store(ramax_ptr + b, tl.maximum(tl.max(tl.abs(re), axis=1), tl.max(tl.abs(ro), axis=1)), mask=bmask)
-        energy = tl.sum(re * re, axis=1) + tl.sum(ro * ro, axis=1)
-        if PARTIAL:
-            part = tl.sum(tl.reshape(energy, (RT, CT)), axis=0)
-            tl.store(energy_ptr + tl.program_id(0) * NBK + cols, part, mask=cols < NBK)
+        we = re
+        wo = ro
+        if HAS_W:
+            we, wo = _load_pairs(w_ptr, b % NBK, bmask, SPLIT)
+        tl.store(energy_ptr + b, _tree_energy(re, ro, we, wo, HAS_W), mask=bmask)
+
+    @triton.jit
+    def _residual_row_kernel(
+        x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
+        NB, NSEL, GS_DIV,
+        NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, SPLIT: tl.constexpr,
+    ):
+        """Fused per-token QUADS residual compensation: one program per row of ``x`` [M, K], the
+        whole row (NB = K / 16 blocks, padded to NBP) held as even/odd [NBP, 8] tiles.
+
+        1. first pass: E4M3 scales and QDQ values under the row's global scale gs[row // GS_DIV];
+        2. residual R = x - Q(x), per-block score ``_tree_energy`` (times channel weights w if HAS_W)
+           and residual amax;
+        3. selection of the row's NSEL highest scores, ties to the lower block index, without a
+           sort: scores are non-negative float32, so their int32 bit patterns order like the
+           values; a 31-step bitwise search finds the NSEL-th largest pattern T (the largest T with
+           #(bits >= T) >= NSEL); blocks above T are selected, and of the blocks equal to T the
+           first NSEL - #(bits > T) in index order (a cumulative count);
+        4. second-pass global scale of the row: ``reciprocal(max(amax of R over selected blocks,
+           tiny)) * 2688`` (1.0 if that overflows), as :func:`global_scale_from_amax`;
+        5. PACK: write Q(x) (packed words + scale bytes at the block layout), and for the selected
+           blocks, in ascending block order (slot = cumulative count), Q(R_sel) words, scale bytes,
+           block indices [M, NSEL] and gs2 [M]. Else: write Q(x) + Q(R_sel) (float32 sum, one cast)."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, NBP)
+        cmask = c < NB
+        b = row * NB + c
+        j = tl.arange(0, 8)
+        xe, xo = _load_pairs(x_ptr, b, cmask, SPLIT)
+        gs = tl.load(gs_ptr + row // GS_DIV + c * 0)  # the row's scale, broadcast to [NBP]
+        vec_max = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
+        sval, sbyte, out_scale = _scales(vec_max, gs)
+        if PACK:
+            tl.store(packed1_ptr + b, _packed_word(xe, xo, out_scale, j), mask=cmask)
+            tl.store(scale1_ptr + b, sbyte.to(tl.uint8), mask=cmask)
+        ve, vo = _qdq_pairs(xe, xo, sval, gs, out_scale)
+        re = xe - ve
+        ro = xo - vo
+        we = re
+        wo = ro
+        if HAS_W:
+            we, wo = _load_pairs(w_ptr, c, cmask, SPLIT)
+        ebits = _tree_energy(re, ro, we, wo, HAS_W).to(tl.int32, bitcast=True)
+        ebits = tl.where(cmask, ebits, -1)
+        t = tl.max(ebits, axis=0) * 0
+        for i in tl.static_range(31):
+            cand = t | (1 << (30 - i))
+            cnt = tl.sum((ebits >= cand).to(tl.int32), axis=0)
+            t = tl.where(cnt >= NSEL, cand, t)
+        gt = ebits > t
+        eq = ebits == t
+        need = NSEL - tl.sum(gt.to(tl.int32), axis=0)
+        sel = (gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))) & cmask  # NSEL = 0: t = 0x7FFFFFFF, none
+        ramax = tl.maximum(tl.max(tl.abs(re), axis=1), tl.max(tl.abs(ro), axis=1))
+        amax = tl.max(tl.where(sel, ramax, 0.0), axis=0)
+        a = tl.maximum(amax, 1.1754943508222875e-38)
+        g2 = tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), a) * 2688.0
+        g2 = tl.where(g2 == float("inf"), 1.0, g2)
+        gs2 = tl.zeros([NBP], dtype=tl.float32) + g2
+        s2, sb2, os2 = _scales(ramax, gs2)
+        if PACK:
+            slot = row * NSEL + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(packed2_ptr + slot, _packed_word(re, ro, os2, j), mask=sel)
+            tl.store(scale2_ptr + slot, sb2.to(tl.uint8), mask=sel)
+            tl.store(idx_ptr + slot, c.to(tl.int64), mask=sel)
+            tl.store(gs2_ptr + row + c * 0, gs2, mask=c == 0)
         else:
-            tl.store(energy_ptr + b, energy, mask=bmask)
+            r2e, r2o = _qdq_pairs(re, ro, s2, gs2, os2)
+            ve = tl.where(sel[:, None], ve + r2e, ve)
+            vo = tl.where(sel[:, None], vo + r2o, vo)
+            _store_pairs(out_ptr, b, ve, vo, cmask, OUT)
 
     @triton.jit
     def _select_kernel(score_ptr, mask_ptr, idx_ptr, NB, NSEL, NBP: tl.constexpr, CH: tl.constexpr):
@@ -523,14 +623,62 @@ def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Ten
 
 _STATS_TILE = (8, 16)  # rows x blocks per program of the residual statistics kernel
 
+#: Fused per-token residual kernel (``_residual_row_kernel``): one program per row; warps chosen so
+#: that each thread holds about ``elems_per_thread`` elements of the row; rows longer than
+#: ``max_blocks`` 16-blocks (padded to a power of two) use the multi-kernel path (same bytes).
+ROW_CONFIG = {"elems_per_thread": 32, "max_blocks": 2048}
 
-def _residual_first_pass(x: torch.Tensor, ratio: float, global_scale, per_token: bool, check_finite: bool,
-                         packed: bool):
-    """First pass (scales, codes if ``packed``, block statistics), the block selection and the
-    second-pass global scale. Returns a dict of the pieces."""
-    if x.dim() != 2:
-        raise ValueError(f"residual_quantize: x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
-    gs, xc = _prepare(x, global_scale, check_finite)
+
+def _row_warps(nbp: int) -> int:
+    return int(min(16, max(1, triton.next_power_of_2(max(1, nbp * BLOCK_SIZE // (32 * ROW_CONFIG["elems_per_thread"]))))))
+
+
+def _fused_rows_ok(gs: torch.Tensor, m: int, nb: int) -> bool:
+    """The fused per-token kernel applies when the second-pass global scale is per row: a per-row
+    first-pass scale ``[M, 1]`` (or a single row), and the padded row fits ``ROW_CONFIG``."""
+    per_row = gs.dim() == 2 and gs.shape[0] == m and gs.shape[1] == 1
+    return (per_row or m == 1) and m > 0 and nb > 0 and triton.next_power_of_2(nb) <= ROW_CONFIG["max_blocks"]
+
+
+def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: float, w, packed: bool):
+    """Fused per-token path (``_residual_row_kernel``): ResidualNVFP4 if ``packed`` else the QDQ tensor."""
+    m, k = x.shape
+    nb = k // BLOCK_SIZE
+    n_sel = num_selected_blocks(k, ratio)
+    dev = x.device
+    g1, div1 = _gs_rows(gs, (m,))
+    nbp = triton.next_power_of_2(nb)
+    wt = w if w is not None else g1
+    meta = dict(NBP=nbp, HAS_W=w is not None, SPLIT=TILE_CONFIG["split"], enable_fp_fusion=False,
+                num_warps=_row_warps(nbp))
+    if not packed:
+        out = torch.empty_like(xc)
+        o = _out_arg(out)
+        _residual_row_kernel[(m,)](xc, g1, wt, o, o, o, o, o, o, o, nb, n_sel, div1, PACK=False,
+                                   OUT=_OUT_DTYPES[x.dtype], **meta)
+        return out
+    codes = torch.empty(m, k // 2, dtype=torch.uint8, device=dev)
+    scale = torch.empty(m, nb, dtype=torch.uint8, device=dev)
+    packed2 = torch.empty(m, n_sel * 8, dtype=torch.uint8, device=dev)
+    scale2 = torch.empty(m, n_sel, dtype=torch.uint8, device=dev)
+    idx = torch.empty(m, n_sel, dtype=torch.int64, device=dev)
+    gs2_rows = torch.empty(m, dtype=torch.float32, device=dev)
+    p2 = packed2.view(torch.int64) if n_sel else codes.view(torch.int64)  # n_sel == 0: nothing is stored there
+    _residual_row_kernel[(m,)](xc, g1, wt, xc, codes.view(torch.int64), scale, p2, scale2 if n_sel else scale,
+                               idx if n_sel else gs2_rows, gs2_rows, nb, n_sel, div1, PACK=True, OUT=0, **meta)
+    per_row = gs.dim() == 2 and gs.shape[0] == m and m > 1
+    gs2 = gs2_rows.unsqueeze(-1) if per_row else gs2_rows.reshape(())  # the reference's shapes
+    first = NVFP4Tensor(codes, scale.view(torch.float8_e4m3fn), gs, x.shape, x.dtype)
+    second = NVFP4Tensor(packed2, scale2.view(torch.float8_e4m3fn), gs2, torch.Size((m, n_sel * 16)), torch.float32)
+    return ResidualNVFP4(first, second, idx, ratio)
+
+
+def _residual_first_pass(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: float, per_token: bool,
+                         w, packed: bool):
+    """Multi-kernel path (per-call selection, or per-token with a per-tensor global scale): first
+    pass + per-(row, block) scores and residual amax (``_residual_stats_kernel``), the selection
+    (per token: torch's stable sort of the scores; per call: ``call_scores`` then
+    ``_select_kernel``), and the second-pass global scale(s). Returns a dict of the pieces."""
     m, k = x.shape
     nb = k // BLOCK_SIZE
     n_sel = num_selected_blocks(k, ratio)
@@ -538,7 +686,7 @@ def _residual_first_pass(x: torch.Tensor, ratio: float, global_scale, per_token:
     rt, ct = _STATS_TILE
     codes = torch.empty(m, k // 2 if packed else 8, dtype=torch.uint8, device=dev)
     scale = torch.empty(m, nb, dtype=torch.uint8, device=dev)
-    energy = torch.empty(m if per_token else triton.cdiv(m, rt), nb, dtype=torch.float32, device=dev)
+    energy = torch.empty(m, nb, dtype=torch.float32, device=dev)
     ramax = torch.empty(m, nb, dtype=torch.float32, device=dev)
     g1, div1 = _gs_rows(gs, (m,))
     idx = torch.zeros(m if per_token else 1, n_sel, dtype=torch.int64, device=dev)
@@ -546,14 +694,15 @@ def _residual_first_pass(x: torch.Tensor, ratio: float, global_scale, per_token:
     amax_rows = torch.zeros(m, dtype=torch.float32, device=dev)
     gs2_rows = torch.ones(m, dtype=torch.float32, device=dev)
     if m * nb:
-        _launch(_residual_stats_kernel, (triton.cdiv(m, rt), triton.cdiv(nb, ct)), xc, g1, codes.view(torch.int64),
-                scale, energy, ramax, m, nb, div1, RT=rt, CT=ct, PACK=packed, PARTIAL=not per_token)
+        _launch(_residual_stats_kernel, (triton.cdiv(m, rt), triton.cdiv(nb, ct)), xc, g1, w if w is not None else g1,
+                codes.view(torch.int64), scale, energy, ramax, m, nb, div1, RT=rt, CT=ct, PACK=packed,
+                HAS_W=w is not None)
         if per_token:
             order = torch.sort(energy, dim=-1, descending=True, stable=True).indices
             idx = torch.sort(order[..., :n_sel], dim=-1).values
             mask.scatter_(1, idx, 1)
         elif n_sel:
-            score = energy.sum(0)
+            score = call_scores(energy)
             nbp = triton.next_power_of_2(nb)
             _select_kernel[(1,)](score, mask, idx, nb, n_sel, NBP=nbp, CH=max(1, min(64, 16384 // nbp)))
         rb = 16
@@ -565,39 +714,61 @@ def _residual_first_pass(x: torch.Tensor, ratio: float, global_scale, per_token:
     else:  # per-tensor first pass: one second-pass scale from the amax over all selected blocks
         gs2 = global_scale_from_amax(amax_rows.amax() if m else torch.zeros((), device=dev))
         gs2_rows = gs2.expand(m).contiguous()
-    return dict(gs=gs, xc=xc, g1=g1, div1=div1, codes=codes, scale=scale, idx=idx if per_token else idx[0],
+    return dict(g1=g1, div1=div1, codes=codes, scale=scale, idx=idx if per_token else idx[0],
                 mask=mask, gs2=gs2, gs2_rows=gs2_rows, m=m, k=k, nb=nb, n_sel=n_sel)
 
 
-def residual_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, per_token: bool = False,
-                      check_finite: bool = True) -> ResidualNVFP4:
-    """Triton :func:`verl_quads.nvfp4.residual_quantize` (see the module docstring for the steps)."""
-    p = _residual_first_pass(x, ratio, global_scale, per_token, check_finite, packed=True)
-    m, n_sel = p["m"], p["n_sel"]
+def _residual_prepare(x: torch.Tensor, global_scale, score_weight, check_finite: bool):
+    if x.dim() != 2:
+        raise ValueError(f"residual_quantize: x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
+    gs, xc = _prepare(x, global_scale, check_finite)
+    return gs, xc, check_score_weight(score_weight, x.shape[-1], x.device, check_values=check_finite)
+
+
+def residual_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, per_token: bool = True,
+                      score_weight: torch.Tensor | None = None, check_finite: bool = True) -> ResidualNVFP4:
+    """Triton :func:`verl_quads.nvfp4.residual_quantize`: per-token selection with a per-row global
+    scale runs as one fused kernel (``_residual_row_kernel``); otherwise the multi-kernel path."""
+    num_selected_blocks(x.shape[-1] if x.dim() else 0, ratio)  # validates the ratio first
+    gs, xc, w = _residual_prepare(x, global_scale, score_weight, check_finite)
+    m, k = x.shape
+    if m == 0:  # no rows: nothing to launch; the reference defines the (empty) result and its shapes
+        return _ref_residual_quantize(x, ratio, gs, per_token=per_token, score_weight=w, check_finite=False)
+    if per_token and _fused_rows_ok(gs, m, k // BLOCK_SIZE):
+        return _residual_rows(x, gs, xc, ratio, w, packed=True)
+    p = _residual_first_pass(x, gs, xc, ratio, per_token, w, packed=True)
+    n_sel = p["n_sel"]
     packed2 = torch.empty(m, n_sel * 8, dtype=torch.uint8, device=x.device)
     scale2 = torch.empty(m, n_sel, dtype=torch.uint8, device=x.device)
     if m * n_sel:
         rows_idx = (p["idx"] if per_token else p["idx"].expand(m, -1)).contiguous()
-        _launch(_residual_second_kernel, _grid(m * n_sel), p["xc"], p["g1"], p["scale"], rows_idx,
+        _launch(_residual_second_kernel, _grid(m * n_sel), xc, p["g1"], p["scale"], rows_idx,
                 p["gs2_rows"], packed2.view(torch.int64), scale2, m * n_sel, n_sel, p["nb"], p["div1"])
-    first = NVFP4Tensor(p["codes"], p["scale"].view(torch.float8_e4m3fn), p["gs"], x.shape, x.dtype)
+    first = NVFP4Tensor(p["codes"], p["scale"].view(torch.float8_e4m3fn), gs, x.shape, x.dtype)
     second = NVFP4Tensor(packed2, scale2.view(torch.float8_e4m3fn), p["gs2"], torch.Size((m, n_sel * 16)),
                          torch.float32)
     return ResidualNVFP4(first, second, p["idx"], ratio)
 
 
-def residual_fake_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, per_token: bool = False,
-                           check_finite: bool = True) -> torch.Tensor:
-    """Triton :func:`verl_quads.nvfp4.residual_fake_quantize`: first pass, selection, then one fused
-    kernel that writes ``Q(x) + Q(R_sel)`` without materializing either pass."""
+def residual_fake_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, per_token: bool = True,
+                           score_weight: torch.Tensor | None = None, check_finite: bool = True) -> torch.Tensor:
+    """Triton :func:`verl_quads.nvfp4.residual_fake_quantize`: per-token selection with a per-row
+    global scale is one fused kernel; otherwise first pass, selection, then one fused kernel that
+    writes ``Q(x) + Q(R_sel)`` without materializing either pass."""
+    num_selected_blocks(x.shape[-1] if x.dim() else 0, ratio)
     if x.dtype not in _OUT_DTYPES:
         validate_input(x)
-    p = _residual_first_pass(x, ratio, global_scale, per_token, check_finite, packed=False)
-    m, nb = p["m"], p["nb"]
-    out = torch.empty_like(p["xc"])
-    sel = p["mask"]
+    gs, xc, w = _residual_prepare(x, global_scale, score_weight, check_finite)
+    m, k = x.shape
+    nb = k // BLOCK_SIZE
+    if m == 0:
+        return torch.empty_like(xc)
+    if per_token and _fused_rows_ok(gs, m, nb):
+        return _residual_rows(x, gs, xc, ratio, w, packed=False)
+    p = _residual_first_pass(x, gs, xc, ratio, per_token, w, packed=False)
+    out = torch.empty_like(xc)
     if m * nb:
-        _launch(_residual_qdq_kernel, _grid(m * nb), p["xc"], p["g1"], p["scale"], sel, p["gs2_rows"], _out_arg(out),
+        _launch(_residual_qdq_kernel, _grid(m * nb), xc, p["g1"], p["scale"], p["mask"], p["gs2_rows"], _out_arg(out),
                 m * nb, nb, p["div1"], 1 if per_token else 0, OUT=_OUT_DTYPES[x.dtype])
     return out
 

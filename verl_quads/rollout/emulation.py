@@ -38,13 +38,14 @@ class ActQuant:
     Attributes:
         mode: one of :data:`RUNTIME_MODES`.
         residual_ratio: QUADS fraction of 16-blocks compensated (``quads`` only).
-        residual_per_token: QUADS per-token instead of per-call block selection.
+        residual_per_token: QUADS per-token (default, as :class:`verl_quads.config.QuantConfig`) instead of
+            per-call block selection.
         capture: ``trace`` only: also return the guidance record of the activation.
     """
 
     mode: str
     residual_ratio: float = 0.5
-    residual_per_token: bool = False
+    residual_per_token: bool = True
     capture: bool = False
 
     def __post_init__(self) -> None:

@@ -1,0 +1,38 @@
+"""QUADS selection-rule experiment support: probe modes quads@R:call / :token and the per-GEMM
+rule comparison of verl_quads.diagnostics.realistic (tiny random Qwen3-MoE on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def test_probe_mode_selects_per_token_by_default_and_per_call_on_request():
+    from verl_quads.diagnostics.probe import parse_mode
+
+    tok, call = parse_mode("quads@0.5"), parse_mode("quads@0.25:call")
+    assert tok.name == "quads@0.5" and tok.cfg.residual_per_token is True
+    assert call.name == "quads@0.25:call" and call.cfg.residual_per_token is False and call.cfg.residual_ratio == 0.25
+    assert parse_mode("quads@0.5:token").cfg.residual_per_token is True
+    with pytest.raises(ValueError, match="selection"):
+        parse_mode("quads@0.5:row")
+
+
+def test_selection_rule_errors_on_a_tiny_moe():
+    from verl_quads.diagnostics.realistic import SELECTION_RULES, build_model, selection_rule_errors
+
+    model = build_model(vocab=64, layers=2, hidden=64, heads=2, kv_heads=1, experts=4, top_k=2, inter=32, seed=0).eval()
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(0))
+    res = selection_rule_errors(model, ids, (0.25, 1.0))
+    names = set(res["gemms"])
+    assert {"L0.qkv", "L0.o_proj", "L1.qkv", "L1.o_proj"} <= names
+    assert any(n.startswith("L0.e") and n.endswith(".gate_up") for n in names)
+    assert any(n.startswith("L1.e") and n.endswith(".down") for n in names)
+    for row in res["gemms"].values():
+        assert set(row) == {"naive"} | {f"{r}@{k:g}" for r in SELECTION_RULES for k in (0.25, 1.0)}
+        for r in SELECTION_RULES:
+            # every rule compensates something: never worse than naive, and at k = 1 all blocks are compensated
+            assert row[f"{r}@0.25"] <= row["naive"] + 1e-12
+            assert row[f"{r}@1"] == pytest.approx(row["per_token@1"], rel=0, abs=0)
+        assert row["per_token@1"] < 0.5 * row["naive"]
+    assert res["mean"]["per_token@0.25"] < res["mean"]["naive"]
