@@ -20,9 +20,12 @@ Fused experts: with ``act == none`` the model's own experts forward runs (whatev
 ``experts_implementation`` the model uses) with the QDQ weights substituted for the duration of
 the call. ``act == rtn`` with the ``grouped_mm``/``batched_mm`` implementations does the same on the
 per-token QDQ'd input and QDQs the w2 input per row inside ``_apply_gate`` (exact: per-row QDQ does
-not depend on row order). Otherwise (``guided``, which must know each row's (token, slot), or the
-eager implementation) :meth:`_QATExperts._a4_forward` runs: a per-expert loop that QDQs the w13 input
-(per token, once) and the w2 inputs (per (token, expert) row, all rows in one call).
+not depend on row order). ``act == guided`` (TRACE, which must know each row's (token, slot)) runs
+:meth:`_QATExperts._grouped_guided_forward`: rows sorted by expert, two grouped GEMMs, one guided
+quantization call over all (token, slot) rows with the rollout's records gathered by index. ``rtn``
+with the eager implementation (and ``guided`` with ``QATState.expert_path == "loop"``, the reference
+the grouped path is tested against) runs :meth:`_QATExperts._a4_forward`: a per-expert loop that QDQs
+the w13 input (per token, once) and the w2 inputs (per (token, expert) row, all rows in one call).
 """
 
 from __future__ import annotations
@@ -64,6 +67,9 @@ class QATState:
     #: Finite checks of every QDQ input (one device sync each); off by default in training.
     check_finite: bool = False
     trace: TraceBatch | None = None
+    #: TRACE experts: ``grouped`` (grouped GEMMs, one guided call over all (token, slot) rows) or
+    #: ``loop`` (the per-expert loop of :meth:`_QATExperts._a4_forward`; a reference for tests).
+    expert_path: str = "grouped"
     #: fully-qualified name -> (kind, gemm, layer, act) of every quantized module.
     modules: dict[str, tuple[str, str, int | None, str]] = field(default_factory=dict)
     original_classes: dict[str, type] = field(default_factory=dict)
@@ -80,6 +86,31 @@ class QATState:
 def _f8_rows(t: torch.Tensor, *idx: torch.Tensor) -> torch.Tensor:
     """Advanced indexing of a float8 tensor through its bytes (not every device indexes float8)."""
     return t.view(torch.uint8)[idx].view(t.dtype)
+
+
+def _expert_counts(sorted_ids: torch.Tensor, n_exp: int) -> torch.Tensor:
+    """Rows per expert ``[E]`` of expert ids in ``[0, E)``, without a device sync (histc, as transformers'
+    grouped_mm implementation: integer input on CUDA, float on CPU/MPS)."""
+    src = sorted_ids.float() if sorted_ids.device.type in ("cpu", "mps") else sorted_ids.int()
+    return torch.histc(src, bins=n_exp, min=0, max=n_exp - 1)
+
+
+def _grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """Rows ``x`` ``[S, in]`` sorted by expert times each expert's ``w`` (``[E, out, in]``, or ``[E, in, out]``
+    when ``transposed``); ``offs`` int32 ``[E]`` cumulative row counts. Returns ``[S, out]``.
+
+    Uses transformers' grouped-mm dispatcher (the GEMM of its ``grouped_mm`` experts implementation:
+    ``torch.nn.functional.grouped_mm`` / ``torch._grouped_mm``, or its own per-expert fallback where
+    those cannot run), so TRACE and ``w4a4_qat`` multiply with the same kernel."""
+    wt = w if transposed else w.transpose(-2, -1)
+    try:
+        from transformers.integrations.moe import _grouped_mm
+    except ImportError:  # pragma: no cover - a transformers without the dispatcher
+        gm = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+        if gm is None:
+            raise RuntimeError("verl-quads QAT: TRACE experts need torch.nn.functional.grouped_mm or torch._grouped_mm")
+        return gm(x.to(wt.dtype), wt, offs=offs)
+    return _grouped_mm(x, wt, offs)
 
 
 def _own_guidance(x: torch.Tensor, state: "QATState"):
@@ -181,7 +212,82 @@ class _QATExperts:
                 del self.__dict__["_apply_gate"]
         if args or kwargs:
             raise TypeError(f"verl-quads QAT: {self._qat_name}: unexpected extra experts arguments {args} {list(kwargs)}")
+        if self._qat_act == "guided" and self._qat_state.expert_path == "grouped":
+            return self._grouped_guided_forward(qw, hidden_states, top_k_index, top_k_weights)
         return self._a4_forward(qw, hidden_states, top_k_index, top_k_weights)
+
+    def _w2_guidance(self, tb: TraceBatch, top_k_index: torch.Tensor, inter: int, device):
+        """The rollout's records of the w2 input over ``[T, top_k]`` (token, slot) rows, after checking that
+        the trainer routed every covered token exactly as the rollout did. Returns ``(parts, covered)``."""
+        parts, covered, eids = tb.gather(self._qat_layer, self._qat_gemm + ".w2", tuple(top_k_index.shape), inter, device)
+        cov = covered.to(top_k_index.device)
+        if eids is None or not torch.equal(eids.to(top_k_index.device)[cov], top_k_index[cov].long()):
+            n_bad = -1 if eids is None else int((eids.to(top_k_index.device)[cov] != top_k_index[cov]).any(-1).sum())
+            raise GuidanceError(
+                f"TRACE: layer {self._qat_layer} {self._qat_gemm}.w2: the trainer's routing differs from the "
+                f"rollout's on {n_bad} token(s); guided rounding of the expert inputs needs identical routing "
+                "(router replay)"
+            )
+        return parts, covered
+
+    def _grouped_guided_forward(self, qw, hidden_states, top_k_index, top_k_weights):
+        """TRACE experts on grouped GEMMs. hidden_states ``[T, H]``, top_k_index/weights ``[T, k]``; returns
+        ``[T, H]`` in hidden_states' dtype.
+
+        The ``S = T * k`` (token, slot) rows are sorted by expert (stable: ascending token order within
+        an expert), both expert GEMMs are one grouped GEMM each (``transformers``' grouped-mm dispatcher,
+        the one the stock ``grouped_mm`` implementation and so ``w4a4_qat`` use), and the w2 input of all
+        S rows is quantized in ONE guided call, each row under the rollout's record of its (token, slot),
+        gathered by index. The w13 input is guided per token before the row gather (a row's quantization
+        does not depend on its neighbours, so this equals quantizing every gathered row). The k slots of
+        a token are combined as the stock implementation does (float32-accumulated sum over the slots).
+        Expert ids must lie in ``[0, E)`` (the router's top-k or router replay; expert parallelism,
+        whose sentinel ids need masking, is refused). No device sync besides the guidance gather's.
+        """
+        st = self._qat_state
+        if "gate_up_proj" not in qw or not getattr(self, "has_gate", True):
+            raise NotImplementedError(f"verl-quads QAT: {self._qat_name}: W4A4 modes need gate_up_proj experts")
+        if getattr(self, "_is_expert_parallel", False):
+            raise NotImplementedError(f"verl-quads QAT: {self._qat_name}: TRACE experts under expert parallelism")
+        transposed = bool(getattr(self, "is_transposed", False))
+        has_bias = bool(getattr(self, "has_bias", False))
+        w13, w2 = qw["gate_up_proj"], qw["down_proj"]
+        n_exp = w13.shape[0]
+        n_tok, top_k = top_k_index.shape
+        inter = w2.shape[-2] if transposed else w2.shape[-1]
+        tb = st.require_trace(self._qat_name)
+        recording = tb.record_into is not None
+        x = _guided_input(st, self._qat_name, self._qat_layer, self._qat_gemm + ".w13", hidden_states)
+        w2_guidance = None if recording else self._w2_guidance(tb, top_k_index, inter, hidden_states.device)
+        with torch.no_grad():
+            flat = top_k_index.reshape(-1)
+            order = torch.argsort(flat, stable=True)  # [S] sorted row -> flat (token * k + slot)
+            eid_g = flat[order]
+            offs = torch.cumsum(_expert_counts(eid_g, n_exp), dim=0, dtype=torch.int32)
+            tok_g = order // top_k
+        h = _grouped_gemm(x[tok_g], w13, offs, transposed)  # [S, 2I]
+        if has_bias:
+            h = h + self.gate_up_proj_bias[eid_g]
+        h = self._apply_gate(h)  # [S, I]
+        if recording:
+            full = torch.zeros((n_tok * top_k, inter), dtype=h.dtype, device=h.device)
+            full[order] = h.detach()
+            tb.store(self._qat_layer, self._qat_gemm + ".w2", _own_guidance(full.view(n_tok, top_k, inter), st),
+                     top_k_index.detach())
+            h = qdq_rtn(h, st.backend, st.check_finite)
+        else:
+            (bits, bsc, gsc), covered = w2_guidance
+            o = order.to(bits.device)
+            parts = (bits.flatten(0, 1)[o], _f8_rows(bsc.flatten(0, 1), o), gsc.flatten(0, 1)[o])
+            rec = merged_record(h, parts, covered.to(o.device)[o // top_k], st.backend, st.check_finite)
+            h = qdq_guided(h, rec, st.backend, st.check_finite)
+        y = _grouped_gemm(h, w2, offs, transposed)  # [S, H]
+        if has_bias:
+            y = y + self.down_proj_bias[eid_g]
+        y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        rows = torch.empty_like(y)
+        rows[order] = y  # back to (token, slot) order; backward is a gather
+        return rows.view(n_tok, top_k, -1).sum(dim=1).to(hidden_states.dtype)
 
     def _a4_forward(self, qw, hidden_states, top_k_index, top_k_weights):
         """W4A4 experts. hidden_states ``[T, H]``, top_k_index/weights ``[T, k]``; returns ``[T, H]``.
@@ -207,18 +313,7 @@ class _QATExperts:
             x = _guided_input(st, self._qat_name, self._qat_layer, self._qat_gemm + ".w13", hidden_states)
         w2_guidance = None
         if tb is not None and not recording:
-            parts, covered, eids = tb.gather(
-                self._qat_layer, self._qat_gemm + ".w2", (hidden_states.shape[0], top_k), inter, hidden_states.device
-            )
-            cov = covered.to(top_k_index.device)
-            if eids is None or not torch.equal(eids.to(top_k_index.device)[cov], top_k_index[cov].long()):
-                n_bad = -1 if eids is None else int((eids.to(top_k_index.device)[cov] != top_k_index[cov]).any(-1).sum())
-                raise GuidanceError(
-                    f"TRACE: layer {self._qat_layer} {self._qat_gemm}.w2: the trainer's routing differs from the "
-                    f"rollout's on {n_bad} token(s); guided rounding of the expert inputs needs identical routing "
-                    "(router replay)"
-                )
-            w2_guidance = (parts, covered)
+            w2_guidance = self._w2_guidance(tb, top_k_index, inter, hidden_states.device)
         with torch.no_grad():
             flat = top_k_index.reshape(-1)
             valid = (flat >= 0) & (flat < n_exp)
