@@ -86,7 +86,9 @@ def test_dense_matches_reference(m, n, k, mode, dtype, per_token, with_bias, spl
     bias = (_w((n,), seed=3) * 10).to(dtype) if with_bias else None
     ref, bound = _reference(x, q_w, mode, bias, per_token=per_token)
     bm = tg.pick_block_m(m)
-    cfg = tg.GemmConfig(block_m=bm, block_n=32, block_k=32, block_k2=32, split_k=split, num_warps=4, num_stages=2)
+    # swapped (transposed-accumulator) tiles for some cases: decode's layout
+    cfg = tg.GemmConfig(block_m=bm, block_n=32, block_k=32, block_k2=32, split_k=split, num_warps=4, num_stages=2,
+                        swap=(m == 1 or split > 1 or per_token))
     y = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, q_w.global_scale.reshape(()), bias, mode,
                         residual_per_token=per_token, config=cfg)
     assert y.dtype == dtype and y.shape == (m, n)
@@ -143,6 +145,26 @@ def test_moe_align_tile_table():
     tiles = [(int(e), int(a), int(b)) for e, a, b in zip(r.tile_expert, r.tile_row0, r.tile_row1) if e >= 0]
     assert tiles == [(0, 0, 2), (1, 2, 3), (2, 3, 5), (2, 5, 7), (2, 7, 9)]
     assert r.tile_expert.numel() == 5 + 4  # cdiv(10, 2) + min(E, S): fixed, no host sync
+    assert r.sorted_tokens.tolist() == [s // 2 for s in slots.tolist()]
+
+
+@pytest.mark.parametrize("tokens, top_k, e, block_m, local_frac", [
+    (1, 8, 128, 16, 1.0), (3, 2, 5, 16, 0.7), (64, 8, 128, 16, 1.0), (300, 8, 128, 64, 0.8),
+    (1200, 8, 128, 128, 1.0),  # 9600 slots: several chunks of 256 slots (two 128-slot passes each)
+])
+def test_moe_align_triton_equals_torch_reference(tokens, top_k, e, block_m, local_frac):
+    """The three-launch Triton moe_align == the torch reference (stable sort, same tile table)."""
+    g = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(0, e, (tokens, top_k), generator=g)
+    ids[torch.rand(tokens, top_k, generator=g) > local_frac] = -1
+    ids = ids.to(DEV)
+    got, ref = tg.moe_align(ids, e, block_m), tg.moe_align_reference(ids, e, block_m)
+    for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    # and the reference is right: rows sorted by expert, stable
+    flat = ids.reshape(-1).long()
+    key = torch.where(flat < 0, e, flat)[ref.sorted_slots.long()]
+    assert bool((key[1:] >= key[:-1]).all())
 
 
 @pytest.mark.parametrize("mode, per_token", [("w4a16", False), ("naive", False), ("quads", False), ("quads", True)])

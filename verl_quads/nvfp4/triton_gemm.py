@@ -65,7 +65,7 @@ from verl_quads.nvfp4.triton_kernels import check_available, triton
 if triton is not None:
     import triton.language as tl
 
-    from verl_quads.nvfp4.triton_kernels import _e2m1_value, _e4m3_decode, _store_out
+    from verl_quads.nvfp4.triton_kernels import _store_out
 
 ACT_MODES = ("w4a16", "naive", "quads", "trace")
 _OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -74,37 +74,102 @@ _OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 if triton is not None:
 
     @triton.jit
-    def _fp4_tile(p_ptr, s_ptr, prow, srow, rmask, kb, kbmask, R: tl.constexpr, G: tl.constexpr):
-        """Dequantize (without the global scale) an NVFP4 tile of R rows x G 16-blocks to float32
-        ``[R, G * 16]``: value = E2M1(code) * E4M3(block scale), exact.
+    def _fp4_decode(b, sv, DT: tl.constexpr):
+        """NVFP4 bytes ``b`` (int32 ``[R, HB]``, element 2i in the LOW nibble) and the block scale of
+        each byte ``sv`` (float32 ``[R, HB]``, E4M3 value * 2**14) -> ``(even, odd)``: the values
+        E2M1(code) * block_scale of elements 2i and 2i+1, ``[R, HB]`` each, in the dot's operand type
+        DT (0 float32, 1 bf16, 2 fp16); exact in all three (at most 6 significant bits, 2**-10..2688).
 
-        ``prow``/``srow`` [R] int64: offset of each row's packed bytes / scale bytes; ``kb`` [G]:
-        the block indices to read (contiguous, or gathered for the QUADS residual); masked rows or
-        blocks read as 0."""
-        j = tl.arange(0, 8)
-        m2 = rmask[:, None] & kbmask[None, :]
-        b = tl.load(p_ptr + prow[:, None, None] + kb[None, :, None] * 8 + j[None, None, :],
-                    mask=m2[:, :, None], other=0).to(tl.int32)
-        sc = tl.load(s_ptr + srow[:, None] + kb[None, :], mask=m2, other=0).to(tl.int32)
-        sv = _e4m3_decode(sc)[:, :, None]
-        lo = b & 15
-        hi = b >> 4
-        ve = _e2m1_value(lo & 7) * sv
-        vo = _e2m1_value(hi & 7) * sv
-        ve = tl.where(lo >= 8, -ve, ve)
-        vo = tl.where(hi >= 8, -vo, vo)
-        return tl.reshape(tl.join(ve, vo), (R, G * 16))
+        E2M1 by bits, no table: the fp16 whose bits are ``((c & 7) << 9) | ((c & 8) << 12)`` equals
+        E2M1(c) * 2**-14 exactly (exponent bits and mantissa bit land in place; code 1 = 0.5 is the
+        fp16 subnormal 2**-15; bit 3 is the sign), so one multiply by ``block_scale * 2**14`` gives the
+        value."""
+        lo = ((b & 7) << 9) | ((b & 8) << 12)
+        hi = ((b & 0x70) << 5) | ((b & 0x80) << 8)
+        ve = lo.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * sv
+        vo = hi.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * sv
+        if DT == 1:
+            return ve.to(tl.bfloat16), vo.to(tl.bfloat16)
+        elif DT == 2:
+            return ve.to(tl.float16), vo.to(tl.float16)
+        else:
+            return ve, vo
 
     @triton.jit
-    def _mma(acc, a, w, DT: tl.constexpr):
-        """``acc + a @ w.T`` with float32 accumulation; operands in DT (0: float32 IEEE, 1: bf16,
-        2: fp16 tensor cores). Dequantized NVFP4 values are exact in all three."""
-        if DT == 0:
-            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        elif DT == 1:
-            acc += tl.dot(a.to(tl.bfloat16), tl.trans(w.to(tl.bfloat16)))
+    def _fp4_pairs(p_ptr, s_ptr, prow, srow, rmask, kb0, kb_hi, R: tl.constexpr, G: tl.constexpr,
+                   DT: tl.constexpr, KMASK: tl.constexpr):
+        """Contiguous NVFP4 tile: rows with byte offsets ``prow`` (packed codes) / ``srow`` (e4m3
+        scales), int64 ``[R]``; 16-blocks ``kb0 .. kb0 + G`` (blocks >= ``kb_hi`` and masked rows read
+        as 0) -> ``(even, odd)`` ``[R, G * 8]`` (see :func:`_fp4_decode`): column j holds element
+        ``k = kb0 * 16 + 2 j`` / ``2 j + 1``. One plain 2-D byte load (contiguous along K) and one scale
+        byte per 16-block (E4M3 -> float by the hardware conversion; scale bytes are 0..126, never
+        the NaN code), broadcast to its 8 bytes. KMASK False: the caller guarantees
+        ``kb0 + G <= kb_hi`` (no K mask, so the loads vectorize to 16 bytes)."""
+        j = tl.arange(0, G * 8)
+        g = tl.arange(0, G)
+        if KMASK:
+            bmask = rmask[:, None] & ((kb0 * 8 + j) < kb_hi * 8)[None, :]
+            smask = rmask[:, None] & ((kb0 + g) < kb_hi)[None, :]
         else:
-            acc += tl.dot(a.to(tl.float16), tl.trans(w.to(tl.float16)))
+            bmask = rmask[:, None]
+            smask = rmask[:, None]
+        b = tl.load(p_ptr + prow[:, None] + (kb0 * 8 + j)[None, :], mask=bmask, other=0).to(tl.int32)
+        sc = tl.load(s_ptr + srow[:, None] + (kb0 + g)[None, :], mask=smask, other=0)
+        sv = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
+        sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (R, G, 8)), (R, G * 8))
+        return _fp4_decode(b, sv, DT)
+
+    @triton.jit
+    def _fp4_pairs_gathered(p_ptr, s_ptr, prow, srow, rmask, blk, bmask1, G: tl.constexpr, DT: tl.constexpr):
+        """Like :func:`_fp4_pairs` for the 16-blocks ``blk`` (int ``[G * 8]``: the block of each byte
+        column, i.e. each block index repeated 8 times; ``bmask1`` ``[G * 8]`` masks columns): the
+        weight blocks a QUADS per-call residual selected (a gather, one scale load per byte)."""
+        j = tl.arange(0, G * 8)
+        m = rmask[:, None] & bmask1[None, :]
+        b = tl.load(p_ptr + prow[:, None] + (blk * 8 + j % 8)[None, :], mask=m, other=0).to(tl.int32)
+        sc = tl.load(s_ptr + srow[:, None] + blk[None, :], mask=m, other=0)
+        return _fp4_decode(b, sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0, DT)
+
+    @triton.jit
+    def _a16_pairs(a_ptr, arow, rmask, kb0, kb_hi, K, G: tl.constexpr, DT: tl.constexpr, KMASK: tl.constexpr):
+        """Unquantized activation rows ``arow`` (int64 ``[R]``) of ``[M, K]``: ``(even, odd)``
+        ``[R, G * 8]`` columns ``k = kb0 * 16 + 2 j`` / ``2 j + 1`` (the K order of :func:`_fp4_pairs`),
+        from one ``[R, G * 8, 2]`` load split on its last (per-thread) dimension."""
+        j = tl.arange(0, G * 8)
+        t = tl.arange(0, 2)
+        k = kb0 * 16 + 2 * j
+        if KMASK:
+            m = rmask[:, None, None] & (k < kb_hi * 16)[None, :, None] & (t < 2)[None, None, :]
+        else:
+            m = rmask[:, None, None]
+        a3 = tl.load(a_ptr + arow[:, None, None] * K + k[None, :, None] + t[None, None, :], mask=m, other=0.0)
+        ae, ao = tl.split(a3)
+        if DT == 1:
+            return ae.to(tl.bfloat16), ao.to(tl.bfloat16)
+        elif DT == 2:
+            return ae.to(tl.float16), ao.to(tl.float16)
+        else:
+            return ae.to(tl.float32), ao.to(tl.float32)
+
+    @triton.jit
+    def _dot2(acc, ae, ao, we, wo, SWAP: tl.constexpr, DT: tl.constexpr):
+        """``acc + ae @ we.T + ao @ wo.T`` (float32 accumulation; the even and odd halves of K), or
+        with SWAP the transposed ``acc + we @ ae.T + wo @ ao.T`` (weight rows fill the MMA's M side:
+        decode tiles have few activation rows)."""
+        if SWAP:
+            if DT == 0:
+                acc = tl.dot(we, tl.trans(ae), acc, input_precision="ieee")
+                acc = tl.dot(wo, tl.trans(ao), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(we, tl.trans(ae), acc)
+                acc = tl.dot(wo, tl.trans(ao), acc)
+        else:
+            if DT == 0:
+                acc = tl.dot(ae, tl.trans(we), acc, input_precision="ieee")
+                acc = tl.dot(ao, tl.trans(wo), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(ae, tl.trans(we), acc)
+                acc = tl.dot(ao, tl.trans(wo), acc)
         return acc
 
     @triton.jit
@@ -112,23 +177,29 @@ if triton is not None:
         a_ptr, as_ptr, ags_ptr, a2_ptr, a2s_ptr, a2gs_ptr, idx2_ptr,
         w_ptr, ws_ptr, wgs_ptr, bias_ptr, out_ptr,
         arow_ptr, orow_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
-        M, N, K, NSEL2, OUT_ROWS, KB_PER_SPLIT, JB_PER_SPLIT,
+        M, N, K, KH, KB, NSEL2, OUT_ROWS, KB_PER_SPLIT, JB_PER_SPLIT,
         A4: tl.constexpr, DT: tl.constexpr, DT2: tl.constexpr, SECOND: tl.constexpr, GROUPED: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, OUT: tl.constexpr,
-        BM: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr, G2: tl.constexpr,
+        BM: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr, G2: tl.constexpr, SWAP: tl.constexpr,
+        EVEN_K: tl.constexpr,
     ):
         """One (BM rows x BN cols) output tile, K-range ``pid_k`` of ``SPLIT_K``.
 
         A4: 0 = A operand is values [M, K]; 1 = packed NVFP4 (codes [M, K/2], scales [M, K/16],
-        per-row global scale [M]). DT / DT2: operand type of the first / residual dot (see ``_mma``). SECOND: QUADS residual operand,
-        0 none, 1 gathered blocks (block table idx2 [E, NSEL2]), 2 dense (NSEL2 = K/16, no table).
-        GROUPED: rows come from the tile table (expert, row range) and are gathered/scattered through
-        arow/orow; else rows are pid_m * BM + i, expert 0. GK/G2: 16-blocks per K step of the
-        first/second loop. SPLIT_K > 1: write float32 partials to out[pid_k, row, col] (no bias)."""
+        per-row global scale [M]). DT / DT2: operand type of the first / residual dots (0 float32, 1
+        bf16, 2 fp16). SECOND: QUADS residual operand, 0 none, 1 gathered blocks (block table idx2
+        [E, NSEL2], own K loop), 2 dense (NSEL2 = K/16, accumulated in the first loop from the same
+        decoded weight tile). GROUPED: rows come from the tile table (expert, row range) and are
+        gathered/scattered through arow/orow; else rows are pid_m * BM + i, expert 0. GK/G2: 16-blocks
+        per K step of the first/second loop. SPLIT_K > 1: write float32 partials to
+        out[pid_k, row, col] (no bias). SWAP: accumulate the transposed tile [BN, BM] (decode).
+        EVEN_K: every K step of the first loop is full (K/16 and KB_PER_SPLIT multiples of GK).
+
+        K is walked in the order (even elements of the step, odd elements of the step) on both
+        operands (the sum is the same; the packed byte's two nibbles need no interleave)."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
         pid_k = tl.program_id(2)
-        KB = K // 16
         if GROUPED:
             e = tl.load(tile_e_ptr + pid_m)
             r0 = tl.load(tile_r0_ptr + pid_m)
@@ -149,24 +220,46 @@ if triton is not None:
         cols = pid_n * BN + tl.arange(0, BN)
         nmask = cols < N
         wrow = ec * N + cols.to(tl.int64)
-        wprow = wrow * (K // 2)
+        wprow = wrow * KH
         wsrow = wrow * KB
 
         kb_lo = pid_k * KB_PER_SPLIT
         kb_hi = tl.minimum(kb_lo + KB_PER_SPLIT, KB)
         kb_hi = tl.where(live, kb_hi, kb_lo)  # a tile past the last expert's: no work
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        if SWAP:
+            acc = tl.zeros([BN, BM], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
+        acc2 = tl.zeros_like(acc)
         for kb0 in range(kb_lo, kb_hi, GK):
-            kb = kb0 + tl.arange(0, GK)
-            kbm = kb < kb_hi
-            w = _fp4_tile(w_ptr, ws_ptr, wprow, wsrow, nmask, kb, kbm, BN, GK)
+            we, wo = _fp4_pairs(w_ptr, ws_ptr, wprow, wsrow, nmask, kb0, kb_hi, BN, GK, DT, not EVEN_K)
             if A4:
-                a = _fp4_tile(a_ptr, as_ptr, arow * (K // 2), arow * KB, rmask, kb, kbm, BM, GK)
+                ae, ao = _fp4_pairs(a_ptr, as_ptr, arow * KH, arow * KB, rmask, kb0, kb_hi, BM, GK, DT,
+                                    not EVEN_K)
             else:
-                k = kb0 * 16 + tl.arange(0, GK * 16)
-                a = tl.load(a_ptr + arow[:, None] * K + k[None, :], mask=rmask[:, None] & (k < kb_hi * 16)[None, :],
-                            other=0.0)
-            acc = _mma(acc, a, w, DT)
+                ae, ao = _a16_pairs(a_ptr, arow, rmask, kb0, kb_hi, K, GK, DT, not EVEN_K)
+            acc = _dot2(acc, ae, ao, we, wo, SWAP, DT)
+            if SECOND == 2:
+                # per-token residual: dense operand in the same K order, the same decoded weight tile
+                re, ro = _fp4_pairs(a2_ptr, a2s_ptr, arow * NSEL2 * 8, arow * NSEL2, rmask, kb0, kb_hi, BM, GK, DT,
+                                    not EVEN_K)
+                acc2 = _dot2(acc2, re, ro, we, wo, SWAP, DT)
+        if SECOND == 1:
+            jb_lo = pid_k * JB_PER_SPLIT
+            jb_hi = tl.minimum(jb_lo + JB_PER_SPLIT, NSEL2)
+            jb_hi = tl.where(live, jb_hi, jb_lo)
+            jcol = tl.arange(0, G2 * 8)
+            for j0 in range(jb_lo, jb_hi, G2):
+                jb1 = j0 + jcol // 8
+                jm1 = jb1 < jb_hi
+                blk = tl.load(idx2_ptr + ec * NSEL2 + jb1, mask=jm1, other=0)
+                we2, wo2 = _fp4_pairs_gathered(w_ptr, ws_ptr, wprow, wsrow, nmask, blk, jm1, G2, DT2)
+                re, ro = _fp4_pairs(a2_ptr, a2s_ptr, arow * NSEL2 * 8, arow * NSEL2, rmask, j0, jb_hi, BM, G2, DT2,
+                                    True)
+                acc2 = _dot2(acc2, re, ro, we2, wo2, SWAP, DT2)
+        if SWAP:
+            acc = tl.trans(acc)
+            acc2 = tl.trans(acc2)
 
         gw = tl.load(wgs_ptr + ec)
         inv_w = tl.math.div_rn(tl.full([BN], 1.0, tl.float32), gw + tl.zeros([BN], tl.float32))
@@ -176,26 +269,6 @@ if triton is not None:
         else:
             y = acc
         if SECOND != 0:
-            jb_lo = pid_k * JB_PER_SPLIT
-            jb_hi = tl.minimum(jb_lo + JB_PER_SPLIT, NSEL2)
-            jb_hi = tl.where(live, jb_hi, jb_lo)
-            acc2 = tl.zeros([BM, BN], dtype=tl.float32)
-            for j0 in range(jb_lo, jb_hi, G2):
-                jb = j0 + tl.arange(0, G2)
-                jm = jb < jb_hi
-                a2 = _fp4_tile(a2_ptr, a2s_ptr, arow * NSEL2 * 8, arow * NSEL2, rmask, jb, jm, BM, G2)
-                if SECOND == 1:
-                    wb = tl.load(idx2_ptr + ec * NSEL2 + jb, mask=jm, other=0)
-                    wm = jm
-                else:
-                    # dense residual (per-token selection): read a weight block only if some row of
-                    # this tile selected it (non-zero scale), so decode streams ~ratio * K of weights
-                    wb = jb
-                    s2 = tl.load(a2s_ptr + (arow * NSEL2)[:, None] + jb[None, :], mask=rmask[:, None] & jm[None, :],
-                                 other=0)
-                    wm = jm & (tl.max(s2.to(tl.int32), axis=0) > 0)
-                w2 = _fp4_tile(w_ptr, ws_ptr, wprow, wsrow, nmask, wb, wm, BN, G2)
-                acc2 = _mma(acc2, a2, w2, DT2)
             g2 = tl.load(a2gs_ptr + arow, mask=rmask, other=1.0)
             y += acc2 * tl.math.div_rn(tl.full([BM], 1.0, tl.float32), g2)[:, None]
         y = y * inv_w[None, :]
@@ -206,6 +279,77 @@ if triton is not None:
             if HAS_BIAS:
                 y += tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
             _store_out(out_ptr + orow[:, None] * N + cols[None, :], y, omask, OUT)
+
+    @triton.jit
+    def _moe_hist_kernel(ids_ptr, hist_ptr, S, E, C: tl.constexpr, EP: tl.constexpr):
+        """Program p: histogram ``[EP]`` int32 of the expert keys of slots ``p*C .. p*C + C`` (key = expert
+        id, E for an id < 0 (not local), EP - 1 for padding past S) -> ``hist[p, :]``."""
+        p = tl.program_id(0)
+        hist = tl.zeros([EP], tl.int32)
+        for c0 in range(0, C, 128):
+            i = p * C + c0 + tl.arange(0, 128)
+            valid = i < S
+            e = tl.load(ids_ptr + i, mask=valid, other=-1).to(tl.int32)
+            key = tl.where(valid, tl.where(e < 0, E, e), EP - 1)
+            hist += tl.histogram(key, EP)
+        tl.store(hist_ptr + p * EP + tl.arange(0, EP), hist)
+
+    @triton.jit
+    def _moe_scan_kernel(hist_ptr, base_ptr, start_ptr, te_ptr, tr0_ptr, tr1_ptr, P, E, T_MAX,
+                         BM: tl.constexpr, PP: tl.constexpr, EP: tl.constexpr, TT: tl.constexpr):
+        """One program: ``base[p, e]`` = slots of key e in chunks before p (exclusive scan over chunks),
+        ``start[e]`` = first sorted row of key e (keys in order; E, not local, last), and the tile table
+        (expert, row range) of ``T_MAX`` M-tiles of height BM; tiles past the last expert's get expert -1
+        and an empty range."""
+        pp = tl.arange(0, PP)
+        ee = tl.arange(0, EP)
+        hmask = (pp < P)[:, None]
+        h = tl.load(hist_ptr + pp[:, None] * EP + ee[None, :], mask=hmask, other=0)
+        tl.store(base_ptr + pp[:, None] * EP + ee[None, :], tl.cumsum(h, axis=0) - h, mask=hmask)
+        counts = tl.sum(h, axis=0)
+        cl = tl.where(ee <= E, counts, 0)
+        start = tl.cumsum(cl, axis=0) - cl
+        tl.store(start_ptr + ee, start)
+        cloc = tl.where(ee < E, counts, 0)
+        tiles = (cloc + BM - 1) // BM
+        tend = tl.cumsum(tiles, axis=0)
+        for t0 in range(0, T_MAX, TT):
+            t = t0 + tl.arange(0, TT)
+            ex = tl.sum((tend[None, :] <= t[:, None]).to(tl.int32), axis=1)  # searchsorted(tend, t, right)
+            live = ex < E
+            oh = ee[None, :] == ex[:, None]
+            first = tl.sum(tl.where(oh, (tend - tiles)[None, :], 0), axis=1)
+            st = tl.sum(tl.where(oh, start[None, :], 0), axis=1)
+            cnt = tl.sum(tl.where(oh, cloc[None, :], 0), axis=1)
+            r0 = st + (t - first) * BM
+            r1 = tl.minimum(st + cnt, r0 + BM)
+            tm = t < T_MAX
+            tl.store(te_ptr + t, tl.where(live, ex, -1), mask=tm)
+            tl.store(tr0_ptr + t, tl.where(live, r0, 0), mask=tm)
+            tl.store(tr1_ptr + t, tl.where(live, r1, 0), mask=tm)
+
+    @triton.jit
+    def _moe_scatter_kernel(ids_ptr, base_ptr, start_ptr, sorted_ptr, tok_ptr, S, E, TOPK,
+                            C: tl.constexpr, EP: tl.constexpr):
+        """Program p: each slot i of its chunk goes to sorted row ``start[key] + base[p, key] + (slots of
+        key earlier in the chunk)`` (a stable counting sort): ``sorted[row] = i``, ``tok[row] = i // TOPK``."""
+        p = tl.program_id(0)
+        ee = tl.arange(0, EP)
+        ii = tl.arange(0, 128)
+        run = tl.zeros([EP], tl.int32)
+        for c0 in range(0, C, 128):
+            i = p * C + c0 + ii
+            valid = i < S
+            e = tl.load(ids_ptr + i, mask=valid, other=-1).to(tl.int32)
+            key = tl.where(valid, tl.where(e < 0, E, e), EP - 1)
+            rank = tl.sum(((key[:, None] == key[None, :]) & (ii[None, :] < ii[:, None])).to(tl.int32), axis=1)
+            prior = tl.sum(tl.where(ee[None, :] == key[:, None], run[None, :], 0), axis=1)
+            run += tl.histogram(key, EP)
+            kc = tl.minimum(key, EP - 1)
+            pos = (tl.load(start_ptr + kc, mask=valid, other=0) + tl.load(base_ptr + p * EP + kc, mask=valid, other=0)
+                   + prior + rank)
+            tl.store(sorted_ptr + pos, i, mask=valid)
+            tl.store(tok_ptr + pos, i // TOPK, mask=valid)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -222,6 +366,8 @@ class GemmConfig:
         block_k2: K elements per step of the QUADS residual loop (gathered 16-blocks).
         split_k: K-ranges computed by separate programs (decode); 1 = no workspace.
         num_warps / num_stages: Triton launch options.
+        swap: accumulate the transposed tile (weight rows on the MMA's M side; for decode tiles of
+            few activation rows).
     """
 
     block_m: int = 64
@@ -231,6 +377,7 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    swap: bool = False
 
 
 def _interpreting() -> bool:
@@ -253,19 +400,20 @@ def pick_block_m(rows_per_group: int) -> int:
 
 def pick_config(rows_per_group: int, m_tiles: int, n: int, k: int, device: torch.device,
                 block_m: int | None = None) -> GemmConfig:
-    """Heuristic launch configuration (tuned by ``verl-quads bench rollout --sweep`` on the H200).
+    """Heuristic launch configuration (``verl-quads bench rollout --sweep`` times alternatives on the H200).
 
-    Small M (decode): BLOCK_M 16/32, wide K steps, and split-K until ~2 programs per SM, so that
-    weight streaming (not the tensor-core tile shape) bounds the time."""
+    Decode (<= 32 rows per group): the GEMM is bound by streaming the weight bytes, so the tile is
+    swapped (weight rows on the MMA's M side, BLOCK_N 64, K steps of 128 = 64 bytes per weight row)
+    and K is split across programs until ~4 programs per SM are resident."""
     bm = block_m or pick_block_m(rows_per_group)
     if bm <= 32:
-        cfg = GemmConfig(block_m=bm, block_n=64, block_k=128, block_k2=64, num_warps=4, num_stages=4)
+        cfg = GemmConfig(block_m=bm, block_n=64, block_k=128, block_k2=64, num_warps=4, num_stages=3, swap=True)
     elif bm == 64:
         cfg = GemmConfig(block_m=64, block_n=128, block_k=64, block_k2=64, num_warps=4, num_stages=3)
     else:
         cfg = GemmConfig(block_m=128, block_n=128, block_k=64, block_k2=64, num_warps=8, num_stages=3)
     tiles = m_tiles * -(-n // cfg.block_n)
-    target = 2 * _num_sms(device)
+    target = (4 if bm <= 32 else 2) * _num_sms(device)
     split = 1
     while tiles * split * 2 <= target and k // (cfg.block_k * split * 2) >= 2:
         split *= 2
@@ -419,6 +567,7 @@ class GroupedRouting:
             of each M-tile (expert -1 and an empty range past the last expert's tiles).
         block_m: the M-tile height the table was built for (the GEMM's BLOCK_M).
         num_experts: E.
+        sorted_tokens: ``[S]`` ``sorted_slots // top_k`` (the token of each sorted row), or None.
     """
 
     sorted_slots: torch.Tensor
@@ -427,11 +576,12 @@ class GroupedRouting:
     tile_row1: torch.Tensor
     block_m: int
     num_experts: int
+    sorted_tokens: torch.Tensor | None = None
 
 
-def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> GroupedRouting:
-    """Sort token-slots by expert and build the tile table, with torch ops on the ids' device (no
-    host synchronization). ``expert_ids``: int ``[T, top_k]`` local expert ids, -1 = not local."""
+def moe_align_reference(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> GroupedRouting:
+    """:func:`moe_align` with torch ops (sort, scatter_add, cumsum, searchsorted; ~15 launches): the
+    reference its Triton kernels are tested against. ``expert_ids``: int ``[T, top_k]``, -1 = not local."""
     flat = expert_ids.reshape(-1).to(torch.int64)
     s = flat.numel()
     dev = flat.device
@@ -451,6 +601,7 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Group
     r0 = start[ec] + local * block_m
     r1 = start[ec] + counts[ec]
     zero = torch.zeros_like(r0)
+    top_k = expert_ids.shape[-1] if expert_ids.dim() > 1 else 1
     return GroupedRouting(
         sorted_slots=order.to(torch.int32),
         tile_expert=torch.where(live, ec, torch.full_like(ec, -1)).to(torch.int32),
@@ -458,7 +609,39 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Group
         tile_row1=torch.where(live, torch.minimum(r1, r0 + block_m), zero).to(torch.int32),
         block_m=block_m,
         num_experts=num_experts,
+        sorted_tokens=torch.div(order, top_k, rounding_mode="floor").to(torch.int32),
     )
+
+
+def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> GroupedRouting:
+    """Sort token-slots by expert (stable) and build the tile table: three small Triton launches on
+    the ids' device (chunk histograms; one-program scan + tile table; stable counting-sort scatter),
+    no host synchronization (graph-capturable). ``expert_ids``: int ``[T, top_k]`` local expert ids,
+    -1 = not local. Same result as :func:`moe_align_reference` (tested)."""
+    flat = expert_ids.reshape(-1).contiguous()
+    check_available(flat)
+    s = flat.numel()
+    dev = flat.device
+    top_k = expert_ids.shape[-1] if expert_ids.dim() > 1 else 1
+    t_max = -(-s // block_m) + min(num_experts, s)
+    i32 = dict(dtype=torch.int32, device=dev)
+    sorted_slots = torch.empty(s, **i32)
+    sorted_tokens = torch.empty(s, **i32)
+    te, tr0, tr1 = torch.empty(t_max, **i32), torch.empty(t_max, **i32), torch.empty(t_max, **i32)
+    if s > 0:
+        ep = triton.next_power_of_2(num_experts + 2)  # keys 0..E-1, E (not local), EP-1 (padding)
+        chunk = 128 * max(1, -(-s // (128 * 64)))  # <= 64 chunks
+        p = -(-s // chunk)
+        hist = torch.empty(p, ep, **i32)
+        base = torch.empty(p, ep, **i32)
+        start = torch.empty(ep, **i32)
+        _moe_hist_kernel[(p,)](flat, hist, s, num_experts, C=chunk, EP=ep)
+        _moe_scan_kernel[(1,)](hist, base, start, te, tr0, tr1, p, num_experts, t_max, BM=block_m,
+                               PP=triton.next_power_of_2(p), EP=ep, TT=32, num_warps=8)
+        _moe_scatter_kernel[(p,)](flat, base, start, sorted_slots, sorted_tokens, s, num_experts, top_k,
+                                  C=chunk, EP=ep, num_warps=8)
+    return GroupedRouting(sorted_slots=sorted_slots, tile_expert=te, tile_row0=tr0, tile_row1=tr1,
+                          block_m=block_m, num_experts=num_experts, sorted_tokens=sorted_tokens)
 
 
 def _check_weight(w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor, k: int, grouped: bool):
@@ -554,7 +737,7 @@ def nvfp4_gemm(
         dt = _OUT_CODES[act.values.dtype]
     if _interpreting():
         dt = 0  # the interpreter's bf16/fp16 tl.dot is wrong (triton 3.9); float32 gives the same exact products
-    dt2 = 0 if _interpreting() else 1
+    dt2 = 0 if _interpreting() else 1  # the residual operand and its weights are NVFP4: exact in bf16
     second = 0
     nsel2 = 0
     a2 = a2s = a2gs = idx2 = a
@@ -582,9 +765,10 @@ def nvfp4_gemm(
         arow_t if grouped else dummy, orow_t if grouped else dummy,
         routing.tile_expert if grouped else dummy, routing.tile_row0 if grouped else dummy,
         routing.tile_row1 if grouped else dummy,
-        m, n, k, nsel2, rows_out, kb_per, jb_per,
+        m, n, k, k // 2, kb, nsel2, rows_out, kb_per, jb_per,
         A4=a4, DT=dt, DT2=dt2, SECOND=second, GROUPED=grouped, HAS_BIAS=bias is not None, SPLIT_K=split,
-        OUT=_OUT_CODES[act.dtype], BM=bm, BN=bn, GK=gk, G2=g2,
+        OUT=_OUT_CODES[act.dtype], BM=bm, BN=bn, GK=gk, G2=g2, SWAP=config.swap,
+        EVEN_K=(kb % gk == 0 and kb_per % gk == 0 and kb_per * split == kb),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1:
@@ -660,7 +844,7 @@ def moe_forward(
                                    residual_per_token=residual_per_token, capture=capture)
     if rec is not None:
         on_record("mlp.experts.w13", rec)
-    token_rows = torch.div(routing.sorted_slots, k, rounding_mode="floor")
+    token_rows = routing.sorted_tokens
     h = nvfp4_gemm(op1, w13_packed, w13_scale, w13_gs, routing=routing, a_rows=token_rows, out_rows=s)
     a = (torch.nn.functional.silu(h[:, :inter].to(torch.float32)) * h[:, inter:].to(torch.float32)).to(x.dtype)
     if act_mode == "quads" and not residual_per_token:
@@ -728,6 +912,7 @@ __all__ = [
     "GroupedRouting",
     "linear_op",
     "moe_align",
+    "moe_align_reference",
     "moe_forward",
     "moe_op",
     "nvfp4_gemm",
