@@ -14,9 +14,9 @@ what they hold (``--dump-dir``). Asserts, from what the run produced:
   elements, and guidance changed some roundings vs round-to-nearest), and the per-step metric
   ``actor/quads/guidance_bytes_per_token`` is logged.
 
-Both run 4 prompts x 4 samples per step (the demo's default is 8 x 4). Not smaller: with 2 prompts, or
-with 16 response tokens (the model's answers "... #### n" then get cut off), every reward was 0, GRPO
-had no signal and the weights did not move.
+Both run 8 prompts x 4 samples per step (the demo's default). Not smaller: with 2 prompts, or
+with 16 response tokens (the model's answers "... #### n" then get cut off), every reward was 0, GRPO had
+no signal and the weights did not move.
 ``naive`` end to end is ``tests/integration/test_naive_grpo.py``. Fast tests also check that the demo
 never hides a failure: a failing ``main_ppo`` (stand-in interpreter) gives a non-zero exit with its
 error; a fatal worker error after which the process hangs is stopped after the grace period.
@@ -71,10 +71,13 @@ def test_demo_stops_a_run_that_hangs_after_a_worker_error(tmp_path):
     assert "did not exit within 3s" in proc.stderr and "SyncModeError: modes differ" in proc.stderr, proc.stderr
 
 
-#: per mode: demo arguments beyond --quant/--steps (smaller than the demo's defaults, to keep CI time down)
+#: per mode: demo arguments beyond --quant/--steps. The weights move only if some prompt's group of samples has
+#: mixed rewards; at the model's ~0.2 success rate a group of 4 is all-fail with p ~ 0.41, so with 4 prompts a
+#: step gives no signal with p ~ 0.41**4 ~ 3% (one step of a 4-prompt run here scored 0), with 8 prompts
+#: (the demo's default) ~ 0.08%.
 DEMO_SETTINGS = {
-    "quads": ["--batch", "4", "--n", "4"],
-    "trace": ["--batch", "4", "--n", "4"],
+    "quads": ["--batch", "8", "--n", "4"],
+    "trace": ["--batch", "8", "--n", "4"],
 }
 
 
