@@ -33,7 +33,9 @@ its own checkpoint changed greedy tokens on 8/8 prompts and GSM8K reward 0.125 -
 layers alone reloaded bit-exactly). :func:`make_setup_kernel_with_cpu_prepack` wraps ``_setup_kernel``
 so that on a weight update with CPU unquantized experts the same prepack runs again (inside the
 layerwise reload it acts on the freshly loaded layer, whose result is then copied into the
-kernel's storage). Other expert classes are left as upstream has them.
+kernel's storage). Other expert classes are left as upstream has them. (Same family as
+vllm-project/vllm#42821, "model.load_weights silently corrupts MoE forward on second call", there
+for the FlashInfer layouts.)
 
 Third fix (found with the same test): on CPU, verl's ``BucketedWeightReceiver`` hands out views
 into its one shared-memory bucket buffer (``tensor.to("cpu")`` does not copy), which the next
