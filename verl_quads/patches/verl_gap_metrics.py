@@ -26,7 +26,6 @@ to appear (absent otherwise, never a made-up 0).
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 
@@ -83,14 +82,11 @@ def quads_gap_metrics(batch) -> dict[str, float]:
 
 
 def _wrap(original):
-    @functools.wraps(original)
     def calculate_debug_metrics(data):
         metrics = original(data)
         metrics.update(quads_gap_metrics(data))  # errors propagate: a broken metric is a bug, not a blank chart
         return metrics
 
-    calculate_debug_metrics.__verl_quads_patch__ = PATCH
-    calculate_debug_metrics.__verl_quads_original__ = original
     return calculate_debug_metrics
 
 
@@ -99,14 +95,15 @@ def apply() -> None:
     require_version(PATCH, ("verl",), SUPPORTED_VERL)
     import verl.utils.debug.metrics as mod
 
+    from verl_quads.patches._guard import install_method_patch
     from verl_quads.patches._post_import import when_imported
 
-    original = getattr(mod, TARGET_NAME)
-    if getattr(original, "__verl_quads_patch__", None) != PATCH:
-        wrapped = _wrap(original)
-        setattr(mod, TARGET_NAME, wrapped)
-    else:
-        wrapped, original = original, original.__verl_quads_original__
+    install_method_patch(mod, TARGET_NAME, PATCH, _wrap)
+    wrapped = getattr(mod, TARGET_NAME)
+    ours = wrapped
+    while getattr(ours, "__dict__", {}).get("__verl_quads_patch__") != PATCH:  # our wrapper in the chain
+        ours = ours.__verl_quads_original__
+    original = ours.__verl_quads_original__
 
     def rebind(m):
         if getattr(m, TARGET_NAME, None) is original:

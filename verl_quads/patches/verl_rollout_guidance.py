@@ -9,7 +9,15 @@ the batch's ``non_tensor_batch``, which ``DataProto.to_tensordict`` carries (as 
 the actor's ``compute_log_prob`` / ``update_actor`` micro-batches. verl has no hook to add data
 computed *inside* the vLLM workers to a request's output.
 
-Change: when the server's engine is a ``quads_nvfp4`` engine in ``trace`` mode, after the original
+Change (routing, every ``quads_nvfp4`` mode): after the original ``generate`` returns, the same
+worker RPC also pops the request's routing record (``verl_quads.rollout.capture.RequestRouting``:
+uint8 expert ids ``[T, layers, top_k]`` + positions, ``layers * top_k`` B per computed token) and the
+wrapper stores its wire form under ``extra_fields["quads_routing"]`` (:data:`ROUTING_FIELD`); the
+QAT engine compares it with its own routers in the log-prob pass (``quads/routing_disagreement``).
+Workers started with ``VERL_QUADS_ROUTING=0`` report routing capture off and nothing is attached;
+a worker with capture on but no record for a completed request raises.
+
+Change (TRACE): when the server's engine is a ``quads_nvfp4`` engine in ``trace`` mode, after the original
 ``generate`` returns, the wrapper pops the request's guidance from the worker's capture store
 (``collective_rpc`` of the method :data:`WORKER_METHOD` that :func:`install_worker_rpc` adds to
 verl's worker extension class ``vLLMColocateWorkerExtension`` inside the vLLM worker process; a
@@ -17,7 +25,7 @@ method name, so no pickled function and no ``VLLM_ALLOW_INSECURE_SERIALIZATION``
 wire form (:func:`compact_wire`: bit-packed bits, E4M3 block-scale bytes, float32 global scales,
 int16 expert ids, all CPU tensors) under ``extra_fields["quads_guidance"]``. It therefore becomes
 ``non_tensor_batch["quads_guidance"]`` (one dict per generated sequence, host memory), keyed by the
-request id and stamped with the policy version. Engines in any other mode: unchanged (no RPC).
+request id and stamped with the policy version. Engines not running ``quads_nvfp4``: unchanged (no RPC).
 A trace engine that has no record for a completed request raises (never a silent fallback); an
 aborted request (empty output) carries none, and the trainer refuses such a row.
 
@@ -29,12 +37,11 @@ Test: ``tests/unit/test_patches_guidance.py``.
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
 
-from verl_quads.patches._guard import require_version
+from verl_quads.patches._guard import install_method_patch, require_version
 
 logger = logging.getLogger("verl_quads")
 
@@ -48,6 +55,8 @@ WORKER_CLASS = "vLLMColocateWorkerExtension"
 WORKER_METHOD = "verl_quads_fetch_guidance"
 #: The non-tensor batch column (and TokenOutput.extra_fields key) that carries the records.
 FIELD = "quads_guidance"
+#: The non-tensor batch column (and TokenOutput.extra_fields key) that carries the routing records.
+ROUTING_FIELD = "quads_routing"
 
 
 def compact_wire(wire: dict) -> dict:
@@ -117,13 +126,16 @@ def from_plain(obj):
 
 # ----------------------------------------------------------------------------- worker side
 def _fetch(self, request_ids: list[str]) -> dict:
-    """Worker RPC: ``{"enabled": bool, "records": {request id: wire}}`` (popped from the store), in
-    the msgpack-native form of :func:`to_plain`."""
-    from verl_quads.rollout.capture import fetch_guidance, get_store
+    """Worker RPC: ``{"enabled": bool, "records": {request id: wire}, "routing_enabled": bool,
+    "routing": {request id: routing wire}}`` (popped from the store), in the msgpack-native form of
+    :func:`to_plain`."""
+    from verl_quads.rollout.capture import fetch_guidance, fetch_routing, get_store
 
     store = get_store()
     records = fetch_guidance(self, list(request_ids)) if store.enabled else {}
-    return {"enabled": store.enabled, "records": to_plain(records)}
+    routing = fetch_routing(self, list(request_ids)) if store.routing else {}
+    return {"enabled": store.enabled, "records": to_plain(records), "routing_enabled": store.routing,
+            "routing": to_plain(routing)}
 
 
 def install_worker_rpc() -> bool:
@@ -142,24 +154,48 @@ def install_worker_rpc() -> bool:
 
 
 # ----------------------------------------------------------------------------- server side
-def engine_is_trace(server) -> bool:
-    """Whether the server's vLLM engine runs ``quads_nvfp4`` in trace mode (front-end config)."""
+def engine_quads_mode(server) -> str | None:
+    """The ``quads_nvfp4`` rollout mode of the server's vLLM engine (front-end config), None if the
+    engine does not run ``quads_nvfp4``."""
     from verl_quads.sync.receiver import engine_quant_config
 
     vllm_config = getattr(getattr(server, "engine", None), "vllm_config", None)
     qc = engine_quant_config(vllm_config) if vllm_config is not None else None
-    return qc is not None and getattr(qc, "mode", None) == "trace"
+    return getattr(qc, "mode", None) if qc is not None else None
 
 
-async def attach_guidance(server, request_id: str, out) -> None:
-    """Pop ``request_id``'s record from the engine's workers and put it into ``out.extra_fields``."""
+def engine_is_trace(server) -> bool:
+    """Whether the server's vLLM engine runs ``quads_nvfp4`` in trace mode (front-end config)."""
+    return engine_quads_mode(server) == "trace"
+
+
+def _attach_routing(reply: dict, request_id: str, out) -> None:
+    if not reply.get("routing_enabled") or not out.token_ids:  # capture off, or aborted request
+        return
+    wire = reply.get("routing", {}).get(request_id)
+    if wire is None:
+        raise RuntimeError(
+            f"verl-quads routing: no routing record captured for request {request_id!r} ({len(out.token_ids)} "
+            "generated tokens) although the vLLM workers capture routing; set VERL_QUADS_ROUTING=0 to run "
+            "without quads/routing_disagreement"
+        )
+    out.extra_fields[ROUTING_FIELD] = from_plain(wire)
+
+
+async def attach_records(server, request_id: str, out, trace: bool) -> None:
+    """One worker RPC: pop ``request_id``'s routing record (any quads_nvfp4 mode, if the workers
+    capture it) and, if ``trace``, its guidance record, into ``out.extra_fields``."""
     results = await server.engine.collective_rpc(WORKER_METHOD, args=([request_id],))
-    if not results or not results[0].get("enabled"):
+    reply = results[0] if results else {}  # TP ranks hold identical records: first one
+    _attach_routing(reply, request_id, out)
+    if not trace:
+        return
+    if not reply.get("enabled"):
         raise RuntimeError(
             f"verl-quads TRACE: the vLLM workers of {type(server).__name__} report guidance capture disabled "
             "although the engine is in quads_nvfp4 trace mode"
         )
-    wire = results[0]["records"].get(request_id)  # TP ranks hold identical records: first one
+    wire = reply["records"].get(request_id)
     wire = from_plain(wire) if wire is not None else None
     if not out.token_ids:  # aborted: nothing generated, no record to keep
         return
@@ -171,30 +207,31 @@ async def attach_guidance(server, request_id: str, out) -> None:
     out.extra_fields[FIELD] = compact_wire(wire)
 
 
+async def attach_guidance(server, request_id: str, out) -> None:
+    """TRACE engine: pop ``request_id``'s records (guidance, and routing if captured) into ``out.extra_fields``."""
+    await attach_records(server, request_id, out, trace=True)
+
+
+def _make_generate(current):
+    async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
+        out = await current(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
+        if "_verl_quads_mode" not in self.__dict__:
+            self.__dict__["_verl_quads_mode"] = engine_quads_mode(self)
+        mode = self.__dict__["_verl_quads_mode"]
+        if mode is not None:
+            await attach_records(self, request_id, out, trace=mode == "trace")
+        return out
+
+    return generate
+
+
 def apply(module=None) -> None:
     """Wrap ``vLLMHttpServer.generate`` (idempotent). ``module``: the imported server module."""
     require_version(PATCH, ("verl",), SUPPORTED_VERL)
     import importlib
 
     module = module or importlib.import_module(SERVER_MODULE)
-    cls = getattr(module, SERVER_CLASS)
-    current = getattr(cls, SERVER_METHOD)
-    if getattr(current, "__verl_quads_patch__", None) == PATCH:
-        return
-
-    @functools.wraps(current)
-    async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
-        out = await current(self, prompt_ids, sampling_params, request_id, *args, **kwargs)
-        trace = self.__dict__.get("_verl_quads_trace")
-        if trace is None:
-            trace = self.__dict__["_verl_quads_trace"] = engine_is_trace(self)
-        if trace:
-            await attach_guidance(self, request_id, out)
-        return out
-
-    generate.__verl_quads_patch__ = PATCH
-    generate.__verl_quads_original__ = current
-    setattr(cls, SERVER_METHOD, generate)
+    install_method_patch(getattr(module, SERVER_CLASS), SERVER_METHOD, PATCH, _make_generate)
 
 
 def register() -> None:
@@ -204,5 +241,5 @@ def register() -> None:
     when_imported(SERVER_MODULE, apply)
 
 
-__all__ = ["FIELD", "WORKER_METHOD", "apply", "register", "install_worker_rpc", "compact_wire", "wire_nbytes",
+__all__ = ["FIELD", "ROUTING_FIELD", "WORKER_METHOD", "attach_records", "engine_quads_mode", "apply", "register", "install_worker_rpc", "compact_wire", "wire_nbytes",
            "wire_num_tokens", "engine_is_trace"]

@@ -27,12 +27,29 @@ then :meth:`RequestGuidance.from_wire`; vLLM needs ``VLLM_ALLOW_INSECURE_SERIALI
 ship a function to workers in other processes; in-process engines need nothing) returns
 ``{request_id: RequestGuidance}``. The wire form (:meth:`RequestGuidance.to_wire`) is plain
 tensors/ints/strings, so the weight-sync/trainer side can ship it further as is.
+
+Routing capture (``quads/routing_disagreement``, every quantized mode; on by default, off with the
+environment variable ``VERL_QUADS_ROUTING=0`` in the vLLM worker processes): each
+``QuadsNVFP4MoEMethod`` registers its decoder layer (:func:`enable_routing_capture`, which also
+installs the runner step hook) and copies its ``topk_ids`` into a persistent per-layer device
+buffer ``int16 [max_num_batched_tokens, top_k]`` on every forward (:func:`record_routing`). The copy
+is one kernel into a fixed address, so it is recorded in a CUDA graph and replayed with it (unlike
+TRACE's Python-side capture, which needs ``enforce_eager``); the step hook reads the first ``n`` rows
+of every layer's buffer after the forward (a device-to-host copy outside the graph). A step keeps
+only expert ids: :class:`RequestRouting` per request, ``experts`` uint8 ``[T, layers, top_k]``
+(int16 when an id is >= 256), i.e. ``layers * top_k`` bytes per computed token (8 B on the
+embedded demo model, 384 B on Qwen3-30B-A3B; TRACE guidance is ~54,800 B there). Cached prefix
+positions are not computed and have no record; the positions that produce response log-probs
+(last prompt position onwards) always are. Records nobody pops (vLLM used outside verl) are bounded
+by ``VERL_QUADS_ROUTING_MAX_MB`` (default 1024): the oldest steps are dropped with a warning.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
+import re
 import threading
 from dataclasses import dataclass, field
 
@@ -158,20 +175,89 @@ class _Step:
     remaining: set[str] = field(default_factory=set)
 
 
+ROUTING_ENV = "VERL_QUADS_ROUTING"
+ROUTING_MAX_MB_ENV = "VERL_QUADS_ROUTING_MAX_MB"
+_PREFIX_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass
+class _RoutingStep:
+    req_ids: list[str]
+    query_start_loc: list[int]
+    positions: torch.Tensor  # int64 [N]
+    policy_version: int | None
+    layers: list[int]
+    experts: torch.Tensor  # uint8/int16 [N, L, k] on CPU
+    remaining: set[str] = field(default_factory=set)
+
+
+@dataclass
+class RequestRouting:
+    """The rollout's routed experts of one request (every quantized mode).
+
+    Attributes:
+        request_id: vLLM's internal request id.
+        positions: int64 ``[T]`` computed token positions, ascending, unique.
+        experts: uint8 (int16 if any id >= 256) ``[T, L, top_k]``: global expert ids of each routing
+            slot, in vLLM's slot order, for the decoder layers ``layers`` (ascending).
+        layers: the decoder-layer indices of dimension 1 (MoE layers run by ``quads_nvfp4``).
+        policy_version: the weight version of the request's first step (None if never set).
+        mixed_versions: whether the request's steps span a weight sync.
+    """
+
+    request_id: str
+    positions: torch.Tensor
+    experts: torch.Tensor
+    layers: list[int]
+    policy_version: int | None = None
+    mixed_versions: bool = False
+
+    @property
+    def external_id(self) -> str:
+        return external_request_id(self.request_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.numel())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the expert ids (positions excluded: implied by the computed range)."""
+        return self.experts.numel() * self.experts.element_size()
+
+    def to_wire(self) -> dict:
+        """Plain dict of str/int/bool/list/tensors (what verl's extra_fields and vLLM's RPC carry)."""
+        return {"request_id": self.request_id, "positions": self.positions, "experts": self.experts,
+                "layers": list(self.layers), "policy_version": self.policy_version,
+                "mixed_versions": self.mixed_versions}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "RequestRouting":
+        return cls(d["request_id"], d["positions"], d["experts"], [int(x) for x in d["layers"]], d["policy_version"],
+                   bool(d.get("mixed_versions", False)))
+
+
 class GuidanceStore:
     """Process-local store of captured guidance (one per vLLM worker process)."""
 
     def __init__(self) -> None:
-        self.enabled = False
+        self.enabled = False  # TRACE guidance capture
+        self.routing = False  # routing capture (see module docstring)
         self.policy_version: int | None = None
         self._lock = threading.Lock()
         self._steps: list[_Step] = []
         self._current: _Step | None = None
+        self._routing_buf: dict[int, torch.Tensor] = {}  # layer -> int16 [rows, top_k] (persistent)
+        self._routing_rows = 0  # preferred buffer rows (max_num_batched_tokens)
+        self._routing_steps: list[_RoutingStep] = []
+        self._routing_nbytes = 0
+        self.routing_max_bytes = int(float(os.environ.get(ROUTING_MAX_MB_ENV, "1024")) * 2**20)
+        self.routing_dropped_steps = 0
 
     # --- written by the runner wrapper and the quantized layers ---
     def begin_step(self, req_ids: list[str], query_start_loc: list[int], positions: torch.Tensor) -> None:
         n = query_start_loc[-1] if query_start_loc else 0
-        if not self.enabled or n <= 0:
+        if not (self.enabled or self.routing) or n <= 0:
             self._current = None
             return
         # clone: the runner's positions buffer is persistent and rewritten by the next step
@@ -180,9 +266,93 @@ class GuidanceStore:
 
     def end_step(self) -> None:
         step, self._current = self._current, None
-        if step is not None and step.records:
+        if step is None:
+            return
+        if self.routing and self._routing_buf:
+            self._end_routing_step(step)
+        if self.enabled and step.records:
             with self._lock:
                 self._steps.append(step)
+
+    # --- routing (every quantized mode) ---
+    def routing_buffer(self, layer: int, rows: int, top_k: int, device) -> torch.Tensor:
+        """Layer ``layer``'s persistent int16 ``[>= rows, top_k]`` buffer (allocated once, at the
+        largest of ``rows`` and ``max_num_batched_tokens``; reallocated only if a forward is larger)."""
+        buf = self._routing_buf.get(layer)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != top_k or buf.device != torch.device(device):
+            buf = torch.full((max(rows, self._routing_rows), top_k), -1, dtype=torch.int16, device=device)
+            self._routing_buf[layer] = buf
+        return buf
+
+    def _end_routing_step(self, step: "_Step") -> None:
+        n = step.query_start_loc[-1]
+        layers = sorted(self._routing_buf)
+        ids = torch.stack([self._routing_buf[layer][:n] for layer in layers], dim=1).to("cpu")  # [n, L, k]
+        if int(ids.min()) < 0:
+            raise RuntimeError(
+                f"verl-quads routing capture: layers {layers} did not all write expert ids for this step's {n} rows"
+            )
+        ids = ids.to(torch.uint8) if int(ids.max()) < 256 else ids.clone()
+        rs = _RoutingStep(step.req_ids, step.query_start_loc, step.positions, step.policy_version, layers, ids,
+                          remaining=set(step.req_ids))
+        with self._lock:
+            self._routing_steps.append(rs)
+            self._routing_nbytes += ids.numel() * ids.element_size()
+            while self._routing_nbytes > self.routing_max_bytes and len(self._routing_steps) > 1:
+                old = self._routing_steps.pop(0)
+                self._routing_nbytes -= old.experts.numel() * old.experts.element_size()
+                if self.routing_dropped_steps == 0:
+                    logger.warning(
+                        "verl-quads routing capture: more than %s=%d MiB of routing records were never collected; "
+                        "dropping the oldest (requests in them lose their record). Outside verl set "
+                        "VERL_QUADS_ROUTING=0.", ROUTING_MAX_MB_ENV, self.routing_max_bytes >> 20,
+                    )
+                self.routing_dropped_steps += 1
+
+    def routing_request_ids(self) -> list[str]:
+        with self._lock:
+            return sorted({r for s in self._routing_steps for r in s.remaining})
+
+    def pop_routing(self, request_id: str) -> "RequestRouting | None":
+        """Remove and return one request's routing (internal or external id; None if none captured).
+
+        Positions sorted ascending, the latest record kept per position (preemption recompute).
+        ``policy_version`` is the version of the request's first step (``mixed_versions`` tells
+        whether its steps span a weight sync)."""
+        ids = self.routing_request_ids()
+        if request_id not in ids:
+            hits = [i for i in ids if external_request_id(i) == request_id]
+            if len(hits) > 1:
+                raise KeyError(f"request id {request_id!r} matches several captured requests: {hits}")
+            request_id = hits[0] if hits else request_id
+        with self._lock:
+            parts = []
+            for s in self._routing_steps:
+                if request_id in s.remaining:
+                    i = s.req_ids.index(request_id)
+                    parts.append((s, slice(s.query_start_loc[i], s.query_start_loc[i + 1])))
+                    s.remaining.discard(request_id)
+            kept = [s for s in self._routing_steps if s.remaining]
+            for s in self._routing_steps:
+                if not s.remaining:
+                    self._routing_nbytes -= s.experts.numel() * s.experts.element_size()
+            self._routing_steps = kept
+        if not parts:
+            return None
+        layer_sets = {tuple(s.layers) for s, _ in parts}
+        if len(layer_sets) > 1:
+            raise RuntimeError(f"verl-quads routing capture: request {request_id!r} steps hold layers {layer_sets}")
+        positions = torch.cat([s.positions[sl] for s, sl in parts])
+        last = {p: j for j, p in enumerate(positions.tolist())}
+        keep = torch.tensor([last[p] for p in sorted(last)], dtype=torch.int64)
+        experts = torch.cat([s.experts[sl] for s, sl in parts])
+        if experts.dtype != torch.uint8 and int(experts.max()) < 256:
+            experts = experts.to(torch.uint8)
+        elif experts.dtype == torch.uint8 and any(s.experts.dtype != torch.uint8 for s, _ in parts):
+            experts = experts.to(torch.int16)
+        versions = [s.policy_version for s, _ in parts]
+        return RequestRouting(request_id, positions[keep], experts[keep], list(parts[0][0].layers), versions[0],
+                              len(set(versions)) > 1)
 
     @property
     def in_step(self) -> bool:
@@ -256,6 +426,8 @@ class GuidanceStore:
     def clear(self) -> None:
         with self._lock:
             self._steps.clear()
+            self._routing_steps.clear()
+            self._routing_nbytes = 0
         self._current = None
 
 
@@ -265,6 +437,61 @@ _STORE = GuidanceStore()
 def get_store() -> GuidanceStore:
     """The store of this process."""
     return _STORE
+
+
+def routing_capture_requested() -> bool:
+    """Whether routing capture is on in this process (default yes; ``VERL_QUADS_ROUTING=0`` turns it off)."""
+    v = os.environ.get(ROUTING_ENV, "1").strip().lower()
+    if v not in ("0", "1", "false", "true", "off", "on", ""):
+        raise ValueError(f"verl-quads: {ROUTING_ENV}={v!r}; allowed: 0/1 (false/true, off/on)")
+    return v not in ("0", "false", "off")
+
+
+def enable_routing_capture(layer_name: str) -> int | None:
+    """Called by ``QuadsNVFP4MoEMethod.create_weights`` (vLLM worker process, model build): returns
+    the decoder-layer index parsed from ``layer_name`` (``model.layers.<i>.mlp.experts``) if routing
+    capture is on (then the store's routing flag is set, the runner step hook installed, and the
+    buffer size read from vLLM's ``max_num_batched_tokens``), else None. A layer whose name has no
+    ``layers.<i>`` index (only hand-built layers in tests; vLLM names every MoE layer) is not captured,
+    with a warning: its layer is then missing from the records, which the trainer-side comparison
+    refuses (layer sets must match), so nothing is silently compared short."""
+    if not routing_capture_requested():
+        return None
+    m = _PREFIX_LAYER_RE.search(layer_name + ".")
+    if m is None:
+        logger.warning("verl-quads routing capture: MoE layer name %r has no decoder-layer index; not captured",
+                       layer_name)
+        return None
+    store = get_store()
+    try:
+        from vllm.config import get_current_vllm_config
+
+        store._routing_rows = max(store._routing_rows, int(get_current_vllm_config().scheduler_config.max_num_batched_tokens))
+    except Exception:  # no vLLM config context (unit tests): buffers are sized by the first forward
+        pass
+    install_runner_hook()
+    store.routing = True
+    return int(m.group(1))
+
+
+def record_routing(layer: int, topk_ids: torch.Tensor) -> None:
+    """Copy one MoE layer's ``topk_ids`` (``[rows, top_k]``, global expert ids) into its persistent
+    buffer (one device copy; safe inside CUDA-graph capture, see the module docstring)."""
+    rows, k = topk_ids.shape
+    buf = get_store().routing_buffer(layer, rows, k, topk_ids.device)
+    buf[:rows].copy_(topk_ids)
+
+
+def fetch_routing(worker, request_ids: list[str] | None = None) -> dict[str, dict]:
+    """``collective_rpc`` target: pop the given requests' routing (all if None): ``{id: wire}``."""
+    store = get_store()
+    ids = store.routing_request_ids() if request_ids is None else request_ids
+    out = {}
+    for rid in ids:
+        r = store.pop_routing(rid)
+        if r is not None:
+            out[rid] = r.to_wire()
+    return out
 
 
 def fetch_guidance(worker, request_ids: list[str] | None = None) -> dict[str, dict]:
@@ -317,7 +544,7 @@ def install_runner_hook() -> None:
         @functools.wraps(orig)
         def _model_forward(self, *args, **kwargs):
             store = get_store()
-            if not store.enabled:
+            if not (store.enabled or store.routing):
                 return orig(self, *args, **kwargs)
             positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
             num_reqs = self.input_batch.num_reqs
@@ -344,6 +571,12 @@ def install_runner_hook() -> None:
 __all__ = [
     "GuidanceStore",
     "RequestGuidance",
+    "RequestRouting",
+    "ROUTING_ENV",
+    "enable_routing_capture",
+    "record_routing",
+    "fetch_routing",
+    "routing_capture_requested",
     "get_store",
     "fetch_guidance",
     "collect_guidance",

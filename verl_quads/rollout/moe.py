@@ -58,8 +58,13 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
         self.act = act
         self.backend = backend
         self.capture_layer = capture_layer
+        self.routing_layer: int | None = None  # decoder layer whose routing is captured (set in create_weights)
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra):
+        from verl_quads.rollout.capture import enable_routing_capture
+
+        # routing capture (quads/routing_disagreement), every quantized mode unless VERL_QUADS_ROUTING=0
+        self.routing_layer = enable_routing_capture(getattr(layer, "layer_name", ""))
         for name, dim in (("hidden", hidden_size), ("intermediate", intermediate_size_per_partition)):
             if dim % 16:
                 raise ValueError(f"quads_nvfp4 MoE: {name} size {dim} is not a multiple of 16 (NVFP4 block)")
@@ -93,6 +98,10 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
             delattr(layer, f"{stem}_weight")
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
+        if self.routing_layer is not None:  # copy into a persistent buffer: CUDA-graph safe (capture.py)
+            from verl_quads.rollout.capture import record_routing
+
+            record_routing(self.routing_layer, topk_ids)
         if self.backend == "triton":
             return self.forward_triton(layer, x, topk_weights, topk_ids)
         return self.forward_reference(layer, x, topk_weights, topk_ids)
