@@ -1,31 +1,29 @@
 """``verl-quads bench rollout``: the ``triton`` rollout backend's fused NVFP4 GEMMs vs BF16 (CUDA).
 
-No vLLM needed: calls :mod:`verl_quads.nvfp4.triton_gemm` directly at Qwen3-30B-A3B's shapes --
-``qkv`` (2048 -> (32 + 4 + 4) * 128 = 5120), ``o_proj`` (4096 -> 2048), and the routed experts as ONE
-grouped launch per GEMM (``w13``: 128 experts x [1536, 2048]; ``w2``: 128 x [2048, 768]; top-8 random
-routing) -- at prefill M = 4096 and decode M = 1 / 8 / 64 tokens (experts: M x 8 token-slots).
+No vLLM needed: calls :mod:`verl_quads.nvfp4.triton_gemm` directly. Rows (issue #5's benchmark):
 
-In one run, on one device, per (shape, M):
+- ``moe``: the whole routed-experts layer at Qwen3-30B-A3B width (hidden 2048, expert intermediate
+  768, 128 experts, top-8, random routing): :func:`triton_gemm.moe_forward` (moe_align + ONE grouped
+  launch per GEMM) vs a BF16 layer of the same structure on ``torch._grouped_mm``; plus
+  ``moe_align`` alone;
+- dense linears ``d4096`` (4096x4096), ``d8192`` (8192x8192), and Qwen3-30B-A3B's ``qkv``
+  (2048 -> 5120) and ``o_proj`` (4096 -> 2048): baselines BF16 ``torch.matmul`` (cuBLAS) and FP8
+  rowwise ``torch._scaled_mm`` (e4m3 operands + per-row/per-column float32 scales, activation
+  quantization included; skipped with the reason printed where unsupported);
+- per shape and M (default 1, 4, 16, 64, 256, 1024, 4096 tokens): ``w4a16``, ``naive`` (W4A4
+  emulated: activation quantized per token by the core), ``quads k=R`` for R in ``--ratios``
+  (per-token residual selection, the default; graph-capturable); each timed as the whole call
+  (activation quantization included) captured in a CUDA graph; ``x bf16`` = BF16 time / this time
+  (> 1: faster); weight bandwidth counts the NVFP4 bytes the GEMM must read (codes + block scales;
+  the active experts' only) as a fraction of the device-to-device copy bandwidth of the same run.
 
-- ``bf16``: the baseline, timed in the same run: ``x @ w.T`` (``torch.matmul``, cuBLAS) for dense
-  shapes, ``torch._grouped_mm`` over the expert-sorted rows for the experts (per-expert Python loop
-  of matmuls when ``_grouped_mm`` is unavailable; the row says which);
-- ``w4a16``, ``naive`` (W4A4 emulated: activation quantized per token by the core, read packed),
-  ``quads k=R`` (per-call residual selection; for w2 one selection per expert: a
-  host-synchronizing loop, timed eagerly) and ``quads k=R per-token`` (one call, graph-capturable): the whole GEMM call
-  including the activation's quantization, and "gemm only" (operand prepared outside the timing);
-- time is device time of the call captured in a CUDA graph (``graph``), or an eager call's time
-  where it cannot be captured (``eager``); ``x bf16`` is the BF16 time divided by this time
-  (> 1: faster than BF16); weight bandwidth counts the weight bytes the GEMM must read (NVFP4
-  codes + block scales; the active experts' only), as a fraction of the device-to-device copy
-  bandwidth measured in the same run.
+At the end the goals of issue #5 are checked (PASS/FAIL with the measured ratios): W4A16 MoE layer
+>= 2.5x BF16 grouped at M <= 256; W4A16 dense 4096/8192 >= 2.5x cuBLAS BF16 at M <= 16; QUADS
+k=0.5 <= 1.10x the time of naive (W4A4-emulated) at every M.
 
-``moe``: the whole routed-experts layer, :func:`triton_gemm.moe_forward` vs a BF16 layer built
-from ``torch._grouped_mm`` (same structure), per mode.
-
-``--sweep`` first tries a set of launch configurations per (shape, M) for the w4a16 and naive
-GEMMs and uses the fastest (printed), so the heuristic of :func:`triton_gemm.pick_config` can be
-tuned from one run.
+``--shapes`` also accepts ``w13`` / ``w2`` (one grouped expert GEMM alone) and ``--sweep`` times a
+few launch configurations of the w4a16 / naive GEMM per (shape, M) to tune
+:func:`triton_gemm.pick_config`.
 """
 
 from __future__ import annotations
@@ -38,11 +36,14 @@ import torch
 from verl_quads.bench.timing import device_name, graph_time_s, median_time_s, print_table
 
 SHAPES = {  # name: (grouped, N, K)
+    "d4096": (False, 4096, 4096),
+    "d8192": (False, 8192, 8192),
     "qkv": (False, 5120, 2048),
     "o_proj": (False, 2048, 4096),
     "w13": (True, 1536, 2048),
     "w2": (True, 2048, 768),
 }
+DEFAULT_SHAPES = "moe,d4096,d8192,qkv,o_proj"
 NUM_EXPERTS, TOP_K = 128, 8
 DEVICE = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny SHAPES) may set "cpu"
 
@@ -95,7 +96,8 @@ def _bf16_grouped(x_sorted: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor,
     return loop, "bf16 per-expert matmul loop"
 
 
-def _moe_layer_rows(ms: list[int], ratio: float, bw: float, dev: str, g: torch.Generator) -> list[list[object]]:
+def _moe_layer_rows(ms: list[int], ratios: list[float], bw: float, dev: str, g: torch.Generator,
+                    times: dict) -> list[list[object]]:
     """Whole routed-experts layer (hidden 2048, intermediate 768, 128 experts top-8, random routing):
     :func:`triton_gemm.moe_forward` (one grouped launch per GEMM, routing sort included) vs a BF16
     layer of the same structure (stable sort by expert, ``torch._grouped_mm`` w13, silu * up,
@@ -143,19 +145,76 @@ def _moe_layer_rows(ms: list[int], ratio: float, bw: float, dev: str, g: torch.G
         except Exception as ex:  # pragma: no cover - depends on the torch build
             print(f"{tag}: bf16 layer baseline failed ({type(ex).__name__}: {ex})", flush=True)
             t_base = float("nan")
-        for label, mode, per_token in (("w4a16", "w4a16", True), ("naive", "naive", True),
-                                       (f"quads k={ratio} per-token", "quads", True),
-                                       (f"quads k={ratio} per-expert selection", "quads", False)):
-            def fn(mode=mode, per_token=per_token):
-                return tg.moe_forward(x, sw, ids, *qs["w13"], *qs["w2"], mode, residual_ratio=ratio,
-                                      residual_per_token=per_token)
+        bm = tg.pick_block_m(-(-(m * TOP_K) // min(e, m * TOP_K)))
+        t_align, how = _time(lambda: tg.moe_align(ids, e, bm))
+        rows.append([tag, "moe_align (routing sort + tile table)", how, t_align * 1e6, "-", "-", "-"])
+        for label, mode, r in _variants(ratios):
+            def fn(mode=mode, r=r):
+                return tg.moe_forward(x, sw, ids, *qs["w13"], *qs["w2"], mode, residual_ratio=r,
+                                      residual_per_token=True)
 
-            t, how = _time(fn, eager=not per_token)
+            t, how = _time(fn)
             rows.append([tag, f"triton {label} layer", how, t * 1e6, t_base / t, wbytes / t / 1e9, wbytes / t / bw])
+            times[("moe", m, label)] = t
+        times[("moe", m, "bf16")] = t_base
     return rows
 
 
-def run(shapes: list[str], ms: list[int], ratio: float, sweep: bool) -> str:
+def _variants(ratios: list[float]) -> list[tuple[str, str, float]]:
+    """(label, act_mode, residual ratio): w4a16, naive, quads k=R (per-token selection) for each R."""
+    return [("w4a16", "w4a16", 0.0), ("naive", "naive", 0.0)] + [(f"quads k={r:g}", "quads", r) for r in ratios]
+
+
+def _fp8_rowwise(x: torch.Tensor, w_bf16: torch.Tensor):
+    """(callable, None) for FP8 rowwise ``torch._scaled_mm`` (activation quantized per row inside the
+    call, weight per output channel beforehand), or (None, reason) where it cannot run."""
+    try:
+        fp8 = torch.float8_e4m3fn
+        ws = (w_bf16.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0)  # [N, 1]
+        w8 = (w_bf16.float() / ws).to(fp8)
+        ws_t = ws.reshape(1, -1).contiguous()
+
+        def fn():
+            xs = x.float().abs().amax(1, keepdim=True).clamp(min=1e-12) / 448.0
+            x8 = (x.float() / xs).to(fp8)
+            return torch._scaled_mm(x8, w8.t(), scale_a=xs, scale_b=ws_t, out_dtype=torch.bfloat16)
+
+        fn()
+        torch.cuda.synchronize()
+        return fn, None
+    except Exception as e:  # pragma: no cover - depends on GPU / torch build
+        return None, f"{type(e).__name__}: {str(e)[:160]}"
+
+
+def _goal_lines(times: dict, ms: list[int], ratios: list[float]) -> list[str]:
+    """PASS/FAIL of issue #5's goals from the measured times (seconds)."""
+    out = ["goals (issue #5):"]
+
+    def check(name, pairs, want, larger_is_better=True):
+        if not pairs:
+            out.append(f"  {name}: not measured")
+            return
+        vals = ", ".join(f"M={m}: {v:.2f}x" for m, v in pairs)
+        ok = all((v >= want) if larger_is_better else (v <= want) for _, v in pairs)
+        out.append(f"  {'PASS' if ok else 'FAIL'} {name}: {vals}")
+
+    check("W4A16 MoE layer >= 2.5x BF16 grouped at M <= 256",
+          [(m, times[("moe", m, "bf16")] / times[("moe", m, "w4a16")]) for m in ms
+           if m <= 256 and ("moe", m, "w4a16") in times and ("moe", m, "bf16") in times], 2.5)
+    for shape in ("d4096", "d8192"):
+        check(f"W4A16 dense {shape} >= 2.5x cuBLAS BF16 at M <= 16",
+              [(m, times[(shape, m, "bf16")] / times[(shape, m, "w4a16")]) for m in ms
+               if m <= 16 and (shape, m, "w4a16") in times], 2.5)
+    if 0.5 in ratios:
+        for shape in sorted({k[0] for k in times}):
+            check(f"{shape}: quads k=0.5 time / naive time <= 1.10 at every M",
+                  [(m, times[(shape, m, "quads k=0.5")] / times[(shape, m, "naive")]) for m in ms
+                   if (shape, m, "quads k=0.5") in times and (shape, m, "naive") in times], 1.10,
+                  larger_is_better=False)
+    return out
+
+
+def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> str:
     from verl_quads import nvfp4 as nv
     from verl_quads.nvfp4 import triton_gemm as tg
 
@@ -167,9 +226,11 @@ def run(shapes: list[str], ms: list[int], ratio: float, sweep: bool) -> str:
     print(out[-1], flush=True)
     rows = []
     best_cfgs = []
+    times: dict = {}
     g = torch.Generator(device=dev).manual_seed(0)
     if "moe" in shapes:
-        rows += _moe_layer_rows(ms, ratio, bw, dev, g)
+        rows += _moe_layer_rows(ms, ratios, bw, dev, g, times)
+        print(f"moe layer rows done", flush=True)
     for name in shapes:
         if name == "moe":
             continue
@@ -185,6 +246,7 @@ def run(shapes: list[str], ms: list[int], ratio: float, sweep: bool) -> str:
         del w
         for m in ms:
             tag = f"{name} M={m}"
+            fp8_fn = None
             if grouped:
                 s = m * TOP_K
                 ids = torch.rand(m, e, device=dev, generator=g).argsort(-1)[:, :TOP_K]
@@ -192,8 +254,7 @@ def run(shapes: list[str], ms: list[int], ratio: float, sweep: bool) -> str:
                 n_rows = m if name == "w13" else s
                 x = torch.randn(n_rows, k, device=dev, generator=g).to(torch.bfloat16)
                 routing = tg.moe_align(ids, e, tg.pick_block_m(-(-s // min(e, s))))
-                a_rows = (torch.div(routing.sorted_slots, TOP_K, rounding_mode="floor") if name == "w13"
-                          else routing.sorted_slots)
+                a_rows = routing.sorted_tokens if name == "w13" else routing.sorted_slots
                 counts = torch.bincount(ids.reshape(-1), minlength=e)
                 offs = torch.cumsum(counts, 0).to(torch.int32)
                 x_sorted = x[a_rows.long()].contiguous()
@@ -210,79 +271,68 @@ def run(shapes: list[str], ms: list[int], ratio: float, sweep: bool) -> str:
                 routing = a_rows = None
             x[:, ::293] *= 30.0
             t_base, how = _time(base_fn)
+            times[(name, m, "bf16")] = t_base
             rows.append([tag, base_label, how, t_base * 1e6, 1.0, bf16_bytes / t_base / 1e9, bf16_bytes / t_base / bw])
+            if not grouped:
+                fp8_fn, why = _fp8_rowwise(x, w_bf16)
+                if fp8_fn is None:
+                    print(f"{tag}: FP8 rowwise torch._scaled_mm skipped ({why})", flush=True)
+                else:
+                    t, how = _time(fp8_fn)
+                    rows.append([tag, "fp8 rowwise torch._scaled_mm (+act quant)", how, t * 1e6, t_base / t,
+                                 n * k / t / 1e9, n * k / t / bw])
 
             def gemm(op, cfg=None):
-                kw = dict(routing=routing, a_rows=a_rows, out_rows=(m * TOP_K if grouped else None))
-                return tg.nvfp4_gemm(op, w_packed, w_scale, w_gs, config=cfg, **kw) if grouped else \
-                    tg.nvfp4_gemm(op, w_packed, w_scale, w_gs, config=cfg)
+                if grouped:
+                    return tg.nvfp4_gemm(op, w_packed, w_scale, w_gs, config=cfg, routing=routing, a_rows=a_rows,
+                                         out_rows=m * TOP_K)
+                return tg.nvfp4_gemm(op, w_packed, w_scale, w_gs, config=cfg)
 
-            variants = [("w4a16", "w4a16", False), ("naive", "naive", False),
-                        (f"quads k={ratio}", "quads", False), (f"quads k={ratio} per-token", "quads", True)]
-            for label, mode, per_token in variants:
+            for label, mode, r in _variants(ratios):
                 cfg = None
-                eager = False
-                if mode == "quads" and name == "w2" and not per_token:
-                    # per-expert selection (the reference's per-expert call; GEMM1's input x is one call
-                    # shared by all experts): a host-synchronizing loop, timed eagerly with the bincount
-                    sorted_x = x[a_rows.long()]
-                    eager = True
-                    flat_ids = ids.reshape(-1)
+                if sweep and mode in ("w4a16", "naive"):
+                    op, _ = tg.quantize_activation(x, mode)
+                    per = -(-(m * TOP_K) // min(e, m * TOP_K)) if grouped else m
+                    cands = [c for c in _sweep_configs(per) if not grouped or c.block_m == routing.block_m]
+                    timed = []
+                    for c in cands:
+                        try:
+                            timed.append((graph_time_s(lambda c=c: gemm(op, c), iters=10, inner=5), c))
+                        except Exception as ex:  # a config that does not compile/fit: skip it
+                            print(f"  config {c} failed: {type(ex).__name__}: {str(ex)[:120]}", flush=True)
+                    timed = [t for t in timed if t[0] is not None]
+                    if timed:
+                        t_best, cfg = min(timed, key=lambda t: t[0])
+                        best_cfgs.append(f"{tag} {mode}: {cfg} {t_best * 1e6:.1f} us "
+                                         f"(default {graph_time_s(lambda: gemm(op)) * 1e6:.1f} us)")
+                        print(best_cfgs[-1], flush=True)
 
-                    def full():
-                        clist = torch.bincount(flat_ids, minlength=e).tolist()
-                        return gemm(tg.quads_grouped_operand(sorted_x, clist, list(range(e)), e, ratio))
+                def full(mode=mode, r=r, cfg=cfg):
+                    o, _ = tg.quantize_activation(x, mode, residual_ratio=r, residual_per_token=True)
+                    return gemm(o, cfg)
 
-                    op = tg.quads_grouped_operand(sorted_x, counts.tolist(), list(range(e)), e, ratio)
-                    ar = torch.arange(s, dtype=torch.int32, device=dev)
-
-                    def gemm_only():
-                        return tg.nvfp4_gemm(op, w_packed, w_scale, w_gs, routing=routing, a_rows=ar, out_rows=s)
-                else:
-                    op, _ = tg.quantize_activation(x, mode, residual_ratio=ratio, residual_per_token=per_token)
-                    if sweep and mode in ("w4a16", "naive"):
-                        per = -(-(m * TOP_K) // min(e, m * TOP_K)) if grouped else m
-                        cands = [c for c in _sweep_configs(per) if not grouped or c.block_m == routing.block_m]
-                        timed = []
-                        for c in cands:
-                            try:
-                                timed.append((graph_time_s(lambda c=c: gemm(op, c), iters=10, inner=5), c))
-                            except Exception as ex:  # a config that does not compile/fit: skip it
-                                print(f"  config {c} failed: {type(ex).__name__}: {str(ex)[:120]}", flush=True)
-                        timed = [t for t in timed if t[0] is not None]
-                        if timed:
-                            t_best, cfg = min(timed, key=lambda t: t[0])
-                            best_cfgs.append(f"{tag} {mode}: {cfg} {t_best * 1e6:.1f} us "
-                                             f"(default {graph_time_s(lambda: gemm(op)) * 1e6:.1f} us)")
-                            print(best_cfgs[-1], flush=True)
-
-                    def full(mode=mode, per_token=per_token, cfg=cfg):
-                        o, _ = tg.quantize_activation(x, mode, residual_ratio=ratio, residual_per_token=per_token)
-                        return gemm(o, cfg)
-
-                    def gemm_only(op=op, cfg=cfg):
-                        return gemm(op, cfg)
-
-                for what, fn in (("", full), (" (gemm only)", gemm_only)):
-                    t, how = _time(fn, eager=eager and fn is full)
-                    rows.append([tag, f"triton {label}{what}", how, t * 1e6, t_base / t, wbytes / t / 1e9,
-                                 wbytes / t / bw])
+                t, how = _time(full)
+                times[(name, m, label)] = t
+                rows.append([tag, f"triton {label}", how, t * 1e6, t_base / t, wbytes / t / 1e9, wbytes / t / bw])
             torch.cuda.empty_cache()
+        print(f"{name} rows done", flush=True)
     out.append(print_table(
-        "NVFP4 fused GEMMs (triton backend) vs BF16, Qwen3-30B-A3B shapes",
+        "NVFP4 fused GEMMs (triton backend) vs BF16; MoE layer and Qwen3 shapes at Qwen3-30B-A3B width",
         ["shape", "kernel", "timing", "us", "x bf16", "weight GB/s", "of copy BW"], rows))
     if best_cfgs:
         out.append("best launch configs (--sweep):\n" + "\n".join(best_cfgs))
+    out += _goal_lines(times, ms, ratios)
+    print("\n".join(_goal_lines(times, ms, ratios)), flush=True)
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="verl-quads bench rollout", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="moe,qkv,o_proj,w13,w2",
+    p.add_argument("--shapes", default=DEFAULT_SHAPES,
                    help=f"comma-separated, from {['moe'] + list(SHAPES)} (moe: the whole routed-experts layer)")
-    p.add_argument("--m", default="4096,1,8,64,256", help="comma-separated token counts M")
-    p.add_argument("--ratio", type=float, default=0.5, help="QUADS residual ratio k")
+    p.add_argument("--m", default="1,4,16,64,256,1024,4096", help="comma-separated token counts M")
+    p.add_argument("--ratios", default="0.25,0.5,1.0", help="QUADS residual ratios k (comma-separated)")
     p.add_argument("--sweep", action="store_true", help="try launch configs per shape and use the fastest")
     p.add_argument("--out", default=None, help="also write the tables to this file")
     a = p.parse_args(argv)
@@ -291,8 +341,8 @@ def main(argv: list[str] | None = None) -> None:
     shapes = [s for s in a.shapes.split(",") if s]
     bad = [s for s in shapes if s not in SHAPES and s != "moe"]
     if bad:
-        raise SystemExit(f"verl-quads bench rollout: unknown shape(s) {bad}; allowed: {list(SHAPES)}")
-    text = run(shapes, [int(v) for v in a.m.split(",")], a.ratio, a.sweep)
+        raise SystemExit(f"verl-quads bench rollout: unknown shape(s) {bad}; allowed: {['moe'] + list(SHAPES)}")
+    text = run(shapes, [int(v) for v in a.m.split(",")], [float(v) for v in a.ratios.split(",") if v], a.sweep)
     if a.out:
         with open(a.out, "w") as f:
             f.write(text + "\n")
