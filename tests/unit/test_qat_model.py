@@ -242,3 +242,23 @@ def test_check_finite_option():
     apply_qat(strict, "quads", check_finite=True)
     with pytest.raises(ValueError, match="contains 1 NaN"):
         strict(input_ids=tokens())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_weight_abs_max_is_abs_amax_bit_for_bit(dtype):
+    """The one-pass weight amax (infinity norm) equals ``w.abs().amax()`` bit for bit, incl. NaN/inf/zero experts."""
+    from verl_quads.qat.weights import abs_max
+
+    torch.manual_seed(0)
+    w = (torch.randn(6, 48, 32) * torch.logspace(-3, 3, 6).view(6, 1, 1)).to(dtype)
+    w[1] = 0.0
+    w[2, 3, 4] = float("nan")
+    w[3, 0, 0] = float("-inf")
+    w[4] = -w[4].abs()  # the max magnitude comes from a negative element
+    w[5, 7, 9] = -0.0
+    for dims, keep in (((1, 2), True), ((1, 2), False), (None, False), ((-1,), True)):
+        want = w.abs().amax(dim=dims, keepdim=keep) if dims is not None else w.abs().amax()
+        got = abs_max(w, dim=dims, keepdim=keep)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.float().nan_to_num(-1.0), want.float().nan_to_num(-1.0)), dims
+    assert torch.isnan(abs_max(w, dim=(1, 2))[2])

@@ -14,6 +14,16 @@ input and every weight). Timed in one run, same process, same input, for:
 Reported: median ms per forward+backward (CUDA events; ``median_time_s``) and the ratio to ``bf16``.
 Goals (issue 4): ``w4a16`` <= 1.10, ``trace`` <= 1.20. Runs on CPU too with small ``--tokens``
 (smoke test), where the numbers mean little.
+
+Breakdown per mode (``--no-breakdown`` skips it):
+
+- ``wQDQ ms``: the weight fake quantization of the layer alone (every quantized module's QDQ weight,
+  global-scale amax included, no autograd), median like the main timing;
+- on CUDA, one forward+backward under ``torch.profiler``: device time summed per kernel class
+  (``gemm``: cuBLAS/CUTLASS/grouped GEMMs; ``nvfp4``: the core's Triton quantize/QDQ/guided kernels,
+  weights and activations together; ``reduce``: reductions such as amax and the slot sum;
+  ``attn``: attention kernels; ``other``: elementwise, copies, gathers/scatters, sort). The
+  profiled step is slower than the timed ones; use the classes' shares, not their sum.
 """
 
 from __future__ import annotations
@@ -74,7 +84,7 @@ def run(a: argparse.Namespace) -> str:
              f"experts impl {cfg._experts_implementation}, NVFP4 backend {a.backend}"]
     print("\n".join(lines), flush=True)
 
-    rows, t_bf16 = [], None
+    rows, brows, t_bf16 = [], [], None
     for mode in a.modes:
         layer_root = copy.deepcopy(base)
         ctx = None
@@ -112,9 +122,70 @@ def run(a: argparse.Namespace) -> str:
             t_bf16 = t
         rows.append([mode, t * 1e3, (t / t_bf16) if t_bf16 else float("nan"), peak])
         print(f"{mode}: {t * 1e3:.2f} ms", flush=True)
+        if a.breakdown:
+            wq = weight_qdq_time_s(layer_root, a) if mode != "bf16" else 0.0
+            classes = kernel_classes_ms(step) if device == "cuda" else {}
+            brows.append([mode, wq * 1e3] + [classes.get(c, float("nan")) for c in KERNEL_CLASSES])
+            print(f"{mode}: weight QDQ {wq * 1e3:.2f} ms; kernels {classes or 'profiled on CUDA only'}", flush=True)
         del layer_root, layer
     table = print_table("one MoE decoder layer, forward+backward", ["mode", "ms", "x bf16", "peak GiB"], rows)
-    return "\n".join(lines + [table])
+    out = lines + [table]
+    if a.breakdown:
+        out.append(print_table(
+            "breakdown: weight QDQ alone; device ms per kernel class in one profiled forward+backward (CUDA)",
+            ["mode", "wQDQ ms"] + [f"{c} ms" for c in KERNEL_CLASSES], brows))
+    return "\n".join(out)
+
+
+#: Kernel classes of the profile breakdown, matched on lower-case kernel names in this order.
+KERNEL_CLASSES = ("gemm", "nvfp4", "reduce", "attn", "other")
+_CLASS_PATTERNS = (
+    ("nvfp4", ("_quant_kernel", "_guided_kernel", "_dequant_kernel", "_residual")),
+    ("gemm", ("gemm", "cutlass", "nvjet", "cublas", "sm90_xmma", "grouped_mm", "_mm_")),
+    ("attn", ("flash", "fmha", "attention", "efficient_attention")),
+    ("reduce", ("reduce",)),
+)
+
+
+def _kernel_class(name: str) -> str:
+    n = name.lower()
+    for cls, pats in _CLASS_PATTERNS:
+        if any(p in n for p in pats):
+            return cls
+    return "other"
+
+
+def weight_qdq_time_s(layer_root: nn.Module, a: argparse.Namespace) -> float:
+    """Median seconds of computing every quantized module's QDQ weight once (what one forward does)."""
+    from verl_quads.qat.model import _QATExperts, _QATLinear
+
+    mods = [m for m in layer_root.modules() if isinstance(m, (_QATLinear, _QATExperts))]
+
+    def qdq():
+        with torch.no_grad():
+            for m in mods:
+                m._qat_weight() if isinstance(m, _QATLinear) else m._qdq_weights()
+
+    return median_time_s(qdq, warmup=a.warmup, iters=a.iters, inner=1)
+
+
+def kernel_classes_ms(step) -> dict[str, float]:
+    """Device ms per kernel class over one ``step()`` profiled with torch.profiler (CUDA only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    out = dict.fromkeys(KERNEL_CLASSES, 0.0)
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if us:
+            out[_kernel_class(e.key)] += us / 1e3
+    return out
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -134,6 +205,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="transformers experts implementation (grouped_mm: what a Qwen3-MoE model gets by default)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                   help="skip the per-mode breakdown (weight QDQ alone; kernel classes on CUDA)")
     a = p.parse_args(argv)
     if a.modes[0] != "bf16":
         a.modes = ["bf16"] + [m for m in a.modes if m != "bf16"]  # ratios need the baseline first

@@ -140,12 +140,17 @@ class _QATLinear:
     _qat_act: str
     _qat_group: list
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def _qat_weight(self) -> torch.Tensor:
+        """The QDQ (STE) weight ``[out, in]`` this forward multiplies with (group-shared global scale)."""
         st = self._qat_state
         for m in self._qat_group:
             check_unsharded(m.weight, f"{m._qat_name}.weight")
         gs = linear_global_scale([m.weight for m in self._qat_group])
-        w = qdq_linear_weight(self.weight, gs, st.backend, st.check_finite)
+        return qdq_linear_weight(self.weight, gs, st.backend, st.check_finite)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        st = self._qat_state
+        w = self._qat_weight()
         if self._qat_act == "rtn":
             x = qdq_rtn(x, st.backend, st.check_finite)
         elif self._qat_act == "guided":

@@ -57,15 +57,23 @@ def check_unsharded(t: torch.Tensor, what: str) -> None:
         )
 
 
+def abs_max(w: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+    """``amax(|w|)`` over ``dim`` (all dims if None) in ``w``'s dtype, in ONE read of ``w``: the
+    infinity norm, which does not materialize ``|w|`` (``w.abs().amax()`` writes and re-reads a full
+    copy). Bit-identical to ``w.abs().amax(...)`` (the result is one of the elements' magnitudes;
+    NaN propagates), checked in tests/unit/test_qat_model.py."""
+    return torch.linalg.vector_norm(w.detach(), ord=float("inf"), dim=dim, keepdim=keepdim)
+
+
 def linear_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
     """Shared per-tensor encode scale (0-d float32) of one or more ``[out, in]`` weights."""
-    amax = torch.stack([w.detach().abs().amax().to(torch.float32) for w in weights]).amax()
-    return global_scale_from_amax(amax)
+    amax = abs_max(weights[0]) if len(weights) == 1 else torch.stack([abs_max(w) for w in weights]).amax()
+    return global_scale_from_amax(amax.to(torch.float32))
 
 
 def expert_global_scale(w: torch.Tensor) -> torch.Tensor:
     """Per-expert encode scale ``[E, 1, 1]`` float32 of a ``[E, out, in]`` expert weight."""
-    return global_scale_from_amax(w.detach().abs().amax(dim=(1, 2), keepdim=True).to(torch.float32))
+    return global_scale_from_amax(abs_max(w, dim=(1, 2), keepdim=True).to(torch.float32))
 
 
 def qdq_linear_weight(
@@ -91,6 +99,7 @@ def qdq_expert_weight(
 __all__ = [
     "FUSED_GROUPS",
     "EXPERT_PARAMS",
+    "abs_max",
     "check_unsharded",
     "linear_global_scale",
     "expert_global_scale",
