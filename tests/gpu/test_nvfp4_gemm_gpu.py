@@ -44,7 +44,7 @@ def _check(y, ref, xf, wf, what):
 
 @pytest.mark.parametrize("mode, per_token", [("w4a16", False), ("naive", False), ("quads", False), ("quads", True)])
 @pytest.mark.parametrize("name, n, k", [("qkv", 5120, 2048), ("o_proj", 2048, 4096)])
-@pytest.mark.parametrize("m", [1, 8, 64, 4096])
+@pytest.mark.parametrize("m", [1, 16, 64, 4096])
 def test_dense_real_shapes(mode, per_token, name, n, k, m):
     x = _x(m, k)
     q_w = em.quantize_weight(_w((n, k)))
@@ -94,6 +94,35 @@ def test_grouped_experts_real_shapes(mode, per_token, gemm, tokens):
         ys.append(float((d / ulp).max()))
         assert bool((d <= bound).all()), f"{gemm} T={tokens} expert {ex} {mode}: {ys[-1]:.2f} ulp"
     print(f"{gemm} T={tokens} {mode} per_token={per_token}: {len(ys)} experts, max |diff| {max(ys):.2f} bf16 ulp")
+
+
+@pytest.mark.parametrize("tokens, block_m", [(1, 16), (64, 16), (4096, 128)])
+def test_moe_align_triton_equals_torch_reference(tokens, block_m):
+    """The three-launch Triton moe_align == the torch reference at Qwen3-30B-A3B routing sizes
+    (128 experts, top-8; some slots not local)."""
+    e, topk = 128, 8
+    g = torch.Generator(device=DEV).manual_seed(7)
+    ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
+    ids[torch.rand(tokens, topk, device=DEV, generator=g) > 0.9] = -1
+    got, ref = tg.moe_align(ids, e, block_m), tg.moe_align_reference(ids, e, block_m)
+    for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+
+
+def test_swapped_and_plain_tiles_agree():
+    """The decode layout (swap=True, split-K) and the plain tile give the same bf16 outputs up to the
+    float32 summation order (same bound as above)."""
+    x = _x(16, 2048)
+    q_w = em.quantize_weight(_w((5120, 2048)))
+    gs = q_w.global_scale.reshape(())
+    xf, _ = em.quantize_activation(x, em.ActQuant("naive", 0.5, True))
+    wf = em.weight_f32(q_w.packed, q_w.block_scale, gs)
+    ref = em.gemm(xf, wf, None, x.dtype)
+    for cfg in (tg.GemmConfig(block_m=16, block_n=64, block_k=128, split_k=4, num_stages=3, swap=True),
+                tg.GemmConfig(block_m=16, block_n=64, block_k=64, split_k=1, num_stages=2, swap=False),
+                tg.GemmConfig(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)):
+        y = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "naive", residual_per_token=True, config=cfg)
+        _check(y, ref, xf, wf, f"naive M=16 {cfg}")
 
 
 def test_grouped_launch_replays_in_a_cuda_graph():
@@ -149,8 +178,10 @@ def _moe_reference(x, sw, ids, q13, q2, mode, per_token):
     return out.to(x.dtype)
 
 
-@pytest.mark.parametrize("mode, per_token", [("w4a16", True), ("naive", True), ("quads", True), ("quads", False)])
-@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("mode, per_token, tokens", [
+    ("w4a16", True, 1), ("naive", True, 1), ("quads", True, 1), ("quads", False, 1),
+    ("w4a16", True, 64), ("naive", True, 64), ("quads", True, 64), ("quads", True, 1024),
+])
 def test_moe_layer_real_shape(mode, per_token, tokens):
     """moe_forward (two grouped launches) == the per-expert torch reference, Qwen3-30B-A3B experts.
     GEMM1 outputs that round differently can flip a GEMM2 activation code, so the bound is relative:

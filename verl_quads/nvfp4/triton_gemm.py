@@ -335,9 +335,9 @@ if triton is not None:
         key earlier in the chunk)`` (a stable counting sort): ``sorted[row] = i``, ``tok[row] = i // TOPK``."""
         p = tl.program_id(0)
         ee = tl.arange(0, EP)
-        ii = tl.arange(0, 128)
+        ii = tl.arange(0, 64)
         run = tl.zeros([EP], tl.int32)
-        for c0 in range(0, C, 128):
+        for c0 in range(0, C, 64):
             i = p * C + c0 + ii
             valid = i < S
             e = tl.load(ids_ptr + i, mask=valid, other=-1).to(tl.int32)
