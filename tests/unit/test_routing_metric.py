@@ -85,3 +85,130 @@ def test_perturbed_router_raises_routing_disagreement(trainer):
     assert 0.0 < diff[ROUTING_METRIC] <= 1.0
     assert diff[ROUTING_METRIC] == pytest.approx(want)
     print(f"\nrouting_disagreement with layer 2's router perturbed: {diff[ROUTING_METRIC]:.3f}")
+
+
+# ----------------------------------------------------------------------------- end-to-end pieces (issue 6/7)
+def test_store_routing_records_per_request():
+    """Rollout side: the runner's steps + each MoE layer's topk_ids -> one uint8 [T, layers, k] record per
+    request, positions sorted, the latest record kept on recompute, external ids resolved."""
+    from verl_quads.rollout.capture import GuidanceStore, RequestRouting
+
+    st = GuidanceStore()
+    st.routing = True
+    ids = {0: torch.tensor([[1, 2], [3, 4], [5, 6]]), 2: torch.tensor([[7, 0], [6, 5], [4, 3]])}
+
+    def step(req_ids, qsl, pos, per_layer):
+        st.begin_step(req_ids, qsl, torch.tensor(pos))
+        for layer, t in per_layer.items():  # what record_routing does inside QuadsNVFP4MoEMethod.apply
+            rows = t.shape[0]
+            st.routing_buffer(layer, rows, 2, "cpu")[:rows].copy_(t)
+        st.end_step()
+
+    step(["a-0123abcd", "b-89abcdef"], [0, 2, 3], [0, 1, 0], ids)  # prefill: a has 2 tokens, b has 1
+    step(["a-0123abcd", "b-89abcdef"], [0, 1, 2], [2, 1], {0: torch.tensor([[0, 1], [2, 3]]), 2: torch.tensor([[4, 5], [6, 7]])})
+    step(["a-0123abcd"], [0, 1], [2], {0: torch.tensor([[7, 6]]), 2: torch.tensor([[5, 4]])})  # a's position 2 recomputed
+    a = st.pop_routing("a")  # external id
+    assert a.request_id == "a-0123abcd" and a.layers == [0, 2] and a.experts.dtype == torch.uint8
+    assert a.positions.tolist() == [0, 1, 2]
+    assert a.experts.tolist() == [[[1, 2], [7, 0]], [[3, 4], [6, 5]], [[7, 6], [5, 4]]]
+    assert st.pop_routing("a") is None
+    b = RequestRouting.from_wire(st.pop_routing("b-89abcdef").to_wire())
+    assert b.positions.tolist() == [0, 1] and b.experts.tolist() == [[[5, 6], [4, 3]], [[2, 3], [6, 7]]]
+    assert b.nbytes == 2 * 2 * 2 and st.routing_request_ids() == [] and st._routing_nbytes == 0
+
+
+def test_store_routing_bounded_and_wide_ids():
+    from verl_quads.rollout.capture import GuidanceStore
+
+    st = GuidanceStore()
+    st.routing, st.routing_max_bytes = True, 6  # 1 token x 1 layer x top-2: 2 B uint8, 4 B int16 (id 300)
+    for i in range(4):
+        st.begin_step([f"r{i}"], [0, 1], torch.tensor([0]))
+        st.routing_buffer(5, 1, 2, "cpu")[:1].copy_(torch.tensor([[i, 300 if i == 3 else 1]]))
+        st.end_step()
+    assert st.routing_request_ids() == ["r2", "r3"] and st.routing_dropped_steps == 2
+    r3 = st.pop_routing("r3")
+    assert r3.experts.dtype == torch.int16 and r3.experts.tolist() == [[[3, 300]]]
+
+
+def _micro_batch(seqs, resp_lens, wires, remove_padding=False):
+    from verl.utils import tensordict_utils as tu
+
+    rows = []
+    for i, (s, r) in enumerate(zip(seqs, resp_lens)):
+        m = torch.ones(r, dtype=torch.long)
+        if i == 0:
+            m[-2:] = 0  # masked response tokens are not counted
+        rows.append({"input_ids": s, "response_mask": m, "uid": f"u{i}", "quads_routing": wires[i]})
+    td = tu.list_of_dict_to_tensordict(rows)
+    tu.assign_non_tensor(td, use_remove_padding=remove_padding)
+    return td
+
+
+def test_routing_session_in_log_prob_pass_perturbed_router(trainer):
+    """Trainer side as the QAT engine runs it (RoutingSession: row map of the padded model input, rollout
+    records per row, trainer routers recorded during the forward): 0 against its own routing; against a
+    rollout whose layer-2 router is perturbed, the fraction counted here by hand (response tokens'
+    producing positions P-1+j, masked ones excluded, a row without record uncovered)."""
+    from verl_quads.integration.trace import METRIC_ROUTING, RoutingSession
+    from verl_quads.rollout.capture import RequestRouting
+
+    g = torch.Generator().manual_seed(2)
+    prompts, resps = [5, 7, 4], [6, 3, 8]
+    seqs = [torch.randint(3, 300, (p + r,), generator=g) for p, r in zip(prompts, resps)]
+    S = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), S, dtype=torch.long)
+    mask = torch.zeros(len(seqs), S, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)], mask[i, : len(s)] = s, 1
+    other = copy.deepcopy(trainer)
+    with torch.no_grad():
+        w = other.model.layers[2].mlp.gate.weight
+        w.add_(torch.randn(w.shape, generator=g) * w.abs().mean() * 2)
+
+    def recorded(model):
+        with RouterRecorder(model) as rec, torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)
+            return rec.take().reshape(len(seqs), S, 4, 2).long()
+
+    mine, theirs = recorded(trainer), recorded(other)
+
+    def wires(src, first_pos=(0, 0, 0), none_row=None):
+        out = []
+        for i, s in enumerate(seqs):
+            if i == none_row:
+                out.append(None)
+                continue
+            pos = torch.arange(first_pos[i], len(s) - 1)  # vLLM never feeds the last sampled token
+            out.append(RequestRouting(f"req{i}", pos, src[i, pos].to(torch.uint8), [0, 1, 2, 3], 1).to_wire())
+        return out
+
+    def run(wire_list):
+        td = _micro_batch(seqs, resps, wire_list)
+        with RoutingSession(trainer) as rs, torch.no_grad():
+            rs.begin_micro_batch(td, {"input_ids": ids, "attention_mask": mask})
+            trainer(input_ids=ids, attention_mask=mask)
+        return rs.metrics()
+
+    same = run(wires(mine, first_pos=(4, 0, 0)))  # row 0: prefix-cached prompt, only P-1 onwards computed
+    assert same[METRIC_ROUTING] == 0.0 and same["quads/routing_uncovered_frac"] == 0.0
+    assert same["quads/routing_compared_tokens"] == 4 + 3 + 8 and same["quads/routing_bytes_per_token"] == 8.0
+
+    got = run(wires(theirs, none_row=1))
+    diff = 0
+    for i in (0, 2):  # counted by hand: rows of the response tokens' log-probs
+        valid = resps[i] - (2 if i == 0 else 0)
+        for j in range(valid):
+            p = prompts[i] - 1 + j
+            for layer in range(4):
+                diff += set(theirs[i, p, layer].tolist()) != set(mine[i, p, layer].tolist())
+    pairs = (4 + 8) * 4
+    assert diff > 0
+    assert got[METRIC_ROUTING] == pytest.approx(diff / pairs)
+    assert got["quads/routing_compared_tokens"] == 12 and got["quads/routing_uncovered_frac"] == pytest.approx(3 / 15)
+    print(f"\nRoutingSession: routing_disagreement {got[METRIC_ROUTING]:.3f} with layer 2's router perturbed")
+
+    bad = wires(mine)
+    bad[0]["layers"] = [0, 1, 2]
+    with pytest.raises(ValueError, match="rollout recorded MoE layers"):
+        run(bad)

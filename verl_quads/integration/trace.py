@@ -67,15 +67,15 @@ def _wire_to_device(wire: dict, device) -> dict:
     return out
 
 
-def _guidance_rows(td) -> list:
+def _guidance_rows(td, field: str = FIELD) -> list:
     """Each row's record. verl's agent loop carries ``TokenOutput.extra_fields`` in one of two ways:
-    the DataProto path (``AgentLoopWorker._postprocess``) makes each key a column (``td[FIELD]``);
+    the DataProto path (``AgentLoopWorker._postprocess``) makes each key a column (``td[field]``);
     the v1 trainer's TransferQueue path (``AgentLoopWorkerTQ``) stores the whole dict per row as the
     ``extra_fields`` column. A row whose dict lacks the key yields None (an error in the caller)."""
-    if FIELD in td.keys():
-        return _rows(td, FIELD)
+    if field in td.keys():
+        return _rows(td, field)
     if "extra_fields" in td.keys():
-        return [r.get(FIELD) if isinstance(r, dict) else None for r in _rows(td, "extra_fields")]
+        return [r.get(field) if isinstance(r, dict) else None for r in _rows(td, "extra_fields")]
     return []
 
 
@@ -295,12 +295,12 @@ class RouterRecorder:
     ``[rows, layers, top_k]`` (layers in ascending index order) and clears them. Use as a context
     manager (hooks removed on exit). Recording does not change any output.
 
-    To become the logged metric it needs the verl engine to run it around ``compute_log_prob``'s
-    forward and to put the ids, mapped to verl's ``[bsz, seqlen, layers, top_k]`` layout, under
-    ``verl_quads.patches.verl_gap_metrics.ACTOR_ROUTING_KEY`` (not wired: see docs/sync.md).
+    :class:`RoutingSession` runs it in the QAT engine's log-prob pass (``quads/routing_disagreement``).
+    ``prepend=True`` registers the hooks before any existing ones (TRACE's router replay), so the
+    router's own choice is recorded rather than the replayed one.
     """
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, prepend: bool = False):
         import re
 
         pat = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
@@ -311,6 +311,7 @@ class RouterRecorder:
             )
         self._ids: dict[int, torch.Tensor] = {}
         self._handles: list = []
+        self.prepend = prepend  # True: run before other forward hooks (TRACE router replay): the router's own choice
 
     def _hook(self, layer: int):
         def hook(module, args, output):
@@ -324,7 +325,7 @@ class RouterRecorder:
         return hook
 
     def __enter__(self) -> "RouterRecorder":
-        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in sorted(self.routers.items())]
+        self._handles = [m.register_forward_hook(self._hook(i), prepend=self.prepend) for i, m in sorted(self.routers.items())]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -342,5 +343,141 @@ class RouterRecorder:
         return out
 
 
-__all__ = ["RouterRecorder", "FIELD", "DUMP_ENV", "METRIC_BPT", "TraceSession", "trace_pass", "batch_guidance", "guidance_bytes",
+ROUTING_FIELD = "quads_routing"
+METRIC_ROUTING = "quads/routing_disagreement"
+
+
+def batch_routing(td) -> list:
+    """Each row's rollout routing wire record (``extra_fields["quads_routing"]``; None where absent)."""
+    rows = _guidance_rows(td, ROUTING_FIELD)
+    n = td.batch_size[0]
+    return rows if len(rows) == n else [None] * n
+
+
+class RoutingSession:
+    """``quads/routing_disagreement`` in one log-prob pass of a QAT engine (every quantized mode).
+
+    Per micro-batch (:meth:`begin_micro_batch`, from the engine's ``prepare_model_inputs``) it keeps
+    the row map of the model input (``TraceBatch.packed`` / ``.padded``: sequence index and position
+    of every flattened token row) and the micro-batch's rollout records; after that micro-batch's
+    forward (at the next :meth:`begin_micro_batch` or :meth:`close`) it compares, for every valid
+    response token j of every sequence (prompt length P, response length R, ``response_mask[j] == 1``),
+    the trainer's top-k expert set at the row that produces token j's log-prob (position ``P - 1 + j``,
+    as verl's ``response_from_nested`` shifts) with the rollout's at the same position, per MoE layer.
+    Counts: ``differ`` (token, layer) pairs whose sets differ, ``pairs`` compared; tokens whose position
+    has no rollout record (no record for the row; or not computed by vLLM) are counted as uncovered,
+    never as agreeing. The rollout's and the trainer's MoE layer lists must be identical (else
+    ValueError). With ``replayed=True`` (TRACE: guided layers replay the rollout's routing) a second
+    recorder after the replay hooks gives ``quads/routing_disagreement_replayed`` (0 in guided layers by
+    construction); the main metric is the routers' own choice.
+    """
+
+    def __init__(self, model: torch.nn.Module, replayed: bool = False):
+        self.own = RouterRecorder(model, prepend=True)
+        self.eff = RouterRecorder(model) if replayed else None
+        self.layers = sorted(self.own.routers)
+        self.differ = self.pairs = self.eff_differ = 0
+        self.tokens = self.uncovered = 0
+        self.rec_bytes = self.rec_tokens = 0
+        self.micro_batches = 0
+        self._pending = None
+
+    def __enter__(self) -> "RoutingSession":
+        self.own.__enter__()
+        if self.eff is not None:
+            self.eff.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            if exc[0] is None:
+                self._flush()
+        finally:
+            self._pending = None
+            self.own.__exit__(*exc)
+            if self.eff is not None:
+                self.eff.__exit__(*exc)
+
+    def begin_micro_batch(self, micro_batch, model_inputs: dict) -> None:
+        from verl.utils import tensordict_utils as tu
+
+        self._flush()
+        if getattr(model_inputs, "get", None) is None or "input_ids" not in model_inputs:
+            raise ValueError("verl-quads routing: model inputs without input_ids")
+        if "response_mask" not in micro_batch.keys():
+            raise KeyError("verl-quads routing: the log-prob micro-batch has no response_mask")
+        seq_lens = micro_batch["input_ids"].offsets().diff().tolist()
+        masks = [m.bool().cpu() for m in micro_batch["response_mask"].unbind()]
+        n = len(seq_lens)
+        keys = [f"row{i}" for i in range(n)]
+        if tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
+            tb = TraceBatch.packed(None, 0, keys, seq_lens, total_rows=model_inputs["input_ids"].shape[-1])
+        else:
+            mask = model_inputs.get("attention_mask")
+            if mask is None or mask.dim() != 2:
+                raise ValueError(f"verl-quads routing: padded micro-batch without a 2-D attention mask ({type(mask)})")
+            tb = TraceBatch.padded(None, 0, keys, mask.cpu())
+        self._pending = (tb.row_seq, tb.row_pos, batch_routing(micro_batch), seq_lens, masks)
+        self.micro_batches += 1
+
+    def _flush(self) -> None:
+        if self._pending is None:
+            return
+        row_seq, row_pos, wires, seq_lens, masks = self._pending
+        self._pending = None
+        own = self.own.take().cpu().long()  # [N, L, k]
+        eff = self.eff.take().cpu().long() if self.eff is not None else None
+        if own.shape[0] != row_seq.numel():
+            raise RuntimeError(f"verl-quads routing: routers saw {own.shape[0]} rows, the row map has {row_seq.numel()}")
+        for i, (n, mask) in enumerate(zip(seq_lens, masks)):
+            r = mask.numel()
+            want = (n - r - 1) + torch.nonzero(mask).flatten()  # positions producing the valid response tokens
+            w = wires[i]
+            if not isinstance(w, dict):
+                self.uncovered += want.numel()
+                continue
+            if [int(x) for x in w["layers"]] != self.layers:
+                raise ValueError(
+                    f"verl-quads routing: the rollout recorded MoE layers {list(w['layers'])}, the trainer's routers "
+                    f"are layers {self.layers}; they must be the same (is a MoE layer excluded from quads_nvfp4?)"
+                )
+            self.rec_bytes += w["experts"].numel() * w["experts"].element_size()
+            self.rec_tokens += int(w["positions"].numel())
+            rpos = w["positions"].long()
+            if rpos.numel() == 0:
+                idx, covered = want, torch.zeros_like(want, dtype=torch.bool)
+            else:
+                idx = torch.searchsorted(rpos, want).clamp(max=rpos.numel() - 1)
+                covered = rpos[idx] == want
+            self.uncovered += int((~covered).sum())
+            want, idx = want[covered], idx[covered]
+            if want.numel() == 0:
+                continue
+            rows = torch.nonzero(row_seq == i).flatten()
+            rows = rows[torch.argsort(row_pos[rows])]  # rows[p] = the row of position p
+            if rows.numel() != n:
+                raise RuntimeError(f"verl-quads routing: sequence {i} has {rows.numel()} rows, expected {n}")
+            ro = torch.sort(w["experts"][idx].long(), -1).values
+            tr = torch.sort(own[rows[want]], -1).values
+            if ro.shape != tr.shape:
+                raise ValueError(f"verl-quads routing: rollout ids {tuple(ro.shape)} vs trainer {tuple(tr.shape)} (top_k differs?)")
+            self.differ += int((ro != tr).any(-1).sum())
+            self.pairs += ro.shape[0] * ro.shape[1]
+            self.tokens += want.numel()
+            if eff is not None:
+                self.eff_differ += int((ro != torch.sort(eff[rows[want]], -1).values).any(-1).sum())
+
+    def metrics(self) -> dict[str, float]:
+        """``quads/routing_*`` of the pass (``routing_disagreement`` only when some pair was compared)."""
+        m = {"quads/routing_compared_tokens": float(self.tokens),
+             "quads/routing_uncovered_frac": self.uncovered / max(self.uncovered + self.tokens, 1),
+             "quads/routing_bytes_per_token": self.rec_bytes / max(self.rec_tokens, 1)}
+        if self.pairs:
+            m[METRIC_ROUTING] = self.differ / self.pairs
+            if self.eff is not None:
+                m["quads/routing_disagreement_replayed"] = self.eff_differ / self.pairs
+        return m
+
+
+__all__ = ["RouterRecorder", "RoutingSession", "batch_routing", "ROUTING_FIELD", "METRIC_ROUTING", "FIELD", "DUMP_ENV", "METRIC_BPT", "TraceSession", "trace_pass", "batch_guidance", "guidance_bytes",
            "active_session", "install_audit"]
