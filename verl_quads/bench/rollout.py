@@ -48,6 +48,14 @@ NUM_EXPERTS, TOP_K = 128, 8
 DEVICE = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny SHAPES) may set "cpu"
 
 
+class _Rows(list):
+    """Table rows, each also printed when added (a run stopped by a time limit keeps what it measured)."""
+
+    def append(self, row):
+        print(" | ".join(f"{v:.3g}" if isinstance(v, float) else str(v) for v in row), flush=True)
+        super().append(row)
+
+
 def _time(fn, eager: bool = False) -> tuple[float, str]:
     t = None if eager else graph_time_s(fn)
     if t is not None:
@@ -114,7 +122,7 @@ def _moe_layer_rows(ms: list[int], ratios: list[float], bw: float, dev: str, g: 
         qs[name] = (q.packed, q.block_scale, q.global_scale.reshape(-1))
         bf[name] = w.to(torch.bfloat16).transpose(-2, -1)  # [E, K, N] for _grouped_mm
         del w
-    rows = []
+    rows = _Rows()
     for m in ms:
         tag = f"moe layer M={m}"
         x = torch.randn(m, hidden, device=dev, generator=g).to(torch.bfloat16)
@@ -224,7 +232,7 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> s
     bw = _copy_bandwidth()
     out.append(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)")
     print(out[-1], flush=True)
-    rows = []
+    rows = _Rows()
     best_cfgs = []
     times: dict = {}
     g = torch.Generator(device=dev).manual_seed(0)
