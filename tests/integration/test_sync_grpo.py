@@ -8,6 +8,9 @@ from its own parameters (QAT code path), the vLLM worker its quads_nvfp4 paramet
 Asserts: one sync before the first rollout + one per step on both sides; after every sync, for every
 quantized layer, vLLM's dequantization equals the actor's QAT effective weight (``torch.equal``);
 the weights changed between the first and the last sync; bytes ~0.28x of bf16 in the actor's log.
+Routing consistency (issue 6/7, default on): every step logs ``actor/quads/routing_disagreement`` in
+[0, 1] over a non-zero number of compared response tokens, none uncovered (the positions producing
+response log-probs are always computed by vLLM), from records of ``layers * top_k`` bytes per token.
 """
 
 from __future__ import annotations
@@ -46,7 +49,16 @@ def test_grpo_quads_packed_sync_bit_exact(tmp_path):
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=900)
     log = log_path.read_text(errors="replace")
     assert proc.returncode == 0, f"main_ppo failed after {time.time() - t0:.0f}s:\n{log[-6000:]}"
-    assert sorted(parse_step_metrics(log)) == list(range(1, STEPS + 1))
+    steps = parse_step_metrics(log)
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    for s, m in steps.items():
+        assert 0.0 <= m["actor/quads/routing_disagreement"] <= 1.0, (s, m)
+        assert m["actor/quads/routing_compared_tokens"] > 0 and m["actor/quads/routing_uncovered_frac"] == 0.0, (s, m)
+        assert m["actor/quads/routing_bytes_per_token"] == cfg.num_hidden_layers * cfg.num_experts_per_tok, (s, m)
+    print("routing_disagreement per step:", {s: m["actor/quads/routing_disagreement"] for s, m in steps.items()})
     ratios = [float(r) for r in re.findall(r"quantized layers [\d.]+ MiB vs [\d.]+ MiB bf16 \(([\d.]+)x\)", log)]
     assert ratios and all(0.28125 <= r < 0.2825 for r in ratios), ratios
 
