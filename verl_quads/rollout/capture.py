@@ -523,7 +523,8 @@ _HOOK_LOCK = threading.Lock()
 
 
 def install_runner_hook() -> None:
-    """Wrap vLLM's ``GPUModelRunner._model_forward`` (CPU runner inherits it) to open/close steps.
+    """Wrap vLLM's ``GPUModelRunner._model_forward`` (CPU runner inherits it) to open/close steps
+    (TRACE guidance and routing capture).
 
     Idempotent. Raises ``RuntimeError`` if this vLLM has no such method (TRACE cannot key records
     by request there; no silent capture without keys).
@@ -561,7 +562,7 @@ def install_runner_hook() -> None:
 
         _model_forward._verl_quads_wrapped = True  # type: ignore[attr-defined]
         cls._model_forward = _model_forward
-        logger.info("verl-quads: TRACE guidance capture hooked into GPUModelRunner._model_forward")
+        logger.info("verl-quads: guidance/routing capture hooked into GPUModelRunner._model_forward")
     # under verl: the RPC its vLLM server calls to return each request's record (patches/verl_rollout_guidance.py)
     from verl_quads.patches.verl_rollout_guidance import install_worker_rpc
 
