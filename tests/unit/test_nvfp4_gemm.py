@@ -69,6 +69,8 @@ CASES = [
     (1, 48, 64, "w4a16", torch.bfloat16, False, False, 1),
     (7, 40, 96, "w4a16", torch.float16, False, True, 1),
     (5, 24, 48, "w4a16", torch.float32, False, False, 1),
+    (7, 40, 112, "w4a16", torch.bfloat16, False, False, 1),  # natural-K-order tile, masked K tail (7 blocks)
+    (33, 80, 176, "w4a16", torch.bfloat16, False, True, 2),  # swapped, split-K, masked K tail
     (1, 48, 64, "naive", torch.bfloat16, False, False, 1),
     (33, 80, 160, "naive", torch.bfloat16, False, True, 2),
     (7, 40, 96, "trace", torch.bfloat16, False, False, 1),

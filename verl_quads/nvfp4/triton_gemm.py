@@ -152,6 +152,49 @@ if triton is not None:
             return ae.to(tl.float32), ao.to(tl.float32)
 
     @triton.jit
+    def _a16_tile(a_ptr, arow, rmask, kb0, kb_hi, K, G: tl.constexpr, DT: tl.constexpr, KMASK: tl.constexpr):
+        """Unquantized activation rows ``arow`` (int64 ``[R]``) of ``[M, K]``: the tile ``[R, G * 16]``
+        of columns ``k = kb0 * 16 + j`` in natural K order, one plain 2-D load contiguous along K (16-byte
+        vectors; the operand goes to the MMA like a bf16 GEMM's), cast to DT."""
+        j = tl.arange(0, G * 16)
+        k = kb0 * 16 + j
+        if KMASK:
+            m = rmask[:, None] & (k < kb_hi * 16)[None, :]
+        else:
+            m = rmask[:, None]
+        a = tl.load(a_ptr + arow[:, None] * K + k[None, :], mask=m, other=0.0)
+        if DT == 1:
+            return a.to(tl.bfloat16)
+        elif DT == 2:
+            return a.to(tl.float16)
+        else:
+            return a.to(tl.float32)
+
+    @triton.jit
+    def _fp4_tile(p_ptr, s_ptr, prow, srow, rmask, kb0, kb_hi, R: tl.constexpr, G: tl.constexpr,
+                  DT: tl.constexpr, KMASK: tl.constexpr):
+        """Like :func:`_fp4_pairs` but the tile ``[R, G * 16]`` in natural K order (column ``k - kb0 * 16``):
+        the decoded (even, odd) halves interleaved in registers (``tl.join`` adds a per-thread dimension
+        of 2, the reshape merges it into K)."""
+        ve, vo = _fp4_pairs(p_ptr, s_ptr, prow, srow, rmask, kb0, kb_hi, R, G, DT, KMASK)
+        return tl.reshape(tl.join(ve, vo), (R, G * 16))
+
+    @triton.jit
+    def _dot1(acc, a, w, SWAP: tl.constexpr, DT: tl.constexpr):
+        """``acc + a @ w.T`` (float32 accumulation) or with SWAP the transposed ``acc + w @ a.T``."""
+        if SWAP:
+            if DT == 0:
+                acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, tl.trans(a), acc)
+        else:
+            if DT == 0:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+        return acc
+
+    @triton.jit
     def _dot2(acc, ae, ao, we, wo, SWAP: tl.constexpr, DT: tl.constexpr):
         """``acc + ae @ we.T + ao @ wo.T`` (float32 accumulation; the even and odd halves of K), or
         with SWAP the transposed ``acc + we @ ae.T + wo @ ao.T`` (weight rows fill the MMA's M side:
@@ -232,13 +275,25 @@ if triton is not None:
             acc = tl.zeros([BM, BN], dtype=tl.float32)
         acc2 = tl.zeros_like(acc)
         for kb0 in range(kb_lo, kb_hi, GK):
-            we, wo = _fp4_pairs(w_ptr, ws_ptr, wprow, wsrow, nmask, kb0, kb_hi, BN, GK, DT, not EVEN_K)
             if A4:
+                we, wo = _fp4_pairs(w_ptr, ws_ptr, wprow, wsrow, nmask, kb0, kb_hi, BN, GK, DT, not EVEN_K)
                 ae, ao = _fp4_pairs(a_ptr, as_ptr, arow * KH, arow * KB, rmask, kb0, kb_hi, BM, GK, DT,
                                     not EVEN_K)
-            else:
+                acc = _dot2(acc, ae, ao, we, wo, SWAP, DT)
+            elif SWAP:
+                # w4a16 decode: the weight tile goes to the MMA from registers in (even, odd) order (its
+                # shared-memory copy is read straight into the dot layout); the few activation rows are split
+                we, wo = _fp4_pairs(w_ptr, ws_ptr, wprow, wsrow, nmask, kb0, kb_hi, BN, GK, DT, not EVEN_K)
                 ae, ao = _a16_pairs(a_ptr, arow, rmask, kb0, kb_hi, K, GK, DT, not EVEN_K)
-            acc = _dot2(acc, ae, ao, we, wo, SWAP, DT)
+                acc = _dot2(acc, ae, ao, we, wo, SWAP, DT)
+            else:
+                # w4a16 prefill: the activation tile loaded as is (natural K order, 16-byte async copies,
+                # read by the MMA from shared memory like a bf16 GEMM's), the decoded weight interleaved in
+                # registers (sm_90 offline compile: no layout conversion for the join; the strided
+                # [BM, BK/2, 2] activation load took 4-byte copies and 2-byte shared loads)
+                w = _fp4_tile(w_ptr, ws_ptr, wprow, wsrow, nmask, kb0, kb_hi, BN, GK, DT, not EVEN_K)
+                a = _a16_tile(a_ptr, arow, rmask, kb0, kb_hi, K, GK, DT, not EVEN_K)
+                acc = _dot1(acc, a, w, SWAP, DT)
             if SECOND == 2:
                 # per-token residual: dense operand in the same K order, the same decoded weight tile
                 re, ro = _fp4_pairs(a2_ptr, a2s_ptr, arow * NSEL2 * 8, arow * NSEL2, rmask, kb0, kb_hi, BM, GK, DT,
