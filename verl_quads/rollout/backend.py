@@ -6,7 +6,9 @@ backend    runs on                                     status
 torch      anywhere (vLLM CPU included)                reference emulation, tested
 triton     CUDA GPUs (meant for Hopper: no FP4 MMA)     fused NVFP4 dequantize + bf16 GEMM
                                                        (:mod:`verl_quads.nvfp4.triton_gemm`)
-native     sm_100+ (Blackwell) with vLLM's FP4 ops      not implemented yet: clear error
+native     sm_100+ (Blackwell) with vLLM's FP4 ops      vLLM's CUTLASS FP4 GEMM on our codes
+           (``cutlass_fp4_supported()``)               (:mod:`verl_quads.rollout.native`);
+                                                       UNTESTED ON HARDWARE (CPU tests mock the op)
 =========  ==========================================  ===============================
 
 ``triton`` keeps weights packed (NVFP4) and dequantizes tiles inside the GEMM; W4A4 activations
@@ -14,13 +16,14 @@ are quantized by the core and read packed as well (FP4 x FP4 products are exact 
 outputs equal the ``torch`` backend's up to float32 summation order (tests/unit/test_nvfp4_gemm.py).
 It runs on any CUDA GPU Triton supports, Blackwell included (explicit ``backend='triton'``).
 
-Note for ``native`` (why it is not a thin wrapper yet): vLLM's ``scaled_fp4_quant`` takes one
-activation global scale per call and ``cutlass_scaled_fp4_mm`` one scalar ``alpha``; our decided
+``native`` (design in :mod:`verl_quads.rollout.native`): vLLM's ``scaled_fp4_quant`` takes one
+activation global scale per call and ``cutlass_scaled_fp4_mm`` one scalar ``alpha``, while our
 activation granularity is one global scale per token (row), which the trainer needs to reproduce
-a token's codes. A native path must quantize rows with their own scales (own kernel, then
-``swizzle_block_scale``), run the FP4 GEMM with ``alpha = 1 / weight_global_scale`` and scale the
-output rows by ``1 / activation_global_scale`` -- in float32 before the final cast, or the output
-is rounded twice (vLLM's FP4 GEMM writes bf16/fp16 only). To be designed and measured on Blackwell.
+a token's codes. So activations are quantized by our core, their block scales swizzled with
+``swizzle_block_scale``, the FP4 GEMM runs with ``alpha = 1 / weight_global_scale`` and writes
+bf16, and each output row is divided by its activation global scale in float32 before the final
+cast (a second rounding vs the ``torch`` backend: bounded in native.py). ``w4a16`` linear layers
+run the triton kernel; routed experts are refused unless ``VERL_QUADS_NATIVE_EXPERTS=triton``.
 
 ``auto`` picks torch on CPU, native on sm_100+, triton on other CUDA GPUs. A backend that cannot
 run on this device (or is not implemented) raises :class:`BackendUnavailableError` at engine
@@ -78,17 +81,26 @@ def resolve_backend(requested: str, *, device_type: str | None = None) -> str:
         raise BackendUnavailableError(
             f"quads_nvfp4: backend {backend!r} needs a CUDA GPU, but vLLM runs on {device_type!r}. {hint}"
         )
-    if backend == "native" and (cap is None or cap[0] < 10):
-        raise BackendUnavailableError(
-            f"quads_nvfp4: backend 'native' needs FP4 tensor cores (sm_100+), this GPU is {cap_s}. "
-            f"Use backend='triton' on Hopper. {hint}"
-        )
-    if backend == "triton":
+    if backend == "native":
+        if cap is None or cap[0] < 10:
+            raise BackendUnavailableError(
+                f"quads_nvfp4: backend 'native' needs FP4 tensor cores (sm_100+), this GPU is {cap_s}. "
+                f"Use backend='triton' on Hopper. {hint}"
+            )
+        from verl_quads.rollout.native import fp4_ops_unavailable_reason
+
+        reason = fp4_ops_unavailable_reason()
+        if reason is not None:
+            raise BackendUnavailableError(
+                f"quads_nvfp4: backend 'native' on {cap_s} needs vLLM's CUTLASS FP4 GEMM: {reason}. "
+                f"Use backend='triton' (fused NVFP4 GEMMs on bf16 tensor cores). {hint}"
+            )
+    if backend in ("triton", "native"):  # native quantizes activations with the core's triton kernels
         from verl_quads.nvfp4 import triton_kernels
 
         if triton_kernels.triton is None:
             raise BackendUnavailableError(
-                f"quads_nvfp4: backend 'triton' needs the triton package, which cannot be imported: "
+                f"quads_nvfp4: backend {backend!r} needs the triton package, which cannot be imported: "
                 f"{triton_kernels._TRITON_IMPORT_ERROR}. {hint}"
             )
         return backend

@@ -44,17 +44,22 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
 
     Args:
         act: activation quantization of this layer's GEMM.
-        backend: concrete backend: ``torch`` (reference emulation) or ``triton`` (fused NVFP4
-            dequantize + GEMM, :mod:`verl_quads.nvfp4.triton_gemm`; CUDA tensors).
+        backend: concrete backend: ``torch`` (reference emulation), ``triton`` (fused NVFP4
+            dequantize + GEMM, :mod:`verl_quads.nvfp4.triton_gemm`; CUDA tensors) or ``native``
+            (vLLM's CUTLASS FP4 GEMM on Blackwell, :mod:`verl_quads.rollout.native`; untested on hardware).
         capture_key: ``(layer index, gemm name)`` when this GEMM's guidance is captured (trace).
     """
 
     def __init__(self, act: ActQuant, backend: str = "torch", capture_key: tuple[int, str] | None = None):
         super().__init__()
-        if backend not in ("torch", "triton"):
+        if backend not in ("torch", "triton", "native"):
             raise NotImplementedError(
-                f"quads_nvfp4 linear: backend {backend!r} is not implemented (implemented: torch, triton)"
+                f"quads_nvfp4 linear: backend {backend!r} is not implemented (implemented: torch, triton, native)"
             )
+        if backend == "native" and act.mode == "w4a16":
+            from verl_quads.rollout import native
+
+            native.log_w4a16_choice()
         self.act = act
         self.backend = backend
         self.capture_key = capture_key
@@ -79,6 +84,11 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
             torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
             requires_grad=False,
         )
+        if self.backend == "native" and self.act.mode != "w4a16":  # w4a16 runs the triton kernel
+            from verl_quads.rollout import native
+
+            native.check_linear_shape(getattr(layer, "prefix", type(layer).__name__),
+                                      sum(output_partition_sizes), input_size_per_partition)
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
         set_weight_attrs(weight, extra_weight_attrs)
         layer.register_parameter("weight", weight)
@@ -90,16 +100,30 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
             missing = [n for n in KERNEL_PARAMS if n not in layer._parameters]
             if missing:
                 raise RuntimeError(f"quads_nvfp4: layer has neither 'weight' nor {missing}")
+            self.after_packed_load(layer)
             return
         q = emulation.quantize_weight(w.data)
         set_kernel_param(layer, "weight_packed", q.packed)
         set_kernel_param(layer, "weight_scale", q.block_scale)
         set_kernel_param(layer, "weight_global_scale", q.global_scale.reshape(()))
         delattr(layer, "weight")
+        self.after_packed_load(layer)
+
+    def after_packed_load(self, layer: torch.nn.Module) -> None:
+        """After the kernel-format params were (re)written in place (load, vLLM reload, packed sync):
+        ``native`` re-derives its swizzled block scales and alpha in place; other backends: nothing."""
+        if self.backend == "native":
+            from verl_quads.rollout import native
+
+            native.prepare_linear(layer)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.backend == "triton":
             return self._apply_triton(layer, x, bias)
+        if self.backend == "native":
+            from verl_quads.rollout import native
+
+            return native.apply_linear(layer, x, bias, self.act, self.capture_key)
         w = emulation.weight_f32(layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
         x2 = x.reshape(-1, x.shape[-1])
         xf, record = emulation.quantize_activation(x2, self.act)

@@ -40,15 +40,18 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
         moe: vLLM's ``FusedMoEConfig`` of the layer.
         act: activation quantization of both expert GEMMs.
         backend: concrete backend: ``torch`` (the per-expert reference below) or ``triton``
-            (grouped fused NVFP4 GEMMs, :meth:`forward_triton`).
+            (grouped fused NVFP4 GEMMs, :meth:`forward_triton`); ``native`` is refused in
+            :meth:`create_weights` unless the user opted into triton experts
+            (:func:`verl_quads.rollout.native.experts_backend`).
         capture_layer: decoder layer index when guidance is captured (trace), else None.
     """
 
     def __init__(self, moe, act: ActQuant, backend: str = "torch", capture_layer: int | None = None):
         super().__init__(moe)
-        if backend not in ("torch", "triton"):
+        if backend not in ("torch", "triton", "native"):
             raise NotImplementedError(
-                f"quads_nvfp4 MoE: backend {backend!r} is not implemented (implemented: torch, triton)"
+                f"quads_nvfp4 MoE: backend {backend!r} is not implemented (implemented: torch, triton; "
+                "native only with VERL_QUADS_NATIVE_EXPERTS=triton)"
             )
         if getattr(moe, "has_bias", False):
             raise NotImplementedError("quads_nvfp4 MoE: expert biases are not supported")
@@ -62,6 +65,11 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype, **extra):
         from verl_quads.rollout.capture import enable_routing_capture
+
+        if self.backend == "native":  # refuse at engine start unless triton experts were chosen explicitly
+            from verl_quads.rollout.native import experts_backend
+
+            self.backend = experts_backend(getattr(layer, "layer_name", ""))
 
         # routing capture (quads/routing_disagreement), every quantized mode unless VERL_QUADS_ROUTING=0
         self.routing_layer = enable_routing_capture(getattr(layer, "layer_name", ""))

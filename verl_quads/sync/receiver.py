@@ -193,6 +193,11 @@ def apply_load(model: torch.nn.Module, model_config, plan: LoadPlan) -> None:
         finalize_layerwise_reload(model, model_config)
     for _, param, t in plan.packed:
         param.data.copy_(t)
+    modules = dict(model.named_modules())  # methods that derive tensors from these params refresh them
+    for mod_name in dict.fromkeys(name.rpartition(".")[0] for name, _, _ in plan.packed):
+        hook = getattr(getattr(modules.get(mod_name), "quant_method", None), "after_packed_load", None)
+        if hook is not None:  # (the native backend's swizzled block scales, in place)
+            hook(modules[mod_name])
 
 
 def read_back_quads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
