@@ -114,6 +114,30 @@ def test_default_config_and_tails():
     assert _ulps(y, ref, bound)[1]
 
 
+@pytest.mark.parametrize("mode, per_token", [("w4a16", False), ("naive", False), ("quads", True)])
+@pytest.mark.parametrize("swap, split", [(False, 1), (True, 2)])
+def test_word_scale_loads(mode, per_token, swap, split):
+    """K steps of 4 or 8 16-blocks with K/16 a multiple of 4: the block scales are loaded as int32 words
+    (4 scales each) and split by shifts; a scale byte in the middle of a word changed must be seen."""
+    m, n, k = 5, 48, 512
+    x = _x(m, k)
+    q_w = em.quantize_weight(_w((n, k)))
+    ref, bound = _reference(x, q_w, mode, per_token=per_token)
+    for bk in (64, 128):
+        cfg = tg.GemmConfig(block_m=16, block_n=32, block_k=bk, block_k2=32, split_k=split, num_warps=4,
+                            num_stages=2, swap=swap)
+        y = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, q_w.global_scale.reshape(()), None, mode,
+                            residual_per_token=per_token, config=cfg)
+        ulps, ok = _ulps(y, ref, bound)
+        assert ok, f"block_k {bk}: max diff {ulps:.2f} ulp"
+        bad = q_w.block_scale.view(torch.uint8).clone()
+        bad[3, 6] += 8  # byte 2 of the second scale word of row 3
+        y_bad = tg.nvfp4_linear(x, q_w.packed, bad.view(torch.float8_e4m3fn), q_w.global_scale.reshape(()), None,
+                                mode, residual_per_token=per_token, config=cfg)
+        assert not _ulps(y_bad, ref, bound)[1]
+        assert torch.equal(y_bad[:, :3], y[:, :3]) and torch.equal(y_bad[:, 4:], y[:, 4:])
+
+
 def test_activation_codes_are_the_cores():
     """The GEMM's activation operand is the core's quantization (same bytes as the torch backend)."""
     x = _x(6, 64)

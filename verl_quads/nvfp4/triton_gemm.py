@@ -97,14 +97,18 @@ if triton is not None:
 
     @triton.jit
     def _fp4_pairs(p_ptr, s_ptr, prow, srow, rmask, kb0, kb_hi, R: tl.constexpr, G: tl.constexpr,
-                   DT: tl.constexpr, KMASK: tl.constexpr):
+                   DT: tl.constexpr, KMASK: tl.constexpr, SC4: tl.constexpr):
         """Contiguous NVFP4 tile: rows with byte offsets ``prow`` (packed codes) / ``srow`` (e4m3
         scales), int64 ``[R]``; 16-blocks ``kb0 .. kb0 + G`` (blocks >= ``kb_hi`` and masked rows read
         as 0) -> ``(even, odd)`` ``[R, G * 8]`` (see :func:`_fp4_decode`): column j holds element
         ``k = kb0 * 16 + 2 j`` / ``2 j + 1``. One plain 2-D byte load (contiguous along K) and one scale
         byte per 16-block (E4M3 -> float by the hardware conversion; scale bytes are 0..126, never
         the NaN code), broadcast to its 8 bytes. KMASK False: the caller guarantees
-        ``kb0 + G <= kb_hi`` (no K mask, so the loads vectorize to 16 bytes)."""
+        ``kb0 + G <= kb_hi`` (no K mask, so the loads vectorize to 16 bytes). SC4 True (needs KMASK
+        False, ``G``, ``kb0`` and the scale row offsets multiples of 4): the scale bytes are loaded as
+        int32 words (4 blocks each, little-endian) and split by shifts, so the load is asynchronous
+        (pipelined with cp.async on sm_80+; a 1-byte load is not, and stalls every K step on the
+        memory latency, which bounds decode)."""
         j = tl.arange(0, G * 8)
         g = tl.arange(0, G)
         if KMASK:
@@ -114,7 +118,14 @@ if triton is not None:
             bmask = rmask[:, None]
             smask = rmask[:, None]
         b = tl.load(p_ptr + prow[:, None] + (kb0 * 8 + j)[None, :], mask=bmask, other=0).to(tl.int32)
-        sc = tl.load(s_ptr + srow[:, None] + (kb0 + g)[None, :], mask=smask, other=0)
+        if SC4:
+            g4 = tl.arange(0, G // 4)
+            t4 = tl.arange(0, 4)
+            wp = (s_ptr + srow[:, None] + (kb0 + 4 * g4)[None, :]).to(tl.pointer_type(tl.int32))
+            w4 = tl.load(wp, mask=smask, other=0)
+            sc = tl.reshape((w4[:, :, None] >> (8 * t4)[None, None, :]) & 0xFF, (R, G)).to(tl.uint8)
+        else:
+            sc = tl.load(s_ptr + srow[:, None] + (kb0 + g)[None, :], mask=smask, other=0)
         sv = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * 16384.0
         sv = tl.reshape(tl.broadcast_to(sv[:, :, None], (R, G, 8)), (R, G * 8))
         return _fp4_decode(b, sv, DT)
@@ -172,11 +183,11 @@ if triton is not None:
 
     @triton.jit
     def _fp4_tile(p_ptr, s_ptr, prow, srow, rmask, kb0, kb_hi, R: tl.constexpr, G: tl.constexpr,
-                  DT: tl.constexpr, KMASK: tl.constexpr):
+                  DT: tl.constexpr, KMASK: tl.constexpr, SC4: tl.constexpr):
         """Like :func:`_fp4_pairs` but the tile ``[R, G * 16]`` in natural K order (column ``k - kb0 * 16``):
         the decoded (even, odd) halves interleaved in registers (``tl.join`` adds a per-thread dimension
         of 2, the reshape merges it into K)."""
-        ve, vo = _fp4_pairs(p_ptr, s_ptr, prow, srow, rmask, kb0, kb_hi, R, G, DT, KMASK)
+        ve, vo = _fp4_pairs(p_ptr, s_ptr, prow, srow, rmask, kb0, kb_hi, R, G, DT, KMASK, SC4)
         return tl.reshape(tl.join(ve, vo), (R, G * 16))
 
     @triton.jit
@@ -224,7 +235,7 @@ if triton is not None:
         A4: tl.constexpr, DT: tl.constexpr, DT2: tl.constexpr, SECOND: tl.constexpr, GROUPED: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, OUT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr, G2: tl.constexpr, SWAP: tl.constexpr,
-        EVEN_K: tl.constexpr,
+        EVEN_K: tl.constexpr, SC4: tl.constexpr,
     ):
         """One (BM rows x BN cols) output tile, K-range ``pid_k`` of ``SPLIT_K``.
 
@@ -237,6 +248,7 @@ if triton is not None:
         per K step of the first/second loop. SPLIT_K > 1: write float32 partials to
         out[pid_k, row, col] (no bias). SWAP: accumulate the transposed tile [BN, BM] (decode).
         EVEN_K: every K step of the first loop is full (K/16 and KB_PER_SPLIT multiples of GK).
+        SC4: the first loop loads block scales as int32 words (EVEN_K, and GK, K/16 multiples of 4).
 
         K is walked in the order (even elements of the step, odd elements of the step) on both
         operands (the sum is the same; the packed byte's two nibbles need no interleave)."""
@@ -276,14 +288,14 @@ if triton is not None:
         acc2 = tl.zeros_like(acc)
         for kb0 in range(kb_lo, kb_hi, GK):
             if A4:
-                we, wo = _fp4_pairs(w_ptr, ws_ptr, wprow, wsrow, nmask, kb0, kb_hi, BN, GK, DT, not EVEN_K)
+                we, wo = _fp4_pairs(w_ptr, ws_ptr, wprow, wsrow, nmask, kb0, kb_hi, BN, GK, DT, not EVEN_K, SC4)
                 ae, ao = _fp4_pairs(a_ptr, as_ptr, arow * KH, arow * KB, rmask, kb0, kb_hi, BM, GK, DT,
-                                    not EVEN_K)
+                                    not EVEN_K, SC4)
                 acc = _dot2(acc, ae, ao, we, wo, SWAP, DT)
             elif SWAP:
                 # w4a16 decode: the weight tile goes to the MMA from registers in (even, odd) order (its
                 # shared-memory copy is read straight into the dot layout); the few activation rows are split
-                we, wo = _fp4_pairs(w_ptr, ws_ptr, wprow, wsrow, nmask, kb0, kb_hi, BN, GK, DT, not EVEN_K)
+                we, wo = _fp4_pairs(w_ptr, ws_ptr, wprow, wsrow, nmask, kb0, kb_hi, BN, GK, DT, not EVEN_K, SC4)
                 ae, ao = _a16_pairs(a_ptr, arow, rmask, kb0, kb_hi, K, GK, DT, not EVEN_K)
                 acc = _dot2(acc, ae, ao, we, wo, SWAP, DT)
             else:
@@ -291,13 +303,13 @@ if triton is not None:
                 # read by the MMA from shared memory like a bf16 GEMM's), the decoded weight interleaved in
                 # registers (sm_90 offline compile: no layout conversion for the join; the strided
                 # [BM, BK/2, 2] activation load took 4-byte copies and 2-byte shared loads)
-                w = _fp4_tile(w_ptr, ws_ptr, wprow, wsrow, nmask, kb0, kb_hi, BN, GK, DT, not EVEN_K)
+                w = _fp4_tile(w_ptr, ws_ptr, wprow, wsrow, nmask, kb0, kb_hi, BN, GK, DT, not EVEN_K, SC4)
                 a = _a16_tile(a_ptr, arow, rmask, kb0, kb_hi, K, GK, DT, not EVEN_K)
                 acc = _dot1(acc, a, w, SWAP, DT)
             if SECOND == 2:
                 # per-token residual: dense operand in the same K order, the same decoded weight tile
                 re, ro = _fp4_pairs(a2_ptr, a2s_ptr, arow * NSEL2 * 8, arow * NSEL2, rmask, kb0, kb_hi, BM, GK, DT,
-                                    not EVEN_K)
+                                    not EVEN_K, SC4)
                 acc2 = _dot2(acc2, re, ro, we, wo, SWAP, DT)
         if SECOND == 1:
             jb_lo = pid_k * JB_PER_SPLIT
@@ -310,7 +322,7 @@ if triton is not None:
                 blk = tl.load(idx2_ptr + ec * NSEL2 + jb1, mask=jm1, other=0)
                 we2, wo2 = _fp4_pairs_gathered(w_ptr, ws_ptr, wprow, wsrow, nmask, blk, jm1, G2, DT2)
                 re, ro = _fp4_pairs(a2_ptr, a2s_ptr, arow * NSEL2 * 8, arow * NSEL2, rmask, j0, jb_hi, BM, G2, DT2,
-                                    True)
+                                    True, False)
                 acc2 = _dot2(acc2, re, ro, we2, wo2, SWAP, DT2)
         if SWAP:
             acc = tl.trans(acc)
@@ -814,6 +826,7 @@ def nvfp4_gemm(
     bias_t = bias if bias is not None else w_gs
     dummy = w_gs
     grid = (m_tiles, -(-n // bn), split)
+    even_k = kb % gk == 0 and kb_per % gk == 0 and kb_per * split == kb
     _nvfp4_gemm_kernel[grid](
         a, a_s, a_gs, a2, a2s, a2gs, idx2,
         w_packed, w_s, w_gs.reshape(-1), bias_t, out_arg,
@@ -823,7 +836,7 @@ def nvfp4_gemm(
         m, n, k, k // 2, kb, nsel2, rows_out, kb_per, jb_per,
         A4=a4, DT=dt, DT2=dt2, SECOND=second, GROUPED=grouped, HAS_BIAS=bias is not None, SPLIT_K=split,
         OUT=_OUT_CODES[act.dtype], BM=bm, BN=bn, GK=gk, G2=g2, SWAP=config.swap,
-        EVEN_K=(kb % gk == 0 and kb_per % gk == 0 and kb_per * split == kb),
+        EVEN_K=even_k, SC4=even_k and gk % 4 == 0 and kb % 4 == 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1:
