@@ -23,9 +23,24 @@ the weight sync). A record of another version, a row without a record, or a reco
 cover the row's positions ``0..n-2`` raises :class:`~verl_quads.qat.guidance.GuidanceError`. The
 records are dropped when the pass ends (the session is closed by ``forward_backward_batch``).
 
+Several PPO mini-batches per step (``ppo_mini_batch_size`` < train batch): verl runs one update pass
+per mini-batch on the same rollout batch, with no weight sync in between, so every pass of the step
+sees the same engine sync counter and is guided by the records of the rollout's policy version. This
+is by design: the importance ratio's denominator (the old log-probs of the log-prob pass, run before
+any update) is the rollout policy, which the guided forward reproduces exactly at that version; the
+update passes evaluate the current weights under the rollout's rounding decisions and scales, which
+at the first mini-batch equals that same forward (ratio 1), and afterwards follows the rollout's
+choice wherever the trainer's scaled value still lies between two codewords. Where the moved weights
+put a scaled value on a codeword (incl. the clamp at +-6), no choice exists and the code's low bit
+can differ from the record (counted as ``bit_mismatch_forced`` by the audit below; measured 0.2-0.4%
+of elements in the 2nd mini-batch of tests/integration/test_trace_grpo.py). A sync between passes of
+one step (a rollout of another version) makes the versions differ and raises GuidanceError.
+
 Test instrument (``VERL_QUADS_TRACE_DUMP_DIR``, tests only): every guided QDQ also re-derives the
 trainer's guidance from its guided codes and counts elements whose low code bit, block scale or
-global scale differs from the record it was given; one JSON per pass is written to the directory.
+global scale differs from the record it was given; low-bit mismatches are split into ``forced``
+elements (the scaled value is a codeword: both bits give the same code) and ``free`` ones (a real
+failure to follow the record); one JSON per pass is written to the directory.
 """
 
 from __future__ import annotations
@@ -202,6 +217,7 @@ class _Audit:
     def __init__(self) -> None:
         self.calls = self.elements = self.bit_mismatch = self.block_scale_mismatch = 0
         self.global_scale_mismatch = self.rounding_changed = 0
+        self.forced = self.bit_mismatch_forced = self.bit_mismatch_free = 0
 
     def check(self, x: torch.Tensor, record) -> None:
         from verl_quads.nvfp4 import extract_guidance, quantize_guided
@@ -222,11 +238,19 @@ class _Audit:
             y = scaled_values(x.detach(), record.block_scale.to(x.device), record.global_scale.to(x.device))
             low = unpack_bits(record.bits.to(x.device)).unflatten(-1, (-1, 16))
             self.rounding_changed += int((guided_codes(y, low) != encode_codes(y)).sum())
+            # forced: the scaled value is a codeword itself (incl. the clamp at +-6), so both low bits give
+            # the same code and the record's bit cannot be followed; a mismatch anywhere else is a bug
+            forced = guided_codes(y, torch.zeros_like(low)) == guided_codes(y, torch.ones_like(low))
+            differ = unpack_bits(g.bits).unflatten(-1, (-1, 16)).to(x.device) != low
+            self.forced += int(forced.sum())
+            self.bit_mismatch_forced += int((differ & forced).sum())
+            self.bit_mismatch_free += int((differ & ~forced).sum())
 
     def as_dict(self) -> dict:
         return {"audit_calls": self.calls, "audit_elements": self.elements, "bit_mismatch": self.bit_mismatch,
                 "block_scale_mismatch": self.block_scale_mismatch, "global_scale_mismatch": self.global_scale_mismatch,
-                "rounding_changed": self.rounding_changed}
+                "rounding_changed": self.rounding_changed, "forced": self.forced,
+                "bit_mismatch_forced": self.bit_mismatch_forced, "bit_mismatch_free": self.bit_mismatch_free}
 
 
 def _popcount(t: torch.Tensor) -> torch.Tensor:
