@@ -131,6 +131,34 @@ def test_store_routing_bounded_and_wide_ids():
     assert r3.experts.dtype == torch.int16 and r3.experts.tolist() == [[[3, 300]]]
 
 
+def test_store_routing_follows_the_model_built_last():
+    """A second model built in the same process (two ``LLM`` objects in one test session) must not be
+    checked against the first model's layers: before this was handled, a 2-layer engine after a 4-layer one
+    failed with "layers [0, 1, 2, 3] did not all write expert ids"."""
+    from verl_quads.rollout.capture import GuidanceStore
+
+    st = GuidanceStore()
+    st.routing = True
+
+    def build_and_step(n_layers, req):
+        for layer in range(n_layers):  # what create_weights -> enable_routing_capture does, in build order
+            st.register_routing_layer(layer)
+        st.begin_step([req], [0, 1], torch.tensor([0]))
+        for layer in range(n_layers):
+            st.routing_buffer(layer, 1, 2, "cpu")[:1].copy_(torch.tensor([[layer, 7]]))
+        st.end_step()
+        return st.pop_routing(req)
+
+    assert build_and_step(4, "first").layers == [0, 1, 2, 3]
+    second = build_and_step(2, "second")
+    assert second.layers == [0, 1] and second.experts.tolist() == [[[0, 7], [1, 7]]]
+    st.register_routing_layer(0)  # a third model whose layer 0 never runs a forward: loud, not skipped
+    st.register_routing_layer(5)
+    st.begin_step(["third"], [0, 1], torch.tensor([0]))
+    with pytest.raises(RuntimeError, match=r"MoE layers \[5\] of this model never wrote"):
+        st.end_step()
+
+
 def _micro_batch(seqs, resp_lens, wires, remove_padding=False):
     from verl.utils import tensordict_utils as tu
 

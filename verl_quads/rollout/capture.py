@@ -249,6 +249,10 @@ class GuidanceStore:
         self._current: _Step | None = None
         self._routing_buf: dict[int, torch.Tensor] = {}  # layer -> int16 [rows, top_k] (persistent)
         self._routing_rows = 0  # preferred buffer rows (max_num_batched_tokens)
+        self._routing_layers: set[int] = set()  # MoE layers of the model built last in this process
+        # captured MoE layers of the model the runner is executing now (set by the runner hook per step;
+        # None outside vLLM's runner, e.g. unit tests): an engine without quads_nvfp4 experts has []
+        self.active_routing_layers: list[int] | None = None
         self._routing_steps: list[_RoutingStep] = []
         self._routing_nbytes = 0
         self.routing_max_bytes = int(float(os.environ.get(ROUTING_MAX_MB_ENV, "1024")) * 2**20)
@@ -268,13 +272,23 @@ class GuidanceStore:
         step, self._current = self._current, None
         if step is None:
             return
-        if self.routing and self._routing_buf:
+        if self.routing:
             self._end_routing_step(step)
         if self.enabled and step.records:
             with self._lock:
                 self._steps.append(step)
 
     # --- routing (every quantized mode) ---
+    def register_routing_layer(self, layer: int) -> None:
+        """Record that the model being built has MoE layer ``layer`` (from ``create_weights``).
+
+        vLLM builds a model's layers once, in order; a layer index seen again means a NEW model is being
+        built in this process (e.g. a second ``LLM`` in one Python process): the previous model's layer
+        set is forgotten, so its stale buffers are neither required nor read. Records already taken stay."""
+        if layer in self._routing_layers:
+            self._routing_layers = set()
+        self._routing_layers.add(layer)
+
     def routing_buffer(self, layer: int, rows: int, top_k: int, device) -> torch.Tensor:
         """Layer ``layer``'s persistent int16 ``[>= rows, top_k]`` buffer (allocated once, at the
         largest of ``rows`` and ``max_num_batched_tokens``; reallocated only if a forward is larger)."""
@@ -286,7 +300,15 @@ class GuidanceStore:
 
     def _end_routing_step(self, step: "_Step") -> None:
         n = step.query_start_loc[-1]
-        layers = sorted(self._routing_buf)
+        if self.active_routing_layers is not None:
+            layers = sorted(self.active_routing_layers)
+        else:
+            layers = sorted(self._routing_layers) if self._routing_layers else sorted(self._routing_buf)
+        if not layers:
+            return
+        missing = [layer for layer in layers if layer not in self._routing_buf]
+        if missing:
+            raise RuntimeError(f"verl-quads routing capture: MoE layers {missing} of this model never wrote expert ids")
         ids = torch.stack([self._routing_buf[layer][:n] for layer in layers], dim=1).to("cpu")  # [n, L, k]
         if int(ids.min()) < 0:
             raise RuntimeError(
@@ -471,7 +493,9 @@ def enable_routing_capture(layer_name: str) -> int | None:
         pass
     install_runner_hook()
     store.routing = True
-    return int(m.group(1))
+    layer = int(m.group(1))
+    store.register_routing_layer(layer)
+    return layer
 
 
 def record_routing(layer: int, topk_ids: torch.Tensor) -> None:
@@ -522,6 +546,26 @@ def collect_guidance(llm, request_ids: list[str] | None = None) -> dict[str, Req
 _HOOK_LOCK = threading.Lock()
 
 
+def _runner_routing_layers(runner) -> list[int]:
+    """Decoder-layer indices whose routing this runner's model captures (its ``quads_nvfp4`` MoE
+    methods with a ``routing_layer``), computed once per runner. Another engine built earlier in the same
+    process (e.g. a stock BF16 one after a quads one, or the reverse) thus never leaves its layers
+    expected here."""
+    layers = getattr(runner, "_verl_quads_routing_layers", None)
+    if layers is None:
+        model = getattr(runner, "model", None)
+        found = set()
+        if model is not None:
+            for m in model.modules():
+                idx = getattr(getattr(m, "quant_method", None), "routing_layer", None)
+                if idx is not None:
+                    found.add(int(idx))
+        layers = sorted(found)
+        if model is not None:
+            runner._verl_quads_routing_layers = layers
+    return layers
+
+
 def install_runner_hook() -> None:
     """Wrap vLLM's ``GPUModelRunner._model_forward`` (CPU runner inherits it) to open/close steps
     (TRACE guidance and routing capture).
@@ -547,6 +591,7 @@ def install_runner_hook() -> None:
             store = get_store()
             if not (store.enabled or store.routing):
                 return orig(self, *args, **kwargs)
+            store.active_routing_layers = _runner_routing_layers(self)
             positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
             num_reqs = self.input_batch.num_reqs
             if positions is None or num_reqs == 0 or positions.dim() != 1:
