@@ -9,7 +9,8 @@ import json
 def test_realistic_toy(tmp_path):
     from verl_quads.diagnostics.realistic import main
 
-    rep = main(["--toy", "--seconds", "3", "--modes", "bf16,naive", "--guided-sweep", "1,2", "--out", str(tmp_path)])
+    rep = main(["--toy", "--seconds", "3", "--modes", "bf16,naive", "--guided-sweep", "1,2",
+                "--extra-modes", "quads@0.5", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "realistic.json").read_text())
     assert data["training"]["steps"] >= 1 and data["provenance"]["n_files"] > 0
     assert set(data["outliers_init"]) == set(data["outliers_trained"]) == {
@@ -25,3 +26,8 @@ def test_realistic_toy(tmp_path):
     # all layers guided: the trainer follows every rollout code, so its gap is at most naive's
     assert sweep["2"]["total"]["logp_gap_mean"]["mean"] <= pm["naive"]["total"]["logp_gap_mean"]["mean"]
     assert (tmp_path / "probe.png").exists() and rep["wall_s"] > 0
+    # the extra probe reruns bf16/naive as its closure anchors, without decomposition
+    px = data["probe_extra"]["per_mode"]
+    assert list(px) == ["bf16", "naive", "quads@0.5"] and all("decomposition" not in px[m] or
+                                                               set(px[m]["decomposition"]) == {"engine_floor"} for m in px)
+    assert (tmp_path / "extra" / "probe.txt").exists() and "extra_probe" in data["phase_seconds"]

@@ -37,6 +37,9 @@ from verl_quads.rollout.emulation import ActQuant
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
 ACT_MODES = ("none", "naive", "quads", "trace")
+#: Activation quantization backend: Triton kernels on CUDA tensors (bit-exact with the torch reference,
+#: only faster: the emulation issues thousands of small GEMM calls per decode step), torch on CPU.
+_BACKEND = "auto"
 
 
 @dataclass(frozen=True)
@@ -144,10 +147,11 @@ class RolloutEmulator:
             "naive" if self.spec.act == "trace" else self.spec.act,
             self.spec.residual_ratio,
             self.spec.residual_per_token,
+            backend=_BACKEND,
         )
         guided = self._guided(layer)
         if guided:
-            act = ActQuant("trace", capture=True)
+            act = ActQuant("trace", capture=True, backend=_BACKEND)
         valid = self._valid(x2.shape[0], x2.device)
         if valid is None or bool(valid.all()):
             xf, rec = emulation.quantize_activation(x2, act)
@@ -301,11 +305,14 @@ class RolloutEmulator:
             act_all[tok, slot] = (F.silu(h[:, :inter].to(torch.float32)) * h[:, inter:].to(torch.float32)).to(x.dtype)
         saved_rows, self.rows = self.rows, None  # expert-call rows are (token, slot) pairs, all valid
         try:
-            if self.spec.act == "quads":
+            if self.spec.act == "quads" and not self.spec.residual_per_token:
+                # per-call selection: one call per expert, as vLLM's per-expert GEMMs see it
                 a_f = {e: self._quant_act(act_all[tok, slot], layer, gemm + ".w2") for e, (tok, slot) in rows.items()}
             elif self.spec.act == "none":
                 a_f = {e: act_all[tok, slot].to(torch.float32) for e, (tok, slot) in rows.items()}
             else:
+                # every row is quantized on its own (per-token scales; QUADS per-token selection is
+                # batch-invariant), so one call over all (token, slot) rows equals per-expert calls
                 sel = (ids >= 0).reshape(-1)
                 flat = act_all.reshape(t * k, inter)
                 f32 = flat.to(torch.float32).clone()
@@ -326,7 +333,7 @@ class RolloutEmulator:
         seq, pos = rows
         tok_valid = (seq >= 0).nonzero().flatten()
         x = flat.reshape(-1, k, flat.shape[-1])[tok_valid.to(flat.device)]
-        _, rec = emulation.quantize_activation(x.reshape(-1, x.shape[-1]), ActQuant("trace", capture=True))
+        _, rec = emulation.quantize_activation(x.reshape(-1, x.shape[-1]), ActQuant("trace", capture=True, backend=_BACKEND))
         n = x.shape[0]
         rec = GuidanceRecord(rec.bits.reshape(n, k, -1), rec.block_scale.reshape(n, k, -1),
                              rec.global_scale.reshape(n, k, 1), torch.Size((n, k, x.shape[-1])))

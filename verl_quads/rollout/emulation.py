@@ -41,16 +41,22 @@ class ActQuant:
         residual_per_token: QUADS per-token (default, as :class:`verl_quads.config.QuantConfig`) instead of
             per-call block selection.
         capture: ``trace`` only: also return the guidance record of the activation.
+        backend: NVFP4 core backend for the activation quantization: ``torch`` (this module is the
+            plugin's torch backend) or ``auto`` (Triton for CUDA tensors; the kernels are bit-exact
+            with the torch reference, so only speed changes: used by the HF emulator on GPUs).
     """
 
     mode: str
     residual_ratio: float = 0.5
     residual_per_token: bool = True
     capture: bool = False
+    backend: str = "torch"
 
     def __post_init__(self) -> None:
         if self.mode not in RUNTIME_MODES:
             raise ValueError(f"quads_nvfp4: runtime mode must be one of {RUNTIME_MODES}, got {self.mode!r}")
+        if self.backend not in ("torch", "auto"):
+            raise ValueError(f"ActQuant.backend must be 'torch' or 'auto', got {self.backend!r}")
 
 
 #: One encode scale per token (row), float32 ``[M, 1]``: the core's definition, shared with the trainer.
@@ -70,12 +76,12 @@ def quantize_activation(x: torch.Tensor, q: ActQuant) -> tuple[torch.Tensor, Gui
     gs = per_token_global_scale(x)
     if q.mode == "quads":
         r = nvfp4.residual_quantize(
-            x, q.residual_ratio, gs, per_token=q.residual_per_token, backend="torch", check_finite=False
+            x, q.residual_ratio, gs, per_token=q.residual_per_token, backend=q.backend, check_finite=False
         )
         return r.dequantize(torch.float32), None
-    xq = nvfp4.quantize(x, gs, backend="torch", check_finite=False)
+    xq = nvfp4.quantize(x, gs, backend=q.backend, check_finite=False)
     record = nvfp4.extract_guidance(xq) if (q.mode == "trace" and q.capture) else None
-    return nvfp4.dequantize(xq, torch.float32, backend="torch"), record
+    return nvfp4.dequantize(xq, torch.float32, backend=q.backend), record
 
 
 def quantize_weight(w: torch.Tensor, reduce_dims: tuple[int, ...] | None = None) -> NVFP4Tensor:
