@@ -88,7 +88,29 @@ def external_request_id(internal_id: str) -> str:
 
 
 @dataclass
-class RequestGuidance:
+class _RequestCapture:
+    """What the rollout captured for one request, keyed by its token positions (base of the two kinds).
+
+    Attributes:
+        request_id: vLLM's internal request id.
+        positions: int64 ``[T]`` token positions, ascending, unique.
+    """
+
+    request_id: str
+    positions: torch.Tensor
+
+    @property
+    def external_id(self) -> str:
+        """The id the caller gave the request (vLLM's internal id without its random suffix)."""
+        return external_request_id(self.request_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.positions.numel())
+
+
+@dataclass
+class RequestGuidance(_RequestCapture):
     """All captured guidance of one request.
 
     Attributes:
@@ -101,19 +123,9 @@ class RequestGuidance:
         policy_version: the weight version the records were made with (None if never set).
     """
 
-    request_id: str
-    positions: torch.Tensor
     records: dict[Key, GuidanceRecord]
     expert_ids: dict[int, torch.Tensor] = field(default_factory=dict)
     policy_version: int | None = None
-
-    @property
-    def external_id(self) -> str:
-        return external_request_id(self.request_id)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.positions.numel())
 
     @property
     def nbytes(self) -> int:
@@ -192,7 +204,7 @@ class _RoutingStep:
 
 
 @dataclass
-class RequestRouting:
+class RequestRouting(_RequestCapture):
     """The rollout's routed experts of one request (every quantized mode).
 
     Attributes:
@@ -205,20 +217,10 @@ class RequestRouting:
         mixed_versions: whether the request's steps span a weight sync.
     """
 
-    request_id: str
-    positions: torch.Tensor
     experts: torch.Tensor
     layers: list[int]
     policy_version: int | None = None
     mixed_versions: bool = False
-
-    @property
-    def external_id(self) -> str:
-        return external_request_id(self.request_id)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.positions.numel())
 
     @property
     def nbytes(self) -> int:
