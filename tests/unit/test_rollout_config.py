@@ -173,3 +173,118 @@ def test_guidance_store_refuses_mixed_policy_versions():
 def test_external_request_id():
     assert external_request_id("17-0a1b2c3d") == "17"
     assert external_request_id("chat-17") == "chat-17"
+
+
+# --- serving a compressed-tensors NVFP4A16 checkpoint (verl-quads export output) ---------------------------
+def _ct_cfg(**changes):
+    """The quantization_config verl-quads export writes (its own function), with ``changes`` applied."""
+    from verl_quads.sync.export import ct_quantization_config
+
+    cfg = ct_quantization_config(["lm_head", "model.embed_tokens", "model.layers.0.mlp.gate", r"re:.*\.mlp\.gate$"])
+    group = cfg["config_groups"]["group_0"]
+    for k, v in changes.items():
+        if k.startswith("weights."):
+            group["weights"][k.split(".", 1)[1]] = v
+        elif k in group:
+            group[k] = v
+        else:
+            cfg[k] = v
+    return cfg
+
+
+def test_compressed_tensors_checkpoint_claimed_only_when_quads_nvfp4_is_asked_for():
+    cfg = _ct_cfg()
+    # opt-in: without quantization="quads_nvfp4" vLLM keeps its own compressed-tensors method
+    assert QuadsNVFP4Config.override_quantization_method(cfg, None) is None
+    assert QuadsNVFP4Config.override_quantization_method(cfg, "compressed-tensors") is None
+    assert QuadsNVFP4Config.override_quantization_method(cfg, "quads_nvfp4") == "quads_nvfp4"
+    # our own hf_overrides route is not an override (quant_method already names us)
+    assert QuadsNVFP4Config.override_quantization_method({"quant_method": "quads_nvfp4"}, "quads_nvfp4") is None
+
+
+@pytest.mark.parametrize("changes, match", [
+    ({"input_activations": {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16}},
+     "input_activations is set.*W4A4"),
+    ({"weights.num_bits": 8}, r"weights\.num_bits=8 \(allowed: \[4\]\)"),
+    ({"weights.group_size": 32}, r"weights\.group_size=32"),
+    ({"format": "pack-quantized"}, "format='pack-quantized'"),
+    ({"targets": ["re:.*proj$"]}, r"targets=\['re:\.\*proj\$'\] \(allowed: \['Linear'\]\)"),
+    ({"quantization_status": "frozen"}, "quantization_status='frozen'"),
+    ({"sparsity_config": {"format": "sparse-24"}}, "sparsity_config is set"),
+])
+def test_compressed_tensors_checkpoint_other_than_nvfp4a16_refused_naming_the_key(changes, match):
+    cfg = _ct_cfg(**changes)
+    with pytest.raises(ValueError, match=match):
+        QuadsNVFP4Config.override_quantization_method(cfg, "quads_nvfp4")
+    with pytest.raises(ValueError, match=match):
+        QuadsNVFP4Config.from_config(cfg)
+
+
+def test_served_checkpoint_mode_default_key_env_and_ignore(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    cfg = QuadsNVFP4Config.from_config(_ct_cfg())
+    assert cfg.packed_checkpoint and cfg.mode == "w4a16"  # the export is weight-only NVFP4
+    assert not QuadsNVFP4Config.from_config({"quant": "w4a16"}).packed_checkpoint
+    monkeypatch.setenv(ENV_VAR, json.dumps({"quant": "naive"}))
+    assert QuadsNVFP4Config.from_config(_ct_cfg()).mode == "naive"
+    keyed = QuadsNVFP4Config.from_config({**_ct_cfg(), "verl_quads": {"quant": "quads", "residual_ratio": 0.25}})
+    assert keyed.mode == "quads" and keyed.quant_config.residual_ratio == 0.25  # the key wins over the env
+    assert QuadsNVFP4Config.from_config({**_ct_cfg(), "verl_quads": {"quant": "trace"}}).mode == "trace"
+    with pytest.raises(ValueError, match="sets 'ignore'.*quantization_config.ignore"):
+        QuadsNVFP4Config.from_config({**_ct_cfg(), "verl_quads": {"quant": "quads", "ignore": ["lm_head"]}})
+    # which layers are NVFP4: the checkpoint's ignore list (exact names and compressed-tensors' "re:" entries)
+    cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    assert cfg._is_ignored("model.layers.0.mlp.gate") and cfg._is_ignored("model.layers.7.mlp.gate")
+    assert not cfg._is_ignored("model.layers.7.mlp.gate_up_proj")
+    assert not cfg._is_ignored("model.layers.0.self_attn.qkv_proj")
+    assert not cfg._is_ignored("model.layers.0.mlp.experts.routed_experts")
+    assert cfg._is_ignored("lm_head") and not cfg._is_ignored("lm_head_2")
+
+
+def test_packed_checkpoint_global_scales_must_be_shared_and_positive():
+    """q/k/v (gate/up) shards of one fused GEMM carry one global scale; a missing shard (0) is caught."""
+    from verl_quads.rollout.linear import shared_global_scale
+
+    got = shared_global_scale(torch.tensor([3.5, 3.5, 3.5]), "model.layers.0.self_attn.qkv_proj")
+    assert got.dim() == 0 and got.dtype == torch.float32 and float(got) == 3.5
+    with pytest.raises(ValueError, match=r"qkv_proj: the fused shards' weight_global_scale differ \(\[3.5, 3.5, 2.0\]\)"):
+        shared_global_scale(torch.tensor([3.5, 3.5, 2.0]), "model.layers.0.self_attn.qkv_proj")
+    with pytest.raises(ValueError, match="must be positive and finite; a shard missing"):
+        shared_global_scale(torch.tensor([3.5, 0.0]), "model.layers.0.mlp.gate_up_proj")
+
+
+def test_packed_checkpoint_moe_parameters_and_per_expert_scale_reduction():
+    """Packed-checkpoint MoE parameters (compressed-tensors names, vLLM's scale kinds for its expert loader);
+    after loading, gate/up scales [E, 2] become one per expert [E]; differing gate/up scales are refused."""
+    import types
+
+    from vllm.model_executor.layers.fused_moe import FusedMoeWeightScaleSupported
+
+    from verl_quads.rollout.emulation import ActQuant
+    from verl_quads.rollout.moe import KERNEL_PARAMS, QuadsNVFP4MoEMethod
+
+    m = QuadsNVFP4MoEMethod(types.SimpleNamespace(has_bias=False, activation=None), ActQuant("w4a16"), packed=True)
+    layer = torch.nn.Module()
+    layer.layer_name = "model.layers.2.mlp.experts"
+    m._create_packed(layer, 4, 64, 32, {"weight_loader": None})
+    shapes = {n: (tuple(p.shape), p.dtype) for n, p in layer.named_parameters()}
+    assert shapes == {
+        "w13_weight_packed": ((4, 64, 32), torch.uint8), "w13_weight_scale": ((4, 64, 4), torch.float8_e4m3fn),
+        "w13_weight_global_scale": ((4, 2), torch.float32), "w2_weight_packed": ((4, 64, 16), torch.uint8),
+        "w2_weight_scale": ((4, 64, 2), torch.float8_e4m3fn), "w2_weight_global_scale": ((4,), torch.float32),
+    }
+    assert layer.w13_weight_scale.quant_method == FusedMoeWeightScaleSupported.GROUP.value
+    assert layer.w2_weight_global_scale.quant_method == FusedMoeWeightScaleSupported.TENSOR.value
+    layer.w13_weight_global_scale.data.copy_(torch.tensor([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0], [4.0, 4.0]]))
+    layer.w2_weight_global_scale.data.copy_(torch.tensor([5.0, 6.0, 7.0, 8.0]))
+    m.process_weights_after_loading(layer)
+    assert sorted(n for n, _ in layer.named_parameters()) == sorted(KERNEL_PARAMS)
+    assert layer.w13_weight_global_scale.tolist() == [1.0, 2.0, 3.0, 4.0] and layer.w2_weight_global_scale.shape == (4,)
+    bad = torch.nn.Module()
+    bad.layer_name = "model.layers.2.mlp.experts"
+    m._create_packed(bad, 4, 64, 32, {"weight_loader": None})
+    bad.w13_weight_global_scale.data.fill_(1.0)
+    bad.w13_weight_global_scale.data[3, 1] = 2.0
+    bad.w2_weight_global_scale.data.fill_(1.0)
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.experts expert 3 w13: the fused shards' weight_global_scale differ"):
+        m.process_weights_after_loading(bad)

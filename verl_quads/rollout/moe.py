@@ -4,6 +4,11 @@ Parameters of a ``RoutedExperts`` layer with E local experts, hidden H, expert i
 
 - load format (from a BF16 checkpoint, through the layer's own ``weight_loader``):
   ``w13_weight``: params_dtype ``[E, 2I, H]`` (gate rows then up rows), ``w2_weight``: ``[E, H, I]``.
+- load format of a packed NVFP4 checkpoint (compressed-tensors per-expert ``weight_packed`` /
+  ``weight_scale`` / ``weight_global_scale``, ``packed=True``): the kernel-format tensors below, filled
+  through the layer's own vLLM weight loader (per expert, gate -> first half of w13, up -> second,
+  tensor-parallel slices of the intermediate dim by rank), except ``w13_weight_global_scale`` float32
+  ``[E, 2]`` (gate, up; must be equal per expert, then reduced to ``[E]``).
 - kernel format (made by :meth:`process_weights_after_loading`, which deletes the BF16 ones):
   ``w13_weight_packed`` uint8 ``[E, 2I, H/2]``, ``w13_weight_scale`` float8_e4m3fn ``[E, 2I, H/16]``,
   ``w13_weight_global_scale`` float32 ``[E]`` (one per expert, gate and up share it);
@@ -44,10 +49,13 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
             :meth:`create_weights` unless the user opted into triton experts
             (:func:`verl_quads.rollout.native.experts_backend`).
         capture_layer: decoder layer index when guidance is captured (trace), else None.
+        packed: the checkpoint holds packed NVFP4 tensors (compressed-tensors names), loaded as they are.
     """
 
-    def __init__(self, moe, act: ActQuant, backend: str = "torch", capture_layer: int | None = None):
+    def __init__(self, moe, act: ActQuant, backend: str = "torch", capture_layer: int | None = None,
+                 packed: bool = False):
         super().__init__(moe)
+        self.packed = packed
         if backend not in ("torch", "triton", "native"):
             raise NotImplementedError(
                 f"quads_nvfp4 MoE: backend {backend!r} is not implemented (implemented: torch, triton; "
@@ -76,6 +84,9 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
         for name, dim in (("hidden", hidden_size), ("intermediate", intermediate_size_per_partition)):
             if dim % 16:
                 raise ValueError(f"quads_nvfp4 MoE: {name} size {dim} is not a multiple of 16 (NVFP4 block)")
+        if self.packed:
+            self._create_packed(layer, num_experts, hidden_size, intermediate_size_per_partition, extra)
+            return
         w13 = torch.nn.Parameter(
             torch.empty(num_experts, 2 * intermediate_size_per_partition, hidden_size, dtype=params_dtype),
             requires_grad=False,
@@ -88,10 +99,48 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
             layer.register_parameter(name, p)
             set_weight_attrs(p, extra)
 
+    @staticmethod
+    def _create_packed(layer, e: int, h: int, i: int, extra: dict) -> None:
+        """Packed-checkpoint parameters (module docstring). vLLM's expert weight loader picks the path by
+        name and ``quant_method``: ``*_weight_packed`` as model weights, ``*_weight_scale`` as group scales,
+        ``*_weight_global_scale`` as per-tensor scales (``[E, 2]`` for w1/w3, ``[E]`` for w2)."""
+        from vllm.model_executor.layers.fused_moe import FusedMoeWeightScaleSupported
+
+        group, tensor = FusedMoeWeightScaleSupported.GROUP.value, FusedMoeWeightScaleSupported.TENSOR.value
+        for name, shape, dtype, qm in (
+            ("w13_weight_packed", (e, 2 * i, h // 2), torch.uint8, None),
+            ("w13_weight_scale", (e, 2 * i, h // 16), torch.float8_e4m3fn, group),
+            ("w13_weight_global_scale", (e, 2), torch.float32, tensor),
+            ("w2_weight_packed", (e, h, i // 2), torch.uint8, None),
+            ("w2_weight_scale", (e, h, i // 16), torch.float8_e4m3fn, group),
+            ("w2_weight_global_scale", (e,), torch.float32, tensor),
+        ):
+            p = torch.nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
+            layer.register_parameter(name, p)
+            set_weight_attrs(p, extra)
+            if qm is not None:
+                set_weight_attrs(p, {"quant_method": qm})
+
+    def _finish_packed_load(self, layer) -> None:
+        """Checkpoint global scales -> kernel format: w13 ``[E, 2]`` (gate, up; must be equal) -> ``[E]``;
+        w2 ``[E]`` checked (positive, finite: an expert missing from the checkpoint leaves 0)."""
+        from verl_quads.rollout.linear import shared_global_scale
+
+        name = getattr(layer, "layer_name", type(layer).__name__)
+        for stem in ("w13", "w2"):
+            gs = layer._parameters[f"{stem}_weight_global_scale"].data
+            rows = gs.reshape(gs.shape[0], -1)
+            one = torch.stack([shared_global_scale(rows[x], f"{name} expert {x} {stem}") for x in range(rows.shape[0])])
+            set_kernel_param(layer, f"{stem}_weight_global_scale", one)
+
     def get_fused_moe_quant_config(self, layer):
         return None  # this method runs its own GEMMs; no vLLM modular kernel is built
 
     def process_weights_after_loading(self, layer) -> None:
+        if self.packed and layer._parameters.get("w13_weight_global_scale") is not None \
+                and layer._parameters["w13_weight_global_scale"].dim() == 2:
+            self._finish_packed_load(layer)
+            return
         for stem in ("w13", "w2"):
             w = layer._parameters.get(f"{stem}_weight")
             if w is None:

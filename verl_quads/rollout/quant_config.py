@@ -14,6 +14,22 @@ How to turn it on (vLLM alone; verl's glue will pass ``actor.quant`` the same wa
    environment variable ``VERL_QUADS_QUANT_CONFIG`` (same keys; the variable must be set before
    the engine starts so worker processes inherit it), and defaults to ``{"quant": "quads"}``.
 
+3. Serving an NVFP4 checkpoint in the compressed-tensors format (``verl-quads export``'s output, or
+   any ``NVFP4A16`` checkpoint: ``format: nvfp4-pack-quantized``, weight-only, group size 16):
+   ``LLM(export_dir, quantization="quads_nvfp4")``. Opt-in only: without ``quantization=``, vLLM
+   keeps serving such a directory with its own ``compressed-tensors`` method (Blackwell / Hopper
+   kernels); :meth:`QuadsNVFP4Config.override_quantization_method` claims the checkpoint only when
+   the user asked for ``quads_nvfp4``. The packed tensors (``weight_packed`` / ``weight_scale`` /
+   ``weight_global_scale``) are loaded as they are (no BF16 detour, no re-quantization); the layers
+   that are NVFP4 are the ones the checkpoint's ``quantization_config.ignore`` does not list (exact
+   names or ``re:`` patterns, compressed-tensors' rule). The mode defaults to ``w4a16`` (the export is
+   weight-only); ``naive`` / ``quads`` / ``trace`` activations (and ``residual_ratio``, ``backend``,
+   ...) come from a ``"verl_quads"`` object inside the checkpoint's quantization config, else from
+   ``VERL_QUADS_QUANT_CONFIG``, with the same keys as above except ``ignore`` (refused: the
+   checkpoint decides). A W4A4 checkpoint (``input_activations`` with a static calibrated
+   ``input_global_scale``) is refused: our rollout's per-token dynamic activation scales would not
+   be the ones it was calibrated with, and ``verl-quads export`` does not write one.
+
 Which layers: linear layers (``LinearBase``) and routed experts (``RoutedExperts``) are
 quantized unless ``QuantConfig.is_ignored`` matches their name (the trainer's ignore list; a fused
 vLLM layer is matched through its checkpoint shard names, e.g. ``qkv_proj`` -> ``q_proj``,
@@ -59,6 +75,105 @@ def quant_config_from_args(args: dict[str, Any]) -> QuantConfig:
     return cfg
 
 
+#: compressed-tensors ``NVFP4A16`` weight arguments a packed checkpoint must have (key -> allowed values)
+_CT_NVFP4_WEIGHTS = {
+    "num_bits": (4,),
+    "type": ("float",),
+    "strategy": ("tensor_group",),
+    "group_size": (16,),
+    "symmetric": (True, None),
+    "dynamic": (False, None),
+}
+_CT_FORMAT = "nvfp4-pack-quantized"
+#: key inside a compressed-tensors quantization config that carries our mode arguments
+CT_ARGS_KEY = "verl_quads"
+
+
+def _ct_error(msg: str) -> ValueError:
+    return ValueError(
+        f"quads_nvfp4: cannot serve this compressed-tensors checkpoint: {msg}. quads_nvfp4 serves "
+        f"compressed-tensors NVFP4A16 checkpoints only (format {_CT_FORMAT!r}, weights 4-bit float, strategy "
+        "tensor_group, group size 16, input_activations null; e.g. `verl-quads export` output)"
+    )
+
+
+def check_ct_nvfp4a16(cfg: dict[str, Any]) -> list[str]:
+    """Validate a compressed-tensors ``quantization_config`` as a packed NVFP4A16 checkpoint; return its
+    ``ignore`` list. Raises ValueError naming the offending key and what is allowed."""
+    if cfg.get("quant_method") != "compressed-tensors":
+        raise _ct_error(f"quant_method={cfg.get('quant_method')!r}")
+    status = cfg.get("quantization_status", "compressed")
+    if status != "compressed":
+        raise _ct_error(f"quantization_status={status!r} (the weights are not packed; expected 'compressed')")
+    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        if cfg.get(key):
+            raise _ct_error(f"{key} is set ({cfg[key]!r}); not supported")
+    groups = cfg.get("config_groups") or {}
+    if not groups:
+        raise _ct_error("config_groups is empty")
+    for gname, g in groups.items():
+        fmt = g.get("format") or cfg.get("format")
+        if fmt != _CT_FORMAT:
+            raise _ct_error(f"config_groups.{gname}.format={fmt!r}")
+        if list(g.get("targets") or []) != ["Linear"]:
+            raise _ct_error(f"config_groups.{gname}.targets={g.get('targets')!r} (allowed: ['Linear'])")
+        if g.get("input_activations") is not None:
+            raise _ct_error(
+                f"config_groups.{gname}.input_activations is set (a W4A4 checkpoint with static calibrated "
+                "activation scales); pick the activation mode with the 'verl_quads' arguments instead"
+            )
+        if g.get("output_activations") is not None:
+            raise _ct_error(f"config_groups.{gname}.output_activations is set")
+        w = g.get("weights") or {}
+        for key, allowed in _CT_NVFP4_WEIGHTS.items():
+            if w.get(key) not in allowed:
+                raise _ct_error(f"config_groups.{gname}.weights.{key}={w.get(key)!r} (allowed: {list(allowed)})")
+    ignore = cfg.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(x, str) for x in ignore):
+        raise _ct_error(f"ignore={ignore!r} (expected a list of module names / 're:' patterns)")
+    return list(ignore)
+
+
+def ct_ignored(ignore: list[str], name: str) -> bool:
+    """compressed-tensors' ignore rule: ``name`` equals an entry, or ``re.match``es a ``re:`` entry."""
+    return any(re.match(p[3:], name) if p.startswith("re:") else p == name for p in ignore)
+
+
+def served_checkpoint_config(cfg: dict[str, Any]) -> tuple[QuantConfig, list[str]]:
+    """(QuantConfig, checkpoint ignore list) for serving a compressed-tensors NVFP4A16 checkpoint.
+
+    Mode arguments: ``cfg["verl_quads"]`` if present, else the JSON in ``VERL_QUADS_QUANT_CONFIG``,
+    else ``{"quant": "w4a16"}`` (the checkpoint is weight-only NVFP4). ``ignore`` is refused there:
+    which layers are NVFP4 is the checkpoint's ``ignore`` list.
+    """
+    ignore = check_ct_nvfp4a16(cfg)
+    if CT_ARGS_KEY in cfg:
+        args, where = cfg[CT_ARGS_KEY], f"quantization_config.{CT_ARGS_KEY}"
+    elif os.environ.get(ENV_VAR):
+        args, where = _env_args(), ENV_VAR
+    else:
+        args, where = {"quant": "w4a16"}, "default"
+    if not isinstance(args, dict):
+        raise ValueError(f"quads_nvfp4: {where} must be a JSON object of QuantConfig keys, got {args!r}")
+    if "ignore" in args:
+        raise ValueError(
+            f"quads_nvfp4: {where} sets 'ignore', but a packed checkpoint's NVFP4 layers are fixed by its "
+            "quantization_config.ignore; remove the key"
+        )
+    return quant_config_from_args(args), ignore
+
+
+def _env_args() -> dict[str, Any]:
+    raw = os.environ.get(ENV_VAR)
+    try:
+        args = json.loads(raw) if raw else dict(DEFAULT_ARGS)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"quads_nvfp4: {ENV_VAR} is not valid JSON: {e}") from e
+    if not isinstance(args, dict):
+        raise ValueError(f"quads_nvfp4: {ENV_VAR} must hold a JSON object, got {raw!r}")
+    return args
+
+
 def _num_hidden_layers() -> int | None:
     try:
         from vllm.config import get_current_vllm_config
@@ -81,22 +196,25 @@ def _prefix_caching_enabled() -> bool:
 class QuadsNVFP4Config(QuantizationConfig):
     """vLLM side of a :class:`~verl_quads.config.QuantConfig` (see module docstring)."""
 
-    def __init__(self, quant_config: QuantConfig | None = None):
+    def __init__(self, quant_config: QuantConfig | None = None, checkpoint_ignore: list[str] | None = None):
+        """``checkpoint_ignore``: None for a BF16 checkpoint (quantized at load, layers chosen by
+        ``quant_config.ignore``); the compressed-tensors ``ignore`` list when the checkpoint holds packed
+        NVFP4 tensors (see :func:`served_checkpoint_config`)."""
         super().__init__()
         if quant_config is None:
-            raw = os.environ.get(ENV_VAR)
-            try:
-                args = json.loads(raw) if raw else dict(DEFAULT_ARGS)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"quads_nvfp4: {ENV_VAR} is not valid JSON: {e}") from e
-            if not isinstance(args, dict):
-                raise ValueError(f"quads_nvfp4: {ENV_VAR} must hold a JSON object, got {raw!r}")
-            quant_config = quant_config_from_args(args)
+            quant_config = quant_config_from_args(_env_args())
         self.quant_config = quant_config
         self.mode = quant_config.rollout_mode
         self.backend = resolve_backend(quant_config.backend)
+        self.checkpoint_ignore = None if checkpoint_ignore is None else list(checkpoint_ignore)
         self._guided_from: int | None = None
-        logger.info("verl-quads: quads_nvfp4 mode=%s backend=%s config=%s", self.mode, self.backend, quant_config)
+        logger.info("verl-quads: quads_nvfp4 mode=%s backend=%s config=%s checkpoint=%s", self.mode, self.backend,
+                    quant_config, "BF16" if checkpoint_ignore is None else "packed NVFP4 (compressed-tensors)")
+
+    @property
+    def packed_checkpoint(self) -> bool:
+        """True when the checkpoint holds packed NVFP4 tensors (loaded as they are)."""
+        return self.checkpoint_ignore is not None
 
     # --- QuantizationConfig interface ---
     def get_name(self) -> str:
@@ -115,16 +233,41 @@ class QuadsNVFP4Config(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "QuadsNVFP4Config":
+        if config.get("quant_method") == "compressed-tensors":  # a packed checkpoint (see module docstring, 3.)
+            qc, ignore = served_checkpoint_config(config)
+            return cls(qc, checkpoint_ignore=ignore)
         return cls(quant_config_from_args(config))
 
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None, hf_config: Any = None):
+        """Claim a compressed-tensors checkpoint only when the user asked for ``quads_nvfp4`` (opt-in).
+
+        Without ``quantization="quads_nvfp4"`` this returns None: vLLM keeps its own compressed-tensors
+        method (what a Blackwell / Hopper GPU should run). With it, a compressed-tensors config that is
+        not NVFP4A16 raises here naming the key (instead of vLLM's generic method mismatch).
+        """
+        if user_quant != NAME or not isinstance(hf_quant_cfg, dict):
+            return None
+        if hf_quant_cfg.get("quant_method") != "compressed-tensors":
+            return None
+        check_ct_nvfp4a16(hf_quant_cfg)
+        return NAME
+
     # --- layer dispatch ---
+    def _ignored_by(self, name: str) -> bool:
+        if self.checkpoint_ignore is not None:
+            return ct_ignored(self.checkpoint_ignore, name)
+        return self.quant_config.is_ignored(name)
+
     def _is_ignored(self, prefix: str) -> bool:
-        """Trainer-side ignore decision for a vLLM module name (fused layers via their shard names)."""
+        """Ignore decision for a vLLM module name (fused layers via their shard names): the trainer's
+        ignore list, or for a packed checkpoint the checkpoint's."""
+        prefix = prefix.removesuffix(".routed_experts")  # vLLM 0.32 names routed experts below mlp.experts
         parent, _, last = prefix.rpartition(".")
         shards = self.packed_modules_mapping.get(last)
         if not shards:
-            return self.quant_config.is_ignored(prefix)
-        flags = [self.quant_config.is_ignored(f"{parent}.{s}" if parent else s) for s in shards]
+            return self._ignored_by(prefix)
+        flags = [self._ignored_by(f"{parent}.{s}" if parent else s) for s in shards]
         if all(flags) != any(flags):
             raise ValueError(
                 f"quads_nvfp4: {prefix} fuses {shards} into one GEMM; the ignore list must match all or none of them"
@@ -182,7 +325,7 @@ class QuadsNVFP4Config(QuantizationConfig):
 
             act, idx, gemm = self.activation_quant(prefix)
             key = (idx, gemm) if act.capture else None
-            return QuadsNVFP4LinearMethod(act, self.backend, capture_key=key)
+            return QuadsNVFP4LinearMethod(act, self.backend, capture_key=key, packed=self.packed_checkpoint)
         if isinstance(layer, RoutedExperts):
             if self._is_ignored(prefix):
                 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
@@ -193,7 +336,8 @@ class QuadsNVFP4Config(QuantizationConfig):
             from verl_quads.rollout.moe import QuadsNVFP4MoEMethod
 
             act, idx, _ = self.activation_quant(prefix)
-            return QuadsNVFP4MoEMethod(layer.moe_config, act, self.backend, capture_layer=idx if act.capture else None)
+            return QuadsNVFP4MoEMethod(layer.moe_config, act, self.backend, capture_layer=idx if act.capture else None,
+                                       packed=self.packed_checkpoint)
         return None
 
 
@@ -204,4 +348,14 @@ def register_quant_config() -> None:
     register_quantization_config(NAME)(QuadsNVFP4Config)
 
 
-__all__ = ["NAME", "ENV_VAR", "QuadsNVFP4Config", "quant_config_from_args", "register_quant_config"]
+__all__ = [
+    "NAME",
+    "ENV_VAR",
+    "CT_ARGS_KEY",
+    "QuadsNVFP4Config",
+    "check_ct_nvfp4a16",
+    "ct_ignored",
+    "quant_config_from_args",
+    "register_quant_config",
+    "served_checkpoint_config",
+]
