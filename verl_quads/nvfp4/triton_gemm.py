@@ -419,6 +419,250 @@ if triton is not None:
             tl.store(tok_ptr + pos, i // TOPK, mask=valid)
 
 
+    # ----------------------------------------------------------------------------------------------
+    # W4A16 decode: weight streaming (issue #5). The GEMM at M <= 16 is bound by reading the packed
+    # weight; the kernel above decodes 1 byte (2 elements) at a time into the tensor-core operand
+    # layout, ~13 instructions per element. These kernels read the packed weight as int32 WORDS (8
+    # codes, 16-byte vector loads of 4 words), decode a word's 8 nibbles with 3 integer ops each
+    # (see _e2m1_word), multiply by the block scale once per element, and accumulate either on CUDA
+    # cores (FMA: one float32 FMA per element and activation row; M <= 4 per row chunk) or on tensor
+    # cores (one tl.dot per nibble position J: K-slice = the J-th element of every word).
+
+    @triton.jit
+    def _e2m1_word(wd, J: tl.constexpr, DEC: tl.constexpr):
+        """Nibble ``J`` (0..7) of int32 words ``wd`` (the word's element J: bytes little-endian, low
+        nibble first) as float32, ``E2M1(code) * 2**-126`` (DEC 0) or ``E2M1(code) * 2**-14`` (DEC 1).
+
+        DEC 0 (bits, 3 integer ops, no conversion instruction): shift the nibble to bits 28..31 (sign at
+        31), arithmetic shift right by 6 (the 3 magnitude bits land on bits 22..24 = the two low exponent
+        bits and the top mantissa bit of a float32) and AND 0x81C00000: a float32 equal to E2M1 * 2**-126
+        exactly (codes 0/1 are float32 zero/subnormal 2**-127: needs subnormal-preserving multiplies,
+        which Triton's non-ftz fmul is). DEC 1 (the fp16 trick of :func:`_fp4_decode` + a hardware
+        fp16 -> fp32 conversion)."""
+        if DEC == 0:
+            if J == 7:
+                t = wd
+            else:
+                t = wd << (28 - 4 * J)
+            return ((t >> 6) & -2118123520).to(tl.float32, bitcast=True)  # -2118123520 = 0x81C00000
+        else:
+            t = wd >> (4 * J)
+            h = ((t & 7) << 9) | ((t & 8) << 12)
+            return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+    @triton.jit
+    def _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC: tl.constexpr, EVEN: tl.constexpr):
+        """Words ``kw`` (int ``[BKW]``) of weight rows ``wrow`` (int64 ``[BN]``, row index into the
+        int32 view ``[rows, K/8]``) and each word's block-scale multiplier, float32 ``[BN, BKW]``:
+        ``scale * 2**117`` (DEC 0) or ``scale * 2**14`` (DEC 1), so that ``_e2m1_word * multiplier =
+        E2M1 * scale * 2**-9`` resp. ``E2M1 * scale`` (exact; the 2**9 goes into the epilogue). The
+        scale byte of word kw is block ``kw // 2`` (one per 16 elements; L1 hits after the first)."""
+        if EVEN:
+            m = nmask[:, None]
+        else:
+            m = nmask[:, None] & (kw < kw_hi)[None, :]
+        wd = tl.load(w_ptr + wrow[:, None] * KW + kw[None, :], mask=m, other=0)
+        sc = tl.load(ws_ptr + wrow[:, None] * KB + (kw // 2)[None, :], mask=m, other=0)
+        s = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if DEC == 0:
+            s = s * 1.6615349947311448e35  # 2**117
+        else:
+            s = s * 16384.0
+        return wd, s
+
+    @triton.jit
+    def _stream_x(x_ptr, arow, kw, kw_hi, K, J: tl.constexpr, EVEN: tl.constexpr):
+        """Activation row ``arow`` (int64 scalar, always a valid row: an invalid row of a chunk reads row
+        0 and is not stored), elements ``8 kw + J`` (``[BKW]``, a stride-8 gather that hits L1/L2: the
+        row is tiny), as float32."""
+        if EVEN:
+            return tl.load(x_ptr + arow * K + kw * 8 + J).to(tl.float32)
+        else:
+            return tl.load(x_ptr + arow * K + kw * 8 + J, mask=kw < kw_hi, other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _stream_rows(arow_ptr, orow_ptr, r, r1, GROUPED: tl.constexpr):
+        """(activation row int64, output row int64, valid) of sorted/tile row ``r`` (valid: r < r1; an
+        invalid row gets activation row 0, so its loads need no mask; its output is not stored)."""
+        valid = r < r1
+        if GROUPED:
+            a = tl.load(arow_ptr + r, mask=valid, other=0).to(tl.int64)
+            o = tl.load(orow_ptr + r, mask=valid, other=0).to(tl.int64)
+        else:
+            o = r + tl.zeros([], tl.int64)  # (r is a Python int in the interpreter's loops)
+            a = tl.where(valid, o, 0)
+        return a, o, valid
+
+    @triton.jit
+    def _stream_store(out_ptr, bias_ptr, acc, post, orow, valid, cols, nmask, pid_k, N, OUT_ROWS,
+                      PARTIAL: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr):
+        """Row ``orow`` of the result: ``acc`` float32 ``[BN]`` times ``post`` ``[BN]``; PARTIAL (split-K):
+        float32 partial at ``out[pid_k, orow, cols]`` (bias and cast in :func:`_splitk_reduce_kernel`)."""
+        y = acc * post
+        m = nmask & ((0 * cols + valid.to(tl.int32)) > 0)  # [BN] form: the interpreter's bool & 0-d bool is int32
+        if PARTIAL:
+            tl.store(out_ptr + (pid_k * OUT_ROWS + orow) * N + cols, y, mask=m)
+        else:
+            if HAS_BIAS:
+                y += tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
+            _store_out(out_ptr + orow * N + cols, y, m, OUT)
+
+    @triton.jit
+    def _w4a16_stream_kernel(
+        x_ptr, w_ptr, ws_ptr, wgs_ptr, bias_ptr, out_ptr,
+        arow_ptr, orow_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
+        M, N, K, KW, KB, OUT_ROWS, KW_PER_SPLIT,
+        BM: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, PARTIAL: tl.constexpr,
+        GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, DEC: tl.constexpr,
+        MMA: tl.constexpr, DT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
+    ):
+        """W4A16 weight-streaming GEMM: program (M-tile, BN output columns, K-range ``pid_k``).
+
+        Rows of the M-tile (dense: ``TM`` rows from ``pid_m * TM``; grouped: the tile table's row range
+        of one expert) are processed in chunks of BM rows; for each chunk the program streams its BN
+        weight rows over its K range, BKW int32 words (8 * BKW elements) per step, PREFETCH: the next
+        step's words and scales are loaded before this step's arithmetic (manual double buffering).
+
+        MMA 0 (CUDA cores, BM in 1, 2, 4): float32 accumulators ``[BN, BKW]`` per row, one FMA per
+        weight element and row; summed over the word axis once at the end. MMA 1 (tensor cores, BM >=
+        16): per nibble position J ``acc[BN, BM] += W_J[BN, BKW] @ X_J[BM, BKW].T`` (swapped: weight rows
+        on the MMA's M side) in the operand type DT (0 float32, 1 bf16, 2 fp16; the decoded values
+        E2M1 * scale * 2**-9 are exact in all three). MMA 2: the same, not swapped ``X_J @ W_J.T``.
+        PARTIAL (split-K): write float32 partials ``out[pid_k, row, col]`` (no bias).
+
+        Epilogue: ``acc * 2**9 (DEC 0) / weight_global_scale`` (per expert), + bias, one cast; or float32
+        partials for the split-K reduction."""
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        pid_k = tl.program_id(2)
+        if GROUPED:
+            e = tl.load(tile_e_ptr + pid_m)
+            r0 = tl.load(tile_r0_ptr + pid_m)
+            r1 = tl.load(tile_r1_ptr + pid_m)
+            r1 = tl.where(e >= 0, r1, r0)  # a tile past the last expert's: no rows
+            ec = tl.maximum(e, 0).to(tl.int64)
+        else:
+            r0 = pid_m * TM
+            r1 = tl.minimum(r0 + TM, M)
+            ec = (pid_m * 0).to(tl.int64)
+        cols = pid_n * BN + tl.arange(0, BN)
+        nmask = cols < N
+        wrow = ec * N + cols.to(tl.int64)
+        kw_lo = pid_k * KW_PER_SPLIT
+        kw_hi = tl.minimum(kw_lo + KW_PER_SPLIT, KW)
+        gw = tl.load(wgs_ptr + ec)
+        post = tl.math.div_rn(tl.full([BN], 1.0, tl.float32), gw + tl.zeros([BN], tl.float32))
+        if DEC == 0:
+            post = post * 512.0  # undo the 2**-9 of the decoded values (exact)
+        i = tl.arange(0, BKW)
+        for c0 in range(r0, r1, BM):
+            if MMA == 0:
+                a0, o0, v0 = _stream_rows(arow_ptr, orow_ptr, c0, r1, GROUPED)
+                a1, o1, v1 = _stream_rows(arow_ptr, orow_ptr, c0 + 1, r1, GROUPED)
+                a2, o2, v2 = _stream_rows(arow_ptr, orow_ptr, c0 + 2, r1, GROUPED)
+                a3, o3, v3 = _stream_rows(arow_ptr, orow_ptr, c0 + 3, r1, GROUPED)
+                acc0 = tl.zeros([BN, BKW], tl.float32)
+                acc1 = tl.zeros([BN, BKW], tl.float32)
+                acc2 = tl.zeros([BN, BKW], tl.float32)
+                acc3 = tl.zeros([BN, BKW], tl.float32)
+            else:
+                rr = c0 + tl.arange(0, BM)
+                rv = rr < r1
+                if GROUPED:
+                    ar = tl.load(arow_ptr + rr, mask=rv, other=0).to(tl.int64)
+                    orr = tl.load(orow_ptr + rr, mask=rv, other=0).to(tl.int64)
+                else:
+                    ar = rr.to(tl.int64)
+                    orr = ar
+                if MMA == 1:
+                    acc = tl.zeros([BN, BM], tl.float32)
+                else:
+                    acc = tl.zeros([BM, BN], tl.float32)
+            if PREFETCH:
+                wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw_lo + i, kw_hi, KW, KB, DEC, EVEN)
+            for kw0 in range(kw_lo, kw_hi, BKW):
+                kw = kw0 + i
+                if PREFETCH:
+                    wd, s = wd_n, s_n
+                    # next step in range: a mask along N only (constant along K, so the loads stay 16-byte
+                    # vectors; the [BN] form also avoids the interpreter's int32 result of bool & 0-d bool)
+                    nxt = nmask & ((kw_hi - kw0 + 0 * cols) > BKW)
+                    wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + BKW, kw_hi, KW, KB, DEC, EVEN)
+                else:
+                    wd, s = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC, EVEN)
+                for j in tl.static_range(8):
+                    v = _e2m1_word(wd, j, DEC) * s
+                    if MMA == 0:
+                        acc0 += v * _stream_x(x_ptr, a0, kw, kw_hi, K, j, EVEN)[None, :]
+                        if BM > 1:
+                            acc1 += v * _stream_x(x_ptr, a1, kw, kw_hi, K, j, EVEN)[None, :]
+                        if BM > 2:
+                            acc2 += v * _stream_x(x_ptr, a2, kw, kw_hi, K, j, EVEN)[None, :]
+                            acc3 += v * _stream_x(x_ptr, a3, kw, kw_hi, K, j, EVEN)[None, :]
+                    else:
+                        if EVEN:
+                            xm = rv[:, None]
+                        else:
+                            xm = rv[:, None] & (kw < kw_hi)[None, :]
+                        xj = tl.load(x_ptr + ar[:, None] * K + (kw * 8 + j)[None, :], mask=xm, other=0.0)
+                        if DT == 1:
+                            vd = v.to(tl.bfloat16)
+                            xj = xj.to(tl.bfloat16)
+                        elif DT == 2:
+                            vd = v.to(tl.float16)
+                            xj = xj.to(tl.float16)
+                        else:
+                            vd = v
+                            xj = xj.to(tl.float32)
+                        if MMA == 1:
+                            if DT == 0:
+                                acc = tl.dot(vd, tl.trans(xj), acc, input_precision="ieee")
+                            else:
+                                acc = tl.dot(vd, tl.trans(xj), acc)
+                        else:
+                            if DT == 0:
+                                acc = tl.dot(xj, tl.trans(vd), acc, input_precision="ieee")
+                            else:
+                                acc = tl.dot(xj, tl.trans(vd), acc)
+            if MMA == 0:
+                _stream_store(out_ptr, bias_ptr, tl.sum(acc0, axis=1), post, o0, v0, cols, nmask, pid_k, N, OUT_ROWS,
+                              PARTIAL, HAS_BIAS, OUT)
+                if BM > 1:
+                    _stream_store(out_ptr, bias_ptr, tl.sum(acc1, axis=1), post, o1, v1, cols, nmask, pid_k, N,
+                                  OUT_ROWS, PARTIAL, HAS_BIAS, OUT)
+                if BM > 2:
+                    _stream_store(out_ptr, bias_ptr, tl.sum(acc2, axis=1), post, o2, v2, cols, nmask, pid_k, N,
+                                  OUT_ROWS, PARTIAL, HAS_BIAS, OUT)
+                    _stream_store(out_ptr, bias_ptr, tl.sum(acc3, axis=1), post, o3, v3, cols, nmask, pid_k, N,
+                                  OUT_ROWS, PARTIAL, HAS_BIAS, OUT)
+            else:
+                if MMA == 1:
+                    y = tl.trans(acc) * post[None, :]
+                else:
+                    y = acc * post[None, :]
+                om = rv[:, None] & nmask[None, :]
+                if PARTIAL:
+                    tl.store(out_ptr + (pid_k * OUT_ROWS + orr)[:, None] * N + cols[None, :], y, mask=om)
+                else:
+                    if HAS_BIAS:
+                        y += tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                    _store_out(out_ptr + orr[:, None] * N + cols[None, :], y, om, OUT)
+
+    @triton.jit
+    def _splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, RN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                              OUT: tl.constexpr, BLOCK: tl.constexpr):
+        """``out = cast(sum_s ws[s] (+ bias))`` over ``RN = rows * N`` elements; the split partials are
+        summed in the fixed order s = 0, 1, ... (deterministic, batch-invariant)."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < RN
+        acc = tl.load(ws_ptr + offs, mask=m, other=0.0)
+        for s in tl.static_range(1, SPLIT):
+            acc += tl.load(ws_ptr + s * RN + offs, mask=m, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs % N, mask=m, other=0.0).to(tl.float32)
+        _store_out(out_ptr + offs, acc, m, OUT)
+
+
 # --------------------------------------------------------------------------------------------------
 # host side
 
@@ -485,6 +729,154 @@ def pick_config(rows_per_group: int, m_tiles: int, n: int, k: int, device: torch
     while tiles * split * 2 <= target and k // (cfg.block_k * split * 2) >= 2:
         split *= 2
     return replace(cfg, split_k=split)
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """Launch configuration of the W4A16 weight-streaming (decode) kernel ``_w4a16_stream_kernel``;
+    pass it as ``config=`` to :func:`nvfp4_gemm` (``w4a16`` operands only) or list it in
+    :data:`DECODE_TABLE`.
+
+    Attributes:
+        block_m: activation rows per chunk: 1, 2 or 4 on CUDA cores (``mma=0``; a dense GEMM gets one
+            program row-tile per chunk, a grouped tile loops over its rows in chunks); >= 16 (power of
+            2) on tensor cores (``mma`` 1/2).
+        block_n: output columns (weight rows) per program (power of 2, >= 16).
+        block_kw: int32 words (8 weight elements, 4 packed bytes) per K step and weight row (power of 2;
+            >= 16 with ``mma``: one tl.dot per nibble position has K = block_kw).
+        split_k: K ranges computed by separate programs (float32 partials, then one reduction launch
+            summing them in a fixed order); 0 = choose so the grid has ~4 programs per SM.
+        num_warps / num_stages: Triton launch options (num_stages matters for ``mma`` only: the
+            pipeliner stages loads that feed a dot; ``prefetch`` is the manual equivalent).
+        mma: 0 CUDA-core FMAs (float32), 1 tensor cores with the weight tile on the MMA's M side
+            (swapped), 2 tensor cores not swapped.
+        decode: ``"bits"`` (3 integer ops per element, float32 subnormals; :func:`_e2m1_word` DEC 0)
+            or ``"f16"`` (fp16 bits + conversion instruction; DEC 1).
+        prefetch: load the next K step's words and scales before this step's arithmetic.
+    """
+
+    block_m: int = 1
+    block_n: int = 64
+    block_kw: int = 16
+    split_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 1
+    mma: int = 0
+    decode: str = "bits"
+    prefetch: bool = True
+
+    @property
+    def label(self) -> str:
+        """Short name for tables, e.g. ``fma bm1 n64 kw16 s4 w4 st1 bits pf``."""
+        kind = ("fma", "mma-swap", "mma")[self.mma]
+        return (f"{kind} bm{self.block_m} n{self.block_n} kw{self.block_kw} s{self.split_k or 'auto'} "
+                f"w{self.num_warps} st{self.num_stages} {self.decode}{' pf' if self.prefetch else ''}")
+
+    def check(self) -> None:
+        def pow2(v):
+            return v > 0 and v & (v - 1) == 0
+
+        ok = (self.mma in (0, 1, 2) and self.decode in ("bits", "f16") and pow2(self.block_n) and self.block_n >= 16
+              and pow2(self.block_kw) and self.split_k >= 0 and pow2(self.num_warps) and self.num_stages >= 1)
+        if self.mma == 0:
+            ok = ok and self.block_m in (1, 2, 4)
+        else:
+            ok = ok and pow2(self.block_m) and self.block_m >= 16 and self.block_kw >= 16
+        if not ok:
+            raise ValueError(
+                f"nvfp4 GEMM: bad StreamConfig {self}: mma 0 needs block_m in 1/2/4; mma 1/2 need block_m >= 16 "
+                "and block_kw >= 16; block_n >= 16, block_kw, num_warps powers of 2; decode 'bits' or 'f16'")
+
+
+# Decode dispatch (w4a16, CUDA): (grouped, rows bucket, N, K) -> StreamConfig. Rows bucket = the
+# smallest of 1, 4, 16 that is >= the rows per group (dense: M; grouped: slots per active expert,
+# ceil(S / min(E, S))). Shapes not listed use :func:`pick_config`'s tensor-core kernel.
+# Filled from ``verl-quads bench rollout --sweep-decode`` on the H200 (it prints a paste-ready table).
+DECODE_TABLE: dict[tuple[bool, int, int, int], StreamConfig] = {}
+DECODE_BUCKETS = (1, 4, 16)
+
+
+def decode_config(rows_per_group: int, n: int, k: int, grouped: bool) -> StreamConfig | None:
+    """The :data:`DECODE_TABLE` entry for a w4a16 GEMM, or None (use the tensor-core kernel)."""
+    for b in DECODE_BUCKETS:
+        if rows_per_group <= b:
+            return DECODE_TABLE.get((grouped, b, n, k))
+    return None
+
+
+def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
+                 bias: torch.Tensor | None, routing: GroupedRouting | None, a_rows: torch.Tensor | None,
+                 rows_out: int, cfg: StreamConfig) -> torch.Tensor:
+    """:func:`nvfp4_gemm` for a ``w4a16`` operand with the weight-streaming kernel (arguments checked
+    by the caller). Weight words: ``w_packed`` viewed as int32 ``[..., N, K/8]`` (K is a multiple of
+    16, so rows stay word-aligned)."""
+    cfg.check()
+    if act.mode != "w4a16":
+        raise ValueError(f"nvfp4 GEMM: the streaming (StreamConfig) kernel takes w4a16 operands only, got "
+                         f"act_mode {act.mode!r}; use a GemmConfig for W4A4 modes")
+    x = act.values
+    m, k = x.shape
+    n = w_packed.shape[-2]
+    dev = w_packed.device
+    grouped = routing is not None
+    if w_packed.storage_offset() % 4 or not w_packed.is_contiguous():
+        raise ValueError("nvfp4 GEMM: streaming kernel needs a contiguous w_packed starting at a 4-byte boundary")
+    w32 = w_packed.view(torch.int32)
+    kw, kb = k // 8, k // BLOCK_SIZE
+    if grouped:
+        m_tiles = routing.tile_expert.numel()
+        arow_t = routing.sorted_slots if a_rows is None else a_rows.to(torch.int32).contiguous()
+        orow_t = routing.sorted_slots
+        tm = routing.block_m
+    else:
+        tm = cfg.block_m
+        m_tiles = -(-m // tm)
+        arow_t = orow_t = None
+    n_tiles = -(-n // cfg.block_n)
+    split = cfg.split_k
+    if split == 0:
+        live = m_tiles if not grouped else min(routing.num_experts, rows_out)  # grouped: active experts at most
+        target = 4 * _num_sms(dev)
+        split = 1
+        while live * n_tiles * split * 2 <= target and kw // (cfg.block_kw * split * 2) >= 2:
+            split *= 2
+    kw_per = -(-kw // split)
+    # K ranges start at multiples of 16 words where possible: Triton specializes integer arguments
+    # divisible by 16, which is what lets the word loads become 16-byte vectors (offline sm_90 compile)
+    align = max(cfg.block_kw, 16) if kw % 16 == 0 else cfg.block_kw
+    kw_per = -(-kw_per // align) * align
+    split = -(-kw // kw_per)  # no empty K ranges
+    even = kw % kw_per == 0
+    dt = _OUT_CODES[x.dtype]
+    if _interpreting():
+        dt = 0  # the interpreter's bf16/fp16 tl.dot is wrong (triton 3.9); float32 gives the same exact products
+    dummy = w_gs
+    if split > 1:
+        alloc = torch.zeros if grouped else torch.empty  # grouped: rows of non-local slots are never written
+        out = alloc(split, rows_out, n, dtype=torch.float32, device=dev)
+        out_arg = out
+    else:
+        out = (torch.zeros if grouped else torch.empty)(rows_out, n, dtype=x.dtype, device=dev)
+        out_arg = out.view(torch.int16) if x.dtype == torch.bfloat16 else out
+    _w4a16_stream_kernel[(m_tiles, n_tiles, split)](
+        x, w32, w_scale.view(torch.uint8), w_gs.reshape(-1), bias if bias is not None else dummy, out_arg,
+        arow_t if grouped else dummy, orow_t if grouped else dummy,
+        routing.tile_expert if grouped else dummy, routing.tile_row0 if grouped else dummy,
+        routing.tile_row1 if grouped else dummy,
+        m, n, k, kw, kb, rows_out, kw_per,
+        BM=cfg.block_m, TM=tm, BN=cfg.block_n, BKW=cfg.block_kw, PARTIAL=split > 1, GROUPED=grouped,
+        HAS_BIAS=bias is not None, OUT=_OUT_CODES[x.dtype], DEC=0 if cfg.decode == "bits" else 1, MMA=cfg.mma,
+        DT=dt, EVEN=even, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if split == 1:
+        return out
+    y = torch.empty(rows_out, n, dtype=x.dtype, device=dev)
+    rn = rows_out * n
+    block = 1024
+    _splitk_reduce_kernel[(-(-rn // block),)](
+        out, bias if bias is not None else dummy, y.view(torch.int16) if x.dtype == torch.bfloat16 else y, rn, n,
+        SPLIT=split, HAS_BIAS=bias is not None, OUT=_OUT_CODES[x.dtype], BLOCK=block, num_warps=4)
+    return y
 
 
 @dataclass(frozen=True)
@@ -750,7 +1142,9 @@ def nvfp4_gemm(
     row i (expert from the tile table) reads activation row ``a_rows[i]`` (int32 ``[S]``; default
     the sorted row itself) and is written to output row ``routing.sorted_slots[i]`` of a
     ``[out_rows, N]`` result (default S rows); rows of slots with no local expert are 0.
-    ``config``: launch configuration (default :func:`pick_config`; its block_m must equal the routing's).
+    ``config``: launch configuration: a :class:`GemmConfig` (default :func:`pick_config`; its block_m
+    must equal the routing's) or, for ``w4a16`` operands, a :class:`StreamConfig` (the weight-streaming
+    decode kernel). Default for ``w4a16`` on CUDA: the :data:`DECODE_TABLE` entry of the shape if any.
     """
     m, k = act.shape
     grouped = routing is not None
@@ -763,6 +1157,16 @@ def nvfp4_gemm(
     if grouped:
         s = routing.sorted_slots.numel()
         rows_out = s if out_rows is None else out_rows
+    else:
+        rows_out = m
+    if config is None and act.mode == "w4a16" and dev.type == "cuda" and rows_out and n:
+        per = -(-s // max(1, min(routing.num_experts, s))) if grouped else m
+        config = decode_config(per, n, k, grouped)
+    if isinstance(config, StreamConfig):
+        if rows_out == 0 or n == 0:
+            return torch.zeros(rows_out, n, dtype=act.dtype, device=dev)
+        return _stream_gemm(act, w_packed, w_scale, w_gs, bias, routing, a_rows, rows_out, config)
+    if grouped:
         t_max = routing.tile_expert.numel()
         if config is None:
             per = -(-s // max(1, min(routing.num_experts, s)))
@@ -773,7 +1177,6 @@ def nvfp4_gemm(
         arow_t = routing.sorted_slots if a_rows is None else a_rows.to(torch.int32).contiguous()
         orow_t = routing.sorted_slots
     else:
-        rows_out = m
         config = config or pick_config(m, -(-m // pick_block_m(m)), n, k, dev)
         m_tiles = -(-m // config.block_m)
         arow_t = orow_t = None
@@ -976,7 +1379,10 @@ def _(x, slot_weights, expert_ids, w13_packed, w13_scale, w13_gs, w2_packed, w2_
 __all__ = [
     "ACT_MODES",
     "ActOperand",
+    "DECODE_TABLE",
     "GemmConfig",
+    "StreamConfig",
+    "decode_config",
     "GroupedRouting",
     "linear_op",
     "moe_align",

@@ -1,0 +1,161 @@
+"""W4A16 weight-streaming decode kernel (``StreamConfig`` in verl_quads/nvfp4/triton_gemm.py) against
+the torch reference of the rollout (verl_quads/rollout/emulation.py: dequantize to float32,
+``x_f32 @ w_f32.T``, one cast), every variant (CUDA-core FMA with 1/2/4-row chunks, tensor-core dot
+swapped / not swapped, ``bits`` / ``f16`` E2M1 decode, prefetch on/off, split-K), dense and grouped.
+
+Same bound as tests/unit/test_nvfp4_gemm.py: per element |y - ref| <= 1 ulp(ref) in the output dtype
++ 4 K eps_f32 (|x| @ |w|.T) (products exact on both sides, only the float32 summation order and
+where the scales are applied differ). Plus an exact check of the decode itself: one-hot activation
+rows make every output a single product, so y must equal the dequantized weight bit for bit.
+
+On CPU the kernels run under TRITON_INTERPRET=1 at small shapes (the tensor-core variants' dots in
+float32 there: the interpreter's bf16 tl.dot is wrong); tests/gpu/test_nvfp4_gemm_gpu.py runs the
+variants on the H200 at real shapes.
+"""
+
+import os
+
+import pytest
+import torch
+
+from verl_quads.nvfp4 import triton_gemm as tg
+from verl_quads.rollout import emulation as em
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it on CPU)",
+)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+SC = tg.StreamConfig
+
+
+def _x(m, k, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[:, 5] *= 30.0
+    return x.to(dtype).to(DEV)
+
+
+def _w(shape, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*shape, generator=g) * 0.05
+    if w.dim() > 1:
+        w[..., 3, :16] *= 1e-3  # a block with a tiny (subnormal E4M3) scale
+    return w.to(DEV)
+
+
+def _within(y, ref, xf, wf):
+    """(max |diff| in output ulps, every element within 1 ulp + the float32 summation bound)."""
+    r = ref.to(torch.float32)
+    d = (y.to(torch.float32) - r).abs()
+    eps = torch.finfo(y.dtype).eps
+    ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.abs().clamp(min=1e-30))) * eps,
+                      torch.full_like(r, torch.finfo(y.dtype).tiny))
+    bound = ulp + 4 * xf.shape[1] * torch.finfo(torch.float32).eps * (xf.abs() @ wf.abs().t())
+    return float((d / ulp).max()), bool((d <= bound).all())
+
+
+DENSE = [
+    # (M, N, K, dtype, bias, config)
+    (1, 40, 256, torch.bfloat16, True, SC(block_m=1, block_n=16, block_kw=16, split_k=1)),
+    (3, 24, 176, torch.bfloat16, False, SC(block_m=2, block_n=32, block_kw=8, split_k=2, decode="f16", prefetch=False)),
+    (5, 24, 176, torch.float16, True, SC(block_m=4, block_n=32, block_kw=8, split_k=3)),  # K tail in every range
+    (2, 24, 128, torch.float32, False, SC(block_m=4, block_n=32, block_kw=4, split_k=0, prefetch=False)),
+    (17, 40, 256, torch.bfloat16, False, SC(block_m=16, block_n=16, block_kw=16, split_k=2, mma=1)),
+    (9, 24, 384, torch.float32, True, SC(block_m=16, block_n=32, block_kw=16, split_k=1, mma=2, decode="f16")),
+]
+
+
+@pytest.mark.parametrize("m, n, k, dtype, with_bias, cfg", DENSE, ids=[c[-1].label for c in DENSE])
+def test_stream_dense_matches_reference(m, n, k, dtype, with_bias, cfg):
+    x = _x(m, k, dtype)
+    x[:, -1] *= 30.0  # the element the changed code below multiplies
+    q_w = em.quantize_weight(_w((n, k)))
+    gs = q_w.global_scale.reshape(())
+    bias = (_w((n,), seed=3) * 10).to(dtype) if with_bias else None
+    xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
+    wf = em.weight_f32(q_w.packed, q_w.block_scale, gs)
+    ref = em.gemm(xf, wf, bias, dtype)
+    y = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, bias, "w4a16", config=cfg)
+    assert y.dtype == dtype and y.shape == (m, n)
+    ulps, ok = _within(y, ref, xf, wf)
+    print(f"stream {cfg.label} {dtype} M={m} N={n} K={k}: max |diff| = {ulps:.2f} ulp")
+    assert ok, f"max diff {ulps:.2f} ulp"
+    # one code changed in the last word of row 1 (nibble 7: the decode's no-shift case) must be seen
+    bad = q_w.packed.clone()
+    bad[1, -1] ^= 0x70
+    y_bad = tg.nvfp4_linear(x, bad, q_w.block_scale, gs, bias, "w4a16", config=cfg)
+    assert not _within(y_bad, ref, xf, wf)[1]
+    assert torch.equal(y_bad[:, 0], y[:, 0]) and torch.equal(y_bad[:, 2:], y[:, 2:])
+
+
+@pytest.mark.parametrize("cfg", [SC(block_m=4, block_n=16, block_kw=16, split_k=1),
+                                 SC(block_m=16, block_n=16, block_kw=16, split_k=1, mma=1, decode="f16")],
+                         ids=lambda c: c.label)
+def test_stream_decode_exact_one_hot(cfg):
+    """x = one-hot rows (float32): y[r, n] = w[n, k_r] * x, one product per output, no summation, so it
+    must equal the dequantized weight exactly; the rows hit all 8 nibble positions of a word and all
+    16 codes (weights built from every code, scales incl. zero and E4M3 subnormals)."""
+    n, k = 16, 128
+    q_w = em.quantize_weight(_w((n, k)))
+    codes = torch.arange(256, dtype=torch.uint8).reshape(4, 64).repeat(4, 1)  # every byte value
+    packed = codes.to(DEV)
+    scale = q_w.block_scale.view(torch.uint8).clone()
+    scale[0, 0], scale[1, 1], scale[2, 2] = 0, 1, 7  # zero and E4M3 subnormal scales
+    scale = scale.view(torch.float8_e4m3fn)
+    gs = q_w.global_scale.reshape(())
+    ks = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 15, 16, 17, 63, 64, 126, 127])
+    x = torch.zeros(len(ks), k, dtype=torch.float32, device=DEV)
+    x[torch.arange(len(ks)), ks.to(DEV)] = 3.0
+    y = tg.nvfp4_gemm(tg.ActOperand("w4a16", torch.float32, values=x), packed, scale, gs, config=cfg)
+    # E2M1 * block scale (exact in float32), times 3 (exact), times the rounded 1 / global scale: the
+    # kernel's one rounding (it divides the sum once; the reference scales each element by
+    # fl(block_scale / gs), which can differ in the last bit)
+    wq = em.weight_f32(packed, scale, torch.ones((), device=DEV))
+    want = (wq[:, ks.to(DEV)] * 3.0).t() * torch.reciprocal(gs.to(torch.float32))
+    assert torch.equal(y, want), f"max diff {(y - want).abs().max()}"
+    assert (wq != 0).sum() > 1000 and (wq[:, ks.to(DEV)] < 0).any()  # the test sees nonzero and negative codes
+
+
+@pytest.mark.parametrize("cfg", [SC(block_m=2, block_n=16, block_kw=8, split_k=2, decode="f16"),
+                                 SC(block_m=16, block_n=16, block_kw=16, split_k=1, mma=1)],
+                         ids=lambda c: c.label)
+def test_stream_grouped_matches_per_expert_reference(cfg):
+    """One grouped launch (tile table of moe_align, block_m 16 > the FMA chunk: rows looped in chunks)
+    == the reference GEMM of each slot's row with its expert's weight; non-local slots give 0."""
+    t, topk, e, n, k = 6, 2, 4, 24, 128
+    x = _x(t, k)
+    q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
+    gs = q_w.global_scale.reshape(-1)
+    ids = torch.tensor([[0, 3], [3, 1], [3, -1], [0, 3], [1, 3], [3, 0]], device=DEV)
+    xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
+    routing = tg.moe_align(ids, e, 16)
+    rows = torch.div(routing.sorted_slots, topk, rounding_mode="floor")
+    op, _ = tg.quantize_activation(x, "w4a16")
+    y = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing, a_rows=rows, out_rows=t * topk,
+                      config=cfg)
+    for slot, ex in enumerate(ids.reshape(-1).tolist()):
+        if ex < 0:
+            assert not y[slot].any()
+            continue
+        wf = em.weight_f32(q_w.packed[ex], q_w.block_scale[ex], gs[ex])
+        xr = xf[slot // topk: slot // topk + 1]
+        ulps, ok = _within(y[slot: slot + 1], em.gemm(xr, wf, None, x.dtype), xr, wf)
+        assert ok, f"slot {slot} expert {ex}: {ulps:.2f} ulp"
+
+
+def test_stream_config_errors_and_dispatch_table(monkeypatch):
+    x = _x(2, 64)
+    q_w = em.quantize_weight(_w((16, 64)))
+    gs = q_w.global_scale.reshape(())
+    with pytest.raises(ValueError, match="w4a16 operands only"):
+        tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "naive", config=SC())
+    for bad in (SC(block_m=3), SC(block_m=8, mma=1), SC(block_m=16, mma=1, block_kw=8), SC(decode="lut")):
+        with pytest.raises(ValueError, match="bad StreamConfig"):
+            tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16", config=bad)
+    # the table: rows bucket 1 / 4 / 16 by rows per group, keyed with grouped, N, K
+    cfg = SC(block_m=2, block_n=32)
+    monkeypatch.setitem(tg.DECODE_TABLE, (False, 4, 16, 64), cfg)
+    assert tg.decode_config(3, 16, 64, False) is cfg and tg.decode_config(4, 16, 64, False) is cfg
+    assert tg.decode_config(1, 16, 64, False) is None and tg.decode_config(5, 16, 64, False) is None
+    assert tg.decode_config(3, 16, 64, True) is None and tg.decode_config(3, 32, 64, False) is None
