@@ -24,6 +24,19 @@ Breakdown per mode (``--no-breakdown`` skips it):
   weights and activations together; ``reduce``: reductions such as amax and the slot sum;
   ``attn``: attention kernels; ``other``: elementwise, copies, gathers/scatters, sort). The
   profiled step is slower than the timed ones; use the classes' shares, not their sum.
+
+Host-side facts per mode (same flag; they tell whether a mode is launch- or sync-bound):
+
+- ``host ms``: CPU wall time to enqueue one forward+backward (``perf_counter`` around ``step()``
+  after a device sync, no sync at its end: if the host must wait for the device inside the step,
+  that wait is included), median over ``--iters``; ``wQDQ host ms`` the same for the weight QDQ alone;
+- on CUDA, from one ``torch.profiler`` step (CPU + CUDA activities): ``launches`` (CUDA runtime/driver
+  kernel-launch calls), ``kernels`` (kernels that ran), ``busy ms`` (sum of kernel durations: the
+  device time; ``ms`` minus it is time the device idled), ``syncs`` (``cudaStreamSynchronize``,
+  ``cudaEventSynchronize``, ``cudaDeviceSynchronize`` and blocking ``cudaMemcpy`` calls inside the
+  step) and ``sync ops``: aten ops that force a host sync, seen by
+  :class:`verl_quads.qat.host_sync.HostSyncRecorder` in one more step (their source lines are printed).
+  If ``host ms`` is close to ``ms`` while ``busy ms`` is well below it, the mode is launch-bound.
 """
 
 from __future__ import annotations
@@ -84,7 +97,7 @@ def run(a: argparse.Namespace) -> str:
              f"experts impl {cfg._experts_implementation}, NVFP4 backend {a.backend}"]
     print("\n".join(lines), flush=True)
 
-    rows, brows, t_bf16 = [], [], None
+    rows, brows, hrows, t_bf16 = [], [], [], None
     for mode in a.modes:
         layer_root = copy.deepcopy(base)
         ctx = None
@@ -127,6 +140,13 @@ def run(a: argparse.Namespace) -> str:
             classes = kernel_classes_ms(step) if device == "cuda" else {}
             brows.append([mode, wq * 1e3] + [classes.get(c, float("nan")) for c in KERNEL_CLASSES])
             print(f"{mode}: weight QDQ {wq * 1e3:.2f} ms; kernels {classes or 'profiled on CUDA only'}", flush=True)
+            hf = host_facts(step, a.iters)
+            wq_host = host_ms(_weight_qdq_fn(layer_root), a.iters) if mode != "bf16" else 0.0
+            hrows.append([mode, t * 1e3, hf["host ms"], wq_host] + [hf.get(c, float("nan")) for c in HOST_FACTS[1:]])
+            print(f"{mode}: host {({k: v for k, v in hf.items() if k != 'sync sites'})}; weight QDQ host "
+                  f"{wq_host:.2f} ms", flush=True)
+            if hf.get("sync sites"):
+                print(f"{mode}: host sync sites:\n{hf['sync sites']}", flush=True)
         del layer_root, layer
     table = print_table("one MoE decoder layer, forward+backward", ["mode", "ms", "x bf16", "peak GiB"], rows)
     out = lines + [table]
@@ -134,6 +154,10 @@ def run(a: argparse.Namespace) -> str:
         out.append(print_table(
             "breakdown: weight QDQ alone; device ms per kernel class in one profiled forward+backward (CUDA)",
             ["mode", "wQDQ ms"] + [f"{c} ms" for c in KERNEL_CLASSES], brows))
+        out.append(print_table(
+            "host side: event ms vs host enqueue ms (fwd+bwd; weight QDQ alone); per profiled fwd+bwd "
+            "(CUDA): launches, kernels, device busy ms, sync calls, sync ops (HostSyncRecorder)",
+            ["mode", "ms", "host ms", "wQDQ host ms"] + list(HOST_FACTS[1:]), hrows))
     return "\n".join(out)
 
 
@@ -155,8 +179,8 @@ def _kernel_class(name: str) -> str:
     return "other"
 
 
-def weight_qdq_time_s(layer_root: nn.Module, a: argparse.Namespace) -> float:
-    """Median seconds of computing every quantized module's QDQ weight once (what one forward does)."""
+def _weight_qdq_fn(layer_root: nn.Module):
+    """A callable computing every quantized module's QDQ weight once (what one forward does)."""
     from verl_quads.qat.model import _QATExperts, _QATLinear
 
     mods = [m for m in layer_root.modules() if isinstance(m, (_QATLinear, _QATExperts))]
@@ -166,7 +190,87 @@ def weight_qdq_time_s(layer_root: nn.Module, a: argparse.Namespace) -> float:
             for m in mods:
                 m._qat_weight() if isinstance(m, _QATLinear) else m._qdq_weights()
 
-    return median_time_s(qdq, warmup=a.warmup, iters=a.iters, inner=1)
+    return qdq
+
+
+def weight_qdq_time_s(layer_root: nn.Module, a: argparse.Namespace) -> float:
+    """Median seconds of computing every quantized module's QDQ weight once (what one forward does)."""
+    return median_time_s(_weight_qdq_fn(layer_root), warmup=a.warmup, iters=a.iters, inner=1)
+
+
+#: Columns of the host-side table (after mode, ms, host ms, wQDQ host ms).
+HOST_FACTS = ("host ms", "launches", "kernels", "busy ms", "syncs", "sync ops")
+_SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
+
+
+def host_ms(fn, iters: int) -> float:
+    """Median CPU wall ms to enqueue ``fn()`` (device synced before each call, not after)."""
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(iters):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def _is_launch_call(name: str) -> bool:
+    return name.startswith(("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel", "cudaGraphLaunch"))
+
+
+def host_facts(step, iters: int) -> dict:
+    """``host ms`` always; on CUDA also launches / kernels / busy ms / syncs of one profiled ``step()``
+    and ``sync ops`` (+ ``sync sites``, their source lines) from :class:`HostSyncRecorder`. A failure of
+    the CUDA part is printed and kept in the result (``error``), not raised, so the timing table of the
+    run survives; its columns are then nan."""
+    out: dict = {"host ms": host_ms(step, iters)}
+    if not torch.cuda.is_available():
+        return out
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        from verl_quads.qat.host_sync import HostSyncRecorder
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+        torch.cuda.synchronize()
+        launches = kernels = syncs = 0
+        busy_us = 0.0
+        for e in prof.events():
+            name = e.name
+            if _is_device_event(e):
+                if not name.startswith(("Memcpy", "Memset")):
+                    kernels += 1
+                    busy_us += float(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) or 0.0)
+            elif _is_launch_call(name):
+                launches += 1
+            elif name in _SYNC_CALLS:
+                syncs += 1
+        out.update({"launches": launches, "kernels": kernels, "busy ms": busy_us / 1e3, "syncs": syncs})
+        with HostSyncRecorder() as rec:
+            step()
+        torch.cuda.synchronize()
+        out["sync ops"] = len(rec)
+        if len(rec):
+            out["sync sites"] = rec.summary()
+    except Exception as e:  # noqa: BLE001 - reported, see docstring
+        out["error"] = f"{type(e).__name__}: {e}"
+        print(f"host_facts: CUDA part FAILED: {out['error']}", flush=True)
+    return out
+
+
+def _is_device_event(e) -> bool:
+    """A profiler event that ran on the GPU (kernel, memcpy, memset)."""
+    dt = getattr(e, "device_type", None)
+    return dt is not None and str(dt).endswith("CUDA")
 
 
 def kernel_classes_ms(step) -> dict[str, float]:

@@ -53,11 +53,18 @@ def merged_record(
     covered: torch.Tensor,
     backend: str = "auto",
     check_finite: bool = True,
+    all_covered: bool | None = None,
 ) -> GuidanceRecord:
     """One record for ``x`` ``[M, ..., K]``: the rollout's rows where ``covered`` (bool ``[M]``),
-    the round-to-nearest guidance of ``x`` itself elsewhere."""
+    the round-to-nearest guidance of ``x`` itself elsewhere.
+
+    ``all_covered``: whether every row is covered, if the caller knows it on the host (e.g. from
+    :meth:`TraceBatch.gather <verl_quads.qat.guidance.TraceBatch.gather>`); None reads ``covered`` on the
+    host (one device sync)."""
     bits, bscale, gscale = (p.to(x.device) for p in parts)
-    if not bool(covered.all()):
+    if all_covered is None:
+        all_covered = bool(covered.all())
+    if not all_covered:
         own = extract_guidance(
             quantize(x.detach(), per_token_global_scale(x), backend=backend, check_finite=check_finite)
         )

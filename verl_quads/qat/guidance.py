@@ -29,6 +29,7 @@ length is an error. Padding rows are rounded to nearest (their outputs are maske
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -125,6 +126,7 @@ class RolloutGuidanceProvider:
 
     def __init__(self, requests: dict) -> None:
         self._requests = dict(requests)
+        self._contiguous: dict[str, torch.Tensor] = {}  # uid -> the positions tensor already checked
 
     def get(self, key: GuidanceKey) -> GuidanceEntry:
         cap = self._requests.get(key.uid)
@@ -135,12 +137,14 @@ class RolloutGuidanceProvider:
                 f"TRACE: stale guidance for {key}: the rollout ran policy version {cap.policy_version}, "
                 f"the trainer is at {key.policy_version}"
             )
-        t = int(cap.positions.numel())
-        if not torch.equal(cap.positions.cpu(), torch.arange(t, dtype=cap.positions.dtype)):
-            raise GuidanceError(
-                f"TRACE: rollout capture of {key.uid!r} does not cover positions 0..{t - 1} contiguously "
-                "(prefix caching must be off for TRACE)"
-            )
+        if self._contiguous.get(key.uid) is not cap.positions:  # once per sequence's positions tensor
+            t = int(cap.positions.numel())
+            if not torch.equal(cap.positions.cpu(), torch.arange(t, dtype=cap.positions.dtype)):
+                raise GuidanceError(
+                    f"TRACE: rollout capture of {key.uid!r} does not cover positions 0..{t - 1} contiguously "
+                    "(prefix caching must be off for TRACE)"
+                )
+            self._contiguous[key.uid] = cap.positions
         rec = cap.records.get((key.layer, key.gemm))
         if rec is None:
             raise GuidanceError(
@@ -216,53 +220,104 @@ class TraceBatch:
             eids = None if expert_ids is None else expert_ids[rows.to(expert_ids.device)]
             self.record_into.put(GuidanceKey(uid, self.policy_version, layer, gemm), rec, eids)
 
+    def __post_init__(self) -> None:
+        # Host-side row map, built once per batch (a micro-batch), so that no forward needs the host to
+        # read device data: the per-GEMM gathers below only index with tensors computed here.
+        seq = self.row_seq.detach().to("cpu", torch.long)
+        pos = self.row_pos.detach().to("cpu", torch.long)
+        if seq.shape != pos.shape or seq.dim() != 1:
+            raise ValueError(f"TraceBatch: row_seq {tuple(seq.shape)} and row_pos {tuple(pos.shape)} must be equal 1-D")
+        self._seq_h, self._pos_h = seq, pos
+        self._lengths: list[int] = torch.bincount(seq[seq >= 0], minlength=len(self.uids)).tolist()
+        self._n_pad = int((seq < 0).sum())
+        self._index_cache: dict = {}
+        self._checked_uids: set = set()
+        self._checks: list = []
+
     def seq_lengths(self) -> torch.Tensor:
-        valid = self.row_seq >= 0
-        return torch.bincount(self.row_seq[valid], minlength=len(self.uids))
+        """int64 ``[len(uids)]``: token rows of each sequence (host tensor)."""
+        return torch.tensor(self._lengths, dtype=torch.long)
+
+    def _rows_index(self, t: tuple[int, ...], device: torch.device):
+        """Where each token row's guidance lives once the sequences' records (``t[i]`` rows each) are
+        concatenated, plus one fill row at index ``sum(t)``: ``(src int64 [N], covered bool [N],
+        all_covered)``, both tensors on ``device``. Computed on the host from the row map and cached per
+        ``(t, device)``; the copy to a CUDA device is asynchronous (pinned memory), so no sync."""
+        key = (t, str(device))
+        hit = self._index_cache.get(key)
+        if hit is None:
+            n_seq = len(self.uids)
+            seq, pos = self._seq_h, self._pos_h
+            s = torch.where(seq >= 0, seq, n_seq)
+            tt = torch.tensor(list(t) + [0], dtype=torch.long)
+            offs = torch.tensor([0, *itertools.accumulate(t)], dtype=torch.long)  # offs[n_seq] = fill row
+            cov = (seq >= 0) & (pos < tt[s])
+            src = torch.where(cov, offs[s] + pos, offs[n_seq])
+            all_cov = self._n_pad == 0 and all(a == b for a, b in zip(t, self._lengths))
+            hit = (_to_device(src, device), _to_device(cov, device), all_cov)
+            self._index_cache[key] = hit
+        return hit
+
+    def _entries(self, layer: int, gemm: str) -> list[tuple[GuidanceKey, GuidanceEntry]]:
+        return [(k, self.provider.get(k)) for k in (GuidanceKey(u, self.policy_version, layer, gemm) for u in self.uids)]
+
+    def defer_check(self, bad_rows: torch.Tensor, describe) -> None:
+        """Register a check that needs the host: ``bad_rows`` (bool, on the device) marks failing rows;
+        :meth:`verify` reads all registered checks in one device sync and raises
+        ``GuidanceError(describe(count))`` for the first one with failing rows."""
+        self._checks.append((bad_rows, describe))
+
+    def verify(self) -> None:
+        """Run the deferred checks of the forwards (and recomputes) done under this batch: one device
+        sync, none if nothing was registered. Called by :func:`verl_quads.qat.trace_context` on exit and
+        by verl-quads' verl integration once per micro-batch; raises :class:`GuidanceError`."""
+        if not self._checks:
+            return
+        checks, self._checks = self._checks, []
+        counts = torch.stack([b.sum() for b, _ in checks]).tolist()
+        for (_, describe), n in zip(checks, counts):
+            if n:
+                raise GuidanceError(describe(int(n)))
 
     def routing(self, layer: int, gemm: str, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """The rollout's routing over the token rows of the current forward (router replay).
 
         Returns ``(expert_ids, covered)``: int64 ``[N, top_k]`` (-1 where not covered) and bool ``[N]``,
         from the ``expert_ids`` stored beside ``gemm``'s (an ``experts.w2``) records; same checks as
-        :meth:`gather` (missing / stale / wrong length raise :class:`GuidanceError`).
+        :meth:`gather` (missing / stale / wrong length raise :class:`GuidanceError`). No device sync.
         """
         if not is_expert_w2(gemm):
             raise ValueError(f"TraceBatch.routing: {gemm!r} is not an experts' w2 GEMM")
-        n_rows = self.row_seq.numel()
-        lengths = self.seq_lengths().tolist()
         dev = torch.device(device)
-        row_seq, row_pos = self.row_seq.to(dev), self.row_pos.to(dev)
-        covered = torch.zeros(n_rows, dtype=torch.bool, device=dev)
-        eids = None
-        for i, uid in enumerate(self.uids):
-            key = GuidanceKey(uid, self.policy_version, layer, gemm)
-            entry = self.provider.get(key)
+        ts, ids_all = [], []
+        for (key, entry), n in zip(self._entries(layer, gemm), self._lengths):
             ids = entry.expert_ids
-            n = lengths[i]
             if ids is None or ids.dim() != 2 or ids.shape[0] not in (n, n - 1):
                 raise GuidanceError(
                     f"TRACE: routing for {key}: expert ids {None if ids is None else tuple(ids.shape)}, the "
                     f"trainer needs [T, top_k] with T in ({n}, {n - 1})"
                 )
-            if eids is None:
-                eids = torch.full((n_rows, ids.shape[1]), -1, dtype=torch.long, device=dev)
-            rows = torch.nonzero((row_seq == i) & (row_pos < ids.shape[0])).flatten()
-            eids[rows] = ids.to(dev)[row_pos[rows]].long()
-            covered[rows] = True
-        if eids is None:
+            ts.append(int(ids.shape[0]))
+            ids_all.append(ids)
+        if not ids_all:
             raise GuidanceError(f"TRACE: routing for layer {layer} {gemm}: the TraceBatch has no sequences")
+        src, covered, _ = self._rows_index(tuple(ts), dev)
+        eids = _gather_rows(ids_all, src, -1, torch.long, dev)
         return eids, covered
 
     def gather(
         self, layer: int, gemm: str, rows_shape: tuple[int, ...], k: int, device: torch.device | str = "cpu"
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None, bool]:
         """Assemble, for the current forward, one record over all token rows of a GEMM input.
 
-        Returns ``(parts, covered, expert_ids)`` where ``parts`` is a GuidanceRecord-like tuple of
-        tensors laid out over ``[N, *rows_shape[1:], K]`` (``bits``, ``block_scale``, ``global_scale``)
-        with zeros where not covered, ``covered`` bool ``[N]`` and ``expert_ids`` ``[N, top_k]`` or None,
-        all on ``device`` (records are copied there if they live elsewhere).
+        Returns ``(parts, covered, expert_ids, all_covered)`` where ``parts`` is a GuidanceRecord-like
+        tuple of tensors laid out over ``[N, *rows_shape[1:], K]`` (``bits`` uint8, ``block_scale`` e4m3,
+        ``global_scale`` float32 ``[..., 1]``) with zeros (global scale 1) where not covered, ``covered``
+        bool ``[N]``, ``expert_ids`` int64 ``[N, top_k]`` (-1 where not covered) or None, all on
+        ``device``, and ``all_covered`` (host bool: every row has a record). Records should live on
+        ``device`` (the verl integration moves them there once per micro-batch); records elsewhere are
+        concatenated there and copied once per part. No device sync: shapes are checked on the host, the
+        rows are gathered with one ``index_select`` per part (index built once per batch).
         """
         n_rows = self.row_seq.numel()
         if rows_shape[0] != n_rows:
@@ -271,19 +326,10 @@ class TraceBatch:
                 f"maps {n_rows}; the TraceBatch does not describe this forward"
             )
         inner = tuple(rows_shape[1:])
-        lengths = self.seq_lengths().tolist()
         dev = torch.device(device)
-        bits = torch.zeros((n_rows, *inner, k // 8), dtype=torch.uint8, device=dev)
-        bscale = torch.zeros((n_rows, *inner, k // 16), dtype=torch.uint8, device=dev)  # e4m3 bytes
-        gscale = torch.ones((n_rows, *inner, 1), dtype=torch.float32, device=dev)
-        covered = torch.zeros(n_rows, dtype=torch.bool, device=dev)
-        row_seq, row_pos = self.row_seq.to(dev), self.row_pos.to(dev)
-        eids = None
-        for i, uid in enumerate(self.uids):
-            key = GuidanceKey(uid, self.policy_version, layer, gemm)
-            entry = self.provider.get(key)
+        ts, recs, eids_all = [], [], []
+        for (key, entry), n in zip(self._entries(layer, gemm), self._lengths):
             rec = entry.record
-            n = lengths[i]
             t = rec.shape[0] if len(rec.shape) else 0
             want = (t,) + inner + (k,)
             if tuple(rec.shape) != want or t not in (n, n - 1) or tuple(rec.global_scale.shape) != (t,) + inner + (1,):
@@ -292,17 +338,43 @@ class TraceBatch:
                     f"{tuple(rec.global_scale.shape)}); the trainer needs [T, {', '.join(map(str, inner + (k,)))}] with "
                     f"T in ({n}, {n - 1}) for this sequence of {n} tokens and a per-token global scale [T, ..., 1]"
                 )
-            rows = torch.nonzero((row_seq == i) & (row_pos < t)).flatten()
-            pos = row_pos[rows]
-            bits[rows] = rec.bits.to(dev)[pos]
-            bscale[rows] = rec.block_scale.to(dev).view(torch.uint8)[pos]
-            gscale[rows] = rec.global_scale.to(dev)[pos]
-            covered[rows] = True
-            if entry.expert_ids is not None:
-                if eids is None:
-                    eids = torch.full((n_rows, entry.expert_ids.shape[-1]), -1, dtype=torch.long, device=dev)
-                eids[rows] = entry.expert_ids.to(dev)[pos].long()
-        return (bits, bscale.view(torch.float8_e4m3fn), gscale), covered, eids
+            ts.append(t)
+            recs.append(rec)
+            eids_all.append(entry.expert_ids)
+        src, covered, all_cov = self._rows_index(tuple(ts), dev)
+        if not recs:
+            src = torch.zeros(n_rows, dtype=torch.long, device=dev)
+        bits = _gather_rows([r.bits for r in recs], src, 0, torch.uint8, dev, inner + (k // 8,))
+        bscale = _gather_rows([r.block_scale.view(torch.uint8) for r in recs], src, 0, torch.uint8, dev, inner + (k // 16,))
+        gscale = _gather_rows([r.global_scale for r in recs], src, 1.0, torch.float32, dev, inner + (1,))
+        eids = None
+        if recs and all(e is not None for e in eids_all):
+            eids = _gather_rows(eids_all, src, -1, torch.long, dev)
+        elif any(e is not None for e in eids_all):
+            raise GuidanceError(f"TRACE: layer {layer} {gemm}: expert ids are stored for some sequences only")
+        return (bits, bscale.view(torch.float8_e4m3fn), gscale), covered, eids, all_cov
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device``; to CUDA through pinned memory and ``non_blocking`` (no stream sync)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _gather_rows(parts: list[torch.Tensor], src: torch.Tensor, fill, dtype: torch.dtype, device: torch.device,
+                 row_shape: tuple[int, ...] | None = None) -> torch.Tensor:
+    """``cat(parts + [fill row])[src]`` in ``dtype`` on ``device``: the rows of the sequences' records for
+    every token row, the fill value where ``src`` points past the records. One ``cat`` and one
+    ``index_select`` (on ``device``; parts elsewhere are concatenated there and copied once)."""
+    if row_shape is None:
+        row_shape = tuple(parts[0].shape[1:]) if parts else ()
+    home = parts[0].device if parts and all(p.device == parts[0].device for p in parts) else torch.device("cpu")
+    fill_row = torch.full((1, *row_shape), fill, dtype=dtype, device=home)
+    cat = torch.cat([p.to(home, dtype) for p in parts] + [fill_row])
+    return _to_device(cat, device).index_select(0, src)
 
 
 __all__ = [

@@ -45,6 +45,7 @@ from verl_quads.qat.guidance import GuidanceError, TraceBatch
 from verl_quads.qat.weights import (
     EXPERT_PARAMS,
     FUSED_GROUPS,
+    abs_max,
     check_unsharded,
     linear_global_scale,
     qdq_expert_weight,
@@ -64,7 +65,8 @@ class QATState:
     config: QuantConfig
     num_layers: int  # decoder layers (trace mode; -1 otherwise)
     backend: str = "torch"
-    #: Finite checks of every QDQ input (one device sync each); off by default in training.
+    #: Finite checks of every QDQ input (one device sync each); off by default in training, where the
+    #: weights are checked lazily instead (:meth:`note_weight` / :meth:`verify`).
     check_finite: bool = False
     trace: TraceBatch | None = None
     #: TRACE experts: ``grouped`` (grouped GEMMs, one guided call over all (token, slot) rows) or
@@ -73,6 +75,39 @@ class QATState:
     #: fully-qualified name -> (kind, gemm, layer, act) of every quantized module.
     modules: dict[str, tuple[str, str, int | None, str]] = field(default_factory=dict)
     original_classes: dict[str, type] = field(default_factory=dict)
+
+    #: parameter name -> bool device tensor "finite" of the last forward's weight amax (per expert for
+    #: fused experts); read by :meth:`verify`. Each forward overwrites its modules' entries.
+    weight_finite: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def note_weight(self, name: str, amax: torch.Tensor) -> None:
+        """Remember whether the weight ``name`` whose ``abs_max`` is ``amax`` is finite (NaN and Inf
+        propagate into the amax), without a device sync: one tiny device op."""
+        if not self.check_finite:
+            self.weight_finite[name] = torch.isfinite(amax.detach())
+
+    def verify(self) -> None:
+        """Raise ``ValueError`` naming every parameter (and expert) whose forward saw NaN/Inf weights
+        since the last call. One device sync (none if nothing was noted). ``trace_context`` calls it on
+        exit; verl-quads' verl engine once per ``forward_backward_batch`` (before any optimizer step
+        uses its gradients); call it yourself in a hand-written training loop."""
+        flags, self.weight_finite = self.weight_finite, {}
+        if not flags:
+            return
+        ok = torch.stack([f.all() for f in flags.values()]).tolist()
+        bad = []
+        for (name, f), good in zip(flags.items(), ok):
+            if not good:
+                if f.dim() == 3:  # [E, 1, 1] per expert (error path: a sync is fine)
+                    experts = torch.nonzero(~f.flatten()).flatten().tolist()
+                    bad.append(f"{name} (experts {experts[:16]}{' ...' if len(experts) > 16 else ''})")
+                else:
+                    bad.append(name)
+        if bad:
+            raise ValueError(
+                f"verl-quads QAT: NaN/Inf weights at forward time in {', '.join(bad)}; only finite weights can be "
+                "quantized (the master weights diverged or a checkpoint is corrupt)"
+            )
 
     def require_trace(self, name: str) -> TraceBatch:
         if self.trace is None:
@@ -125,8 +160,8 @@ def _guided_input(state: QATState, name: str, layer: int, gemm: str, x: torch.Te
     if tb.record_into is not None:
         tb.store(layer, gemm, _own_guidance(flat, state))
         return qdq_rtn(x, state.backend, state.check_finite)
-    parts, covered, _ = tb.gather(layer, gemm, tuple(flat.shape[:-1]), flat.shape[-1], flat.device)
-    rec = merged_record(flat, parts, covered, state.backend, state.check_finite)
+    parts, covered, _, all_cov = tb.gather(layer, gemm, tuple(flat.shape[:-1]), flat.shape[-1], flat.device)
+    rec = merged_record(flat, parts, covered, state.backend, state.check_finite, all_cov)
     return qdq_guided(flat, rec, state.backend, state.check_finite).reshape(x.shape)
 
 
@@ -145,7 +180,9 @@ class _QATLinear:
         st = self._qat_state
         for m in self._qat_group:
             check_unsharded(m.weight, f"{m._qat_name}.weight")
-        gs = linear_global_scale([m.weight for m in self._qat_group])
+        amaxes = [abs_max(m.weight) for m in self._qat_group]
+        st.note_weight(f"{self._qat_name}.weight", amaxes[self._qat_group.index(self)])
+        gs = linear_global_scale([m.weight for m in self._qat_group], amaxes)
         return qdq_linear_weight(self.weight, gs, st.backend, st.check_finite)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -174,7 +211,9 @@ class _QATExperts:
         for p in self._qat_params:
             w = getattr(self, p)
             check_unsharded(w, f"{self._qat_name}.{p}")
-            out[p] = qdq_expert_weight(w, transposed, self._qat_state.backend, self._qat_state.check_finite)
+            st = self._qat_state
+            out[p] = qdq_expert_weight(w, transposed, st.backend, st.check_finite,
+                                       on_amax=lambda a, n=f"{self._qat_name}.{p}": st.note_weight(n, a))
         return out
 
     def _stock_forward(self, qw, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
@@ -222,18 +261,28 @@ class _QATExperts:
         return self._a4_forward(qw, hidden_states, top_k_index, top_k_weights)
 
     def _w2_guidance(self, tb: TraceBatch, top_k_index: torch.Tensor, inter: int, device):
-        """The rollout's records of the w2 input over ``[T, top_k]`` (token, slot) rows, after checking that
-        the trainer routed every covered token exactly as the rollout did. Returns ``(parts, covered)``."""
-        parts, covered, eids = tb.gather(self._qat_layer, self._qat_gemm + ".w2", tuple(top_k_index.shape), inter, device)
-        cov = covered.to(top_k_index.device)
-        if eids is None or not torch.equal(eids.to(top_k_index.device)[cov], top_k_index[cov].long()):
-            n_bad = -1 if eids is None else int((eids.to(top_k_index.device)[cov] != top_k_index[cov]).any(-1).sum())
-            raise GuidanceError(
-                f"TRACE: layer {self._qat_layer} {self._qat_gemm}.w2: the trainer's routing differs from the "
-                f"rollout's on {n_bad} token(s); guided rounding of the expert inputs needs identical routing "
-                "(router replay)"
-            )
-        return parts, covered
+        """The rollout's records of the w2 input over ``[T, top_k]`` (token, slot) rows. Returns
+        ``(parts, covered, all_covered)``.
+
+        The trainer must have routed every covered token exactly as the rollout did. That check reads
+        device data, so it is deferred (:meth:`TraceBatch.defer_check`, no sync here) and raised by
+        :meth:`TraceBatch.verify` (``trace_context`` exit; once per micro-batch in verl) as a
+        :class:`GuidanceError` naming the layer and the number of tokens."""
+        parts, covered, eids, all_cov = tb.gather(
+            self._qat_layer, self._qat_gemm + ".w2", tuple(top_k_index.shape), inter, device)
+        layer, gemm = self._qat_layer, self._qat_gemm
+
+        def describe(n_bad: int) -> str:
+            return (f"TRACE: layer {layer} {gemm}.w2: the trainer's routing differs from the rollout's on {n_bad} "
+                    "token(s); guided rounding of the expert inputs needs identical routing (router replay)")
+
+        if eids is None:
+            raise GuidanceError(describe(-1) + "; the records carry no expert ids")
+        with torch.no_grad():
+            cov = covered.to(top_k_index.device)
+            bad = (eids.to(top_k_index.device) != top_k_index.long()).any(-1) & cov
+        tb.defer_check(bad, describe)
+        return parts, covered, all_cov
 
     def _grouped_guided_forward(self, qw, hidden_states, top_k_index, top_k_weights):
         """TRACE experts on grouped GEMMs. hidden_states ``[T, H]``, top_k_index/weights ``[T, k]``; returns
@@ -247,7 +296,7 @@ class _QATExperts:
         does not depend on its neighbours, so this equals quantizing every gathered row). The k slots of
         a token are combined as the stock implementation does (float32-accumulated sum over the slots).
         Expert ids must lie in ``[0, E)`` (the router's top-k or router replay; expert parallelism,
-        whose sentinel ids need masking, is refused). No device sync besides the guidance gather's.
+        whose sentinel ids need masking, is refused). No device sync (checked by tests/unit/test_qat_host_syncs.py).
         """
         st = self._qat_state
         if "gate_up_proj" not in qw or not getattr(self, "has_gate", True):
@@ -281,10 +330,10 @@ class _QATExperts:
                      top_k_index.detach())
             h = qdq_rtn(h, st.backend, st.check_finite)
         else:
-            (bits, bsc, gsc), covered = w2_guidance
+            (bits, bsc, gsc), covered, all_cov = w2_guidance
             o = order.to(bits.device)
             parts = (bits.flatten(0, 1)[o], _f8_rows(bsc.flatten(0, 1), o), gsc.flatten(0, 1)[o])
-            rec = merged_record(h, parts, covered.to(o.device)[o // top_k], st.backend, st.check_finite)
+            rec = merged_record(h, parts, covered.to(o.device)[o // top_k], st.backend, st.check_finite, all_cov)
             h = qdq_guided(h, rec, st.backend, st.check_finite)
         y = _grouped_gemm(h, w2, offs, transposed)  # [S, H]
         if has_bias:
@@ -347,7 +396,7 @@ class _QATExperts:
         if w2_guidance is None:
             h_all = qdq_rtn(h_all, st.backend, st.check_finite)
         else:
-            (bits, bsc, gsc), covered = w2_guidance
+            (bits, bsc, gsc), covered, _ = w2_guidance
             parts = (bits[tok_all, slot_all], _f8_rows(bsc, tok_all, slot_all), gsc[tok_all, slot_all])
             rec = merged_record(h_all, parts, covered[tok_all], st.backend, st.check_finite)
             h_all = qdq_guided(h_all, rec, st.backend, st.check_finite)
@@ -409,8 +458,11 @@ def apply_qat(
 
     ``config``: a :class:`QuantConfig` or a ``quant`` mode string. ``backend``: NVFP4 backend for
     the QDQ (default: ``config.backend``, ``auto`` = triton on CUDA, torch on CPU). ``check_finite``:
-    check every QDQ input for NaN/Inf and raise (one device sync per QDQ; off by default, a
-    non-finite value then propagates to the loss as in the BF16 model). Returns the
+    check every QDQ input (weights and activations) for NaN/Inf and raise at once (one device sync
+    per QDQ). Off by default: no sync in the forward; the weights are then checked lazily (each
+    forward notes on the device whether each weight is finite, :meth:`QATState.verify` raises naming
+    the parameter; ``trace_context`` and the verl engine call it, a hand-written loop should too), and
+    a non-finite activation propagates to the loss as in the BF16 model. Returns the
     :class:`QATState` (also at ``model._verl_quads_qat``), or None for trainer mode ``none`` (the
     model is left exactly as it was). Raises if the model is already QAT-enabled, or if a
     module has 3-D parameters that are not fused experts verl-quads knows.
@@ -514,7 +566,11 @@ def remove_qat(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def trace_context(model: nn.Module, batch: TraceBatch):
-    """Activate ``batch`` for the TRACE-guided layers of ``model`` (forward and any recompute)."""
+    """Activate ``batch`` for the TRACE-guided layers of ``model`` (forward and any recompute).
+
+    On a clean exit, runs ``batch.verify()``: the checks the forward deferred to avoid host syncs
+    (routing equal to the rollout's) raise :class:`GuidanceError` here. Put the backward inside the
+    context too (as recomputed activations need it anyway)."""
     state = getattr(model, "_verl_quads_qat", None)
     if state is None:
         raise RuntimeError("verl-quads QAT: trace_context on a model without apply_qat")
@@ -523,6 +579,8 @@ def trace_context(model: nn.Module, batch: TraceBatch):
         yield batch
     finally:
         state.trace = prev
+    batch.verify()  # deferred checks (routing == rollout's): one device sync, only on a clean exit
+    state.verify()  # weights finite
 
 
 __all__ = ["QATState", "apply_qat", "remove_qat", "trace_context"]

@@ -33,11 +33,36 @@ _GATE_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.gate$")
 
 
 class ReplayStats:
-    """Token-rows whose routing the replay changed, over all hooked layers."""
+    """Token-rows whose routing the replay changed, over all hooked layers.
+
+    Counted on the device (no host sync in the forward); reading ``tokens`` or ``changed`` syncs once.
+    """
 
     def __init__(self) -> None:
-        self.tokens = 0
-        self.changed = 0
+        self._host = [0, 0]
+        self._dev: torch.Tensor | None = None  # int64 [2] running (tokens, changed) on the model's device
+
+    def add(self, tokens: torch.Tensor, changed: torch.Tensor) -> None:
+        """Add 0-d device counts (no sync)."""
+        t = torch.stack([tokens, changed]).to(torch.long)
+        if self._dev is not None and self._dev.device != t.device:
+            self._flush()
+        self._dev = t if self._dev is None else self._dev + t
+
+    def _flush(self) -> list[int]:
+        if self._dev is not None:
+            a, b = self._dev.tolist()
+            self._host = [self._host[0] + a, self._host[1] + b]
+            self._dev = None
+        return self._host
+
+    @property
+    def tokens(self) -> int:
+        return self._flush()[0]
+
+    @property
+    def changed(self) -> int:
+        return self._flush()[1]
 
 
 def _replay(module: nn.Module, state, layer: int, stats: ReplayStats, output):
@@ -56,8 +81,7 @@ def _replay(module: nn.Module, state, layer: int, stats: ReplayStats, output):
     new_index = torch.where(covered[:, None], eids, index.long()).to(index.dtype)
     with torch.no_grad():
         diff = (torch.sort(new_index, -1).values != torch.sort(index, -1).values).any(-1) & covered
-        stats.tokens += int(covered.sum())
-        stats.changed += int(diff.sum())
+        stats.add(covered.sum(), diff.sum())
     probs = torch.softmax(logits, dim=-1, dtype=torch.float)
     w = probs.gather(1, new_index.long())
     if getattr(module, "norm_topk_prob", False):

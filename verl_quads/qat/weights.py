@@ -65,15 +65,22 @@ def abs_max(w: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
     return torch.linalg.vector_norm(w.detach(), ord=float("inf"), dim=dim, keepdim=keepdim)
 
 
-def linear_global_scale(weights: list[torch.Tensor]) -> torch.Tensor:
-    """Shared per-tensor encode scale (0-d float32) of one or more ``[out, in]`` weights."""
-    amax = abs_max(weights[0]) if len(weights) == 1 else torch.stack([abs_max(w) for w in weights]).amax()
+def linear_global_scale(weights: list[torch.Tensor], amaxes: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Shared per-tensor encode scale (0-d float32) of one or more ``[out, in]`` weights.
+
+    ``amaxes``: their :func:`abs_max` (0-d, weight dtype) if the caller has them already."""
+    if amaxes is None:
+        amaxes = [abs_max(w) for w in weights]
+    amax = amaxes[0] if len(amaxes) == 1 else torch.stack(amaxes).amax()
     return global_scale_from_amax(amax.to(torch.float32))
 
 
-def expert_global_scale(w: torch.Tensor) -> torch.Tensor:
-    """Per-expert encode scale ``[E, 1, 1]`` float32 of a ``[E, out, in]`` expert weight."""
-    return global_scale_from_amax(abs_max(w, dim=(1, 2), keepdim=True).to(torch.float32))
+def expert_global_scale(w: torch.Tensor, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-expert encode scale ``[E, 1, 1]`` float32 of a ``[E, out, in]`` expert weight
+    (``amax``: its ``abs_max(w, dim=(1, 2), keepdim=True)`` if the caller has it)."""
+    if amax is None:
+        amax = abs_max(w, dim=(1, 2), keepdim=True)
+    return global_scale_from_amax(amax.to(torch.float32))
 
 
 def qdq_linear_weight(
@@ -84,15 +91,21 @@ def qdq_linear_weight(
 
 
 def qdq_expert_weight(
-    w: torch.Tensor, transposed: bool, backend: str = "auto", check_finite: bool = True
+    w: torch.Tensor, transposed: bool, backend: str = "auto", check_finite: bool = True, on_amax=None
 ) -> torch.Tensor:
     """NVFP4 QDQ (STE) of a fused expert weight, per-expert global scale, blocks along K.
 
     ``w``: ``[E, out, in]`` (``transposed=False``) or ``[E, in, out]`` (``transposed=True``).
-    Returns a tensor of ``w``'s shape and dtype.
+    Returns a tensor of ``w``'s shape and dtype. All experts in ONE QDQ call (one kernel launch on the
+    triton backend) with the per-expert scale ``[E, 1, 1]`` from one amax reduction over dims (1, 2).
+    ``on_amax``: optional callable receiving that amax (``[E, 1, 1]``, ``w``'s dtype; NaN/Inf if the
+    expert has any), e.g. for :meth:`QATState.note_weight`.
     """
     w_oi = w.transpose(-1, -2) if transposed else w
-    q = fake_quantize_ste(w_oi, expert_global_scale(w_oi), backend=backend, check_finite=check_finite)
+    amax = abs_max(w_oi, dim=(1, 2), keepdim=True)
+    if on_amax is not None:
+        on_amax(amax)
+    q = fake_quantize_ste(w_oi, expert_global_scale(w_oi, amax), backend=backend, check_finite=check_finite)
     return q.transpose(-1, -2) if transposed else q
 
 
