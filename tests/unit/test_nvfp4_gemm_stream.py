@@ -153,9 +153,12 @@ def test_stream_config_errors_and_dispatch_table(monkeypatch):
     for bad in (SC(block_m=3), SC(block_m=8, mma=1), SC(block_m=16, mma=1, block_kw=8), SC(decode="lut")):
         with pytest.raises(ValueError, match="bad StreamConfig"):
             tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16", config=bad)
-    # the table: rows bucket 1 / 4 / 16 by rows per group, keyed with grouped, N, K
-    cfg = SC(block_m=2, block_n=32)
-    monkeypatch.setitem(tg.DECODE_TABLE, (False, 4, 16, 64), cfg)
-    assert tg.decode_config(3, 16, 64, False) is cfg and tg.decode_config(4, 16, 64, False) is cfg
-    assert tg.decode_config(1, 16, 64, False) is None and tg.decode_config(5, 16, 64, False) is None
+    # the table: (grouped, power-of-two rows bucket, N, K); the smallest bucket >= rows that has an entry
+    c4, c16 = SC(block_m=2, block_n=32), SC(block_m=4)
+    monkeypatch.setitem(tg.DECODE_TABLE, (False, 4, 16, 64), c4)
+    monkeypatch.setitem(tg.DECODE_TABLE, (False, 16, 16, 64), c16)
+    assert tg.decode_config(1, 16, 64, False) is c4 and tg.decode_config(4, 16, 64, False) is c4
+    assert tg.decode_config(5, 16, 64, False) is c16 and tg.decode_config(16, 16, 64, False) is c16
+    assert tg.decode_config(17, 16, 64, False) is None
     assert tg.decode_config(3, 16, 64, True) is None and tg.decode_config(3, 32, 64, False) is None
+    assert tg.decode_bucket(1) == 1 and tg.decode_bucket(24) == 32 and tg.decode_bucket(129) is None

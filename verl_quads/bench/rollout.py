@@ -24,12 +24,23 @@ k=0.5 <= 1.10x the time of naive (W4A4-emulated) at every M.
 ``--shapes`` also accepts ``w13`` / ``w2`` (one grouped expert GEMM alone) and ``--sweep`` times a
 few launch configurations of the w4a16 / naive GEMM per (shape, M) to tune
 :func:`triton_gemm.pick_config`.
+
+``--sweep-decode`` (issue #5, decode): every variant of the W4A16 weight-streaming kernel
+(:class:`triton_gemm.StreamConfig`: tile, split-K, warps, stages, CUDA-core FMA vs tensor-core dot,
+``bits`` vs ``f16`` E2M1 decode, prefetch) at M = 1, 4, 16 for d4096, d8192 and the MoE layer's two
+grouped GEMMs (w13, w2; random top-8 routing over 128 experts), timed with cold L2 (each timed replay
+calls the GEMM once per weight copy / routing, >= 256 MB read), each checked against the torch
+reference (max |err| / max |ref| and the per-element 1 ulp + float32 summation bound); prints weight
+bytes/s as a fraction of the copy bandwidth of the same run, the ratio to cuBLAS BF16 /
+``torch._grouped_mm`` BF16, the fastest correct variant per shape, the MoE layer with those variants,
+and a paste-ready ``DECODE_TABLE``.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import replace
 
 import torch
 
@@ -334,6 +345,260 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> s
     return "\n".join(out)
 
 
+# --- --sweep-decode: the W4A16 weight-streaming kernel's variants at decode shapes (issue #5) -------
+
+L2_FLUSH_BYTES = 256 * 2**20  # > 2x the H200's 50 MB L2: each timed call reads weights no other call left in L2
+DECODE_SHAPES = "d4096,d8192,moe"
+
+
+def _decode_variants(rows: int, grouped: bool, tokens: int):
+    """(stage-1 configs, stage-2 variations of a config): a grid over tile shape and warps for the
+    CUDA-core kernel (dense M <= 4 or any grouped GEMM: ~1-3 rows per expert at decode) and the
+    tensor-core one (dense M >= 4, grouped at >= 16 tokens), then decode / prefetch / split-K / stages
+    variations of the fastest correct few. ``rows``: M (dense) or rows per active expert (grouped)."""
+    from verl_quads.nvfp4.triton_gemm import StreamConfig
+
+    first = []
+    if grouped or rows <= 4:
+        bm = 1 if rows <= 1 else (2 if rows <= 2 else 4)
+        for bn, bkw, warps in ((32, 16, 2), (64, 16, 4), (64, 32, 4), (128, 8, 4), (128, 16, 4), (128, 32, 8),
+                               (256, 8, 8), (256, 16, 4), (256, 16, 8)):
+            first.append(StreamConfig(block_m=bm, block_n=bn, block_kw=bkw, num_warps=warps))
+        if grouped and tokens >= 4:  # some experts get 2-4 rows: fewer chunks per tile
+            for bm2 in (2, 4):
+                first += [StreamConfig(block_m=bm2, block_n=128, block_kw=16, num_warps=4),
+                          StreamConfig(block_m=bm2, block_n=64, block_kw=16, num_warps=4)]
+    if (not grouped and rows >= 4) or (grouped and tokens >= 16):
+        for bn, bkw, mma, stages in ((64, 16, 1, 1), (128, 16, 1, 1), (64, 32, 1, 1), (128, 16, 2, 1),
+                                     (64, 16, 1, 3), (128, 32, 1, 3)):
+            first.append(StreamConfig(block_m=16, block_n=bn, block_kw=bkw, mma=mma, num_warps=4, num_stages=stages))
+
+    def second(c: StreamConfig, split_auto: int):
+        out = [replace(c, decode="f16"), replace(c, prefetch=not c.prefetch)]
+        for f in (2, 0.5):
+            s = int(split_auto * f)
+            if s >= 1 and s != split_auto:
+                out.append(replace(c, split_k=s))
+        if c.mma:
+            out.append(replace(c, num_stages=3 if c.num_stages == 1 else 1))
+        return out
+
+    return first, second
+
+
+def _auto_split(cfg, m_rows_live: int, n: int, k: int) -> int:
+    """The split_k that split_k=0 resolves to (mirrors triton_gemm._stream_gemm)."""
+    from verl_quads.nvfp4.triton_gemm import _num_sms
+
+    kw = k // 8
+    n_tiles = -(-n // cfg.block_n)
+    split = 1
+    while m_rows_live * n_tiles * split * 2 <= 4 * _num_sms(torch.device(DEVICE)) and kw // (cfg.block_kw * split * 2) >= 2:
+        split *= 2
+    return split
+
+
+def _err(y: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor) -> tuple[float, bool]:
+    """(max |y - ref| / max |ref|, every element within 1 bf16 ulp(ref) + the float32 summation bound)."""
+    r = ref.float()
+    d = (y.float() - r).abs()
+    ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.abs().clamp(min=1e-30))) * torch.finfo(y.dtype).eps,
+                      torch.full_like(r, torch.finfo(y.dtype).tiny))
+    return float(d.max() / r.abs().max().clamp(min=1e-30)), bool((d <= ulp + bound).all())
+
+
+def _rotating(fn_of_copy, copies: int):
+    """One timed call = ``fn_of_copy(i)`` for every weight copy i (cold L2 for each); time / copies."""
+    def fn():
+        for i in range(copies):
+            fn_of_copy(i)
+    return fn
+
+
+def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9) -> str:
+    """Time every streaming-kernel variant (and the current default kernel, and the BF16 baseline) at
+    decode shapes with cold L2 (rotating weight copies / routings), check each variant against the
+    torch reference, and print the fastest correct variant per shape with a paste-ready
+    ``DECODE_TABLE``. Past ``budget_s`` seconds of wall time only the baselines, the tensor-core kernel
+    and the first stage-1 config of each remaining shape are timed (the table is still printed)."""
+    import time
+
+    from verl_quads import nvfp4 as nv
+    from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.rollout import emulation as em
+
+    dev = DEVICE
+    out = [f"device: {device_name()}"]
+    print(out[0], flush=True)
+    bw = _copy_bandwidth()
+    out.append(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write); timings: CUDA graph of one call "
+               f"per weight copy (or routing), copies so that >= {L2_FLUSH_BYTES >> 20} MB are read per replay (cold L2)")
+    print(out[-1], flush=True)
+    rows = _Rows()
+    table: dict = {}
+    summary = []
+    t_start = time.perf_counter()
+
+    def over_budget() -> bool:
+        return time.perf_counter() - t_start > budget_s
+    g = torch.Generator(device=dev).manual_seed(0)
+    gemms = []  # (name, grouped, n, k)
+    for s in shapes:
+        if s == "moe":
+            gemms += [("moe w13", True) + SHAPES["w13"][1:], ("moe w2", True) + SHAPES["w2"][1:]]
+        else:
+            gemms.append((s,) + SHAPES[s])
+    for name, grouped, n, k in gemms:
+        e = NUM_EXPERTS if grouped else 1
+        w = torch.randn(e, n, k, device=dev, generator=g) * 0.02
+        q = nv.quantize(w, nv.global_scale_from_amax(w.abs().amax(dim=(1, 2), keepdim=True)), backend="triton")
+        wp, wsc, wgs = q.packed, q.block_scale, q.global_scale.reshape(-1)
+        wf = em.weight_f32(wp, wsc, wgs.reshape(e, 1, 1)) if grouped else em.weight_f32(wp[0], wsc[0], wgs.reshape(()))
+        if not grouped:
+            wp, wsc, wgs = wp[0], wsc[0], wgs.reshape(())
+        w_bf16 = w.to(torch.bfloat16)
+        del w
+        for m in ms:
+            tag = f"{name} M={m}"
+            if grouped:
+                s_slots = m * TOP_K
+                x = torch.randn(m if name.endswith("w13") else s_slots, k, device=dev, generator=g).to(torch.bfloat16)
+                x[:, ::293] *= 30.0
+                per = -(-s_slots // min(e, s_slots))
+                ids0 = torch.rand(m, e, device=dev, generator=g).argsort(-1)[:, :TOP_K]
+                active = int(ids0.unique().numel())
+                wbytes, bbytes = active * n * k * 9 // 16, active * n * k * 2
+                copies = max(1, min(64, -(-L2_FLUSH_BYTES // wbytes)))
+                id_sets = [ids0] + [torch.rand(m, e, device=dev, generator=g).argsort(-1)[:, :TOP_K]
+                                    for _ in range(copies - 1)]
+                routs = [tg.moe_align(ids, e, tg.pick_block_m(per)) for ids in id_sets]
+                a_rows = [r.sorted_tokens if name.endswith("w13") else r.sorted_slots for r in routs]
+                x_sorted = [x[ar.long()].contiguous() for ar in a_rows]
+                offs = [torch.cumsum(torch.bincount(ids.reshape(-1), minlength=e), 0).to(torch.int32) for ids in id_sets]
+                w_t = w_bf16.transpose(-2, -1)
+
+                def base(i):
+                    return torch._grouped_mm(x_sorted[i], w_t, offs=offs[i])
+
+                base_label = "bf16 torch._grouped_mm"
+
+                def run_cfg(cfg, i=0):
+                    return tg.nvfp4_gemm(op, wp, wsc, wgs, routing=routs[i], a_rows=a_rows[i], out_rows=s_slots,
+                                         config=cfg)
+
+                # reference for routing 0: slot r of expert ids0.flat[r] reads x row a(r)
+                flat = ids0.reshape(-1)
+                xr = x.float()[(torch.arange(s_slots, device=dev) // TOP_K) if name.endswith("w13")
+                               else torch.arange(s_slots, device=dev)]
+                ref = torch.empty(s_slots, n, device=dev)
+                bound = torch.empty(s_slots, n, device=dev)
+                for ex in flat.unique().tolist():
+                    sel = flat == ex
+                    ref[sel] = xr[sel] @ wf[ex].t()
+                    bound[sel] = 4 * k * torch.finfo(torch.float32).eps * (xr[sel].abs() @ wf[ex].abs().t())
+                ref = ref.to(torch.bfloat16)
+            else:
+                x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
+                x[:, ::293] *= 30.0
+                per = m
+                wbytes, bbytes = n * k * 9 // 16, n * k * 2
+                copies = max(1, min(64, -(-L2_FLUSH_BYTES // wbytes)))
+                bcopies = max(1, min(64, -(-L2_FLUSH_BYTES // bbytes)))
+                wps = [wp] + [wp.clone() for _ in range(copies - 1)]
+                wscs = [wsc] + [wsc.clone() for _ in range(copies - 1)]
+                wbs = [w_bf16[0]] + [w_bf16[0].clone() for _ in range(bcopies - 1)]
+
+                def base(i):
+                    return x @ wbs[i].t()
+
+                base_label = "bf16 torch.matmul (cuBLAS)"
+
+                def run_cfg(cfg, i=0):
+                    return tg.nvfp4_gemm(op, wps[i], wscs[i], wgs, config=cfg)
+
+                xr = x.float()
+                ref = (xr @ wf.t()).to(torch.bfloat16)
+                bound = 4 * k * torch.finfo(torch.float32).eps * (xr.abs() @ wf.abs().t())
+            op, _ = tg.quantize_activation(x, "w4a16")
+            ncb = len(wbs) if not grouped else copies
+            t_base = _time(_rotating(base, ncb))[0] / ncb
+            rows.append([tag, base_label, "-", t_base * 1e6, 1.0, bbytes / t_base / 1e9, bbytes / t_base / bw, "-", "-"])
+
+            def measure(label, cfg):
+                try:
+                    rel, ok = _err(run_cfg(cfg), ref, bound)
+                    t = _time(_rotating(lambda i: run_cfg(cfg, i), copies))[0] / copies
+                except Exception as ex:  # a config that does not compile or fit: reported, skipped
+                    print(f"  {tag} {label}: failed {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+                    return None
+                rows.append([tag, label, "ok" if ok else "WRONG", t * 1e6, t_base / t, wbytes / t / 1e9, wbytes / t / bw,
+                             f"{rel:.2e}", cfg.label if isinstance(cfg, tg.StreamConfig) else "-"])
+                return t, ok
+
+            default = tg.pick_config(per, routs[0].tile_expert.numel() if grouped else -(-m // tg.pick_block_m(m)),
+                                     n, k, torch.device(dev), block_m=routs[0].block_m if grouped else None)
+            r_def = measure("tensor-core kernel (pick_config, before #5 decode)", default)
+            first, second = _decode_variants(per, grouped, m)
+            timed = []
+            for i_cfg, cfg in enumerate(first):
+                if i_cfg and over_budget():
+                    print(f"  {tag}: wall-time budget {budget_s:.0f} s spent, {len(first) - i_cfg} stage-1 configs "
+                          "skipped", flush=True)
+                    break
+                r = measure(f"stream {cfg.label}", cfg)
+                if r and r[1]:
+                    timed.append((r[0], cfg))
+            timed.sort(key=lambda t: t[0])
+            for _, cfg in timed[:0 if over_budget() else 2]:
+                live = min(e, s_slots) if grouped else -(-m // cfg.block_m)
+                for c2 in second(cfg, _auto_split(cfg, live, n, k)):
+                    r = measure(f"stream {c2.label}", c2)
+                    if r and r[1]:
+                        timed.append((r[0], c2))
+            timed.sort(key=lambda t: t[0])
+            if timed:
+                t_best, best = timed[0]
+                line = (f"{tag}: best stream {best.label} {t_best * 1e6:.1f} us = {t_base / t_best:.2f}x {base_label}, "
+                        f"{wbytes / t_best / bw:.0%} of copy BW; tensor-core kernel "
+                        f"{(r_def[0] * 1e6) if r_def else float('nan'):.1f} us")
+                summary.append(line)
+                print(line, flush=True)
+                bucket = tg.decode_bucket(s_slots if grouped else m)
+                if bucket is not None and (r_def is None or not r_def[1] or t_best < r_def[0]):
+                    table[(grouped, bucket, n, k)] = best
+            del op
+            torch.cuda.empty_cache()
+        del wf, w_bf16
+        torch.cuda.empty_cache()
+    out.append(print_table(
+        "W4A16 decode: weight-streaming kernel variants vs BF16 (cold L2); 'check': within 1 bf16 ulp + fp32 "
+        "summation bound of the torch reference at every element",
+        ["shape", "kernel", "check", "us", "x bf16", "weight GB/s", "of copy BW", "max err/max|ref|", "config"], rows))
+    out.append("best per shape:\n" + "\n".join(summary))
+    if "moe" in shapes and table:
+        # the whole routed-experts layer with the table just found (moe_forward dispatches w4a16 through it);
+        # timed like the main bench (one routing: the active experts' NVFP4 weights may stay in L2)
+        saved = dict(tg.DECODE_TABLE)
+        tg.DECODE_TABLE.update(table)
+        try:
+            layer_rows = _moe_layer_rows(ms, [], bw, dev, g, {})
+        finally:
+            tg.DECODE_TABLE.clear()
+            tg.DECODE_TABLE.update(saved)
+        out.append(print_table("MoE layer (moe_forward) with the DECODE_TABLE below (w4a16 only; naive unchanged); "
+                               "one routing, warm L2 as in the main bench",
+                               ["shape", "kernel", "timing", "us", "x bf16", "weight GB/s", "of copy BW"], layer_rows))
+    snippet = ["DECODE_TABLE = {  # verl-quads bench rollout --sweep-decode, " + device_name()]
+    for key, c in sorted(table.items()):
+        snippet.append(f"    {key}: StreamConfig(block_m={c.block_m}, block_n={c.block_n}, block_kw={c.block_kw}, "
+                       f"split_k={c.split_k}, num_warps={c.num_warps}, num_stages={c.num_stages}, mma={c.mma}, "
+                       f"decode={c.decode!r}, prefetch={c.prefetch}),")
+    snippet.append("}")
+    out.append("\n".join(snippet))
+    print("\n".join(snippet), flush=True)
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="verl-quads bench rollout", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -342,10 +607,29 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--m", default="1,4,16,64,256,1024,4096", help="comma-separated token counts M")
     p.add_argument("--ratios", default="0.25,0.5,1.0", help="QUADS residual ratios k (comma-separated)")
     p.add_argument("--sweep", action="store_true", help="try launch configs per shape and use the fastest")
+    p.add_argument("--sweep-decode", action="store_true",
+                   help="time every W4A16 weight-streaming kernel variant at decode M (default --m 1,4,16, shapes "
+                        f"{DECODE_SHAPES}) with cold L2, check each against the torch reference, print the fastest "
+                        "correct per shape and a paste-ready triton_gemm.DECODE_TABLE")
+    p.add_argument("--budget-s", type=float, default=1e9,
+                   help="--sweep-decode: wall seconds after which each remaining shape times only its baselines and "
+                        "first config (so a run under a time limit still prints its table)")
     p.add_argument("--out", default=None, help="also write the tables to this file")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("verl-quads bench rollout needs a CUDA GPU (CPU numbers are not the point)")
+    if a.sweep_decode:
+        shapes = [s for s in (a.shapes if a.shapes != DEFAULT_SHAPES else DECODE_SHAPES).split(",") if s]
+        bad = [s for s in shapes if s not in ("moe", "d4096", "d8192", "qkv", "o_proj")]
+        if bad:
+            raise SystemExit(f"verl-quads bench rollout --sweep-decode: unknown shape(s) {bad}; allowed: moe (w13 and "
+                             "w2 grouped GEMMs), d4096, d8192, qkv, o_proj")
+        ms = [int(v) for v in (a.m if a.m != "1,4,16,64,256,1024,4096" else "1,4,16").split(",")]
+        text = run_sweep_decode(shapes, ms, a.budget_s)
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(text + "\n")
+        return
     shapes = [s for s in a.shapes.split(",") if s]
     bad = [s for s in shapes if s not in SHAPES and s != "moe"]
     if bad:

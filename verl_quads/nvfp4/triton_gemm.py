@@ -788,19 +788,27 @@ class StreamConfig:
                 "and block_kw >= 16; block_n >= 16, block_kw, num_warps powers of 2; decode 'bits' or 'f16'")
 
 
-# Decode dispatch (w4a16, CUDA): (grouped, rows bucket, N, K) -> StreamConfig. Rows bucket = the
-# smallest of 1, 4, 16 that is >= the rows per group (dense: M; grouped: slots per active expert,
-# ceil(S / min(E, S))). Shapes not listed use :func:`pick_config`'s tensor-core kernel.
-# Filled from ``verl-quads bench rollout --sweep-decode`` on the H200 (it prints a paste-ready table).
+# Decode dispatch (w4a16, CUDA): (grouped, rows bucket, N, K) -> StreamConfig. Rows = M for a dense GEMM,
+# the number of token-slots S (= tokens * top_k) for a grouped one; buckets are powers of two up to
+# 128 and a GEMM takes the entry of the smallest bucket >= its rows that has one (e.g. with entries at
+# 1, 4 and 16 a dense M=2 uses the M=4 entry, M=17 none). Shapes without an entry use pick_config's
+# tensor-core kernel. Filled from ``verl-quads bench rollout --sweep-decode`` on the H200 (it prints a
+# paste-ready table: the fastest variant that passed the reference check and beat the tensor-core kernel).
 DECODE_TABLE: dict[tuple[bool, int, int, int], StreamConfig] = {}
-DECODE_BUCKETS = (1, 4, 16)
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
-def decode_config(rows_per_group: int, n: int, k: int, grouped: bool) -> StreamConfig | None:
-    """The :data:`DECODE_TABLE` entry for a w4a16 GEMM, or None (use the tensor-core kernel)."""
+def decode_bucket(rows: int) -> int | None:
+    """The smallest of :data:`DECODE_BUCKETS` >= ``rows`` (None past the last)."""
+    return next((b for b in DECODE_BUCKETS if rows <= b), None)
+
+
+def decode_config(rows: int, n: int, k: int, grouped: bool) -> StreamConfig | None:
+    """The :data:`DECODE_TABLE` entry for a w4a16 GEMM of ``rows`` rows (dense: M; grouped: token-slots),
+    or None (use the tensor-core kernel)."""
     for b in DECODE_BUCKETS:
-        if rows_per_group <= b:
-            return DECODE_TABLE.get((grouped, b, n, k))
+        if rows <= b and (grouped, b, n, k) in DECODE_TABLE:
+            return DECODE_TABLE[(grouped, b, n, k)]
     return None
 
 
@@ -1160,8 +1168,7 @@ def nvfp4_gemm(
     else:
         rows_out = m
     if config is None and act.mode == "w4a16" and dev.type == "cuda" and rows_out and n:
-        per = -(-s // max(1, min(routing.num_experts, s))) if grouped else m
-        config = decode_config(per, n, k, grouped)
+        config = decode_config(s if grouped else m, n, k, grouped)
     if isinstance(config, StreamConfig):
         if rows_out == 0 or n == 0:
             return torch.zeros(rows_out, n, dtype=act.dtype, device=dev)
@@ -1382,6 +1389,7 @@ __all__ = [
     "DECODE_TABLE",
     "GemmConfig",
     "StreamConfig",
+    "decode_bucket",
     "decode_config",
     "GroupedRouting",
     "linear_op",

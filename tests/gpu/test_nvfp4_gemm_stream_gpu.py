@@ -1,0 +1,152 @@
+"""W4A16 weight-streaming decode kernel (``StreamConfig``, verl_quads/nvfp4/triton_gemm.py) on a CUDA
+GPU (the H200), every variant family at Qwen3-30B-A3B / dense decode shapes, against the rollout's torch
+reference (verl_quads/rollout/emulation.py). Per element: |y - ref| <= 1 bf16 ulp(ref) + 4 K eps_f32
+(|x| @ |w|.T) (see tests/unit/test_nvfp4_gemm_stream.py, which runs the same variants in the CPU
+interpreter at small shapes).
+
+The GPU-specific risks these cover: the ``bits`` decode makes float32 subnormals (codes 0/1 times
+2**-126) and relies on the multiply keeping them (no flush-to-zero) -- the one-hot test compares
+against the dequantized weight bit for bit; the bf16/fp16 tensor-core dots (the interpreter runs
+them in float32); 16-byte vector loads and the split-K reduction kernel at real sizes.
+"""
+
+import pytest
+import torch
+
+from verl_quads.nvfp4 import triton_gemm as tg
+from verl_quads.rollout import emulation as em
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+SC = tg.StreamConfig
+
+VARIANTS = [
+    SC(block_m=1, block_n=128, block_kw=16, num_warps=4),
+    SC(block_m=1, block_n=64, block_kw=32, num_warps=4, decode="f16", prefetch=False),
+    SC(block_m=2, block_n=256, block_kw=8, num_warps=8, split_k=2),
+    SC(block_m=4, block_n=64, block_kw=16, num_warps=4, split_k=1),
+    SC(block_m=16, block_n=64, block_kw=16, mma=1, num_warps=4),
+    SC(block_m=16, block_n=128, block_kw=32, mma=1, num_warps=4, num_stages=3, prefetch=False),
+    SC(block_m=16, block_n=128, block_kw=16, mma=2, num_warps=4, decode="f16"),
+]
+
+
+def _x(m, k, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, k, device=DEV, generator=g)
+    x[:, ::293] *= 30.0
+    return x.to(dtype)
+
+
+def _w(shape, seed=1):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, device=DEV, generator=g) * 0.02
+
+
+def _check(y, ref, xf, wf, what):
+    r = ref.float()
+    d = (y.float() - r).abs()
+    ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.abs().clamp(min=1e-30))) * torch.finfo(y.dtype).eps,
+                      torch.full_like(r, torch.finfo(y.dtype).tiny))
+    bound = ulp + 4 * xf.shape[1] * torch.finfo(torch.float32).eps * (xf.abs() @ wf.abs().t())
+    worst = float((d / ulp).max())
+    print(f"{what}: max |diff| {worst:.2f} ulp, {float((y == ref).float().mean()):.2%} bit-equal")
+    assert bool((d <= bound).all()), f"{what}: {worst:.2f} ulp"
+
+
+@pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: c.label)
+@pytest.mark.parametrize("m, n, k", [(1, 8192, 8192), (4, 5120, 2048), (16, 2048, 4096), (3, 4096, 4096)])
+def test_stream_dense(cfg, m, n, k):
+    x = _x(m, k)
+    q_w = em.quantize_weight(_w((n, k)))
+    gs = q_w.global_scale.reshape(())
+    bias = (_w((n,), seed=3) * 10).to(torch.bfloat16) if m == 3 else None
+    xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
+    wf = em.weight_f32(q_w.packed, q_w.block_scale, gs)
+    ref = em.gemm(xf, wf, bias, x.dtype)
+    y = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, bias, "w4a16", config=cfg)
+    _check(y, ref, xf, wf, f"{cfg.label} M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("cfg", [VARIANTS[0], VARIANTS[3], VARIANTS[4], VARIANTS[6]], ids=lambda c: c.label)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_stream_one_hot_exact(cfg, dtype):
+    """One-hot activation rows: each output is one product, so it must equal the dequantized weight
+    (E2M1 * block scale, times the rounded 1 / global scale) bit for bit -- incl. codes 0/1 (float32
+    subnormals in the ``bits`` decode), zero and E4M3-subnormal block scales, every nibble position."""
+    n, k = 256, 1024
+    q_w = em.quantize_weight(_w((n, k)))
+    packed = torch.arange(256, dtype=torch.uint8, device=DEV).repeat(n, k // 2 // 256)
+    packed = packed.roll(1, 1).contiguous()  # every byte value (both nibbles: all 16 codes at every position)
+    scale = q_w.block_scale.view(torch.uint8).clone()
+    scale[:, ::7] = 0
+    scale[:, 1::7] = 1  # E4M3 subnormals 2**-9 .. 7 * 2**-9
+    scale[:, 2::7] = 7
+    scale = scale.view(torch.float8_e4m3fn)
+    gs = q_w.global_scale.reshape(())
+    ks = torch.arange(0, 16, device=DEV) * 37 % k  # 16 columns, all nibble positions
+    x = torch.zeros(16, k, dtype=dtype, device=DEV)
+    x[torch.arange(16, device=DEV), ks] = 3.0
+    y = tg.nvfp4_gemm(tg.ActOperand("w4a16", dtype, values=x), packed, scale, gs, config=cfg)
+    wq = em.weight_f32(packed, scale, torch.ones((), device=DEV))
+    want = ((wq[:, ks] * 3.0).t() * torch.reciprocal(gs.float())).to(dtype)
+    assert torch.equal(y, want), f"{cfg.label} {dtype}: {int((y != want).sum())} outputs differ"
+    assert bool((wq[:, ks] != 0).any()) and bool((wq[:, ks] < 0).any())
+
+
+@pytest.mark.parametrize("cfg", [VARIANTS[0], VARIANTS[2], VARIANTS[4]], ids=lambda c: c.label)
+@pytest.mark.parametrize("gemm", ["w13", "w2"])
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_stream_grouped(cfg, gemm, tokens):
+    e, topk = 128, 8
+    n, k = (1536, 2048) if gemm == "w13" else (2048, 768)
+    q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
+    gs = q_w.global_scale.reshape(-1)
+    g = torch.Generator(device=DEV).manual_seed(2)
+    ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
+    ids[0, 0] = -1  # a slot routed to no local expert: its row stays 0
+    s = tokens * topk
+    x = _x(tokens if gemm == "w13" else s, k)
+    rows_of = (lambda sl: torch.div(sl, topk, rounding_mode="floor")) if gemm == "w13" else (lambda sl: sl)
+    routing = tg.moe_align(ids, e, tg.pick_block_m(-(-s // min(e, s))))
+    op, _ = tg.quantize_activation(x, "w4a16")
+    y = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing, a_rows=rows_of(routing.sorted_slots),
+                      out_rows=s, config=cfg)
+    flat = ids.reshape(-1)
+    assert not y[0].any()
+    xf = x.float()
+    for ex in flat[flat >= 0].unique().tolist():
+        slots = (flat == ex).nonzero().squeeze(-1)
+        wf = em.weight_f32(q_w.packed[ex], q_w.block_scale[ex], gs[ex])
+        xr = xf[rows_of(slots)]
+        _check(y[slots], em.gemm(xr, wf, None, x.dtype), xr, wf, f"{gemm} T={tokens} expert {ex} {cfg.label}")
+
+
+def test_stream_replays_in_a_cuda_graph_and_dispatch(monkeypatch):
+    """The streaming path (split-K + reduction kernel) needs no host sync: captured once, replayed with
+    new inputs; and DECODE_TABLE dispatch picks it for w4a16 by default (same result as passing it)."""
+    m, n, k = 1, 4096, 4096
+    q_w = em.quantize_weight(_w((n, k)))
+    gs = q_w.global_scale.reshape(())
+    cfg = SC(block_m=1, block_n=64, block_kw=16, split_k=4)
+    monkeypatch.setitem(tg.DECODE_TABLE, (False, 1, n, k), cfg)
+    assert tg.decode_config(1, n, k, False) is cfg
+    x = _x(m, k)
+    y_direct = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16", config=cfg)
+    assert torch.equal(tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16"), y_direct)
+
+    def run():
+        return tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16")
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_graph = run()
+    x.copy_(_x(m, k, seed=5))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y_graph, run())
