@@ -663,6 +663,20 @@ if triton is not None:
         _store_out(out_ptr + offs, acc, m, OUT)
 
 
+    @triton.jit
+    def _moe_align_small_kernel(ids_ptr, hist_ptr, base_ptr, start_ptr, te_ptr, tr0_ptr, tr1_ptr, sorted_ptr, tok_ptr,
+                                S, E, TOPK, T_MAX, C: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
+                                TT: tl.constexpr):
+        """moe_align in ONE program (decode: S <= C slots, one chunk): the histogram, scan + tile table
+        and scatter kernels run back to back in this program, separated by barriers (their global
+        scratch writes are then visible to all its threads); saves two launches (~10 us of ~18 us at
+        M=1 on the H200)."""
+        _moe_hist_kernel(ids_ptr, hist_ptr, S, E, C, EP)
+        tl.debug_barrier()
+        _moe_scan_kernel(hist_ptr, base_ptr, start_ptr, te_ptr, tr0_ptr, tr1_ptr, 1, E, T_MAX, BM, 1, EP, TT)
+        tl.debug_barrier()
+        _moe_scatter_kernel(ids_ptr, base_ptr, start_ptr, sorted_ptr, tok_ptr, S, E, TOPK, C, EP)
+
 # --------------------------------------------------------------------------------------------------
 # host side
 
@@ -1080,9 +1094,13 @@ def moe_align_reference(expert_ids: torch.Tensor, num_experts: int, block_m: int
     )
 
 
+MOE_ALIGN_ONE_PROGRAM_MAX = 1024  # token-slots up to which moe_align is one launch (decode: <= 128 tokens at top-8)
+
+
 def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> GroupedRouting:
     """Sort token-slots by expert (stable) and build the tile table: three small Triton launches on
-    the ids' device (chunk histograms; one-program scan + tile table; stable counting-sort scatter),
+    the ids' device (chunk histograms; one-program scan + tile table; stable counting-sort scatter;
+    up to :data:`MOE_ALIGN_ONE_PROGRAM_MAX` slots the three run in one program, one launch),
     no host synchronization (graph-capturable). ``expert_ids``: int ``[T, top_k]`` local expert ids,
     -1 = not local. Same result as :func:`moe_align_reference` (tested)."""
     flat = expert_ids.reshape(-1).contiguous()
@@ -1099,9 +1117,16 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Group
         ep = triton.next_power_of_2(num_experts + 2)  # keys 0..E-1, E (not local), EP-1 (padding)
         chunk = 128 * max(1, -(-s // (128 * 64)))  # <= 64 chunks
         p = -(-s // chunk)
+        if s <= MOE_ALIGN_ONE_PROGRAM_MAX:  # decode: one launch, one chunk of all slots
+            chunk, p = 128 * -(-s // 128), 1
         hist = torch.empty(p, ep, **i32)
         base = torch.empty(p, ep, **i32)
         start = torch.empty(ep, **i32)
+        if s <= MOE_ALIGN_ONE_PROGRAM_MAX:
+            _moe_align_small_kernel[(1,)](flat, hist, base, start, te, tr0, tr1, sorted_slots, sorted_tokens, s,
+                                          num_experts, top_k, t_max, C=chunk, EP=ep, BM=block_m, TT=32, num_warps=8)
+            return GroupedRouting(sorted_slots=sorted_slots, tile_expert=te, tile_row0=tr0, tile_row1=tr1,
+                                  block_m=block_m, num_experts=num_experts, sorted_tokens=sorted_tokens)
         _moe_hist_kernel[(p,)](flat, hist, s, num_experts, C=chunk, EP=ep)
         _moe_scan_kernel[(1,)](hist, base, start, te, tr0, tr1, p, num_experts, t_max, BM=block_m,
                                PP=triton.next_power_of_2(p), EP=ep, TT=32, num_warps=8)
