@@ -23,9 +23,9 @@ SC = tg.StreamConfig
 VARIANTS = [
     SC(block_m=1, block_n=128, block_kw=16, num_warps=4),
     SC(block_m=1, block_n=64, block_kw=32, num_warps=4, decode="f16", prefetch=False),
-    SC(block_m=2, block_n=256, block_kw=8, num_warps=8, split_k=2),
+    SC(block_m=2, block_n=256, block_kw=8, num_warps=8, split_k=2, fixup=True),
     SC(block_m=4, block_n=64, block_kw=16, num_warps=4, split_k=1),
-    SC(block_m=16, block_n=64, block_kw=16, mma=1, num_warps=4),
+    SC(block_m=16, block_n=64, block_kw=16, mma=1, num_warps=4, fixup=True),
     SC(block_m=16, block_n=128, block_kw=32, mma=1, num_warps=4, num_stages=3, prefetch=False),
     SC(block_m=16, block_n=128, block_kw=16, mma=2, num_warps=4, decode="f16"),
 ]
@@ -120,6 +120,33 @@ def test_stream_grouped(cfg, gemm, tokens):
         wf = em.weight_f32(q_w.packed[ex], q_w.block_scale[ex], gs[ex])
         xr = xf[rows_of(slots)]
         _check(y[slots], em.gemm(xr, wf, None, x.dtype), xr, wf, f"{gemm} T={tokens} expert {ex} {cfg.label}")
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_stream_fixup_bit_identical_over_many_runs(grouped):
+    """The split-K fixup (last program of a tile sums the partials after an acquire-release counter)
+    == the reduction launch bit for bit, over 200 back-to-back launches with many tiles racing (a missing
+    fence or a stale L1 read would show as a differing run)."""
+    if grouped:
+        e, topk, tokens, n, k = 128, 8, 16, 1536, 2048
+        q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
+        gs = q_w.global_scale.reshape(-1)
+        ids = torch.rand(tokens, e, device=DEV, generator=torch.Generator(device=DEV).manual_seed(3)).argsort(-1)[:, :topk]
+        routing = tg.moe_align(ids, e, 16)
+        op, _ = tg.quantize_activation(_x(tokens, k), "w4a16")
+        kw = dict(routing=routing, a_rows=routing.sorted_tokens, out_rows=tokens * topk)
+    else:
+        n, k = 8192, 8192
+        q_w = em.quantize_weight(_w((n, k)))
+        gs = q_w.global_scale.reshape(())
+        op, _ = tg.quantize_activation(_x(4, k), "w4a16")
+        kw = {}
+    cfg = SC(block_m=4, block_n=64, block_kw=16, split_k=8)
+    ref = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, config=cfg, **kw)
+    fx = tg.replace(cfg, fixup=True)
+    outs = [tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, config=fx, **kw) for _ in range(200)]
+    bad = sum(not torch.equal(o, ref) for o in outs)
+    assert bad == 0, f"{bad} of 200 fixup runs differ from the reduction launch"
 
 
 def test_stream_replays_in_a_cuda_graph_and_dispatch(monkeypatch):

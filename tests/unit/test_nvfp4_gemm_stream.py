@@ -162,3 +162,27 @@ def test_stream_config_errors_and_dispatch_table(monkeypatch):
     assert tg.decode_config(17, 16, 64, False) is None
     assert tg.decode_config(3, 16, 64, True) is None and tg.decode_config(3, 32, 64, False) is None
     assert tg.decode_bucket(1) == 1 and tg.decode_bucket(24) == 32 and tg.decode_bucket(129) is None
+
+
+def test_stream_split_k_fixup_is_bit_identical_to_reduction_launch():
+    """fixup=True (the last program of a tile sums the split-K partials; one launch) gives the same bits as
+    the reduction launch (same fixed order), dense with bias and grouped; the per-tile counters are left 0."""
+    x = _x(3, 176)
+    q_w = em.quantize_weight(_w((24, 176)))
+    gs = q_w.global_scale.reshape(())
+    bias = (_w((24,), seed=3) * 10).to(x.dtype)
+    base = SC(block_m=4, block_n=16, block_kw=8, split_k=3, prefetch=False)
+    y = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, bias, "w4a16", config=base)
+    y_fx = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, bias, "w4a16", config=tg.replace(base, fixup=True))
+    assert torch.equal(y, y_fx)
+    e, topk, k = 3, 2, 128
+    q_e = em.quantize_weight(_w((e, 24, k)), reduce_dims=(1, 2))
+    ids = torch.tensor([[0, 2], [2, -1], [1, 2]], device=DEV)
+    routing = tg.moe_align(ids, e, 16)
+    op, _ = tg.quantize_activation(_x(3, k), "w4a16")
+    rows = torch.div(routing.sorted_slots, topk, rounding_mode="floor")
+    cfg = SC(block_m=16, block_n=16, block_kw=16, split_k=2, mma=1)
+    ys = [tg.nvfp4_gemm(op, q_e.packed, q_e.block_scale, q_e.global_scale.reshape(-1), routing=routing, a_rows=rows,
+                        out_rows=6, config=c) for c in (cfg, tg.replace(cfg, fixup=True))]
+    assert torch.equal(ys[0], ys[1]) and not ys[1][3].any()  # slot 3 is not local: 0
+    assert not tg._FIXUP_COUNTERS[str(torch.device(DEV))].any()

@@ -374,7 +374,7 @@ def _decode_variants(rows: int, grouped: bool, tokens: int):
             first.append(StreamConfig(block_m=16, block_n=bn, block_kw=bkw, mma=mma, num_warps=4, num_stages=stages))
 
     def second(c: StreamConfig, split_auto: int):
-        out = [replace(c, decode="f16"), replace(c, prefetch=not c.prefetch)]
+        out = [replace(c, decode="f16"), replace(c, prefetch=not c.prefetch), replace(c, fixup=not c.fixup)]
         for f in (2, 0.5):
             s = int(split_auto * f)
             if s >= 1 and s != split_auto:
@@ -592,7 +592,7 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9) ->
     for key, c in sorted(table.items()):
         snippet.append(f"    {key}: StreamConfig(block_m={c.block_m}, block_n={c.block_n}, block_kw={c.block_kw}, "
                        f"split_k={c.split_k}, num_warps={c.num_warps}, num_stages={c.num_stages}, mma={c.mma}, "
-                       f"decode={c.decode!r}, prefetch={c.prefetch}),")
+                       f"decode={c.decode!r}, prefetch={c.prefetch}, fixup={c.fixup}),")
     snippet.append("}")
     out.append("\n".join(snippet))
     print("\n".join(snippet), flush=True)

@@ -509,12 +509,12 @@ if triton is not None:
 
     @triton.jit
     def _w4a16_stream_kernel(
-        x_ptr, w_ptr, ws_ptr, wgs_ptr, bias_ptr, out_ptr,
+        x_ptr, w_ptr, ws_ptr, wgs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
         arow_ptr, orow_ptr, tile_e_ptr, tile_r0_ptr, tile_r1_ptr,
-        M, N, K, KW, KB, OUT_ROWS, KW_PER_SPLIT,
+        M, N, K, KW, KB, OUT_ROWS, KW_PER_SPLIT, SPLIT,
         BM: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, PARTIAL: tl.constexpr,
         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, DEC: tl.constexpr,
-        MMA: tl.constexpr, DT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr,
+        MMA: tl.constexpr, DT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, FIXUP: tl.constexpr,
     ):
         """W4A16 weight-streaming GEMM: program (M-tile, BN output columns, K-range ``pid_k``).
 
@@ -528,7 +528,11 @@ if triton is not None:
         16): per nibble position J ``acc[BN, BM] += W_J[BN, BKW] @ X_J[BM, BKW].T`` (swapped: weight rows
         on the MMA's M side) in the operand type DT (0 float32, 1 bf16, 2 fp16; the decoded values
         E2M1 * scale * 2**-9 are exact in all three). MMA 2: the same, not swapped ``X_J @ W_J.T``.
-        PARTIAL (split-K): write float32 partials ``out[pid_k, row, col]`` (no bias).
+        PARTIAL (split-K): write float32 partials ``part[pid_k, row, col]`` (no bias); then either the
+        reduction kernel sums them, or (FIXUP) the last of the SPLIT programs of an output tile to finish
+        (a per-tile counter ``cnt``: atomic add with acquire-release at GPU scope after a barrier; the
+        counter is reset to 0 by that program) sums them in the same fixed order s = 0, 1, ... (L1
+        bypassed), adds bias and writes the output: one launch, bit-identical to the reduction kernel.
 
         Epilogue: ``acc * 2**9 (DEC 0) / weight_global_scale`` (per expert), + bias, one cast; or float32
         partials for the split-K reduction."""
@@ -625,15 +629,16 @@ if triton is not None:
                             else:
                                 acc = tl.dot(xj, tl.trans(vd), acc)
             if MMA == 0:
-                _stream_store(out_ptr, bias_ptr, tl.sum(acc0, axis=1), post, o0, v0, cols, nmask, pid_k, N, OUT_ROWS,
+                dst = part_ptr if PARTIAL else out_ptr
+                _stream_store(dst, bias_ptr, tl.sum(acc0, axis=1), post, o0, v0, cols, nmask, pid_k, N, OUT_ROWS,
                               PARTIAL, HAS_BIAS, OUT)
                 if BM > 1:
-                    _stream_store(out_ptr, bias_ptr, tl.sum(acc1, axis=1), post, o1, v1, cols, nmask, pid_k, N,
+                    _stream_store(dst, bias_ptr, tl.sum(acc1, axis=1), post, o1, v1, cols, nmask, pid_k, N,
                                   OUT_ROWS, PARTIAL, HAS_BIAS, OUT)
                 if BM > 2:
-                    _stream_store(out_ptr, bias_ptr, tl.sum(acc2, axis=1), post, o2, v2, cols, nmask, pid_k, N,
+                    _stream_store(dst, bias_ptr, tl.sum(acc2, axis=1), post, o2, v2, cols, nmask, pid_k, N,
                                   OUT_ROWS, PARTIAL, HAS_BIAS, OUT)
-                    _stream_store(out_ptr, bias_ptr, tl.sum(acc3, axis=1), post, o3, v3, cols, nmask, pid_k, N,
+                    _stream_store(dst, bias_ptr, tl.sum(acc3, axis=1), post, o3, v3, cols, nmask, pid_k, N,
                                   OUT_ROWS, PARTIAL, HAS_BIAS, OUT)
             else:
                 if MMA == 1:
@@ -642,11 +647,29 @@ if triton is not None:
                     y = acc * post[None, :]
                 om = rv[:, None] & nmask[None, :]
                 if PARTIAL:
-                    tl.store(out_ptr + (pid_k * OUT_ROWS + orr)[:, None] * N + cols[None, :], y, mask=om)
+                    tl.store(part_ptr + (pid_k * OUT_ROWS + orr)[:, None] * N + cols[None, :], y, mask=om)
                 else:
                     if HAS_BIAS:
                         y += tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)[None, :]
                     _store_out(out_ptr + orr[:, None] * N + cols[None, :], y, om, OUT)
+        if FIXUP:
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            tid = pid_m * tl.num_programs(1) + pid_n
+            done = tl.atomic_add(cnt_ptr + tid, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT - 1:  # the last K range of this tile: sum the partials, fixed order
+                for r in range(r0, r1):
+                    if GROUPED:
+                        orow = tl.load(orow_ptr + r).to(tl.int64)
+                    else:
+                        orow = r + tl.zeros([], tl.int64)
+                    y = tl.load(part_ptr + orow * N + cols, mask=nmask, other=0.0, cache_modifier=".cg")
+                    for sk in range(1, SPLIT):
+                        y += tl.load(part_ptr + (sk * OUT_ROWS + orow) * N + cols, mask=nmask, other=0.0,
+                                     cache_modifier=".cg")
+                    if HAS_BIAS:
+                        y += tl.load(bias_ptr + cols, mask=nmask, other=0.0).to(tl.float32)
+                    _store_out(out_ptr + orow * N + cols, y, nmask, OUT)
+                tl.store(cnt_ptr + tid, 0)  # ready for the next launch (stream order)
 
     @triton.jit
     def _splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, RN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -767,6 +790,9 @@ class StreamConfig:
         decode: ``"bits"`` (3 integer ops per element, float32 subnormals; :func:`_e2m1_word` DEC 0)
             or ``"f16"`` (fp16 bits + conversion instruction; DEC 1).
         prefetch: load the next K step's words and scales before this step's arithmetic.
+        fixup: split-K partials summed by the last program of each output tile (per-tile counters,
+            one launch) instead of a second reduction launch; same fixed summation order, so the
+            result is bit-identical.
     """
 
     block_m: int = 1
@@ -778,13 +804,15 @@ class StreamConfig:
     mma: int = 0
     decode: str = "bits"
     prefetch: bool = True
+    fixup: bool = False
 
     @property
     def label(self) -> str:
         """Short name for tables, e.g. ``fma bm1 n64 kw16 s4 w4 st1 bits pf``."""
         kind = ("fma", "mma-swap", "mma")[self.mma]
         return (f"{kind} bm{self.block_m} n{self.block_n} kw{self.block_kw} s{self.split_k or 'auto'} "
-                f"w{self.num_warps} st{self.num_stages} {self.decode}{' pf' if self.prefetch else ''}")
+                f"w{self.num_warps} st{self.num_stages} {self.decode}{' pf' if self.prefetch else ''}"
+                f"{' fx' if self.fixup else ''}")
 
     def check(self) -> None:
         def pow2(v):
@@ -873,32 +901,52 @@ def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor,
     if _interpreting():
         dt = 0  # the interpreter's bf16/fp16 tl.dot is wrong (triton 3.9); float32 gives the same exact products
     dummy = w_gs
-    if split > 1:
-        alloc = torch.zeros if grouped else torch.empty  # grouped: rows of non-local slots are never written
-        out = alloc(split, rows_out, n, dtype=torch.float32, device=dev)
-        out_arg = out
-    else:
-        out = (torch.zeros if grouped else torch.empty)(rows_out, n, dtype=x.dtype, device=dev)
-        out_arg = out.view(torch.int16) if x.dtype == torch.bfloat16 else out
+    counters = _fixup_counters(dev, m_tiles * n_tiles) if (cfg.fixup and split > 1) else None
+    fixup = counters is not None
+    # grouped: rows of slots with no local expert belong to no tile and are never written -> zeros
+    y = (torch.zeros if grouped else torch.empty)(rows_out, n, dtype=x.dtype, device=dev)
+    y_arg = y.view(torch.int16) if x.dtype == torch.bfloat16 else y
+    part = None
+    if split > 1:  # the reduction kernel reads every row; the fixup only the rows of its own tile
+        part = (torch.zeros if grouped and not fixup else torch.empty)(split, rows_out, n, dtype=torch.float32,
+                                                                         device=dev)
     _w4a16_stream_kernel[(m_tiles, n_tiles, split)](
-        x, w32, w_scale.view(torch.uint8), w_gs.reshape(-1), bias if bias is not None else dummy, out_arg,
+        x, w32, w_scale.view(torch.uint8), w_gs.reshape(-1), bias if bias is not None else dummy, y_arg,
+        part if part is not None else dummy, counters if fixup else dummy,
         arow_t if grouped else dummy, orow_t if grouped else dummy,
         routing.tile_expert if grouped else dummy, routing.tile_row0 if grouped else dummy,
         routing.tile_row1 if grouped else dummy,
-        m, n, k, kw, kb, rows_out, kw_per,
+        m, n, k, kw, kb, rows_out, kw_per, split,
         BM=cfg.block_m, TM=tm, BN=cfg.block_n, BKW=cfg.block_kw, PARTIAL=split > 1, GROUPED=grouped,
         HAS_BIAS=bias is not None, OUT=_OUT_CODES[x.dtype], DEC=0 if cfg.decode == "bits" else 1, MMA=cfg.mma,
-        DT=dt, EVEN=even, PREFETCH=cfg.prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DT=dt, EVEN=even, PREFETCH=cfg.prefetch, FIXUP=fixup, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if split == 1:
-        return out
-    y = torch.empty(rows_out, n, dtype=x.dtype, device=dev)
+    if split == 1 or fixup:
+        return y
     rn = rows_out * n
     block = 1024
     _splitk_reduce_kernel[(-(-rn // block),)](
-        out, bias if bias is not None else dummy, y.view(torch.int16) if x.dtype == torch.bfloat16 else y, rn, n,
+        part, bias if bias is not None else dummy, y_arg, rn, n,
         SPLIT=split, HAS_BIAS=bias is not None, OUT=_OUT_CODES[x.dtype], BLOCK=block, num_warps=4)
     return y
+
+
+_FIXUP_COUNTERS: dict = {}
+
+
+def _fixup_counters(dev: torch.device, size: int) -> torch.Tensor | None:
+    """Zeroed int32 per-tile counters for the split-K fixup (>= ``size``; each launch leaves them 0),
+    one buffer per device, grown when needed. None while a CUDA graph is being captured and the buffer
+    must grow (a zero-fill recorded in the graph would not run before eager use); the caller then uses
+    the reduction launch, which gives the same bits."""
+    key = str(dev)
+    buf = _FIXUP_COUNTERS.get(key)
+    if buf is None or buf.numel() < size:
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buf = torch.zeros(max(size, 4096), dtype=torch.int32, device=dev)
+        _FIXUP_COUNTERS[key] = buf
+    return buf
 
 
 @dataclass(frozen=True)
