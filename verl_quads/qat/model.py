@@ -82,9 +82,10 @@ class QATState:
 
     def note_weight(self, name: str, amax: torch.Tensor) -> None:
         """Remember whether the weight ``name`` whose ``abs_max`` is ``amax`` is finite (NaN and Inf
-        propagate into the amax), without a device sync: one tiny device op."""
+        propagate into the amax), without a device sync: one tiny device op (``amax >= 0``, so
+        ``amax < inf`` is False exactly for NaN and +Inf; ``isfinite`` would be several kernels)."""
         if not self.check_finite:
-            self.weight_finite[name] = torch.isfinite(amax.detach())
+            self.weight_finite[name] = amax.detach() < float("inf")
 
     def verify(self) -> None:
         """Raise ``ValueError`` naming every parameter (and expert) whose forward saw NaN/Inf weights
@@ -178,12 +179,39 @@ class _QATLinear:
     def _qat_weight(self) -> torch.Tensor:
         """The QDQ (STE) weight ``[out, in]`` this forward multiplies with (group-shared global scale)."""
         st = self._qat_state
-        for m in self._qat_group:
+        return qdq_linear_weight(self.weight, self._qat_global_scale(), st.backend, st.check_finite)
+
+    def _qat_global_scale(self) -> torch.Tensor:
+        """The group-shared encode scale (0-d float32), computed ONCE per forward of a fused group.
+
+        The first member to run (q_proj / gate_proj in model order) reads every member's amax, computes the
+        scale and leaves it in the group's stash (shared dict) for the others; a member takes it only if the
+        stash was made from the very weight tensors it sees now, unmodified since (same objects, same
+        in-place version counters), else it computes afresh. The stash is emptied when every member has
+        taken it, so it never outlives one forward of the group (no reference to unsharded weights kept).
+        Bit-identical to each member computing the scale itself (same ops on the same values)."""
+        st, group = self._qat_state, self._qat_group
+        stash = self._qat_stash
+        ws = [m.weight for m in group]
+        if (stash.get("left") and self._qat_name in stash["left"]
+                and all(a is b for a, b in zip(stash["ws"], ws))
+                and stash["versions"] == [w._version for w in ws]):
+            stash["left"].discard(self._qat_name)
+            gs = stash["gs"]
+            if not stash["left"]:
+                stash.clear()
+            return gs
+        for m in group:
             check_unsharded(m.weight, f"{m._qat_name}.weight")
-        amaxes = [abs_max(m.weight) for m in self._qat_group]
-        st.note_weight(f"{self._qat_name}.weight", amaxes[self._qat_group.index(self)])
-        gs = linear_global_scale([m.weight for m in self._qat_group], amaxes)
-        return qdq_linear_weight(self.weight, gs, st.backend, st.check_finite)
+        amaxes = [abs_max(w) for w in ws]
+        for m, a in zip(group, amaxes):
+            st.note_weight(f"{m._qat_name}.weight", a)
+        gs = linear_global_scale(ws, amaxes)
+        stash.clear()
+        if len(group) > 1:
+            stash.update(ws=ws, versions=[w._version for w in ws], gs=gs,
+                         left={m._qat_name for m in group if m is not self})
+        return gs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         st = self._qat_state
@@ -511,6 +539,7 @@ def apply_qat(
                 )
             todo.append((name, mod, "experts"))
 
+    stashes: dict[tuple[int, ...], dict] = {}
     for name, mod, kind in todo:
         layer = _layer_of(name)
         act = act_for(layer)
@@ -534,6 +563,7 @@ def apply_qat(
             _swap_class(mod, _QATLinear)
             mod._qat_state, mod._qat_name, mod._qat_gemm, mod._qat_layer, mod._qat_act = state, name, gemm, layer, act
             mod._qat_group = group
+            mod._qat_stash = stashes.setdefault(tuple(id(m) for m in group), {})  # one per group: _qat_global_scale
             state.modules[name] = ("linear", gemm, layer, act)
         else:
             state.original_classes[name] = type(mod)
@@ -559,7 +589,8 @@ def remove_qat(model: nn.Module) -> None:
             mod.__class__ = cls
         else:
             raise RuntimeError(f"verl-quads QAT: cannot remove QAT from {name} ({base.__name__}): class changed since")
-        for a in ("_qat_state", "_qat_name", "_qat_gemm", "_qat_layer", "_qat_act", "_qat_group", "_qat_params"):
+        for a in ("_qat_state", "_qat_name", "_qat_gemm", "_qat_layer", "_qat_act", "_qat_group", "_qat_params",
+                  "_qat_stash"):
             mod.__dict__.pop(a, None)
     del model._verl_quads_qat
 
