@@ -158,31 +158,52 @@ def test_routing_mismatch_raises_at_trace_context_exit():
 
 
 def test_expert_weight_qdq_is_one_launch_per_tensor_with_per_expert_scale(monkeypatch):
-    """All E experts of a fused 3-D weight: one amax reduction over dims (1, 2) and ONE QDQ kernel launch
-    with the per-expert global scale (``[E]`` floats, one per ``out`` rows block), not a loop over experts."""
+    """All E experts of a fused 3-D weight: one amax reduction over dims (1, 2) and ONE QDQ call = one Triton
+    kernel launch with the per-expert global scale ``[E, 1, 1]``, not a loop over experts."""
+    import verl_quads.qat.weights as qw_mod
     from verl_quads.nvfp4 import fake_quantize, global_scale_from_amax, triton_kernels
 
     model, _ = _model("w4a16")
     experts = model.model.layers[0].mlp.experts
-    launches = []
-    real = triton_kernels._launch
+    launches, calls = [], []
+    real_launch, real_ste = triton_kernels._launch, qw_mod.fake_quantize_ste
 
-    def spy(kernel, grid, *args, **meta):
-        launches.append((kernel, args))
-        return real(kernel, grid, *args, **meta)
+    def spy_launch(kernel, grid, *args, **meta):
+        launches.append(kernel)
+        return real_launch(kernel, grid, *args, **meta)
 
-    monkeypatch.setattr(triton_kernels, "_launch", spy)
+    def spy_ste(x, gs, **kw):
+        calls.append((x, gs))
+        return real_ste(x, gs, **kw)
+
+    monkeypatch.setattr(triton_kernels, "_launch", spy_launch)
+    monkeypatch.setattr(qw_mod, "fake_quantize_ste", spy_ste)
     with torch.no_grad():
         qw = experts._qdq_weights()
-    assert len(launches) == 2, [k for k, _ in launches]  # gate_up_proj, down_proj
-    for (kernel, args), p in zip(launches, ("gate_up_proj", "down_proj")):
+    assert len(launches) == 2 and len(calls) == 2, (launches, len(calls))  # gate_up_proj, down_proj
+    for (x, gs), p in zip(calls, ("gate_up_proj", "down_proj")):
         w = getattr(experts, p)
-        n_exp, rows = w.shape[0], w.shape[1]
-        gs, div = args[1], args[7]  # (x, gs, out, out, out, n_blocks, K // 16, rows per scale)
-        assert gs.shape == (n_exp,) and div == rows  # one scale per expert, shared by its rows
         want_gs = global_scale_from_amax(w.detach().abs().amax(dim=(1, 2), keepdim=True).float())
-        assert torch.equal(gs, want_gs.flatten())
+        assert x is w and gs.shape == (w.shape[0], 1, 1) and torch.equal(gs, want_gs)
         assert torch.equal(qw[p], fake_quantize(w.detach(), want_gs, backend="torch"))
+
+def test_micro_batch_guidance_travels_in_one_copy():
+    """verl integration: the micro-batch's record tensors go to the device as views of ONE buffer (one
+    asynchronous copy on CUDA; here the same packing into a host buffer), values/dtypes/shapes intact."""
+    from verl_quads.integration.trace import _one_copy
+
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randint(0, 256, (5, 3), generator=g, dtype=torch.uint8),
+          torch.randn(5, 1, generator=g),
+          torch.randint(0, 256, (7, 2, 1), generator=g, dtype=torch.uint8).view(torch.float8_e4m3fn),
+          torch.randint(-1, 8, (5, 2), generator=g).to(torch.int16),
+          torch.randn(3, 2, 1, generator=g)[:, ::2]]  # non-contiguous
+    out = _one_copy(ts, torch.device("cpu"), pin=False)
+    base = out[0].untyped_storage().data_ptr()
+    for t, o in zip(ts, out):
+        assert o.dtype == t.dtype and o.shape == t.shape
+        assert torch.equal(o.view(torch.uint8), t.contiguous().view(torch.uint8))
+        assert o.untyped_storage().data_ptr() == base and o.data_ptr() % 16 == 0
 
 
 def test_fused_group_scale_computed_once_per_forward_and_never_stale(monkeypatch):
