@@ -9,7 +9,7 @@ float32 ``[T, 1]`` (w2: ``[T, top_k, ...]``), expert ids int16 ``[T, top_k]``, `
 
 Per micro-batch (:class:`TraceSession.begin_micro_batch`, called from the QAT engine's
 ``prepare_model_inputs``): the micro-batch's records only are decoded and moved to the model's
-device, keyed ``f"{uid}/{request_id}"`` (verl's ``uid`` is per prompt; the request id makes it per
+device (one asynchronous copy for all of them), keyed ``f"{uid}/{request_id}"`` (verl's ``uid`` is per prompt; the request id makes it per
 sequence), and a :class:`~verl_quads.qat.guidance.TraceBatch` describing the model input's token
 rows is activated on the model:
 
@@ -21,7 +21,10 @@ rows is activated on the model:
 The trainer's policy version is the engine's sync counter (the version stamped on the records by
 the weight sync). A record of another version, a row without a record, or a record that does not
 cover the row's positions ``0..n-2`` raises :class:`~verl_quads.qat.guidance.GuidanceError`. The
-records are dropped when the pass ends (the session is closed by ``forward_backward_batch``).
+records are dropped when the pass ends (the session is closed by ``forward_backward_batch``). The
+checks that read device data (the trainer's routing equals the rollout's; the weights are finite) do
+not sync inside the forward: they are deferred and raised once per micro-batch (at the next
+micro-batch's start, and at the end of the pass, before any optimizer step).
 
 Several PPO mini-batches per step (``ppo_mini_batch_size`` < train batch): verl runs one update pass
 per mini-batch on the same rollout batch, with no weight sync in between, so every pass of the step
@@ -70,16 +73,51 @@ def _rows(td, key: str) -> list:
     return list(tu.get(td, key))
 
 
-def _wire_to_device(wire: dict, device) -> dict:
-    out = dict(wire)
-    out["positions"] = wire["positions"]
-    out["records"] = [
-        {**r, "bits": r["bits"].to(device), "block_scale": r["block_scale"].to(device),
-         "global_scale": r["global_scale"].to(device)}
-        for r in wire["records"]
-    ]
-    out["expert_ids"] = [[layer, t.to(device)] for layer, t in wire["expert_ids"]]
+def _wires_to_device(wires: list[dict], device) -> list[dict]:
+    """The wire records with every record tensor (bits, block/global scales, expert ids) on ``device``;
+    ``positions`` stay on the host (they are checked there).
+
+    To a CUDA device all tensors of the micro-batch travel in ONE asynchronous copy: their bytes are
+    concatenated (16-byte aligned) into one pinned host buffer, copied with ``non_blocking=True``, and
+    each tensor becomes a typed view of the device buffer. A per-tensor ``.to(device)`` would be one
+    blocking copy (a full stream synchronisation) per tensor: thousands per micro-batch."""
+    device = torch.device(device)
+    tensors: list[torch.Tensor] = []
+    for w in wires:
+        for r in w["records"]:
+            tensors += [r["bits"], r["block_scale"], r["global_scale"]]
+        tensors += [t for _, t in w["expert_ids"]]
+    if device.type != "cuda" or not tensors or all(t.device == device for t in tensors):
+        moved = [t.to(device) for t in tensors]
+    else:
+        moved = _one_copy(tensors, device, pin=True)
+    it = iter(moved)
+    out = []
+    for w in wires:
+        d = dict(w)
+        d["records"] = [{**r, "bits": next(it), "block_scale": next(it), "global_scale": next(it)} for r in w["records"]]
+        d["expert_ids"] = [[layer, next(it)] for layer, _ in w["expert_ids"]]
+        out.append(d)
     return out
+
+
+def _one_copy(tensors: list[torch.Tensor], device: torch.device, pin: bool) -> list[torch.Tensor]:
+    """``tensors`` (host) on ``device`` through one byte buffer: each tensor's bytes at a 16-byte aligned
+    offset of one (pinned if ``pin``) host buffer, ONE ``non_blocking`` copy, then a view per tensor of
+    the device buffer (same dtype, shape and values; contiguous)."""
+    chunks, views, off = [], [], 0
+    for t in tensors:
+        b = t.detach().contiguous().reshape(-1).cpu().view(torch.uint8)
+        pad = -b.numel() % 16
+        chunks.append(b)
+        if pad:
+            chunks.append(torch.zeros(pad, dtype=torch.uint8))
+        views.append((off, b.numel(), t.dtype, t.shape))
+        off += b.numel() + pad
+    host = torch.empty(off, dtype=torch.uint8, pin_memory=pin)
+    torch.cat(chunks, out=host)
+    dev = host.to(device, non_blocking=pin)
+    return [dev[o:o + n].view(dt).view(shape) for o, n, dt, shape in views]
 
 
 def _guidance_rows(td, field: str = FIELD) -> list:
@@ -164,7 +202,7 @@ class TraceSession:
         device = input_ids.device
         from verl_quads.rollout.capture import RequestGuidance
 
-        caps = {k: RequestGuidance.from_wire(_wire_to_device(w, device)) for k, w in zip(keys, wires)}
+        caps = {k: RequestGuidance.from_wire(w) for k, w in zip(keys, _wires_to_device(wires, device))}
         provider = RolloutGuidanceProvider(caps)
         if tu.get_non_tensor_data(data=micro_batch, key="use_remove_padding", default=True):
             seq_lens = micro_batch["input_ids"].offsets().diff().tolist()
@@ -174,11 +212,20 @@ class TraceSession:
             if mask is None or mask.dim() != 2:
                 raise GuidanceError(f"TRACE: padded micro-batch without a 2-D attention mask ({type(mask)})")
             tb = TraceBatch.padded(provider, self.version, keys, mask.cpu())
+        prev = self.state.trace
+        if prev is not None:  # the previous micro-batch's forward+backward is done: its deferred checks
+            prev.verify()
         self.state.trace = tb  # replaced by the next micro-batch; cleared by close()
         self.micro_batches += 1
 
-    def close(self) -> None:
-        self.state.trace = None
+    def close(self, verify: bool = True) -> None:
+        """End the pass; with ``verify``, raise what the last micro-batch's deferred checks found
+        (routing != rollout's: :class:`GuidanceError`; NaN/Inf weights: ``ValueError``)."""
+        tb, self.state.trace = self.state.trace, None
+        if verify:
+            if tb is not None:
+                tb.verify()
+            self.state.verify()
 
     def metrics(self) -> dict[str, float]:
         m = {METRIC_BPT: self.bytes_per_token, "quads/guidance_batch_bytes": float(self.nbytes),
@@ -298,7 +345,7 @@ class trace_pass:
 
     def __exit__(self, *exc) -> None:
         _ACTIVE.remove(self.session)
-        self.session.close()
+        self.session.close(verify=exc[0] is None)
         if exc[0] is None:
             self.session.log()
             self.session.dump()

@@ -145,7 +145,11 @@ def make_engine_class(stock: type) -> type:
         def _verl_quads_forward_backward(self, data, loss_function, forward_only):
             state = self._verl_quads_trace_state()
             if state is None:
-                return super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+                out = super().forward_backward_batch(data, loss_function, forward_only=forward_only)
+                qat = getattr(getattr(self.module, "_fsdp_wrapped_module", self.module), "_verl_quads_qat", None)
+                if qat is not None:  # deferred NaN/Inf weight check of the pass (one sync; trace: in trace_pass)
+                    qat.verify()
+                return out
             from verl_quads.integration.trace import trace_pass
 
             replay = getattr(self, "_verl_quads_replay", None)
