@@ -20,7 +20,12 @@ quantization is ``quads_nvfp4`` (wired by ``verl_quads/patches/vllm_packed_weigh
    ``param.data.copy_`` into the ``quads_nvfp4`` parameter (storage never moves, no re-quantization,
    ``process_weights_after_loading`` is not re-run for quantized layers).
 
-Tensor parallelism > 1 is refused (the packed tensors would need per-rank slicing; not built yet).
+Tensor parallelism: the trainer sends every packed tensor whole (full-tensor global scales, which every
+rank keeps unchanged); each vLLM rank takes its own slice (:func:`local_shard`: output rows of column-
+parallel layers, per fused member for q/k/v and gate/up, packed K bytes and block-scale columns of
+row-parallel layers, the intermediate dim of the experts). Exact: packing and 16-element blocks run along
+K, and vLLM requires K per rank to be a multiple of 16 (``quads_nvfp4``'s ``create_weights``), so a
+slice of the packed tensor is the packing of the slice. Expert parallelism is refused.
 """
 
 from __future__ import annotations
@@ -79,6 +84,77 @@ def quads_layers(model: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, tup
         elif isinstance(qm, QuadsNVFP4MoEMethod):
             out[name.removesuffix(_ROUTED_CHILD)] = (mod, EXPERT_PARAMS)
     return out
+
+
+def _rows(t: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    if start + size > t.shape[0]:
+        raise SyncError(f"packed weight sync: tensor of {t.shape[0]} rows has no rows [{start}, {start + size})")
+    return t.narrow(0, start, size)
+
+
+def local_shard(module: torch.nn.Module, leaf: str, t: torch.Tensor) -> torch.Tensor:
+    """This tensor-parallel rank's part of a whole packed tensor ``t`` (stream layout) for ``module``.
+
+    ``leaf`` is the kernel parameter (``weight_packed`` / ``weight_scale`` / ``weight_global_scale``,
+    ``w13_*`` / ``w2_*`` for experts). Global scales are the full tensor's and are not sliced. Linear
+    layers: ``QKVParallelLinear`` (q rows by rank, k/v rows by ``rank // num_kv_head_replicas``),
+    ``MergedColumnParallelLinear`` (each member's rows by rank), ``ColumnParallelLinear`` (rows),
+    ``RowParallelLinear`` (columns of the packed bytes / block scales), ``ReplicatedLinear`` (whole).
+    Experts: ``w13`` gate and up rows by rank, ``w2`` columns by rank. Returns ``t`` itself at TP=1.
+    """
+    if leaf.endswith("global_scale"):
+        return t
+    moe = getattr(module, "moe_config", None)
+    if moe is not None:
+        par = moe.moe_parallel_config
+        if par.use_ep or par.ep_size > 1:
+            raise SyncError(f"packed weight sync: {leaf}: expert parallelism (ep_size={par.ep_size}) is not supported")
+        tp, r = int(par.tp_size), int(par.tp_rank)
+        if tp == 1:
+            return t
+        if leaf.startswith("w13"):
+            inter = t.shape[1] // 2
+            per = inter // tp
+            return torch.cat([t.narrow(1, r * per, per), t.narrow(1, inter + r * per, per)], dim=1)
+        per = t.shape[-1] // tp
+        return t.narrow(-1, r * per, per)
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+
+    tp, r = int(getattr(module, "tp_size", 1)), int(getattr(module, "tp_rank", 0))
+    if tp == 1 or isinstance(module, ReplicatedLinear):
+        return t
+    if isinstance(module, RowParallelLinear):
+        per = t.shape[-1] // tp
+        return t.narrow(-1, r * per, per)
+    if isinstance(module, QKVParallelLinear):
+        q = module.total_num_heads * module.head_size
+        k = module.total_num_kv_heads * module.head_size
+        v = module.total_num_kv_heads * module.v_head_size
+        if q + k + v != t.shape[0]:
+            raise SyncError(f"packed weight sync: {leaf}: {t.shape[0]} rows sent, q/k/v of the model have {q}+{k}+{v}")
+        kv_rank = r // module.num_kv_head_replicas
+        qs, ks, vs = module.num_heads * module.head_size, module.num_kv_heads * module.head_size, \
+            module.num_kv_heads * module.v_head_size
+        return torch.cat([_rows(t, r * qs, qs), _rows(t, q + kv_rank * ks, ks), _rows(t, q + k + kv_rank * vs, vs)])
+    if isinstance(module, MergedColumnParallelLinear):
+        if sum(module.output_sizes) != t.shape[0]:
+            raise SyncError(f"packed weight sync: {leaf}: {t.shape[0]} rows sent, members have {module.output_sizes}")
+        parts, start = [], 0
+        for size in module.output_sizes:
+            per = size // tp
+            parts.append(_rows(t, start + r * per, per))
+            start += size
+        return torch.cat(parts)
+    if isinstance(module, ColumnParallelLinear):
+        per = module.output_size_per_partition
+        return _rows(t, r * per, per)
+    raise SyncError(f"packed weight sync: {leaf}: no tensor-parallel slicing for layer type {type(module).__name__}")
 
 
 @dataclass
@@ -143,6 +219,8 @@ def plan_load(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]], e
         mod_name, _, leaf = name.rpartition(".")
         if mod_name in layers and leaf in layers[mod_name][1]:
             param = layers[mod_name][0]._parameters.get(leaf)
+            if param is not None and param.shape != t.shape:  # TP > 1: this rank's slice of the whole tensor
+                t = local_shard(layers[mod_name][0], leaf, t)
             if param is None:
                 raise SyncError(f"packed weight sync: {name}: the engine's layer has no parameter {leaf!r}")
             if param.dtype != t.dtype or param.shape != t.shape:
@@ -168,9 +246,16 @@ def plan_load(model: torch.nn.Module, weights: list[tuple[str, torch.Tensor]], e
             ref = _reference_shape(owner, leaf)
             if ref is None:
                 raise SyncError(f"packed weight sync: {name}: module {target} has no tensor {leaf!r}")
-            # vocab-parallel embeddings may pad the first dim
-            if len(ref) != t.dim() or tuple(ref[1:]) != tuple(t.shape[1:]) or (t.dim() and t.shape[0] > ref[0]):
-                raise SyncError(f"packed weight sync: {name}: trainer sent {tuple(t.shape)}, engine expects {tuple(ref)}")
+            # vocab-parallel embeddings may pad the first dim; under TP > 1 a rank holds a slice (vLLM's own
+            # loader slices): each dim may then be up to tp_size times the rank's
+            tp = int(getattr(owner, "tp_size", 1) or 1)
+            if tp == 1:
+                bad = len(ref) != t.dim() or tuple(ref[1:]) != tuple(t.shape[1:]) or (t.dim() and t.shape[0] > ref[0])
+            else:
+                bad = len(ref) != t.dim() or any(n > d * tp for n, d in zip(t.shape, ref))
+            if bad:
+                raise SyncError(f"packed weight sync: {name}: trainer sent {tuple(t.shape)}, engine expects {tuple(ref)}"
+                                + (f" per rank (tensor parallel {tp})" if tp > 1 else ""))
         plan.unquantized.append((name, t))
         if target not in layers:
             plan.owners[target] = owner
@@ -222,9 +307,6 @@ def update_weights_packed(ext, peft_config: dict | None = None, base_sync_done: 
         raise NotImplementedError("verl-quads packed weight sync: LoRA (peft_config) is not supported")
     if ext._use_mtp_drafter_weight_sync():
         raise NotImplementedError("verl-quads packed weight sync: MTP drafter weight sync is not supported")
-    tp = vllm_config.parallel_config.tensor_parallel_size
-    if tp != 1:
-        raise NotImplementedError(f"verl-quads packed weight sync: tensor_model_parallel_size={tp}; only 1 is supported yet")
     if ext.device is None:
         from verl.utils.device import get_device_name
 
@@ -271,6 +353,7 @@ def refuse_packed_on_unquantized(weights, engine_desc: str) -> None:
 __all__ = [
     "LoadPlan",
     "engine_quant_config",
+    "local_shard",
     "quads_layers",
     "plan_load",
     "apply_load",
