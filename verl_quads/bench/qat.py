@@ -41,6 +41,8 @@ Host-side facts per mode (same flag; they tell whether a mode is launch- or sync
   step) and ``sync ops``: aten ops that force a host sync, seen by
   :class:`verl_quads.qat.host_sync.HostSyncRecorder` in one more step (their source lines are printed).
   If ``host ms`` is close to ``ms`` while ``busy ms`` is well below it, the mode is launch-bound.
+- ``launch overhead``: host microseconds per call of a torch op, of the weight path's global-scale ops
+  and of one NVFP4 QDQ call, on a tiny tensor (what a launch costs on this host).
 """
 
 from __future__ import annotations
@@ -168,6 +170,9 @@ def run(a: argparse.Namespace) -> str:
         out.append(print_table(
             "breakdown: weight QDQ alone; device ms per kernel class in one profiled forward+backward (CUDA)",
             ["mode", "wQDQ ms"] + [f"{c} ms" for c in KERNEL_CLASSES], brows))
+        lo = launch_overhead_us(device, a.backend)
+        print(f"launch overhead (host us per call, tiny tensor, no sync): {lo}", flush=True)
+        out.append(f"launch overhead (host us per call, tiny tensor, no sync): {lo}")
         out.append(print_table(
             "host side: event ms vs host enqueue ms (fwd+bwd; weight QDQ alone); per profiled fwd+bwd "
             "(CUDA): launches, kernels, device busy ms, sync calls, sync ops (HostSyncRecorder)",
@@ -278,6 +283,36 @@ def host_facts(step, iters: int) -> dict:
     except Exception as e:  # noqa: BLE001 - reported, see docstring
         out["error"] = f"{type(e).__name__}: {e}"
         print(f"host_facts: CUDA part FAILED: {out['error']}", flush=True)
+    return out
+
+
+def launch_overhead_us(device: str, backend: str, n: int = 200) -> dict[str, float]:
+    """Host microseconds per call on a tiny bf16 tensor (device time negligible, no sync inside the loop):
+    ``torch add`` (one aten kernel), ``amax->global scale`` (the weight path's global-scale ops), ``nvfp4
+    fake_quantize`` (the core's QDQ call incl. its checks and, on CUDA, one Triton launch). Tells what the
+    launches counted above cost on this host."""
+    import time
+
+    from verl_quads.nvfp4 import fake_quantize, global_scale_from_amax
+    from verl_quads.qat.weights import abs_max
+
+    x = torch.randn(16, 64, device=device, dtype=torch.bfloat16)
+    gs = torch.ones((), device=device)
+    fns = {"torch add": lambda: x + 1,
+           "amax->global scale": lambda: global_scale_from_amax(abs_max(x).to(torch.float32)),
+           "nvfp4 fake_quantize": lambda: fake_quantize(x, gs, backend=backend, check_finite=False)}
+    out = {}
+    for name, fn in fns.items():
+        for _ in range(10):
+            fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        out[name] = round((time.perf_counter() - t0) / n * 1e6, 1)
+        if device == "cuda":
+            torch.cuda.synchronize()
     return out
 
 
