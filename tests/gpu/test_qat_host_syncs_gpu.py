@@ -1,10 +1,11 @@
 """On a CUDA GPU (the H200): no host synchronisation in a steady-state QAT forward+backward, counted two
 ways: aten ops that sync (:class:`verl_quads.qat.host_sync.HostSyncRecorder`, which on CUDA also sees
-blocking host<->device copies) and the CUDA runtime's own synchronising calls in a ``torch.profiler``
-trace (``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` / ``cudaEventSynchronize`` / blocking
-``cudaMemcpy``). The CPU twin is tests/unit/test_qat_host_syncs.py (same model and steps).
+blocking host<->device copies): none; and the CUDA runtime's own synchronising calls in a
+``torch.profiler`` trace (``cudaStreamSynchronize`` / ``cudaDeviceSynchronize`` / ``cudaEventSynchronize``
+/ blocking ``cudaMemcpy``): no more than the stock BF16 model makes (printed with ``-s``). The CPU twin
+is tests/unit/test_qat_host_syncs.py (same model and steps).
 
-Run: ``python -m pytest -q tests/gpu/test_qat_host_syncs_gpu.py`` (torch + triton + transformers only).
+Run: ``python -m pytest -q -s tests/gpu/test_qat_host_syncs_gpu.py`` (torch + triton + transformers only).
 """
 
 from __future__ import annotations
@@ -79,8 +80,14 @@ def test_no_host_sync_on_cuda(quant):
     step()
     step()
     rec, calls = _count(step)
+    # the stock BF16 model's own sync calls (e.g. inside a C++ kernel such as the embedding backward's) are
+    # not QAT's: QAT must add none
+    stock = tiny_model("qwen3_moe", layers=2, experts_impl="grouped_mm").cuda()
+    _step(stock, ids, mask)
+    _, stock_calls = _count(lambda: _step(stock, ids, mask))
+    print(f"{quant}: CUDA sync calls per fwd+bwd: QAT {calls}, stock BF16 {stock_calls}")
     assert len(rec) == 0, f"{quant}: {len(rec)} syncing ops:\n{rec.summary()}"
-    assert not calls, f"{quant}: CUDA sync calls in one forward+backward: {calls}"
+    assert len(calls) <= len(stock_calls), f"{quant}: CUDA sync calls {calls} vs stock BF16 {stock_calls}"
     if tb is not None:
         tb.verify()
     state.verify()
