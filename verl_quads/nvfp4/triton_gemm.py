@@ -49,6 +49,16 @@ are gathered through ``a_rows`` (e.g. slot -> token for the first expert GEMM) a
 Decode (small M): the GEMM is bound by weight bytes; :func:`pick_config` uses small BLOCK_M and
 splits K across programs (``split_k``) until the grid fills the GPU; partial sums go to a float32
 workspace ``[split_k, rows, N]`` and are reduced in a fixed order (deterministic) by torch.
+
+W4A16 decode, weight streaming (issue #5): ``_w4a16_stream_kernel`` (:class:`StreamConfig`) reads the
+packed weight as int32 words (8 codes; 16-byte vector loads), decodes each code with 3 integer ops
+into float32 bits (no conversion instruction), applies the block scale with one multiply and
+accumulates on CUDA cores (float32 FMA, 1-4 activation rows per chunk) or per nibble position on
+tensor cores; split-K partials are summed in a fixed order by a reduction launch or by the last
+program of each tile (``fixup``). Same bound vs the torch reference as the kernel above (exact
+products, float32 summation order). Chosen for w4a16 on CUDA by :data:`DECODE_TABLE` (shape ->
+config, filled from ``verl-quads bench rollout --sweep-decode``); shapes not in it use the kernel
+above.
 """
 
 from __future__ import annotations
