@@ -5,8 +5,28 @@ import pytest
 import torch
 
 import verl_quads.nvfp4 as nv
+from verl_quads.nvfp4 import triton_kernels as tk
 
 pytestmark = pytest.mark.gpu
+
+#: quantize / QDQ kernel variants (triton_kernels.KERNELS + the v2 E2M1 formulation)
+QUANT_VARIANTS = {"v1": ("v1", None), "v2-float-e2m1": ("v2", True), "v2-int-e2m1": ("v2", False)}
+
+
+@pytest.fixture(params=list(QUANT_VARIANTS))
+def quant_variant(request, monkeypatch):
+    kern, fp = QUANT_VARIANTS[request.param]
+    monkeypatch.setitem(tk.KERNELS, "quantize", kern)
+    monkeypatch.setitem(tk.KERNELS, "fake_quantize", kern)
+    if fp is not None:
+        monkeypatch.setitem(tk.QUANT2_CONFIG, "quantize", dict(tk.QUANT2_CONFIG["quantize"], fp=fp))
+    return request.param
+
+
+@pytest.fixture(params=["row", "tiled", "gather"])
+def residual_kernel(request, monkeypatch):
+    monkeypatch.setitem(tk.KERNELS, "residual_per_token", request.param)
+    return request.param
 
 
 def _x(m, k, dtype, seed=0):
@@ -21,7 +41,7 @@ def _eq(a, b):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_large_quantize_qdq_bit_exact(dtype):
+def test_large_quantize_qdq_bit_exact(dtype, quant_variant):
     x = _x(8192, 8192, dtype)
     for gs in (None, nv.global_scale_from_amax(x.float().abs().amax(-1, keepdim=True))):
         qt = nv.quantize(x, gs, backend="triton")
@@ -44,7 +64,17 @@ def _eq_residual(rt, rr):
     assert torch.equal(rt.second.global_scale, rr.second.global_scale)
 
 
-def test_large_residual_and_guided_bit_exact():
+def test_per_expert_scales_and_narrow_rows_bit_exact(quant_variant):
+    # v2 takes several rows per program when K / 16 < its blocks per program, and per-block scale loads
+    for shape in [(8, 512, 64), (8, 256, 4096)]:
+        w = _x(shape[0] * shape[1], shape[2], torch.bfloat16, seed=4).reshape(shape)
+        gs = nv.global_scale_from_amax(w.float().abs().amax(dim=(1, 2), keepdim=True))
+        for g in (gs, nv.global_scale_from_amax(w.float().abs().amax(-1, keepdim=True))):
+            assert _eq(nv.quantize(w, g, backend="triton"), nv.quantize(w, g, backend="torch"))
+            assert torch.equal(nv.fake_quantize(w, g, backend="triton"), nv.fake_quantize(w, g, backend="torch"))
+
+
+def test_large_residual_and_guided_bit_exact(residual_kernel):
     x = _x(4096, 4096, torch.bfloat16, seed=1)
     gs = nv.global_scale_from_amax(x.float().abs().amax(-1, keepdim=True))
     for per_token in (False, True):  # per call: multi-kernel path; per token: the fused row kernel
@@ -59,7 +89,7 @@ def test_large_residual_and_guided_bit_exact():
 
 
 @pytest.mark.parametrize("k", [2880, 8192, 16384])
-def test_fused_per_token_residual_bit_exact_with_scores_and_ties(k):
+def test_fused_per_token_residual_bit_exact_with_scores_and_ties(k, residual_kernel):
     x = _x(1024, k, torch.bfloat16, seed=2)
     x[5] = 0.0  # all scores tie
     x[6] = x[6, :16].repeat(k // 16)  # equal blocks
@@ -74,7 +104,7 @@ def test_fused_per_token_residual_bit_exact_with_scores_and_ties(k):
                                nv.residual_fake_quantize(x, ratio, gs, backend="torch", **kw))
 
 
-def test_fused_per_token_residual_is_batch_invariant_on_gpu():
+def test_fused_per_token_residual_is_batch_invariant_on_gpu(residual_kernel):
     x = _x(512, 4096, torch.bfloat16, seed=3)
     gs = nv.per_row_global_scale(x)
     full = nv.residual_fake_quantize(x, 0.5, gs, backend="triton")

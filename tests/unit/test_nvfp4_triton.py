@@ -174,3 +174,97 @@ def test_e2m1_rounding_on_a_dense_grid_with_all_ties():
     gs = torch.tensor(448.0)
     assert _eq_q(nv.quantize(x, gs, backend="triton"), nv.quantize(x, gs, backend="torch"))
     assert torch.equal(nv.fake_quantize(x, gs, backend="triton"), nv.fake_quantize(x, gs, backend="torch"))
+
+
+# ---- kernel variants (triton_kernels.KERNELS): v2 quantize / QDQ and the tiled per-token residual kernel ----
+
+
+@pytest.fixture
+def tk(monkeypatch):
+    from verl_quads.nvfp4 import triton_kernels
+
+    for key in ("KERNELS", "QUANT2_CONFIG", "TILED_CONFIG"):  # tests edit copies; the originals come back
+        monkeypatch.setattr(triton_kernels, key, {k: (dict(v) if isinstance(v, dict) else v)
+                                                  for k, v in getattr(triton_kernels, key).items()})
+    return triton_kernels
+
+
+def _use_v2(tk, fp):
+    tk.KERNELS.update(quantize="v2", fake_quantize="v2")
+    tk.QUANT2_CONFIG["quantize"]["fp"] = fp
+
+
+@pytest.mark.parametrize("fp", [True, False], ids=["float-e2m1", "int-e2m1"])
+def test_v2_quantize_qdq_match_reference(tk, fp):
+    _use_v2(tk, fp)
+    for dtype in DTYPES:
+        # K = 64/96: several rows per program (per-block scale loads); K = 2048: one row per program
+        for shape in [(5, 64), (3, 2, 96), (2, 2048)]:
+            x = _x(shape, dtype)
+            for gs in (None, nv.global_scale_from_amax(x.float().abs().amax(-1, keepdim=True))):
+                assert _eq_q(nv.quantize(x, gs, backend="triton"), nv.quantize(x, gs, backend="torch")), (dtype, shape)
+                assert torch.equal(nv.fake_quantize(x, gs, backend="triton"), nv.fake_quantize(x, gs, backend="torch"))
+    for shape in [(4, 8, 64), (2, 3, 2048)]:  # per-expert scales: one per GS_DIV rows
+        w = _x(shape, torch.bfloat16)
+        gs = nv.global_scale_from_amax(w.float().abs().amax(dim=(1, 2), keepdim=True))
+        assert _eq_q(nv.quantize(w, gs, backend="triton"), nv.quantize(w, gs, backend="torch"))
+        assert torch.equal(nv.fake_quantize(w, gs, backend="triton"), nv.fake_quantize(w, gs, backend="torch"))
+
+
+@pytest.mark.parametrize("fp", [True, False], ids=["float-e2m1", "int-e2m1"])
+def test_v2_e2m1_index_around_every_threshold_and_binade_edge(tk, fp):
+    # the float32 neighbours (+-40 ulps) of every E2M1 rounding threshold and grid point, both signs,
+    # as scaled values (global scale 448 and a block max of 6: output scale 1, as in the dense-grid test)
+    _use_v2(tk, fp)
+    pts = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    vals = (pts.view(torch.int32)[:, None] + torch.arange(-40, 41)[None, :]).view(torch.float32).flatten()
+    vals = torch.cat([vals, -vals, torch.tensor([0.0, -0.0, 1e-30, 7.0, -7.0])])
+    vals = torch.cat([vals, torch.zeros((-vals.numel()) % 15)]).reshape(-1, 15)
+    x = torch.cat([vals, torch.full((vals.shape[0], 1), 6.0)], dim=1).to(DEV)
+    gs = torch.tensor(448.0)
+    assert _eq_q(nv.quantize(x, gs, backend="triton"), nv.quantize(x, gs, backend="torch"))
+    assert torch.equal(nv.fake_quantize(x, gs, backend="triton"), nv.fake_quantize(x, gs, backend="torch"))
+
+
+@pytest.mark.parametrize("kernel", ["tiled", "gather"])
+def test_tiled_per_token_residual_matches_reference(tk, kernel):
+    # tiles of 4 blocks over 10: several tiles per row, a partial last tile, a padded tile slot (NTP * CT > NB);
+    # "gather": the second walk reads back the selected indices (chunks of 4 slots)
+    tk.KERNELS["residual_per_token"] = kernel
+    tk.TILED_CONFIG[kernel]["tile_blocks"] = 4
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(4, 16, generator=g)
+    x = torch.randn(4, 160, generator=g) / torch.rand(4, 160, generator=g).clamp(min=0.05)
+    x[1] = torch.cat([base[0]] * 10)  # ten equal blocks: all scores tie
+    x[2, 48:] = 0.0
+    x[3] = 0.0
+    w = torch.rand(160, generator=g)
+    w[:16] = 0.0  # a zero-weight block
+    xd = x.to(torch.bfloat16).to(DEV)
+    gs = nv.per_row_global_scale(xd)
+    for ratio in (0.0, 0.3):
+        _check_residual(xd, ratio, gs, True)
+    _check_residual(xd, 0.5, gs, True, w.to(DEV))
+    xf = x[:2].to(DEV)  # float32 input (its halves are 32-byte rows); the all-tie row included
+    _check_residual(xf, 1.0, nv.per_row_global_scale(xf), True)
+    r = nv.residual_quantize(xd, 0.3, gs, backend="triton")
+    assert r.block_idx[1].tolist() == [0, 1, 2] and r.block_idx[3].tolist() == [0, 1, 2]
+
+
+@pytest.mark.parametrize("kernel", ["tiled", "gather"])
+def test_tiled_kernel_is_the_path_taken_when_chosen(tk, monkeypatch, kernel):
+    tk.KERNELS["residual_per_token"] = kernel
+    x = _x((3, 96), torch.bfloat16, seed=5)
+    gs = nv.per_row_global_scale(x)
+    launched = []
+    real = tk._residual_tiled_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(tk, "_residual_tiled_kernel", Spy())
+    want = nv.residual_fake_quantize(x, 0.5, gs, backend="torch")
+    assert torch.equal(nv.residual_fake_quantize(x, 0.5, gs, backend="triton"), want)
+    assert launched == [(3,)]

@@ -9,11 +9,19 @@ bandwidth columns use the graph time where there is one. Residual
 compensation (k = 0.25 and 0.5; per-token selection = the fused one-kernel path, per-call = the
 multi-kernel path) is also reported as a ratio to plain per-row-scale quantize / QDQ (goal <= 1.5x
 at k = 0.5).
+
+Kernel variants (``triton_kernels.KERNELS``) are timed side by side in the same run: quantize / QDQ
+``[v1]`` (the old block-tile kernel) and ``[v2]`` / ``[v2 int-e2m1]`` (one thread per block; the
+float or the integer E2M1 index), per-token residual ``row`` (whole row in registers), ``tiled``
+(row walked in tiles twice) and ``gather`` (second walk over the selected blocks only). Residual ratios are given against both plain variants.
+Each timed call selects its variant and restores ``KERNELS`` afterwards; ``--sweep`` tunes each
+variant's configuration first (and keeps the fastest for the table) and prints it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
@@ -25,10 +33,35 @@ def _bytes_quant(m: int, k: int, in_bytes: int) -> int:
     return m * k * in_bytes + m * k // 2 + m * k // 16
 
 
-def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, sweep: bool, row_sweep: bool = False) -> str:
+@contextlib.contextmanager
+def _kernels(**choice):
+    """Temporarily select kernel variants (``triton_kernels.KERNELS``)."""
     from verl_quads.nvfp4 import triton_kernels as tk
 
-    dev = "cuda"
+    old = dict(tk.KERNELS)
+    tk.KERNELS.update(choice)
+    try:
+        yield
+    finally:
+        tk.KERNELS.clear()
+        tk.KERNELS.update(old)
+
+
+def _with(choice: dict, fn):
+    """``fn`` run under the kernel choice (a callable for the timers)."""
+    def call():
+        with _kernels(**choice):
+            return fn()
+    return call
+
+
+def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, sweep: bool, row_sweep: bool = False,
+        device: str = "cuda") -> str:
+    """The benchmark (``device``: "cuda"; anything else only for a functional smoke run of this code
+    under the Triton interpreter with stand-in timers)."""
+    from verl_quads.nvfp4 import triton_kernels as tk
+
+    dev = device
     out = [f"device: {device_name()}"]
     print(out[0], flush=True)
     if sweep:
@@ -49,6 +82,48 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
         out.append(print_table(f"tile sweep, quantize {m}x{k} {dtype}", ["split load", "blocks/program", "warps", "quantize us", "QDQ us"], rows))
         tk.TILE_CONFIG.update(best[1])
         out.append(f"chosen tile config: {best[1]}")
+        print(out[-1], flush=True)
+        # v2 (one thread per block): quantize (float or integer E2M1 index) and QDQ configs separately
+        rows = []
+        bq = bd = None
+        for blocks in (64, 128, 256, 512):
+            for nw in (2, 4, 8):
+                for fp in (True, False):
+                    tk.QUANT2_CONFIG["quantize"].update(blocks=blocks, num_warps=nw, fp=fp)
+                    t = graph_time_s(_with(dict(quantize="v2"), lambda: nv.quantize(x, gs, backend="triton", check_finite=False)))
+                    t2 = None
+                    if fp:
+                        tk.QUANT2_CONFIG["qdq"].update(blocks=blocks, num_warps=nw)
+                        t2 = graph_time_s(_with(dict(fake_quantize="v2"),
+                                                lambda: nv.fake_quantize(x, gs, backend="triton", check_finite=False)))
+                        if bd is None or t2 < bd[0]:
+                            bd = (t2, dict(blocks=blocks, num_warps=nw))
+                    rows.append([blocks, nw, "float" if fp else "int", t * 1e6, "-" if t2 is None else t2 * 1e6])
+                    if bq is None or t < bq[0]:
+                        bq = (t, dict(blocks=blocks, num_warps=nw, fp=fp))
+        out.append(print_table(f"v2 kernel sweep, {m}x{k} {dtype}", ["blocks/program", "warps", "E2M1 index", "quantize us", "QDQ us"], rows))
+        tk.QUANT2_CONFIG["quantize"].update(bq[1])
+        tk.QUANT2_CONFIG["qdq"].update(bd[1])
+        out.append(f"chosen QUANT2_CONFIG: {tk.QUANT2_CONFIG}")
+        print(out[-1], flush=True)
+        # tiled / gather per-token residual kernel
+        gs_row = nv.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
+        rows = []
+        for kern in ("tiled", "gather"):
+            best = None
+            for tb in (32, 64, 128, 256):
+                for nw in (2, 4, 8):
+                    tk.TILED_CONFIG[kern].update(tile_blocks=tb, num_warps=nw)
+                    sel = dict(residual_per_token=kern)
+                    t = graph_time_s(_with(sel, lambda: nv.residual_fake_quantize(x, 0.5, gs_row, backend="triton", check_finite=False)))
+                    t2 = graph_time_s(_with(sel, lambda: nv.residual_quantize(x, 0.5, gs_row, backend="triton", check_finite=False)))
+                    rows.append([kern, tb, nw, t * 1e6, t2 * 1e6])
+                    if best is None or t + t2 < best[0]:
+                        best = (t + t2, dict(tile_blocks=tb, num_warps=nw))
+            tk.TILED_CONFIG[kern].update(best[1])
+        out.append(print_table(f"tiled / gather per-token residual kernel sweep, k=0.5, {m}x{k} {dtype}",
+                               ["kernel", "blocks/tile", "warps", "residual QDQ us", "residual_quantize us"], rows))
+        out.append(f"chosen TILED_CONFIG: {tk.TILED_CONFIG}")
         print(out[-1], flush=True)
     if row_sweep:
         m, k = shapes[-1]
@@ -82,29 +157,62 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
         bw = 2 * src.numel() / t_copy
         rows.append([f"{m}x{k}", "copy (baseline)", "-", t_copy * 1e6, "-", bw / 1e9, 1.0])
         q = nv.quantize(x, gs, backend="triton")
-        cases = [
-            ("quantize", lambda b: nv.quantize(x, gs, backend=b, check_finite=False), _bytes_quant(m, k, eb)),
-            ("quantize (per-row gs)", lambda b: nv.quantize(x, gs_row, backend=b, check_finite=False), _bytes_quant(m, k, eb)),
+        v1q, v2q = dict(quantize="v1", fake_quantize="v1"), dict(quantize="v2", fake_quantize="v2")
+        qcfg = tk.QUANT2_CONFIG["quantize"]
+        tag_int = "v2 int-e2m1" if qcfg.get("fp") else "v2 float-e2m1"  # the other E2M1 formulation
+
+        def _other_e2m1(fn):
+            def call():
+                qcfg["fp"] = not qcfg.get("fp")
+                try:
+                    return fn()
+                finally:
+                    qcfg["fp"] = not qcfg.get("fp")
+            return call
+
+        cases = []
+        for tag, ch in (("v1", v1q), ("v2", v2q)):
+            cases += [
+                (f"quantize [{tag}]", lambda b, ch=ch: _with(ch, lambda: nv.quantize(x, gs, backend=b, check_finite=False))(),
+                 _bytes_quant(m, k, eb)),
+                (f"quantize (per-row gs) [{tag}]",
+                 lambda b, ch=ch: _with(ch, lambda: nv.quantize(x, gs_row, backend=b, check_finite=False))(),
+                 _bytes_quant(m, k, eb)),
+            ]
+        cases += [
+            (f"quantize [{tag_int}]",
+             lambda b: _other_e2m1(_with(v2q, lambda: nv.quantize(x, gs, backend=b, check_finite=False)))(),
+             _bytes_quant(m, k, eb)),
             ("dequantize", lambda b: nv.dequantize(q, dtype, backend=b), _bytes_quant(m, k, eb)),
-            ("fake_quantize (QDQ)", lambda b: nv.fake_quantize(x, gs, backend=b, check_finite=False), 2 * m * k * eb),
-            ("fake_quantize (QDQ, per-row gs)", lambda b: nv.fake_quantize(x, gs_row, backend=b, check_finite=False),
-             2 * m * k * eb),
         ]
+        for tag, ch in (("v1", v1q), ("v2", v2q)):
+            cases += [
+                (f"fake_quantize (QDQ) [{tag}]",
+                 lambda b, ch=ch: _with(ch, lambda: nv.fake_quantize(x, gs, backend=b, check_finite=False))(),
+                 2 * m * k * eb),
+                (f"fake_quantize (QDQ, per-row gs) [{tag}]",
+                 lambda b, ch=ch: _with(ch, lambda: nv.fake_quantize(x, gs_row, backend=b, check_finite=False))(),
+                 2 * m * k * eb),
+            ]
         for ratio in (0.25, 0.5):
-            for per_token, tag in ((True, "per-token, fused"), (False, "per-call")):
+            for per_token, tag, kern in ((True, "per-token, fused row", "row"), (True, "per-token, tiled", "tiled"),
+                                         (True, "per-token, gather", "gather"), (False, "per-call", "row")):
                 idx_bytes = m * int(ratio * k / 16) * 8 if per_token else int(ratio * k / 16) * 8
+                ch = dict(residual_per_token=kern)
                 cases.append((f"residual_quantize k={ratio:g} ({tag})",
-                              lambda b, r=ratio, pt=per_token: nv.residual_quantize(
-                                  x, r, gs_row, per_token=pt, backend=b, check_finite=False),
+                              lambda b, r=ratio, pt=per_token, ch=ch: _with(ch, lambda: nv.residual_quantize(
+                                  x, r, gs_row, per_token=pt, backend=b, check_finite=False))(),
                               _bytes_quant(m, k, eb) + int(m * k * ratio) // 2 + int(m * k * ratio) // 16 + idx_bytes))
                 cases.append((f"residual QDQ k={ratio:g} ({tag})",
-                              lambda b, r=ratio, pt=per_token: nv.residual_fake_quantize(
-                                  x, r, gs_row, per_token=pt, backend=b, check_finite=False),
+                              lambda b, r=ratio, pt=per_token, ch=ch: _with(ch, lambda: nv.residual_fake_quantize(
+                                  x, r, gs_row, per_token=pt, backend=b, check_finite=False))(),
                               2 * m * k * eb))
         col_w = torch.rand(k, device=dev, dtype=torch.float32)  # stands in for a weight's squared column norms
-        cases.append(("residual QDQ k=0.5 (per-token, fused, output-aware score)",
-                      lambda b: nv.residual_fake_quantize(x, 0.5, gs_row, score_weight=col_w, backend=b,
-                                                          check_finite=False), 2 * m * k * eb + 4 * k))
+        for kern in ("row", "tiled", "gather"):
+            cases.append((f"residual QDQ k=0.5 (per-token, fused {kern}, output-aware score)",
+                          lambda b, ch=dict(residual_per_token=kern): _with(ch, lambda: nv.residual_fake_quantize(
+                              x, 0.5, gs_row, score_weight=col_w, backend=b, check_finite=False))(),
+                          2 * m * k * eb + 4 * k))
         rec = nv.extract_guidance(nv.quantize(x, gs_row, backend="triton"))
         cases.append(("quantize_guided", lambda b: nv.quantize_guided(x, rec, backend=b, check_finite=False),
                       _bytes_quant(m, k, eb) + m * k // 8))
@@ -118,9 +226,11 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
                 rows.append([f"{m}x{k}", name, b, t_call * 1e6, "-" if t_dev is None else t_dev * 1e6,
                              nbytes / t / 1e9, nbytes / t / bw])
         for name in [c[0] for c in cases if c[0].startswith("residual")]:
-            base = "quantize (per-row gs)" if name.startswith("residual_quantize") else "fake_quantize (QDQ, per-row gs)"
-            r = times[(name, "triton")] / times[(base, "triton")]
-            rows.append([f"{m}x{k}", f"{name} / {base}", "triton", "-", "-", "-", f"{r:.2f}x"])
+            for tag in ("v1", "v2"):
+                base = ("quantize (per-row gs)" if name.startswith("residual_quantize")
+                        else "fake_quantize (QDQ, per-row gs)") + f" [{tag}]"
+                r = times[(name, "triton")] / times[(base, "triton")]
+                rows.append([f"{m}x{k}", f"{name} / {base}", "triton", "-", "-", "-", f"{r:.2f}x"])
     out.append(print_table(f"NVFP4 kernels, input {dtype}", ["shape", "kernel", "backend", "call us", "graph us", "GB/s", "of copy BW"], rows))
     return "\n".join(out)
 

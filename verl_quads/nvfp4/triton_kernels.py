@@ -12,9 +12,11 @@ Each kernel produces the same bytes as :mod:`.reference` (tests compare with ``t
 The residual path (QUADS, selection rule in :mod:`.residual`):
 
 - per-token selection with a per-row global scale (the rollout's case, the default): one fused
-  kernel, one program per row (``_residual_row_kernel``): first pass, residual scores, the row's
-  top-k blocks by a bitwise threshold search (no sort), the row's second-pass global scale, and
-  either ``Q(x) + Q(R_sel)`` or both packed passes;
+  kernel, one program per row: first pass, residual scores, the row's top-k blocks by a bitwise
+  threshold search (no sort), the row's second-pass global scale, and either ``Q(x) + Q(R_sel)``
+  or both packed passes. ``_residual_row_kernel`` holds the whole row in registers;
+  ``_residual_tiled_kernel`` walks it in tiles twice (scores first, then the output; the second
+  read of the row comes from L2). ``KERNELS`` picks one;
 - otherwise (per-call selection, or a per-tensor global scale, or rows longer than
   ``ROW_CONFIG["max_blocks"]`` blocks): a first-pass kernel that also writes each (row, 16-block)'s
   score and residual amax, the selection (per call: ``call_scores`` + ``_select_kernel``; per token:
@@ -25,6 +27,10 @@ block scores are summed in the reference's explicit pairwise order, and the per-
 same torch reduction (``call_scores``) on the same per-row scores. Exception: an input whose
 residual squared overflows float32 (|R| > 1.8e19) with a zero ``score_weight`` entry gives a NaN
 score, whose ordering is not specified.
+
+Quantize / QDQ: ``_quant_kernel`` (v1) or ``_quant2_kernel`` (v2: one thread per 16-block, loaded
+as two 8-element halves; the global scale's reciprocal once per program; optional float-only E2M1
+index), chosen by ``KERNELS``.
 
 Layout: a contiguous ``[..., K]`` input is processed as ``R * K / 16`` consecutive 16-element
 blocks (K % 16 == 0, so no block straddles a row); even and odd elements are loaded as two
@@ -523,10 +529,300 @@ if triton is not None:
         co = _guided_code(tl.minimum(tl.maximum(xo * os, -6.0), 6.0), bo)
         tl.store(packed_ptr + b, _block_word(ce, co, j), mask=bmask)
 
+    # ---- v2 kernels: one thread per 16-block (two 8-element halves), per-program global scale ----
+
+    @triton.jit
+    def _e2m1_code(p, FP: tl.constexpr):
+        """E2M1 code (int32: sign << 3 | magnitude index) of a scaled float32 value ``p``, as the
+        reference's ``encode_codes(clamp(p, -6, 6))``: round-to-nearest-even on |p| clamped to 6,
+        sign = p's IEEE sign bit.
+
+        FP=False: the magic add of ``_e2m1_round`` (integer ops). FP=True: the same index from float
+        ops only: on a = min(|p|, 6) the index is round(2a) below 2, 4 + round(a - 2) in [2, 4] and
+        6 + round((a - 4) / 2) above 4; each piece is exact (a * 2, a - 2 and a - 4 by Sterbenz, a
+        halving) before ONE rounding, the add of ``2**23 + offset`` (float32 ulp 1 there, offsets
+        even so ties stay even), and the pieces are monotone with the right one the smallest where
+        it applies, so the index is the low 3 bits of min(pieces) (checked for every float32 in
+        [0, 6] against the reference's thresholds)."""
+        a = tl.minimum(tl.abs(p), 6.0)
+        sgn = (p.to(tl.int32, bitcast=True) >> 28) & 8
+        if FP:
+            r1 = a * 2.0 + 8388608.0
+            r2 = (a - 2.0) + 8388612.0
+            r3 = (a - 4.0) * 0.5 + 8388614.0
+            idx = tl.minimum(tl.minimum(r1, r2), r3).to(tl.int32, bitcast=True) & 7
+        else:
+            idx = _e2m1_index(a)
+        return sgn | idx
+
+    @triton.jit
+    def _half_word(c):
+        """Codes [BLK, 8] int32 of 8 consecutive elements -> their 4 packed bytes as one int32
+        [BLK] (byte j = c[2j] | c[2j+1] << 4, little-endian)."""
+        ce, co = tl.split(tl.reshape(c, (c.shape[0], 4, 2)))
+        j = tl.arange(0, 4)
+        return tl.sum((ce | (co << 4)) << (8 * j)[None, :], axis=1)
+
+    @triton.jit
+    def _tree8(v):
+        """Sum of [BLK, 8] along axis 1 as the pairwise tree of adjacent pairs (8 -> 4 -> 2 -> 1)."""
+        a, b = tl.split(tl.reshape(v, (v.shape[0], 4, 2)))
+        s = a + b
+        a, b = tl.split(tl.reshape(s, (s.shape[0], 2, 2)))
+        a, b = tl.split(a + b)
+        return a + b
+
+    @triton.jit
+    def _load_halves(ptr, b, bmask):
+        """Elements 0..7 and 8..15 of 16-blocks ``b`` as two float32 [BLK, 8] tiles: each block half is
+        one 16-byte vector for 16-bit inputs, so a thread holds whole blocks and the per-block
+        reductions and scale math stay in registers."""
+        h = tl.arange(0, 8)
+        off = b[:, None] * 16 + h[None, :]
+        x0 = tl.load(ptr + off, mask=bmask[:, None], other=0.0).to(tl.float32)
+        x1 = tl.load(ptr + off + 8, mask=bmask[:, None], other=0.0).to(tl.float32)
+        return x0, x1
+
+    @triton.jit
+    def _store_halves(ptr, b, v0, v1, bmask, OUT: tl.constexpr):
+        h = tl.arange(0, 8)
+        off = b[:, None] * 16 + h[None, :]
+        _store_out(ptr + off, v0, bmask[:, None], OUT)
+        _store_out(ptr + off + 8, v1, bmask[:, None], OUT)
+
+    @triton.jit
+    def _scales_inv(vec_max, gs, inv_gs):
+        """``_scales`` with the reciprocal of the global scale given (``div_rn(1, gs)``, computed once
+        per program where the program has one global scale)."""
+        s = gs * (vec_max * 0.16666666666666666)
+        s = tl.minimum(s, 448.0)
+        sval, sbyte = _e4m3_round(s)
+        denom = sval * inv_gs
+        safe = tl.where(denom == 0, 1.0, denom)
+        os = tl.where(denom == 0, 0.0, tl.math.div_rn(tl.full(denom.shape, 1.0, tl.float32), safe))
+        return sval, sbyte, os
+
+    @triton.jit
+    def _qdq_half(x, os, factor):
+        """First-pass QDQ values of a [BLK, 8] tile: ±e2m1(min(|x os|, 6)) * factor (p's sign)."""
+        p = x * os[:, None]
+        _, r = _e2m1_round(tl.minimum(tl.abs(p), 6.0))
+        v = (r * factor[:, None]).to(tl.int32, bitcast=True) | (p.to(tl.int32, bitcast=True) & -2147483648)
+        return v.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _row_gs(gs_ptr, r, bmask, GS_DIV, ROW_SCALAR: tl.constexpr, ONE_GS: tl.constexpr):
+        """Global scale per block [BLK] and its reciprocal: one load and one division per program
+        when the program's blocks share a scale (ONE_GS: a single scale; ROW_SCALAR: one row per
+        program, ``r`` is then that row), else per block (row ``r // GS_DIV``)."""
+        if ONE_GS:
+            g = tl.load(gs_ptr)
+            gs = tl.zeros(r.shape, tl.float32) + g
+            inv = tl.zeros(r.shape, tl.float32) + tl.math.div_rn(g * 0.0 + 1.0, g)
+        elif ROW_SCALAR:
+            g = tl.load(gs_ptr + tl.program_id(0) // GS_DIV)
+            gs = tl.zeros(r.shape, tl.float32) + g
+            inv = tl.zeros(r.shape, tl.float32) + tl.math.div_rn(g * 0.0 + 1.0, g)
+        else:
+            gs = tl.load(gs_ptr + r // GS_DIV, mask=bmask, other=1.0)
+            inv = tl.math.div_rn(tl.full(gs.shape, 1.0, tl.float32), gs)
+        return gs, inv
+
+    @triton.jit
+    def _quant2_kernel(
+        x_ptr, gs_ptr, packed_ptr, scale_ptr, out_ptr,
+        R, NBK, GS_DIV,
+        RT: tl.constexpr, CT: tl.constexpr, ONE_GS: tl.constexpr, MODE: tl.constexpr, OUT: tl.constexpr,
+        FP: tl.constexpr,
+    ):
+        """Quantize (MODE 0: packed int64 word + E4M3 byte per block) or QDQ (MODE 1) of x viewed as
+        [R, NBK, 16]; program (i, j) handles rows i*RT.. (RT of them) x blocks j*CT.. (CT of them).
+        Row r's global scale is gs[r // GS_DIV] (ONE_GS: gs[0] for all). FP: ``_e2m1_code``'s
+        float formulation."""
+        i = tl.arange(0, RT * CT)
+        r = tl.program_id(0) * RT + i // CT
+        c = tl.program_id(1) * CT + i % CT
+        bmask = (r < R) & (c < NBK)
+        b = r.to(tl.int64) * NBK + c
+        x0, x1 = _load_halves(x_ptr, b, bmask)
+        gs, inv = _row_gs(gs_ptr, r, bmask, GS_DIV, RT == 1, ONE_GS)
+        vec_max = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
+        sval, sbyte, os = _scales_inv(vec_max, gs, inv)
+        if MODE == 1:
+            factor = tl.math.div_rn(sval, gs)
+            _store_halves(out_ptr, b, _qdq_half(x0, os, factor), _qdq_half(x1, os, factor), bmask, OUT)
+        else:
+            w0 = _half_word(_e2m1_code(x0 * os[:, None], FP))
+            w1 = _half_word(_e2m1_code(x1 * os[:, None], FP))
+            word = (w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)
+            tl.store(packed_ptr + b, word, mask=bmask)
+            tl.store(scale_ptr + b, sbyte.to(tl.uint8), mask=bmask)
+
+    @triton.jit
+    def _residual_tiled_kernel(
+        x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
+        NB, NSEL, GS_DIV,
+        NTP: tl.constexpr, CT: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr,
+        GATHER: tl.constexpr,
+    ):
+        """Per-token QUADS residual compensation, one program per row of x [M, K] (NB = K / 16
+        blocks) walking the row in tiles of CT blocks twice, so only a tile's data is in registers:
+
+        1. per tile: first pass (PACK: its codes and scales are written here), residual, per-block
+           score (``_tree8`` of the halves = the reference's pairwise order) and residual amax, kept
+           for the whole row as [NTP, CT] vectors (NTP * CT >= NB, a power of two);
+        2. the row's NSEL highest scores (ties to the lower block index) by the bitwise threshold
+           search of ``_residual_row_kernel``; the row's second-pass global scale from the selected
+           blocks' residual amax;
+        3. per tile again (the row was just read: the second read is served by L2): first-pass QDQ
+           and residual recomputed, Q(R) for the selected blocks; PACK: their words / scale bytes /
+           indices at their slot (running count of selected blocks), else Q(x) + Q(R_sel) (float32
+           sum, one cast).
+
+        GATHER: step 3 visits only the selected blocks: step 1 also writes Q(x) of every block (QDQ),
+        step 2 writes the selected block indices (``idx_ptr``: the result's [M, NSEL] int64 when
+        PACK, else an int32 scratch [M, NSEL]), and after a CTA barrier (the indices were written by
+        other threads of this program) step 3 reads them back in chunks of CT, recomputes those
+        blocks and writes Q(R) (PACK) or overwrites them with Q(x) + Q(R)."""
+        row = tl.program_id(0).to(tl.int64)
+        ci = tl.arange(0, CT)
+        ti = tl.arange(0, NTP)
+        g = tl.load(gs_ptr + row // GS_DIV)
+        gs = tl.zeros([CT], tl.float32) + g
+        inv = tl.zeros([CT], tl.float32) + tl.math.div_rn(g * 0.0 + 1.0, g)
+        ebits = tl.full([NTP, CT], -1, tl.int32)
+        ram = tl.zeros([NTP, CT], tl.float32)
+        nt = tl.cdiv(NB, CT)
+        for t in range(0, nt):
+            c = t * CT + ci
+            cmask = c < NB
+            b = row * NB + c
+            x0, x1 = _load_halves(x_ptr, b, cmask)
+            vec_max = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
+            sval, sbyte, os = _scales_inv(vec_max, gs, inv)
+            if PACK:
+                w0 = _half_word(_e2m1_code(x0 * os[:, None], False))
+                w1 = _half_word(_e2m1_code(x1 * os[:, None], False))
+                tl.store(packed1_ptr + b, (w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF), mask=cmask)
+                tl.store(scale1_ptr + b, sbyte.to(tl.uint8), mask=cmask)
+            factor = tl.math.div_rn(sval, gs)
+            v0 = _qdq_half(x0, os, factor)
+            v1 = _qdq_half(x1, os, factor)
+            if GATHER and not PACK:
+                _store_halves(out_ptr, b, v0, v1, cmask, OUT)
+            r0 = x0 - v0
+            r1 = x1 - v1
+            s0 = r0 * r0
+            s1 = r1 * r1
+            if HAS_W:
+                wv0, wv1 = _load_halves(w_ptr, c, cmask)
+                s0 = s0 * wv0
+                s1 = s1 * wv1
+            e = (_tree8(s0) + _tree8(s1)).to(tl.int32, bitcast=True)
+            ra = tl.maximum(tl.max(tl.abs(r0), axis=1), tl.max(tl.abs(r1), axis=1))
+            here = ti[:, None] == t
+            ebits = tl.where(here & cmask[None, :], e[None, :], ebits)
+            ram = tl.where(here, ra[None, :], ram)
+        eb = tl.reshape(ebits, (NTP * CT,))
+        th = tl.max(eb, axis=0) * 0
+        for k in tl.static_range(31):
+            cand = th | (1 << (30 - k))
+            cnt = tl.sum((eb >= cand).to(tl.int32), axis=0)
+            th = tl.where(cnt >= NSEL, cand, th)
+        gt = eb > th
+        eq = eb == th
+        need = NSEL - tl.sum(gt.to(tl.int32), axis=0)
+        sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))  # padding: bits -1, never selected
+        amax = tl.max(tl.where(sel, tl.reshape(ram, (NTP * CT,)), 0.0), axis=0)
+        a = tl.maximum(amax, 1.1754943508222875e-38)
+        g2 = tl.math.div_rn(a * 0.0 + 1.0, a) * 2688.0
+        g2 = tl.where(g2 == float("inf"), 1.0, g2)
+        gs2 = tl.zeros([CT], tl.float32) + g2
+        inv2 = tl.zeros([CT], tl.float32) + tl.math.div_rn(g2 * 0.0 + 1.0, g2)
+        sel2 = tl.reshape(sel.to(tl.int32), (NTP, CT))
+        if PACK or GATHER:
+            fi = tl.arange(0, NTP * CT)
+            slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(idx_ptr + row * NSEL + slot, fi, mask=sel)  # cast to idx_ptr's int64 / int32
+        if PACK:
+            tl.store(gs2_ptr + row, g2)
+        if GATHER:
+            tl.debug_barrier()
+            for s0 in range(0, NSEL, CT):
+                sl = s0 + ci
+                smask = sl < NSEL
+                blk = tl.load(idx_ptr + row * NSEL + sl, mask=smask, other=0)
+                b = row * NB + blk
+                x0, x1 = _load_halves(x_ptr, b, smask)
+                vec_max = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
+                sval, _, os = _scales_inv(vec_max, gs, inv)
+                factor = tl.math.div_rn(sval, gs)
+                v0 = _qdq_half(x0, os, factor)
+                v1 = _qdq_half(x1, os, factor)
+                r0 = x0 - v0
+                r1 = x1 - v1
+                ra = tl.maximum(tl.max(tl.abs(r0), axis=1), tl.max(tl.abs(r1), axis=1))
+                s2, sb2, os2 = _scales_inv(ra, gs2, inv2)
+                if PACK:
+                    w0 = _half_word(_e2m1_code(r0 * os2[:, None], False))
+                    w1 = _half_word(_e2m1_code(r1 * os2[:, None], False))
+                    tl.store(packed2_ptr + row * NSEL + sl, (w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF),
+                             mask=smask)
+                    tl.store(scale2_ptr + row * NSEL + sl, sb2.to(tl.uint8), mask=smask)
+                else:
+                    f2 = tl.math.div_rn(s2, gs2)
+                    _store_halves(out_ptr, b, v0 + _qdq_half(r0, os2, f2), v1 + _qdq_half(r1, os2, f2), smask, OUT)
+        else:
+            base = row * NSEL
+            for t in range(0, nt):
+                c = t * CT + ci
+                cmask = c < NB
+                b = row * NB + c
+                st = tl.sum(tl.where(ti[:, None] == t, sel2, 0), axis=0) != 0
+                x0, x1 = _load_halves(x_ptr, b, cmask)
+                vec_max = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
+                sval, _, os = _scales_inv(vec_max, gs, inv)
+                factor = tl.math.div_rn(sval, gs)
+                v0 = _qdq_half(x0, os, factor)
+                v1 = _qdq_half(x1, os, factor)
+                r0 = x0 - v0
+                r1 = x1 - v1
+                ra = tl.maximum(tl.max(tl.abs(r0), axis=1), tl.max(tl.abs(r1), axis=1))
+                s2, sb2, os2 = _scales_inv(ra, gs2, inv2)
+                if PACK:
+                    w0 = _half_word(_e2m1_code(r0 * os2[:, None], False))
+                    w1 = _half_word(_e2m1_code(r1 * os2[:, None], False))
+                    slot = base + tl.cumsum(st.to(tl.int32), axis=0) - 1
+                    tl.store(packed2_ptr + slot, (w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF), mask=st)
+                    tl.store(scale2_ptr + slot, sb2.to(tl.uint8), mask=st)
+                    base += tl.sum(st.to(tl.int32), axis=0)
+                else:
+                    f2 = tl.math.div_rn(s2, gs2)
+                    v0 = tl.where(st[:, None], v0 + _qdq_half(r0, os2, f2), v0)
+                    v1 = tl.where(st[:, None], v1 + _qdq_half(r1, os2, f2), v1)
+                    _store_halves(out_ptr, b, v0, v1, cmask, OUT)
 
 #: Blocks (of 16 elements) per program, warps, and the load style of ``_load_pairs`` for the
 #: elementwise kernels. Tuned on the H200 by ``verl-quads bench nvfp4 --sweep``.
 TILE_CONFIG = {"blocks": 128, "num_warps": 2, "split": True}
+
+#: Which kernel serves each entry point (all produce the reference's bytes; the choice is speed only):
+#: quantize / fake_quantize: "v1" = ``_quant_kernel`` (a block's 16 elements spread over threads,
+#: TILE_CONFIG) or "v2" = ``_quant2_kernel`` (one thread per block, global scale and its reciprocal
+#: once per program, QUANT2_CONFIG); residual_per_token (per-row global scale): "row" =
+#: ``_residual_row_kernel`` (whole row in registers, ROW_CONFIG), "tiled" = ``_residual_tiled_kernel``
+#: (row walked in tiles twice, TILED_CONFIG) or "gather" (the same kernel, second walk over the
+#: selected blocks only). ``verl-quads bench nvfp4`` times every variant side by side.
+KERNELS = {"quantize": "v1", "fake_quantize": "v1", "residual_per_token": "row"}
+
+#: ``_quant2_kernel``: 16-blocks per program, warps, and the float formulation of the E2M1 index
+#: (``_e2m1_code`` FP=True) for quantize; tuned by ``verl-quads bench nvfp4 --sweep``.
+QUANT2_CONFIG = {"quantize": {"blocks": 128, "num_warps": 4, "fp": True}, "qdq": {"blocks": 128, "num_warps": 4}}
+
+#: ``_residual_tiled_kernel``, per variant ("tiled", "gather"): 16-blocks per tile and warps per row
+#: program; rows longer than ``max_blocks`` blocks use the multi-kernel path.
+TILED_CONFIG = {"tiled": {"tile_blocks": 128, "num_warps": 4}, "gather": {"tile_blocks": 128, "num_warps": 4},
+                "max_blocks": 8192}
 
 
 def _grid(n: int) -> tuple[int]:
@@ -556,6 +852,19 @@ def _gs_rows(gs: torch.Tensor, lead: tuple[int, ...]) -> tuple[torch.Tensor, int
 def _out_arg(out: torch.Tensor) -> torch.Tensor:
     """bf16 outputs are written as int16 bit patterns (see ``_store_out``)."""
     return out.view(torch.int16) if out.dtype == torch.bfloat16 else out
+
+
+def _quant2(xc, g, div, a0, a1, a2, k, mode: int, out: int) -> None:
+    """Launch ``_quant2_kernel`` on contiguous ``xc`` ``[..., K]`` (rows = numel / K): MODE 0 writes
+    packed words ``a0`` (int64 view) and scale bytes ``a1``; MODE 1 the QDQ into ``a2``."""
+    cfg = QUANT2_CONFIG["quantize" if mode == 0 else "qdq"]
+    nbk = k // BLOCK_SIZE
+    rows = xc.numel() // k
+    ct = min(cfg["blocks"], triton.next_power_of_2(nbk))
+    rt = cfg["blocks"] // ct
+    _quant2_kernel[(triton.cdiv(rows, rt), triton.cdiv(nbk, ct))](
+        xc, g, a0, a1, a2, rows, nbk, div, RT=rt, CT=ct, ONE_GS=g.numel() == 1, MODE=mode, OUT=out,
+        FP=cfg.get("fp", False), num_warps=cfg["num_warps"], enable_fp_fusion=False)
 
 
 def _launch(kernel, grid, *args, **meta):
@@ -588,8 +897,11 @@ def quantize(x: torch.Tensor, global_scale=None, *, check_finite: bool = True) -
     if nblk:
         g, div = _gs_rows(gs, lead)
         words = packed.view(torch.int64)  # one 8-byte word per block (see _block_word)
-        _launch(_quant_kernel, _grid(nblk), xc, g, words, scale, words, nblk, k // BLOCK_SIZE, div,
-                MODE=0, OUT=0)
+        if KERNELS["quantize"] == "v2":
+            _quant2(xc, g, div, words, scale, words, k, 0, 0)
+        else:
+            _launch(_quant_kernel, _grid(nblk), xc, g, words, scale, words, nblk, k // BLOCK_SIZE, div,
+                    MODE=0, OUT=0)
     return NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs, x.shape, x.dtype)
 
 
@@ -601,8 +913,11 @@ def fake_quantize(x: torch.Tensor, global_scale=None, *, check_finite: bool = Tr
     if nblk:
         g, div = _gs_rows(gs, tuple(x.shape[:-1]))
         o = _out_arg(out)
-        _launch(_quant_kernel, _grid(nblk), xc, g, o, o, o, nblk, x.shape[-1] // BLOCK_SIZE, div,
-                MODE=1, OUT=_OUT_DTYPES[x.dtype])
+        if KERNELS["fake_quantize"] == "v2":
+            _quant2(xc, g, div, o, o, o, x.shape[-1], 1, _OUT_DTYPES[x.dtype])
+        else:
+            _launch(_quant_kernel, _grid(nblk), xc, g, o, o, o, nblk, x.shape[-1] // BLOCK_SIZE, div,
+                    MODE=1, OUT=_OUT_DTYPES[x.dtype])
     return out
 
 
@@ -634,14 +949,17 @@ def _row_warps(nbp: int) -> int:
 
 
 def _fused_rows_ok(gs: torch.Tensor, m: int, nb: int) -> bool:
-    """The fused per-token kernel applies when the second-pass global scale is per row: a per-row
-    first-pass scale ``[M, 1]`` (or a single row), and the padded row fits ``ROW_CONFIG``."""
+    """A fused per-token kernel (``KERNELS["residual_per_token"]``) applies when the second-pass
+    global scale is per row: a per-row first-pass scale ``[M, 1]`` (or a single row), and the padded
+    row fits that kernel's config (ROW_CONFIG / TILED_CONFIG ``max_blocks``)."""
     per_row = gs.dim() == 2 and gs.shape[0] == m and gs.shape[1] == 1
-    return (per_row or m == 1) and m > 0 and nb > 0 and triton.next_power_of_2(nb) <= ROW_CONFIG["max_blocks"]
+    cfg = TILED_CONFIG if KERNELS["residual_per_token"] in ("tiled", "gather") else ROW_CONFIG
+    return (per_row or m == 1) and m > 0 and nb > 0 and triton.next_power_of_2(nb) <= cfg["max_blocks"]
 
 
 def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: float, w, packed: bool):
-    """Fused per-token path (``_residual_row_kernel``): ResidualNVFP4 if ``packed`` else the QDQ tensor."""
+    """Fused per-token path (``_residual_row_kernel`` or ``_residual_tiled_kernel``, see KERNELS):
+    ResidualNVFP4 if ``packed`` else the QDQ tensor. Both kernels take the same arguments."""
     m, k = x.shape
     nb = k // BLOCK_SIZE
     n_sel = num_selected_blocks(k, ratio)
@@ -649,13 +967,24 @@ def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: f
     g1, div1 = _gs_rows(gs, (m,))
     nbp = triton.next_power_of_2(nb)
     wt = w if w is not None else g1
-    meta = dict(NBP=nbp, HAS_W=w is not None, SPLIT=TILE_CONFIG["split"], enable_fp_fusion=False,
-                num_warps=_row_warps(nbp))
+    choice = KERNELS["residual_per_token"]
+    scratch = None
+    if choice in ("tiled", "gather"):
+        kernel = _residual_tiled_kernel
+        ct = min(TILED_CONFIG[choice]["tile_blocks"], nbp)
+        meta = dict(NTP=triton.next_power_of_2(triton.cdiv(nb, ct)), CT=ct, HAS_W=w is not None,
+                    GATHER=choice == "gather", enable_fp_fusion=False, num_warps=TILED_CONFIG[choice]["num_warps"])
+        if choice == "gather" and not packed:  # selected block indices, read back by the same program
+            scratch = torch.empty(m, max(n_sel, 1), dtype=torch.int32, device=dev)
+    else:
+        kernel = _residual_row_kernel
+        meta = dict(NBP=nbp, HAS_W=w is not None, SPLIT=TILE_CONFIG["split"], enable_fp_fusion=False,
+                    num_warps=_row_warps(nbp))
     if not packed:
         out = torch.empty_like(xc)
         o = _out_arg(out)
-        _residual_row_kernel[(m,)](xc, g1, wt, o, o, o, o, o, o, o, nb, n_sel, div1, PACK=False,
-                                   OUT=_OUT_DTYPES[x.dtype], **meta)
+        kernel[(m,)](xc, g1, wt, o, o, o, o, o, scratch if scratch is not None else o, o, nb, n_sel, div1, PACK=False,
+                     OUT=_OUT_DTYPES[x.dtype], **meta)
         return out
     codes = torch.empty(m, k // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(m, nb, dtype=torch.uint8, device=dev)
@@ -664,8 +993,8 @@ def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: f
     idx = torch.empty(m, n_sel, dtype=torch.int64, device=dev)
     gs2_rows = torch.empty(m, dtype=torch.float32, device=dev)
     p2 = packed2.view(torch.int64) if n_sel else codes.view(torch.int64)  # n_sel == 0: nothing is stored there
-    _residual_row_kernel[(m,)](xc, g1, wt, xc, codes.view(torch.int64), scale, p2, scale2 if n_sel else scale,
-                               idx if n_sel else gs2_rows, gs2_rows, nb, n_sel, div1, PACK=True, OUT=0, **meta)
+    kernel[(m,)](xc, g1, wt, xc, codes.view(torch.int64), scale, p2, scale2 if n_sel else scale,
+                 idx if n_sel else gs2_rows, gs2_rows, nb, n_sel, div1, PACK=True, OUT=0, **meta)
     per_row = gs.dim() == 2 and gs.shape[0] == m and m > 1
     gs2 = gs2_rows.unsqueeze(-1) if per_row else gs2_rows.reshape(())  # the reference's shapes
     first = NVFP4Tensor(codes, scale.view(torch.float8_e4m3fn), gs, x.shape, x.dtype)
