@@ -231,7 +231,6 @@ class TraceBatch:
         self._lengths: list[int] = torch.bincount(seq[seq >= 0], minlength=len(self.uids)).tolist()
         self._n_pad = int((seq < 0).sum())
         self._index_cache: dict = {}
-        self._checked_uids: set = set()
         self._checks: list = []
 
     def seq_lengths(self) -> torch.Tensor:
