@@ -268,7 +268,7 @@ def host_facts(step, iters: int) -> dict:
             if _is_device_event(e):
                 if not name.startswith(("Memcpy", "Memset")):
                     kernels += 1
-                    busy_us += float(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0) or 0.0)
+                    busy_us += float(getattr(e, "device_time_total", 0.0) or 0.0)  # a device event: its duration
             elif _is_launch_call(name):
                 launches += 1
             elif name in _SYNC_CALLS:
