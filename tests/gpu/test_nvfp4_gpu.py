@@ -10,22 +10,26 @@ from verl_quads.nvfp4 import triton_kernels as tk
 pytestmark = pytest.mark.gpu
 
 #: quantize / QDQ kernel variants (triton_kernels.KERNELS + the v2 E2M1 formulation)
-QUANT_VARIANTS = {"v1": ("v1", None), "v2-float-e2m1": ("v2", True), "v2-int-e2m1": ("v2", False)}
+#: (kernel, E2M1 formulation, bf16 store) with KERNELS["bf16_store"]: "native" = the GPU's cvt.rn
+QUANT_VARIANTS = {"v1": ("v1", None, "native"), "v2-float-e2m1": ("v2", True, "native"),
+                  "v2-int-e2m1": ("v2", False, "native"), "v2-float-e2m1-int-bf16-store": ("v2", True, "int")}
 
 
 @pytest.fixture(params=list(QUANT_VARIANTS))
 def quant_variant(request, monkeypatch):
-    kern, fp = QUANT_VARIANTS[request.param]
+    kern, fp, store = QUANT_VARIANTS[request.param]
     monkeypatch.setitem(tk.KERNELS, "quantize", kern)
     monkeypatch.setitem(tk.KERNELS, "fake_quantize", kern)
+    monkeypatch.setitem(tk.KERNELS, "bf16_store", store)
     if fp is not None:
         monkeypatch.setitem(tk.QUANT2_CONFIG, "quantize", dict(tk.QUANT2_CONFIG["quantize"], fp=fp))
     return request.param
 
 
-@pytest.fixture(params=["row", "tiled", "gather"])
+@pytest.fixture(params=["row", "tiled", "gather", "gather-int-bf16-store"])
 def residual_kernel(request, monkeypatch):
-    monkeypatch.setitem(tk.KERNELS, "residual_per_token", request.param)
+    monkeypatch.setitem(tk.KERNELS, "residual_per_token", request.param.split("-")[0])
+    monkeypatch.setitem(tk.KERNELS, "bf16_store", "int" if request.param.endswith("int-bf16-store") else "native")
     return request.param
 
 

@@ -13,7 +13,9 @@ at k = 0.5).
 Kernel variants (``triton_kernels.KERNELS``) are timed side by side in the same run: quantize / QDQ
 ``[v1]`` (the old block-tile kernel) and ``[v2]`` / ``[v2 int-e2m1]`` (one thread per block; the
 float or the integer E2M1 index), per-token residual ``row`` (whole row in registers), ``tiled``
-(row walked in tiles twice) and ``gather`` (second walk over the selected blocks only). Residual ratios are given against both plain variants.
+(row walked in tiles twice) and ``gather`` (second walk over the selected blocks only); the new
+kernels write bf16 with the GPU's conversion instruction (``[... int-bf16-store]``: with the integer
+rounding v1 uses). Residual ratios are given against both plain variants.
 Each timed call selects its variant and restores ``KERNELS`` afterwards; ``--sweep`` tunes each
 variant's configuration first (and keeps the fastest for the table) and prints it.
 """
@@ -194,6 +196,9 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
                  lambda b, ch=ch: _with(ch, lambda: nv.fake_quantize(x, gs_row, backend=b, check_finite=False))(),
                  2 * m * k * eb),
             ]
+        cases.append(("fake_quantize (QDQ, per-row gs) [v2 int-bf16-store]",
+                      lambda b: _with(dict(v2q, bf16_store="int"), lambda: nv.fake_quantize(
+                          x, gs_row, backend=b, check_finite=False))(), 2 * m * k * eb))
         for ratio in (0.25, 0.5):
             for per_token, tag, kern in ((True, "per-token, fused row", "row"), (True, "per-token, tiled", "tiled"),
                                          (True, "per-token, gather", "gather"), (False, "per-call", "row")):
@@ -248,3 +253,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("verl-quads bench nvfp4 needs a CUDA GPU (CPU numbers are not the point)")
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     run(shapes, getattr(torch, a.dtype), not a.no_torch, a.sweep, a.row_sweep)
+
+
+if __name__ == "__main__":
+    main()

@@ -243,6 +243,10 @@ if triton is not None:
             b = v.to(tl.int32, bitcast=True)
             r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
             tl.store(ptr, r.to(tl.int16), mask=mask)
+        elif OUT == 3:
+            # bfloat16 by the GPU's float->bf16 conversion (cvt.rn: round-to-nearest-even, the same
+            # bits as OUT == 1 for finite values) into the int16 view; not under the interpreter
+            tl.store(ptr, v.to(tl.bfloat16).to(tl.int16, bitcast=True), mask=mask)
         else:
             tl.store(ptr, v.to(tl.float16), mask=mask)
 
@@ -812,8 +816,10 @@ TILE_CONFIG = {"blocks": 128, "num_warps": 2, "split": True}
 #: once per program, QUANT2_CONFIG); residual_per_token (per-row global scale): "row" =
 #: ``_residual_row_kernel`` (whole row in registers, ROW_CONFIG), "tiled" = ``_residual_tiled_kernel``
 #: (row walked in tiles twice, TILED_CONFIG) or "gather" (the same kernel, second walk over the
-#: selected blocks only). ``verl-quads bench nvfp4`` times every variant side by side.
-KERNELS = {"quantize": "v1", "fake_quantize": "v1", "residual_per_token": "row"}
+#: selected blocks only). ``verl-quads bench nvfp4`` times every variant side by side. "bf16_store":
+#: how v2 / tiled / gather write bfloat16 outputs on a GPU: "native" (one conversion instruction) or
+#: "int" (integer rounding, as v1 and always under the interpreter, whose cast truncates).
+KERNELS = {"quantize": "v1", "fake_quantize": "v1", "residual_per_token": "row", "bf16_store": "native"}
 
 #: ``_quant2_kernel``: 16-blocks per program, warps, and the float formulation of the E2M1 index
 #: (``_e2m1_code`` FP=True) for quantize; tuned by ``verl-quads bench nvfp4 --sweep``.
@@ -867,6 +873,13 @@ def _quant2(xc, g, div, a0, a1, a2, k, mode: int, out: int) -> None:
         FP=cfg.get("fp", False), num_warps=cfg["num_warps"], enable_fp_fusion=False)
 
 
+def _out_code(x: torch.Tensor) -> int:
+    """``_store_out``'s OUT for the v2 / tiled / gather kernels' output in x's dtype (see KERNELS["bf16_store"])."""
+    if x.dtype == torch.bfloat16 and x.is_cuda and KERNELS["bf16_store"] == "native":
+        return 3
+    return _OUT_DTYPES[x.dtype]
+
+
 def _launch(kernel, grid, *args, **meta):
     kernel[grid](*args, enable_fp_fusion=False, num_warps=TILE_CONFIG["num_warps"], BLK=TILE_CONFIG["blocks"],
                  SPLIT=TILE_CONFIG["split"], **meta)
@@ -914,7 +927,7 @@ def fake_quantize(x: torch.Tensor, global_scale=None, *, check_finite: bool = Tr
         g, div = _gs_rows(gs, tuple(x.shape[:-1]))
         o = _out_arg(out)
         if KERNELS["fake_quantize"] == "v2":
-            _quant2(xc, g, div, o, o, o, x.shape[-1], 1, _OUT_DTYPES[x.dtype])
+            _quant2(xc, g, div, o, o, o, x.shape[-1], 1, _out_code(x))
         else:
             _launch(_quant_kernel, _grid(nblk), xc, g, o, o, o, nblk, x.shape[-1] // BLOCK_SIZE, div,
                     MODE=1, OUT=_OUT_DTYPES[x.dtype])
@@ -984,7 +997,7 @@ def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: f
         out = torch.empty_like(xc)
         o = _out_arg(out)
         kernel[(m,)](xc, g1, wt, o, o, o, o, o, scratch if scratch is not None else o, o, nb, n_sel, div1, PACK=False,
-                     OUT=_OUT_DTYPES[x.dtype], **meta)
+                     OUT=_OUT_DTYPES[x.dtype] if kernel is _residual_row_kernel else _out_code(x), **meta)
         return out
     codes = torch.empty(m, k // 2, dtype=torch.uint8, device=dev)
     scale = torch.empty(m, nb, dtype=torch.uint8, device=dev)
