@@ -232,3 +232,65 @@ def test_fused_group_scale_computed_once_per_forward_and_never_stale(monkeypatch
         want = torch.nn.functional.linear(x, fake_quantize(attn.k_proj.weight, gs, backend="torch"))
         assert torch.equal(yk, want) and len(calls) == 9
         assert attn.q_proj._qat_stash is attn.v_proj._qat_stash
+
+
+def test_merged_record_with_uncovered_rows_equals_the_masked_merge():
+    """Own round-to-nearest guidance for the uncovered rows only (index_copy, no sync) == quantizing every
+    row and merging with ``torch.where`` (the reference path, which reads ``covered`` on the host)."""
+    from verl_quads.nvfp4 import extract_guidance, quantize
+    from verl_quads.qat.activations import merged_record, per_token_global_scale
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(12, 2, 64, generator=g) * torch.logspace(-2, 2, 12).view(12, 1, 1)).to(torch.bfloat16)
+    other = torch.randn(12, 2, 64, generator=g).to(torch.bfloat16)
+    rec = extract_guidance(quantize(other, per_token_global_scale(other), backend="torch"))
+    parts = (rec.bits, rec.block_scale, rec.global_scale)
+    covered = torch.tensor([1, 1, 0, 1, 0, 0, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
+    want = merged_record(x, parts, covered, backend="torch")
+    got = merged_record(x, parts, covered, backend="torch", uncovered_rows=torch.tensor([2, 4, 5, 9]))
+    assert torch.equal(got.bits, want.bits) and torch.equal(got.global_scale, want.global_scale)
+    assert torch.equal(got.block_scale.view(torch.uint8), want.block_scale.view(torch.uint8))
+    assert not torch.equal(want.bits, rec.bits)  # the uncovered rows did change
+    full = merged_record(x, parts, torch.ones(12, dtype=torch.bool), backend="torch",
+                         uncovered_rows=torch.empty(0, dtype=torch.long))
+    assert torch.equal(full.bits, rec.bits)
+
+
+def test_grouped_experts_with_uncovered_rows_equal_the_loop_reference():
+    """TRACE experts with padding + records one position short (uncovered rows) and foreign guidance
+    (flipped bits): the grouped path (uncovered (token, slot) rows found by the inverse sort, no sync)
+    equals the per-expert loop reference (masked merge) in logits and gradients, bit for bit."""
+    import dataclasses
+
+    from verl_quads.nvfp4 import GuidanceRecord
+    from verl_quads.qat import GuidanceKey
+
+    model = tiny_model("qwen3_moe", layers=1)
+    state = apply_qat(model, QuantConfig(quant="trace", guided_layers=1))  # torch backend on CPU
+    ids = tokens(2, 8)
+    mask = torch.ones_like(ids)
+    mask[1, 5:] = 0
+    store = InMemoryGuidanceStore()
+    rec_tb = TraceBatch.padded(store, 1, UIDS, mask)
+    rec_tb.record_into = store
+    with torch.no_grad(), trace_context(model, rec_tb):
+        model(input_ids=ids, attention_mask=mask)
+    g = torch.Generator().manual_seed(0)
+    for (uid, layer, gemm), (v, e) in list(store._entries.items()):
+        r, t = e.record, e.record.shape[0] - 1
+        flip = torch.randint(0, 256, r.bits[:t].shape, generator=g, dtype=torch.int32).to(torch.uint8)
+        short = GuidanceRecord(r.bits[:t] ^ flip, r.block_scale[:t], r.global_scale[:t], torch.Size((t, *r.shape[1:])))
+        store.put(GuidanceKey(uid, v, layer, gemm), dataclasses.replace(short), None if e.expert_ids is None
+                  else e.expert_ids[:t])
+    install_router_replay(model, state)  # the flipped guidance moves the router's input: replay the records' routing
+    out = {}
+    for path in ("grouped", "loop"):
+        state.expert_path = path
+        model.zero_grad(set_to_none=True)
+        with trace_context(model, TraceBatch.padded(store, 1, UIDS, mask)):
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            logits.float().square().mean().backward()
+        out[path] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    (l0, g0), (l1, g1) = out["grouped"], out["loop"]
+    assert torch.equal(l0, l1)
+    assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)

@@ -53,18 +53,31 @@ def merged_record(
     covered: torch.Tensor,
     backend: str = "auto",
     check_finite: bool = True,
-    all_covered: bool | None = None,
+    uncovered_rows: torch.Tensor | None = None,
 ) -> GuidanceRecord:
     """One record for ``x`` ``[M, ..., K]``: the rollout's rows where ``covered`` (bool ``[M]``),
     the round-to-nearest guidance of ``x`` itself elsewhere.
 
-    ``all_covered``: whether every row is covered, if the caller knows it on the host (e.g. from
-    :meth:`TraceBatch.gather <verl_quads.qat.guidance.TraceBatch.gather>`); None reads ``covered`` on the
-    host (one device sync)."""
+    ``uncovered_rows``: int64 ``[U]`` on ``x``'s device, the rows where ``covered`` is False, if the
+    caller knows them (:meth:`TraceBatch.gather <verl_quads.qat.guidance.TraceBatch.gather>` does; U is
+    host metadata): only those U rows are quantized for their own guidance (a row's quantization does
+    not depend on other rows: per-token global scale) and copied in, with no device sync. None: read
+    ``covered`` on the host (one sync) and quantize all of ``x`` if any row is uncovered."""
     bits, bscale, gscale = (p.to(x.device) for p in parts)
-    if all_covered is None:
-        all_covered = bool(covered.all())
-    if not all_covered:
+    if uncovered_rows is not None:
+        if uncovered_rows.numel() == 0:
+            return GuidanceRecord(bits, bscale, gscale, x.shape)
+        xs = x.detach().index_select(0, uncovered_rows)
+        own = extract_guidance(
+            quantize(xs, per_token_global_scale(xs), backend=backend, check_finite=check_finite)
+        )
+        bits = bits.index_copy(0, uncovered_rows, own.bits)
+        bscale = bscale.view(torch.uint8).index_copy(0, uncovered_rows, own.block_scale.view(torch.uint8)).view(
+            torch.float8_e4m3fn
+        )
+        gscale = gscale.index_copy(0, uncovered_rows, own.global_scale.to(gscale.dtype))
+        return GuidanceRecord(bits, bscale, gscale, x.shape)
+    if not bool(covered.all()):
         own = extract_guidance(
             quantize(x.detach(), per_token_global_scale(x), backend=backend, check_finite=check_finite)
         )

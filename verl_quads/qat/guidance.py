@@ -240,7 +240,7 @@ class TraceBatch:
     def _rows_index(self, t: tuple[int, ...], device: torch.device):
         """Where each token row's guidance lives once the sequences' records (``t[i]`` rows each) are
         concatenated, plus one fill row at index ``sum(t)``: ``(src int64 [N], covered bool [N],
-        all_covered)``, both tensors on ``device``. Computed on the host from the row map and cached per
+        uncovered int64 [U])`` (the rows without a record), all on ``device``. Computed on the host from the row map and cached per
         ``(t, device)``; the copy to a CUDA device is asynchronous (pinned memory), so no sync."""
         key = (t, str(device))
         hit = self._index_cache.get(key)
@@ -252,8 +252,11 @@ class TraceBatch:
             offs = torch.tensor([0, *itertools.accumulate(t)], dtype=torch.long)  # offs[n_seq] = fill row
             cov = (seq >= 0) & (pos < tt[s])
             src = torch.where(cov, offs[s] + pos, offs[n_seq])
-            all_cov = self._n_pad == 0 and all(a == b for a, b in zip(t, self._lengths))
-            hit = (_to_device(src, device), _to_device(cov, device), all_cov)
+            # the uncovered rows, ascending: their number is host arithmetic (padding + n_i - t_i per
+            # sequence), their indices the first ones of a stable sort by coverage
+            n_unc = self._n_pad + sum(max(0, n - ti) for n, ti in zip(self._lengths, t))
+            unc = torch.argsort(cov.to(torch.uint8), stable=True)[:n_unc]
+            hit = (_to_device(src, device), _to_device(cov, device), _to_device(unc, device))
             self._index_cache[key] = hit
         return hit
 
@@ -309,11 +312,12 @@ class TraceBatch:
     ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor | None, bool]:
         """Assemble, for the current forward, one record over all token rows of a GEMM input.
 
-        Returns ``(parts, covered, expert_ids, all_covered)`` where ``parts`` is a GuidanceRecord-like
+        Returns ``(parts, covered, expert_ids, uncovered)`` where ``parts`` is a GuidanceRecord-like
         tuple of tensors laid out over ``[N, *rows_shape[1:], K]`` (``bits`` uint8, ``block_scale`` e4m3,
         ``global_scale`` float32 ``[..., 1]``) with zeros (global scale 1) where not covered, ``covered``
         bool ``[N]``, ``expert_ids`` int64 ``[N, top_k]`` (-1 where not covered) or None, all on
-        ``device``, and ``all_covered`` (host bool: every row has a record). Records should live on
+        ``device``, and ``uncovered`` int64 ``[U]`` on ``device``: the rows without a record (U, its
+        length, is known on the host; 0 = every row covered). Records should live on
         ``device`` (the verl integration moves them there once per micro-batch); records elsewhere are
         concatenated there and copied once per part. No device sync: shapes are checked on the host, the
         rows are gathered with one ``index_select`` per part (index built once per batch).
@@ -340,7 +344,7 @@ class TraceBatch:
             ts.append(t)
             recs.append(rec)
             eids_all.append(entry.expert_ids)
-        src, covered, all_cov = self._rows_index(tuple(ts), dev)
+        src, covered, uncovered = self._rows_index(tuple(ts), dev)
         if not recs:
             src = torch.zeros(n_rows, dtype=torch.long, device=dev)
         bits = _gather_rows([r.bits for r in recs], src, 0, torch.uint8, dev, inner + (k // 8,))
@@ -351,7 +355,7 @@ class TraceBatch:
             eids = _gather_rows(eids_all, src, -1, torch.long, dev)
         elif any(e is not None for e in eids_all):
             raise GuidanceError(f"TRACE: layer {layer} {gemm}: expert ids are stored for some sequences only")
-        return (bits, bscale.view(torch.float8_e4m3fn), gscale), covered, eids, all_cov
+        return (bits, bscale.view(torch.float8_e4m3fn), gscale), covered, eids, uncovered
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

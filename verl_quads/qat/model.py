@@ -161,8 +161,8 @@ def _guided_input(state: QATState, name: str, layer: int, gemm: str, x: torch.Te
     if tb.record_into is not None:
         tb.store(layer, gemm, _own_guidance(flat, state))
         return qdq_rtn(x, state.backend, state.check_finite)
-    parts, covered, _, all_cov = tb.gather(layer, gemm, tuple(flat.shape[:-1]), flat.shape[-1], flat.device)
-    rec = merged_record(flat, parts, covered, state.backend, state.check_finite, all_cov)
+    parts, covered, _, uncovered = tb.gather(layer, gemm, tuple(flat.shape[:-1]), flat.shape[-1], flat.device)
+    rec = merged_record(flat, parts, covered, state.backend, state.check_finite, uncovered)
     return qdq_guided(flat, rec, state.backend, state.check_finite).reshape(x.shape)
 
 
@@ -290,13 +290,13 @@ class _QATExperts:
 
     def _w2_guidance(self, tb: TraceBatch, top_k_index: torch.Tensor, inter: int, device):
         """The rollout's records of the w2 input over ``[T, top_k]`` (token, slot) rows. Returns
-        ``(parts, covered, all_covered)``.
+        ``(parts, covered, uncovered)`` (see :meth:`TraceBatch.gather`; rows = tokens).
 
         The trainer must have routed every covered token exactly as the rollout did. That check reads
         device data, so it is deferred (:meth:`TraceBatch.defer_check`, no sync here) and raised by
         :meth:`TraceBatch.verify` (``trace_context`` exit; once per micro-batch in verl) as a
         :class:`GuidanceError` naming the layer and the number of tokens."""
-        parts, covered, eids, all_cov = tb.gather(
+        parts, covered, eids, uncovered = tb.gather(
             self._qat_layer, self._qat_gemm + ".w2", tuple(top_k_index.shape), inter, device)
         layer, gemm = self._qat_layer, self._qat_gemm
 
@@ -310,7 +310,7 @@ class _QATExperts:
             cov = covered.to(top_k_index.device)
             bad = (eids.to(top_k_index.device) != top_k_index.long()).any(-1) & cov
         tb.defer_check(bad, describe)
-        return parts, covered, all_cov
+        return parts, covered, uncovered
 
     def _grouped_guided_forward(self, qw, hidden_states, top_k_index, top_k_weights):
         """TRACE experts on grouped GEMMs. hidden_states ``[T, H]``, top_k_index/weights ``[T, k]``; returns
@@ -358,10 +358,15 @@ class _QATExperts:
                      top_k_index.detach())
             h = qdq_rtn(h, st.backend, st.check_finite)
         else:
-            (bits, bsc, gsc), covered, all_cov = w2_guidance
+            (bits, bsc, gsc), covered, unc_tok = w2_guidance
             o = order.to(bits.device)
             parts = (bits.flatten(0, 1)[o], _f8_rows(bsc.flatten(0, 1), o), gsc.flatten(0, 1)[o])
-            rec = merged_record(h, parts, covered.to(o.device)[o // top_k], st.backend, st.check_finite, all_cov)
+            # sorted rows of the uncovered tokens' (token, slot) pairs: inverse permutation, no sync
+            inv = torch.empty_like(order)
+            inv[order] = torch.arange(order.numel(), device=order.device)
+            slots = torch.arange(top_k, device=order.device)
+            unc_rows = inv[(unc_tok.to(order.device)[:, None] * top_k + slots).flatten()]
+            rec = merged_record(h, parts, covered.to(o.device)[o // top_k], st.backend, st.check_finite, unc_rows)
             h = qdq_guided(h, rec, st.backend, st.check_finite)
         y = _grouped_gemm(h, w2, offs, transposed)  # [S, H]
         if has_bias:
