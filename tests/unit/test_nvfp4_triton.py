@@ -197,8 +197,10 @@ def _use_v2(tk, fp):
 @pytest.mark.parametrize("fp", [True, False], ids=["float-e2m1", "int-e2m1"])
 def test_v2_quantize_qdq_match_reference(tk, fp):
     _use_v2(tk, fp)
-    for dtype in DTYPES:
-        # K = 64/96: several rows per program (per-block scale loads); K = 2048: one row per program
+    for dtype, blocks in [(d, None) for d in DTYPES] + [(torch.bfloat16, 32)]:
+        if blocks:  # 32 blocks per program: K = 2048 is then one row per program, in 4 column tiles
+            tk.QUANT2_CONFIG["quantize"]["blocks"] = tk.QUANT2_CONFIG["qdq"]["blocks"] = blocks
+        # K = 64/96 (and 2048 with the default 512 blocks): several rows per program, per-block scale loads
         for shape in [(5, 64), (3, 2, 96), (2, 2048)]:
             x = _x(shape, dtype)
             for gs in (None, nv.global_scale_from_amax(x.float().abs().amax(-1, keepdim=True))):

@@ -88,7 +88,7 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
         # v2 (one thread per block): quantize (float or integer E2M1 index) and QDQ configs separately
         rows = []
         bq = bd = None
-        for blocks in (64, 128, 256, 512):
+        for blocks in (128, 256, 512, 1024):
             for nw in (2, 4, 8):
                 for fp in (True, False):
                     tk.QUANT2_CONFIG["quantize"].update(blocks=blocks, num_warps=nw, fp=fp)

@@ -796,9 +796,9 @@ if triton is not None:
                 if PACK:
                     w0 = _half_word(_e2m1_code(r0 * os2[:, None], False))
                     w1 = _half_word(_e2m1_code(r1 * os2[:, None], False))
-                    slot = base + tl.cumsum(st.to(tl.int32), axis=0) - 1
-                    tl.store(packed2_ptr + slot, (w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF), mask=st)
-                    tl.store(scale2_ptr + slot, sb2.to(tl.uint8), mask=st)
+                    slot2 = base + tl.cumsum(st.to(tl.int32), axis=0) - 1
+                    tl.store(packed2_ptr + slot2, (w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF), mask=st)
+                    tl.store(scale2_ptr + slot2, sb2.to(tl.uint8), mask=st)
                     base += tl.sum(st.to(tl.int32), axis=0)
                 else:
                     f2 = tl.math.div_rn(s2, gs2)
@@ -822,12 +822,15 @@ TILE_CONFIG = {"blocks": 128, "num_warps": 2, "split": True}
 KERNELS = {"quantize": "v1", "fake_quantize": "v1", "residual_per_token": "row", "bf16_store": "native"}
 
 #: ``_quant2_kernel``: 16-blocks per program, warps, and the float formulation of the E2M1 index
-#: (``_e2m1_code`` FP=True) for quantize; tuned by ``verl-quads bench nvfp4 --sweep``.
-QUANT2_CONFIG = {"quantize": {"blocks": 128, "num_warps": 4, "fp": True}, "qdq": {"blocks": 128, "num_warps": 4}}
+#: (``_e2m1_code`` FP=True) for quantize; tuned by ``verl-quads bench nvfp4 --sweep``. Defaults from
+#: static sm_90 SASS counts (bf16, per-row scale; Triton 3.9 on CPU, no GPU timing yet): instructions
+#: per element v1 quantize 30.5 (128 blocks, 2 warps), v2 quantize 21.2 (512 blocks, 4 warps, integer
+#: E2M1; 25.0 with the float one), v2 QDQ 19.6 (bf16 written by cvt.rn).
+QUANT2_CONFIG = {"quantize": {"blocks": 512, "num_warps": 4, "fp": False}, "qdq": {"blocks": 512, "num_warps": 4}}
 
 #: ``_residual_tiled_kernel``, per variant ("tiled", "gather"): 16-blocks per tile and warps per row
 #: program; rows longer than ``max_blocks`` blocks use the multi-kernel path.
-TILED_CONFIG = {"tiled": {"tile_blocks": 128, "num_warps": 4}, "gather": {"tile_blocks": 128, "num_warps": 4},
+TILED_CONFIG = {"tiled": {"tile_blocks": 256, "num_warps": 4}, "gather": {"tile_blocks": 256, "num_warps": 4},
                 "max_blocks": 8192}
 
 
