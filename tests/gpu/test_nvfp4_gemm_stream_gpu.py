@@ -28,6 +28,10 @@ VARIANTS = [
     SC(block_m=16, block_n=64, block_kw=16, mma=1, num_warps=4, fixup=True),
     SC(block_m=16, block_n=128, block_kw=32, mma=1, num_warps=4, num_stages=3, prefetch=False),
     SC(block_m=16, block_n=128, block_kw=16, mma=2, num_warps=4, decode="f16"),
+    # software-pipelined K loop (asynchronous 16-byte weight copies to shared memory), split-K target 8/SM
+    SC(block_m=1, block_n=128, block_kw=16, num_warps=4, prefetch=False, pipe=3, fixup=True),
+    SC(block_m=2, block_n=64, block_kw=32, num_warps=4, prefetch=False, pipe=4, occ=8),
+    SC(block_m=1, block_n=128, block_kw=8, num_warps=4, fixup=True, xperm=True),  # nibble-major activation
 ]
 
 

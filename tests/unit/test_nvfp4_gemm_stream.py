@@ -63,6 +63,13 @@ DENSE = [
     (2, 24, 128, torch.float32, False, SC(block_m=4, block_n=32, block_kw=4, split_k=0, prefetch=False)),
     (17, 40, 256, torch.bfloat16, False, SC(block_m=16, block_n=16, block_kw=16, split_k=2, mma=1)),
     (9, 24, 384, torch.float32, True, SC(block_m=16, block_n=32, block_kw=16, split_k=1, mma=2, decode="f16")),
+    # software-pipelined K loop (pipe; the interpreter runs it as a plain loop), K tail in every range; occ
+    (5, 24, 176, torch.bfloat16, True, SC(block_m=2, block_n=32, block_kw=8, split_k=3, prefetch=False, pipe=3,
+                                          fixup=True)),
+    (1, 40, 256, torch.bfloat16, False, SC(block_m=1, block_n=16, block_kw=4, split_k=0, prefetch=False, pipe=4,
+                                           occ=8)),
+    # nibble-major activation copy (xperm), K tail in every range, fp16 and 4-row chunks
+    (5, 24, 176, torch.float16, True, SC(block_m=4, block_n=32, block_kw=8, split_k=3, xperm=True)),
 ]
 
 
@@ -90,7 +97,9 @@ def test_stream_dense_matches_reference(m, n, k, dtype, with_bias, cfg):
 
 
 @pytest.mark.parametrize("cfg", [SC(block_m=4, block_n=16, block_kw=16, split_k=1),
-                                 SC(block_m=16, block_n=16, block_kw=16, split_k=1, mma=1, decode="f16")],
+                                 SC(block_m=16, block_n=16, block_kw=16, split_k=1, mma=1, decode="f16"),
+                                 SC(block_m=1, block_n=16, block_kw=8, split_k=1, prefetch=False, pipe=3),
+                                 SC(block_m=2, block_n=16, block_kw=16, split_k=1, xperm=True)],
                          ids=lambda c: c.label)
 def test_stream_decode_exact_one_hot(cfg):
     """x = one-hot rows (float32): y[r, n] = w[n, k_r] * x, one product per output, no summation, so it
@@ -118,7 +127,9 @@ def test_stream_decode_exact_one_hot(cfg):
 
 
 @pytest.mark.parametrize("cfg", [SC(block_m=2, block_n=16, block_kw=8, split_k=2, decode="f16"),
-                                 SC(block_m=16, block_n=16, block_kw=16, split_k=1, mma=1)],
+                                 SC(block_m=16, block_n=16, block_kw=16, split_k=1, mma=1),
+                                 SC(block_m=1, block_n=16, block_kw=8, split_k=2, prefetch=False, pipe=3, fixup=True,
+                                    xperm=True)],
                          ids=lambda c: c.label)
 def test_stream_grouped_matches_per_expert_reference(cfg):
     """One grouped launch (tile table of moe_align, block_m 16 > the FMA chunk: rows looped in chunks)
@@ -150,7 +161,8 @@ def test_stream_config_errors_and_dispatch_table(monkeypatch):
     gs = q_w.global_scale.reshape(())
     with pytest.raises(ValueError, match="w4a16 operands only"):
         tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "naive", config=SC())
-    for bad in (SC(block_m=3), SC(block_m=8, mma=1), SC(block_m=16, mma=1, block_kw=8), SC(decode="lut")):
+    for bad in (SC(block_m=3), SC(block_m=8, mma=1), SC(block_m=16, mma=1, block_kw=8), SC(decode="lut"),
+                SC(pipe=3), SC(prefetch=False, pipe=0), SC(occ=0), SC(block_m=16, mma=1, xperm=True)):  # pipe > 1 with the manual prefetch: refused
         with pytest.raises(ValueError, match="bad StreamConfig"):
             tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16", config=bad)
     # the table: (grouped, power-of-two rows bucket, N, K); the smallest bucket >= rows that has an entry
@@ -175,6 +187,9 @@ def test_stream_split_k_fixup_is_bit_identical_to_reduction_launch():
     y = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, bias, "w4a16", config=base)
     y_fx = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, bias, "w4a16", config=tg.replace(base, fixup=True))
     assert torch.equal(y, y_fx)
+    piped = tg.replace(base, pipe=3)  # the software-pipelined loop / nibble-major activation: same order, same bits
+    for c in (piped, tg.replace(piped, fixup=True), tg.replace(base, xperm=True)):
+        assert torch.equal(tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, bias, "w4a16", config=c), y)
     e, topk, k = 3, 2, 128
     q_e = em.quantize_weight(_w((e, 24, k)), reduce_dims=(1, 2))
     ids = torch.tensor([[0, 2], [2, -1], [1, 2]], device=DEV)

@@ -351,6 +351,26 @@ L2_FLUSH_BYTES = 256 * 2**20  # > 2x the H200's 50 MB L2: each timed call reads 
 DECODE_SHAPES = "moe,d8192,d4096"  # most important first: a run cut by --budget-s keeps these
 
 
+def _focus_variants(rows: int, grouped: bool, current):
+    """``--focus`` (short sweep, issue #5: why 9-16% of copy BW): the current DECODE_TABLE entry
+    (``current``, may be None), the same with the nibble-major activation (``xperm``: ~3x fewer load
+    instructions per K step: tests whether the load/store unit is the limit), CUDA-core variants with
+    xperm + manual prefetch, and ones whose K loop is software-pipelined (``pipe``: 16-byte
+    asynchronous weight copies issued pipe-1 steps ahead: tests memory-level parallelism) with the
+    split-K target at 4 or 8 programs per SM (``occ``); no stage 2."""
+    from verl_quads.nvfp4.triton_gemm import StreamConfig
+
+    bm = 1 if rows <= 1 else (2 if rows <= 2 else 4)
+    out = [current, replace(current, xperm=True)] if current is not None and current.mma == 0 else (
+        [current] if current is not None else [])
+    for bn, bkw, warps in ((128, 16, 4), (128, 8, 4), (64, 32, 4), (256, 8, 8)):
+        out.append(StreamConfig(block_m=bm, block_n=bn, block_kw=bkw, num_warps=warps, fixup=True, xperm=True))
+    for bn, bkw, pipe, occ in ((128, 16, 3, 4), (128, 8, 4, 4), (128, 16, 3, 8)):
+        out.append(StreamConfig(block_m=bm, block_n=bn, block_kw=bkw, num_warps=4, prefetch=False, pipe=pipe,
+                                occ=occ, fixup=True))
+    return list(dict.fromkeys(out))[:8]  # the current entry's xperm twin may repeat one of the grid
+
+
 def _decode_variants(rows: int, grouped: bool, tokens: int):
     """(stage-1 configs, stage-2 variations of a config): a grid over tile shape and warps for the
     CUDA-core kernel (dense M <= 4 or any grouped GEMM: ~1-3 rows per expert at decode) and the
@@ -364,6 +384,10 @@ def _decode_variants(rows: int, grouped: bool, tokens: int):
         for bn, bkw, warps in ((32, 16, 2), (64, 16, 4), (64, 32, 4), (128, 8, 4), (128, 16, 4), (128, 32, 8),
                                (256, 8, 8), (256, 16, 4), (256, 16, 8)):
             first.append(StreamConfig(block_m=bm, block_n=bn, block_kw=bkw, num_warps=warps))
+        for bn, bkw in ((128, 16), (64, 32)):  # software-pipelined K loop (asynchronous 16-byte weight copies)
+            first.append(StreamConfig(block_m=bm, block_n=bn, block_kw=bkw, num_warps=4, prefetch=False, pipe=3))
+        for bn, bkw in ((128, 16), (128, 8)):  # nibble-major activation copy: vector activation loads
+            first.append(StreamConfig(block_m=bm, block_n=bn, block_kw=bkw, num_warps=4, xperm=True))
         if grouped and tokens >= 4:  # some experts get 2-4 rows: fewer chunks per tile
             for bm2 in (2, 4):
                 first += [StreamConfig(block_m=bm2, block_n=128, block_kw=16, num_warps=4),
@@ -374,7 +398,11 @@ def _decode_variants(rows: int, grouped: bool, tokens: int):
             first.append(StreamConfig(block_m=16, block_n=bn, block_kw=bkw, mma=mma, num_warps=4, num_stages=stages))
 
     def second(c: StreamConfig, split_auto: int):
-        out = [replace(c, decode="f16"), replace(c, prefetch=not c.prefetch), replace(c, fixup=not c.fixup)]
+        out = [replace(c, fixup=not c.fixup)]
+        if c.pipe == 1:
+            out += [replace(c, decode="f16"), replace(c, prefetch=not c.prefetch)]
+        if c.mma == 0:
+            out += [replace(c, occ=8), replace(c, xperm=not c.xperm)]
         for f in (2, 0.5):
             s = int(split_auto * f)
             if s >= 1 and s != split_auto:
@@ -393,7 +421,7 @@ def _auto_split(cfg, m_rows_live: int, n: int, k: int) -> int:
     kw = k // 8
     n_tiles = -(-n // cfg.block_n)
     split = 1
-    while m_rows_live * n_tiles * split * 2 <= 4 * _num_sms(torch.device(DEVICE)) and kw // (cfg.block_kw * split * 2) >= 2:
+    while m_rows_live * n_tiles * split * 2 <= cfg.occ * _num_sms(torch.device(DEVICE)) and kw // (cfg.block_kw * split * 2) >= 2:
         split *= 2
     return split
 
@@ -415,12 +443,13 @@ def _rotating(fn_of_copy, copies: int):
     return fn
 
 
-def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9) -> str:
+def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, focus: bool = False) -> str:
     """Time every streaming-kernel variant (and the current default kernel, and the BF16 baseline) at
     decode shapes with cold L2 (rotating weight copies / routings), check each variant against the
     torch reference, and print the fastest correct variant per shape with a paste-ready
     ``DECODE_TABLE``. Past ``budget_s`` seconds of wall time only the baselines, the tensor-core kernel
-    and the first stage-1 config of each remaining shape are timed (the table is still printed)."""
+    and the first stage-1 config of each remaining shape are timed (the table is still printed).
+    ``focus``: only :func:`_focus_variants` (8 per GEMM), no stage 2."""
     import time
 
     from verl_quads import nvfp4 as nv
@@ -539,6 +568,8 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9) ->
                                      n, k, torch.device(dev), block_m=routs[0].block_m if grouped else None)
             r_def = measure("tensor-core kernel (pick_config, before #5 decode)", default)
             first, second = _decode_variants(per, grouped, m)
+            if focus:
+                first = _focus_variants(per, grouped, tg.decode_config(s_slots if grouped else m, n, k, grouped))
             timed = []
             for i_cfg, cfg in enumerate(first):
                 if i_cfg and over_budget():
@@ -549,7 +580,7 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9) ->
                 if r and r[1]:
                     timed.append((r[0], cfg))
             timed.sort(key=lambda t: t[0])
-            for _, cfg in timed[:0 if over_budget() else 2]:
+            for _, cfg in timed[:0 if (over_budget() or focus) else 2]:
                 live = min(e, s_slots) if grouped else -(-m // cfg.block_m)
                 for c2 in second(cfg, _auto_split(cfg, live, n, k)):
                     r = measure(f"stream {c2.label}", c2)
@@ -592,7 +623,9 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9) ->
     for key, c in sorted(table.items()):
         snippet.append(f"    {key}: StreamConfig(block_m={c.block_m}, block_n={c.block_n}, block_kw={c.block_kw}, "
                        f"split_k={c.split_k}, num_warps={c.num_warps}, num_stages={c.num_stages}, mma={c.mma}, "
-                       f"decode={c.decode!r}, prefetch={c.prefetch}, fixup={c.fixup}),")
+                       f"decode={c.decode!r}, prefetch={c.prefetch}, fixup={c.fixup}"
+                       + (f", occ={c.occ}" if c.occ != 4 else "")
+                       + (f", pipe={c.pipe}" if c.pipe != 1 else "") + (", xperm=True" if c.xperm else "") + "),")
     snippet.append("}")
     out.append("\n".join(snippet))
     print("\n".join(snippet), flush=True)
@@ -614,6 +647,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--budget-s", type=float, default=1e9,
                    help="--sweep-decode: wall seconds after which each remaining shape times only its baselines and "
                         "first config (so a run under a time limit still prints its table)")
+    p.add_argument("--focus", action="store_true",
+                   help="--sweep-decode: short targeted sweep (8 configs per GEMM: the current DECODE_TABLE entry, "
+                        "nibble-major activation (xperm) and software-pipelined (pipe) variants; no stage 2); e.g. --sweep-decode --focus --shapes d8192,moe --m 1 (~90 s on the H200)")
     p.add_argument("--out", default=None, help="also write the tables to this file")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -625,7 +661,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"verl-quads bench rollout --sweep-decode: unknown shape(s) {bad}; allowed: moe (w13 and "
                              "w2 grouped GEMMs), d4096, d8192, qkv, o_proj")
         ms = [int(v) for v in (a.m if a.m != "1,4,16,64,256,1024,4096" else "1,4,16").split(",")]
-        text = run_sweep_decode(shapes, ms, a.budget_s)
+        text = run_sweep_decode(shapes, ms, a.budget_s, a.focus)
         if a.out:
             with open(a.out, "w") as f:
                 f.write(text + "\n")

@@ -481,14 +481,19 @@ if triton is not None:
         return wd, s
 
     @triton.jit
-    def _stream_x(x_ptr, arow, kw, kw_hi, K, J: tl.constexpr, EVEN: tl.constexpr):
+    def _stream_x(x_ptr, arow, kw, kw_hi, K, J: tl.constexpr, EVEN: tl.constexpr, XP: tl.constexpr = False):
         """Activation row ``arow`` (int64 scalar, always a valid row: an invalid row of a chunk reads row
         0 and is not stored), elements ``8 kw + J`` (``[BKW]``, a stride-8 gather that hits L1/L2: the
-        row is tiny), as float32."""
-        if EVEN:
-            return tl.load(x_ptr + arow * K + kw * 8 + J).to(tl.float32)
+        row is tiny), as float32. XP: ``x_ptr`` is the nibble-major copy ``[rows, 8, K/8]`` (element
+        ``8 kw + J`` of a row at ``J * K/8 + kw``): the gather becomes contiguous (vector loads)."""
+        if XP:
+            off = arow * K + J * (K // 8) + kw
         else:
-            return tl.load(x_ptr + arow * K + kw * 8 + J, mask=kw < kw_hi, other=0.0).to(tl.float32)
+            off = arow * K + kw * 8 + J
+        if EVEN:
+            return tl.load(x_ptr + off).to(tl.float32)
+        else:
+            return tl.load(x_ptr + off, mask=kw < kw_hi, other=0.0).to(tl.float32)
 
     @triton.jit
     def _stream_rows(arow_ptr, orow_ptr, r, r1, GROUPED: tl.constexpr):
@@ -525,6 +530,7 @@ if triton is not None:
         BM: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, PARTIAL: tl.constexpr,
         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, DEC: tl.constexpr,
         MMA: tl.constexpr, DT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, FIXUP: tl.constexpr,
+        PIPE: tl.constexpr = None, XP: tl.constexpr = False,
     ):
         """W4A16 weight-streaming GEMM: program (M-tile, BN output columns, K-range ``pid_k``).
 
@@ -534,7 +540,10 @@ if triton is not None:
         step's words and scales are loaded before this step's arithmetic (manual double buffering).
 
         MMA 0 (CUDA cores, BM in 1, 2, 4): float32 accumulators ``[BN, BKW]`` per row, one FMA per
-        weight element and row; summed over the word axis once at the end. MMA 1 (tensor cores, BM >=
+        weight element and row; summed over the word axis once at the end. PIPE (None or > 1): the K loop is
+        a ``tl.range(num_stages=PIPE)`` (Triton's software pipeliner: asynchronous weight copies to shared
+        memory PIPE - 1 steps ahead). XP: ``x_ptr`` is the nibble-major activation copy (see
+        :func:`_stream_x`). MMA 1 (tensor cores, BM >=
         16): per nibble position J ``acc[BN, BM] += W_J[BN, BKW] @ X_J[BM, BKW].T`` (swapped: weight rows
         on the MMA's M side) in the operand type DT (0 float32, 1 bf16, 2 fp16; the decoded values
         E2M1 * scale * 2**-9 are exact in all three). MMA 2: the same, not swapped ``X_J @ W_J.T``.
@@ -594,7 +603,7 @@ if triton is not None:
                     acc = tl.zeros([BM, BN], tl.float32)
             if PREFETCH:
                 wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw_lo + i, kw_hi, KW, KB, DEC, EVEN)
-            for kw0 in range(kw_lo, kw_hi, BKW):
+            for kw0 in tl.range(kw_lo, kw_hi, BKW, num_stages=PIPE):
                 kw = kw0 + i
                 if PREFETCH:
                     wd, s = wd_n, s_n
@@ -607,12 +616,12 @@ if triton is not None:
                 for j in tl.static_range(8):
                     v = _e2m1_word(wd, j, DEC) * s
                     if MMA == 0:
-                        acc0 += v * _stream_x(x_ptr, a0, kw, kw_hi, K, j, EVEN)[None, :]
+                        acc0 += v * _stream_x(x_ptr, a0, kw, kw_hi, K, j, EVEN, XP)[None, :]
                         if BM > 1:
-                            acc1 += v * _stream_x(x_ptr, a1, kw, kw_hi, K, j, EVEN)[None, :]
+                            acc1 += v * _stream_x(x_ptr, a1, kw, kw_hi, K, j, EVEN, XP)[None, :]
                         if BM > 2:
-                            acc2 += v * _stream_x(x_ptr, a2, kw, kw_hi, K, j, EVEN)[None, :]
-                            acc3 += v * _stream_x(x_ptr, a3, kw, kw_hi, K, j, EVEN)[None, :]
+                            acc2 += v * _stream_x(x_ptr, a2, kw, kw_hi, K, j, EVEN, XP)[None, :]
+                            acc3 += v * _stream_x(x_ptr, a3, kw, kw_hi, K, j, EVEN, XP)[None, :]
                     else:
                         if EVEN:
                             xm = rv[:, None]
@@ -792,7 +801,7 @@ class StreamConfig:
         block_kw: int32 words (8 weight elements, 4 packed bytes) per K step and weight row (power of 2;
             >= 16 with ``mma``: one tl.dot per nibble position has K = block_kw).
         split_k: K ranges computed by separate programs (float32 partials, then one reduction launch
-            summing them in a fixed order); 0 = choose so the grid has ~4 programs per SM.
+            summing them in a fixed order); 0 = choose so the grid has ~``occ`` programs per SM.
         num_warps / num_stages: Triton launch options (num_stages matters for ``mma`` only: the
             pipeliner stages loads that feed a dot; ``prefetch`` is the manual equivalent).
         mma: 0 CUDA-core FMAs (float32), 1 tensor cores with the weight tile on the MMA's M side
@@ -803,6 +812,16 @@ class StreamConfig:
         fixup: split-K partials summed by the last program of each output tile (per-tile counters,
             one launch) instead of a second reduction launch; same fixed summation order, so the
             result is bit-identical.
+        occ: ``split_k=0`` target: split K until the grid has ~``occ`` programs per SM (was fixed 4).
+        pipe: stages of Triton's software pipeliner on the K loop (``tl.range(num_stages=pipe)``); > 1
+            turns the weight-word loads into 16-byte asynchronous copies to shared memory issued
+            ``pipe - 1`` steps ahead (offline sm_90 compile: LDGSTS.128; the manual ``prefetch`` keeps
+            only one step in flight in registers); needs ``prefetch=False``.
+        xperm: (``mma=0``) the kernel reads a nibble-major copy of the activation, ``[M, 8, K/8]`` (one
+            small torch copy per call), so the activation values of nibble position j of BKW
+            consecutive words are contiguous (vector loads) instead of a stride-8 gather of 2-byte
+            loads (the offline sm_90 compile of the d8192 table entry: 48 of its ~55 loads per K step
+            are such activation gathers; a likely limit is the load/store unit, not DRAM).
     """
 
     block_m: int = 1
@@ -815,6 +834,9 @@ class StreamConfig:
     decode: str = "bits"
     prefetch: bool = True
     fixup: bool = False
+    occ: int = 4
+    pipe: int = 1
+    xperm: bool = False
 
     @property
     def label(self) -> str:
@@ -822,14 +844,16 @@ class StreamConfig:
         kind = ("fma", "mma-swap", "mma")[self.mma]
         return (f"{kind} bm{self.block_m} n{self.block_n} kw{self.block_kw} s{self.split_k or 'auto'} "
                 f"w{self.num_warps} st{self.num_stages} {self.decode}{' pf' if self.prefetch else ''}"
-                f"{' fx' if self.fixup else ''}")
+                f"{' fx' if self.fixup else ''}{'' if self.occ == 4 else f' o{self.occ}'}{f' p{self.pipe}' if self.pipe > 1 else ''}{' xp' if self.xperm else ''}")
 
     def check(self) -> None:
         def pow2(v):
             return v > 0 and v & (v - 1) == 0
 
         ok = (self.mma in (0, 1, 2) and self.decode in ("bits", "f16") and pow2(self.block_n) and self.block_n >= 16
-              and pow2(self.block_kw) and self.split_k >= 0 and pow2(self.num_warps) and self.num_stages >= 1)
+              and pow2(self.block_kw) and self.split_k >= 0 and pow2(self.num_warps) and self.num_stages >= 1
+              and self.occ >= 1 and self.pipe >= 1 and (self.pipe == 1 or not self.prefetch)
+              and (not self.xperm or self.mma == 0))
         if self.mma == 0:
             ok = ok and self.block_m in (1, 2, 4)
         else:
@@ -837,7 +861,8 @@ class StreamConfig:
         if not ok:
             raise ValueError(
                 f"nvfp4 GEMM: bad StreamConfig {self}: mma 0 needs block_m in 1/2/4; mma 1/2 need block_m >= 16 "
-                "and block_kw >= 16; block_n >= 16, block_kw, num_warps powers of 2; decode 'bits' or 'f16'")
+                "and block_kw >= 16; block_n >= 16, block_kw, num_warps powers of 2; decode 'bits' or 'f16'; "
+                "occ >= 1; pipe >= 1, pipe > 1 needs prefetch=False; xperm needs mma 0")
 
 
 # Decode dispatch (w4a16, CUDA): (grouped, rows bucket, N, K) -> StreamConfig. Rows = M for a dense GEMM,
@@ -898,6 +923,7 @@ def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor,
         raise ValueError("nvfp4 GEMM: streaming kernel needs a contiguous w_packed starting at a 4-byte boundary")
     w32 = w_packed.view(torch.int32)
     kw, kb = k // 8, k // BLOCK_SIZE
+    x_arg = x.view(m, kw, 8).transpose(1, 2).contiguous() if cfg.xperm else x  # [M, 8, K/8] nibble-major
     if grouped:
         m_tiles = routing.tile_expert.numel()
         arow_t = routing.sorted_slots if a_rows is None else a_rows.to(torch.int32).contiguous()
@@ -911,7 +937,7 @@ def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor,
     split = cfg.split_k
     if split == 0:
         live = m_tiles if not grouped else min(routing.num_experts, rows_out)  # grouped: active experts at most
-        target = 4 * _num_sms(dev)
+        target = cfg.occ * _num_sms(dev)
         split = 1
         while live * n_tiles * split * 2 <= target and kw // (cfg.block_kw * split * 2) >= 2:
             split *= 2
@@ -936,7 +962,7 @@ def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor,
         part = (torch.zeros if grouped and not fixup else torch.empty)(split, rows_out, n, dtype=torch.float32,
                                                                          device=dev)
     _w4a16_stream_kernel[(m_tiles, n_tiles, split)](
-        x, w32, w_scale.view(torch.uint8), w_gs.reshape(-1), bias if bias is not None else dummy, y_arg,
+        x_arg, w32, w_scale.view(torch.uint8), w_gs.reshape(-1), bias if bias is not None else dummy, y_arg,
         part if part is not None else dummy, counters if fixup else dummy,
         arow_t if grouped else dummy, orow_t if grouped else dummy,
         routing.tile_expert if grouped else dummy, routing.tile_row0 if grouped else dummy,
@@ -944,7 +970,8 @@ def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor,
         m, n, k, kw, kb, rows_out, kw_per, split,
         BM=cfg.block_m, TM=tm, BN=cfg.block_n, BKW=cfg.block_kw, PARTIAL=split > 1, GROUPED=grouped,
         HAS_BIAS=bias is not None, OUT=_OUT_CODES[x.dtype], DEC=0 if cfg.decode == "bits" else 1, MMA=cfg.mma,
-        DT=dt, EVEN=even, PREFETCH=cfg.prefetch, FIXUP=fixup, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DT=dt, EVEN=even, PREFETCH=cfg.prefetch, FIXUP=fixup, PIPE=cfg.pipe if cfg.pipe > 1 else None, XP=cfg.xperm,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split == 1 or fixup:
         return y
