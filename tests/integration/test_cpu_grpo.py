@@ -79,7 +79,16 @@ def cpu_grpo_command(model_dir: Path, data_dir: Path, *, steps: int = STEPS, buc
         # Ray: logical device slots (see verl_quads/integration/cpu_platform.py) and enough logical
         # CPUs for TransferQueue's storage actors + verl's placement bundles on a 2-core host
         "+ray_kwargs.ray_init.num_gpus=1", "ray_kwargs.ray_init.num_cpus=16",
-    ]
+    ] + LEAN_STARTUP
+
+
+#: Start-up settings that only cut process count on the 2-core CI host (CI time, issue 2): no Ray
+#: dashboard (9 dashboard head processes + agent work) and one TransferQueue storage unit instead of
+#: verl's default 8 (each a Ray actor process). Nothing verl-quads does goes through either.
+LEAN_STARTUP = [
+    "+ray_kwargs.ray_init.include_dashboard=False",
+    "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+]
 
 
 _METRIC = re.compile(r"([\w/@.\-]+):(-?[\d.]+(?:e[-+]?\d+)?|nan|inf)")
