@@ -315,6 +315,65 @@ def rel_err(y, ref):
     return float((y.float() - ref.float()).norm() / ref.float().norm())
 
 
+# ----------------------------------------------------------------------------- 4. TRACE guidance capture (here, right after
+# 1.: it reuses the trace engine that 1. left running; the engine fixture holds one engine at a time)
+def test_trace_guidance_record_reproduces_rollout_codes(engines, ckpts):
+    llm = engines.get(ckpts[0], "trace")
+    get_store().clear()
+    lin, moe, records = capture_activations(llm)
+    guidance = collect_guidance(llm)  # {internal request id: RequestGuidance}
+    assert get_store().request_ids() == []  # fetched = removed
+    assert len(guidance) == len(PROMPTS)
+    tok = llm.get_tokenizer()
+    prompt_lens = sorted(len(tok(p).input_ids) for p in PROMPTS)
+    assert sorted(g.num_tokens for g in guidance.values()) == [n + MAX_TOKENS - 1 for n in prompt_lens]
+    for g in guidance.values():
+        # every prompt position and every fed-back generated token (the last sampled one is never fed)
+        assert g.positions.tolist() == list(range(g.num_tokens))
+        assert set(g.records) == {(l, k) for l in range(LAYERS)
+                                  for k in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.experts.w13", "mlp.experts.w2")}
+    # bytes per token: 1 bit/element + 1 byte per 16 + 4 bytes of global scale, per GEMM input
+    per = lambda k: k // 8 + k // 16 + 4  # noqa: E731
+    expect = LAYERS * (per(HIDDEN) + per(HEADS * HEAD_DIM) + per(HIDDEN) + TOP_K * per(INTER))
+    bpt = {g.bytes_per_token for g in guidance.values()}
+    print(f"\n[trace] guidance bytes/token = {bpt} (BF16 GEMM inputs would be "
+          f"{LAYERS * 2 * (HIDDEN + HEADS * HEAD_DIM + HIDDEN + TOP_K * INTER)})")
+    assert bpt == {float(expect)}
+
+    n_checked = 0
+    for kind, name, inp, step in records:
+        assert step is not None, "activation seen outside a runner step"
+        rows, positions = step
+        layer_idx = int(name.split("layers.")[1].split(".")[0])
+        gemm = "mlp.experts.w13" if kind == "moe" else name.split(f"layers.{layer_idx}.")[1]
+        x = inp[0] if kind == "moe" else inp
+        for r, (rid, pos) in enumerate(zip(rows, positions.tolist())):
+            rec = guidance[rid].record(pos, layer_idx, gemm)
+            row = x[r]
+            rollout = nvfp4.quantize(row, per_token_global_scale(row[None])[0], backend="torch")
+            guided = nvfp4.quantize_guided(row, rec, backend="torch")
+            assert torch.equal(guided.packed, rollout.packed), (rid, pos, name)
+            assert torch.equal(guided.block_scale.view(torch.uint8), rollout.block_scale.view(torch.uint8))
+            assert torch.equal(guided.global_scale, rollout.global_scale)
+            n_checked += 1
+        if kind == "moe":  # routed slots' expert ids kept beside the w2 record
+            for r, (rid, pos) in enumerate(zip(rows, positions.tolist())):
+                g = guidance[rid]
+                i = int((g.positions == pos).nonzero()[0, 0])
+                assert torch.equal(g.expert_ids[layer_idx][i], inp[2][r].long())
+    assert n_checked >= sum(g.num_tokens for g in guidance.values()) * LAYERS * 3
+
+
+def test_trace_refuses_prefix_caching(engines, ckpts):
+    engines.close()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    with pytest.raises(Exception, match="prefix caching off"):
+        vllm.LLM(str(ckpts[0]), quantization="quads_nvfp4", enforce_eager=True, dtype="bfloat16", max_model_len=128,
+                 enable_prefix_caching=True, kv_cache_memory_bytes=32 << 20,
+                 hf_overrides={"quantization_config": {"quant_method": "quads_nvfp4", "quant": "trace"}})
+    engines.close_failed()
+
+
 # ----------------------------------------------------------------------------- 2. method == nvfp4 reference
 def test_methods_match_nvfp4_qdq_plus_plain_matmul(engines, ckpts):
     from verl_quads.rollout.linear import QuadsNVFP4LinearMethod
@@ -389,64 +448,6 @@ def test_per_layer_error_quads_below_naive_and_decreasing_in_ratio(engines, ckpt
         assert all(a > b for a, b in zip(errs, errs[1:])), (name, row)  # strictly decreasing in the ratio
         assert row["quads_per_token@0.5"] < row["naive"], (name, row)
         assert row["w4a16"] <= errs[-1] * 1.5, (name, row)  # full compensation approaches weight-only error
-
-
-# ----------------------------------------------------------------------------- 4. TRACE guidance capture
-def test_trace_guidance_record_reproduces_rollout_codes(engines, ckpts):
-    llm = engines.get(ckpts[0], "trace")
-    get_store().clear()
-    lin, moe, records = capture_activations(llm)
-    guidance = collect_guidance(llm)  # {internal request id: RequestGuidance}
-    assert get_store().request_ids() == []  # fetched = removed
-    assert len(guidance) == len(PROMPTS)
-    tok = llm.get_tokenizer()
-    prompt_lens = sorted(len(tok(p).input_ids) for p in PROMPTS)
-    assert sorted(g.num_tokens for g in guidance.values()) == [n + MAX_TOKENS - 1 for n in prompt_lens]
-    for g in guidance.values():
-        # every prompt position and every fed-back generated token (the last sampled one is never fed)
-        assert g.positions.tolist() == list(range(g.num_tokens))
-        assert set(g.records) == {(l, k) for l in range(LAYERS)
-                                  for k in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.experts.w13", "mlp.experts.w2")}
-    # bytes per token: 1 bit/element + 1 byte per 16 + 4 bytes of global scale, per GEMM input
-    per = lambda k: k // 8 + k // 16 + 4  # noqa: E731
-    expect = LAYERS * (per(HIDDEN) + per(HEADS * HEAD_DIM) + per(HIDDEN) + TOP_K * per(INTER))
-    bpt = {g.bytes_per_token for g in guidance.values()}
-    print(f"\n[trace] guidance bytes/token = {bpt} (BF16 GEMM inputs would be "
-          f"{LAYERS * 2 * (HIDDEN + HEADS * HEAD_DIM + HIDDEN + TOP_K * INTER)})")
-    assert bpt == {float(expect)}
-
-    n_checked = 0
-    for kind, name, inp, step in records:
-        assert step is not None, "activation seen outside a runner step"
-        rows, positions = step
-        layer_idx = int(name.split("layers.")[1].split(".")[0])
-        gemm = "mlp.experts.w13" if kind == "moe" else name.split(f"layers.{layer_idx}.")[1]
-        x = inp[0] if kind == "moe" else inp
-        for r, (rid, pos) in enumerate(zip(rows, positions.tolist())):
-            rec = guidance[rid].record(pos, layer_idx, gemm)
-            row = x[r]
-            rollout = nvfp4.quantize(row, per_token_global_scale(row[None])[0], backend="torch")
-            guided = nvfp4.quantize_guided(row, rec, backend="torch")
-            assert torch.equal(guided.packed, rollout.packed), (rid, pos, name)
-            assert torch.equal(guided.block_scale.view(torch.uint8), rollout.block_scale.view(torch.uint8))
-            assert torch.equal(guided.global_scale, rollout.global_scale)
-            n_checked += 1
-        if kind == "moe":  # routed slots' expert ids kept beside the w2 record
-            for r, (rid, pos) in enumerate(zip(rows, positions.tolist())):
-                g = guidance[rid]
-                i = int((g.positions == pos).nonzero()[0, 0])
-                assert torch.equal(g.expert_ids[layer_idx][i], inp[2][r].long())
-    assert n_checked >= sum(g.num_tokens for g in guidance.values()) * LAYERS * 3
-
-
-def test_trace_refuses_prefix_caching(engines, ckpts):
-    engines.close()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    with pytest.raises(Exception, match="prefix caching off"):
-        vllm.LLM(str(ckpts[0]), quantization="quads_nvfp4", enforce_eager=True, dtype="bfloat16", max_model_len=128,
-                 enable_prefix_caching=True, kv_cache_memory_bytes=32 << 20,
-                 hf_overrides={"quantization_config": {"quant_method": "quads_nvfp4", "quant": "trace"}})
-    engines.close_failed()
 
 
 # ----------------------------------------------------------------------------- 5. weight reload
