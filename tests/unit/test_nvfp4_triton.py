@@ -293,15 +293,18 @@ q = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "packed_ptr": "*i64", "scale_ptr": "*u
 comp(tk._quant2_kernel, q, {"RT": 1, "CT": 512, "ONE_GS": False, "MODE": 0, "OUT": 0, "FP": False}, 4)
 comp(tk._quant2_kernel, dict(q, packed_ptr="*i16", scale_ptr="*i16"),
      {"RT": 4, "CT": 128, "ONE_GS": True, "MODE": 1, "OUT": 3, "FP": True}, 4)
+comp(tk._quant2_kernel, dict(q, x_ptr="*fp32"), {"RT": 1, "CT": 256, "ONE_GS": True, "MODE": 0, "OUT": 0, "FP": True}, 4)
 r = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16", "packed1_ptr": "*i64", "scale1_ptr": "*u8",
      "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32", "NB": "i32", "NSEL": "i32",
      "GS_DIV": "i32", "NTP": "constexpr", "CT": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr", "OUT": "constexpr",
      "GATHER": "constexpr"}
 for pack in (True, False):
     for gather in (True, False):
-        sig = r if pack else dict(r, idx_ptr="*i32")
+        sig = r if pack else dict(r, idx_ptr="*i32")  # the wrappers' idx types (PACK: int64 even when NSEL = 0)
         comp(tk._residual_tiled_kernel, sig, {"NTP": 2, "CT": 256, "HAS_W": gather, "PACK": pack, "OUT": 0 if pack else 3,
                                               "GATHER": gather}, 4)
+comp(tk._residual_tiled_kernel, dict(r, x_ptr="*fp16", out_ptr="*fp16", idx_ptr="*i32"),
+     {"NTP": 4, "CT": 64, "HAS_W": False, "PACK": False, "OUT": 2, "GATHER": True}, 8)
 print("compiled")
 """
 

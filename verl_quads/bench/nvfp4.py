@@ -58,26 +58,29 @@ def _with(choice: dict, fn):
 
 
 def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, sweep: bool, row_sweep: bool = False,
-        device: str = "cuda") -> str:
+        device: str = "cuda", sweep_new: bool = False) -> str:
     """The benchmark (``device``: "cuda"; anything else only for a functional smoke run of this code
-    under the Triton interpreter with stand-in timers)."""
+    under the Triton interpreter with stand-in timers). ``sweep``: tune every variant's configuration
+    first; ``sweep_new``: only the v2 / tiled / gather ones."""
     from verl_quads.nvfp4 import triton_kernels as tk
 
     dev = device
     out = [f"device: {device_name()}"]
     print(out[0], flush=True)
-    if sweep:
+    if sweep or sweep_new:
         m, k = shapes[-1]
         x = torch.randn(m, k, device=dev, dtype=dtype)
         gs = nv.global_scale_from_amax(x.abs().amax())
+    if sweep:
         rows = []
         best = None
+        v1 = dict(quantize="v1", fake_quantize="v1")
         for split in (True, False):
             for blocks in (64, 128, 256):
                 for nw in (1, 2, 4):
                     tk.TILE_CONFIG.update(blocks=blocks, num_warps=nw, split=split)
-                    t = graph_time_s(lambda: nv.quantize(x, gs, backend="triton", check_finite=False))
-                    t2 = graph_time_s(lambda: nv.fake_quantize(x, gs, backend="triton", check_finite=False))
+                    t = graph_time_s(_with(v1, lambda: nv.quantize(x, gs, backend="triton", check_finite=False)))
+                    t2 = graph_time_s(_with(v1, lambda: nv.fake_quantize(x, gs, backend="triton", check_finite=False)))
                     rows.append([split, blocks, nw, t * 1e6, t2 * 1e6])
                     if best is None or t + t2 < best[0]:
                         best = (t + t2, dict(tk.TILE_CONFIG))
@@ -85,10 +88,11 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
         tk.TILE_CONFIG.update(best[1])
         out.append(f"chosen tile config: {best[1]}")
         print(out[-1], flush=True)
+    if sweep or sweep_new:
         # v2 (one thread per block): quantize (float or integer E2M1 index) and QDQ configs separately
         rows = []
         bq = bd = None
-        for blocks in (128, 256, 512, 1024):
+        for blocks in (256, 512, 1024):
             for nw in (2, 4, 8):
                 for fp in (True, False):
                     tk.QUANT2_CONFIG["quantize"].update(blocks=blocks, num_warps=nw, fp=fp)
@@ -113,7 +117,7 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
         rows = []
         for kern in ("tiled", "gather"):
             best = None
-            for tb in (32, 64, 128, 256):
+            for tb in (64, 128, 256):
                 for nw in (2, 4, 8):
                     tk.TILED_CONFIG[kern].update(tile_blocks=tb, num_warps=nw)
                     sel = dict(residual_per_token=kern)
@@ -135,8 +139,9 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
         best = None
         for ept in (8, 16, 32, 64, 128):
             tk.ROW_CONFIG.update(elems_per_thread=ept)
-            t = graph_time_s(lambda: nv.residual_fake_quantize(x, 0.5, gs_row, backend="triton", check_finite=False))
-            t2 = graph_time_s(lambda: nv.residual_quantize(x, 0.5, gs_row, backend="triton", check_finite=False))
+            row = dict(residual_per_token="row")
+            t = graph_time_s(_with(row, lambda: nv.residual_fake_quantize(x, 0.5, gs_row, backend="triton", check_finite=False)))
+            t2 = graph_time_s(_with(row, lambda: nv.residual_quantize(x, 0.5, gs_row, backend="triton", check_finite=False)))
             nbp = 1 << (k // 16 - 1).bit_length()
             rows.append([ept, tk._row_warps(nbp), t * 1e6, t2 * 1e6])
             if best is None or t + t2 < best[0]:
@@ -246,13 +251,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--no-torch", action="store_true", help="skip the torch reference rows")
     p.add_argument("--sweep", action="store_true", help="sweep tile configs first and use the best")
+    p.add_argument("--sweep-new", action="store_true",
+                   help="sweep only the v2 / tiled / gather kernels' configs (the v1 ones keep their tuned defaults)")
     p.add_argument("--row-sweep", action="store_true",
                    help="sweep the fused per-token residual kernel's warps (ROW_CONFIG) first and use the best")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("verl-quads bench nvfp4 needs a CUDA GPU (CPU numbers are not the point)")
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    run(shapes, getattr(torch, a.dtype), not a.no_torch, a.sweep, a.row_sweep)
+    run(shapes, getattr(torch, a.dtype), not a.no_torch, a.sweep, a.row_sweep, sweep_new=a.sweep_new)
 
 
 if __name__ == "__main__":

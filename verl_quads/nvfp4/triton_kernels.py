@@ -1006,11 +1006,14 @@ def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: f
     scale = torch.empty(m, nb, dtype=torch.uint8, device=dev)
     packed2 = torch.empty(m, n_sel * 8, dtype=torch.uint8, device=dev)
     scale2 = torch.empty(m, n_sel, dtype=torch.uint8, device=dev)
-    idx = torch.empty(m, n_sel, dtype=torch.int64, device=dev)
+    # n_sel == 0: nothing is stored through packed2 / scale2 / idx, but the kernel is still compiled with
+    # their types (the gather walk loads block indices from idx: it must be an integer pointer)
+    idx_buf = torch.empty(m, max(n_sel, 1), dtype=torch.int64, device=dev)
+    idx = idx_buf[:, :n_sel]
     gs2_rows = torch.empty(m, dtype=torch.float32, device=dev)
-    p2 = packed2.view(torch.int64) if n_sel else codes.view(torch.int64)  # n_sel == 0: nothing is stored there
+    p2 = packed2.view(torch.int64) if n_sel else codes.view(torch.int64)
     kernel[(m,)](xc, g1, wt, xc, codes.view(torch.int64), scale, p2, scale2 if n_sel else scale,
-                 idx if n_sel else gs2_rows, gs2_rows, nb, n_sel, div1, PACK=True, OUT=0, **meta)
+                 idx_buf, gs2_rows, nb, n_sel, div1, PACK=True, OUT=0, **meta)
     per_row = gs.dim() == 2 and gs.shape[0] == m and m > 1
     gs2 = gs2_rows.unsqueeze(-1) if per_row else gs2_rows.reshape(())  # the reference's shapes
     first = NVFP4Tensor(codes, scale.view(torch.float8_e4m3fn), gs, x.shape, x.dtype)
