@@ -1,7 +1,7 @@
 """TRACE in the stock verl 0.9.1 GRPO run on CPU (issue 6, "Guidance: rollout -> trainer"; issue 8 demo).
 
 ``python -m verl.trainer.main_ppo`` with the command ``verl-quads demo --quant trace`` runs
-(``verl_quads.demo.grpo_command``: stock GRPO + the CPU settings + ``actor_rollout_ref.actor.quant=trace``,
+(``verl_quads.demo.grpo_command``: stock GRPO + the CPU settings + ``actor_rollout_ref.actor.quant=trace``, ``--lr 1e-3``,
 which alone puts vLLM in ``quads_nvfp4`` mode ``trace``, + prefix caching off) on the embedded demo
 model (``verl_quads/assets/tiny_math_moe``: 4 layers, all guided; 8 prompts x 4 samples per step, the
 demo's default: fewer gave all-zero rewards and no update), 2 GRPO steps, plus two PPO mini-batches
@@ -59,6 +59,10 @@ pytestmark = [
 ]
 
 DEMO_BATCH, DEMO_N = 8, 4  # the demo's default prompts x samples per step
+#: ``verl-quads demo --lr`` (default 1e-4): 1e-3 as in the former 2-layer run (test_cpu_grpo's command), so
+#: the 1st mini-batch's update moves the weights enough that the 2nd mini-batch meets many values whose
+#: rounding changed since the rollout's version (at 1e-4: 0 / 16 forced low-bit mismatches in steps 1 / 2)
+LR = 1e-3
 QUADS_KEYS = ("quads/logp_gap_max", "quads/logp_gap_p99", "quads/logp_gap_mean", "quads/k3_kl")
 
 
@@ -90,7 +94,7 @@ def test_grpo_trace_guidance_reaches_trainer(tmp_path):
     # the demo's command (what `verl-quads demo --quant trace` runs) + 2 PPO mini-batches per step
     # (8 prompts / 4; micro-batch = one mini-batch of 16 sequences) + the tests' lean Ray/TransferQueue start-up;
     # later overrides win in Hydra
-    cmd = grpo_command(model_dir, model_dir / "data", quant="trace", steps=STEPS, batch=DEMO_BATCH, n=DEMO_N) + [
+    cmd = grpo_command(model_dir, model_dir / "data", quant="trace", steps=STEPS, batch=DEMO_BATCH, n=DEMO_N, lr=LR) + [
         f"actor_rollout_ref.actor.ppo_mini_batch_size={MINI_BATCH_PROMPTS}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={MINI_BATCH_PROMPTS * DEMO_N}"] + LEAN_STARTUP
     # The Ray workers must import verl_quads from this checkout: the venv's editable install points at
