@@ -51,15 +51,27 @@ class GuidanceRecord:
         return self.bits.numel() + self.block_scale.numel() + 4 * self.global_scale.numel()
 
 
+_BIT_WEIGHTS_ON: dict[torch.device, torch.Tensor] = {}
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    """:data:`_BIT_WEIGHTS` on ``device``, copied once per device: a CPU -> GPU copy per call would be a
+    blocking host transfer in the QAT hot path (TRACE's own guidance for uncovered rows)."""
+    w = _BIT_WEIGHTS_ON.get(device)
+    if w is None:
+        w = _BIT_WEIGHTS_ON.setdefault(device, _BIT_WEIGHTS.to(device))
+    return w
+
+
 def pack_bits(b: torch.Tensor) -> torch.Tensor:
     """Pack a 0/1 uint8 tensor ``[..., K]`` (K % 8 == 0) into uint8 ``[..., K // 8]``, LSB first."""
-    w = _BIT_WEIGHTS.to(b.device)
+    w = _bit_weights(b.device)
     return (b.to(torch.uint8).unflatten(-1, (-1, 8)) * w).sum(-1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_bits`: uint8 ``[..., K // 8]`` -> 0/1 uint8 ``[..., K]``."""
-    w = _BIT_WEIGHTS.to(packed.device)
+    w = _bit_weights(packed.device)
     return ((packed.unsqueeze(-1) & w) != 0).to(torch.uint8).flatten(-2)
 
 

@@ -872,15 +872,16 @@ class StreamConfig:
 # tensor-core kernel. Filled from ``verl-quads bench rollout --sweep-decode`` on the H200 (it prints a
 # paste-ready table: the fastest variant that passed the reference check and beat the tensor-core kernel).
 # From `verl-quads bench rollout --sweep-decode`, NVIDIA H200 (sm_90), torch 2.11.0+cu130, triton 3.6.0, 2026-11-29
-# (docs/bench_rollout_h200_decode_sweep.txt).
+# (docs/bench_rollout_h200_decode_sweep.txt); the (False, 1, 8192, 8192) and (True, 8, 1536, 2048) entries from the
+# follow-up `--sweep-decode --focus --shapes moe,d8192 --m 1` run (docs/bench_rollout_h200_decode_focus.txt).
 DECODE_TABLE: dict[tuple[bool, int, int, int], StreamConfig] = {
     (False, 1, 4096, 4096): StreamConfig(block_m=1, block_n=256, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=True),
-    (False, 1, 8192, 8192): StreamConfig(block_m=1, block_n=128, block_kw=8, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=True),
+    (False, 1, 8192, 8192): StreamConfig(block_m=1, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=False, fixup=True, pipe=3),
     (False, 4, 4096, 4096): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
     (False, 4, 8192, 8192): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
     (False, 16, 4096, 4096): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
     (False, 16, 8192, 8192): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
-    (True, 8, 1536, 2048): StreamConfig(block_m=1, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=True),
+    (True, 8, 1536, 2048): StreamConfig(block_m=1, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=False, fixup=True, occ=8, pipe=3),
     (True, 8, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=False),
     (True, 32, 1536, 2048): StreamConfig(block_m=2, block_n=128, block_kw=16, split_k=2, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=False),
     (True, 32, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=False, fixup=False),
