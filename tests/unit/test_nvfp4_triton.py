@@ -127,6 +127,7 @@ def test_residual_score_ties_break_to_the_lower_block_like_the_reference():
 def test_fused_per_token_kernel_is_the_path_taken_and_equals_the_multi_kernel_path(monkeypatch):
     from verl_quads.nvfp4 import triton_kernels as tk
 
+    monkeypatch.setitem(tk.KERNELS, "residual_per_token", "row")  # the whole-row kernel (default: gather)
     x = _x((9, 96), torch.bfloat16, seed=5)
     gs = nv.per_row_global_scale(x)
     calls = []

@@ -166,17 +166,22 @@ def test_expert_weight_qdq_is_one_launch_per_tensor_with_per_expert_scale(monkey
     model, _ = _model("w4a16")
     experts = model.model.layers[0].mlp.experts
     launches, calls = [], []
-    real_launch, real_ste = triton_kernels._launch, qw_mod.fake_quantize_ste
+    real_launch, real_quant2, real_ste = triton_kernels._launch, triton_kernels._quant2, qw_mod.fake_quantize_ste
 
-    def spy_launch(kernel, grid, *args, **meta):
+    def spy_launch(kernel, grid, *args, **meta):  # v1 kernels
         launches.append(kernel)
         return real_launch(kernel, grid, *args, **meta)
+
+    def spy_quant2(*args, **kw):  # the v2 quantize/QDQ kernel (one launch per call)
+        launches.append("_quant2")
+        return real_quant2(*args, **kw)
 
     def spy_ste(x, gs, **kw):
         calls.append((x, gs))
         return real_ste(x, gs, **kw)
 
     monkeypatch.setattr(triton_kernels, "_launch", spy_launch)
+    monkeypatch.setattr(triton_kernels, "_quant2", spy_quant2)
     monkeypatch.setattr(qw_mod, "fake_quantize_ste", spy_ste)
     with torch.no_grad():
         qw = experts._qdq_weights()

@@ -816,21 +816,23 @@ TILE_CONFIG = {"blocks": 128, "num_warps": 2, "split": True}
 #: once per program, QUANT2_CONFIG); residual_per_token (per-row global scale): "row" =
 #: ``_residual_row_kernel`` (whole row in registers, ROW_CONFIG), "tiled" = ``_residual_tiled_kernel``
 #: (row walked in tiles twice, TILED_CONFIG) or "gather" (the same kernel, second walk over the
-#: selected blocks only). ``verl-quads bench nvfp4`` times every variant side by side. "bf16_store":
+#: selected blocks only). ``verl-quads bench nvfp4`` times every variant side by side; the defaults
+#: are its H200 winners (docs/bench_nvfp4_h200_session3.txt: 8192x8192 quantize v2 76% of copy BW vs
+#: v1 66%; per-token residual QDQ k=0.5 gather 2.4x plain QDQ vs row 4.8x). "bf16_store":
 #: how v2 / tiled / gather write bfloat16 outputs on a GPU: "native" (one conversion instruction) or
 #: "int" (integer rounding, as v1 and always under the interpreter, whose cast truncates).
-KERNELS = {"quantize": "v1", "fake_quantize": "v1", "residual_per_token": "row", "bf16_store": "native"}
+KERNELS = {"quantize": "v2", "fake_quantize": "v2", "residual_per_token": "gather", "bf16_store": "native"}
 
 #: ``_quant2_kernel``: 16-blocks per program, warps, and the float formulation of the E2M1 index
-#: (``_e2m1_code`` FP=True) for quantize; tuned by ``verl-quads bench nvfp4 --sweep``. Defaults from
-#: static sm_90 SASS counts (bf16, per-row scale; Triton 3.9 on CPU, no GPU timing yet): instructions
+#: (``_e2m1_code`` FP=True) for quantize; tuned by ``verl-quads bench nvfp4 --sweep`` (values below:
+#: its H200 choice, session 3; quantize's matched the SASS-count guess). SASS counts (bf16, per-row scale; Triton 3.9 on CPU, no GPU timing yet): instructions
 #: per element v1 quantize 30.5 (128 blocks, 2 warps), v2 quantize 21.2 (512 blocks, 4 warps, integer
 #: E2M1; 25.0 with the float one), v2 QDQ 19.6 (bf16 written by cvt.rn).
-QUANT2_CONFIG = {"quantize": {"blocks": 512, "num_warps": 4, "fp": False}, "qdq": {"blocks": 512, "num_warps": 4}}
+QUANT2_CONFIG = {"quantize": {"blocks": 512, "num_warps": 4, "fp": False}, "qdq": {"blocks": 256, "num_warps": 8}}
 
 #: ``_residual_tiled_kernel``, per variant ("tiled", "gather"): 16-blocks per tile and warps per row
 #: program; rows longer than ``max_blocks`` blocks use the multi-kernel path.
-TILED_CONFIG = {"tiled": {"tile_blocks": 256, "num_warps": 4}, "gather": {"tile_blocks": 256, "num_warps": 4},
+TILED_CONFIG = {"tiled": {"tile_blocks": 64, "num_warps": 2}, "gather": {"tile_blocks": 64, "num_warps": 2},
                 "max_blocks": 8192}
 
 
@@ -957,7 +959,7 @@ _STATS_TILE = (8, 16)  # rows x blocks per program of the residual statistics ke
 #: Fused per-token residual kernel (``_residual_row_kernel``): one program per row; warps chosen so
 #: that each thread holds about ``elems_per_thread`` elements of the row; rows longer than
 #: ``max_blocks`` 16-blocks (padded to a power of two) use the multi-kernel path (same bytes).
-ROW_CONFIG = {"elems_per_thread": 32, "max_blocks": 2048}
+ROW_CONFIG = {"elems_per_thread": 64, "max_blocks": 2048}
 
 
 def _row_warps(nbp: int) -> int:
