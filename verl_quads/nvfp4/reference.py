@@ -75,7 +75,8 @@ def global_scale_from_amax(amax: torch.Tensor | float) -> torch.Tensor:
     a = torch.as_tensor(amax).to(torch.float32)
     a = torch.clamp(a, min=torch.finfo(torch.float32).tiny)
     gs = GLOBAL_SCALE_NUMERATOR / a
-    return torch.where(torch.isfinite(gs), gs, torch.ones_like(gs))
+    # == where(isfinite(gs), gs, 1) in one kernel instead of three (host launch cost in the QAT step)
+    return torch.nan_to_num(gs, nan=1.0, posinf=1.0, neginf=1.0)
 
 
 def per_row_global_scale(x: torch.Tensor) -> torch.Tensor:
