@@ -637,16 +637,7 @@ if triton is not None:
                         else:
                             vd = v
                             xj = xj.to(tl.float32)
-                        if MMA == 1:
-                            if DT == 0:
-                                acc = tl.dot(vd, tl.trans(xj), acc, input_precision="ieee")
-                            else:
-                                acc = tl.dot(vd, tl.trans(xj), acc)
-                        else:
-                            if DT == 0:
-                                acc = tl.dot(xj, tl.trans(vd), acc, input_precision="ieee")
-                            else:
-                                acc = tl.dot(xj, tl.trans(vd), acc)
+                        acc = _dot1(acc, xj, vd, MMA == 1, DT)
             if MMA == 0:
                 dst = part_ptr if PARTIAL else out_ptr
                 _stream_store(dst, bias_ptr, tl.sum(acc0, axis=1), post, o0, v0, cols, nmask, pid_k, N, OUT_ROWS,
