@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import inspect
+import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -23,10 +23,80 @@ def _source(obj) -> str:
     return inspect.getsource(getattr(obj, "__verl_quads_original__", obj))
 
 
-def _run(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-4000:]
-    return out.stdout
+#: The checks that need a fresh Python (nothing of verl / vLLM imported, no process group yet), run
+#: in ONE subprocess for CI time (each fresh import of verl + vLLM costs ~20 s on 2 cores). Sections
+#: run in this order; each records its printed result or its own traceback, so one failing section
+#: neither hides nor fails the others' tests. ``DIST_INIT``: a file:// init method (set by the driver).
+_FRESH_SECTIONS = {
+    # what `import verl` alone selects (first: before vLLM or anything else is imported)
+    "verl_platform": """
+        import verl
+        from verl.utils.device import get_device_name, get_device_id, get_nccl_backend
+        from verl.workers.engine.base import EngineRegistry
+        import verl.workers.engine
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+        # verl's FSDP engine, or a verl-quads subclass of it registered for cpu
+        result = [f"{get_device_name()} {get_device_id()} {get_nccl_backend()}",
+                  issubclass(EngineRegistry.get_engine_cls("language_model", "fsdp2"), FSDPEngineWithLMHead)]
+    """,
+    # what the vllm.general_plugins entry point installs (vLLM calls register() in every engine process)
+    "vllm_plugin": """
+        from verl_quads.rollout.vllm_plugin import register
+        register()
+        from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension as ext
+        fn, chain = ext.update_weights_from_ipc, []
+        while hasattr(fn, "__verl_quads_patch__"):  # the packed-sync patch (issue 6) wraps the CPU one
+            chain.append(fn.__verl_quads_patch__)
+            fn = fn.__verl_quads_original__
+        from verl_quads.patches._guard import patches_in_chain
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod as m
+        result = {"update_weights_from_ipc": chain, "moe_setup_kernel": patches_in_chain(m._setup_kernel)}
+    """,
+    # verl's worker-side process-group init on CPU (last: it leaves a process group behind)
+    "gloo_backend": """
+        import os
+        os.environ.update(RANK="0", WORLD_SIZE="1", DIST_INIT_METHOD=DIST_INIT)
+        import verl, torch.distributed as d
+        from verl.workers.engine_workers import initialize_global_process_group_ray as f
+        assert f.__verl_quads_patch__ == "verl_gloo_backend", f
+        f(timeout_second=None)
+        result = d.get_backend()
+    """,
+}
+
+_FRESH_DRIVER = """
+import json, sys, textwrap, traceback
+_sections, _dist_init = json.loads(sys.argv[1]), sys.argv[2]
+_results = {}
+for _name, _code in _sections.items():
+    _scope = {"DIST_INIT": _dist_init}
+    try:
+        exec(compile(textwrap.dedent(_code), f"<fresh section {_name}>", "exec"), _scope)
+        _results[_name] = {"result": _scope["result"]}
+    except BaseException:
+        _results[_name] = {"error": traceback.format_exc()}
+print("VERL_QUADS_FRESH " + json.dumps(_results))
+"""
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+    """``{section: {"result": ...} | {"error": traceback}}`` from one fresh Python running
+    :data:`_FRESH_SECTIONS` in order."""
+    dist_init = f"file://{tmp_path_factory.mktemp('fresh')}/s"
+    cmd = [sys.executable, "-c", _FRESH_DRIVER, json.dumps(_FRESH_SECTIONS), dist_init]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"the fresh-process checks exited with {out.returncode}:\n{out.stderr[-4000:]}"
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("VERL_QUADS_FRESH ")]
+    assert len(line) == 1, (out.stdout[-2000:], out.stderr[-4000:])
+    return json.loads(line[0].split(" ", 1)[1])
+
+
+def _fresh_result(fresh, section: str):
+    """The result of one fresh-process section; fails with that section's own traceback."""
+    r = fresh[section]
+    assert "error" not in r, f"fresh-process section {section!r} raised:\n{r['error']}"
+    return r["result"]
 
 
 # --- the guard itself ----------------------------------------------------------------------------
@@ -132,19 +202,8 @@ def test_torch_still_rejects_duplicate_cpu_backend(tmp_path):
     assert not tdist.is_initialized()
 
 
-def test_gloo_backend_patch_initializes_gloo_on_cpu(tmp_path):
-    out = _run(
-        f"""
-        import os
-        os.environ.update(RANK="0", WORLD_SIZE="1", DIST_INIT_METHOD="file://{tmp_path}/s")
-        import verl, torch.distributed as d
-        from verl.workers.engine_workers import initialize_global_process_group_ray as f
-        assert f.__verl_quads_patch__ == "verl_gloo_backend"
-        f(timeout_second=None)
-        print(d.get_backend())
-        """
-    )
-    assert out.strip().splitlines()[-1] == "cpu:gloo"
+def test_gloo_backend_patch_initializes_gloo_on_cpu(fresh):
+    assert _fresh_result(fresh, "gloo_backend") == "cpu:gloo"
 
 
 def test_gloo_backend_guard(monkeypatch):
@@ -196,20 +255,9 @@ def test_weight_reload_guard(monkeypatch):
 
 
 @pytest.mark.vllm
-def test_weight_reload_applied_by_vllm_plugin():
-    out = _run(
-        """
-        from verl_quads.rollout.vllm_plugin import register
-        register()
-        from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension as ext
-        fn, chain = ext.update_weights_from_ipc, []
-        while hasattr(fn, "__verl_quads_patch__"):  # the packed-sync patch (issue 6) wraps the CPU one
-            chain.append(fn.__verl_quads_patch__)
-            fn = fn.__verl_quads_original__
-        print(",".join(chain))
-        """
-    )
-    assert out.strip().splitlines()[-1] == "vllm_packed_weight_sync,vllm_cpu_weight_reload"
+def test_weight_reload_applied_by_vllm_plugin(fresh):
+    chain = _fresh_result(fresh, "vllm_plugin")["update_weights_from_ipc"]
+    assert chain == ["vllm_packed_weight_sync", "vllm_cpu_weight_reload"]
 
 
 @pytest.mark.vllm
@@ -293,17 +341,8 @@ def test_weight_reload_moe_prepack_wrapper_repacks_cpu_experts_on_update():
 
 
 @pytest.mark.vllm
-def test_weight_reload_moe_prepack_applied_by_vllm_plugin():
-    out = _run(
-        """
-        from verl_quads.rollout.vllm_plugin import register
-        register()
-        from verl_quads.patches._guard import patches_in_chain
-        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod as m
-        print(",".join(patches_in_chain(m._setup_kernel)))
-        """
-    )
-    assert out.strip().splitlines()[-1] == "vllm_cpu_weight_reload"
+def test_weight_reload_moe_prepack_applied_by_vllm_plugin(fresh):
+    assert _fresh_result(fresh, "vllm_plugin")["moe_setup_kernel"] == ["vllm_cpu_weight_reload"]
 
 
 # --- CPU platform + engines ---------------------------------------------------------------------
@@ -329,22 +368,10 @@ def test_cpu_platform_implements_verl_platform_api():
         assert callable(getattr(p.device_module, fn)), fn
 
 
-def test_verl_picks_cpu_platform_and_engines_in_a_fresh_process():
-    out = _run(
-        """
-        import verl
-        from verl.utils.device import get_device_name, get_device_id, get_nccl_backend
-        from verl.workers.engine.base import EngineRegistry
-        import verl.workers.engine
-        print(get_device_name(), get_device_id(), get_nccl_backend())
-        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-        # verl's FSDP engine, or a verl-quads subclass of it registered for cpu
-        print(issubclass(EngineRegistry.get_engine_cls("language_model", "fsdp2"), FSDPEngineWithLMHead))
-        """
-    )
-    lines = out.strip().splitlines()
-    assert lines[-2] == "cpu cpu gloo"
-    assert lines[-1] == "True"
+def test_verl_picks_cpu_platform_and_engines_in_a_fresh_process(fresh):
+    device, fsdp2_engine_is_verls = _fresh_result(fresh, "verl_platform")
+    assert device == "cpu cpu gloo"
+    assert fsdp2_engine_is_verls is True
 
 
 def test_platform_registry_upstream_api():
