@@ -1,7 +1,8 @@
 """W4A16 weight-streaming decode kernel (``StreamConfig`` in verl_quads/nvfp4/triton_gemm.py) against
 the torch reference of the rollout (verl_quads/rollout/emulation.py: dequantize to float32,
 ``x_f32 @ w_f32.T``, one cast), every variant (CUDA-core FMA with 1/2/4-row chunks, tensor-core dot
-swapped / not swapped, ``bits`` / ``f16`` E2M1 decode, prefetch on/off, split-K), dense and grouped.
+swapped / not swapped, ``bits`` / ``f16`` / ``f16x2`` E2M1 decode, block scale per element or per word (``late_scale``),
+prefetch on/off, split-K), dense and grouped.
 
 Same bound as tests/unit/test_nvfp4_gemm.py: per element |y - ref| <= 1 ulp(ref) in the output dtype
 + 4 K eps_f32 (|x| @ |w|.T) (products exact on both sides, only the float32 summation order and
@@ -70,6 +71,15 @@ DENSE = [
                                            occ=8)),
     # nibble-major activation copy (xperm), K tail in every range, fp16 and 4-row chunks
     (5, 24, 176, torch.float16, True, SC(block_m=4, block_n=32, block_kw=8, split_k=3, xperm=True)),
+    # f16x2 pair decode + block scale applied to each word's 8-product sum (late_scale), 1/2/4-row chunks,
+    # K tail in every range, pipelined loop; and the pair decode alone on the tensor-core path (FMA: one-hot test)
+    (1, 40, 256, torch.bfloat16, True, SC(block_m=1, block_n=16, block_kw=16, split_k=1, decode="f16x2",
+                                          late_scale=True)),
+    (3, 24, 176, torch.bfloat16, False, SC(block_m=2, block_n=32, block_kw=8, split_k=3, decode="f16x2",
+                                           late_scale=True, prefetch=False, pipe=3, fixup=True)),
+    (5, 24, 176, torch.float16, True, SC(block_m=4, block_n=32, block_kw=8, split_k=2, decode="f16x2",
+                                         late_scale=True, xperm=True)),
+    (9, 24, 384, torch.bfloat16, True, SC(block_m=16, block_n=32, block_kw=16, split_k=1, mma=1, decode="f16x2")),
 ]
 
 
@@ -99,7 +109,9 @@ def test_stream_dense_matches_reference(m, n, k, dtype, with_bias, cfg):
 @pytest.mark.parametrize("cfg", [SC(block_m=4, block_n=16, block_kw=16, split_k=1),
                                  SC(block_m=16, block_n=16, block_kw=16, split_k=1, mma=1, decode="f16"),
                                  SC(block_m=1, block_n=16, block_kw=8, split_k=1, prefetch=False, pipe=3),
-                                 SC(block_m=2, block_n=16, block_kw=16, split_k=1, xperm=True)],
+                                 SC(block_m=2, block_n=16, block_kw=16, split_k=1, xperm=True),
+                                 SC(block_m=4, block_n=16, block_kw=16, split_k=1, decode="f16x2", late_scale=True),
+                                 SC(block_m=1, block_n=16, block_kw=8, split_k=1, decode="f16x2")],
                          ids=lambda c: c.label)
 def test_stream_decode_exact_one_hot(cfg):
     """x = one-hot rows (float32): y[r, n] = w[n, k_r] * x, one product per output, no summation, so it
@@ -129,7 +141,9 @@ def test_stream_decode_exact_one_hot(cfg):
 @pytest.mark.parametrize("cfg", [SC(block_m=2, block_n=16, block_kw=8, split_k=2, decode="f16"),
                                  SC(block_m=16, block_n=16, block_kw=16, split_k=1, mma=1),
                                  SC(block_m=1, block_n=16, block_kw=8, split_k=2, prefetch=False, pipe=3, fixup=True,
-                                    xperm=True)],
+                                    xperm=True),
+                                 SC(block_m=2, block_n=16, block_kw=8, split_k=2, decode="f16x2", late_scale=True,
+                                    fixup=True)],
                          ids=lambda c: c.label)
 def test_stream_grouped_matches_per_expert_reference(cfg):
     """One grouped launch (tile table of moe_align, block_m 16 > the FMA chunk: rows looped in chunks)
@@ -162,7 +176,9 @@ def test_stream_config_errors_and_dispatch_table(monkeypatch):
     with pytest.raises(ValueError, match="w4a16 operands only"):
         tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "naive", config=SC())
     for bad in (SC(block_m=3), SC(block_m=8, mma=1), SC(block_m=16, mma=1, block_kw=8), SC(decode="lut"),
-                SC(pipe=3), SC(prefetch=False, pipe=0), SC(occ=0), SC(block_m=16, mma=1, xperm=True)):  # pipe > 1 with the manual prefetch: refused
+                SC(pipe=3), SC(prefetch=False, pipe=0), SC(occ=0), SC(block_m=16, mma=1, xperm=True),
+                SC(late_scale=True), SC(decode="f16", late_scale=True),  # late_scale needs the f16x2 decode
+                SC(block_m=16, mma=1, decode="f16x2", late_scale=True)):  # pipe > 1 with the manual prefetch: refused
         with pytest.raises(ValueError, match="bad StreamConfig"):
             tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16", config=bad)
     # the table: (grouped, power-of-two rows bucket, N, K); the smallest bucket >= rows that has an entry
@@ -201,3 +217,49 @@ def test_stream_split_k_fixup_is_bit_identical_to_reduction_launch():
                         out_rows=6, config=c) for c in (cfg, tg.replace(cfg, fixup=True))]
     assert torch.equal(ys[0], ys[1]) and not ys[1][3].any()  # slot 3 is not local: 0
     assert not tg._FIXUP_COUNTERS[str(torch.device(DEV))].any()
+
+
+_SM90_STREAM = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from verl_quads.nvfp4 import triton_gemm as tg
+
+ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "ws_ptr": "*u8", "wgs_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*i16",
+        "part_ptr": "*fp32", "cnt_ptr": "*i32", "arow_ptr": "*i32", "orow_ptr": "*i32", "tile_e_ptr": "*i32",
+        "tile_r0_ptr": "*i32", "tile_r1_ptr": "*i32"}
+ints = ["M", "N", "K", "KW", "KB", "OUT_ROWS", "KW_PER_SPLIT", "SPLIT"]
+for cfg, grouped in ((tg.StreamConfig(block_m=1, block_n=128, block_kw=16, prefetch=False, pipe=3, fixup=True,
+                                      decode="f16x2", late_scale=True), False),
+                     (tg.StreamConfig(block_m=4, block_n=64, block_kw=16, decode="f16x2", late_scale=True), True)):
+    const = dict(BM=cfg.block_m, TM=16 if grouped else cfg.block_m, BN=cfg.block_n, BKW=cfg.block_kw, PARTIAL=True,
+                 GROUPED=grouped, HAS_BIAS=False, OUT=1, DEC=2, MMA=0, DT=1, EVEN=True, PREFETCH=cfg.prefetch,
+                 FIXUP=cfg.fixup, PIPE=cfg.pipe if cfg.pipe > 1 else None, XP=False, LATE=True, ASM=True)
+    sig = dict(ptrs, **{i: "i32" for i in ints}, **{c: "constexpr" for c in const})
+    # as the JIT specializes: pointers and N, K, ... divisible by 16 carry tt.divisibility=16
+    attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(sig)
+             if sig[nm][0] == "*" or nm in ("N", "K", "KW", "KB", "KW_PER_SPLIT")}
+    k = triton.compile(ASTSource(fn=tg._w4a16_stream_kernel, signature=sig, constexprs=const, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
+    assert k.asm["cubin"] and "cvt.f32.f16" in k.asm["ptx"], cfg.label
+print("compiled")
+"""
+
+
+def test_stream_late_scale_inline_ptx_compiles_for_sm90_without_a_gpu():
+    """The late_scale path's inline PTX (fp16 -> fp32 conversions of both halves of a register) runs only on
+    a GPU (the interpreter takes the plain Triton form): compile it for sm_90 with triton's bundled ptxas in
+    a subprocess without TRITON_INTERPRET (dense pipelined + grouped 4-row configs). Compiles only."""
+    import subprocess
+    import sys
+
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        from triton.compiler import ASTSource  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the triton version
+        pytest.skip(f"triton's ahead-of-time compile API is not available: {e}")
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU the kernels are compiled and run by tests/gpu/test_nvfp4_gemm_stream_gpu.py")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", _SM90_STREAM], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]

@@ -352,23 +352,29 @@ DECODE_SHAPES = "moe,d8192,d4096"  # most important first: a run cut by --budget
 
 
 def _focus_variants(rows: int, grouped: bool, current):
-    """``--focus`` (short sweep, issue #5: why 9-16% of copy BW): the current DECODE_TABLE entry
-    (``current``, may be None), the same with the nibble-major activation (``xperm``: ~3x fewer load
-    instructions per K step: tests whether the load/store unit is the limit), CUDA-core variants with
-    xperm + manual prefetch, and ones whose K loop is software-pipelined (``pipe``: 16-byte
-    asynchronous weight copies issued pipe-1 steps ahead: tests memory-level parallelism) with the
-    split-K target at 4 or 8 programs per SM (``occ``); no stage 2."""
+    """``--focus`` (short sweep, issue #5), at most 8 per GEMM, in this order (a budget cut drops the
+    last): the current DECODE_TABLE entry (``current``, may be None); its ``f16x2`` + ``late_scale``
+    twin (CUDA-core entries: pair decode, block scale per word: ~1 SASS instruction per weight element
+    fewer in the offline sm_90 count); CUDA-core ``f16x2`` + ``late_scale`` variants over tile / pipeline
+    / split-K target (with 4 rows per chunk when rows > 2, i.e. also against the tensor-core entry at
+    M=16) and one with the nibble-major activation (``xperm``); then the current entry's ``xperm`` twin
+    and the pipelined ``bits`` variant of the previous focus run as controls."""
     from verl_quads.nvfp4.triton_gemm import StreamConfig
 
     bm = 1 if rows <= 1 else (2 if rows <= 2 else 4)
-    out = [current, replace(current, xperm=True)] if current is not None and current.mma == 0 else (
-        [current] if current is not None else [])
-    for bn, bkw, warps in ((128, 16, 4), (128, 8, 4), (64, 32, 4), (256, 8, 8)):
-        out.append(StreamConfig(block_m=bm, block_n=bn, block_kw=bkw, num_warps=warps, fixup=True, xperm=True))
-    for bn, bkw, pipe, occ in ((128, 16, 3, 4), (128, 8, 4, 4), (128, 16, 3, 8)):
-        out.append(StreamConfig(block_m=bm, block_n=bn, block_kw=bkw, num_warps=4, prefetch=False, pipe=pipe,
-                                occ=occ, fixup=True))
-    return list(dict.fromkeys(out))[:8]  # the current entry's xperm twin may repeat one of the grid
+    out = [current] if current is not None else []
+    if current is not None and current.mma == 0:
+        out.append(replace(current, decode="f16x2", late_scale=True))
+    late = dict(decode="f16x2", late_scale=True, fixup=True, num_warps=4)
+    out += [StreamConfig(block_m=bm, block_n=128, block_kw=16, prefetch=False, pipe=3, **late),
+            StreamConfig(block_m=bm, block_n=128, block_kw=16, prefetch=False, pipe=3, occ=8, **late),
+            StreamConfig(block_m=bm, block_n=256, block_kw=16, **late),
+            StreamConfig(block_m=bm, block_n=64, block_kw=32, **late),
+            StreamConfig(block_m=bm, block_n=128, block_kw=8, xperm=True, **late)]
+    if current is not None and current.mma == 0:
+        out.append(replace(current, xperm=True))
+    out.append(StreamConfig(block_m=bm, block_n=128, block_kw=16, num_warps=4, prefetch=False, pipe=3, fixup=True))
+    return list(dict.fromkeys(out))[:8]  # a twin may repeat one of the grid
 
 
 def _decode_variants(rows: int, grouped: bool, tokens: int):
@@ -399,7 +405,7 @@ def _decode_variants(rows: int, grouped: bool, tokens: int):
 
     def second(c: StreamConfig, split_auto: int):
         out = [replace(c, fixup=not c.fixup)]
-        if c.pipe == 1:
+        if c.pipe == 1 and not c.late_scale:
             out += [replace(c, decode="f16"), replace(c, prefetch=not c.prefetch)]
         if c.mma == 0:
             out += [replace(c, occ=8), replace(c, xperm=not c.xperm)]
@@ -449,7 +455,7 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
     torch reference, and print the fastest correct variant per shape with a paste-ready
     ``DECODE_TABLE``. Past ``budget_s`` seconds of wall time only the baselines, the tensor-core kernel
     and the first stage-1 config of each remaining shape are timed (the table is still printed).
-    ``focus``: only :func:`_focus_variants` (8 per GEMM), no stage 2."""
+    ``focus``: only :func:`_focus_variants` (<= 8 per GEMM), no stage 2."""
     import time
 
     from verl_quads import nvfp4 as nv
@@ -625,7 +631,8 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
                        f"split_k={c.split_k}, num_warps={c.num_warps}, num_stages={c.num_stages}, mma={c.mma}, "
                        f"decode={c.decode!r}, prefetch={c.prefetch}, fixup={c.fixup}"
                        + (f", occ={c.occ}" if c.occ != 4 else "")
-                       + (f", pipe={c.pipe}" if c.pipe != 1 else "") + (", xperm=True" if c.xperm else "") + "),")
+                       + (f", pipe={c.pipe}" if c.pipe != 1 else "") + (", xperm=True" if c.xperm else "")
+                       + (", late_scale=True" if c.late_scale else "") + "),")
     snippet.append("}")
     out.append("\n".join(snippet))
     print("\n".join(snippet), flush=True)

@@ -448,23 +448,71 @@ if triton is not None:
         bits and the top mantissa bit of a float32) and AND 0x81C00000: a float32 equal to E2M1 * 2**-126
         exactly (codes 0/1 are float32 zero/subnormal 2**-127: needs subnormal-preserving multiplies,
         which Triton's non-ftz fmul is). DEC 1 (the fp16 trick of :func:`_fp4_decode` + a hardware
-        fp16 -> fp32 conversion)."""
+        fp16 -> fp32 conversion). DEC 2 (``f16x2``, same values as DEC 1: E2M1 * 2**-14, every code a
+        normal float32): nibbles J and J + 4 of a word are 16 bits apart, so ONE pair of shifts and
+        masks builds both as the two fp16 halves of an int32 (magnitude bits -> 9..11 / 25..27, sign
+        -> 15 / 31); J and J + 4 share that computation (the compiler merges the identical
+        expressions), then one fp16 -> fp32 conversion per element: ~2.9 integer/convert
+        instructions per element, like DEC 0, but the result is in the normal range, so a product
+        with an activation needs no scale first (``late_scale``)."""
         if DEC == 0:
             if J == 7:
                 t = wd
             else:
                 t = wd << (28 - 4 * J)
             return ((t >> 6) & -2118123520).to(tl.float32, bitcast=True)  # -2118123520 = 0x81C00000
+        elif DEC == 2:
+            if J % 4 == 0:
+                a = wd << 9
+                b = wd << 12
+            elif J % 4 == 1:
+                a = wd << 5
+                b = wd << 8
+            elif J % 4 == 2:
+                a = wd << 1
+                b = wd << 4
+            else:
+                a = wd >> 3
+                b = wd
+            h = (a & 234884608) | (b & -2147450880)  # 0x0E000E00 magnitudes, 0x80008000 signs
+            if J >= 4:
+                h = h >> 16
+            return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
         else:
             t = wd >> (4 * J)
             h = ((t & 7) << 9) | ((t & 8) << 12)
             return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def _e2m1_pair(wd, PJ: tl.constexpr, ASM: tl.constexpr):
+        """Nibbles ``PJ`` and ``PJ + 4`` (PJ 0..3) of int32 words ``wd`` as float32 ``E2M1 * 2**-14`` (the
+        values of :func:`_e2m1_word` DEC 2): 2 shifts + 2 masks build both as the fp16 halves of one
+        int32, then one fp16 -> fp32 conversion each. ASM (GPU only, not the interpreter): the two
+        conversions as inline PTX on the halves of the register (Triton's own fp16 -> fp32 lowering
+        first re-packs halves of different words with a byte permute per element pair); same exact
+        conversion, same values."""
+        if PJ == 0:
+            h = ((wd << 9) & 234884608) | ((wd << 12) & -2147450880)  # 0x0E000E00 magnitudes, 0x80008000 signs
+        elif PJ == 1:
+            h = ((wd << 5) & 234884608) | ((wd << 8) & -2147450880)
+        elif PJ == 2:
+            h = ((wd << 1) & 234884608) | ((wd << 4) & -2147450880)
+        else:
+            h = ((wd >> 3) & 234884608) | (wd & -2147450880)
+        if ASM:
+            lo, hi = tl.inline_asm_elementwise(
+                "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
+                "=r,=r,r", [h], dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        else:
+            lo = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            hi = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return lo, hi
+
+    @triton.jit
     def _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC: tl.constexpr, EVEN: tl.constexpr):
         """Words ``kw`` (int ``[BKW]``) of weight rows ``wrow`` (int64 ``[BN]``, row index into the
         int32 view ``[rows, K/8]``) and each word's block-scale multiplier, float32 ``[BN, BKW]``:
-        ``scale * 2**117`` (DEC 0) or ``scale * 2**14`` (DEC 1), so that ``_e2m1_word * multiplier =
+        ``scale * 2**117`` (DEC 0) or ``scale * 2**14`` (DEC 1, 2), so that ``_e2m1_word * multiplier =
         E2M1 * scale * 2**-9`` resp. ``E2M1 * scale`` (exact; the 2**9 goes into the epilogue). The
         scale byte of word kw is block ``kw // 2`` (one per 16 elements; L1 hits after the first)."""
         if EVEN:
@@ -530,7 +578,8 @@ if triton is not None:
         BM: tl.constexpr, TM: tl.constexpr, BN: tl.constexpr, BKW: tl.constexpr, PARTIAL: tl.constexpr,
         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, DEC: tl.constexpr,
         MMA: tl.constexpr, DT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, FIXUP: tl.constexpr,
-        PIPE: tl.constexpr = None, XP: tl.constexpr = False,
+        PIPE: tl.constexpr = None, XP: tl.constexpr = False, LATE: tl.constexpr = False,
+        ASM: tl.constexpr = False,
     ):
         """W4A16 weight-streaming GEMM: program (M-tile, BN output columns, K-range ``pid_k``).
 
@@ -543,7 +592,10 @@ if triton is not None:
         weight element and row; summed over the word axis once at the end. PIPE (None or > 1): the K loop is
         a ``tl.range(num_stages=PIPE)`` (Triton's software pipeliner: asynchronous weight copies to shared
         memory PIPE - 1 steps ahead). XP: ``x_ptr`` is the nibble-major activation copy (see
-        :func:`_stream_x`). MMA 1 (tensor cores, BM >=
+        :func:`_stream_x`). LATE (MMA 0, DEC 2): the block scale multiplies each word's sum of its 8
+        products ``sum_j E2M1_j 2**-14 x_j`` (nibble order 0, 4, 1, 5, 2, 6, 3, 7; one FFMA per word and
+        row) instead of each decoded element (one FMUL per element saved; one more rounding per 8
+        products); ASM: :func:`_e2m1_pair`'s inline-PTX conversion (GPU only). MMA 1 (tensor cores, BM >=
         16): per nibble position J ``acc[BN, BM] += W_J[BN, BKW] @ X_J[BM, BKW].T`` (swapped: weight rows
         on the MMA's M side) in the operand type DT (0 float32, 1 bf16, 2 fp16; the decoded values
         E2M1 * scale * 2**-9 are exact in all three). MMA 2: the same, not swapped ``X_J @ W_J.T``.
@@ -613,31 +665,55 @@ if triton is not None:
                     wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + BKW, kw_hi, KW, KB, DEC, EVEN)
                 else:
                     wd, s = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC, EVEN)
-                for j in tl.static_range(8):
-                    v = _e2m1_word(wd, j, DEC) * s
-                    if MMA == 0:
-                        acc0 += v * _stream_x(x_ptr, a0, kw, kw_hi, K, j, EVEN, XP)[None, :]
+                if LATE:  # MMA 0: per-word sums of unscaled products, then one FFMA with the scale
+                    p0 = tl.zeros([BN, BKW], tl.float32)
+                    p1 = tl.zeros([BN, BKW], tl.float32)
+                    p2 = tl.zeros([BN, BKW], tl.float32)
+                    p3 = tl.zeros([BN, BKW], tl.float32)
+                    for pj in tl.static_range(4):
+                        dl, dh = _e2m1_pair(wd, pj, ASM)
+                        p0 += dl * _stream_x(x_ptr, a0, kw, kw_hi, K, pj, EVEN, XP)[None, :]
+                        p0 += dh * _stream_x(x_ptr, a0, kw, kw_hi, K, pj + 4, EVEN, XP)[None, :]
                         if BM > 1:
-                            acc1 += v * _stream_x(x_ptr, a1, kw, kw_hi, K, j, EVEN, XP)[None, :]
+                            p1 += dl * _stream_x(x_ptr, a1, kw, kw_hi, K, pj, EVEN, XP)[None, :]
+                            p1 += dh * _stream_x(x_ptr, a1, kw, kw_hi, K, pj + 4, EVEN, XP)[None, :]
                         if BM > 2:
-                            acc2 += v * _stream_x(x_ptr, a2, kw, kw_hi, K, j, EVEN, XP)[None, :]
-                            acc3 += v * _stream_x(x_ptr, a3, kw, kw_hi, K, j, EVEN, XP)[None, :]
-                    else:
-                        if EVEN:
-                            xm = rv[:, None]
+                            p2 += dl * _stream_x(x_ptr, a2, kw, kw_hi, K, pj, EVEN, XP)[None, :]
+                            p2 += dh * _stream_x(x_ptr, a2, kw, kw_hi, K, pj + 4, EVEN, XP)[None, :]
+                            p3 += dl * _stream_x(x_ptr, a3, kw, kw_hi, K, pj, EVEN, XP)[None, :]
+                            p3 += dh * _stream_x(x_ptr, a3, kw, kw_hi, K, pj + 4, EVEN, XP)[None, :]
+                    acc0 += p0 * s
+                    if BM > 1:
+                        acc1 += p1 * s
+                    if BM > 2:
+                        acc2 += p2 * s
+                        acc3 += p3 * s
+                else:
+                    for j in tl.static_range(8):
+                        v = _e2m1_word(wd, j, DEC) * s
+                        if MMA == 0:
+                            acc0 += v * _stream_x(x_ptr, a0, kw, kw_hi, K, j, EVEN, XP)[None, :]
+                            if BM > 1:
+                                acc1 += v * _stream_x(x_ptr, a1, kw, kw_hi, K, j, EVEN, XP)[None, :]
+                            if BM > 2:
+                                acc2 += v * _stream_x(x_ptr, a2, kw, kw_hi, K, j, EVEN, XP)[None, :]
+                                acc3 += v * _stream_x(x_ptr, a3, kw, kw_hi, K, j, EVEN, XP)[None, :]
                         else:
-                            xm = rv[:, None] & (kw < kw_hi)[None, :]
-                        xj = tl.load(x_ptr + ar[:, None] * K + (kw * 8 + j)[None, :], mask=xm, other=0.0)
-                        if DT == 1:
-                            vd = v.to(tl.bfloat16)
-                            xj = xj.to(tl.bfloat16)
-                        elif DT == 2:
-                            vd = v.to(tl.float16)
-                            xj = xj.to(tl.float16)
-                        else:
-                            vd = v
-                            xj = xj.to(tl.float32)
-                        acc = _dot1(acc, xj, vd, MMA == 1, DT)
+                            if EVEN:
+                                xm = rv[:, None]
+                            else:
+                                xm = rv[:, None] & (kw < kw_hi)[None, :]
+                            xj = tl.load(x_ptr + ar[:, None] * K + (kw * 8 + j)[None, :], mask=xm, other=0.0)
+                            if DT == 1:
+                                vd = v.to(tl.bfloat16)
+                                xj = xj.to(tl.bfloat16)
+                            elif DT == 2:
+                                vd = v.to(tl.float16)
+                                xj = xj.to(tl.float16)
+                            else:
+                                vd = v
+                                xj = xj.to(tl.float32)
+                            acc = _dot1(acc, xj, vd, MMA == 1, DT)
             if MMA == 0:
                 dst = part_ptr if PARTIAL else out_ptr
                 _stream_store(dst, bias_ptr, tl.sum(acc0, axis=1), post, o0, v0, cols, nmask, pid_k, N, OUT_ROWS,
@@ -798,7 +874,8 @@ class StreamConfig:
         mma: 0 CUDA-core FMAs (float32), 1 tensor cores with the weight tile on the MMA's M side
             (swapped), 2 tensor cores not swapped.
         decode: ``"bits"`` (3 integer ops per element, float32 subnormals; :func:`_e2m1_word` DEC 0)
-            or ``"f16"`` (fp16 bits + conversion instruction; DEC 1).
+            or ``"f16"`` (fp16 bits + conversion instruction; DEC 1) or ``"f16x2"`` (nibbles J and J+4 of
+            a word decoded together as the two fp16 halves of one int32, then converted; DEC 2).
         prefetch: load the next K step's words and scales before this step's arithmetic.
         fixup: split-K partials summed by the last program of each output tile (per-tile counters,
             one launch) instead of a second reduction launch; same fixed summation order, so the
@@ -813,6 +890,14 @@ class StreamConfig:
             consecutive words are contiguous (vector loads) instead of a stride-8 gather of 2-byte
             loads (the offline sm_90 compile of the d8192 table entry: 48 of its ~55 loads per K step
             are such activation gathers; a likely limit is the load/store unit, not DRAM).
+        late_scale: (``mma=0``, decode ``"f16x2"``) multiply each word's sum of 8 unscaled
+            products (E2M1 * 2**-14 * x, exact) by its block scale (one FFMA per word and row) instead of
+            scaling every decoded element (one FMUL per element): the offline sm_90 count of the K loop
+            drops by ~1 instruction per weight element; numerics: one extra float32 rounding per 8
+            products, inside the tests' bound (1 ulp + 4 K eps_f32 |x| @ |w|.T). Not with ``"bits"``:
+            its decoded values are ~2**-126 (products with x would be float32 subnormals). On a GPU the
+            fp16 -> fp32 conversions are inline PTX (the interpreter runs the plain Triton form, same
+            values).
     """
 
     block_m: int = 1
@@ -828,6 +913,7 @@ class StreamConfig:
     occ: int = 4
     pipe: int = 1
     xperm: bool = False
+    late_scale: bool = False
 
     @property
     def label(self) -> str:
@@ -835,16 +921,17 @@ class StreamConfig:
         kind = ("fma", "mma-swap", "mma")[self.mma]
         return (f"{kind} bm{self.block_m} n{self.block_n} kw{self.block_kw} s{self.split_k or 'auto'} "
                 f"w{self.num_warps} st{self.num_stages} {self.decode}{' pf' if self.prefetch else ''}"
-                f"{' fx' if self.fixup else ''}{'' if self.occ == 4 else f' o{self.occ}'}{f' p{self.pipe}' if self.pipe > 1 else ''}{' xp' if self.xperm else ''}")
+                f"{' fx' if self.fixup else ''}{'' if self.occ == 4 else f' o{self.occ}'}{f' p{self.pipe}' if self.pipe > 1 else ''}{' xp' if self.xperm else ''}{' ls' if self.late_scale else ''}")
 
     def check(self) -> None:
         def pow2(v):
             return v > 0 and v & (v - 1) == 0
 
-        ok = (self.mma in (0, 1, 2) and self.decode in ("bits", "f16") and pow2(self.block_n) and self.block_n >= 16
+        ok = (self.mma in (0, 1, 2) and self.decode in ("bits", "f16", "f16x2") and pow2(self.block_n) and self.block_n >= 16
               and pow2(self.block_kw) and self.split_k >= 0 and pow2(self.num_warps) and self.num_stages >= 1
               and self.occ >= 1 and self.pipe >= 1 and (self.pipe == 1 or not self.prefetch)
-              and (not self.xperm or self.mma == 0))
+              and (not self.xperm or self.mma == 0)
+              and (not self.late_scale or (self.mma == 0 and self.decode == "f16x2")))
         if self.mma == 0:
             ok = ok and self.block_m in (1, 2, 4)
         else:
@@ -852,8 +939,9 @@ class StreamConfig:
         if not ok:
             raise ValueError(
                 f"nvfp4 GEMM: bad StreamConfig {self}: mma 0 needs block_m in 1/2/4; mma 1/2 need block_m >= 16 "
-                "and block_kw >= 16; block_n >= 16, block_kw, num_warps powers of 2; decode 'bits' or 'f16'; "
-                "occ >= 1; pipe >= 1, pipe > 1 needs prefetch=False; xperm needs mma 0")
+                "and block_kw >= 16; block_n >= 16, block_kw, num_warps powers of 2; decode 'bits', 'f16' or "
+                "'f16x2'; occ >= 1; pipe >= 1, pipe > 1 needs prefetch=False; xperm needs mma 0; late_scale needs "
+                "mma 0 and decode 'f16x2'")
 
 
 # Decode dispatch (w4a16, CUDA): (grouped, rows bucket, N, K) -> StreamConfig. Rows = M for a dense GEMM,
@@ -961,9 +1049,9 @@ def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor,
         routing.tile_row1 if grouped else dummy,
         m, n, k, kw, kb, rows_out, kw_per, split,
         BM=cfg.block_m, TM=tm, BN=cfg.block_n, BKW=cfg.block_kw, PARTIAL=split > 1, GROUPED=grouped,
-        HAS_BIAS=bias is not None, OUT=_OUT_CODES[x.dtype], DEC=0 if cfg.decode == "bits" else 1, MMA=cfg.mma,
+        HAS_BIAS=bias is not None, OUT=_OUT_CODES[x.dtype], DEC=("bits", "f16", "f16x2").index(cfg.decode), MMA=cfg.mma,
         DT=dt, EVEN=even, PREFETCH=cfg.prefetch, FIXUP=fixup, PIPE=cfg.pipe if cfg.pipe > 1 else None, XP=cfg.xperm,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        LATE=cfg.late_scale, ASM=cfg.late_scale and not _interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split == 1 or fixup:
         return y
