@@ -125,3 +125,29 @@ def test_emulator_remove_restores_and_routing_recorded(tiny):
     torch.testing.assert_close(ref, back, rtol=0, atol=0)
     rt = assemble_routing(emu.routing, 1, 6, m.config.num_experts_per_tok)
     assert rt.shape == (1, 6, m.config.num_hidden_layers, m.config.num_experts_per_tok) and bool((rt >= 0).all())
+
+
+def test_emulator_padding_rows_do_not_change_per_call_quads_of_valid_rows(tiny):
+    """Per-call QUADS selection ranks blocks over the whole GEMM call: with ``rows`` marking padding, the
+    padding rows' contents do not change any valid row's logits (bit for bit); without ``rows`` they do
+    (the control that shows the check can fail)."""
+    from verl_quads.diagnostics.hf_rollout import RolloutEmulator, RolloutSpec
+
+    m = _load(tiny, torch.bfloat16)
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 500, (2, 8), generator=g)
+    am = torch.ones(2, 8, dtype=torch.long)
+    am[1, :3] = 0  # sequence 1 is left-padded by 3
+    pos = (am.cumsum(-1) - 1).clamp_min(0)
+    rows = (torch.where(am.bool(), torch.arange(2).unsqueeze(1), -1).flatten(), torch.where(am.bool(), pos, -1).flatten())
+    emu = RolloutEmulator(m, RolloutSpec(True, "quads", 0.25, residual_per_token=False))
+    outs = {}
+    with torch.no_grad(), emu.installed():
+        for pad in (0, 1):
+            x = ids.clone()
+            x[1, :3] = torch.randint(0, 500, (3,), generator=g) if pad else 7
+            for with_rows in (True, False):
+                emu.rows = rows if with_rows else None
+                outs[pad, with_rows] = m(input_ids=x, attention_mask=am, position_ids=pos).logits[am.bool()]
+    assert torch.equal(outs[0, True], outs[1, True])
+    assert not torch.equal(outs[0, False], outs[1, False])

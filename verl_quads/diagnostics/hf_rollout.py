@@ -104,7 +104,8 @@ class RolloutEmulator:
         self.model = model
         self.spec = spec
         self.config = config or QuantConfig()
-        self.rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._row_masks: dict | None = None  # device -> (bool mask [N], int64 valid indices); None: every row valid
         self.guidance = _Recorder()  # key (layer, gemm) -> GuidanceRecord rows
         self.routing = _Recorder()  # key layer -> int64 [n, k]
         self._installed: list[nn.Module] = []
@@ -121,13 +122,32 @@ class RolloutEmulator:
             raise RuntimeError("RolloutEmulator trace: model.config.num_hidden_layers is missing")
         return layer >= self.num_layers - self.spec.guided_layers
 
-    def _valid(self, n: int, device) -> torch.Tensor | None:
-        if self.rows is None:
+    @property
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(row_seq, row_pos)`` int64 ``[N]`` of the next forward's token rows (-1: padding), or None."""
+        return self._rows
+
+    @rows.setter
+    def rows(self, value: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self._rows = value
+        # whether any row is padding is decided here, once per forward (one check on the rows' own
+        # device: no device sync for host rows), not in each of the forward's GEMM calls
+        self._row_masks = None if value is None or bool((value[0] >= 0).all()) else {}
+
+    def _valid(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(bool mask ``[n]``, int64 indices of the valid rows) on ``device``; None if every row is valid."""
+        if self._rows is None:
             return None
-        seq = self.rows[0]
+        seq = self._rows[0]
         if seq.numel() != n:
             raise RuntimeError(f"RolloutEmulator: rows describe {seq.numel()} token rows, the GEMM sees {n}")
-        return (seq >= 0).to(device)
+        if self._row_masks is None:
+            return None
+        key = torch.device(device)
+        if key not in self._row_masks:
+            mask = seq >= 0
+            self._row_masks[key] = (mask.to(device), mask.nonzero().flatten().to(device))
+        return self._row_masks[key]
 
     def _quant_act_cached(self, x: torch.Tensor, layer, gemm) -> torch.Tensor:
         """:meth:`_quant_act` once per input tensor: the members of a fused group (q/k/v, gate/up) see
@@ -153,11 +173,11 @@ class RolloutEmulator:
         if guided:
             act = ActQuant("trace", capture=True, backend=_BACKEND)
         valid = self._valid(x2.shape[0], x2.device)
-        if valid is None or bool(valid.all()):
+        if valid is None:
             xf, rec = emulation.quantize_activation(x2, act)
             idx = None
         else:
-            idx = valid.nonzero().flatten()
+            idx = valid[1]
             out = x2.to(torch.float32).clone()
             q, rec = emulation.quantize_activation(x2[idx], act)
             out[idx] = q
@@ -166,8 +186,8 @@ class RolloutEmulator:
             seq, pos = self.rows if self.rows is not None else (None, None)
             if seq is None:
                 raise RuntimeError("RolloutEmulator trace: set .rows before each forward to capture guidance")
-            keep = (seq >= 0).nonzero().flatten() if idx is None else idx
-            s, p = seq[keep.cpu()], pos[keep.cpu()]
+            keep = (seq >= 0).nonzero().flatten()  # on the rows' device (the same rows as idx)
+            s, p = seq[keep], pos[keep]
             self.guidance.add((layer, gemm), s, p, rec)
         return xf
 
@@ -290,8 +310,8 @@ class RolloutEmulator:
         k = topk_ids.shape[1]
         ids = topk_ids.to(torch.int64)
         valid = self._valid(t, x.device)
-        if valid is not None and not bool(valid.all()):
-            ids = torch.where(valid.unsqueeze(-1), ids, torch.full_like(ids, -1))
+        if valid is not None:
+            ids = torch.where(valid[0].unsqueeze(-1), ids, torch.full_like(ids, -1))
         slot_w = topk_weights.to(torch.float32)
         xf = self._quant_act(x, layer, gemm + ".w13")
         w13, w2 = ws["gate_up_proj"], ws["down_proj"]
@@ -303,7 +323,8 @@ class RolloutEmulator:
             rows[e] = (tok, slot)
             h = emulation.gemm(xf[tok], w13[e], None, x.dtype)
             act_all[tok, slot] = (F.silu(h[:, :inter].to(torch.float32)) * h[:, inter:].to(torch.float32)).to(x.dtype)
-        saved_rows, self.rows = self.rows, None  # expert-call rows are (token, slot) pairs, all valid
+        # expert-call rows are (token, slot) pairs, all valid
+        saved_rows, saved_masks, self._rows, self._row_masks = self._rows, self._row_masks, None, None
         try:
             if self.spec.act == "quads" and not self.spec.residual_per_token:
                 # per-call selection: one call per expert, as vLLM's per-expert GEMMs see it
@@ -321,7 +342,7 @@ class RolloutEmulator:
                     self._capture_w2(layer, gemm, flat, sel, ids, saved_rows, k)
                 a_f = {e: f32.reshape(t, k, inter)[tok, slot] for e, (tok, slot) in rows.items()}
         finally:
-            self.rows = saved_rows
+            self._rows, self._row_masks = saved_rows, saved_masks
         out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
         for e, (tok, slot) in rows.items():
             y = emulation.gemm(a_f[e], w2[e], None, x.dtype)
