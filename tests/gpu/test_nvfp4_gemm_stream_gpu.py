@@ -8,7 +8,8 @@ The GPU-specific risks these cover: the ``bits`` decode makes float32 subnormals
 2**-126) and relies on the multiply keeping them (no flush-to-zero) -- the one-hot test compares
 against the dequantized weight bit for bit; the bf16/fp16 tensor-core dots (the interpreter runs
 them in float32); 16-byte vector loads and the split-K reduction kernel at real sizes; the ``f16x2``
-decode's inline-PTX conversions (``late_scale``; the interpreter runs the plain Triton form).
+decode's inline-PTX conversions (``late_scale``; the interpreter runs the plain Triton form) and the
+``bf16x2`` decode's packed bf16 multiply of bf16 subnormals (the interpreter widens to float32 instead).
 """
 
 import pytest
@@ -39,8 +40,12 @@ VARIANTS = [
     SC(block_m=4, block_n=64, block_kw=16, num_warps=4, split_k=1, decode="f16x2", late_scale=True),
     SC(block_m=2, block_n=128, block_kw=8, num_warps=4, fixup=True, xperm=True, decode="f16x2", late_scale=True),
     SC(block_m=16, block_n=128, block_kw=16, mma=2, num_warps=4, decode="f16x2"),  # pair decode, tensor cores
+    # bf16 pair decode + packed bf16 scale multiply (bf16 subnormal codes), tensor cores
+    SC(block_m=16, block_n=128, block_kw=16, mma=2, num_warps=4, decode="bf16x2"),
+    SC(block_m=16, block_n=128, block_kw=32, mma=1, num_warps=4, num_stages=3, prefetch=False, decode="bf16x2"),
 ]
 LATE = [c for c in VARIANTS if c.late_scale]
+BF = [c for c in VARIANTS if c.decode == "bf16x2"]
 
 
 def _x(m, k, seed=0, dtype=torch.bfloat16):
@@ -80,14 +85,15 @@ def test_stream_dense(cfg, m, n, k):
     _check(y, ref, xf, wf, f"{cfg.label} M={m} N={n} K={k}")
 
 
-@pytest.mark.parametrize("cfg", [VARIANTS[0], VARIANTS[3], VARIANTS[4], VARIANTS[6], LATE[0], LATE[1], VARIANTS[-1]],
+@pytest.mark.parametrize("cfg", [VARIANTS[0], VARIANTS[3], VARIANTS[4], VARIANTS[6], LATE[0], LATE[1], BF[0], BF[1]],
                          ids=lambda c: c.label)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_stream_one_hot_exact(cfg, dtype):
     """One-hot activation rows: each output is one product, so it must equal the dequantized weight
     (E2M1 * block scale, times the rounded 1 / global scale) bit for bit -- incl. codes 0/1 (float32
-    subnormals in the ``bits`` decode, fp16 subnormal 2**-15 in ``f16x2``), zero and E4M3-subnormal block
-    scales, every nibble position."""
+    subnormals in the ``bits`` decode, fp16 subnormal 2**-15 in ``f16x2``, bf16 subnormal 2**-127 times the
+    scale in a packed bf16 multiply in ``bf16x2``), zero and E4M3-subnormal block scales, every nibble
+    position."""
     n, k = 256, 1024
     q_w = em.quantize_weight(_w((n, k)))
     packed = torch.arange(256, dtype=torch.uint8, device=DEV).repeat(n, k // 2 // 256)
@@ -108,7 +114,8 @@ def test_stream_one_hot_exact(cfg, dtype):
     assert bool((wq[:, ks] != 0).any()) and bool((wq[:, ks] < 0).any())
 
 
-@pytest.mark.parametrize("cfg", [VARIANTS[0], VARIANTS[2], VARIANTS[4], LATE[0], LATE[1]], ids=lambda c: c.label)
+@pytest.mark.parametrize("cfg", [VARIANTS[0], VARIANTS[2], VARIANTS[4], LATE[0], LATE[1], BF[1]],
+                         ids=lambda c: c.label)
 @pytest.mark.parametrize("gemm", ["w13", "w2"])
 @pytest.mark.parametrize("tokens", [1, 16])
 def test_stream_grouped(cfg, gemm, tokens):

@@ -1,7 +1,7 @@
 """W4A16 weight-streaming decode kernel (``StreamConfig`` in verl_quads/nvfp4/triton_gemm.py) against
 the torch reference of the rollout (verl_quads/rollout/emulation.py: dequantize to float32,
 ``x_f32 @ w_f32.T``, one cast), every variant (CUDA-core FMA with 1/2/4-row chunks, tensor-core dot
-swapped / not swapped, ``bits`` / ``f16`` / ``f16x2`` E2M1 decode, block scale per element or per word (``late_scale``),
+swapped / not swapped, ``bits`` / ``f16`` / ``f16x2`` / ``bf16x2`` E2M1 decode, block scale per element or per word (``late_scale``),
 prefetch on/off, split-K), dense and grouped.
 
 Same bound as tests/unit/test_nvfp4_gemm.py: per element |y - ref| <= 1 ulp(ref) in the output dtype
@@ -80,6 +80,10 @@ DENSE = [
     (5, 24, 176, torch.float16, True, SC(block_m=4, block_n=32, block_kw=8, split_k=2, decode="f16x2",
                                          late_scale=True, xperm=True)),
     (9, 24, 384, torch.bfloat16, True, SC(block_m=16, block_n=32, block_kw=16, split_k=1, mma=1, decode="f16x2")),
+    # bf16 pair decode + packed bf16 scale multiply (tensor-core paths), K tail in every range
+    (17, 40, 256, torch.bfloat16, False, SC(block_m=16, block_n=16, block_kw=16, split_k=2, mma=2, decode="bf16x2")),
+    (9, 24, 352, torch.float16, True, SC(block_m=16, block_n=32, block_kw=16, split_k=2, mma=1, decode="bf16x2",
+                                         fixup=True)),
 ]
 
 
@@ -111,7 +115,8 @@ def test_stream_dense_matches_reference(m, n, k, dtype, with_bias, cfg):
                                  SC(block_m=1, block_n=16, block_kw=8, split_k=1, prefetch=False, pipe=3),
                                  SC(block_m=2, block_n=16, block_kw=16, split_k=1, xperm=True),
                                  SC(block_m=4, block_n=16, block_kw=16, split_k=1, decode="f16x2", late_scale=True),
-                                 SC(block_m=1, block_n=16, block_kw=8, split_k=1, decode="f16x2")],
+                                 SC(block_m=1, block_n=16, block_kw=8, split_k=1, decode="f16x2"),
+                                 SC(block_m=16, block_n=16, block_kw=16, split_k=1, mma=1, decode="bf16x2")],
                          ids=lambda c: c.label)
 def test_stream_decode_exact_one_hot(cfg):
     """x = one-hot rows (float32): y[r, n] = w[n, k_r] * x, one product per output, no summation, so it
@@ -178,7 +183,7 @@ def test_stream_config_errors_and_dispatch_table(monkeypatch):
     for bad in (SC(block_m=3), SC(block_m=8, mma=1), SC(block_m=16, mma=1, block_kw=8), SC(decode="lut"),
                 SC(pipe=3), SC(prefetch=False, pipe=0), SC(occ=0), SC(block_m=16, mma=1, xperm=True),
                 SC(late_scale=True), SC(decode="f16", late_scale=True),  # late_scale needs the f16x2 decode
-                SC(block_m=16, mma=1, decode="f16x2", late_scale=True)):  # pipe > 1 with the manual prefetch: refused
+                SC(block_m=16, mma=1, decode="f16x2", late_scale=True), SC(decode="bf16x2")):  # bf16x2: mma only  # pipe > 1 with the manual prefetch: refused
         with pytest.raises(ValueError, match="bad StreamConfig"):
             tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16", config=bad)
     # the table: (grouped, power-of-two rows bucket, N, K); the smallest bucket >= rows that has an entry
@@ -231,25 +236,29 @@ ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "ws_ptr": "*u8", "wgs_ptr": "*fp32", 
 ints = ["M", "N", "K", "KW", "KB", "OUT_ROWS", "KW_PER_SPLIT", "SPLIT"]
 for cfg, grouped in ((tg.StreamConfig(block_m=1, block_n=128, block_kw=16, prefetch=False, pipe=3, fixup=True,
                                       decode="f16x2", late_scale=True), False),
-                     (tg.StreamConfig(block_m=4, block_n=64, block_kw=16, decode="f16x2", late_scale=True), True)):
+                     (tg.StreamConfig(block_m=4, block_n=64, block_kw=16, decode="f16x2", late_scale=True), True),
+                     (tg.StreamConfig(block_m=16, block_n=128, block_kw=16, mma=2, decode="bf16x2"), False)):
     const = dict(BM=cfg.block_m, TM=16 if grouped else cfg.block_m, BN=cfg.block_n, BKW=cfg.block_kw, PARTIAL=True,
-                 GROUPED=grouped, HAS_BIAS=False, OUT=1, DEC=2, MMA=0, DT=1, EVEN=True, PREFETCH=cfg.prefetch,
-                 FIXUP=cfg.fixup, PIPE=cfg.pipe if cfg.pipe > 1 else None, XP=False, LATE=True, ASM=True)
+                 GROUPED=grouped, HAS_BIAS=False, OUT=1, DEC=("bits", "f16", "f16x2", "bf16x2").index(cfg.decode),
+                 MMA=cfg.mma, DT=1, EVEN=True, PREFETCH=cfg.prefetch, FIXUP=cfg.fixup,
+                 PIPE=cfg.pipe if cfg.pipe > 1 else None, XP=False, LATE=cfg.late_scale, ASM=cfg.late_scale)
     sig = dict(ptrs, **{i: "i32" for i in ints}, **{c: "constexpr" for c in const})
     # as the JIT specializes: pointers and N, K, ... divisible by 16 carry tt.divisibility=16
     attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(sig)
              if sig[nm][0] == "*" or nm in ("N", "K", "KW", "KB", "KW_PER_SPLIT")}
     k = triton.compile(ASTSource(fn=tg._w4a16_stream_kernel, signature=sig, constexprs=const, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
-    assert k.asm["cubin"] and "cvt.f32.f16" in k.asm["ptx"], cfg.label
+    # the GPU-only forms are in the code: the inline fp16 -> fp32 conversions, the packed bf16 scale multiply
+    assert k.asm["cubin"] and ("cvt.f32.f16" if cfg.late_scale else "mul.bf16x2") in k.asm["ptx"], cfg.label
 print("compiled")
 """
 
 
-def test_stream_late_scale_inline_ptx_compiles_for_sm90_without_a_gpu():
-    """The late_scale path's inline PTX (fp16 -> fp32 conversions of both halves of a register) runs only on
-    a GPU (the interpreter takes the plain Triton form): compile it for sm_90 with triton's bundled ptxas in
-    a subprocess without TRITON_INTERPRET (dense pipelined + grouped 4-row configs). Compiles only."""
+def test_stream_gpu_only_decode_forms_compile_for_sm90_without_a_gpu():
+    """GPU-only code of the f16x2 / bf16x2 decodes (the interpreter takes the float32 forms): late_scale's
+    inline PTX (fp16 -> fp32 conversions of both halves of a register) and bf16x2's packed bf16 scale
+    multiply feeding a bf16 tensor-core dot: compile them for sm_90 with triton's bundled ptxas in a
+    subprocess without TRITON_INTERPRET (dense pipelined, grouped 4-row, tensor-core). Compiles only."""
     import subprocess
     import sys
 

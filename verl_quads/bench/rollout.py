@@ -355,7 +355,8 @@ def _focus_variants(rows: int, grouped: bool, current):
     """``--focus`` (short sweep, issue #5), at most 8 per GEMM, in this order (a budget cut drops the
     last): the current DECODE_TABLE entry (``current``, may be None); its ``f16x2`` + ``late_scale``
     twin (CUDA-core entries: pair decode, block scale per word: ~1 SASS instruction per weight element
-    fewer in the offline sm_90 count); CUDA-core ``f16x2`` + ``late_scale`` variants over tile / pipeline
+    fewer in the offline sm_90 count) or its ``bf16x2`` twin (tensor-core entries: bf16 pair decode +
+    packed bf16 scale multiply, ~1.5 fewer); CUDA-core ``f16x2`` + ``late_scale`` variants over tile / pipeline
     / split-K target (with 4 rows per chunk when rows > 2, i.e. also against the tensor-core entry at
     M=16) and one with the nibble-major activation (``xperm``); then the current entry's ``xperm`` twin
     and the pipelined ``bits`` variant of the previous focus run as controls."""
@@ -365,6 +366,8 @@ def _focus_variants(rows: int, grouped: bool, current):
     out = [current] if current is not None else []
     if current is not None and current.mma == 0:
         out.append(replace(current, decode="f16x2", late_scale=True))
+    elif current is not None:
+        out.append(replace(current, decode="bf16x2"))
     late = dict(decode="f16x2", late_scale=True, fixup=True, num_warps=4)
     out += [StreamConfig(block_m=bm, block_n=128, block_kw=16, prefetch=False, pipe=3, **late),
             StreamConfig(block_m=bm, block_n=128, block_kw=16, prefetch=False, pipe=3, occ=8, **late),

@@ -439,7 +439,7 @@ if triton is not None:
     # cores (one tl.dot per nibble position J: K-slice = the J-th element of every word).
 
     @triton.jit
-    def _e2m1_word(wd, J: tl.constexpr, DEC: tl.constexpr):
+    def _e2m1_word(wd, J: tl.constexpr, DEC: tl.constexpr, WIDE: tl.constexpr = False):
         """Nibble ``J`` (0..7) of int32 words ``wd`` (the word's element J: bytes little-endian, low
         nibble first) as float32, ``E2M1(code) * 2**-126`` (DEC 0) or ``E2M1(code) * 2**-14`` (DEC 1).
 
@@ -454,7 +454,14 @@ if triton is not None:
         -> 15 / 31); J and J + 4 share that computation (the compiler merges the identical
         expressions), then one fp16 -> fp32 conversion per element: ~2.9 integer/convert
         instructions per element, like DEC 0, but the result is in the normal range, so a product
-        with an activation needs no scale first (``late_scale``)."""
+        with an activation needs no scale first (``late_scale``). DEC 3 (``bf16x2``, tensor-core paths): the
+        same pairing for bf16 (magnitude bits -> 6..8 / 22..24, sign -> 15 / 31), returned as bf16
+        ``E2M1 * 2**-126`` (code 1 is a bf16 subnormal), no conversion instruction; the block scale is
+        applied by a packed bf16 multiply (:func:`_stream_load`: ``scale * 2**118`` in bf16; the product
+        ``E2M1 * scale * 2**-8`` is exact: <= 6 significant bits, >= 2**-18; needs a multiply that keeps
+        bf16 subnormal inputs: the PTX is ``mul.bf16x2``, which has no flush-to-zero form). WIDE (float32 dots,
+        which the interpreter always uses: its bf16 conversion flushes subnormals and its bf16 multiply
+        is wrong, triton 3.9): the same values widened to float32 by a shift / mask, scaled in float32."""
         if DEC == 0:
             if J == 7:
                 t = wd
@@ -478,6 +485,22 @@ if triton is not None:
             if J >= 4:
                 h = h >> 16
             return h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        elif DEC == 3:  # bf16 E2M1 * 2**-126 (code 1: bf16 subnormal); nibbles J, J + 4 share the int32
+            if J % 4 == 0:
+                h = ((wd << 6) & 29360576) | ((wd << 12) & -2147450880)  # 0x01C001C0 magnitudes, 0x80008000 signs
+            elif J % 4 == 1:
+                h = ((wd << 2) & 29360576) | ((wd << 8) & -2147450880)
+            elif J % 4 == 2:
+                h = ((wd >> 2) & 29360576) | ((wd << 4) & -2147450880)
+            else:
+                h = ((wd >> 6) & 29360576) | (wd & -2147450880)
+            if WIDE:  # the same value as float32: bf16 bits are the top half of its float32 bits
+                if J >= 4:
+                    return (h & -65536).to(tl.float32, bitcast=True)
+                return (h << 16).to(tl.float32, bitcast=True)
+            if J >= 4:
+                h = h >> 16
+            return h.to(tl.int16).to(tl.bfloat16, bitcast=True)
         else:
             t = wd >> (4 * J)
             h = ((t & 7) << 9) | ((t & 8) << 12)
@@ -509,10 +532,11 @@ if triton is not None:
         return lo, hi
 
     @triton.jit
-    def _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC: tl.constexpr, EVEN: tl.constexpr):
+    def _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC: tl.constexpr, EVEN: tl.constexpr,
+                     WIDE: tl.constexpr = False):
         """Words ``kw`` (int ``[BKW]``) of weight rows ``wrow`` (int64 ``[BN]``, row index into the
         int32 view ``[rows, K/8]``) and each word's block-scale multiplier, float32 ``[BN, BKW]``:
-        ``scale * 2**117`` (DEC 0) or ``scale * 2**14`` (DEC 1, 2), so that ``_e2m1_word * multiplier =
+        ``scale * 2**117`` (DEC 0), ``scale * 2**14`` (DEC 1, 2) or bf16 ``scale * 2**118`` (DEC 3), so that ``_e2m1_word * multiplier =
         E2M1 * scale * 2**-9`` resp. ``E2M1 * scale`` (exact; the 2**9 goes into the epilogue). The
         scale byte of word kw is block ``kw // 2`` (one per 16 elements; L1 hits after the first)."""
         if EVEN:
@@ -524,6 +548,10 @@ if triton is not None:
         s = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         if DEC == 0:
             s = s * 1.6615349947311448e35  # 2**117
+        elif DEC == 3:
+            s = s * 3.3230699894622896e35  # 2**118
+            if not WIDE:
+                s = s.to(tl.bfloat16)  # exact
         else:
             s = s * 16384.0
         return wd, s
@@ -629,6 +657,8 @@ if triton is not None:
         post = tl.math.div_rn(tl.full([BN], 1.0, tl.float32), gw + tl.zeros([BN], tl.float32))
         if DEC == 0:
             post = post * 512.0  # undo the 2**-9 of the decoded values (exact)
+        elif DEC == 3:
+            post = post * 256.0  # undo the 2**-8 (bf16 pair decode times scale * 2**118)
         i = tl.arange(0, BKW)
         for c0 in range(r0, r1, BM):
             if MMA == 0:
@@ -654,7 +684,7 @@ if triton is not None:
                 else:
                     acc = tl.zeros([BM, BN], tl.float32)
             if PREFETCH:
-                wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw_lo + i, kw_hi, KW, KB, DEC, EVEN)
+                wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw_lo + i, kw_hi, KW, KB, DEC, EVEN, DT == 0)
             for kw0 in tl.range(kw_lo, kw_hi, BKW, num_stages=PIPE):
                 kw = kw0 + i
                 if PREFETCH:
@@ -662,9 +692,9 @@ if triton is not None:
                     # next step in range: a mask along N only (constant along K, so the loads stay 16-byte
                     # vectors; the [BN] form also avoids the interpreter's int32 result of bool & 0-d bool)
                     nxt = nmask & ((kw_hi - kw0 + 0 * cols) > BKW)
-                    wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + BKW, kw_hi, KW, KB, DEC, EVEN)
+                    wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + BKW, kw_hi, KW, KB, DEC, EVEN, DT == 0)
                 else:
-                    wd, s = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC, EVEN)
+                    wd, s = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC, EVEN, DT == 0)
                 if LATE:  # MMA 0: per-word sums of unscaled products, then one FFMA with the scale
                     p0 = tl.zeros([BN, BKW], tl.float32)
                     p1 = tl.zeros([BN, BKW], tl.float32)
@@ -690,7 +720,7 @@ if triton is not None:
                         acc3 += p3 * s
                 else:
                     for j in tl.static_range(8):
-                        v = _e2m1_word(wd, j, DEC) * s
+                        v = _e2m1_word(wd, j, DEC, DT == 0) * s
                         if MMA == 0:
                             acc0 += v * _stream_x(x_ptr, a0, kw, kw_hi, K, j, EVEN, XP)[None, :]
                             if BM > 1:
@@ -711,7 +741,7 @@ if triton is not None:
                                 vd = v.to(tl.float16)
                                 xj = xj.to(tl.float16)
                             else:
-                                vd = v
+                                vd = v.to(tl.float32)
                                 xj = xj.to(tl.float32)
                             acc = _dot1(acc, xj, vd, MMA == 1, DT)
             if MMA == 0:
@@ -875,7 +905,10 @@ class StreamConfig:
             (swapped), 2 tensor cores not swapped.
         decode: ``"bits"`` (3 integer ops per element, float32 subnormals; :func:`_e2m1_word` DEC 0)
             or ``"f16"`` (fp16 bits + conversion instruction; DEC 1) or ``"f16x2"`` (nibbles J and J+4 of
-            a word decoded together as the two fp16 halves of one int32, then converted; DEC 2).
+            a word decoded together as the two fp16 halves of one int32, then converted; DEC 2) or
+            ``"bf16x2"`` (``mma`` 1/2 only: the same pairing as bf16 halves, scaled by a packed bf16
+            multiply, no conversion instruction; DEC 3; offline sm_90 K-loop count of the d8192 M=16
+            entry 8.41 -> 6.85 SASS instructions per weight element).
         prefetch: load the next K step's words and scales before this step's arithmetic.
         fixup: split-K partials summed by the last program of each output tile (per-tile counters,
             one launch) instead of a second reduction launch; same fixed summation order, so the
@@ -927,11 +960,12 @@ class StreamConfig:
         def pow2(v):
             return v > 0 and v & (v - 1) == 0
 
-        ok = (self.mma in (0, 1, 2) and self.decode in ("bits", "f16", "f16x2") and pow2(self.block_n) and self.block_n >= 16
+        ok = (self.mma in (0, 1, 2) and self.decode in ("bits", "f16", "f16x2", "bf16x2") and pow2(self.block_n) and self.block_n >= 16
               and pow2(self.block_kw) and self.split_k >= 0 and pow2(self.num_warps) and self.num_stages >= 1
               and self.occ >= 1 and self.pipe >= 1 and (self.pipe == 1 or not self.prefetch)
               and (not self.xperm or self.mma == 0)
-              and (not self.late_scale or (self.mma == 0 and self.decode == "f16x2")))
+              and (not self.late_scale or (self.mma == 0 and self.decode == "f16x2"))
+              and (self.decode != "bf16x2" or self.mma != 0))
         if self.mma == 0:
             ok = ok and self.block_m in (1, 2, 4)
         else:
@@ -939,9 +973,9 @@ class StreamConfig:
         if not ok:
             raise ValueError(
                 f"nvfp4 GEMM: bad StreamConfig {self}: mma 0 needs block_m in 1/2/4; mma 1/2 need block_m >= 16 "
-                "and block_kw >= 16; block_n >= 16, block_kw, num_warps powers of 2; decode 'bits', 'f16' or "
-                "'f16x2'; occ >= 1; pipe >= 1, pipe > 1 needs prefetch=False; xperm needs mma 0; late_scale needs "
-                "mma 0 and decode 'f16x2'")
+                "and block_kw >= 16; block_n >= 16, block_kw, num_warps powers of 2; decode 'bits', 'f16', "
+                "'f16x2' or 'bf16x2'; occ >= 1; pipe >= 1, pipe > 1 needs prefetch=False; xperm needs mma 0; late_scale needs "
+                "mma 0 and decode 'f16x2'; decode 'bf16x2' needs mma 1 or 2")
 
 
 # Decode dispatch (w4a16, CUDA): (grouped, rows bucket, N, K) -> StreamConfig. Rows = M for a dense GEMM,
@@ -1049,7 +1083,7 @@ def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor,
         routing.tile_row1 if grouped else dummy,
         m, n, k, kw, kb, rows_out, kw_per, split,
         BM=cfg.block_m, TM=tm, BN=cfg.block_n, BKW=cfg.block_kw, PARTIAL=split > 1, GROUPED=grouped,
-        HAS_BIAS=bias is not None, OUT=_OUT_CODES[x.dtype], DEC=("bits", "f16", "f16x2").index(cfg.decode), MMA=cfg.mma,
+        HAS_BIAS=bias is not None, OUT=_OUT_CODES[x.dtype], DEC=("bits", "f16", "f16x2", "bf16x2").index(cfg.decode), MMA=cfg.mma,
         DT=dt, EVEN=even, PREFETCH=cfg.prefetch, FIXUP=fixup, PIPE=cfg.pipe if cfg.pipe > 1 else None, XP=cfg.xperm,
         LATE=cfg.late_scale, ASM=cfg.late_scale and not _interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
