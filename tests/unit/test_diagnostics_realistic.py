@@ -1,18 +1,42 @@
-"""verl_quads.diagnostics.realistic at toy size on CPU (< 60 s): local text -> tokenizer -> trained
-Qwen3-MoE -> outlier statistics -> probe over 3 seeds -> trace guided-layer sweep -> JSON."""
+"""verl_quads.diagnostics.realistic at toy size on CPU (< 60 s): local text -> tokenizer (with the BOS
+option) -> trained Qwen3-MoE (no weight decay on norms/embedding) -> outlier statistics -> selection
+rules -> probe over 3 seeds -> trace guided-layer sweep -> extra probe -> JSON."""
 
 from __future__ import annotations
 
 import json
 
+import torch
+
 
 def test_realistic_toy(tmp_path):
+    from transformers import AutoTokenizer
+
     from verl_quads.diagnostics.realistic import main
 
-    rep = main(["--toy", "--seconds", "3", "--modes", "bf16,naive", "--guided-sweep", "1,2",
+    # one intra-op thread: the toy's thousands of tiny CPU ops otherwise spend most of their time in
+    # OpenMP hand-offs (probe phases 12 s -> 3 s alone; 70 s -> 35 s for the test on the shared 2-core host)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _run_toy(tmp_path, main, AutoTokenizer)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_toy(tmp_path, main, AutoTokenizer):
+    rep = main(["--toy", "--seconds", "1", "--modes", "bf16,naive", "--guided-sweep", "1,2",
+                "--rule-ratios", "0.5", "--bos", "--weight-decay-on", "matrices",
                 "--extra-modes", "quads@0.5", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "realistic.json").read_text())
-    assert data["training"]["steps"] >= 1 and data["provenance"]["n_files"] > 0
+    prov = data["provenance"]
+    assert data["training"]["steps"] >= 1 and prov["n_files"] > 0 and prov["train_tokens"] > 1000
+    assert "<|bos|>" in prov["tokenizer"]
+    # --bos: the saved tokenizer (the probe's) starts every prompt with the BOS token the windows started with
+    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    assert tok("def f(x):").input_ids[0] == tok.convert_tokens_to_ids("<|bos|>") != tok.eos_token_id
+    assert set(data["selection_rules"]["mean"]) == {"naive", "per_call@0.5", "per_token@0.5", "per_call_outaware@0.5",
+                                                   "per_token_outaware@0.5"}
     assert set(data["outliers_init"]) == set(data["outliers_trained"]) == {
         f"layer{i}.{k}" for i in range(2) for k in ("attn_in", "mlp_in")}
     for v in data["outliers_trained"].values():
@@ -31,3 +55,31 @@ def test_realistic_toy(tmp_path):
     assert list(px) == ["bf16", "naive", "quads@0.5"] and all("decomposition" not in px[m] or
                                                                set(px[m]["decomposition"]) == {"engine_floor"} for m in px)
     assert (tmp_path / "extra" / "probe.txt").exists() and "extra_probe" in data["phase_seconds"]
+
+
+def test_weight_decay_groups_and_bos_windows():
+    """--weight-decay-on matrices: RMSNorm gains and the token embedding get no decay, every weight matrix
+    (attention, router, experts, untied LM head) does; all parameters exactly once. --bos: every training
+    window starts with the BOS id (the data sampler is checked by training 1 step on ids that never hold it)."""
+    import pytest
+
+    from verl_quads.diagnostics.realistic import build_model, param_groups, train
+
+    m = build_model(vocab=64, layers=1, hidden=64, heads=2, kv_heads=1, experts=4, top_k=2, inter=32, seed=0)
+    decay, no = param_groups(m, 0.1, "matrices")
+    names = {id(p): n for n, p in m.named_parameters()}
+    no_names = {names[id(p)] for p in no["params"]}
+    decay_names = {names[id(p)] for p in decay["params"]}
+    assert no["weight_decay"] == 0.0 and decay["weight_decay"] == 0.1 and not no_names & decay_names
+    assert no_names | decay_names == set(names.values())
+    assert "model.embed_tokens.weight" in no_names and all("norm" in n for n in no_names - {"model.embed_tokens.weight"})
+    assert {"lm_head.weight", "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.self_attn.q_proj.weight"} <= decay_names
+    assert len(param_groups(m, 0.1, "all")) == 1
+    with pytest.raises(ValueError, match="weight decay target"):
+        param_groups(m, 0.1, "norms")
+    seen = []
+    h = m.model.embed_tokens.register_forward_hook(lambda _m, a, _o: seen.append(a[0].clone()))
+    train(m, torch.arange(1, 40) % 60 + 1, seconds=60, seq=8, batch=3, lr=1e-3, device="cpu", seed=0, bos_id=0,
+          wd_on="matrices", max_steps=1)
+    h.remove()
+    assert seen[0].shape == (3, 8) and bool((seen[0][:, 0] == 0).all()) and bool((seen[0][:, 1:] != 0).all())

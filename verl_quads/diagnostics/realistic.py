@@ -7,10 +7,15 @@ the probe's rollout is then verl-quads' own rollout arithmetic over the HF model
 1. collects text that exists offline on the machine: the ``.py`` files of the installed Python
    packages (``site-packages``, sorted paths, each file's first ``--max-file-bytes`` bytes), split
    into train / held-out by file;
-2. trains a byte-level BPE tokenizer on a sample of it (``tokenizers``, locally);
+2. trains a byte-level BPE tokenizer on the first 4 MB of it (``tokenizers``, locally) and encodes
+   every file separately, in parallel (files separated by ``<|endoftext|>``);
 3. builds a ``Qwen3MoeForCausalLM`` (default 8 layers, hidden 1024, 32 experts top-4, expert
-   intermediate 512) from a fixed seed and trains it with AdamW (bf16 autocast on CUDA) on random
-   windows of the train text for ``--seconds`` seconds;
+   intermediate 512) from a fixed seed on the device and trains it with AdamW (bf16 autocast on
+   CUDA) on random windows of the train tokens for ``--seconds`` seconds at most (less if the rest
+   of the run would not fit ``--max-total-s``). Recipe options: ``--lr``, ``--adam-betas``,
+   ``--weight-decay-on`` (all parameters, or weight matrices only), ``--bos`` (a BOS / attention-sink
+   token at the start of every window and prompt), ``--tie-embeddings``;
+   :mod:`verl_quads.diagnostics.outlier_sweep` compares them on CPU;
 4. reports activation outlier statistics per layer (kurtosis, max/median of per-channel absmax of
    the attention and MLP GEMM inputs) for the random-init and the trained model;
 5. saves the checkpoint + tokenizer, and runs the probe statistics (``--seeds`` >= 3 batches, prompts
@@ -22,7 +27,7 @@ the probe's rollout is then verl-quads' own rollout arithmetic over the HF model
    End to end, ``--modes ...,quads@0.5,quads@0.5:call`` compares per-token and per-call selection
    in the probe's log-prob gaps.
 
-Prints tables; writes ``realistic.json`` (+ the probe's ``probe.json``/``probe.txt``/``probe.png``) in
+Prints tables and the per-phase seconds; writes ``realistic.json`` (rewritten after every phase) (+ the probe's ``probe.json``/``probe.txt``/``probe.png``) in
 ``--out``. ``--toy`` shrinks everything for a CPU smoke test.
 """
 
@@ -40,8 +45,12 @@ from pathlib import Path
 import torch
 
 
-def collect_source_text(max_files: int, max_file_bytes: int, seed: int = 0) -> tuple[str, str, dict]:
-    """(train text, held-out text, provenance) from installed packages' ``.py`` files."""
+def collect_source_text(max_files: int, max_file_bytes: int, seed: int = 0) -> tuple[list[str], list[str], dict]:
+    """(train documents, held-out documents, provenance) from installed packages' ``.py`` files.
+
+    One document per file (its first ``max_file_bytes`` bytes, decoded as UTF-8 with replacement);
+    the first 5% of the shuffled files are held out.
+    """
     roots = sorted({p for p in [sysconfig.get_paths()["purelib"], *site.getsitepackages()] if Path(p).is_dir()})
     files = sorted(f for r in roots for f in Path(r).rglob("*.py") if f.is_file())
     if not files:
@@ -57,66 +66,142 @@ def collect_source_text(max_files: int, max_file_bytes: int, seed: int = 0) -> t
             continue
     n_hold = max(1, len(texts) // 20)
     prov = {"roots": roots, "n_files": len(texts), "n_heldout_files": n_hold, "max_file_bytes": max_file_bytes,
-            "selection": f"all *.py under roots, shuffled with random.Random({seed}), first {max_files}"}
-    return "\n".join(texts[n_hold:]), "\n".join(texts[:n_hold]), prov
+            "selection": f"all *.py under roots, shuffled with random.Random({seed}), first {max_files}; "
+                         f"the first {n_hold} held out",
+            "train_bytes": sum(len(t) for t in texts[n_hold:]), "heldout_bytes": sum(len(t) for t in texts[:n_hold])}
+    return texts[n_hold:], texts[:n_hold], prov
 
 
-def train_tokenizer(text: str, out_dir: Path, vocab_size: int):
-    """Byte-level BPE on ``text`` (first 4 MB), saved as a HF fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+#: Special tokens of the locally trained tokenizer: document separator, and the BOS (attention-sink) token
+#: that ``--bos`` puts at the start of every training window and of every prompt.
+EOS, BOS = "<|endoftext|>", "<|bos|>"
+
+
+def train_tokenizer(docs: list[str], out_dir: Path, vocab_size: int, *, sample_bytes: int = 4 << 20, bos: bool = False):
+    """Byte-level BPE trained on the first ``sample_bytes`` characters of ``docs`` (in order), saved as a HF
+    fast tokenizer. ``bos``: the tokenizer prepends :data:`BOS` to every encoding with special tokens (so
+    the probe's ``tok(prompt)`` starts with it, as training windows do)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+    special = [EOS] + ([BOS] if bos else [])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    sample = text[: 4 << 20]
-    tok.train_from_iterator((sample[i : i + 10000] for i in range(0, len(sample), 10000)), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+    def sample():
+        left = sample_bytes
+        for d in docs:
+            if left <= 0:
+                return
+            d = d[:left]
+            left -= len(d)
+            yield from (d[i : i + 10000] for i in range(0, len(d), 10000))
+
+    tok.train_from_iterator(sample(), trainer=trainer)
+    kw = {}
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", pair=f"{BOS} $A $B",
+                                                           special_tokens=[(BOS, tok.token_to_id(BOS))])
+        kw["bos_token"] = BOS
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, **kw)
     out_dir.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out_dir)
     return fast
 
 
-def build_model(vocab: int, layers: int, hidden: int, heads: int, kv_heads: int, experts: int, top_k: int, inter: int, seed: int):
+def encode_docs(tok, docs: list[str]) -> torch.Tensor:
+    """int64 ``[n]``: every document's tokens (no special tokens) followed by the :data:`EOS` id.
+
+    Encodes the documents in parallel (``tokenizers``' ``encode_batch_fast``: Rust threads, no offsets),
+    in slices of 2000 documents; one string of the whole text took 173 s for 164 MB on the H200 host.
+    """
+    bt = tok.backend_tokenizer
+    eos = tok.convert_tokens_to_ids(EOS)
+    enc = getattr(bt, "encode_batch_fast", bt.encode_batch)
+    out: list[int] = []
+    for i in range(0, len(docs), 2000):
+        for e in enc(docs[i : i + 2000], add_special_tokens=False):
+            out.extend(e.ids)
+            out.append(eos)
+    return torch.tensor(out, dtype=torch.long)
+
+
+def build_model(vocab: int, layers: int, hidden: int, heads: int, kv_heads: int, experts: int, top_k: int, inter: int,
+                seed: int, *, tie: bool = False, device: str = "cpu"):
+    """Qwen3-MoE from ``seed``, built (and randomly initialized) directly on ``device`` (float32)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * inter, num_hidden_layers=layers,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads if hidden // heads >= 32 else 32,
         max_position_embeddings=4096, moe_intermediate_size=inter, num_experts=experts, num_experts_per_tok=top_k,
-        decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=False, router_aux_loss_coef=0.01,
+        decoder_sparse_step=1, norm_topk_prob=True, tie_word_embeddings=tie, router_aux_loss_coef=0.01,
         output_router_logits=False,
     )
     torch.manual_seed(seed)
-    return Qwen3MoeForCausalLM(cfg)
+    if device.startswith("cuda"):
+        torch.cuda.manual_seed_all(seed)
+    with torch.device(device):
+        return Qwen3MoeForCausalLM(cfg)
 
 
-def train(model, ids: torch.Tensor, *, seconds: float, seq: int, batch: int, lr: float, device: str, seed: int) -> dict:
-    """AdamW on random windows of ``ids`` for ``seconds``; returns the loss curve summary."""
+#: ``--weight-decay-on``: which parameters AdamW decays. ``all``: every parameter (sessions 1-3);
+#: ``matrices``: linear / expert weight matrices only (not RMSNorm gains, not the token embedding).
+WD_MODES = ("all", "matrices")
+
+
+def param_groups(model, weight_decay: float, wd_on: str) -> list[dict]:
+    """AdamW parameter groups for ``wd_on`` (:data:`WD_MODES`)."""
+    if wd_on not in WD_MODES:
+        raise ValueError(f"weight decay target must be one of {WD_MODES}, got {wd_on!r}")
+    if wd_on == "all":
+        return [{"params": [p for p in model.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+    emb = {id(p) for p in model.get_input_embeddings().parameters()}
+    decay, no = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (no if p.dim() < 2 or id(p) in emb else decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no, "weight_decay": 0.0}]
+
+
+def train(model, ids: torch.Tensor, *, seconds: float, seq: int, batch: int, lr: float, device: str, seed: int,
+          betas: tuple[float, float] = (0.9, 0.95), weight_decay: float = 0.1, wd_on: str = "all",
+          bos_id: int | None = None, max_steps: int | None = None) -> dict:
+    """AdamW on random windows of ``ids`` for ``seconds`` (or ``max_steps``); returns the loss curve summary.
+
+    Every window is ``seq`` tokens (``bos_id`` set: the BOS token followed by ``seq - 1`` text tokens);
+    linear warm-up over 100 steps, then constant ``lr``; grad-norm clip 1.0; bf16 autocast on CUDA.
+    """
     model.to(device).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(param_groups(model, weight_decay, wd_on), lr=lr, betas=betas)
     g = torch.Generator().manual_seed(seed)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else torch.autocast("cpu", enabled=False)
+    n_text = seq - (bos_id is not None)
     t0, step, losses = time.perf_counter(), 0, []
-    while time.perf_counter() - t0 < seconds:
-        starts = torch.randint(0, ids.numel() - seq - 1, (batch,), generator=g)
-        x = torch.stack([ids[s : s + seq + 1] for s in starts.tolist()]).to(device)
+    while time.perf_counter() - t0 < seconds and (max_steps is None or step < max_steps):
+        starts = torch.randint(0, ids.numel() - n_text, (batch,), generator=g)
+        x = torch.stack([ids[s : s + n_text] for s in starts.tolist()])
+        if bos_id is not None:
+            x = torch.cat([torch.full((batch, 1), bos_id, dtype=x.dtype), x], 1)
+        x = x.to(device, non_blocking=True)
         warm = min(1.0, (step + 1) / 100)
         for grp in opt.param_groups:
             grp["lr"] = lr * warm
         with amp:
-            loss = model(input_ids=x[:, :-1], labels=x[:, :-1].clone()).loss
+            loss = model(input_ids=x, labels=x).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss.detach())
         step += 1
         if step % 100 == 0:
-            print(f"  step {step} loss {sum(losses[-100:]) / len(losses[-100:]):.3f} ({time.perf_counter() - t0:.0f}s)", flush=True)
+            print(f"  step {step} loss {torch.stack(losses[-100:]).mean().item():.3f} ({time.perf_counter() - t0:.0f}s)", flush=True)
     model.eval()
+    losses = torch.stack(losses).float().cpu().tolist() if losses else [float("nan")]
     k = max(1, len(losses) // 10)
     return {"steps": step, "seconds": time.perf_counter() - t0, "loss_first": sum(losses[:k]) / k,
             "loss_last": sum(losses[-k:]) / k, "tokens": step * batch * seq}
@@ -225,17 +310,22 @@ def guidance_bytes_per_token(cfg, guided_layers: int) -> int:
 def main(argv: list[str] | None = None) -> dict:
     import argparse
 
+    t_all = time.perf_counter()
     p = argparse.ArgumentParser(prog="python -m verl_quads.diagnostics.realistic", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="realistic_out")
-    p.add_argument("--seconds", type=float, default=280.0,
-                   help="training wall time (s); with the default probe, --seconds + --probe-reserve-s must fit --max-total-s")
-    p.add_argument("--max-total-s", type=float, default=590.0,
-                   help="refuse to start if --seconds plus --probe-reserve-s exceeds this (one device call allows 600 s)")
-    p.add_argument("--probe-reserve-s", type=float, default=300.0,
-                   help="time everything but training takes (s). Measured on the H200 (2026-11-29): 305 s with the default "
-                        "modes, 3 seeds, 24 prompts x 16 new tokens, trace sweep of 3 (455 s total with --seconds 150). "
-                        "Lower it only with a smaller probe (fewer --modes / --seeds / --n-prompts, --guided-sweep with one "
-                        "entry); the phase times printed at the end tell what each part took")
+    p.add_argument("--seconds", type=float, default=400.0,
+                   help="training wall time at most (s); training also stops when only --probe-reserve-s of --max-total-s "
+                        "is left (the run's clock starts when main() starts), so that everything after it still fits")
+    p.add_argument("--max-total-s", type=float, default=575.0,
+                   help="wall-time budget of main() (s): refuse to start if --seconds plus --probe-reserve-s exceeds it, "
+                        "and cut training short to keep --probe-reserve-s for the phases after it. One device call allows "
+                        "600 s including the interpreter start and imports (~10 s)")
+    p.add_argument("--probe-reserve-s", type=float, default=180.0,
+                   help="time kept for everything after training (s): outlier stats, selection rules, checkpoint, probe, "
+                        "trace sweep (not --extra-modes). H200 session 3 (440M model, 3 seeds, 24 prompts x 16 new tokens): "
+                        "~9.4 s per probed mode with decomposition, ~6 s without, ~7.8 s per --guided-sweep entry, "
+                        "selection rules 10 s; the defaults (10 modes, sweep of 3) thus need ~140 s. Raise it with more "
+                        "modes / seeds / prompts; the phase times printed at the end tell what each part took")
     p.add_argument("--rule-ratios", default="0.25,0.5",
                    help="QUADS selection-rule comparison (per-call vs per-token, plain vs output-aware score) at these "
                         "ratios on the trained model's GEMM inputs; empty to skip")
@@ -250,6 +340,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--adam-betas", default="0.9,0.95", help="AdamW betas, 'b1,b2'")
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--weight-decay-on", choices=WD_MODES, default="all",
+                   help="'all': every parameter; 'matrices': not the RMSNorm gains nor the token embedding")
+    p.add_argument("--bos", action="store_true",
+                   help="a BOS token (attention sink) at the start of every training window and every probe prompt")
+    p.add_argument("--tie-embeddings", action="store_true", help="tie the LM head to the token embedding")
     p.add_argument("--max-files", type=int, default=20000)
     p.add_argument("--max-file-bytes", type=int, default=20000)
     p.add_argument("--modes", default="bf16,naive,w4a16,w4a4_qat,quads@0.125,quads@0.25,quads@0.5,quads@0.75,quads@1.0,trace")
@@ -282,30 +379,64 @@ def main(argv: list[str] | None = None) -> dict:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    t_all = time.perf_counter()
     phases: dict[str, float] = {}
 
     def phase(name: str, t0: float) -> float:
         phases[name] = round(time.perf_counter() - t0, 1)
         return time.perf_counter()
-    train_text, held_text, prov = collect_source_text(a.max_files, a.max_file_bytes, a.seed)
-    print(f"text: {len(train_text) / 1e6:.1f} MB train, {len(held_text) / 1e6:.2f} MB held-out from {prov['n_files']} files")
+    betas = tuple(float(b) for b in a.adam_betas.split(","))
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise SystemExit(f"--adam-betas must be two numbers in [0, 1) as 'b1,b2', got {a.adam_betas!r}")
+    train_docs, held_docs, prov = collect_source_text(a.max_files, a.max_file_bytes, a.seed)
+    print(f"text: {prov['train_bytes'] / 1e6:.1f} MB train, {prov['heldout_bytes'] / 1e6:.2f} MB held-out from {prov['n_files']} files")
     ckpt = out / "model"
     t_ph = phase("text", t_all)
-    tok = train_tokenizer(train_text, ckpt, a.vocab)
-    ids = torch.tensor(tok(train_text[: 400 << 20]).input_ids, dtype=torch.long)
-    model = build_model(len(tok), a.layers, a.hidden, a.heads, a.kv_heads, a.experts, a.top_k, a.inter, a.seed)
+    tok = train_tokenizer(train_docs, ckpt, a.vocab, bos=a.bos)
+    t_tok = time.perf_counter()
+    ids = encode_docs(tok, train_docs)
+    held = encode_docs(tok, held_docs)
+    bos_id = tok.convert_tokens_to_ids(BOS) if a.bos else None
+    prov["tokenizer"] = (f"byte-level BPE, vocab {len(tok)}, trained on the first 4 MB of the train documents; "
+                         f"documents encoded separately, each followed by {EOS}"
+                         + (f"; every training window and prompt starts with {BOS}" if a.bos else ""))
+    prov["train_tokens"], prov["heldout_tokens"] = ids.numel(), held.numel()
+    print(f"tokens: {ids.numel() / 1e6:.1f}M train, {held.numel() / 1e6:.2f}M held-out (encoded in {time.perf_counter() - t_tok:.1f}s)")
+    del train_docs
+    t_ph = phase("tokenizer", t_ph)
+    model = build_model(len(tok), a.layers, a.hidden, a.heads, a.kv_heads, a.experts, a.top_k, a.inter, a.seed,
+                        tie=a.tie_embeddings, device=a.device)
     model.config.eos_token_id = model.config.pad_token_id = tok.eos_token_id
-    held = torch.tensor(tok(held_text).input_ids, dtype=torch.long)
-    probe_in = torch.stack([held[i * 256 : i * 256 + min(256, a.seq)] for i in range(4)])
-    model.to(a.device)
+    if a.bos:
+        model.config.bos_token_id = bos_id
+    win = min(256, a.seq) - a.bos
+    probe_in = torch.stack([held[i * 256 : i * 256 + win] for i in range(4)])
+    if a.bos:
+        probe_in = torch.cat([torch.full((4, 1), bos_id, dtype=probe_in.dtype), probe_in], 1)
     stats_init = activation_outlier_stats(model.to(torch.bfloat16), probe_in.to(a.device))
     model.float()
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params; training {a.seconds:.0f}s on {a.device}")
-    t_ph = phase("tokenizer+init+outliers_init", t_ph)
-    tr = train(model, ids, seconds=a.seconds, seq=a.seq, batch=a.batch, lr=a.lr, device=a.device, seed=a.seed)
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params; training up to {a.seconds:.0f}s on {a.device}")
+    t_ph = phase("init+outliers_init", t_ph)
+    train_s = a.seconds
+    if not a.toy:
+        left = a.max_total_s - a.probe_reserve_s - (time.perf_counter() - t_all)
+        if left < a.seconds:
+            print(f"training cut to {left:.0f}s (of --seconds {a.seconds:g}): {time.perf_counter() - t_all:.0f}s used before "
+                  f"training, --probe-reserve-s {a.probe_reserve_s:g} kept of --max-total-s {a.max_total_s:g}", flush=True)
+            train_s = max(1.0, left)
+    tr = train(model, ids, seconds=train_s, seq=a.seq, batch=a.batch, lr=a.lr, device=a.device, seed=a.seed,
+               betas=betas, weight_decay=a.weight_decay, wd_on=a.weight_decay_on, bos_id=bos_id)
     print(f"trained: {tr['steps']} steps, {tr['tokens'] / 1e6:.1f}M tokens, loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}")
+    tr["seconds_budget"] = train_s
     t_ph = phase("train", t_ph)
+    report = {"provenance": prov, "args": vars(a), "training": tr, "outliers_init": stats_init,
+              "how": "Qwen3-MoE trained from scratch on installed packages' .py files (byte-level BPE trained locally); "
+                     "rollout = verl-quads rollout arithmetic over HF (no vLLM)", "phase_seconds": phases}
+
+    def save() -> None:
+        # rewritten after every phase: a device call's time limit can only cut what comes after
+        report["wall_s"] = time.perf_counter() - t_all
+        (out / "realistic.json").write_text(json.dumps(report, indent=1, default=float))
+
     model.to(torch.bfloat16)
     stats_trained = activation_outlier_stats(model, probe_in.to(a.device))
     print("\nactivation outliers (GEMM inputs): kurtosis and max/median channel absmax, random init -> trained")
@@ -314,6 +445,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {k:16s} kurtosis {i['kurtosis']:9.1f} -> {t['kurtosis']:9.1f}   max/median {i['max_over_median']:8.1f} -> "
               f"{t['max_over_median']:8.1f} (channel {t['max_channel']})")
     t_ph = phase("outliers_trained", t_ph)
+    report["outliers_trained"] = stats_trained
+    save()
     rules = None
     ratios = tuple(float(r) for r in a.rule_ratios.split(",") if r.strip())
     if ratios:
@@ -322,6 +455,8 @@ def main(argv: list[str] | None = None) -> dict:
         print()
         print(format_rule_table(rules) + f"  ({time.perf_counter() - t_r:.0f}s)")
     t_ph = phase("selection_rules", t_ph)
+    report["selection_rules"] = rules
+    save()
     model.save_pretrained(ckpt, safe_serialization=True)
     cfg = model.config
     del model
@@ -336,6 +471,8 @@ def main(argv: list[str] | None = None) -> dict:
     print()
     print(P.format_tables(res))
     P.write_outputs(res, out)
+    report["probe"] = res.to_json()
+    save()
     sweep = [int(x) for x in a.guided_sweep.split(",") if x] or sorted({max(1, cfg.num_hidden_layers // 4), max(1, cfg.num_hidden_layers // 2), cfg.num_hidden_layers})
     trace_sweep = {}
     for gl in sweep:
@@ -356,11 +493,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  guided {gl:3d}/{cfg.num_hidden_layers}: cache {row['cache_bytes_per_token']:7d} B/token  p99 "
               f"{row['total']['logp_gap_p99']['mean']:.4f}±{row['total']['logp_gap_p99']['std']:.4f}  closure p99 "
               f"{c.get('logp_gap_p99', float('nan')):.3f} max {c.get('logp_gap_max', float('nan')):.3f}")
-    report = {"provenance": prov, "args": vars(a), "training": tr, "outliers_init": stats_init, "outliers_trained": stats_trained,
-              "probe": res.to_json(), "trace_sweep": trace_sweep, "selection_rules": rules, "phase_seconds": phases, "wall_s": time.perf_counter() - t_all,
-              "how": "Qwen3-MoE trained from scratch on installed packages' .py files (byte-level BPE trained locally); "
-                     "rollout = verl-quads rollout arithmetic over HF (no vLLM)"}
-    (out / "realistic.json").write_text(json.dumps(report, indent=1, default=float))
+    report["trace_sweep"] = trace_sweep
+    save()
     extra = [m for m in a.extra_modes.split(",") if m.strip()]
     if extra:
         # a second, cheaper probe (no decomposition) after everything above is written, so that a device
@@ -374,8 +508,21 @@ def main(argv: list[str] | None = None) -> dict:
         print(P.format_tables(rx))
         P.write_outputs(rx, out / "extra", make_plot=False)
         report["probe_extra"] = rx.to_json()
-        report["phase_seconds"] = phases
-        (out / "realistic.json").write_text(json.dumps(report, indent=1, default=float))
+        save()
+    mom = lambda st: max(v["max_over_median"] for v in st.values())  # noqa: E731
+    kur = lambda st: max(v["kurtosis"] for v in st.values())  # noqa: E731
+    print(f"\n== summary ==\ntrained {tr['steps']} steps / {tr['seconds']:.0f}s, {tr['tokens'] / 1e6:.1f}M tokens, loss "
+          f"{tr['loss_first']:.3f} -> {tr['loss_last']:.3f}; GEMM-input outliers over layers: max/median channel absmax "
+          f"max {mom(stats_init):.1f} -> {mom(stats_trained):.1f}, kurtosis max {kur(stats_init):.1f} -> {kur(stats_trained):.1f}")
+    tot = res.per_mode
+    if "naive" in tot and "bf16" in tot:
+        from verl_quads.diagnostics.stats import closure
+
+        print("closure of the naive -> bf16-floor gap (p99 / max / mean, mean over seeds):")
+        for m in tot:
+            c = [closure(tot[m]["total"][k]["mean"], tot["naive"]["total"][k]["mean"], tot["bf16"]["total"][k]["mean"])
+                 for k in ("logp_gap_p99", "logp_gap_max", "logp_gap_mean")]
+            print(f"  {m:16s} {c[0]:6.3f} {c[1]:6.3f} {c[2]:6.3f}")
     print(f"\nphase seconds: {phases}")
     print(f"\nwrote {out / 'realistic.json'} ({report['wall_s']:.0f}s total)")
     return report
