@@ -352,14 +352,14 @@ DECODE_SHAPES = "moe,d8192,d4096"  # most important first: a run cut by --budget
 
 
 def _focus_variants(rows: int, grouped: bool, current):
-    """``--focus`` (short sweep, issue #5), at most 8 per GEMM, in this order (a budget cut drops the
-    last): the current DECODE_TABLE entry (``current``, may be None); its ``f16x2`` + ``late_scale``
-    twin (CUDA-core entries: pair decode, block scale per word: ~1 SASS instruction per weight element
-    fewer in the offline sm_90 count) or its ``bf16x2`` twin (tensor-core entries: bf16 pair decode +
-    packed bf16 scale multiply, ~1.5 fewer); CUDA-core ``f16x2`` + ``late_scale`` variants over tile / pipeline
-    / split-K target (with 4 rows per chunk when rows > 2, i.e. also against the tensor-core entry at
-    M=16) and one with the nibble-major activation (``xperm``); then the current entry's ``xperm`` twin
-    and the pipelined ``bits`` variant of the previous focus run as controls."""
+    """``--focus`` (short sweep, issue #5), at most 6 per GEMM (meant for ``--m 1,16`` at moe,d8192 in
+    one ~150 s run on the H200), in this order (a budget cut drops the last): the current DECODE_TABLE
+    entry (``current``, may be None); its ``f16x2`` + ``late_scale`` twin (CUDA-core entries: pair
+    decode, block scale per word: ~1 SASS instruction per weight element fewer in the offline sm_90
+    count) or its ``bf16x2`` twin (tensor-core entries: bf16 pair decode + packed bf16 scale multiply,
+    ~1.5 fewer); CUDA-core ``f16x2`` + ``late_scale`` variants over tile / pipeline / split-K target
+    (with 4 rows per chunk when rows > 2, i.e. also against the tensor-core entry at M=16). (The nibble-major activation ``xperm`` and pipelined ``bits`` variants of the previous focus
+    run were slower or already in the table: not repeated.)"""
     from verl_quads.nvfp4.triton_gemm import StreamConfig
 
     bm = 1 if rows <= 1 else (2 if rows <= 2 else 4)
@@ -372,12 +372,8 @@ def _focus_variants(rows: int, grouped: bool, current):
     out += [StreamConfig(block_m=bm, block_n=128, block_kw=16, prefetch=False, pipe=3, **late),
             StreamConfig(block_m=bm, block_n=128, block_kw=16, prefetch=False, pipe=3, occ=8, **late),
             StreamConfig(block_m=bm, block_n=256, block_kw=16, **late),
-            StreamConfig(block_m=bm, block_n=64, block_kw=32, **late),
-            StreamConfig(block_m=bm, block_n=128, block_kw=8, xperm=True, **late)]
-    if current is not None and current.mma == 0:
-        out.append(replace(current, xperm=True))
-    out.append(StreamConfig(block_m=bm, block_n=128, block_kw=16, num_warps=4, prefetch=False, pipe=3, fixup=True))
-    return list(dict.fromkeys(out))[:8]  # a twin may repeat one of the grid
+            StreamConfig(block_m=bm, block_n=64, block_kw=32, **late)]
+    return list(dict.fromkeys(out))[:6]  # a twin may repeat one of the grid
 
 
 def _decode_variants(rows: int, grouped: bool, tokens: int):
@@ -458,7 +454,7 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
     torch reference, and print the fastest correct variant per shape with a paste-ready
     ``DECODE_TABLE``. Past ``budget_s`` seconds of wall time only the baselines, the tensor-core kernel
     and the first stage-1 config of each remaining shape are timed (the table is still printed).
-    ``focus``: only :func:`_focus_variants` (<= 8 per GEMM), no stage 2."""
+    ``focus``: only :func:`_focus_variants` (<= 6 per GEMM), no stage 2."""
     import time
 
     from verl_quads import nvfp4 as nv
@@ -658,8 +654,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="--sweep-decode: wall seconds after which each remaining shape times only its baselines and "
                         "first config (so a run under a time limit still prints its table)")
     p.add_argument("--focus", action="store_true",
-                   help="--sweep-decode: short targeted sweep (8 configs per GEMM: the current DECODE_TABLE entry, "
-                        "nibble-major activation (xperm) and software-pipelined (pipe) variants; no stage 2); e.g. --sweep-decode --focus --shapes d8192,moe --m 1 (~90 s on the H200)")
+                   help="--sweep-decode: short targeted sweep (<= 6 configs per GEMM: the current DECODE_TABLE entry, "
+                        "its f16x2+late_scale (CUDA-core) or bf16x2 (tensor-core) twin, f16x2+late_scale tiles; no "
+                        "stage 2); e.g. --sweep-decode --focus --shapes moe,d8192 --m 1,16 --budget-s 120")
     p.add_argument("--out", default=None, help="also write the tables to this file")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
