@@ -358,8 +358,9 @@ def _focus_variants(rows: int, grouped: bool, current):
     decode, block scale per word: ~1 SASS instruction per weight element fewer in the offline sm_90
     count) or its ``bf16x2`` twin (tensor-core entries: bf16 pair decode + packed bf16 scale multiply,
     ~1.5 fewer); CUDA-core ``f16x2`` + ``late_scale`` variants over tile / pipeline / split-K target
-    (with 4 rows per chunk when rows > 2, i.e. also against the tensor-core entry at M=16). (The nibble-major activation ``xperm`` and pipelined ``bits`` variants of the previous focus
-    run were slower or already in the table: not repeated.)"""
+    (with 4 rows per chunk when rows > 2, i.e. also against the tensor-core entry at M=16). The
+    nibble-major activation (``xperm``) and pipelined ``bits`` variants of the previous focus run were
+    slower or are already in the table: not repeated."""
     from verl_quads.nvfp4.triton_gemm import StreamConfig
 
     bm = 1 if rows <= 1 else (2 if rows <= 2 else 4)
