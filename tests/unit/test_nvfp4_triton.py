@@ -290,11 +290,19 @@ def comp(fn, sig, const, nw):
 
 q = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "packed_ptr": "*i64", "scale_ptr": "*u8", "out_ptr": "*i16", "R": "i32",
      "NBK": "i32", "GS_DIV": "i32", "RT": "constexpr", "CT": "constexpr", "ONE_GS": "constexpr", "MODE": "constexpr",
-     "OUT": "constexpr", "FP": "constexpr"}
-comp(tk._quant2_kernel, q, {"RT": 1, "CT": 512, "ONE_GS": False, "MODE": 0, "OUT": 0, "FP": False}, 4)
+     "OUT": "constexpr", "FP": "constexpr", "GSRC": "constexpr", "NG": "constexpr", "WRITE_GS": "constexpr"}
+g0 = {"GSRC": 0, "NG": 1, "WRITE_GS": False}  # global scales given (the ASTSource needs every constexpr)
+comp(tk._quant2_kernel, q, dict(g0, RT=1, CT=512, ONE_GS=False, MODE=0, OUT=0, FP=False), 4)
 comp(tk._quant2_kernel, dict(q, packed_ptr="*i16", scale_ptr="*i16"),
-     {"RT": 4, "CT": 128, "ONE_GS": True, "MODE": 1, "OUT": 3, "FP": True}, 4)
-comp(tk._quant2_kernel, dict(q, x_ptr="*fp32"), {"RT": 1, "CT": 256, "ONE_GS": True, "MODE": 0, "OUT": 0, "FP": True}, 4)
+     dict(g0, RT=4, CT=128, ONE_GS=True, MODE=1, OUT=3, FP=True), 4)
+comp(tk._quant2_kernel, dict(q, x_ptr="*fp32"), dict(g0, RT=1, CT=256, ONE_GS=True, MODE=0, OUT=0, FP=True), 4)
+# the QAT in-kernel global scale (GSRC 1: from given amaxes, NG: a fused group; 2: each row's own amax)
+q2 = dict(q, gs_ptr="*bf16")
+for gsrc, ng, one, rt, ct in ((1, 1, False, 2, 128), (1, 3, True, 2, 128), (2, 1, False, 4, 64)):
+    comp(tk._quant2_kernel, dict(q2, packed_ptr="*i16", scale_ptr="*i16"), {"RT": rt, "CT": ct, "ONE_GS": one, "MODE": 1,
+         "OUT": 3, "FP": False, "GSRC": gsrc, "NG": ng, "WRITE_GS": False}, 8)
+comp(tk._quant2_kernel, dict(q2, out_ptr="*fp32"), {"RT": 4, "CT": 128, "ONE_GS": False, "MODE": 0, "OUT": 0, "FP": False,
+     "GSRC": 2, "NG": 1, "WRITE_GS": True}, 4)
 r = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16", "packed1_ptr": "*i64", "scale1_ptr": "*u8",
      "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32", "NB": "i32", "NSEL": "i32",
      "GS_DIV": "i32", "NTP": "constexpr", "CT": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr", "OUT": "constexpr",

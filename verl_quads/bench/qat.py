@@ -34,6 +34,10 @@ Host-side facts per mode (same flag; they tell whether a mode is launch- or sync
 - ``host ms``: CPU wall time to enqueue one forward+backward (``perf_counter`` around ``step()``
   after a device sync, no sync at its end: if the host must wait for the device inside the step,
   that wait is included), median over ``--iters``; ``wQDQ host ms`` the same for the weight QDQ alone;
+- on any device, from one step under :class:`OpCounter`: ``aten ops`` (aten ops that reach the device,
+  backward included, views not counted) and ``triton`` (Triton kernel launches); their sum is the launch
+  count of the step on CUDA up to ops whose CUDA and CPU kernels differ in number (CPU: run with
+  ``--backend triton`` under ``TRITON_INTERPRET=1`` to count the CUDA path's Triton launches);
 - on CUDA, from one ``torch.profiler`` step (CPU + CUDA activities): ``launches`` (CUDA runtime/driver
   kernel-launch calls), ``kernels`` (kernels that ran), ``busy ms`` (sum of kernel durations: the
   device time; ``ms`` minus it is time the device idled), ``syncs`` (``cudaStreamSynchronize``,
@@ -174,8 +178,9 @@ def run(a: argparse.Namespace) -> str:
         print(f"launch overhead (host us per call, tiny tensor, no sync): {lo}", flush=True)
         out.append(f"launch overhead (host us per call, tiny tensor, no sync): {lo}")
         out.append(print_table(
-            "host side: event ms vs host enqueue ms (fwd+bwd; weight QDQ alone); per profiled fwd+bwd "
-            "(CUDA): launches, kernels, device busy ms, sync calls, sync ops (HostSyncRecorder)",
+            "host side: event ms vs host enqueue ms (fwd+bwd; weight QDQ alone); per fwd+bwd: aten ops + triton "
+            "launches (OpCounter, any device); profiled (CUDA): launches, kernels, device busy ms, sync calls, "
+            "sync ops (HostSyncRecorder)",
             ["mode", "ms", "host ms", "wQDQ host ms"] + list(HOST_FACTS[1:]), hrows))
     return "\n".join(out)
 
@@ -218,7 +223,7 @@ def weight_qdq_time_s(layer_root: nn.Module, a: argparse.Namespace) -> float:
 
 
 #: Columns of the host-side table (after mode, ms, host ms, wQDQ host ms).
-HOST_FACTS = ("host ms", "launches", "kernels", "busy ms", "syncs", "sync ops")
+HOST_FACTS = ("host ms", "aten ops", "triton", "launches", "kernels", "busy ms", "syncs", "sync ops")
 _SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
 
 
@@ -250,6 +255,8 @@ def host_facts(step, iters: int) -> dict:
     the CUDA part is printed and kept in the result (``error``), not raised, so the timing table of the
     run survives; its columns are then nan."""
     out: dict = {"host ms": host_ms(step, iters)}
+    c = count_step(step)  # any device: aten ops reaching the device + Triton launches (OpCounter)
+    out.update({"aten ops": c.totals()["aten ops"], "triton": c.totals()["triton"]})
     if not torch.cuda.is_available():
         return out
     try:
@@ -286,11 +293,95 @@ def host_facts(step, iters: int) -> dict:
     return out
 
 
+#: aten ops that only make a view or change metadata (no kernel on any device).
+_VIEW_OPS = frozenset({
+    "view", "_unsafe_view", "reshape", "alias", "detach", "t", "transpose", "permute", "expand", "as_strided",
+    "slice", "select", "unsqueeze", "squeeze", "unflatten", "flatten", "split", "split_with_sizes", "chunk",
+    "unbind", "view_as", "expand_as", "narrow", "_reshape_alias", "lift_fresh", "empty", "empty_like",
+    "empty_strided", "_to_copy_noop", "set_", "resolve_conj", "resolve_neg", "diagonal", "movedim", "numpy_T",
+})
+
+
+class OpCounter:
+    """Counts, while active, the aten ops that reach the device (``TorchDispatchMode``: after autograd,
+    so backward ops are included; views, ``empty*`` and other metadata-only ops counted apart as ``views``)
+    and the Triton kernel launches (``kernel[grid](...)``: ``JITFunction.run``; under TRITON_INTERPRET,
+    ``InterpretedFunction.run``). On CPU this is the launch count a CUDA run of the same step would
+    have, up to ops whose CUDA and CPU kernels differ in number (e.g. a composite CPU fallback).
+
+    ``ops``: per aten op name, the count; ``triton``: per kernel name, the count."""
+
+    def __init__(self):
+        from collections import Counter
+
+        self.ops: Counter = Counter()
+        self.views: Counter = Counter()
+        self.triton: Counter = Counter()
+        self._in_triton = 0
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counter = self
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not counter._in_triton:  # the interpreter's own copies of kernel arguments are not counted
+                    name = func.overloadpacket.__name__
+                    (counter.views if name in _VIEW_OPS else counter.ops)[name] += 1
+                return func(*args, **(kwargs or {}))
+
+        self._mode = _Mode()
+        self._patched = []
+        try:
+            from triton.runtime import interpreter, jit
+
+            classes = [jit.JITFunction, interpreter.InterpretedFunction]
+        except Exception:  # noqa: BLE001 - no triton: nothing to count
+            classes = []
+        for cls in classes:
+            orig = cls.__dict__.get("run")
+            if orig is None:
+                continue
+
+            def run(fn_self, *args, __orig=orig, **kwargs):
+                counter.triton[getattr(fn_self, "__name__", None) or getattr(getattr(fn_self, "fn", None), "__name__", "?")] += 1
+                counter._in_triton += 1
+                try:
+                    return __orig(fn_self, *args, **kwargs)
+                finally:
+                    counter._in_triton -= 1
+
+            cls.run = run
+            self._patched.append((cls, orig))
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        for cls, orig in self._patched:
+            cls.run = orig
+        return False
+
+    def totals(self) -> dict[str, int]:
+        return {"aten ops": sum(self.ops.values()), "triton": sum(self.triton.values()),
+                "launch-like": sum(self.ops.values()) + sum(self.triton.values()), "views": sum(self.views.values())}
+
+
+def count_step(step) -> OpCounter:
+    """One ``step()`` under :class:`OpCounter` (after one uncounted warm-up step)."""
+    step()
+    with OpCounter() as c:
+        step()
+    return c
+
+
 def launch_overhead_us(device: str, backend: str, n: int = 200) -> dict[str, float]:
     """Host microseconds per call on a tiny bf16 tensor (device time negligible, no sync inside the loop):
     ``torch add`` (one aten kernel), ``amax->global scale`` (the weight path's global-scale ops), ``nvfp4
-    fake_quantize`` (the core's QDQ call incl. its checks and, on CUDA, one Triton launch). Tells what the
-    launches counted above cost on this host."""
+    fake_quantize`` (the core's QDQ call incl. its checks and, on CUDA, one Triton launch), and the QAT hot
+    path's QDQ calls with ``amax=`` (a weight's amax; "row"). Tells what the launches counted above cost on
+    this host."""
     import time
 
     from verl_quads.nvfp4 import fake_quantize, global_scale_from_amax
@@ -298,9 +389,13 @@ def launch_overhead_us(device: str, backend: str, n: int = 200) -> dict[str, flo
 
     x = torch.randn(16, 64, device=device, dtype=torch.bfloat16)
     gs = torch.ones((), device=device)
+    am = abs_max(x)
     fns = {"torch add": lambda: x + 1,
            "amax->global scale": lambda: global_scale_from_amax(abs_max(x).to(torch.float32)),
-           "nvfp4 fake_quantize": lambda: fake_quantize(x, gs, backend=backend, check_finite=False)}
+           "nvfp4 fake_quantize": lambda: fake_quantize(x, gs, backend=backend, check_finite=False),
+           # the QAT hot path: the global scale derived in the QDQ kernel from a weight amax / each row's own
+           "fake_quantize amax=": lambda: fake_quantize(x, amax=am, backend=backend, check_finite=False),
+           "fake_quantize amax=row": lambda: fake_quantize(x, amax="row", backend=backend, check_finite=False)}
     out = {}
     for name, fn in fns.items():
         for _ in range(10):

@@ -59,19 +59,32 @@ def _use_triton(x: torch.Tensor, backend: str) -> bool:
     return True
 
 
+def _amax_to_global_scale(x: torch.Tensor, global_scale, amax):
+    """The torch route of ``amax=`` (see :func:`fake_quantize`): the global scale it stands for."""
+    if amax is None:
+        return global_scale
+    from verl_quads.nvfp4 import triton_kernels
+
+    if global_scale is not None:
+        raise ValueError("NVFP4: pass global_scale or amax, not both")
+    return triton_kernels._gs_of_amax(x, *triton_kernels._check_amax(amax, x))
+
+
 def quantize(
     x: torch.Tensor,
     global_scale: torch.Tensor | float | None = None,
     *,
+    amax: torch.Tensor | str | None = None,
     backend: str = "auto",
     check_finite: bool = True,
 ) -> NVFP4Tensor:
-    """Quantize ``x`` ``[..., K]`` (float32/bf16/fp16, K % 16 == 0); see :mod:`.reference`."""
+    """Quantize ``x`` ``[..., K]`` (float32/bf16/fp16, K % 16 == 0); see :mod:`.reference`.
+    ``amax``: instead of ``global_scale``, see :func:`fake_quantize`."""
     if _use_triton(x, backend):
         from verl_quads.nvfp4 import triton_kernels
 
-        return triton_kernels.quantize(x, global_scale, check_finite=check_finite)
-    return _ref.quantize(x, global_scale, check_finite=check_finite)
+        return triton_kernels.quantize(x, global_scale, amax=amax, check_finite=check_finite)
+    return _ref.quantize(x, _amax_to_global_scale(x, global_scale, amax), check_finite=check_finite)
 
 
 def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, backend: str = "auto") -> torch.Tensor:
@@ -87,15 +100,22 @@ def fake_quantize(
     x: torch.Tensor,
     global_scale: torch.Tensor | float | None = None,
     *,
+    amax: torch.Tensor | str | None = None,
     backend: str = "auto",
     check_finite: bool = True,
 ) -> torch.Tensor:
-    """Quantize-dequantize, same shape and dtype as ``x`` (no autograd; see :func:`fake_quantize_ste`)."""
+    """Quantize-dequantize, same shape and dtype as ``x`` (no autograd; see :func:`fake_quantize_ste`).
+
+    ``amax`` (instead of ``global_scale``; the result is the same bytes as passing
+    ``global_scale_from_amax(amax)``): a floating tensor shaped like a global scale (0-d, ``[E, 1, 1]``,
+    ``[..., 1]``), a 1-D ``[G]`` (a fused group's member amaxes: one scale from their max) or ``"row"``
+    (per-row scale of x's own rows, as :func:`per_row_global_scale`). On the triton backend the scale
+    is then derived inside the QDQ kernel (one launch; for "row" the row amax too)."""
     if _use_triton(x, backend):
         from verl_quads.nvfp4 import triton_kernels
 
-        return triton_kernels.fake_quantize(x, global_scale, check_finite=check_finite)
-    return _ref.fake_quantize(x, global_scale, check_finite=check_finite)
+        return triton_kernels.fake_quantize(x, global_scale, amax=amax, check_finite=check_finite)
+    return _ref.fake_quantize(x, _amax_to_global_scale(x, global_scale, amax), check_finite=check_finite)
 
 
 def residual_quantize(

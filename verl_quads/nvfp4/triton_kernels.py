@@ -47,7 +47,7 @@ import torch
 
 from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
 from verl_quads.nvfp4.guidance import GuidanceRecord
-from verl_quads.nvfp4.reference import _check_global_scale, global_scale_from_amax, validate_input
+from verl_quads.nvfp4.reference import _check_global_scale, global_scale_from_amax, per_row_global_scale, validate_input
 from verl_quads.nvfp4.residual import ResidualNVFP4, call_scores, check_score_weight, num_selected_blocks
 from verl_quads.nvfp4.residual import residual_quantize as _ref_residual_quantize
 
@@ -633,23 +633,65 @@ if triton is not None:
         return gs, inv
 
     @triton.jit
+    def _gs_from_amax(a):
+        """:func:`verl_quads.nvfp4.global_scale_from_amax` of float32 ``a`` (any shape), bit for bit:
+        ``div_rn(1, max(a, tiny)) * 2688`` (torch's ``2688 / a`` is reciprocal-then-multiply), 1.0 where
+        that is not finite (amax 0 or denormal -> overflow; NaN). +Inf gives 0, as torch. The clamp is a
+        compare-select so that a NaN stays NaN on every device (a GPU max drops NaN operands)."""
+        a = tl.where(a < 1.1754943508222875e-38, 1.1754943508222875e-38, a)
+        g = tl.math.div_rn(tl.full(a.shape, 1.0, tl.float32), a) * 2688.0
+        return tl.where((g != g) | (g == float("inf")), 1.0, g)
+
+    @triton.jit
     def _quant2_kernel(
         x_ptr, gs_ptr, packed_ptr, scale_ptr, out_ptr,
         R, NBK, GS_DIV,
         RT: tl.constexpr, CT: tl.constexpr, ONE_GS: tl.constexpr, MODE: tl.constexpr, OUT: tl.constexpr,
-        FP: tl.constexpr,
+        FP: tl.constexpr, GSRC: tl.constexpr = 0, NG: tl.constexpr = 1, WRITE_GS: tl.constexpr = False,
     ):
         """Quantize (MODE 0: packed int64 word + E4M3 byte per block) or QDQ (MODE 1) of x viewed as
         [R, NBK, 16]; program (i, j) handles rows i*RT.. (RT of them) x blocks j*CT.. (CT of them).
-        Row r's global scale is gs[r // GS_DIV] (ONE_GS: gs[0] for all). FP: ``_e2m1_code``'s
-        float formulation."""
+        FP: ``_e2m1_code``'s float formulation.
+
+        Global scale of row r (GSRC): 0: gs[r // GS_DIV] (ONE_GS: gs[0] for all), float32. 1:
+        ``_gs_from_amax`` of amax[r // GS_DIV] (ONE_GS: of the max of amax[0..NG), NaN if any is NaN: a
+        fused group's shared scale), amax in any float dtype. 2: ``_gs_from_amax`` of the row's own
+        max |x|, computed here (the launch gives each program whole rows: CT >= NBK); the max is taken
+        on the magnitudes' bit patterns (integer order = float order for |x|, NaN above Inf, so a NaN
+        row gets scale 1.0 as torch's amax + nan_to_num give it). WRITE_GS (GSRC 1, 2, MODE 0, which
+        has no QDQ output): also store the float32 global scale of each row's entry through out_ptr
+        (at r // GS_DIV; 0 if ONE_GS; r for GSRC 2)."""
         i = tl.arange(0, RT * CT)
         r = tl.program_id(0) * RT + i // CT
         c = tl.program_id(1) * CT + i % CT
         bmask = (r < R) & (c < NBK)
         b = r.to(tl.int64) * NBK + c
         x0, x1 = _load_halves(x_ptr, b, bmask)
-        gs, inv = _row_gs(gs_ptr, r, bmask, GS_DIV, RT == 1, ONE_GS)
+        if GSRC == 0:
+            gs, inv = _row_gs(gs_ptr, r, bmask, GS_DIV, RT == 1, ONE_GS)
+        else:
+            if GSRC == 1:
+                if ONE_GS:
+                    gi = r * 0
+                else:
+                    gi = r // GS_DIV
+                a = tl.load(gs_ptr + gi, mask=bmask, other=0.0).to(tl.float32)
+                nan = a != a
+                for t in tl.static_range(1, NG):
+                    at = tl.load(gs_ptr + gi + t, mask=bmask, other=0.0).to(tl.float32)
+                    nan = nan | (at != at)
+                    a = tl.where(at > a, at, a)
+                a = tl.where(nan, float("nan"), a)
+            else:
+                gi = r
+                ab = tl.maximum(tl.max(tl.abs(x0).to(tl.int32, bitcast=True), axis=1),
+                                tl.max(tl.abs(x1).to(tl.int32, bitcast=True), axis=1))
+                rmax = tl.max(tl.reshape(ab, (RT, CT)), axis=1)
+                a = tl.reshape(tl.broadcast_to(rmax[:, None], (RT, CT)), (RT * CT,)).to(tl.float32, bitcast=True)
+            gs = _gs_from_amax(a)
+            inv = tl.math.div_rn(tl.full(gs.shape, 1.0, tl.float32), gs)
+            if WRITE_GS:
+                tl.store(out_ptr + gi, gs, mask=bmask & (i % CT == 0))
         vec_max = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
         sval, sbyte, os = _scales_inv(vec_max, gs, inv)
         if MODE == 1:
@@ -865,17 +907,65 @@ def _out_arg(out: torch.Tensor) -> torch.Tensor:
     return out.view(torch.int16) if out.dtype == torch.bfloat16 else out
 
 
-def _quant2(xc, g, div, a0, a1, a2, k, mode: int, out: int) -> None:
+def _quant2(xc, g, div, a0, a1, a2, k, mode: int, out: int, gsrc: int = 0, ng: int = 1, gs_out=None) -> None:
     """Launch ``_quant2_kernel`` on contiguous ``xc`` ``[..., K]`` (rows = numel / K): MODE 0 writes
-    packed words ``a0`` (int64 view) and scale bytes ``a1``; MODE 1 the QDQ into ``a2``."""
+    packed words ``a0`` (int64 view) and scale bytes ``a1``; MODE 1 the QDQ into ``a2``. ``gsrc``/``ng``:
+    the kernel's GSRC/NG (``g`` holds global scales, amaxes, or nothing for 2); ``gs_out`` (MODE 0
+    only, passed in a2's place): float32 buffer for the global scales the kernel derives (GSRC 1, 2),
+    or None. GSRC 2 needs whole rows per program (:func:`_row_amax_fits`)."""
+    assert gs_out is None or mode == 0
     cfg = QUANT2_CONFIG["quantize" if mode == 0 else "qdq"]
     nbk = k // BLOCK_SIZE
     rows = xc.numel() // k
-    ct = min(cfg["blocks"], triton.next_power_of_2(nbk))
+    ct = min(cfg["blocks"], _pow2(nbk))
     rt = cfg["blocks"] // ct
-    _quant2_kernel[(triton.cdiv(rows, rt), triton.cdiv(nbk, ct))](
-        xc, g, a0, a1, a2, rows, nbk, div, RT=rt, CT=ct, ONE_GS=g.numel() == 1, MODE=mode, OUT=out,
-        FP=cfg.get("fp", False), num_warps=cfg["num_warps"], enable_fp_fusion=False)
+    # plain integer grid math: triton.cdiv / next_power_of_2 are jit-callable objects (host time per call)
+    _quant2_kernel[(-(-rows // rt), -(-nbk // ct))](
+        xc, g, a0, a1, a2 if gs_out is None else gs_out, rows, nbk, div, RT=rt, CT=ct,
+        ONE_GS=gsrc != 2 and g.numel() == ng, MODE=mode, OUT=out, FP=cfg.get("fp", False), GSRC=gsrc, NG=ng,
+        WRITE_GS=gs_out is not None, num_warps=cfg["num_warps"], enable_fp_fusion=False)
+
+
+def _pow2(n: int) -> int:
+    """The smallest power of two >= n (n >= 1), as triton.next_power_of_2."""
+    return 1 << (n - 1).bit_length()
+
+
+def _row_amax_fits(k: int, mode: int) -> bool:
+    """Whether one ``_quant2_kernel`` program holds whole rows of length ``k`` (GSRC 2 possible)."""
+    return _pow2(k // BLOCK_SIZE) <= QUANT2_CONFIG["quantize" if mode == 0 else "qdq"]["blocks"]
+
+
+def _check_amax(amax, x: torch.Tensor):
+    """``amax`` of :func:`quantize` / :func:`fake_quantize`: "row", or a floating tensor shaped like a
+    global scale (0-d; x's dims with a trailing 1) or 1-D (a fused group: one scale from the max of its
+    G entries). Shape/dtype checks only (no device sync). Returns (amax tensor or "row", group size)."""
+    if isinstance(amax, str):
+        if amax != "row":
+            raise ValueError(f"NVFP4: amax must be a tensor or 'row', got {amax!r}")
+        return amax, 1
+    if not isinstance(amax, torch.Tensor) or not amax.is_floating_point():
+        raise ValueError(f"NVFP4: amax must be a floating tensor or 'row', got {type(amax).__name__} "
+                         f"{getattr(amax, 'dtype', '')}")
+    if amax.device != x.device:
+        raise ValueError(f"NVFP4: amax is on {amax.device} but x on {x.device}")
+    if amax.dim() == 1 and x.dim() > 1:
+        if amax.numel() < 1:
+            raise ValueError("NVFP4: a group amax needs at least one entry")
+        return amax.contiguous(), amax.numel()
+    _check_shape_only(amax, x, "amax")
+    return amax, 1
+
+
+def _check_shape_only(t: torch.Tensor, x: torch.Tensor, what: str) -> None:
+    if t.dim() not in (0, x.dim()) or (t.dim() and t.shape[-1] != 1):
+        raise ValueError(
+            f"NVFP4: {what} of shape {tuple(t.shape)} does not fit x of shape {tuple(x.shape)}; allowed: a 0-d "
+            "tensor, or one with x's number of dimensions and a last dimension of 1 (e.g. [E, 1, 1] per expert, "
+            "[..., 1] per row)" + ("; or 1-D [G] (a fused group)" if what == "amax" else ""))
+    # (by hand: torch.broadcast_shapes costs ~0.4 ms of host time per call)
+    if t.dim() and any(d not in (1, n) for d, n in zip(t.shape, x.shape)):
+        raise ValueError(f"NVFP4: {what} {tuple(t.shape)} does not broadcast to x {tuple(x.shape)}")
 
 
 def _out_code(x: torch.Tensor) -> int:
@@ -904,17 +994,70 @@ def _prepare(x: torch.Tensor, global_scale, check_finite: bool):
     return gs, x.contiguous()
 
 
-def quantize(x: torch.Tensor, global_scale=None, *, check_finite: bool = True) -> NVFP4Tensor:
-    """Triton :func:`verl_quads.nvfp4.quantize`."""
-    gs, xc = _prepare(x, global_scale, check_finite)
+def _gs_of_amax(x: torch.Tensor, am, ng: int) -> torch.Tensor:
+    """The global scale that ``amax`` (checked by :func:`_check_amax`) stands for, by the torch ops of
+    :func:`global_scale_from_amax` (the slow paths: check_finite, empty x, odd broadcast shapes)."""
+    if isinstance(am, str):
+        return per_row_global_scale(x)
+    a = am.to(torch.float32)
+    return global_scale_from_amax(a.amax() if ng > 1 or (am.dim() == 1 and x.dim() > 1) else a)
+
+
+def _amax_source(x: torch.Tensor, xc: torch.Tensor, am, ng: int, mode: int, want_gs: bool):
+    """(g, div, gsrc, ng, gs_out) for ``_quant2`` with the global scale derived in the kernel, or None
+    when this ``amax`` needs the torch route (a broadcast pattern whose entries are not one per prefix of
+    rows, when the scales must be returned)."""
+    lead = tuple(x.shape[:-1])
+    if isinstance(am, str):  # per row, computed in the kernel when a program holds whole rows
+        gs_out = torch.empty(*lead, 1, dtype=torch.float32, device=x.device) if want_gs else None
+        if _row_amax_fits(x.shape[-1], mode):
+            return xc, 1, 2, 1, gs_out
+        am = torch.linalg.vector_norm(xc, ord=float("inf"), dim=-1, keepdim=True)  # one read, == abs().amax()
+    if ng > 1:
+        return am, 1, 1, ng, torch.empty((), dtype=torch.float32, device=x.device) if want_gs else None
+    g, div = _gs_rows(am, lead)
+    if want_gs and g.numel() != am.numel():
+        return None
+    return g, div, 1, 1, torch.empty(am.shape, dtype=torch.float32, device=x.device) if want_gs else None
+
+
+def _prepare_amax(x: torch.Tensor, global_scale, amax, check_finite: bool, mode: int):
+    """Common entry of :func:`quantize` / :func:`fake_quantize`: returns (xc, launch or None, gs), where
+    ``launch`` = (g, div, gsrc, ng, gs_out) of the in-kernel scale route (``amax`` given, no finite
+    checks, non-empty x) and ``gs`` the global-scale tensor otherwise."""
+    if amax is None:
+        gs, xc = _prepare(x, global_scale, check_finite)
+        return xc, None, gs
+    if global_scale is not None:
+        raise ValueError("NVFP4: pass global_scale or amax, not both")
+    check_available(x)
+    validate_input(x, check_finite=check_finite)
+    am, ng = _check_amax(amax, x)
+    xc = x.contiguous()
+    if not check_finite and xc.numel():
+        launch = _amax_source(x, xc, am, ng, mode, want_gs=mode == 0)
+        if launch is not None:
+            return xc, launch, None
+    gs, xc = _prepare(x, _gs_of_amax(x, am, ng), check_finite)
+    return xc, None, gs
+
+
+def quantize(x: torch.Tensor, global_scale=None, *, amax=None, check_finite: bool = True) -> NVFP4Tensor:
+    """Triton :func:`verl_quads.nvfp4.quantize`. ``amax`` (instead of ``global_scale``): see
+    :func:`fake_quantize`; the result's ``global_scale`` is the float32 scale the kernel derived (amax's
+    shape; 0-d for a group; ``[..., 1]`` for "row")."""
+    xc, launch, gs = _prepare_amax(x, global_scale, amax, check_finite, 0)
     k = x.shape[-1]
     lead = tuple(x.shape[:-1])
     nblk = xc.numel() // BLOCK_SIZE
     packed = torch.empty(*lead, k // 2, dtype=torch.uint8, device=x.device)
     scale = torch.empty(*lead, k // BLOCK_SIZE, dtype=torch.uint8, device=x.device)
-    if nblk:
+    words = packed.view(torch.int64)  # one 8-byte word per block (see _block_word)
+    if launch is not None:
+        g, div, gsrc, ng, gs = launch
+        _quant2(xc, g, div, words, scale, words, k, 0, 0, gsrc, ng, gs)
+    elif nblk:
         g, div = _gs_rows(gs, lead)
-        words = packed.view(torch.int64)  # one 8-byte word per block (see _block_word)
         if KERNELS["quantize"] == "v2":
             _quant2(xc, g, div, words, scale, words, k, 0, 0)
         else:
@@ -923,14 +1066,26 @@ def quantize(x: torch.Tensor, global_scale=None, *, check_finite: bool = True) -
     return NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs, x.shape, x.dtype)
 
 
-def fake_quantize(x: torch.Tensor, global_scale=None, *, check_finite: bool = True) -> torch.Tensor:
-    """Triton :func:`verl_quads.nvfp4.fake_quantize` (one fused pass, nothing packed)."""
-    gs, xc = _prepare(x, global_scale, check_finite)
+def fake_quantize(x: torch.Tensor, global_scale=None, *, amax=None, check_finite: bool = True) -> torch.Tensor:
+    """Triton :func:`verl_quads.nvfp4.fake_quantize` (one fused pass, nothing packed).
+
+    ``amax`` (instead of ``global_scale``): the global scale is ``global_scale_from_amax(amax)``,
+    derived inside the same kernel (no separate launches): a floating tensor shaped like a global
+    scale (0-d, ``[E, 1, 1]``, ``[..., 1]``; any float dtype, e.g. the weight's own), a 1-D ``[G]`` (a
+    fused group: the max of its entries, NaN if any is NaN), or ``"row"`` (each row's own max |x|, also
+    computed in the kernel when a program holds whole rows, else by one torch reduction first). That
+    route is the v2 kernel; with ``check_finite`` the scale is computed by torch first and checked.
+    Bit-identical to passing ``global_scale_from_amax(amax)`` (tests/unit/test_qat_fused_scale.py)."""
+    xc, launch, gs = _prepare_amax(x, global_scale, amax, check_finite, 1)
     out = torch.empty_like(xc)
     nblk = xc.numel() // BLOCK_SIZE
-    if nblk:
-        g, div = _gs_rows(gs, tuple(x.shape[:-1]))
+    if launch is not None:
         o = _out_arg(out)
+        g, div, gsrc, ng, _ = launch
+        _quant2(xc, g, div, o, o, o, x.shape[-1], 1, _out_code(x), gsrc, ng)
+    elif nblk:
+        o = _out_arg(out)
+        g, div = _gs_rows(gs, tuple(x.shape[:-1]))
         if KERNELS["fake_quantize"] == "v2":
             _quant2(xc, g, div, o, o, o, x.shape[-1], 1, _out_code(x))
         else:

@@ -32,8 +32,9 @@ per_token_global_scale = per_row_global_scale
 
 
 def qdq_rtn(x: torch.Tensor, backend: str = "auto", check_finite: bool = True) -> torch.Tensor:
-    """Per-token round-to-nearest NVFP4 QDQ with STE."""
-    return fake_quantize_ste(x, per_token_global_scale(x), backend=backend, check_finite=check_finite)
+    """Per-token round-to-nearest NVFP4 QDQ with STE (scale ``per_token_global_scale(x)``; on the triton
+    backend the row amax and scale are computed inside the QDQ kernel: one launch)."""
+    return fake_quantize_ste(x, amax="row", backend=backend, check_finite=check_finite)
 
 
 class _GuidedQDQ(torch.autograd.Function):
@@ -68,9 +69,7 @@ def merged_record(
         if uncovered_rows.numel() == 0:
             return GuidanceRecord(bits, bscale, gscale, x.shape)
         xs = x.detach().index_select(0, uncovered_rows)
-        own = extract_guidance(
-            quantize(xs, per_token_global_scale(xs), backend=backend, check_finite=check_finite)
-        )
+        own = extract_guidance(quantize(xs, amax="row", backend=backend, check_finite=check_finite))
         bits = bits.index_copy(0, uncovered_rows, own.bits)
         bscale = bscale.view(torch.uint8).index_copy(0, uncovered_rows, own.block_scale.view(torch.uint8)).view(
             torch.float8_e4m3fn
@@ -78,9 +77,7 @@ def merged_record(
         gscale = gscale.index_copy(0, uncovered_rows, own.global_scale.to(gscale.dtype))
         return GuidanceRecord(bits, bscale, gscale, x.shape)
     if not bool(covered.all()):
-        own = extract_guidance(
-            quantize(x.detach(), per_token_global_scale(x), backend=backend, check_finite=check_finite)
-        )
+        own = extract_guidance(quantize(x.detach(), amax="row", backend=backend, check_finite=check_finite))
         c = covered.to(x.device)
         shape = (-1,) + (1,) * (x.dim() - 1)
         bits = torch.where(c.view(shape), bits, own.bits)

@@ -40,14 +40,13 @@ from torch import nn
 
 from verl_quads.config import QuantConfig
 from verl_quads.nvfp4 import extract_guidance, quantize
-from verl_quads.qat.activations import merged_record, per_token_global_scale, qdq_guided, qdq_rtn
+from verl_quads.qat.activations import merged_record, qdq_guided, qdq_rtn
 from verl_quads.qat.guidance import GuidanceError, TraceBatch
 from verl_quads.qat.weights import (
     EXPERT_PARAMS,
     FUSED_GROUPS,
     abs_max,
     check_unsharded,
-    linear_global_scale,
     qdq_expert_weight,
     qdq_linear_weight,
 )
@@ -76,31 +75,42 @@ class QATState:
     modules: dict[str, tuple[str, str, int | None, str]] = field(default_factory=dict)
     original_classes: dict[str, type] = field(default_factory=dict)
 
-    #: parameter name -> bool device tensor "finite" of the last forward's weight amax (per expert for
-    #: fused experts); read by :meth:`verify`. Each forward overwrites its modules' entries.
+    #: parameter name -> the last forward's weight amax (device tensor, per expert ``[E, 1, 1]`` for
+    #: fused experts); :meth:`verify` checks them all at once. Each forward overwrites its modules' entries.
     weight_finite: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def note_weight(self, name: str, amax: torch.Tensor) -> None:
-        """Remember whether the weight ``name`` whose ``abs_max`` is ``amax`` is finite (NaN and Inf
-        propagate into the amax), without a device sync: one tiny device op (``amax >= 0``, so
-        ``amax < inf`` is False exactly for NaN and +Inf; ``isfinite`` would be several kernels)."""
+        """Remember the ``abs_max`` of weight ``name`` (NaN and Inf propagate into it) for :meth:`verify`:
+        no device op and no sync here (the amax tensor is kept; it is tiny)."""
         if not self.check_finite:
-            self.weight_finite[name] = amax.detach() < float("inf")
+            self.weight_finite[name] = amax.detach()
 
     def verify(self) -> None:
         """Raise ``ValueError`` naming every parameter (and expert) whose forward saw NaN/Inf weights
         since the last call. One device sync (none if nothing was noted). ``trace_context`` calls it on
         exit; verl-quads' verl engine once per ``forward_backward_batch`` (before any optimizer step
         uses its gradients); call it yourself in a hand-written training loop."""
-        flags, self.weight_finite = self.weight_finite, {}
-        if not flags:
+        amaxes, self.weight_finite = self.weight_finite, {}
+        if not amaxes:
             return
-        ok = torch.stack([f.all() for f in flags.values()]).tolist()
+        # one concatenation per dtype, one compare, one copy to the host (amax >= 0, so amax < inf is
+        # False exactly for NaN and +Inf)
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name, a in amaxes.items():
+            by_dtype.setdefault(a.dtype, []).append(name)
+        good: dict[str, list[bool]] = {}
+        for names in by_dtype.values():
+            ok = (torch.cat([amaxes[n].reshape(-1) for n in names]) < float("inf")).tolist()
+            pos = 0
+            for n in names:
+                k = amaxes[n].numel()
+                good[n], pos = ok[pos:pos + k], pos + k
         bad = []
-        for (name, f), good in zip(flags.items(), ok):
-            if not good:
-                if f.dim() == 3:  # [E, 1, 1] per expert (error path: a sync is fine)
-                    experts = torch.nonzero(~f.flatten()).flatten().tolist()
+        for name, a in amaxes.items():
+            flags = good[name]
+            if not all(flags):
+                if a.dim() == 3:  # [E, 1, 1] per expert
+                    experts = [e for e, f in enumerate(flags) if not f]
                     bad.append(f"{name} (experts {experts[:16]}{' ...' if len(experts) > 16 else ''})")
                 else:
                     bad.append(name)
@@ -150,7 +160,7 @@ def _grouped_gemm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, transpos
 
 
 def _own_guidance(x: torch.Tensor, state: "QATState"):
-    q = quantize(x.detach(), per_token_global_scale(x), backend=state.backend, check_finite=state.check_finite)
+    q = quantize(x.detach(), amax="row", backend=state.backend, check_finite=state.check_finite)
     return extract_guidance(q)
 
 
@@ -179,13 +189,16 @@ class _QATLinear:
     def _qat_weight(self) -> torch.Tensor:
         """The QDQ (STE) weight ``[out, in]`` this forward multiplies with (group-shared global scale)."""
         st = self._qat_state
-        return qdq_linear_weight(self.weight, self._qat_global_scale(), st.backend, st.check_finite)
+        return qdq_linear_weight(self.weight, None, st.backend, st.check_finite, amax=self._qat_amax())
 
-    def _qat_global_scale(self) -> torch.Tensor:
-        """The group-shared encode scale (0-d float32), computed ONCE per forward of a fused group.
+    def _qat_amax(self) -> torch.Tensor:
+        """The amax source of the group-shared encode scale, computed ONCE per forward of a fused group:
+        the weight's :func:`abs_max` (0-d, weight dtype) alone, or a 1-D ``[G]`` buffer holding each
+        member's (one reduction each, written in place: no stack); the QDQ kernel derives
+        ``global_scale_from_amax(max)`` from it (== :func:`linear_global_scale`, bit for bit).
 
-        The first member to run (q_proj / gate_proj in model order) reads every member's amax, computes the
-        scale and leaves it in the group's stash (shared dict) for the others; a member takes it only if the
+        The first member to run (q_proj / gate_proj in model order) reads every member's amax and
+        leaves it in the group's stash (shared dict) for the others; a member takes it only if the
         stash was made from the very weight tensors it sees now, unmodified since (same objects, same
         in-place version counters), else it computes afresh. The stash is emptied when every member has
         taken it, so it never outlives one forward of the group (no reference to unsharded weights kept).
@@ -197,29 +210,56 @@ class _QATLinear:
                 and all(a is b for a, b in zip(stash["ws"], ws))
                 and stash["versions"] == [w._version for w in ws]):
             stash["left"].discard(self._qat_name)
-            gs = stash["gs"]
+            amax = stash["amax"]
             if not stash["left"]:
                 stash.clear()
-            return gs
+            return amax
         for m in group:
             check_unsharded(m.weight, f"{m._qat_name}.weight")
-        amaxes = [abs_max(w) for w in ws]
-        for m, a in zip(group, amaxes):
-            st.note_weight(f"{m._qat_name}.weight", a)
-        gs = linear_global_scale(ws, amaxes)
+        if len(ws) == 1:
+            amax = abs_max(ws[0])
+            st.note_weight(f"{self._qat_name}.weight", amax)
+            return amax
+        if all(w.dtype == ws[0].dtype and w.device == ws[0].device for w in ws):
+            amax = torch.empty(len(ws), dtype=ws[0].dtype, device=ws[0].device)
+            for i, w in enumerate(ws):
+                abs_max(w, out=amax[i])
+        else:  # members of different dtypes (not seen in practice): float32 entries, same values
+            amax = torch.stack([abs_max(w).to(torch.float32) for w in ws])
+        for i, m in enumerate(group):
+            st.note_weight(f"{m._qat_name}.weight", amax[i])
         stash.clear()
-        if len(group) > 1:
-            stash.update(ws=ws, versions=[w._version for w in ws], gs=gs,
-                         left={m._qat_name for m in group if m is not self})
-        return gs
+        stash.update(ws=ws, versions=[w._version for w in ws], amax=amax,
+                     left={m._qat_name for m in group if m is not self})
+        return amax
+
+    def _qat_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The QDQ (STE) GEMM input of a W4A4 layer, computed ONCE per forward of a fused group: q/k/v
+        (gate/up) get the same input tensor and, being one GEMM in vLLM, the same rounding (one record
+        under TRACE), so the first member's result is stashed for the others (same tensor object, same
+        in-place version, else computed afresh; emptied once every member took it). Autograd then sums the
+        members' gradients into that one result and passes the sum straight through to ``x``."""
+        st, stash = self._qat_state, self._qat_xstash
+        if (stash.get("left") and self._qat_name in stash["left"] and stash["x"] is x
+                and stash["version"] == x._version):
+            stash["left"].discard(self._qat_name)
+            q = stash["q"]
+            if not stash["left"]:
+                stash.clear()
+            return q
+        if self._qat_act == "rtn":
+            q = qdq_rtn(x, st.backend, st.check_finite)
+        else:
+            q = _guided_input(st, self._qat_name, self._qat_layer, self._qat_gemm, x)
+        stash.clear()
+        if len(self._qat_group) > 1:
+            stash.update(x=x, version=x._version, q=q, left={m._qat_name for m in self._qat_group if m is not self})
+        return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        st = self._qat_state
         w = self._qat_weight()
-        if self._qat_act == "rtn":
-            x = qdq_rtn(x, st.backend, st.check_finite)
-        elif self._qat_act == "guided":
-            x = _guided_input(st, self._qat_name, self._qat_layer, self._qat_gemm, x)
+        if self._qat_act != "none":
+            x = self._qat_input(x)
         return F.linear(x, w, self.bias)
 
 
@@ -545,6 +585,7 @@ def apply_qat(
             todo.append((name, mod, "experts"))
 
     stashes: dict[tuple[int, ...], dict] = {}
+    xstashes: dict[tuple[int, ...], dict] = {}
     for name, mod, kind in todo:
         layer = _layer_of(name)
         act = act_for(layer)
@@ -568,7 +609,8 @@ def apply_qat(
             _swap_class(mod, _QATLinear)
             mod._qat_state, mod._qat_name, mod._qat_gemm, mod._qat_layer, mod._qat_act = state, name, gemm, layer, act
             mod._qat_group = group
-            mod._qat_stash = stashes.setdefault(tuple(id(m) for m in group), {})  # one per group: _qat_global_scale
+            mod._qat_stash = stashes.setdefault(tuple(id(m) for m in group), {})  # one per group: _qat_amax
+            mod._qat_xstash = xstashes.setdefault(tuple(id(m) for m in group), {})  # one per group: _qat_input
             state.modules[name] = ("linear", gemm, layer, act)
         else:
             state.original_classes[name] = type(mod)
@@ -595,7 +637,7 @@ def remove_qat(model: nn.Module) -> None:
         else:
             raise RuntimeError(f"verl-quads QAT: cannot remove QAT from {name} ({base.__name__}): class changed since")
         for a in ("_qat_state", "_qat_name", "_qat_gemm", "_qat_layer", "_qat_act", "_qat_group", "_qat_params",
-                  "_qat_stash"):
+                  "_qat_stash", "_qat_xstash"):
             mod.__dict__.pop(a, None)
     del model._verl_quads_qat
 

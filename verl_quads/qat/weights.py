@@ -57,11 +57,14 @@ def check_unsharded(t: torch.Tensor, what: str) -> None:
         )
 
 
-def abs_max(w: torch.Tensor, dim=None, keepdim: bool = False) -> torch.Tensor:
+def abs_max(w: torch.Tensor, dim=None, keepdim: bool = False, out: torch.Tensor | None = None) -> torch.Tensor:
     """``amax(|w|)`` over ``dim`` (all dims if None) in ``w``'s dtype, in ONE read of ``w``: the
     infinity norm, which does not materialize ``|w|`` (``w.abs().amax()`` writes and re-reads a full
     copy). Bit-identical to ``w.abs().amax(...)`` (the result is one of the elements' magnitudes;
-    NaN propagates), checked in tests/unit/test_qat_model.py."""
+    NaN propagates), checked in tests/unit/test_qat_model.py. ``out``: write it there (e.g. one entry of a
+    fused group's amax buffer; same dtype as ``w``)."""
+    if out is not None:
+        return torch.linalg.vector_norm(w.detach(), ord=float("inf"), dim=dim, keepdim=keepdim, out=out)
     return torch.linalg.vector_norm(w.detach(), ord=float("inf"), dim=dim, keepdim=keepdim)
 
 
@@ -84,10 +87,14 @@ def expert_global_scale(w: torch.Tensor, amax: torch.Tensor | None = None) -> to
 
 
 def qdq_linear_weight(
-    w: torch.Tensor, global_scale: torch.Tensor, backend: str = "auto", check_finite: bool = True
+    w: torch.Tensor, global_scale: torch.Tensor | None, backend: str = "auto", check_finite: bool = True,
+    amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """NVFP4 QDQ (STE) of a linear weight ``[out, in]``, blocks along ``in``; same dtype as ``w``."""
-    return fake_quantize_ste(w, global_scale, backend=backend, check_finite=check_finite)
+    """NVFP4 QDQ (STE) of a linear weight ``[out, in]``, blocks along ``in``; same dtype as ``w``.
+    ``amax`` instead of ``global_scale``: the weight's :func:`abs_max` (0-d) or its fused group's member
+    amaxes (1-D ``[G]``); the scale ``global_scale_from_amax(max)`` is then derived inside the QDQ kernel
+    (triton backend; bit-identical to passing :func:`linear_global_scale`)."""
+    return fake_quantize_ste(w, global_scale, amax=amax, backend=backend, check_finite=check_finite)
 
 
 def qdq_expert_weight(
@@ -97,7 +104,8 @@ def qdq_expert_weight(
 
     ``w``: ``[E, out, in]`` (``transposed=False``) or ``[E, in, out]`` (``transposed=True``).
     Returns a tensor of ``w``'s shape and dtype. All experts in ONE QDQ call (one kernel launch on the
-    triton backend) with the per-expert scale ``[E, 1, 1]`` from one amax reduction over dims (1, 2).
+    triton backend) with the per-expert scale ``[E, 1, 1]`` derived in that kernel from one amax reduction
+    over dims (1, 2) (:func:`expert_global_scale` of it, bit for bit).
     ``on_amax``: optional callable receiving that amax (``[E, 1, 1]``, ``w``'s dtype; NaN/Inf if the
     expert has any), e.g. for :meth:`QATState.note_weight`.
     """
@@ -105,7 +113,7 @@ def qdq_expert_weight(
     amax = abs_max(w_oi, dim=(1, 2), keepdim=True)
     if on_amax is not None:
         on_amax(amax)
-    q = fake_quantize_ste(w_oi, expert_global_scale(w_oi, amax), backend=backend, check_finite=check_finite)
+    q = fake_quantize_ste(w_oi, amax=amax, backend=backend, check_finite=check_finite)
     return q.transpose(-1, -2) if transposed else q
 
 
