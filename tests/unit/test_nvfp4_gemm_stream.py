@@ -238,10 +238,8 @@ for cfg, grouped in ((tg.StreamConfig(block_m=1, block_n=128, block_kw=16, prefe
                                       decode="f16x2", late_scale=True), False),
                      (tg.StreamConfig(block_m=4, block_n=64, block_kw=16, decode="f16x2", late_scale=True), True),
                      (tg.StreamConfig(block_m=16, block_n=128, block_kw=16, mma=2, decode="bf16x2"), False)):
-    const = dict(BM=cfg.block_m, TM=16 if grouped else cfg.block_m, BN=cfg.block_n, BKW=cfg.block_kw, PARTIAL=True,
-                 GROUPED=grouped, HAS_BIAS=False, OUT=1, DEC=("bits", "f16", "f16x2", "bf16x2").index(cfg.decode),
-                 MMA=cfg.mma, DT=1, EVEN=True, PREFETCH=cfg.prefetch, FIXUP=cfg.fixup,
-                 PIPE=cfg.pipe if cfg.pipe > 1 else None, XP=False, LATE=cfg.late_scale, ASM=cfg.late_scale)
+    const = tg._stream_constexprs(cfg, grouped=grouped, tm=16 if grouped else cfg.block_m, partial=True,
+                                  fixup=cfg.fixup, has_bias=False, out_code=1, dt=1, even=True, interpreting=False)
     sig = dict(ptrs, **{i: "i32" for i in ints}, **{c: "constexpr" for c in const})
     # as the JIT specializes: pointers and N, K, ... divisible by 16 carry tt.divisibility=16
     attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(sig)

@@ -372,7 +372,7 @@ def _focus_variants(rows: int, grouped: bool, current):
     late = dict(decode="f16x2", late_scale=True, fixup=True, num_warps=4)
     out += [StreamConfig(block_m=bm, block_n=128, block_kw=16, prefetch=False, pipe=3, **late),
             StreamConfig(block_m=bm, block_n=128, block_kw=16, prefetch=False, pipe=3, occ=8, **late),
-            StreamConfig(block_m=bm, block_n=256, block_kw=16, **late),
+            StreamConfig(block_m=bm, block_n=256 if bm == 1 else 64, block_kw=16, **late),  # bm4 n256 spills
             StreamConfig(block_m=bm, block_n=64, block_kw=32, **late)]
     return list(dict.fromkeys(out))[:6]  # a twin may repeat one of the grid
 
@@ -639,6 +639,83 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
     return "\n".join(out)
 
 
+def stream_sass_count(cfg, grouped: bool = False) -> tuple[int, float, dict]:
+    """Offline (no GPU): compile ``_w4a16_stream_kernel`` for ``cfg`` for sm_90 with triton's bundled
+    ptxas (bf16 activations, split-K partials, aligned sizes as the JIT specializes them), disassemble
+    it with the wheel's ``cuobjdump`` and count the SASS instructions of the K loop (the longest loop
+    closed by a backward branch; the main loop of a software-pipelined kernel). Returns (instructions
+    in the loop body, per weight element per thread = body / (block_n * block_kw * 8 / threads), opcode
+    histogram). Thread-instructions per weight element is what bounds a weight-streaming kernel by
+    instruction issue (H200: ~3.3e13 thread-instructions/s)."""
+    import collections
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from verl_quads.nvfp4 import triton_gemm as tg
+
+    const = tg._stream_constexprs(cfg, grouped=grouped, tm=16 if grouped else cfg.block_m, partial=True, fixup=cfg.fixup,
+                                  has_bias=False, out_code=1, dt=1, even=True, interpreting=False)
+    ptrs = ["x_ptr", "w_ptr", "ws_ptr", "wgs_ptr", "bias_ptr", "out_ptr", "part_ptr", "cnt_ptr", "arow_ptr", "orow_ptr",
+            "tile_e_ptr", "tile_r0_ptr", "tile_r1_ptr"]
+    types = ["*bf16", "*i32", "*u8", "*fp32", "*fp32", "*i16", "*fp32", "*i32", "*i32", "*i32", "*i32", "*i32", "*i32"]
+    sig = dict(zip(ptrs, types))
+    sig.update({n: "i32" for n in ("M", "N", "K", "KW", "KB", "OUT_ROWS", "KW_PER_SPLIT", "SPLIT")})
+    sig.update({c: "constexpr" for c in const})
+    aligned = ("N", "K", "KW", "KB", "KW_PER_SPLIT")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(sig) if sig[nm][0] == "*" or nm in aligned}
+    kern = triton.compile(ASTSource(fn=tg._w4a16_stream_kernel, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(kern.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    body: list[str] = []
+    for addr, text in ins:
+        hit = re.search(r"BRA.*0x([0-9a-f]+)", text)
+        if hit and int(hit.group(1), 16) < addr:
+            loop = [t for a, t in ins if int(hit.group(1), 16) <= a <= addr]
+            body = loop if len(loop) > len(body) else body
+    ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
+    per_thread = cfg.block_n * cfg.block_kw * 8 / (32 * cfg.num_warps)
+    return len(body), len(body) / per_thread, dict(ops.most_common())
+
+
+def run_sass_count(shapes: list[str], ms: list[int]) -> str:
+    """``--sass-count``: :func:`stream_sass_count` of the ``--focus`` variants (incl. the current
+    DECODE_TABLE entry) of each decode GEMM, as a table (no GPU needed)."""
+    from verl_quads.nvfp4 import triton_gemm as tg
+
+    gemms = []
+    for s in shapes:
+        gemms += ([("moe w13", True) + SHAPES["w13"][1:], ("moe w2", True) + SHAPES["w2"][1:]] if s == "moe"
+                  else [(s,) + SHAPES[s]])
+    rows, seen = [], {}
+    for name, grouped, n, k in gemms:
+        for m in ms:
+            slots = m * TOP_K if grouped else m
+            per = -(-slots // min(NUM_EXPERTS, slots)) if grouped else m
+            cur = tg.decode_config(slots, n, k, grouped)
+            for cfg in _focus_variants(per, grouped, cur):
+                key = (cfg, grouped)
+                if key not in seen:
+                    seen[key] = stream_sass_count(cfg, grouped)
+                body, per_el, ops = seen[key]
+                rows.append([f"{name} M={m}", cfg.label + (" (table)" if cfg == cur else ""), body, per_el, cfg.block_m,
+                             ", ".join(f"{o} {c}" for o, c in list(ops.items())[:8])])
+    return print_table("W4A16 stream kernel, offline sm_90 compile: SASS instructions in the K loop (bf16 activations, "
+                       "split-K partials); per weight element per thread (x block_m activation rows)",
+                       ["shape", "config", "K-loop SASS", "per weight element", "rows", "top opcodes"], rows)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="verl-quads bench rollout", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -658,8 +735,18 @@ def main(argv: list[str] | None = None) -> None:
                    help="--sweep-decode: short targeted sweep (<= 6 configs per GEMM: the current DECODE_TABLE entry, "
                         "its f16x2+late_scale (CUDA-core) or bf16x2 (tensor-core) twin, f16x2+late_scale tiles; no "
                         "stage 2); e.g. --sweep-decode --focus --shapes moe,d8192 --m 1,16 --budget-s 120")
+    p.add_argument("--sass-count", action="store_true",
+                   help="no GPU needed: compile the --focus variants of the decode GEMMs (--shapes, --m) for sm_90 and "
+                        "count the SASS instructions per weight element in their K loop")
     p.add_argument("--out", default=None, help="also write the tables to this file")
     a = p.parse_args(argv)
+    if a.sass_count:
+        shapes = [s for s in (a.shapes if a.shapes != DEFAULT_SHAPES else "moe,d8192").split(",") if s]
+        text = run_sass_count(shapes, [int(v) for v in (a.m if a.m != "1,4,16,64,256,1024,4096" else "1,16").split(",")])
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(text + "\n")
+        return
     if not torch.cuda.is_available():
         raise SystemExit("verl-quads bench rollout needs a CUDA GPU (CPU numbers are not the point)")
     if a.sweep_decode:

@@ -1018,6 +1018,17 @@ def decode_config(rows: int, n: int, k: int, grouped: bool) -> StreamConfig | No
     return None
 
 
+def _stream_constexprs(cfg: StreamConfig, *, grouped: bool, tm: int, partial: bool, fixup: bool, has_bias: bool,
+                       out_code: int, dt: int, even: bool, interpreting: bool) -> dict:
+    """The compile-time arguments of ``_w4a16_stream_kernel`` for a launch of ``cfg`` (used by
+    :func:`_stream_gemm` and by the offline sm_90 instruction count of ``verl-quads bench rollout
+    --sass-count``)."""
+    return dict(BM=cfg.block_m, TM=tm, BN=cfg.block_n, BKW=cfg.block_kw, PARTIAL=partial, GROUPED=grouped,
+                HAS_BIAS=has_bias, OUT=out_code, DEC=("bits", "f16", "f16x2", "bf16x2").index(cfg.decode), MMA=cfg.mma,
+                DT=dt, EVEN=even, PREFETCH=cfg.prefetch, FIXUP=fixup, PIPE=cfg.pipe if cfg.pipe > 1 else None,
+                XP=cfg.xperm, LATE=cfg.late_scale, ASM=cfg.late_scale and not interpreting)
+
+
 def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
                  bias: torch.Tensor | None, routing: GroupedRouting | None, a_rows: torch.Tensor | None,
                  rows_out: int, cfg: StreamConfig) -> torch.Tensor:
@@ -1082,10 +1093,9 @@ def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor,
         routing.tile_expert if grouped else dummy, routing.tile_row0 if grouped else dummy,
         routing.tile_row1 if grouped else dummy,
         m, n, k, kw, kb, rows_out, kw_per, split,
-        BM=cfg.block_m, TM=tm, BN=cfg.block_n, BKW=cfg.block_kw, PARTIAL=split > 1, GROUPED=grouped,
-        HAS_BIAS=bias is not None, OUT=_OUT_CODES[x.dtype], DEC=("bits", "f16", "f16x2", "bf16x2").index(cfg.decode), MMA=cfg.mma,
-        DT=dt, EVEN=even, PREFETCH=cfg.prefetch, FIXUP=fixup, PIPE=cfg.pipe if cfg.pipe > 1 else None, XP=cfg.xperm,
-        LATE=cfg.late_scale, ASM=cfg.late_scale and not _interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **_stream_constexprs(cfg, grouped=grouped, tm=tm, partial=split > 1, fixup=fixup, has_bias=bias is not None,
+                             out_code=_OUT_CODES[x.dtype], dt=dt, even=even, interpreting=_interpreting()),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split == 1 or fixup:
         return y
