@@ -26,9 +26,19 @@ def quant_variant(request, monkeypatch):
     return request.param
 
 
-@pytest.fixture(params=["row", "tiled", "gather", "gather-int-bf16-store"])
+#: per-token residual kernels: "row", "gather-int-bf16-store" and every named speed variant of the tiled /
+#: gather kernel (triton_kernels.RESIDUAL_VARIANTS: radix / early-stopped threshold search, pipelined walks, tiles)
+RESIDUAL_KERNELS = ["row", "gather-int-bf16-store"] + list(tk.RESIDUAL_VARIANTS)
+
+
+@pytest.fixture(params=RESIDUAL_KERNELS)
 def residual_kernel(request, monkeypatch):
-    monkeypatch.setitem(tk.KERNELS, "residual_per_token", request.param.split("-")[0])
+    if request.param in tk.RESIDUAL_VARIANTS:
+        kern, over = tk.RESIDUAL_VARIANTS[request.param]
+        monkeypatch.setitem(tk.TILED_CONFIG, kern, dict(tk.TILED_CONFIG[kern], **over))
+    else:
+        kern = request.param.split("-")[0]
+    monkeypatch.setitem(tk.KERNELS, "residual_per_token", kern)
     monkeypatch.setitem(tk.KERNELS, "bf16_store", "int" if request.param.endswith("int-bf16-store") else "native")
     return request.param
 

@@ -84,13 +84,16 @@ def _check_residual(x, ratio, gs, per_token, w=None):
 @pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("ratio", [0.0, 0.125, 0.25, 0.5, 1.0])
 def test_residual_matches_reference(ratio, per_token):
-    x = _x((24, 128), torch.bfloat16, seed=3)  # ratio 0.125: exactly one block of 8 per row
+    # ratio 0.125: exactly one block of 8 per row; per token (the fused kernel, one interpreter program per
+    # row) 8 rows, per call (the scores summed over rows) 24
+    x = _x((24 if not per_token else 8, 128), torch.bfloat16, seed=3)
     for gs in (None, nv.global_scale_from_amax(x.float().abs().amax(-1, keepdim=True))):
         _check_residual(x, ratio, gs, per_token)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("k", [16, 80, 208])  # K / 16 = 1, 5, 13 blocks: not powers of two
+# K / 16 = 1, 5, 13 blocks: not powers of two; each dtype once (the load/store paths do not depend on K)
+@pytest.mark.parametrize("dtype,k", [(torch.float32, 16), (torch.bfloat16, 80), (torch.float16, 208)],
+                         ids=["float32-k16", "bfloat16-k80", "float16-k208"])
 def test_residual_odd_k_zero_rows_and_weights_match_reference(dtype, k):
     g = torch.Generator().manual_seed(k)
     x = (torch.randn(7, k, generator=g) / torch.rand(7, k, generator=g).clamp(min=0.05))
@@ -229,12 +232,22 @@ def test_v2_e2m1_index_around_every_threshold_and_binade_edge(tk, fp):
     assert torch.equal(nv.fake_quantize(x, gs, backend="triton"), nv.fake_quantize(x, gs, backend="torch"))
 
 
-@pytest.mark.parametrize("kernel", ["tiled", "gather"])
-def test_tiled_per_token_residual_matches_reference(tk, kernel):
+# speed variants of the tiled / gather kernel (triton_kernels.RESIDUAL_VARIANTS options): the threshold search
+# with 2 / 4 bits per step (top digit cut to 1 / 3 bits) or stopped early once the count is exact (the random
+# row stops early, the tie and zero rows run all 31 steps, ratio 0 stops at once); "stages" (software-pipelined
+# tile walks) only changes the GPU compile: here it checks that the loops still run under the interpreter
+TILED_VARIANTS = {"tiled": ("tiled", {}), "gather": ("gather", {}),
+                  "gather-early-stages2": ("gather", {"early": True, "stages": 2}),
+                  "gather-radix4": ("gather", {"radix": 4}), "tiled-radix2": ("tiled", {"radix": 2})}
+
+
+@pytest.mark.parametrize("variant", list(TILED_VARIANTS))
+def test_tiled_per_token_residual_matches_reference(tk, variant):
     # tiles of 4 blocks over 10: several tiles per row, a partial last tile, a padded tile slot (NTP * CT > NB);
     # "gather": the second walk reads back the selected indices (chunks of 4 slots)
+    kernel, over = TILED_VARIANTS[variant]
     tk.KERNELS["residual_per_token"] = kernel
-    tk.TILED_CONFIG[kernel]["tile_blocks"] = 4
+    tk.TILED_CONFIG[kernel].update(over, tile_blocks=4)
     g = torch.Generator().manual_seed(11)
     base = torch.randn(4, 16, generator=g)
     x = torch.randn(3, 160, generator=g) / torch.rand(3, 160, generator=g).clamp(min=0.05)
@@ -281,6 +294,10 @@ from triton.compiler import ASTSource
 import verl_quads.nvfp4.triton_kernels as tk
 
 def comp(fn, sig, const, nw):
+    sig, const = dict(sig), dict(const)
+    for p in fn.params:  # trailing constexprs with a default that sig leaves out: their default, as a launch gives
+        if p.name not in sig and p.is_constexpr and p.has_default:
+            sig[p.name], const[p.name] = "constexpr", p.default
     # as the JIT specializes for aligned tensors: pointers and ints divisible by 16 carry tt.divisibility=16
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n][0] == "*" or n in ("NBK", "NB", "R")}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
@@ -314,6 +331,11 @@ for pack in (True, False):
                                               "GATHER": gather}, 4)
 comp(tk._residual_tiled_kernel, dict(r, x_ptr="*fp16", out_ptr="*fp16", idx_ptr="*i32"),
      {"NTP": 4, "CT": 64, "HAS_W": False, "PACK": False, "OUT": 2, "GATHER": True}, 8)
+# speed variants (RESIDUAL_VARIANTS options): radix-2/4 threshold search, early-stopped search, pipelined tile walks
+rv = dict(r, RADIX="constexpr", STAGES="constexpr", EARLY="constexpr")
+for pack, gather, radix, early, stages in ((False, True, 4, False, 2), (True, False, 1, True, 2)):
+    comp(tk._residual_tiled_kernel, rv if pack else dict(rv, idx_ptr="*i32"), {"NTP": 8, "CT": 64, "HAS_W": False,
+         "PACK": pack, "OUT": 0 if pack else 3, "GATHER": gather, "RADIX": radix, "EARLY": early, "STAGES": stages}, 2)
 print("compiled")
 """
 

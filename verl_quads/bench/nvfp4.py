@@ -245,6 +245,64 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
     return "\n".join(out)
 
 
+def run_residual_variants(shapes: list[tuple[int, int]] = ((8192, 8192), (4096, 2048)), dtype: torch.dtype = torch.bfloat16,
+                          ratios: tuple[float, ...] = (0.5, 0.25), device: str = "cuda") -> str:
+    """Every ``triton_kernels.RESIDUAL_VARIANTS`` entry, per shape and ratio, per-row global scale: first
+    checked against the default kernel's bytes on the device (``torch.equal`` of the QDQ output and of
+    every field of the packed result; a mismatch is reported in the table and not timed), then timed
+    (CUDA-graph replay, us). Ratios: residual QDQ / plain per-row-scale QDQ (v2) and residual_quantize /
+    plain per-row-scale quantize (v2). ``device`` other than "cuda": functional smoke run only."""
+    from verl_quads.nvfp4 import triton_kernels as tk
+
+    def same_packed(a, b):
+        return all(torch.equal(u, v) for u, v in (
+            (a.block_idx, b.block_idx), (a.first.packed, b.first.packed), (a.second.packed, b.second.packed),
+            (a.first.block_scale.view(torch.uint8), b.first.block_scale.view(torch.uint8)),
+            (a.second.block_scale.view(torch.uint8), b.second.block_scale.view(torch.uint8)),
+            (a.second.global_scale, b.second.global_scale)))
+
+    rows = []
+    tm = graph_time_s if device == "cuda" else (lambda f: median_time_s(f, 0, 1, 1))  # CPU: smoke run only
+    for m, k in shapes:
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        x[:, :: max(1, k // 8)] *= 30.0  # outlier channels
+        gs_row = nv.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
+        with _kernels(quantize="v2", fake_quantize="v2"):
+            t_qdq = tm(lambda: nv.fake_quantize(x, gs_row, backend="triton", check_finite=False))
+            t_q = tm(lambda: nv.quantize(x, gs_row, backend="triton", check_finite=False))
+        rows.append([f"{m}x{k}", "-", "plain v2 QDQ, quantize", t_qdq * 1e6, 1.0, t_q * 1e6, 1.0, "-"])
+        print(rows[-1], flush=True)
+        for ratio in ratios:
+            ref_qdq = nv.residual_fake_quantize(x, ratio, gs_row, backend="triton", check_finite=False)
+            ref_q = nv.residual_quantize(x, ratio, gs_row, backend="triton", check_finite=False)
+            for name in tk.RESIDUAL_VARIANTS:
+                with tk.residual_variant(name):
+                    same = torch.equal(nv.residual_fake_quantize(x, ratio, gs_row, backend="triton", check_finite=False),
+                                       ref_qdq)
+                    same = same and same_packed(
+                        nv.residual_quantize(x, ratio, gs_row, backend="triton", check_finite=False), ref_q)
+                if not same:
+                    rows.append([f"{m}x{k}", f"{ratio:g}", name, "MISMATCH", "-", "-", "-", "no"])
+                    print(rows[-1], flush=True)
+                    continue
+                t = tm(lambda: _variant_call(name, lambda: nv.residual_fake_quantize(
+                    x, ratio, gs_row, backend="triton", check_finite=False)))
+                t2 = tm(lambda: _variant_call(name, lambda: nv.residual_quantize(
+                    x, ratio, gs_row, backend="triton", check_finite=False)))
+                rows.append([f"{m}x{k}", f"{ratio:g}", name, t * 1e6, f"{t / t_qdq:.2f}x", t2 * 1e6, f"{t2 / t_q:.2f}x", "yes"])
+                print(rows[-1], flush=True)
+    return print_table(f"per-token residual kernel variants, per-row global scale, input {dtype} ({device_name()})",
+                       ["shape", "k", "variant", "residual QDQ us", "x plain QDQ", "residual_quantize us",
+                        "x plain quantize", "== default bytes"], rows)
+
+
+def _variant_call(name: str, fn):
+    from verl_quads.nvfp4 import triton_kernels as tk
+
+    with tk.residual_variant(name):
+        return fn()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="verl-quads bench nvfp4", description=__doc__)
     p.add_argument("--shapes", default="4096x2048,4096x4096,8192x8192", help="comma-separated MxK")
@@ -255,9 +313,18 @@ def main(argv: list[str] | None = None) -> None:
                    help="sweep only the v2 / tiled / gather kernels' configs (the v1 ones keep their tuned defaults)")
     p.add_argument("--row-sweep", action="store_true",
                    help="sweep the fused per-token residual kernel's warps (ROW_CONFIG) first and use the best")
+    p.add_argument("--residual-variants", action="store_true",
+                   help="only time every per-token residual kernel variant (triton_kernels.RESIDUAL_VARIANTS) at "
+                        "8192x8192 and 4096x2048 (or --shapes if given), k = 0.5 and 0.25, each checked against the "
+                        "default kernel's bytes first")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("verl-quads bench nvfp4 needs a CUDA GPU (CPU numbers are not the point)")
+    if a.residual_variants:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes != p.get_default(
+            "shapes") else [(8192, 8192), (4096, 2048)]
+        print(run_residual_variants(shapes, getattr(torch, a.dtype)), flush=True)
+        return
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     run(shapes, getattr(torch, a.dtype), not a.no_torch, a.sweep, a.row_sweep, sweep_new=a.sweep_new)
 

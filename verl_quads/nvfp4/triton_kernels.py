@@ -40,6 +40,7 @@ per row through a divisor (scalar, per row, per expert) without materializing th
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -705,21 +706,125 @@ if triton is not None:
             tl.store(scale_ptr + b, sbyte.to(tl.uint8), mask=bmask)
 
     @triton.jit
+    def _topn_threshold(eb, NSEL, RADIX: tl.constexpr, EARLY: tl.constexpr = False):
+        """Selection threshold of a row: the largest T in [0, 2**31) with #(eb >= T) >= NSEL, where ``eb``
+        [N] int32 are the non-negative float32 block scores' bit patterns (they order like the values;
+        padding -1 never counts). NSEL = 0 gives 0x7FFFFFFF (nothing is above it). Built MSB first,
+        RADIX bits per dependent step: RADIX 1 is the 31-step bitwise search; RADIX r > 1 takes
+        ceil(31 / r) steps, each counting eb against the 2**r candidate digits at once (one [2**r, N]
+        compare and one reduction along N) and keeping the largest digit whose count still reaches
+        NSEL; the top digit is cut at bit 30. Every RADIX returns the same T (T is defined by the
+        counts alone).
+
+        EARLY (RADIX 1 only): stop as soon as the accepted prefix P has #(eb >= P) == NSEL exactly (a
+        data-dependent loop; random rows stop after ~log2(N) + a few steps, ties run all 31). It then
+        returns P instead of T, which selects the same blocks in the caller's rule: #(> P) + #(== P) =
+        NSEL, so ``need`` = #(== P) and exactly the NSEL blocks >= P are taken (the top NSEL)."""
+        th = tl.max(eb, axis=0) * 0
+        if EARLY:
+            k = th
+            cnt_th = tl.sum((eb >= 0).to(tl.int32), axis=0)
+            while (k < 31) & (cnt_th != NSEL):
+                cand = th | (1 << (30 - k))
+                cnt = tl.sum((eb >= cand).to(tl.int32), axis=0)
+                take = cnt >= NSEL
+                th = tl.where(take, cand, th)
+                cnt_th = tl.where(take, cnt, cnt_th)
+                k += 1
+        elif RADIX == 1:
+            for k in tl.static_range(31):
+                cand = th | (1 << (30 - k))
+                cnt = tl.sum((eb >= cand).to(tl.int32), axis=0)
+                th = tl.where(cnt >= NSEL, cand, th)
+        else:
+            jv = tl.arange(0, 1 << RADIX)
+            for k in tl.static_range((31 + RADIX - 1) // RADIX):
+                lo = ((31 + RADIX - 1) // RADIX - 1 - k) * RADIX  # the digit's lowest bit
+                cand = th | (jv << lo)
+                cnt = tl.sum((eb[None, :] >= cand[:, None]).to(tl.int32), axis=1)
+                ok = (cnt >= NSEL) & ((jv >> (31 - lo)) == 0)  # digit 0 always qualifies (count(th) >= NSEL)
+                th = th | (tl.max(tl.where(ok, jv, 0), axis=0) << lo)
+        return th
+
+    @triton.jit
+    def _tile_qdq(x_ptr, b, m, gs, inv):
+        """First pass of 16-blocks ``b`` ([CT] int64 indices in the block layout, mask ``m``) under the
+        row's global scale ``gs`` [CT] and its reciprocal ``inv``: returns x's halves (float32 [CT, 8]),
+        E4M3 scale bytes (int32 [CT]), output scales [CT] and the QDQ halves (float32 [CT, 8])."""
+        x0, x1 = _load_halves(x_ptr, b, m)
+        vec_max = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
+        sval, sbyte, os = _scales_inv(vec_max, gs, inv)
+        factor = tl.math.div_rn(sval, gs)
+        return x0, x1, sbyte, os, _qdq_half(x0, os, factor), _qdq_half(x1, os, factor)
+
+    @triton.jit
+    def _tile_word(x0, x1, os):
+        """Packed E2M1 codes of [CT] blocks (halves x0, x1 float32 [CT, 8], output scales os [CT]) as one
+        int64 word per block (low nibble of byte j = element 2j)."""
+        w0 = _half_word(_e2m1_code(x0 * os[:, None], False))
+        w1 = _half_word(_e2m1_code(x1 * os[:, None], False))
+        return (w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)
+
+    @triton.jit
+    def _tile_second(x_ptr, b, m, gs, inv, gs2, inv2):
+        """First pass, residual and second-pass scales of 16-blocks ``b`` (see ``_tile_qdq``): returns the
+        QDQ halves v0, v1, residual halves r0, r1 (float32 [CT, 8]) and the residual's E4M3 scale value,
+        byte and output scale [CT] under the row's second-pass global scale gs2 (reciprocal inv2)."""
+        x0, x1, _, os, v0, v1 = _tile_qdq(x_ptr, b, m, gs, inv)
+        r0 = x0 - v0
+        r1 = x1 - v1
+        ra = tl.maximum(tl.max(tl.abs(r0), axis=1), tl.max(tl.abs(r1), axis=1))
+        s2, sb2, os2 = _scales_inv(ra, gs2, inv2)
+        return v0, v1, r0, r1, s2, sb2, os2
+
+    @triton.jit
+    def _tiled_first(x_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, row, t, NB, gs, inv, ebits, ram,
+                     CT: tl.constexpr, NTP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr,
+                     OUT: tl.constexpr, GATHER: tl.constexpr):
+        """Step 1 of ``_residual_tiled_kernel`` for tile ``t`` of the row: returns ``ebits`` / ``ram``
+        ([NTP, CT] int32 score bits / float32 residual amax) with row ``t`` filled in."""
+        ci = tl.arange(0, CT)
+        c = t * CT + ci
+        cmask = c < NB
+        b = row * NB + c
+        x0, x1, sbyte, os, v0, v1 = _tile_qdq(x_ptr, b, cmask, gs, inv)
+        if PACK:
+            tl.store(packed1_ptr + b, _tile_word(x0, x1, os), mask=cmask)
+            tl.store(scale1_ptr + b, sbyte.to(tl.uint8), mask=cmask)
+        if GATHER and not PACK:
+            _store_halves(out_ptr, b, v0, v1, cmask, OUT)
+        r0 = x0 - v0
+        r1 = x1 - v1
+        s0 = r0 * r0
+        s1 = r1 * r1
+        if HAS_W:
+            wv0, wv1 = _load_halves(w_ptr, c, cmask)
+            s0 = s0 * wv0
+            s1 = s1 * wv1
+        e = (_tree8(s0) + _tree8(s1)).to(tl.int32, bitcast=True)
+        ra = tl.maximum(tl.max(tl.abs(r0), axis=1), tl.max(tl.abs(r1), axis=1))
+        here = tl.arange(0, NTP)[:, None] == t
+        ebits = tl.where(here & cmask[None, :], e[None, :], ebits)
+        ram = tl.where(here, ra[None, :], ram)
+        return ebits, ram
+
+    @triton.jit
     def _residual_tiled_kernel(
         x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
         NB, NSEL, GS_DIV,
         NTP: tl.constexpr, CT: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr,
-        GATHER: tl.constexpr,
+        GATHER: tl.constexpr, RADIX: tl.constexpr = 1, STAGES: tl.constexpr = None, EARLY: tl.constexpr = False,
     ):
         """Per-token QUADS residual compensation, one program per row of x [M, K] (NB = K / 16
         blocks) walking the row in tiles of CT blocks twice, so only a tile's data is in registers:
 
-        1. per tile: first pass (PACK: its codes and scales are written here), residual, per-block
-           score (``_tree8`` of the halves = the reference's pairwise order) and residual amax, kept
-           for the whole row as [NTP, CT] vectors (NTP * CT >= NB, a power of two);
-        2. the row's NSEL highest scores (ties to the lower block index) by the bitwise threshold
-           search of ``_residual_row_kernel``; the row's second-pass global scale from the selected
-           blocks' residual amax;
+        1. per tile (``_tiled_first``): first pass (PACK: its codes and scales are written here),
+           residual, per-block score (``_tree8`` of the halves = the reference's pairwise order) and
+           residual amax, kept for the whole row as [NTP, CT] vectors (NTP * CT >= NB, a power of two);
+        2. the row's NSEL highest scores (ties to the lower block index): threshold T by
+           ``_topn_threshold`` (RADIX bits per step), blocks above T selected, and of those equal to T
+           the first NSEL - #(above T) in index order (a cumulative count); the row's second-pass global
+           scale from the selected blocks' residual amax;
         3. per tile again (the row was just read: the second read is served by L2): first-pass QDQ
            and residual recomputed, Q(R) for the selected blocks; PACK: their words / scale bytes /
            indices at their slot (running count of selected blocks), else Q(x) + Q(R_sel) (float32
@@ -729,7 +834,11 @@ if triton is not None:
         step 2 writes the selected block indices (``idx_ptr``: the result's [M, NSEL] int64 when
         PACK, else an int32 scratch [M, NSEL]), and after a CTA barrier (the indices were written by
         other threads of this program) step 3 reads them back in chunks of CT, recomputes those
-        blocks and writes Q(R) (PACK) or overwrites them with Q(x) + Q(R)."""
+        blocks and writes Q(R) (PACK) or overwrites them with Q(x) + Q(R).
+
+        Speed-only options (same bytes): RADIX / EARLY: bits per step of the threshold search / stop it
+        once the count is exact (``_topn_threshold``). STAGES: None = plain loops; an int =
+        ``tl.range(num_stages=STAGES)`` for the tile walks (software-pipelined loads)."""
         row = tl.program_id(0).to(tl.int64)
         ci = tl.arange(0, CT)
         ti = tl.arange(0, NTP)
@@ -739,42 +848,11 @@ if triton is not None:
         ebits = tl.full([NTP, CT], -1, tl.int32)
         ram = tl.zeros([NTP, CT], tl.float32)
         nt = tl.cdiv(NB, CT)
-        for t in range(0, nt):
-            c = t * CT + ci
-            cmask = c < NB
-            b = row * NB + c
-            x0, x1 = _load_halves(x_ptr, b, cmask)
-            vec_max = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
-            sval, sbyte, os = _scales_inv(vec_max, gs, inv)
-            if PACK:
-                w0 = _half_word(_e2m1_code(x0 * os[:, None], False))
-                w1 = _half_word(_e2m1_code(x1 * os[:, None], False))
-                tl.store(packed1_ptr + b, (w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF), mask=cmask)
-                tl.store(scale1_ptr + b, sbyte.to(tl.uint8), mask=cmask)
-            factor = tl.math.div_rn(sval, gs)
-            v0 = _qdq_half(x0, os, factor)
-            v1 = _qdq_half(x1, os, factor)
-            if GATHER and not PACK:
-                _store_halves(out_ptr, b, v0, v1, cmask, OUT)
-            r0 = x0 - v0
-            r1 = x1 - v1
-            s0 = r0 * r0
-            s1 = r1 * r1
-            if HAS_W:
-                wv0, wv1 = _load_halves(w_ptr, c, cmask)
-                s0 = s0 * wv0
-                s1 = s1 * wv1
-            e = (_tree8(s0) + _tree8(s1)).to(tl.int32, bitcast=True)
-            ra = tl.maximum(tl.max(tl.abs(r0), axis=1), tl.max(tl.abs(r1), axis=1))
-            here = ti[:, None] == t
-            ebits = tl.where(here & cmask[None, :], e[None, :], ebits)
-            ram = tl.where(here, ra[None, :], ram)
+        for t in tl.range(0, nt, num_stages=STAGES):
+            ebits, ram = _tiled_first(x_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, row, t, NB, gs, inv, ebits, ram,
+                                      CT, NTP, HAS_W, PACK, OUT, GATHER)
         eb = tl.reshape(ebits, (NTP * CT,))
-        th = tl.max(eb, axis=0) * 0
-        for k in tl.static_range(31):
-            cand = th | (1 << (30 - k))
-            cnt = tl.sum((eb >= cand).to(tl.int32), axis=0)
-            th = tl.where(cnt >= NSEL, cand, th)
+        th = _topn_threshold(eb, NSEL, RADIX, EARLY)
         gt = eb > th
         eq = eb == th
         need = NSEL - tl.sum(gt.to(tl.int32), axis=0)
@@ -794,52 +872,29 @@ if triton is not None:
             tl.store(gs2_ptr + row, g2)
         if GATHER:
             tl.debug_barrier()
-            for s0 in range(0, NSEL, CT):
+            for s0 in tl.range(0, NSEL, CT, num_stages=STAGES):
                 sl = s0 + ci
                 smask = sl < NSEL
                 blk = tl.load(idx_ptr + row * NSEL + sl, mask=smask, other=0)
                 b = row * NB + blk
-                x0, x1 = _load_halves(x_ptr, b, smask)
-                vec_max = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
-                sval, _, os = _scales_inv(vec_max, gs, inv)
-                factor = tl.math.div_rn(sval, gs)
-                v0 = _qdq_half(x0, os, factor)
-                v1 = _qdq_half(x1, os, factor)
-                r0 = x0 - v0
-                r1 = x1 - v1
-                ra = tl.maximum(tl.max(tl.abs(r0), axis=1), tl.max(tl.abs(r1), axis=1))
-                s2, sb2, os2 = _scales_inv(ra, gs2, inv2)
+                v0, v1, r0, r1, s2, sb2, os2 = _tile_second(x_ptr, b, smask, gs, inv, gs2, inv2)
                 if PACK:
-                    w0 = _half_word(_e2m1_code(r0 * os2[:, None], False))
-                    w1 = _half_word(_e2m1_code(r1 * os2[:, None], False))
-                    tl.store(packed2_ptr + row * NSEL + sl, (w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF),
-                             mask=smask)
+                    tl.store(packed2_ptr + row * NSEL + sl, _tile_word(r0, r1, os2), mask=smask)
                     tl.store(scale2_ptr + row * NSEL + sl, sb2.to(tl.uint8), mask=smask)
                 else:
                     f2 = tl.math.div_rn(s2, gs2)
                     _store_halves(out_ptr, b, v0 + _qdq_half(r0, os2, f2), v1 + _qdq_half(r1, os2, f2), smask, OUT)
         else:
             base = row * NSEL
-            for t in range(0, nt):
+            for t in tl.range(0, nt, num_stages=STAGES):
                 c = t * CT + ci
                 cmask = c < NB
                 b = row * NB + c
                 st = tl.sum(tl.where(ti[:, None] == t, sel2, 0), axis=0) != 0
-                x0, x1 = _load_halves(x_ptr, b, cmask)
-                vec_max = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
-                sval, _, os = _scales_inv(vec_max, gs, inv)
-                factor = tl.math.div_rn(sval, gs)
-                v0 = _qdq_half(x0, os, factor)
-                v1 = _qdq_half(x1, os, factor)
-                r0 = x0 - v0
-                r1 = x1 - v1
-                ra = tl.maximum(tl.max(tl.abs(r0), axis=1), tl.max(tl.abs(r1), axis=1))
-                s2, sb2, os2 = _scales_inv(ra, gs2, inv2)
+                v0, v1, r0, r1, s2, sb2, os2 = _tile_second(x_ptr, b, cmask, gs, inv, gs2, inv2)
                 if PACK:
-                    w0 = _half_word(_e2m1_code(r0 * os2[:, None], False))
-                    w1 = _half_word(_e2m1_code(r1 * os2[:, None], False))
                     slot2 = base + tl.cumsum(st.to(tl.int32), axis=0) - 1
-                    tl.store(packed2_ptr + slot2, (w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF), mask=st)
+                    tl.store(packed2_ptr + slot2, _tile_word(r0, r1, os2), mask=st)
                     tl.store(scale2_ptr + slot2, sb2.to(tl.uint8), mask=st)
                     base += tl.sum(st.to(tl.int32), axis=0)
                 else:
@@ -876,6 +931,39 @@ QUANT2_CONFIG = {"quantize": {"blocks": 512, "num_warps": 4, "fp": False}, "qdq"
 #: program; rows longer than ``max_blocks`` blocks use the multi-kernel path.
 TILED_CONFIG = {"tiled": {"tile_blocks": 64, "num_warps": 2}, "gather": {"tile_blocks": 64, "num_warps": 2},
                 "max_blocks": 8192}
+
+#: Named speed variants of the tiled / gather per-token residual kernel (kernel, TILED_CONFIG overrides), all
+#: bit-identical to the default (tests/unit/test_nvfp4_triton.py, tests/gpu/test_nvfp4_gpu.py); timed side by
+#: side by ``python -m verl_quads.bench.nvfp4 --residual-variants``. Optional TILED_CONFIG keys: "radix" (bits
+#: per step of the threshold search, default 1: 31 steps), "early" (stop the search once the count is exact),
+#: "stages" (``tl.range(num_stages=...)`` for the tile walks; default None: plain loops).
+RESIDUAL_VARIANTS = {
+    "gather": ("gather", {}),
+    "gather-early": ("gather", {"early": True}),
+    "gather-radix2": ("gather", {"radix": 2}),
+    "gather-radix4": ("gather", {"radix": 4}),
+    "gather-stages2": ("gather", {"stages": 2}),
+    "gather-early-stages2": ("gather", {"early": True, "stages": 2}),
+    "gather-early-t128w2": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 2}),
+    "gather-early-t128w4": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 4}),
+    "gather-early-t256w4": ("gather", {"early": True, "tile_blocks": 256, "num_warps": 4}),
+    "tiled": ("tiled", {}),
+    "tiled-early-stages2": ("tiled", {"early": True, "stages": 2}),
+}
+
+
+@contextlib.contextmanager
+def residual_variant(name: str):
+    """Run the per-token residual path as ``RESIDUAL_VARIANTS[name]`` (KERNELS and TILED_CONFIG restored after)."""
+    kern, over = RESIDUAL_VARIANTS[name]
+    old_k, old_c = KERNELS["residual_per_token"], TILED_CONFIG[kern]
+    KERNELS["residual_per_token"] = kern
+    TILED_CONFIG[kern] = dict(old_c, **over)
+    try:
+        yield
+    finally:
+        KERNELS["residual_per_token"] = old_k
+        TILED_CONFIG[kern] = old_c
 
 
 def _grid(n: int) -> tuple[int]:
@@ -1145,8 +1233,11 @@ def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: f
     if choice in ("tiled", "gather"):
         kernel = _residual_tiled_kernel
         ct = min(TILED_CONFIG[choice]["tile_blocks"], nbp)
+        cfg = TILED_CONFIG[choice]
         meta = dict(NTP=triton.next_power_of_2(triton.cdiv(nb, ct)), CT=ct, HAS_W=w is not None,
-                    GATHER=choice == "gather", enable_fp_fusion=False, num_warps=TILED_CONFIG[choice]["num_warps"])
+                    GATHER=choice == "gather", RADIX=cfg.get("radix", 1), STAGES=cfg.get("stages"),
+                    EARLY=cfg.get("early", False),
+                    enable_fp_fusion=False, num_warps=cfg["num_warps"])
         if choice == "gather" and not packed:  # selected block indices, read back by the same program
             scratch = torch.empty(m, max(n_sel, 1), dtype=torch.int32, device=dev)
     else:
