@@ -56,7 +56,10 @@ into float32 bits (no conversion instruction), applies the block scale with one 
 accumulates on CUDA cores (float32 FMA, 1-4 activation rows per chunk) or per nibble position on
 tensor cores; split-K partials are summed in a fixed order by a reduction launch or by the last
 program of each tile (``fixup``). Same bound vs the torch reference as the kernel above (exact
-products, float32 summation order). Chosen for w4a16 on CUDA by :data:`DECODE_TABLE` (shape ->
+products, float32 summation order). Other decodes (``StreamConfig.decode``): ``f16x2`` (nibbles J and J+4
+of a word built together as fp16 halves; with ``late_scale`` the block scale multiplies each word's
+8-product sum) and ``bf16x2`` (tensor cores: bf16 halves scaled by a packed bf16 multiply); ``verl-quads
+bench rollout --sass-count`` counts their K-loop instructions offline. Chosen for w4a16 on CUDA by :data:`DECODE_TABLE` (shape ->
 config, filled from ``verl-quads bench rollout --sweep-decode``); shapes not in it use the kernel
 above.
 """
