@@ -940,10 +940,11 @@ TILED_CONFIG = {"tiled": {"tile_blocks": 64, "num_warps": 2}, "gather": {"tile_b
 RESIDUAL_VARIANTS = {
     "gather": ("gather", {}),
     "gather-early": ("gather", {"early": True}),
-    "gather-radix2": ("gather", {"radix": 2}),
     "gather-radix4": ("gather", {"radix": 4}),
-    "gather-stages2": ("gather", {"stages": 2}),
     "gather-early-stages2": ("gather", {"early": True, "stages": 2}),
+    # one warp per row: every reduction is warp shuffles only (no shared memory, no CTA barrier in the search)
+    "gather-early-t32w1": ("gather", {"early": True, "tile_blocks": 32, "num_warps": 1}),
+    "gather-early-t64w1": ("gather", {"early": True, "tile_blocks": 64, "num_warps": 1}),
     "gather-early-t128w2": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 2}),
     "gather-early-t128w4": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 4}),
     "gather-early-t256w4": ("gather", {"early": True, "tile_blocks": 256, "num_warps": 4}),
