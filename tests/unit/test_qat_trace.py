@@ -192,3 +192,24 @@ def test_gemm_names_are_layer_paths_with_vllm_fused_names_through_wrappers():
     state = apply_qat(model, QuantConfig(quant="trace", guided_layers=2))
     names = {(layer, gemm) for _, gemm, layer, _ in state.modules.values()}
     assert names == {(i, g) for i in (0, 1) for g in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.experts")}
+
+
+def test_one_sequence_with_the_last_position_uncovered_equals_round_to_nearest():
+    """One sequence per micro-batch (its record gathered without a concatenation or fill row) whose records
+    are n-1 long, as every verl rollout's (the last position has none): covered rows follow the record, the
+    last row gets its own round-to-nearest guidance; with the model's own records that is ``w4a4_qat``."""
+    trace, rtn = _models("qwen3_moe")
+    ids = tokens()[:1]
+    store = InMemoryGuidanceStore()
+    tb = TraceBatch.padded(store, 7, ["a/0"], torch.ones_like(ids))
+    tb.record_into = store
+    with torch.no_grad(), trace_context(trace, tb):
+        trace(input_ids=ids)
+    for (uid, layer, gemm), (v, e) in list(store._entries.items()):
+        r = e.record
+        short = GuidanceRecord(r.bits[:-1], r.block_scale[:-1], r.global_scale[:-1], (r.shape[0] - 1, *r.shape[1:]))
+        store.put(GuidanceKey(uid, v, layer, gemm), short, None if e.expert_ids is None else e.expert_ids[:-1])
+    l0, g0 = _run(rtn, ids)
+    l1, g1 = _run(trace, ids, TraceBatch.padded(store, 7, ["a/0"], torch.ones_like(ids)))
+    assert torch.equal(l0, l1)
+    assert all(torch.equal(g0[k], g1[k]) for k in g0)

@@ -241,7 +241,9 @@ class TraceBatch:
         """Where each token row's guidance lives once the sequences' records (``t[i]`` rows each) are
         concatenated, plus one fill row at index ``sum(t)``: ``(src int64 [N], covered bool [N],
         uncovered int64 [U])`` (the rows without a record), all on ``device``. Computed on the host from the row map and cached per
-        ``(t, device)``; the copy to a CUDA device is asynchronous (pinned memory), so no sync."""
+        ``(t, device)``; the copy to a CUDA device is asynchronous (pinned memory), so no sync.
+        :meth:`_rows_index_nofill` is the same ``src`` with uncovered rows sent to row 0 instead of the
+        fill row (for callers that replace those rows anyway)."""
         key = (t, str(device))
         hit = self._index_cache.get(key)
         if hit is None:
@@ -256,9 +258,16 @@ class TraceBatch:
             # sequence), their indices the first ones of a stable sort by coverage
             n_unc = self._n_pad + sum(max(0, n - ti) for n, ti in zip(self._lengths, t))
             unc = torch.argsort(cov.to(torch.uint8), stable=True)[:n_unc]
-            hit = (_to_device(src, device), _to_device(cov, device), _to_device(unc, device))
+            hit = (_to_device(src, device), _to_device(cov, device), _to_device(unc, device),
+                   _to_device(torch.where(cov, src, 0), device) if sum(t) else None)
             self._index_cache[key] = hit
-        return hit
+        return hit[:3]
+
+    def _rows_index_nofill(self, t: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+        """``src`` of :meth:`_rows_index` with the uncovered rows pointing at row 0 (None if no record has
+        a row): a gather with it needs no fill row, i.e. no ``full`` + ``cat`` launches for one sequence."""
+        self._rows_index(t, device)
+        return self._index_cache[(t, str(device))][3]
 
     def _entries(self, layer: int, gemm: str) -> list[tuple[GuidanceKey, GuidanceEntry]]:
         return [(k, self.provider.get(k)) for k in (GuidanceKey(u, self.policy_version, layer, gemm) for u in self.uids)]
@@ -314,13 +323,16 @@ class TraceBatch:
 
         Returns ``(parts, covered, expert_ids, uncovered)`` where ``parts`` is a GuidanceRecord-like
         tuple of tensors laid out over ``[N, *rows_shape[1:], K]`` (``bits`` uint8, ``block_scale`` e4m3,
-        ``global_scale`` float32 ``[..., 1]``) with zeros (global scale 1) where not covered, ``covered``
-        bool ``[N]``, ``expert_ids`` int64 ``[N, top_k]`` (-1 where not covered) or None, all on
+        ``global_scale`` float32 ``[..., 1]``) holding, where not covered, some other row's record
+        (unspecified: every caller replaces or masks those rows, see :func:`~verl_quads.qat.activations.merged_record`
+        and the routing check), ``covered`` bool ``[N]``, ``expert_ids`` int64 ``[N, top_k]`` (likewise
+        unspecified where not covered) or None, all on
         ``device``, and ``uncovered`` int64 ``[U]`` on ``device``: the rows without a record (U, its
         length, is known on the host; 0 = every row covered). Records should live on
         ``device`` (the verl integration moves them there once per micro-batch); records elsewhere are
         concatenated there and copied once per part. No device sync: shapes are checked on the host, the
-        rows are gathered with one ``index_select`` per part (index built once per batch).
+        rows are gathered with one ``index_select`` per part (index built once per batch; no fill row, so a
+        single sequence's record is gathered without any concatenation).
         """
         n_rows = self.row_seq.numel()
         if rows_shape[0] != n_rows:
@@ -345,14 +357,21 @@ class TraceBatch:
             recs.append(rec)
             eids_all.append(entry.expert_ids)
         src, covered, uncovered = self._rows_index(tuple(ts), dev)
-        if not recs:
+        fill = {}  # the fill values where no record row exists at all (then every row is uncovered)
+        src0 = self._rows_index_nofill(tuple(ts), dev) if recs else None
+        if src0 is not None:
+            src = src0
+            fill = dict.fromkeys(("bits", "bscale", "gscale", "eids"), None)
+        elif not recs:
             src = torch.zeros(n_rows, dtype=torch.long, device=dev)
-        bits = _gather_rows([r.bits for r in recs], src, 0, torch.uint8, dev, inner + (k // 8,))
-        bscale = _gather_rows([r.block_scale.view(torch.uint8) for r in recs], src, 0, torch.uint8, dev, inner + (k // 16,))
-        gscale = _gather_rows([r.global_scale for r in recs], src, 1.0, torch.float32, dev, inner + (1,))
+        bits = _gather_rows([r.bits for r in recs], src, fill.get("bits", 0), torch.uint8, dev, inner + (k // 8,))
+        bscale = _gather_rows([r.block_scale.view(torch.uint8) for r in recs], src, fill.get("bscale", 0), torch.uint8,
+                              dev, inner + (k // 16,))
+        gscale = _gather_rows([r.global_scale for r in recs], src, fill.get("gscale", 1.0), torch.float32, dev,
+                              inner + (1,))
         eids = None
         if recs and all(e is not None for e in eids_all):
-            eids = _gather_rows(eids_all, src, -1, torch.long, dev)
+            eids = _gather_rows(eids_all, src, fill.get("eids", -1), torch.long, dev)
         elif any(e is not None for e in eids_all):
             raise GuidanceError(f"TRACE: layer {layer} {gemm}: expert ids are stored for some sequences only")
         return (bits, bscale.view(torch.float8_e4m3fn), gscale), covered, eids, uncovered
@@ -371,12 +390,16 @@ def _gather_rows(parts: list[torch.Tensor], src: torch.Tensor, fill, dtype: torc
                  row_shape: tuple[int, ...] | None = None) -> torch.Tensor:
     """``cat(parts + [fill row])[src]`` in ``dtype`` on ``device``: the rows of the sequences' records for
     every token row, the fill value where ``src`` points past the records. One ``cat`` and one
-    ``index_select`` (on ``device``; parts elsewhere are concatenated there and copied once)."""
+    ``index_select`` (on ``device``; parts elsewhere are concatenated there and copied once).
+    ``fill=None``: no fill row (``src`` stays inside the records); one part is then gathered directly,
+    without a ``cat``."""
     if row_shape is None:
         row_shape = tuple(parts[0].shape[1:]) if parts else ()
     home = parts[0].device if parts and all(p.device == parts[0].device for p in parts) else torch.device("cpu")
-    fill_row = torch.full((1, *row_shape), fill, dtype=dtype, device=home)
-    cat = torch.cat([p.to(home, dtype) for p in parts] + [fill_row])
+    if fill is None and len(parts) == 1 and parts[0].dtype == dtype:
+        return _to_device(parts[0], device).index_select(0, src)
+    extra = [] if fill is None else [torch.full((1, *row_shape), fill, dtype=dtype, device=home)]
+    cat = torch.cat([p.to(home, dtype) for p in parts] + extra)
     return _to_device(cat, device).index_select(0, src)
 
 
