@@ -29,6 +29,12 @@ Scale granularity (both sides must agree; decided here once):
   scale, it keeps a token's activation independent of its batch mates, so generation is
   batch-invariant. ``residual_per_token=False`` selects once per GEMM call (the sum of the
   scores over the call's rows; DESIGN.md §1's first definition), which is not batch-invariant.
+- QUADS operand form on the emulated backends (``residual_combine``, opt-in): ``fp4x2`` (default) keeps
+  ``Q(x)`` and ``Q(R_sel)`` as two FP4 GEMM operands combined in float32 (the arithmetic of an FP4
+  tensor-core GEMM); ``bf16`` runs the W4A16 GEMM on the core's QDQ activation
+  ``residual_fake_quantize(x)`` = ``Q(x) + Q(R_sel)`` summed in float32 and rounded ONCE to the
+  activation dtype (relative <= 2**-8 per element for bf16, 2**-11 for fp16; float32 activations: no
+  rounding). Same selection, codes and scales; ``native`` (Blackwell) refuses ``bf16``.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ QUANT_MODES = ("none", "naive", "w4a16", "quads", "trace", "w4a4_qat")
 TRAINER_MODES = ("none", "w4a16", "w4a4_qat", "trace")
 ROLLOUT_MODES = ("none", "w4a16", "naive", "quads", "trace")
 BACKENDS = ("auto", "torch", "triton", "native")
+RESIDUAL_COMBINES = ("fp4x2", "bf16")
 
 _TRAINER_OF = {"none": "none", "naive": "none", "w4a16": "w4a16", "quads": "w4a16", "trace": "trace", "w4a4_qat": "w4a4_qat"}
 _ROLLOUT_OF = {"none": "none", "naive": "naive", "w4a16": "w4a16", "quads": "quads", "trace": "trace", "w4a4_qat": "naive"}
@@ -70,6 +77,11 @@ class QuantConfig:
         ignore: regex patterns of module names kept in BF16 (see :data:`DEFAULT_IGNORE`).
         backend: kernel backend, one of :data:`BACKENDS` (``auto`` picks by device; asking for one
             that cannot run is an error).
+        residual_combine: QUADS operand form on the emulated backends (``torch``, ``triton``), one of
+            :data:`RESIDUAL_COMBINES`: ``fp4x2`` (default: two FP4 operands, combined in float32) or
+            ``bf16`` (opt-in: the compensated activation rounded once to the activation dtype, then the
+            W4A16 GEMM; see the module docstring). Only read in the rollout's ``quads`` mode; the
+            ``native`` backend refuses ``bf16``.
     """
 
     quant: str = "none"
@@ -79,6 +91,7 @@ class QuantConfig:
     trace_base_mode: str = "w4a16"
     ignore: tuple[str, ...] = DEFAULT_IGNORE
     backend: str = "auto"
+    residual_combine: str = "fp4x2"
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_MODES:
@@ -100,6 +113,12 @@ class QuantConfig:
         if self.backend not in BACKENDS:
             raise ValueError(
                 f"actor_rollout_ref.actor.quant_config.backend={self.backend!r}: allowed: {', '.join(BACKENDS)}"
+            )
+        if self.residual_combine not in RESIDUAL_COMBINES:
+            raise ValueError(
+                f"actor_rollout_ref.actor.quant_config.residual_combine={self.residual_combine!r}: allowed: "
+                f"{', '.join(RESIDUAL_COMBINES)} (fp4x2: two FP4 operands combined in float32, the default; bf16: the "
+                "compensated activation rounded once to the activation dtype, then the W4A16 GEMM)"
             )
         object.__setattr__(self, "ignore", tuple(self.ignore))
         for pat in self.ignore:
@@ -141,4 +160,5 @@ class QuantConfig:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
 
 
-__all__ = ["QUANT_MODES", "TRAINER_MODES", "ROLLOUT_MODES", "BACKENDS", "DEFAULT_IGNORE", "QuantConfig"]
+__all__ = ["QUANT_MODES", "TRAINER_MODES", "ROLLOUT_MODES", "BACKENDS", "RESIDUAL_COMBINES", "DEFAULT_IGNORE",
+           "QuantConfig"]

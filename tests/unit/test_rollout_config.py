@@ -47,11 +47,36 @@ def test_args_from_dict_env_and_default(monkeypatch):
         ({"quant": "quads", "ratio": 0.5}, "unknown key"),
         ({"quant_method": "modelopt_fp4", "quant": "quads"}, "expected 'quads_nvfp4'"),
         ({"quant": "quads", "residual_ratio": 1.5}, "residual_ratio"),
+        ({"quant": "quads", "residual_combine": "fp16"},
+         r"actor_rollout_ref\.actor\.quant_config\.residual_combine='fp16': allowed: fp4x2, bf16"),
     ],
 )
 def test_bad_args_fail_clearly(args, match):
     with pytest.raises(ValueError, match=match):
         quant_config_from_args(args)
+
+
+def test_residual_combine_reaches_each_layers_activation_quant(monkeypatch):
+    """quant_config.residual_combine: default fp4x2; bf16 is handed to every layer's ActQuant."""
+    assert QuadsNVFP4Config.from_config({"quant": "quads"}).activation_quant("model.layers.0.mlp.down_proj")[0] \
+        .residual_combine == "fp4x2"
+    cfg = QuadsNVFP4Config.from_config({"quant": "quads", "residual_combine": "bf16", "residual_ratio": 0.25})
+    act, idx, gemm = cfg.activation_quant("model.layers.1.self_attn.qkv_proj")
+    assert (act.mode, act.residual_combine, act.residual_ratio, idx, gemm) == ("quads", "bf16", 0.25, 1, "self_attn.qkv_proj")
+    monkeypatch.setenv(ENV_VAR, json.dumps({"quant": "quads", "residual_combine": "bf16"}))
+    assert QuadsNVFP4Config().quant_config.residual_combine == "bf16"
+
+
+def test_native_refuses_quads_bf16_combine_mocked_blackwell(monkeypatch):
+    """Mocked: the backend resolves to native as it would on a Blackwell GPU with vLLM's FP4 ops (none here).
+    residual_combine='bf16' is refused there, naming the key; fp4x2 (and bf16 outside quads) is accepted."""
+    from verl_quads.rollout import quant_config as qc_mod
+
+    monkeypatch.setattr(qc_mod, "resolve_backend", lambda requested: "native")
+    with pytest.raises(ValueError, match=r"quant_config\.residual_combine='bf16' is for the emulated backends.*'native'"):
+        QuadsNVFP4Config.from_config({"quant": "quads", "residual_combine": "bf16"})
+    assert QuadsNVFP4Config.from_config({"quant": "quads"}).backend == "native"
+    assert QuadsNVFP4Config.from_config({"quant": "naive", "residual_combine": "bf16"}).backend == "native"
 
 
 def test_bad_env_json_fails_clearly(monkeypatch):

@@ -58,9 +58,11 @@ def _close(y, ref, what):
     assert rel <= 2 ** -7 and equal >= 0.95, (what, rel, equal)
 
 
-@pytest.mark.parametrize("mode, per_token", [("w4a16", False), ("naive", False), ("quads", False), ("quads", True),
-                                             ("trace", False)])
-def test_linear_apply_triton_equals_torch(monkeypatch, mode, per_token):
+@pytest.mark.parametrize("mode, per_token, combine", [
+    ("w4a16", False, "fp4x2"), ("naive", False, "fp4x2"), ("quads", False, "fp4x2"), ("quads", True, "fp4x2"),
+    ("trace", False, "fp4x2"), ("quads", True, "bf16"), ("quads", False, "bf16"),
+])
+def test_linear_apply_triton_equals_torch(monkeypatch, mode, per_token, combine):
     layer = _linear_layer()
     x = torch.randn(2, 3, 96, dtype=torch.bfloat16)  # [batch, seq, K]: apply flattens the leading dims
     x[..., 7] *= 20
@@ -69,11 +71,11 @@ def test_linear_apply_triton_equals_torch(monkeypatch, mode, per_token):
     for backend in ("torch", "triton"):
         store = _Store()
         monkeypatch.setattr(capture_mod, "get_store", lambda: store)
-        m = QuadsNVFP4LinearMethod(ActQuant(mode, 0.5, per_token, capture=mode == "trace"), backend,
-                                   capture_key=(3, "self_attn.qkv_proj") if mode == "trace" else None)
+        m = QuadsNVFP4LinearMethod(ActQuant(mode, 0.5, per_token, capture=mode == "trace", residual_combine=combine),
+                                   backend, capture_key=(3, "self_attn.qkv_proj") if mode == "trace" else None)
         outs[backend] = m.apply(layer, x, bias)
         recs[backend] = store.records
-    _close(outs["triton"], outs["torch"], f"linear {mode} per_token={per_token}")
+    _close(outs["triton"], outs["torch"], f"linear {mode} per_token={per_token} combine={combine}")
     if mode == "trace":
         a, b = recs["torch"][(3, "self_attn.qkv_proj")], recs["triton"][(3, "self_attn.qkv_proj")]
         assert torch.equal(a.bits, b.bits) and torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
@@ -93,11 +95,12 @@ def _moe_layer(n_exp=4, hidden=64, inter=32, seed=0):
     return layer, cfg
 
 
-@pytest.mark.parametrize("mode, per_token, expert_map", [
-    ("w4a16", False, False), ("naive", False, True), ("quads", False, False), ("quads", True, False),
-    ("trace", False, False),
+@pytest.mark.parametrize("mode, per_token, expert_map, combine", [
+    ("w4a16", False, False, "fp4x2"), ("naive", False, True, "fp4x2"), ("quads", False, False, "fp4x2"),
+    ("quads", True, False, "fp4x2"), ("trace", False, False, "fp4x2"), ("quads", True, True, "bf16"),
+    ("quads", False, False, "bf16"),
 ])
-def test_moe_apply_triton_equals_torch(monkeypatch, mode, per_token, expert_map):
+def test_moe_apply_triton_equals_torch(monkeypatch, mode, per_token, expert_map, combine):
     layer, cfg = _moe_layer()
     if expert_map:  # expert parallel: global experts 0..5, this rank holds 4 of them, 1 and 4 elsewhere
         layer.expert_map = torch.tensor([0, -1, 1, 2, -1, 3])
@@ -112,11 +115,11 @@ def test_moe_apply_triton_equals_torch(monkeypatch, mode, per_token, expert_map)
     for backend in ("torch", "triton"):
         store = _Store()
         monkeypatch.setattr(capture_mod, "get_store", lambda: store)
-        m = QuadsNVFP4MoEMethod(cfg, ActQuant(mode, 0.5, per_token, capture=mode == "trace"), backend,
-                                capture_layer=5 if mode == "trace" else None)
+        m = QuadsNVFP4MoEMethod(cfg, ActQuant(mode, 0.5, per_token, capture=mode == "trace", residual_combine=combine),
+                                backend, capture_layer=5 if mode == "trace" else None)
         outs[backend] = m.apply(layer, x, tw, ids, None, None)
         recs[backend] = store.records
-    _close(outs["triton"], outs["torch"], f"moe {mode} per_token={per_token} expert_map={expert_map}")
+    _close(outs["triton"], outs["torch"], f"moe {mode} per_token={per_token} expert_map={expert_map} combine={combine}")
     assert set(recs["triton"]) == set(recs["torch"])
     for key in recs["torch"]:
         a, b = recs["torch"][key], recs["triton"][key]
@@ -150,3 +153,50 @@ def test_triton_methods_compile_as_opaque_custom_ops():
     f_moe = torch.compile(lambda x, w, i: moe.apply(moe_layer, x, w, i, None, None), backend="eager", fullgraph=True)
     assert torch.equal(f_lin(x), lin.apply(layer, x))
     assert torch.equal(f_moe(xm, tw, ids), moe.apply(moe_layer, xm, tw, ids, None, None))
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_quads_bf16_operand_is_the_cores_residual_fake_quantize(per_token):
+    """residual_combine="bf16": both backends' operand is the NVFP4 core's QDQ form (torch reference bytes),
+    which is the float32 fp4x2 operand rounded ONCE to bf16 (independent check through residual_quantize);
+    the triton GEMM on it is exactly the w4a16 GEMM of that activation."""
+    from verl_quads import nvfp4 as nv
+    from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.rollout import emulation as em
+
+    torch.manual_seed(3)
+    x = torch.randn(5, 96, dtype=torch.bfloat16)
+    x[:, 7] *= 20
+    x[2, 40:56] *= 0.01
+    gs = nv.per_row_global_scale(x)
+    want = nv.residual_fake_quantize(x, 0.5, gs, per_token=per_token, backend="torch")
+    assert want.dtype == torch.bfloat16
+    # the core's QDQ form = the two-pass sum in float32, rounded once
+    f32 = nv.residual_quantize(x, 0.5, gs, per_token=per_token, backend="torch").dequantize(torch.float32)
+    assert torch.equal(want, f32.to(torch.bfloat16))
+    rel = float(((want.float() - f32).abs() / f32.abs().clamp_min(1e-30)).max())
+    print(f"bf16 operand vs fp4x2 operand: max relative difference {rel:.2e} (bound 2**-8 = {2 ** -8:.2e})")
+    assert 0 < rel <= 2 ** -8
+    op, rec = tg.quantize_activation(x, "quads", residual_ratio=0.5, residual_per_token=per_token,
+                                     residual_combine="bf16")
+    assert rec is None and op.mode == "w4a16" and op.first is None and op.second_packed is None
+    assert torch.equal(op.values, want)
+    xf, _ = em.quantize_activation(x, ActQuant("quads", 0.5, per_token, residual_combine="bf16"))
+    assert xf.dtype == torch.float32 and torch.equal(xf, want.float())
+    fp4x2, _ = em.quantize_activation(x, ActQuant("quads", 0.5, per_token))
+    assert torch.equal(fp4x2, f32)  # the default operand is unchanged (never rounded)
+    layer = _linear_layer()
+    w = (layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
+    y = tg.nvfp4_linear(x, *w, None, "quads", residual_per_token=per_token, residual_combine="bf16")
+    assert torch.equal(y, tg.nvfp4_linear(want, *w, None, "w4a16"))
+    with pytest.raises(ValueError, match=r"residual_combine must be one of \('fp4x2', 'bf16'\), got 'fp16'"):
+        tg.quantize_activation(x, "quads", residual_combine="fp16")
+    with pytest.raises(ValueError, match=r"ActQuant.residual_combine \(quant_config.residual_combine\) must be one of"):
+        ActQuant("quads", residual_combine="fp8")
+
+
+def test_native_refuses_quads_bf16_combine():
+    """Blackwell's native backend runs vLLM's FP4 GEMM on the two FP4 operands: residual_combine="bf16"
+    is refused there (at method construction; no Blackwell GPU needed for the refusal)."""
+    with pytest.raises(ValueError, match=r"residual_combine='bf16' is for the emulated backends.*'native'.*'fp4x2'"):
+        QuadsNVFP4LinearMethod(ActQuant("quads", residual_combine="bf16"), "native")

@@ -18,6 +18,13 @@ one of an FP4 tensor-core GEMM:
   over all K in which a weight block is read only if some row of the tile selected it, so a
   decode tile streams ~``ratio * K`` extra weight columns) and the two are combined in float32:
   ``y = (acc1 / gs1_row + acc2 / gs2_row) / gs_w``.
+- QUADS, opt-in operand form ``residual_combine="bf16"`` (:data:`RESIDUAL_COMBINES`): the compensated
+  activation is the core's QDQ form :func:`verl_quads.nvfp4.residual_fake_quantize` (``Q(x) + Q(R_sel)``
+  summed in float32 and rounded ONCE to the activation dtype: one fused activation kernel), multiplied
+  by the ``w4a16`` GEMM (the weight-streaming kernel at decode, the tensor-core kernel above at
+  prefill: no second operand, no second accumulator). It differs from the default ``fp4x2`` by that one
+  rounding of the activation (relative <= 2**-8 per element for bf16, 2**-11 for fp16; none for float32
+  activations) plus float32 summation order.
 
 Differences to the torch reference (:mod:`verl_quads.rollout.emulation`, ``x_f32 @ w_f32.T``):
 the reference multiplies each element by ``fl(block_scale / global_scale)`` before summing, this
@@ -81,6 +88,8 @@ if triton is not None:
     from verl_quads.nvfp4.triton_kernels import _store_out
 
 ACT_MODES = ("w4a16", "naive", "quads", "trace")
+#: QUADS operand forms: two FP4 operands combined in float32 (default), or the QDQ activation in x's dtype
+RESIDUAL_COMBINES = ("fp4x2", "bf16")
 _OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -1133,9 +1142,11 @@ class ActOperand:
     """Activation operand of :func:`nvfp4_gemm`, rows ``[M, K]``.
 
     Attributes:
-        mode: one of :data:`ACT_MODES` (``w4a16``: ``values`` is used; the others: ``first``).
+        mode: one of :data:`ACT_MODES` (``w4a16``: ``values`` is used; the others: ``first``). A QUADS
+            operand with ``residual_combine="bf16"`` is a ``w4a16`` operand (its ``values`` are the
+            compensated activation ``Q(x) + Q(R_sel)`` in x's dtype).
         dtype: the output dtype (the activation's original dtype).
-        values: w4a16: the activation itself, bf16/fp16/fp32 ``[M, K]`` (contiguous).
+        values: w4a16: the activation itself (or its QUADS QDQ form), bf16/fp16/fp32 ``[M, K]`` (contiguous).
         first: W4A4: ``Q(x)``, NVFP4 ``[M, K]`` with one float32 global scale per row.
         second_packed / second_scale / second_gs: QUADS residual ``Q(R_sel)``: uint8
             ``[M, NSEL2 * 8]``, e4m3 ``[M, NSEL2]``, float32 ``[M]`` (per row).
@@ -1194,14 +1205,22 @@ def quantize_activation(
     residual_ratio: float = 0.5,
     residual_per_token: bool = False,
     capture: bool = False,
+    residual_combine: str = "fp4x2",
 ) -> tuple[ActOperand, GuidanceRecord | None]:
     """Activation operand of one GEMM (``x`` ``[M, K]``), quantized by the NVFP4 core (backend
     ``"triton"``) with one global scale per token, and the guidance record (``trace`` with
-    ``capture``, else None). Same codes as :func:`verl_quads.rollout.emulation.quantize_activation`."""
+    ``capture``, else None). Same codes as :func:`verl_quads.rollout.emulation.quantize_activation`.
+
+    ``residual_combine`` (``quads`` only, :data:`RESIDUAL_COMBINES`): ``fp4x2`` -> ``Q(x)`` and
+    ``Q(R_sel)`` as two FP4 operands; ``bf16`` -> a ``w4a16`` operand holding
+    ``nvfp4.residual_fake_quantize(x, residual_ratio, per-token global scale)`` in x's dtype (the same
+    bytes as the core's torch reference)."""
     from verl_quads import nvfp4 as nv
 
     if mode not in ACT_MODES:
         raise ValueError(f"nvfp4 GEMM: act_mode must be one of {ACT_MODES}, got {mode!r}")
+    if residual_combine not in RESIDUAL_COMBINES:
+        raise ValueError(f"nvfp4 GEMM: residual_combine must be one of {RESIDUAL_COMBINES}, got {residual_combine!r}")
     if x.dim() != 2:
         raise ValueError(f"nvfp4 GEMM: activation must be 2-D [M, K], got shape {tuple(x.shape)}")
     if x.dtype not in _OUT_CODES:
@@ -1209,6 +1228,10 @@ def quantize_activation(
     if mode == "w4a16":
         return ActOperand(mode, x.dtype, values=x.contiguous()), None
     gs = nv.per_row_global_scale(x)
+    if mode == "quads" and residual_combine == "bf16":
+        xq = nv.residual_fake_quantize(x, residual_ratio, gs, per_token=residual_per_token, backend="triton",
+                                       check_finite=False)
+        return ActOperand("w4a16", x.dtype, values=xq), None
     if mode == "quads":
         r = nv.residual_quantize(x, residual_ratio, gs, per_token=residual_per_token, backend="triton",
                                  check_finite=False)
@@ -1262,6 +1285,25 @@ def quads_grouped_operand(x_sorted: torch.Tensor, group_sizes: list[int], group_
         return ActOperand("quads", x_sorted.dtype, first=first)
     return ActOperand("quads", x_sorted.dtype, first=first, second_packed=packed2,
                       second_scale=scale2.view(torch.float8_e4m3fn), second_gs=gs2, block_idx=table)
+
+
+def quads_grouped_values(x_sorted: torch.Tensor, group_sizes: list[int], ratio: float) -> ActOperand:
+    """``residual_combine="bf16"`` form of :func:`quads_grouped_operand`: a ``w4a16`` operand ``[S, K]``
+    (x's dtype, rows in ``x_sorted``'s order) holding, for each non-empty group's consecutive rows,
+    :func:`verl_quads.nvfp4.residual_fake_quantize` with residual block selection over that group's rows
+    (per-call selection per expert, as the reference). One core call per non-empty group (host loop)."""
+    from verl_quads import nvfp4 as nv
+
+    out = torch.empty_like(x_sorted)
+    start = 0
+    for n in group_sizes:
+        if n == 0:
+            continue
+        xs = x_sorted[start:start + n]
+        out[start:start + n] = nv.residual_fake_quantize(xs, ratio, nv.per_row_global_scale(xs), per_token=False,
+                                                         backend="triton", check_finite=False)
+        start += n
+    return ActOperand("w4a16", x_sorted.dtype, values=out)
 
 
 @dataclass(frozen=True)
@@ -1520,13 +1562,16 @@ def nvfp4_linear(
     residual_ratio: float = 0.5,
     residual_per_token: bool = False,
     config: GemmConfig | None = None,
+    residual_combine: str = "fp4x2",
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` (bf16/fp16/fp32) times an NVFP4 weight ``[N, K]`` (``w_packed`` uint8
     ``[N, K/2]``, ``w_scale`` e4m3 ``[N, K/16]``, ``w_gs`` float32 0-d encode scale), plus ``bias``
     ``[N]``: ``[M, N]`` in x's dtype. ``act_mode``: ``w4a16`` (x as is), ``naive``/``trace`` (x
-    quantized to NVFP4 per token), ``quads`` (``Q(x) + Q(R_sel)``, ratio ``residual_ratio``).
+    quantized to NVFP4 per token), ``quads`` (``Q(x) + Q(R_sel)``, ratio ``residual_ratio``; operand
+    form ``residual_combine``, see :func:`quantize_activation`).
     Use :func:`quantize_activation` + :func:`nvfp4_gemm` to also get the trace guidance record."""
-    act, _ = quantize_activation(x, act_mode, residual_ratio=residual_ratio, residual_per_token=residual_per_token)
+    act, _ = quantize_activation(x, act_mode, residual_ratio=residual_ratio, residual_per_token=residual_per_token,
+                                 residual_combine=residual_combine)
     return nvfp4_gemm(act, w_packed, w_scale, w_gs, bias, config=config)
 
 
@@ -1545,6 +1590,7 @@ def moe_forward(
     residual_ratio: float = 0.5,
     residual_per_token: bool = False,
     on_record=None,
+    residual_combine: str = "fp4x2",
 ) -> torch.Tensor:
     """Routed experts (gated silu) with ONE grouped launch per expert GEMM; ``[T, H]`` in x's dtype.
 
@@ -1556,7 +1602,9 @@ def moe_forward(
     -> cast; ``silu(gate) * up`` in float32 -> cast; GEMM2's input quantized per token-slot row
     (``quads`` with per-call selection: one selection per expert, :func:`quads_grouped_operand`, a
     host-synchronizing loop over the active experts; every other mode has no host sync); GEMM2 ->
-    cast; router-weighted sum over the k slots in float32, one cast.
+    cast; router-weighted sum over the k slots in float32, one cast. ``residual_combine`` (``quads``):
+    see :func:`quantize_activation`; ``bf16`` makes both GEMMs ``w4a16`` GEMMs on the compensated
+    activations (per-call selection: :func:`quads_grouped_values`).
 
     ``on_record(gemm, record)`` (trace): receives the guidance record of GEMM1's input
     (``"mlp.experts.w13"``, ``[T, H]``) and of GEMM2's input (``"mlp.experts.w2"``, ``[T * k, I]`` in
@@ -1571,7 +1619,8 @@ def moe_forward(
     routing = moe_align(expert_ids, n_exp, pick_block_m(-(-s // min(n_exp, s))))
     capture = on_record is not None
     op1, rec = quantize_activation(x, act_mode, residual_ratio=residual_ratio,
-                                   residual_per_token=residual_per_token, capture=capture)
+                                   residual_per_token=residual_per_token, capture=capture,
+                                   residual_combine=residual_combine)
     if rec is not None:
         on_record("mlp.experts.w13", rec)
     token_rows = routing.sorted_tokens
@@ -1581,11 +1630,15 @@ def moe_forward(
         flat = expert_ids.reshape(-1)
         counts = torch.bincount(flat[flat >= 0], minlength=n_exp).tolist()  # host sync
         sorted_a = a[routing.sorted_slots[: sum(counts)].long()]
-        op2 = quads_grouped_operand(sorted_a, counts, list(range(n_exp)), n_exp, residual_ratio)
+        if residual_combine == "bf16":
+            op2 = quads_grouped_values(sorted_a, counts, residual_ratio)
+        else:
+            op2 = quads_grouped_operand(sorted_a, counts, list(range(n_exp)), n_exp, residual_ratio)
         a_rows = torch.arange(s, dtype=torch.int32, device=x.device)
     else:
         op2, rec2 = quantize_activation(a, act_mode, residual_ratio=residual_ratio,
-                                        residual_per_token=residual_per_token, capture=capture)
+                                        residual_per_token=residual_per_token, capture=capture,
+                                        residual_combine=residual_combine)
         if rec2 is not None:
             on_record("mlp.experts.w2", rec2)
         a_rows = None
@@ -1599,39 +1652,41 @@ def moe_forward(
 
 def _linear_op(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
                bias: torch.Tensor | None, act_mode: str, residual_ratio: float,
-               residual_per_token: bool) -> torch.Tensor:
+               residual_per_token: bool, residual_combine: str = "fp4x2") -> torch.Tensor:
     return nvfp4_linear(x, w_packed, w_scale, w_gs, bias, act_mode, residual_ratio=residual_ratio,
-                        residual_per_token=residual_per_token)
+                        residual_per_token=residual_per_token, residual_combine=residual_combine)
 
 
 def _moe_op(x: torch.Tensor, slot_weights: torch.Tensor, expert_ids: torch.Tensor, w13_packed: torch.Tensor,
             w13_scale: torch.Tensor, w13_gs: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor,
-            w2_gs: torch.Tensor, act_mode: str, residual_ratio: float, residual_per_token: bool) -> torch.Tensor:
+            w2_gs: torch.Tensor, act_mode: str, residual_ratio: float, residual_per_token: bool,
+            residual_combine: str = "fp4x2") -> torch.Tensor:
     return moe_forward(x, slot_weights, expert_ids, w13_packed, w13_scale, w13_gs, w2_packed, w2_scale, w2_gs,
-                       act_mode, residual_ratio=residual_ratio, residual_per_token=residual_per_token)
+                       act_mode, residual_ratio=residual_ratio, residual_per_token=residual_per_token,
+                       residual_combine=residual_combine)
 
 
 linear_op = torch.library.custom_op(
     "verl_quads::nvfp4_linear", _linear_op, mutates_args=(),
     schema="(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_gs, Tensor? bias, str act_mode, "
-           "float residual_ratio, bool residual_per_token) -> Tensor",
+           "float residual_ratio, bool residual_per_token, str residual_combine=\"fp4x2\") -> Tensor",
 )
 moe_op = torch.library.custom_op(
     "verl_quads::nvfp4_moe", _moe_op, mutates_args=(),
     schema="(Tensor x, Tensor slot_weights, Tensor expert_ids, Tensor w13_packed, Tensor w13_scale, "
            "Tensor w13_gs, Tensor w2_packed, Tensor w2_scale, Tensor w2_gs, str act_mode, "
-           "float residual_ratio, bool residual_per_token) -> Tensor",
+           "float residual_ratio, bool residual_per_token, str residual_combine=\"fp4x2\") -> Tensor",
 )
 
 
 @linear_op.register_fake
-def _(x, w_packed, w_scale, w_gs, bias, act_mode, residual_ratio, residual_per_token):
+def _(x, w_packed, w_scale, w_gs, bias, act_mode, residual_ratio, residual_per_token, residual_combine="fp4x2"):
     return x.new_empty(x.shape[0], w_packed.shape[0])
 
 
 @moe_op.register_fake
 def _(x, slot_weights, expert_ids, w13_packed, w13_scale, w13_gs, w2_packed, w2_scale, w2_gs, act_mode,
-      residual_ratio, residual_per_token):
+      residual_ratio, residual_per_token, residual_combine="fp4x2"):
     return torch.empty_like(x)
 
 
@@ -1654,5 +1709,7 @@ __all__ = [
     "pick_block_m",
     "pick_config",
     "quads_grouped_operand",
+    "quads_grouped_values",
     "quantize_activation",
+    "RESIDUAL_COMBINES",
 ]

@@ -16,6 +16,13 @@ Modes (rollout vocabulary of :class:`verl_quads.config.QuantConfig`): ``w4a16``,
 (W4A4, round-to-nearest-even activations), ``quads`` (W4A4 + residual compensation:
 ``Q(x) + Q(R_sel)``, :func:`verl_quads.nvfp4.residual_quantize`), ``trace`` (``naive`` arithmetic;
 the activation's :class:`~verl_quads.nvfp4.GuidanceRecord` is returned for capture).
+
+QUADS operand form (``ActQuant.residual_combine``, :class:`verl_quads.config.QuantConfig`):
+``fp4x2`` (default): ``deq(Q(x)) + deq(Q(R_sel))`` in float32, never rounded (the model of a GEMM that
+reads both FP4 operands and combines them in float32); ``bf16``:
+:func:`verl_quads.nvfp4.residual_fake_quantize` (the same sum in float32, rounded ONCE to the activation
+dtype: relative <= 2**-8 per element for bf16, 2**-11 for fp16, none for float32), upcast to float32
+(exact), i.e. the operand of the ``w4a16`` GEMM that the ``triton`` backend then runs.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from verl_quads import nvfp4
+from verl_quads.config import RESIDUAL_COMBINES
 from verl_quads.nvfp4 import GuidanceRecord, NVFP4Tensor
 
 W4A4_MODES = ("naive", "quads", "trace")
@@ -44,6 +52,7 @@ class ActQuant:
         backend: NVFP4 core backend for the activation quantization: ``torch`` (this module is the
             plugin's torch backend) or ``auto`` (Triton for CUDA tensors; the kernels are bit-exact
             with the torch reference, so only speed changes: used by the HF emulator on GPUs).
+        residual_combine: ``quads`` only: ``fp4x2`` (default) or ``bf16`` (module docstring).
     """
 
     mode: str
@@ -51,12 +60,18 @@ class ActQuant:
     residual_per_token: bool = True
     capture: bool = False
     backend: str = "torch"
+    residual_combine: str = "fp4x2"
 
     def __post_init__(self) -> None:
         if self.mode not in RUNTIME_MODES:
             raise ValueError(f"quads_nvfp4: runtime mode must be one of {RUNTIME_MODES}, got {self.mode!r}")
         if self.backend not in ("torch", "auto"):
             raise ValueError(f"ActQuant.backend must be 'torch' or 'auto', got {self.backend!r}")
+        if self.residual_combine not in RESIDUAL_COMBINES:
+            raise ValueError(
+                f"ActQuant.residual_combine (quant_config.residual_combine) must be one of {RESIDUAL_COMBINES}, "
+                f"got {self.residual_combine!r}"
+            )
 
 
 #: One encode scale per token (row), float32 ``[M, 1]``: the core's definition, shared with the trainer.
@@ -67,13 +82,20 @@ def quantize_activation(x: torch.Tensor, q: ActQuant) -> tuple[torch.Tensor, Gui
     """Activation operand of one GEMM, float32 ``[M, K]``, and its guidance record (trace only).
 
     ``x``: 2-D ``[M, K]`` (bf16/fp16/fp32, K % 16 == 0 for the W4A4 modes). ``w4a16`` returns
-    ``x`` upcast to float32. Non-finite activations are not checked here (hot path).
+    ``x`` upcast to float32; ``quads`` with ``residual_combine="bf16"`` returns
+    ``residual_fake_quantize(x)`` (x's dtype) upcast to float32. Non-finite activations are not
+    checked here (hot path).
     """
     if q.mode == "w4a16":
         return x.to(torch.float32), None
     if x.shape[0] == 0:
         return x.to(torch.float32), None
     gs = per_token_global_scale(x)
+    if q.mode == "quads" and q.residual_combine == "bf16":
+        xq = nvfp4.residual_fake_quantize(
+            x, q.residual_ratio, gs, per_token=q.residual_per_token, backend=q.backend, check_finite=False
+        )
+        return xq.to(torch.float32), None
     if q.mode == "quads":
         r = nvfp4.residual_quantize(
             x, q.residual_ratio, gs, per_token=q.residual_per_token, backend=q.backend, check_finite=False
@@ -122,6 +144,7 @@ def gemm(x_f32: torch.Tensor, w_f32: torch.Tensor, bias: torch.Tensor | None, ou
 __all__ = [
     "W4A4_MODES",
     "RUNTIME_MODES",
+    "RESIDUAL_COMBINES",
     "ActQuant",
     "per_token_global_scale",
     "quantize_activation",

@@ -87,6 +87,12 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
             raise NotImplementedError(
                 f"quads_nvfp4 linear: backend {backend!r} is not implemented (implemented: torch, triton, native)"
             )
+        if backend == "native" and act.mode == "quads" and act.residual_combine != "fp4x2":
+            raise ValueError(
+                f"quads_nvfp4 linear: residual_combine={act.residual_combine!r} is for the emulated backends "
+                "(torch, triton); backend 'native' runs vLLM's FP4 GEMM on the two FP4 operands (allowed there: "
+                "'fp4x2')"
+            )
         if backend == "native" and act.mode == "w4a16":
             from verl_quads.rollout import native
 
@@ -201,12 +207,13 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
         if not capture:
             y = torch.ops.verl_quads.nvfp4_linear(
                 x2, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, bias, self.act.mode,
-                self.act.residual_ratio, self.act.residual_per_token,
+                self.act.residual_ratio, self.act.residual_per_token, self.act.residual_combine,
             )
             return y.reshape(*x.shape[:-1], y.shape[-1])
         op, record = triton_gemm.quantize_activation(
             x2, self.act.mode, residual_ratio=self.act.residual_ratio,
             residual_per_token=self.act.residual_per_token, capture=capture,
+            residual_combine=self.act.residual_combine,
         )
         if record is not None and capture:
             from verl_quads.rollout.capture import get_store

@@ -208,7 +208,7 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
                    layer.w2_weight_packed, layer.w2_weight_scale, layer.w2_weight_global_scale)
         if not (q.capture and self.capture_layer is not None):
             return torch.ops.verl_quads.nvfp4_moe(x, slot_weights, ids, *weights, q.mode, q.residual_ratio,
-                                                  q.residual_per_token)
+                                                  q.residual_per_token, q.residual_combine)
         from verl_quads.rollout.capture import get_store
 
         inter = layer.w2_weight_packed.shape[-1] * 2
@@ -220,7 +220,8 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
                 get_store().add(self.capture_layer, gemm, rec)
 
         return tg.moe_forward(x, slot_weights, ids, *weights, q.mode, residual_ratio=q.residual_ratio,
-                              residual_per_token=q.residual_per_token, on_record=on_record)
+                              residual_per_token=q.residual_per_token, on_record=on_record,
+                              residual_combine=q.residual_combine)
 
     def forward_reference(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
         """Routed-experts output ``[T, H]`` in x's dtype (see module docstring for the arithmetic)."""

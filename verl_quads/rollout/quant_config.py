@@ -7,7 +7,7 @@ How to turn it on (vLLM alone; verl's glue will pass ``actor.quant`` the same wa
    ``hf_config.quantization_config`` (which ``hf_overrides`` sets) and calls
    :meth:`QuadsNVFP4Config.from_config` with it. The keys besides ``quant_method`` are
    :class:`verl_quads.config.QuantConfig`'s fields (``quant``, ``residual_ratio``,
-   ``residual_per_token``, ``guided_layers``, ``ignore``, ``backend``, ...). The dict travels
+   ``residual_per_token``, ``residual_combine``, ``guided_layers``, ``ignore``, ``backend``, ...). The dict travels
    with the model config to every worker process. ``quantization=`` may then be omitted.
 2. ``LLM(model, quantization="quads_nvfp4")`` with no quantization config: vLLM builds the config
    with no arguments (``get_config_filenames() == []``); it then reads the JSON object in the
@@ -206,6 +206,13 @@ class QuadsNVFP4Config(QuantizationConfig):
         self.quant_config = quant_config
         self.mode = quant_config.rollout_mode
         self.backend = resolve_backend(quant_config.backend)
+        if self.backend == "native" and self.mode == "quads" and quant_config.residual_combine != "fp4x2":
+            raise ValueError(
+                f"quads_nvfp4: actor_rollout_ref.actor.quant_config.residual_combine="
+                f"{quant_config.residual_combine!r} is for the emulated backends (torch, triton); the 'native' "
+                "backend (Blackwell FP4 GEMM) keeps the two FP4 operands: allowed there 'fp4x2' (or set "
+                "quant_config.backend='triton')"
+            )
         self.checkpoint_ignore = None if checkpoint_ignore is None else list(checkpoint_ignore)
         self._guided_from: int | None = None
         logger.info("verl-quads: quads_nvfp4 mode=%s backend=%s config=%s checkpoint=%s", self.mode, self.backend,
@@ -290,7 +297,8 @@ class QuadsNVFP4Config(QuantizationConfig):
         capture = self.mode == "trace" and layer_idx is not None and layer_idx >= self._guided_layer_start()
         if capture:
             self._enable_capture()
-        act = ActQuant(self.mode, cfg.residual_ratio, cfg.residual_per_token, capture)
+        act = ActQuant(self.mode, cfg.residual_ratio, cfg.residual_per_token, capture,
+                       residual_combine=cfg.residual_combine)
         return act, layer_idx, gemm
 
     def _enable_capture(self) -> None:
