@@ -12,14 +12,15 @@ No vLLM needed: calls :mod:`verl_quads.nvfp4.triton_gemm` directly. Rows (issue 
   quantization included; skipped with the reason printed where unsupported);
 - per shape and M (default 1, 4, 16, 64, 256, 1024, 4096 tokens): ``w4a16``, ``naive`` (W4A4
   emulated: activation quantized per token by the core), ``quads k=R`` for R in ``--ratios``
-  (per-token residual selection, the default; graph-capturable); each timed as the whole call
+  (per-token residual selection, the default; graph-capturable) and ``quads-bf16 k=R`` (the opt-in
+  ``residual_combine="bf16"`` operand: the core's QDQ activation in bf16, then the w4a16 GEMM); each timed as the whole call
   (activation quantization included) captured in a CUDA graph; ``x bf16`` = BF16 time / this time
   (> 1: faster); weight bandwidth counts the NVFP4 bytes the GEMM must read (codes + block scales;
   the active experts' only) as a fraction of the device-to-device copy bandwidth of the same run.
 
 At the end the goals of issue #5 are checked (PASS/FAIL with the measured ratios): W4A16 MoE layer
 >= 2.5x BF16 grouped at M <= 256; W4A16 dense 4096/8192 >= 2.5x cuBLAS BF16 at M <= 16; QUADS
-k=0.5 <= 1.10x the time of naive (W4A4-emulated) at every M.
+k=0.5 <= 1.10x the time of naive (W4A4-emulated) at every M (checked for ``quads`` and ``quads-bf16``).
 
 ``--shapes`` also accepts ``w13`` / ``w2`` (one grouped expert GEMM alone) and ``--sweep`` times a
 few launch configurations of the w4a16 / naive GEMM per (shape, M) to tune
@@ -167,10 +168,10 @@ def _moe_layer_rows(ms: list[int], ratios: list[float], bw: float, dev: str, g: 
         bm = tg.pick_block_m(-(-(m * TOP_K) // min(e, m * TOP_K)))
         t_align, how = _time(lambda: tg.moe_align(ids, e, bm))
         rows.append([tag, "moe_align (routing sort + tile table)", how, t_align * 1e6, "-", "-", "-"])
-        for label, mode, r in _variants(ratios):
-            def fn(mode=mode, r=r):
+        for label, mode, r, comb in _variants(ratios):
+            def fn(mode=mode, r=r, comb=comb):
                 return tg.moe_forward(x, sw, ids, *qs["w13"], *qs["w2"], mode, residual_ratio=r,
-                                      residual_per_token=True)
+                                      residual_per_token=True, residual_combine=comb)
 
             t, how = _time(fn)
             rows.append([tag, f"triton {label} layer", how, t * 1e6, t_base / t, wbytes / t / 1e9, wbytes / t / bw])
@@ -179,9 +180,13 @@ def _moe_layer_rows(ms: list[int], ratios: list[float], bw: float, dev: str, g: 
     return rows
 
 
-def _variants(ratios: list[float]) -> list[tuple[str, str, float]]:
-    """(label, act_mode, residual ratio): w4a16, naive, quads k=R (per-token selection) for each R."""
-    return [("w4a16", "w4a16", 0.0), ("naive", "naive", 0.0)] + [(f"quads k={r:g}", "quads", r) for r in ratios]
+def _variants(ratios: list[float]) -> list[tuple[str, str, float, str]]:
+    """(label, act_mode, residual ratio, residual_combine): w4a16, naive, and for each R quads k=R (two FP4
+    operands, the default) and quads-bf16 k=R (``residual_combine="bf16"``), per-token selection."""
+    out = [("w4a16", "w4a16", 0.0, "fp4x2"), ("naive", "naive", 0.0, "fp4x2")]
+    for r in ratios:
+        out += [(f"quads k={r:g}", "quads", r, "fp4x2"), (f"quads-bf16 k={r:g}", "quads", r, "bf16")]
+    return out
 
 
 def _fp8_rowwise(x: torch.Tensor, w_bf16: torch.Tensor):
@@ -226,10 +231,11 @@ def _goal_lines(times: dict, ms: list[int], ratios: list[float]) -> list[str]:
                if m <= 16 and (shape, m, "w4a16") in times], 2.5)
     if 0.5 in ratios:
         for shape in sorted({k[0] for k in times}):
-            check(f"{shape}: quads k=0.5 time / naive time <= 1.10 at every M",
-                  [(m, times[(shape, m, "quads k=0.5")] / times[(shape, m, "naive")]) for m in ms
-                   if (shape, m, "quads k=0.5") in times and (shape, m, "naive") in times], 1.10,
-                  larger_is_better=False)
+            for v in ("quads k=0.5", "quads-bf16 k=0.5"):
+                check(f"{shape}: {v} time / naive time <= 1.10 at every M",
+                      [(m, times[(shape, m, v)] / times[(shape, m, "naive")]) for m in ms
+                       if (shape, m, v) in times and (shape, m, "naive") in times], 1.10,
+                      larger_is_better=False)
     return out
 
 
@@ -307,7 +313,7 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> s
                                          out_rows=m * TOP_K)
                 return tg.nvfp4_gemm(op, w_packed, w_scale, w_gs, config=cfg)
 
-            for label, mode, r in _variants(ratios):
+            for label, mode, r, comb in _variants(ratios):
                 cfg = None
                 if sweep and mode in ("w4a16", "naive"):
                     op, _ = tg.quantize_activation(x, mode)
@@ -326,8 +332,9 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> s
                                          f"(default {graph_time_s(lambda: gemm(op)) * 1e6:.1f} us)")
                         print(best_cfgs[-1], flush=True)
 
-                def full(mode=mode, r=r, cfg=cfg):
-                    o, _ = tg.quantize_activation(x, mode, residual_ratio=r, residual_per_token=True)
+                def full(mode=mode, r=r, cfg=cfg, comb=comb):
+                    o, _ = tg.quantize_activation(x, mode, residual_ratio=r, residual_per_token=True,
+                                                  residual_combine=comb)
                     return gemm(o, cfg)
 
                 t, how = _time(full)
