@@ -83,3 +83,38 @@ def test_weight_decay_groups_and_bos_windows():
           wd_on="matrices", max_steps=1)
     h.remove()
     assert seen[0].shape == (3, 8) and bool((seen[0][:, 0] == 0).all()) and bool((seen[0][:, 1:] != 0).all())
+
+
+def test_train_restores_last_finite_weights_when_the_loss_diverges():
+    """A forward hook turns the logits to NaN from the 150th step on: training stops at the step-200
+    check and restores the weights snapshotted at step 100 (all finite), and says so."""
+    from verl_quads.diagnostics.realistic import build_model, train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        m = build_model(vocab=64, layers=1, hidden=64, heads=2, kv_heads=1, experts=4, top_k=2, inter=32, seed=0)
+        calls = []
+
+        def poison(_m, _a, out):
+            calls.append(1)
+            return out * float("nan") if len(calls) > 150 else out
+
+        h = m.lm_head.register_forward_hook(poison)
+        res = train(m, torch.arange(200) % 64, seconds=120, seq=8, batch=2, lr=1e-3, device="cpu", seed=0, max_steps=400)
+        h.remove()
+    finally:
+        torch.set_num_threads(threads)
+    assert res["diverged_at_step"] == 200 and res["restored_step"] == 100 and res["steps"] == 100
+    assert all(bool(torch.isfinite(p).all()) for p in m.parameters())
+    assert res["loss_last"] == res["loss_last"]  # finite: the losses of the restored steps only
+
+
+def test_encode_docs_equals_the_tokenizers_own_encoding(tmp_path):
+    """The parallel per-document encoding == the saved tokenizer's encoding of each document, EOS after each."""
+    from verl_quads.diagnostics.realistic import collect_source_text, encode_docs, train_tokenizer
+
+    docs, _, _ = collect_source_text(24, 3000)
+    tok = train_tokenizer(docs, tmp_path, 300, sample_bytes=20000, bos=True)
+    ref = [t for d in docs for t in tok(d, add_special_tokens=False).input_ids + [tok.eos_token_id]]
+    assert torch.equal(encode_docs(tok, docs), torch.tensor(ref)) and len(ref) > len(docs) * 10

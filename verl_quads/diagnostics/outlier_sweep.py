@@ -35,6 +35,8 @@ VARIANTS = {
     "wd_matrices+bos": {"wd_on": "matrices", "bos": True},
     "wd_matrices+bos+lr3e-3": {"wd_on": "matrices", "bos": True, "lr": 3e-3},
     "lr1e-2": {"lr": 1e-2},
+    "lr3e-2": {"lr": 3e-2},
+    "wd_matrices+bos+lr1e-2": {"wd_on": "matrices", "bos": True, "lr": 1e-2},
     "wd_matrices+bos+lr3e-3+beta2_0.999": {"wd_on": "matrices", "bos": True, "lr": 3e-3, "betas": (0.9, 0.999)},
 }
 
