@@ -422,8 +422,8 @@ def test_per_layer_error_quads_below_naive_and_decreasing_in_ratio(engines, ckpt
             x = torch.cat(inps)
             ref = ref_linear(x, linear_bf16_weight(ck, name), "bf16", quant_weight=False)
 
-            def run(mode, ratio=0.5, per_token=False):
-                return QuadsNVFP4LinearMethod(ActQuant(mode, ratio, per_token)).apply(layer, x)
+            def run(mode, ratio=0.5, per_token=False, combine="fp4x2"):
+                return QuadsNVFP4LinearMethod(ActQuant(mode, ratio, per_token, residual_combine=combine)).apply(layer, x)
         else:
             layer = moe[name]
             x = torch.cat([i[0] for i in inps])
@@ -431,13 +431,14 @@ def test_per_layer_error_quads_below_naive_and_decreasing_in_ratio(engines, ckpt
             ti = torch.cat([i[2] for i in inps])
             ref = ref_experts(x, tw, ti, *expert_bf16_weights(ck, name), "bf16", quant_weight=False)
 
-            def run(mode, ratio=0.5, per_token=False):
-                return QuadsNVFP4MoEMethod(layer.moe_config, ActQuant(mode, ratio, per_token)).apply(
-                    layer, x, tw, ti, None, None)
+            def run(mode, ratio=0.5, per_token=False, combine="fp4x2"):
+                return QuadsNVFP4MoEMethod(layer.moe_config, ActQuant(mode, ratio, per_token, residual_combine=combine)
+                                           ).apply(layer, x, tw, ti, None, None)
         row = {"tokens": x.shape[0], "w4a16": rel_err(run("w4a16"), ref), "naive": rel_err(run("naive"), ref)}
         for r in RATIOS:
             row[f"quads@{r}"] = rel_err(run("quads", r), ref)
         row["quads_per_token@0.5"] = rel_err(run("quads", 0.5, True), ref)
+        row["quads_bf16_per_token@0.5"] = rel_err(run("quads", 0.5, True, "bf16"), ref)  # residual_combine=bf16
         table[name] = row
     print("\n[per-layer relative output error vs BF16 (NVFP4 weights in all quantized modes)]")
     for name, row in table.items():
@@ -447,6 +448,7 @@ def test_per_layer_error_quads_below_naive_and_decreasing_in_ratio(engines, ckpt
         assert all(e < row["naive"] for e in errs), (name, row)
         assert all(a > b for a, b in zip(errs, errs[1:])), (name, row)  # strictly decreasing in the ratio
         assert row["quads_per_token@0.5"] < row["naive"], (name, row)
+        assert row["quads_bf16_per_token@0.5"] < row["naive"], (name, row)
         assert row["w4a16"] <= errs[-1] * 1.5, (name, row)  # full compensation approaches weight-only error
 
 
