@@ -176,8 +176,24 @@ def _moe_layer_rows(ms: list[int], ratios: list[float], bw: float, dev: str, g: 
             t, how = _time(fn)
             rows.append([tag, f"triton {label} layer", how, t * 1e6, t_base / t, wbytes / t / 1e9, wbytes / t / bw])
             times[("moe", m, label)] = t
+            _record_combine_gap(times, ("moe", m), label, comb, fn)
         times[("moe", m, "bf16")] = t_base
     return rows
+
+
+def _record_combine_gap(times: dict, key: tuple, label: str, comb: str, fn) -> None:
+    """Output of the ``quads k=R`` variant kept (one extra call); for ``quads-bf16 k=R``, its relative
+    distance to it, ``||y_bf16 - y_fp4x2|| / ||y_fp4x2||`` (float32 norms), stored as ``times[(*key,
+    "gap quads-bf16 k=R")]`` (the one activation rounding to bf16 + summation order, measured on the device)."""
+    if not label.startswith("quads"):
+        return
+    y = fn().float()
+    if comb == "fp4x2":
+        times[(*key, "out " + label)] = y
+    else:
+        ref = times.pop((*key, "out " + label.replace("quads-bf16", "quads")), None)
+        if ref is not None:
+            times[(*key, "gap " + label)] = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def _variants(ratios: list[float]) -> list[tuple[str, str, float, str]]:
@@ -339,6 +355,7 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> s
 
                 t, how = _time(full)
                 times[(name, m, label)] = t
+                _record_combine_gap(times, (name, m), label, comb, full)
                 rows.append([tag, f"triton {label}", how, t * 1e6, t_base / t, wbytes / t / 1e9, wbytes / t / bw])
             torch.cuda.empty_cache()
         print(f"{name} rows done", flush=True)
@@ -347,6 +364,11 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> s
         ["shape", "kernel", "timing", "us", "x bf16", "weight GB/s", "of copy BW"], rows))
     if best_cfgs:
         out.append("best launch configs (--sweep):\n" + "\n".join(best_cfgs))
+    gaps = [f"  {k[0]} M={k[1]} {k[2][4:]}: {v:.2e}" for k, v in times.items() if k[2].startswith("gap ")]
+    if gaps:
+        out.append("quads-bf16 vs quads (fp4x2) output, ||y_bf16 - y_fp4x2|| / ||y_fp4x2||:\n" + "\n".join(gaps))
+        print(out[-1], flush=True)
+    times = {k: v for k, v in times.items() if isinstance(v, float)}
     out += _goal_lines(times, ms, ratios)
     print("\n".join(_goal_lines(times, ms, ratios)), flush=True)
     return "\n".join(out)

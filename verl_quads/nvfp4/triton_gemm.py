@@ -506,13 +506,17 @@ if triton is not None:
                 h = ((wd >> 2) & 29360576) | ((wd << 4) & -2147450880)
             else:
                 h = ((wd >> 6) & 29360576) | (wd & -2147450880)
+            # one return per constexpr branch: triton 3.6 type-checks a return after a static early return
             if WIDE:  # the same value as float32: bf16 bits are the top half of its float32 bits
                 if J >= 4:
-                    return (h & -65536).to(tl.float32, bitcast=True)
-                return (h << 16).to(tl.float32, bitcast=True)
-            if J >= 4:
-                h = h >> 16
-            return h.to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    h = h & -65536
+                else:
+                    h = h << 16
+                return h.to(tl.float32, bitcast=True)
+            else:
+                if J >= 4:
+                    h = h >> 16
+                return h.to(tl.int16).to(tl.bfloat16, bitcast=True)
         else:
             t = wd >> (4 * J)
             h = ((t & 7) << 9) | ((t & 8) << 12)
@@ -1669,13 +1673,13 @@ def _moe_op(x: torch.Tensor, slot_weights: torch.Tensor, expert_ids: torch.Tenso
 linear_op = torch.library.custom_op(
     "verl_quads::nvfp4_linear", _linear_op, mutates_args=(),
     schema="(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_gs, Tensor? bias, str act_mode, "
-           "float residual_ratio, bool residual_per_token, str residual_combine=\"fp4x2\") -> Tensor",
+           "float residual_ratio, bool residual_per_token, str residual_combine='fp4x2') -> Tensor",
 )
 moe_op = torch.library.custom_op(
     "verl_quads::nvfp4_moe", _moe_op, mutates_args=(),
     schema="(Tensor x, Tensor slot_weights, Tensor expert_ids, Tensor w13_packed, Tensor w13_scale, "
            "Tensor w13_gs, Tensor w2_packed, Tensor w2_scale, Tensor w2_gs, str act_mode, "
-           "float residual_ratio, bool residual_per_token, str residual_combine=\"fp4x2\") -> Tensor",
+           "float residual_ratio, bool residual_per_token, str residual_combine='fp4x2') -> Tensor",
 )
 
 
