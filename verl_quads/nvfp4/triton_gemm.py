@@ -506,17 +506,13 @@ if triton is not None:
                 h = ((wd >> 2) & 29360576) | ((wd << 4) & -2147450880)
             else:
                 h = ((wd >> 6) & 29360576) | (wd & -2147450880)
-            # one return per constexpr branch: triton 3.6 type-checks a return after a static early return
             if WIDE:  # the same value as float32: bf16 bits are the top half of its float32 bits
                 if J >= 4:
-                    h = h & -65536
-                else:
-                    h = h << 16
-                return h.to(tl.float32, bitcast=True)
-            else:
-                if J >= 4:
-                    h = h >> 16
-                return h.to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    return (h & -65536).to(tl.float32, bitcast=True)
+                return (h << 16).to(tl.float32, bitcast=True)
+            if J >= 4:
+                h = h >> 16
+            return h.to(tl.int16).to(tl.bfloat16, bitcast=True)
         else:
             t = wd >> (4 * J)
             h = ((t & 7) << 9) | ((t & 8) << 12)
