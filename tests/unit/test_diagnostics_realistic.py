@@ -27,13 +27,14 @@ def test_realistic_toy(tmp_path):
 def _run_toy(tmp_path, main, AutoTokenizer):
     rep = main(["--toy", "--seconds", "1", "--modes", "bf16,naive", "--guided-sweep", "1,2",
                 "--rule-ratios", "0.5", "--bos", "--weight-decay-on", "matrices",
-                "--extra-modes", "quads@0.5", "--out", str(tmp_path)])
+                "--extra-modes", "quads@0.5", "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt")])
     data = json.loads((tmp_path / "realistic.json").read_text())
     prov = data["provenance"]
     assert data["training"]["steps"] >= 1 and prov["n_files"] > 0 and prov["train_tokens"] > 1000
     assert "<|bos|>" in prov["tokenizer"]
     # --bos: the saved tokenizer (the probe's) starts every prompt with the BOS token the windows started with
-    tok = AutoTokenizer.from_pretrained(tmp_path / "model")
+    assert not (tmp_path / "model").exists() and (tmp_path / "ckpt" / "config.json").exists()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "ckpt")
     assert tok("def f(x):").input_ids[0] == tok.convert_tokens_to_ids("<|bos|>") != tok.eos_token_id
     assert set(data["selection_rules"]["mean"]) == {"naive", "per_call@0.5", "per_token@0.5", "per_call_outaware@0.5",
                                                    "per_token_outaware@0.5"}

@@ -12,6 +12,27 @@ settings differ), then measures on held-out windows, with the project's own func
 
 Nothing is injected: every outlier comes from training. Prints one table row per variant; ``--out``
 gets the JSON. Example (CPU, ~2 min per variant on a loaded 2-core host): ``python -m verl_quads.diagnostics.outlier_sweep --steps 300``.
+
+Measured 2026-11-30 (CPU, defaults: 4 layers, hidden 128, 8 experts top-2, 300 steps of 16 x 64 tokens,
+seed 0, one run per variant; max/med = largest over the 8 GEMM inputs of max/median channel absmax,
+kurt = largest kurtosis, quads/naive = median GEMM error ratio at k = 0.5)::
+
+    variant                       loss train/held  max/med  kurt  quads/naive
+    base (lr 1e-3)                  4.84 / 4.62      1.5     3.0     0.551
+    wd_matrices                     4.85 / 4.64      1.5     3.0     0.548
+    bos                             4.81 / 4.51      1.6     2.9     0.542
+    beta2_0.999                     4.82 / 4.58      1.9     3.0     0.550
+    tied                            5.02 / 4.78      1.6     2.9     0.540
+    wd_matrices+bos                 4.81 / 4.52      1.5     2.9     0.553
+    lr3e-3                          4.68 / 4.42      2.0     3.2     0.532
+    wd_matrices+bos+lr3e-3          4.70 / 4.42      1.8     3.0     0.533
+    ... +beta2_0.999                4.69 / 4.43      2.2     3.5     0.531
+    lr1e-2                          5.00 / 4.68      3.1     7.7     0.477
+    wd_matrices+bos+lr1e-2          5.01 / 4.67      3.8    13.1     0.495
+    lr3e-2                          5.24 / 4.92      7.5    20.7     0.450
+
+The learning rate is the lever (outliers grow monotonically with it, and QUADS removes more of the
+error); weight decay on norms/embedding, BOS, tying and beta2 move little at this scale.
 """
 
 from __future__ import annotations

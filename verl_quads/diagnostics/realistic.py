@@ -348,6 +348,8 @@ def main(argv: list[str] | None = None) -> dict:
     t_all = time.perf_counter()
     p = argparse.ArgumentParser(prog="python -m verl_quads.diagnostics.realistic", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="realistic_out")
+    p.add_argument("--ckpt", default="", help="where the trained checkpoint + tokenizer go (default: <--out>/model); "
+                                              "e.g. a local /tmp path when --out is copied back from a device call")
     p.add_argument("--seconds", type=float, default=400.0,
                    help="training wall time at most (s); training also stops when only --probe-reserve-s of --max-total-s "
                         "is left (the run's clock starts when main() starts), so that everything after it still fits")
@@ -424,7 +426,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--adam-betas must be two numbers in [0, 1) as 'b1,b2', got {a.adam_betas!r}")
     train_docs, held_docs, prov = collect_source_text(a.max_files, a.max_file_bytes, a.seed)
     print(f"text: {prov['train_bytes'] / 1e6:.1f} MB train, {prov['heldout_bytes'] / 1e6:.2f} MB held-out from {prov['n_files']} files")
-    ckpt = out / "model"
+    ckpt = Path(a.ckpt) if a.ckpt else out / "model"
     t_ph = phase("text", t_all)
     tok = train_tokenizer(train_docs, ckpt, a.vocab, bos=a.bos)
     t_tok = time.perf_counter()
