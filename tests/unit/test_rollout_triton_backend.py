@@ -153,6 +153,11 @@ def test_triton_methods_compile_as_opaque_custom_ops():
     f_moe = torch.compile(lambda x, w, i: moe.apply(moe_layer, x, w, i, None, None), backend="eager", fullgraph=True)
     assert torch.equal(f_lin(x), lin.apply(layer, x))
     assert torch.equal(f_moe(xm, tw, ids), moe.apply(moe_layer, xm, tw, ids, None, None))
+    # residual_combine travels through the op's schema (a graph-time constant): bf16 stays bf16 when compiled
+    lin_bf = QuadsNVFP4LinearMethod(ActQuant("quads", 0.5, True, residual_combine="bf16"), "triton")
+    f_bf = torch.compile(lambda x: lin_bf.apply(layer, x), backend="eager", fullgraph=True)
+    y_bf = f_bf(x)
+    assert torch.equal(y_bf, lin_bf.apply(layer, x)) and not torch.equal(y_bf, lin.apply(layer, x))
 
 
 @pytest.mark.parametrize("per_token", [True, False])
