@@ -160,28 +160,30 @@ def test_triton_methods_compile_as_opaque_custom_ops():
     assert torch.equal(y_bf, lin_bf.apply(layer, x)) and not torch.equal(y_bf, lin.apply(layer, x))
 
 
-@pytest.mark.parametrize("per_token", [True, False])
-def test_quads_bf16_operand_is_the_cores_residual_fake_quantize(per_token):
+@pytest.mark.parametrize("per_token, dtype, bound", [(True, torch.bfloat16, 2 ** -8), (False, torch.bfloat16, 2 ** -8),
+                                                     (True, torch.float16, 2 ** -11)])
+def test_quads_bf16_operand_is_the_cores_residual_fake_quantize(per_token, dtype, bound):
     """residual_combine="bf16": both backends' operand is the NVFP4 core's QDQ form (torch reference bytes),
-    which is the float32 fp4x2 operand rounded ONCE to bf16 (independent check through residual_quantize);
-    the triton GEMM on it is exactly the w4a16 GEMM of that activation."""
+    which is the float32 fp4x2 operand rounded ONCE to the activation dtype (independent check through
+    residual_quantize; relative <= 2**-8 for bf16, 2**-11 for fp16); the triton GEMM on it is exactly the
+    w4a16 GEMM of that activation."""
     from verl_quads import nvfp4 as nv
     from verl_quads.nvfp4 import triton_gemm as tg
     from verl_quads.rollout import emulation as em
 
     torch.manual_seed(3)
-    x = torch.randn(5, 96, dtype=torch.bfloat16)
+    x = torch.randn(5, 96, dtype=dtype)
     x[:, 7] *= 20
     x[2, 40:56] *= 0.01
     gs = nv.per_row_global_scale(x)
     want = nv.residual_fake_quantize(x, 0.5, gs, per_token=per_token, backend="torch")
-    assert want.dtype == torch.bfloat16
+    assert want.dtype == dtype
     # the core's QDQ form = the two-pass sum in float32, rounded once
     f32 = nv.residual_quantize(x, 0.5, gs, per_token=per_token, backend="torch").dequantize(torch.float32)
-    assert torch.equal(want, f32.to(torch.bfloat16))
+    assert torch.equal(want, f32.to(dtype))
     rel = float(((want.float() - f32).abs() / f32.abs().clamp_min(1e-30)).max())
-    print(f"bf16 operand vs fp4x2 operand: max relative difference {rel:.2e} (bound 2**-8 = {2 ** -8:.2e})")
-    assert 0 < rel <= 2 ** -8
+    print(f"{dtype} operand vs fp4x2 operand: max relative difference {rel:.2e} (bound {bound:.2e})")
+    assert 0 < rel <= bound
     op, rec = tg.quantize_activation(x, "quads", residual_ratio=0.5, residual_per_token=per_token,
                                      residual_combine="bf16")
     assert rec is None and op.mode == "w4a16" and op.first is None and op.second_packed is None
