@@ -176,24 +176,32 @@ def _moe_layer_rows(ms: list[int], ratios: list[float], bw: float, dev: str, g: 
             t, how = _time(fn)
             rows.append([tag, f"triton {label} layer", how, t * 1e6, t_base / t, wbytes / t / 1e9, wbytes / t / bw])
             times[("moe", m, label)] = t
-            _record_combine_gap(times, ("moe", m), label, comb, fn)
+            _record_combine_gap(times, ("moe", m), label, comb, fn, x, r)
         times[("moe", m, "bf16")] = t_base
     return rows
 
 
-def _record_combine_gap(times: dict, key: tuple, label: str, comb: str, fn) -> None:
+def _record_combine_gap(times: dict, key: tuple, label: str, comb: str, fn, x: torch.Tensor, r: float) -> None:
     """Output of the ``quads k=R`` variant kept (one extra call); for ``quads-bf16 k=R``, its relative
     distance to it, ``||y_bf16 - y_fp4x2|| / ||y_fp4x2||`` (float32 norms), stored as ``times[(*key,
-    "gap quads-bf16 k=R")]`` (the one activation rounding to bf16 + summation order, measured on the device)."""
+    "gap quads-bf16 k=R")]`` (the one activation rounding to bf16 + summation order, measured on the device),
+    and whether the bf16 operand of ``x`` (the first GEMM's input) is the torch reference's bytes
+    (``times[(*key, "same quads-bf16 k=R")]``)."""
     if not label.startswith("quads"):
         return
     y = fn().float()
     if comb == "fp4x2":
         times[(*key, "out " + label)] = y
-    else:
-        ref = times.pop((*key, "out " + label.replace("quads-bf16", "quads")), None)
-        if ref is not None:
-            times[(*key, "gap " + label)] = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
+        return
+    from verl_quads import nvfp4 as nv
+    from verl_quads.nvfp4 import triton_gemm as tg
+
+    ref = times.pop((*key, "out " + label.replace("quads-bf16", "quads")), None)
+    if ref is not None:
+        times[(*key, "gap " + label)] = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
+    op, _ = tg.quantize_activation(x, "quads", residual_ratio=r, residual_per_token=True, residual_combine="bf16")
+    want = nv.residual_fake_quantize(x, r, nv.per_row_global_scale(x), per_token=True, backend="torch")
+    times[(*key, "same " + label)] = bool(torch.equal(op.values, want))
 
 
 def _variants(ratios: list[float]) -> list[tuple[str, str, float, str]]:
@@ -355,7 +363,7 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> s
 
                 t, how = _time(full)
                 times[(name, m, label)] = t
-                _record_combine_gap(times, (name, m), label, comb, full)
+                _record_combine_gap(times, (name, m), label, comb, full, x, r)
                 rows.append([tag, f"triton {label}", how, t * 1e6, t_base / t, wbytes / t / 1e9, wbytes / t / bw])
             torch.cuda.empty_cache()
         print(f"{name} rows done", flush=True)
@@ -364,7 +372,8 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> s
         ["shape", "kernel", "timing", "us", "x bf16", "weight GB/s", "of copy BW"], rows))
     if best_cfgs:
         out.append("best launch configs (--sweep):\n" + "\n".join(best_cfgs))
-    gaps = [f"  {k[0]} M={k[1]} {k[2][4:]}: {v:.2e}" for k, v in times.items() if k[2].startswith("gap ")]
+    gaps = [f"  {k[0]} M={k[1]} {k[2][4:]}: {v:.2e}; operand == torch reference bytes: "
+            f"{times.get((k[0], k[1], 'same ' + k[2][4:]))}" for k, v in times.items() if k[2].startswith("gap ")]
     if gaps:
         out.append("quads-bf16 vs quads (fp4x2) output, ||y_bf16 - y_fp4x2|| / ||y_fp4x2||:\n" + "\n".join(gaps))
         print(out[-1], flush=True)
