@@ -506,13 +506,17 @@ if triton is not None:
                 h = ((wd >> 2) & 29360576) | ((wd << 4) & -2147450880)
             else:
                 h = ((wd >> 6) & 29360576) | (wd & -2147450880)
+            # one return per constexpr branch: triton 3.6 type-checks a return after a static early return
             if WIDE:  # the same value as float32: bf16 bits are the top half of its float32 bits
                 if J >= 4:
-                    return (h & -65536).to(tl.float32, bitcast=True)
-                return (h << 16).to(tl.float32, bitcast=True)
-            if J >= 4:
-                h = h >> 16
-            return h.to(tl.int16).to(tl.bfloat16, bitcast=True)
+                    h = h & -65536
+                else:
+                    h = h << 16
+                return h.to(tl.float32, bitcast=True)
+            else:
+                if J >= 4:
+                    h = h >> 16
+                return h.to(tl.int16).to(tl.bfloat16, bitcast=True)
         else:
             t = wd >> (4 * J)
             h = ((t & 7) << 9) | ((t & 8) << 12)
@@ -999,18 +1003,20 @@ class StreamConfig:
 # From `verl-quads bench rollout --sweep-decode`, NVIDIA H200 (sm_90), torch 2.11.0+cu130, triton 3.6.0, 2026-11-29
 # (docs/bench_rollout_h200_decode_sweep.txt); the (False, 1, 8192, 8192) and (True, 8, 1536, 2048) entries from the
 # follow-up `--sweep-decode --focus --shapes moe,d8192 --m 1` run (docs/bench_rollout_h200_decode_focus.txt).
+# Session 4 (2026-11-30, `--sweep-decode --focus --shapes moe,d8192 --m 1,16`, docs/bench_rollout_h200_decode_focus_s4.txt):
+# (False, 1, 8192, 8192), (True, 8, *) -> f16x2 + late_scale; (True, 128, 1536, 2048) -> bf16x2 (225 vs 235 us).
 DECODE_TABLE: dict[tuple[bool, int, int, int], StreamConfig] = {
     (False, 1, 4096, 4096): StreamConfig(block_m=1, block_n=256, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=True),
-    (False, 1, 8192, 8192): StreamConfig(block_m=1, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=False, fixup=True, pipe=3),
+    (False, 1, 8192, 8192): StreamConfig(block_m=1, block_n=256, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True),
     (False, 4, 4096, 4096): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
     (False, 4, 8192, 8192): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
     (False, 16, 4096, 4096): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
     (False, 16, 8192, 8192): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
-    (True, 8, 1536, 2048): StreamConfig(block_m=1, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=False, fixup=True, occ=8, pipe=3),
-    (True, 8, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=False),
+    (True, 8, 1536, 2048): StreamConfig(block_m=1, block_n=256, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True),
+    (True, 8, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=False, late_scale=True),
     (True, 32, 1536, 2048): StreamConfig(block_m=2, block_n=128, block_kw=16, split_k=2, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=False),
     (True, 32, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=False, fixup=False),
-    (True, 128, 1536, 2048): StreamConfig(block_m=16, block_n=128, block_kw=32, split_k=0, num_warps=4, num_stages=3, mma=1, decode='bits', prefetch=False, fixup=False),
+    (True, 128, 1536, 2048): StreamConfig(block_m=16, block_n=128, block_kw=32, split_k=0, num_warps=4, num_stages=3, mma=1, decode='bf16x2', prefetch=False, fixup=False),
     (True, 128, 2048, 768): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
 }
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)

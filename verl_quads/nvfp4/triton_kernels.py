@@ -929,7 +929,10 @@ QUANT2_CONFIG = {"quantize": {"blocks": 512, "num_warps": 4, "fp": False}, "qdq"
 
 #: ``_residual_tiled_kernel``, per variant ("tiled", "gather"): 16-blocks per tile and warps per row
 #: program; rows longer than ``max_blocks`` blocks use the multi-kernel path.
-TILED_CONFIG = {"tiled": {"tile_blocks": 64, "num_warps": 2}, "gather": {"tile_blocks": 64, "num_warps": 2},
+# "gather" early=True: H200 2026-11-30 (docs/bench_nvfp4_h200_residual_variants_s4.txt), same bytes, k=0.5 bf16
+# residual QDQ 176 -> 151 us at 8192x8192, 28.2 -> 22.1 us at 4096x2048.
+TILED_CONFIG = {"tiled": {"tile_blocks": 64, "num_warps": 2},
+                "gather": {"tile_blocks": 64, "num_warps": 2, "early": True},
                 "max_blocks": 8192}
 
 #: Named speed variants of the tiled / gather per-token residual kernel (kernel, TILED_CONFIG overrides), all
@@ -938,7 +941,7 @@ TILED_CONFIG = {"tiled": {"tile_blocks": 64, "num_warps": 2}, "gather": {"tile_b
 #: per step of the threshold search, default 1: 31 steps), "early" (stop the search once the count is exact),
 #: "stages" (``tl.range(num_stages=...)`` for the tile walks; default None: plain loops).
 RESIDUAL_VARIANTS = {
-    "gather": ("gather", {}),
+    "gather": ("gather", {"early": False}),
     "gather-early": ("gather", {"early": True}),
     "gather-radix4": ("gather", {"radix": 4}),
     "gather-early-stages2": ("gather", {"early": True, "stages": 2}),
