@@ -504,13 +504,15 @@ if triton is not None:
 
     @triton.jit
     def _guided_code(y, bit):
-        """Guided E2M1 code of scaled value y given the record's low magnitude bit."""
+        """Guided E2M1 code of scaled value y (float32 in [-6, 6]) given the record's low magnitude bit
+        (int32 0/1), as :func:`verl_quads.nvfp4.guidance.guided_codes`: from the nearest grid point
+        (``_e2m1_round``: index n, value v) the floor index is ``lo = n - (v > |y|)``; on the grid
+        (v == |y|) the code is n, else the one of lo, lo + 1 whose low bit is ``bit``, i.e.
+        ``lo + ((lo ^ bit) & 1)`` (lo + 1 <= 7: |y| < 6 off the grid)."""
         a = tl.abs(y)
-        lo = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32) + (a >= 2.0).to(tl.int32)
-        lo += (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32) + (a >= 6.0).to(tl.int32)
-        on_grid = _e2m1_value(lo) == a
-        pick = tl.where((lo & 1) == bit, lo, tl.minimum(lo + 1, 7))
-        return (_signbit(y) << 3) | tl.where(on_grid, lo, pick)
+        n, v = _e2m1_round(a)
+        lo = n - (v > a).to(tl.int32)
+        return (_signbit(y) << 3) | tl.where(v == a, n, lo + ((lo ^ bit) & 1))
 
     @triton.jit
     def _guided_kernel(
