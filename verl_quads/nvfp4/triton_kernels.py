@@ -517,15 +517,10 @@ if triton is not None:
     @triton.jit
     def _guided_kernel(
         x_ptr, bits_ptr, scale_ptr, gs_ptr, packed_ptr, NBLK, NBK, GS_DIV,
-        BLK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr = 0, OUT: tl.constexpr = 0,
+        BLK: tl.constexpr, SPLIT: tl.constexpr,
     ):
         """Block layout as in ``_quant_kernel``; a block's 16 guidance bits are 2 bytes (LSB first),
-        so even element 2j has bit 2j and odd element 2j+1 bit 2j+1 of that 16-bit word.
-
-        MODE 0: write the packed codes (int64 word per block) through ``packed_ptr``. MODE 1 (guided
-        QDQ): write the dequantized values instead, through ``packed_ptr`` as ``_store_out``'s OUT (x's
-        dtype; bf16 as its int16 view): ``±e2m1_value(code) * div_rn(scale, gs)``, the sign from code
-        bit 3 (-0.0 for code 8), exactly ``_dequant_kernel``'s arithmetic on the codes MODE 0 packs."""
+        so even element 2j has bit 2j and odd element 2j+1 bit 2j+1 of that 16-bit word."""
         b = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
         bmask = b < NBLK
         j = tl.arange(0, 8)
@@ -539,15 +534,7 @@ if triton is not None:
         bo = (w[:, None] >> (2 * j[None, :] + 1)) & 1
         ce = _guided_code(tl.minimum(tl.maximum(xe * os, -6.0), 6.0), be)
         co = _guided_code(tl.minimum(tl.maximum(xo * os, -6.0), 6.0), bo)
-        if MODE == 1:
-            factor = tl.math.div_rn(sval, gs)[:, None]
-            ve = _e2m1_value(ce & 7) * factor
-            vo = _e2m1_value(co & 7) * factor
-            ve = tl.where((ce >> 3) == 1, -ve, ve)
-            vo = tl.where((co >> 3) == 1, -vo, vo)
-            _store_pairs(packed_ptr, b, ve, vo, bmask, OUT)
-        else:
-            tl.store(packed_ptr + b, _block_word(ce, co, j), mask=bmask)
+        tl.store(packed_ptr + b, _block_word(ce, co, j), mask=bmask)
 
     # ---- v2 kernels: one thread per 16-block (two 8-element halves), per-program global scale ----
 
@@ -1388,40 +1375,15 @@ def residual_fake_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, 
     return out
 
 
-def _guided_prepare(x: torch.Tensor, guidance: GuidanceRecord, check_finite: bool, what: str) -> None:
+def quantize_guided(x: torch.Tensor, guidance: GuidanceRecord, *, check_finite: bool = True) -> NVFP4Tensor:
+    """Triton :func:`verl_quads.nvfp4.quantize_guided`."""
     check_available(x)
     validate_input(x, check_finite=check_finite)
     if tuple(x.shape) != tuple(guidance.shape):
         raise ValueError(
-            f"{what}: x has shape {tuple(x.shape)} but the guidance record was made for "
+            f"quantize_guided: x has shape {tuple(x.shape)} but the guidance record was made for "
             f"{tuple(guidance.shape)} (stale or foreign record)"
         )
-
-
-def _guided_operands(x: torch.Tensor, guidance: GuidanceRecord):
-    """(bits as int16 words, block-scale bytes, float32 global scales, GS_DIV) on x's device, contiguous."""
-    g, div = _gs_rows(guidance.global_scale.to(x.device), tuple(x.shape[:-1]))
-    bits = guidance.bits.to(x.device).contiguous().view(torch.int16)
-    return bits, guidance.block_scale.to(x.device).contiguous().view(torch.uint8), g, div
-
-
-def fake_quantize_guided(x: torch.Tensor, guidance: GuidanceRecord, *, check_finite: bool = True) -> torch.Tensor:
-    """Triton :func:`verl_quads.nvfp4.fake_quantize_guided`: guided quantize and dequantize in one
-    launch (``_guided_kernel`` MODE 1), nothing packed; x's shape and dtype."""
-    _guided_prepare(x, guidance, check_finite, "fake_quantize_guided")
-    xc = x.contiguous()
-    out = torch.empty_like(xc)
-    nblk = xc.numel() // BLOCK_SIZE
-    if nblk:
-        bits, scale, g, div = _guided_operands(x, guidance)
-        _launch(_guided_kernel, _grid(nblk), xc, bits, scale, g, _out_arg(out), nblk, x.shape[-1] // BLOCK_SIZE, div,
-                MODE=1, OUT=_out_code(x))
-    return out
-
-
-def quantize_guided(x: torch.Tensor, guidance: GuidanceRecord, *, check_finite: bool = True) -> NVFP4Tensor:
-    """Triton :func:`verl_quads.nvfp4.quantize_guided`."""
-    _guided_prepare(x, guidance, check_finite, "quantize_guided")
     k = x.shape[-1]
     lead = tuple(x.shape[:-1])
     xc = x.contiguous()
