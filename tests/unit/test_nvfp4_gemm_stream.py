@@ -22,6 +22,8 @@ import torch
 from verl_quads.nvfp4 import triton_gemm as tg
 from verl_quads.rollout import emulation as em
 
+from sm90_compile import compile_for_sm90_in_subprocess
+
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it on CPU)",
@@ -257,16 +259,5 @@ def test_stream_gpu_only_decode_forms_compile_for_sm90_without_a_gpu():
     inline PTX (fp16 -> fp32 conversions of both halves of a register) and bf16x2's packed bf16 scale
     multiply feeding a bf16 tensor-core dot: compile them for sm_90 with triton's bundled ptxas in a
     subprocess without TRITON_INTERPRET (dense pipelined, grouped 4-row, tensor-core). Compiles only."""
-    import subprocess
-    import sys
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except Exception as e:  # pragma: no cover - depends on the triton version
-        pytest.skip(f"triton's ahead-of-time compile API is not available: {e}")
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU the kernels are compiled and run by tests/gpu/test_nvfp4_gemm_stream_gpu.py")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _SM90_STREAM], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+    compile_for_sm90_in_subprocess(
+        _SM90_STREAM, "on a GPU the kernels are compiled and run by tests/gpu/test_nvfp4_gemm_stream_gpu.py")

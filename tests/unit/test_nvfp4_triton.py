@@ -9,6 +9,8 @@ import torch
 
 import verl_quads.nvfp4 as nv
 
+from sm90_compile import compile_for_sm90_in_subprocess
+
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it on CPU)",
@@ -344,17 +346,4 @@ def test_new_kernels_compile_for_sm90_without_a_gpu():
     # The interpreter does not run the GPU compiler's checks (e.g. a loop-carried variable changing type is
     # accepted there and rejected by the compiler): compile the v2 / tiled / gather kernels for sm_90 with the
     # ptxas bundled with triton, in a subprocess without TRITON_INTERPRET. Compiles only; nothing runs.
-    import subprocess
-    import sys
-
-    try:
-        import triton
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except Exception as e:  # pragma: no cover - depends on the triton version
-        pytest.skip(f"triton's ahead-of-time compile API is not available: {e}")
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU the kernels are compiled and run by the other tests")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", _SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
+    compile_for_sm90_in_subprocess(_SM90_COMPILE, "on a GPU the kernels are compiled and run by the other tests")
