@@ -63,11 +63,9 @@ def _amax_to_global_scale(x: torch.Tensor, global_scale, amax):
     """The torch route of ``amax=`` (see :func:`fake_quantize`): the global scale it stands for."""
     if amax is None:
         return global_scale
-    from verl_quads.nvfp4 import triton_kernels
-
     if global_scale is not None:
         raise ValueError("NVFP4: pass global_scale or amax, not both")
-    return triton_kernels._gs_of_amax(x, *triton_kernels._check_amax(amax, x))
+    return _ref._gs_of_amax(x, *_ref._check_amax(amax, x))
 
 
 def quantize(

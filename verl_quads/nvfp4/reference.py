@@ -105,6 +105,47 @@ def _check_global_scale(gs: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return gs.to(x.device)
 
 
+def _check_amax(amax, x: torch.Tensor):
+    """``amax`` of :func:`quantize` / :func:`fake_quantize`: "row", or a floating tensor shaped like a
+    global scale (0-d; x's dims with a trailing 1) or 1-D (a fused group: one scale from the max of its
+    G entries). Shape/dtype checks only (no device sync). Returns (amax tensor or "row", group size)."""
+    if isinstance(amax, str):
+        if amax != "row":
+            raise ValueError(f"NVFP4: amax must be a tensor or 'row', got {amax!r}")
+        return amax, 1
+    if not isinstance(amax, torch.Tensor) or not amax.is_floating_point():
+        raise ValueError(f"NVFP4: amax must be a floating tensor or 'row', got {type(amax).__name__} "
+                         f"{getattr(amax, 'dtype', '')}")
+    if amax.device != x.device:
+        raise ValueError(f"NVFP4: amax is on {amax.device} but x on {x.device}")
+    if amax.dim() == 1 and x.dim() > 1:
+        if amax.numel() < 1:
+            raise ValueError("NVFP4: a group amax needs at least one entry")
+        return amax.contiguous(), amax.numel()
+    _check_shape_only(amax, x, "amax")
+    return amax, 1
+
+
+def _check_shape_only(t: torch.Tensor, x: torch.Tensor, what: str) -> None:
+    if t.dim() not in (0, x.dim()) or (t.dim() and t.shape[-1] != 1):
+        raise ValueError(
+            f"NVFP4: {what} of shape {tuple(t.shape)} does not fit x of shape {tuple(x.shape)}; allowed: a 0-d "
+            "tensor, or one with x's number of dimensions and a last dimension of 1 (e.g. [E, 1, 1] per expert, "
+            "[..., 1] per row)" + ("; or 1-D [G] (a fused group)" if what == "amax" else ""))
+    # (by hand: torch.broadcast_shapes costs ~0.4 ms of host time per call)
+    if t.dim() and any(d not in (1, n) for d, n in zip(t.shape, x.shape)):
+        raise ValueError(f"NVFP4: {what} {tuple(t.shape)} does not broadcast to x {tuple(x.shape)}")
+
+
+def _gs_of_amax(x: torch.Tensor, am, ng: int) -> torch.Tensor:
+    """The global scale that ``amax`` (checked by :func:`_check_amax`) stands for, by the torch ops of
+    :func:`global_scale_from_amax` (the slow paths: check_finite, empty x, odd broadcast shapes)."""
+    if isinstance(am, str):
+        return per_row_global_scale(x)
+    a = am.to(torch.float32)
+    return global_scale_from_amax(a.amax() if ng > 1 or (am.dim() == 1 and x.dim() > 1) else a)
+
+
 def _reciprocal(t: torch.Tensor) -> torch.Tensor:
     """1 / t with 1/0 := 0 (vLLM's ``get_reciprocal``)."""
     return torch.where(t == 0, torch.zeros_like(t), 1.0 / t)

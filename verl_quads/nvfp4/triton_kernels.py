@@ -48,7 +48,14 @@ import torch
 
 from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
 from verl_quads.nvfp4.guidance import GuidanceRecord
-from verl_quads.nvfp4.reference import _check_global_scale, global_scale_from_amax, per_row_global_scale, validate_input
+from verl_quads.nvfp4.reference import (
+    _check_amax,
+    _check_global_scale,
+    _gs_of_amax,
+    global_scale_from_amax,
+    per_row_global_scale,
+    validate_input,
+)
 from verl_quads.nvfp4.residual import ResidualNVFP4, call_scores, check_score_weight, num_selected_blocks
 from verl_quads.nvfp4.residual import residual_quantize as _ref_residual_quantize
 
@@ -1030,38 +1037,6 @@ def _row_amax_fits(k: int, mode: int) -> bool:
     return _pow2(k // BLOCK_SIZE) <= QUANT2_CONFIG["quantize" if mode == 0 else "qdq"]["blocks"]
 
 
-def _check_amax(amax, x: torch.Tensor):
-    """``amax`` of :func:`quantize` / :func:`fake_quantize`: "row", or a floating tensor shaped like a
-    global scale (0-d; x's dims with a trailing 1) or 1-D (a fused group: one scale from the max of its
-    G entries). Shape/dtype checks only (no device sync). Returns (amax tensor or "row", group size)."""
-    if isinstance(amax, str):
-        if amax != "row":
-            raise ValueError(f"NVFP4: amax must be a tensor or 'row', got {amax!r}")
-        return amax, 1
-    if not isinstance(amax, torch.Tensor) or not amax.is_floating_point():
-        raise ValueError(f"NVFP4: amax must be a floating tensor or 'row', got {type(amax).__name__} "
-                         f"{getattr(amax, 'dtype', '')}")
-    if amax.device != x.device:
-        raise ValueError(f"NVFP4: amax is on {amax.device} but x on {x.device}")
-    if amax.dim() == 1 and x.dim() > 1:
-        if amax.numel() < 1:
-            raise ValueError("NVFP4: a group amax needs at least one entry")
-        return amax.contiguous(), amax.numel()
-    _check_shape_only(amax, x, "amax")
-    return amax, 1
-
-
-def _check_shape_only(t: torch.Tensor, x: torch.Tensor, what: str) -> None:
-    if t.dim() not in (0, x.dim()) or (t.dim() and t.shape[-1] != 1):
-        raise ValueError(
-            f"NVFP4: {what} of shape {tuple(t.shape)} does not fit x of shape {tuple(x.shape)}; allowed: a 0-d "
-            "tensor, or one with x's number of dimensions and a last dimension of 1 (e.g. [E, 1, 1] per expert, "
-            "[..., 1] per row)" + ("; or 1-D [G] (a fused group)" if what == "amax" else ""))
-    # (by hand: torch.broadcast_shapes costs ~0.4 ms of host time per call)
-    if t.dim() and any(d not in (1, n) for d, n in zip(t.shape, x.shape)):
-        raise ValueError(f"NVFP4: {what} {tuple(t.shape)} does not broadcast to x {tuple(x.shape)}")
-
-
 def _out_code(x: torch.Tensor) -> int:
     """``_store_out``'s OUT for the v2 / tiled / gather kernels' output in x's dtype (see KERNELS["bf16_store"])."""
     if x.dtype == torch.bfloat16 and x.is_cuda and KERNELS["bf16_store"] == "native":
@@ -1086,15 +1061,6 @@ def _prepare(x: torch.Tensor, global_scale, check_finite: bool):
         if gs.dtype != torch.float32 or gs.dim() not in (0, x.dim()) or (gs.dim() and gs.shape[-1] != 1):
             _check_global_scale(gs, x)  # raises the full message
     return gs, x.contiguous()
-
-
-def _gs_of_amax(x: torch.Tensor, am, ng: int) -> torch.Tensor:
-    """The global scale that ``amax`` (checked by :func:`_check_amax`) stands for, by the torch ops of
-    :func:`global_scale_from_amax` (the slow paths: check_finite, empty x, odd broadcast shapes)."""
-    if isinstance(am, str):
-        return per_row_global_scale(x)
-    a = am.to(torch.float32)
-    return global_scale_from_amax(a.amax() if ng > 1 or (am.dim() == 1 and x.dim() > 1) else a)
 
 
 def _amax_source(x: torch.Tensor, xc: torch.Tensor, am, ng: int, mode: int, want_gs: bool):
