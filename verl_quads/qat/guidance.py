@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -237,13 +237,11 @@ class TraceBatch:
         """int64 ``[len(uids)]``: token rows of each sequence (host tensor)."""
         return torch.tensor(self._lengths, dtype=torch.long)
 
-    def _rows_index(self, t: tuple[int, ...], device: torch.device):
+    def _rows_index(self, t: tuple[int, ...], device: torch.device) -> "_RowsIndex":
         """Where each token row's guidance lives once the sequences' records (``t[i]`` rows each) are
-        concatenated, plus one fill row at index ``sum(t)``: ``(src int64 [N], covered bool [N],
-        uncovered int64 [U])`` (the rows without a record), all on ``device``. Computed on the host from the row map and cached per
-        ``(t, device)``; the copy to a CUDA device is asynchronous (pinned memory), so no sync.
-        :meth:`_rows_index_nofill` is the same ``src`` with uncovered rows sent to row 0 instead of the
-        fill row (for callers that replace those rows anyway)."""
+        concatenated (see :class:`_RowsIndex`), all on ``device``. Computed on the host from the row map
+        and cached per ``(t, device)``; the copy to a CUDA device is asynchronous (pinned memory), so no
+        sync."""
         key = (t, str(device))
         hit = self._index_cache.get(key)
         if hit is None:
@@ -258,16 +256,10 @@ class TraceBatch:
             # sequence), their indices the first ones of a stable sort by coverage
             n_unc = self._n_pad + sum(max(0, n - ti) for n, ti in zip(self._lengths, t))
             unc = torch.argsort(cov.to(torch.uint8), stable=True)[:n_unc]
-            hit = (_to_device(src, device), _to_device(cov, device), _to_device(unc, device),
-                   _to_device(torch.where(cov, src, 0), device) if sum(t) else None)
+            hit = _RowsIndex(_to_device(src, device), _to_device(cov, device), _to_device(unc, device),
+                             _to_device(torch.where(cov, src, 0), device) if sum(t) else None)
             self._index_cache[key] = hit
-        return hit[:3]
-
-    def _rows_index_nofill(self, t: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
-        """``src`` of :meth:`_rows_index` with the uncovered rows pointing at row 0 (None if no record has
-        a row): a gather with it needs no fill row, i.e. no ``full`` + ``cat`` launches for one sequence."""
-        self._rows_index(t, device)
-        return self._index_cache[(t, str(device))][3]
+        return hit
 
     def _entries(self, layer: int, gemm: str) -> list[tuple[GuidanceKey, GuidanceEntry]]:
         return [(k, self.provider.get(k)) for k in (GuidanceKey(u, self.policy_version, layer, gemm) for u in self.uids)]
@@ -312,7 +304,8 @@ class TraceBatch:
             ids_all.append(ids)
         if not ids_all:
             raise GuidanceError(f"TRACE: routing for layer {layer} {gemm}: the TraceBatch has no sequences")
-        src, covered, _ = self._rows_index(tuple(ts), dev)
+        idx = self._rows_index(tuple(ts), dev)
+        src, covered = idx.src, idx.covered
         eids = _gather_rows(ids_all, src, -1, torch.long, dev)
         return eids, covered
 
@@ -356,9 +349,10 @@ class TraceBatch:
             ts.append(t)
             recs.append(rec)
             eids_all.append(entry.expert_ids)
-        src, covered, uncovered = self._rows_index(tuple(ts), dev)
+        idx = self._rows_index(tuple(ts), dev)
+        src, covered, uncovered = idx.src, idx.covered, idx.uncovered
         fill = {}  # the fill values where no record row exists at all (then every row is uncovered)
-        src0 = self._rows_index_nofill(tuple(ts), dev) if recs else None
+        src0 = idx.src_nofill if recs else None
         if src0 is not None:
             src = src0
             fill = dict.fromkeys(("bits", "bscale", "gscale", "eids"), None)
@@ -375,6 +369,22 @@ class TraceBatch:
         elif any(e is not None for e in eids_all):
             raise GuidanceError(f"TRACE: layer {layer} {gemm}: expert ids are stored for some sequences only")
         return (bits, bscale.view(torch.float8_e4m3fn), gscale), covered, eids, uncovered
+
+
+class _RowsIndex(NamedTuple):
+    """Row map of one forward onto the concatenated records of its sequences (all int64/bool, on the
+    GEMM's device; N token rows of the forward, U of them without a record)."""
+
+    #: int64 ``[N]``: each row's record row; uncovered rows point at the fill row ``sum(t)``.
+    src: torch.Tensor
+    #: bool ``[N]``: the row has a record.
+    covered: torch.Tensor
+    #: int64 ``[U]``: the uncovered rows, ascending.
+    uncovered: torch.Tensor
+    #: int64 ``[N]``: ``src`` with the uncovered rows sent to row 0 instead of the fill row (a gather with it
+    #: needs no fill row, i.e. no ``full`` + ``cat`` launches; callers replace or mask those rows anyway);
+    #: None when no sequence has a record row.
+    src_nofill: torch.Tensor | None
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
