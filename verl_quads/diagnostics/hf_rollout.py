@@ -106,6 +106,7 @@ class RolloutEmulator:
         self.config = config or QuantConfig()
         self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
         self._row_masks: dict | None = None  # device -> (bool mask [N], int64 valid indices); None: every row valid
+        self._kept = None  # (rows, their non-padding (keep, seq, pos)): see _kept_rows
         self.guidance = _Recorder()  # key (layer, gemm) -> GuidanceRecord rows
         self.routing = _Recorder()  # key layer -> int64 [n, k]
         self._installed: list[nn.Module] = []
@@ -133,6 +134,17 @@ class RolloutEmulator:
         # whether any row is padding is decided here, once per forward (one check on the rows' own
         # device: no device sync for host rows), not in each of the forward's GEMM calls
         self._row_masks = None if value is None or bool((value[0] >= 0).all()) else {}
+        self._kept = None
+
+    def _kept_rows(self, rows: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(keep, seq[keep], pos[keep])``: the non-padding rows of ``rows`` (the current forward's
+        ``(seq, pos)``; int64, on the rows' own device), computed once per forward: every captured GEMM and
+        routing hook files the same rows."""
+        if self._kept is None or self._kept[0] is not rows:
+            seq, pos = rows
+            keep = (seq >= 0).nonzero().flatten()
+            self._kept = (rows, (keep, seq[keep], pos[keep]))
+        return self._kept[1]
 
     def _valid(self, n: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(bool mask ``[n]``, int64 indices of the valid rows) on ``device``; None if every row is valid."""
@@ -183,11 +195,9 @@ class RolloutEmulator:
             out[idx] = q
             xf = out
         if guided and rec is not None:
-            seq, pos = self.rows if self.rows is not None else (None, None)
-            if seq is None:
+            if self.rows is None:
                 raise RuntimeError("RolloutEmulator trace: set .rows before each forward to capture guidance")
-            keep = (seq >= 0).nonzero().flatten()  # on the rows' device (the same rows as idx)
-            s, p = seq[keep], pos[keep]
+            _, s, p = self._kept_rows(self.rows)  # the same rows as idx, on the rows' device
             self.guidance.add((layer, gemm), s, p, rec)
         return xf
 
@@ -281,9 +291,8 @@ class RolloutEmulator:
     def _routing_hook(self, layer: int):
         def hook(_mod, _inp, out):
             if self.rows is not None and isinstance(out, tuple) and len(out) == 3:
-                seq, pos = self.rows
-                keep = (seq >= 0).nonzero().flatten()
-                self.routing.add(layer, seq[keep], pos[keep], out[2].detach()[keep.to(out[2].device)].cpu())
+                keep, s, p = self._kept_rows(self.rows)
+                self.routing.add(layer, s, p, out[2].detach()[keep.to(out[2].device)].cpu())
 
         return hook
 
@@ -351,14 +360,13 @@ class RolloutEmulator:
 
     def _capture_w2(self, layer, gemm, flat, sel, ids, rows, k) -> None:
         """Guidance of the w2 input per (token, slot) row, filed per token as ``[k, I]`` + expert ids."""
-        seq, pos = rows
-        tok_valid = (seq >= 0).nonzero().flatten()
+        tok_valid, s, p = self._kept_rows(rows)
         x = flat.reshape(-1, k, flat.shape[-1])[tok_valid.to(flat.device)]
         _, rec = emulation.quantize_activation(x.reshape(-1, x.shape[-1]), ActQuant("trace", capture=True, backend=_BACKEND))
         n = x.shape[0]
         rec = GuidanceRecord(rec.bits.reshape(n, k, -1), rec.block_scale.reshape(n, k, -1),
                              rec.global_scale.reshape(n, k, 1), torch.Size((n, k, x.shape[-1])))
-        self.guidance.add((layer, gemm + ".w2"), seq[tok_valid], pos[tok_valid], (rec, ids[tok_valid.to(ids.device)].cpu()))
+        self.guidance.add((layer, gemm + ".w2"), s, p, (rec, ids[tok_valid.to(ids.device)].cpu()))
 
 
 # ------------------------------------------------------------------ assembling recorded rows
