@@ -102,6 +102,23 @@ def test_large_residual_and_guided_bit_exact(residual_kernel):
     assert _eq(nv.quantize_guided(noisy, rec, backend="triton"), nv.quantize_guided(noisy, rec, backend="torch"))
 
 
+@pytest.mark.parametrize("store", ["native", "int"])
+def test_large_fake_quantize_guided_bit_exact(store, monkeypatch):
+    """The one-launch guided QDQ (TRACE's activation QDQ) at a QAT activation shape: bit for bit
+    dequantize(quantize_guided(...)) of the torch reference, per-row record, bf16 (cvt.rn and integer bf16
+    stores) plus fp16 / fp32, signed zeros included."""
+    monkeypatch.setitem(tk.KERNELS, "bf16_store", store)
+    for dtype in ([torch.bfloat16] if store == "int" else [torch.bfloat16, torch.float16, torch.float32]):
+        x = _x(4096, 2048, dtype, seed=2)
+        gs = nv.global_scale_from_amax(x.float().abs().amax(-1, keepdim=True))
+        rec = nv.extract_guidance(nv.quantize(x, gs, backend="torch"))
+        noisy = (x.float() * (1 + 0.01 * torch.randn_like(x.float()))).to(dtype)
+        noisy[:64, :16] = -0.0
+        out = nv.fake_quantize_guided(noisy, rec, backend="triton")
+        ref = nv.dequantize(nv.quantize_guided(noisy, rec, backend="torch"), dtype, backend="torch")
+        assert out.dtype == ref.dtype and torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
+
+
 @pytest.mark.parametrize("k", [2880, 8192, 16384])
 def test_fused_per_token_residual_bit_exact_with_scores_and_ties(k, residual_kernel):
     x = _x(1024, k, torch.bfloat16, seed=2)

@@ -5,7 +5,7 @@ Public API (names other modules rely on): :class:`NVFP4Tensor`, :func:`quantize`
 :func:`global_scale_from_amax`, :func:`per_row_global_scale`, :func:`swizzle_block_scale` / :func:`unswizzle_block_scale`,
 compressed-tensors / ModelOpt conversions, residual compensation
 (:func:`residual_quantize`, :func:`residual_fake_quantize`) and guided rounding
-(:func:`extract_guidance`, :func:`quantize_guided`).
+(:func:`extract_guidance`, :func:`quantize_guided`, :func:`fake_quantize_guided`).
 
 ``backend``: ``"torch"`` (the reference, :mod:`.reference`), ``"triton"`` (:mod:`.triton_kernels`,
 same bytes; on a machine without a GPU only under ``TRITON_INTERPRET=1``) or ``"auto"`` (triton
@@ -176,6 +176,19 @@ def quantize_guided(
     return _quantize_guided_ref(x, guidance, check_finite=check_finite)
 
 
+def fake_quantize_guided(
+    x: torch.Tensor, guidance: GuidanceRecord, *, backend: str = "auto", check_finite: bool = True
+) -> torch.Tensor:
+    """TRACE guided QDQ: ``dequantize(quantize_guided(x, guidance), x.dtype)`` bit for bit, x's shape
+    and dtype (no autograd). The triton backend does it in one launch (nothing packed); the torch
+    backend is that composition of the reference functions."""
+    if _use_triton(x, backend):
+        from verl_quads.nvfp4 import triton_kernels
+
+        return triton_kernels.fake_quantize_guided(x, guidance, check_finite=check_finite)
+    return _ref.dequantize(_quantize_guided_ref(x, guidance, check_finite=check_finite), x.dtype)
+
+
 __all__ = [
     "BACKENDS",
     "BLOCK_SIZE",
@@ -189,6 +202,7 @@ __all__ = [
     "e2m1_table",
     "extract_guidance",
     "fake_quantize",
+    "fake_quantize_guided",
     "fake_quantize_ste",
     "from_compressed_tensors",
     "from_modelopt",

@@ -522,12 +522,32 @@ if triton is not None:
         return (_signbit(y) << 3) | tl.where(v == a, n, lo + ((lo ^ bit) & 1))
 
     @triton.jit
+    def _guided_value(c, factor, MODE: tl.constexpr):
+        """float32 value of E2M1 codes ``c`` (int32 [BLK, 8]) times ``factor`` ([BLK, 1]):
+        ``e2m1_value(c & 7) * factor`` with the sign of code bit 3 (code 8 -> -0.0, as the reference).
+        MODE 1: the sign bit is OR-ed into the product's bits (integer ops, -0.0 on every device). MODE 2
+        (diagnostic only, 1cd2ec7's formulation): ``where(c >= 8, -v, v)``; triton 3.6 lowers the float
+        negation to ``0.0 - v`` (``fsub`` from +0.0; triton 3.9 emits ``fneg``), which gives +0.0 for
+        code 8 on the GPU, while the interpreter gives -0.0."""
+        v = _e2m1_value(c & 7) * factor
+        if MODE == 1:
+            return (v.to(tl.int32, bitcast=True) | ((c << 28) & -2147483648)).to(tl.float32, bitcast=True)
+        return tl.where((c >> 3) == 1, -v, v)
+
+    @triton.jit
     def _guided_kernel(
         x_ptr, bits_ptr, scale_ptr, gs_ptr, packed_ptr, NBLK, NBK, GS_DIV,
-        BLK: tl.constexpr, SPLIT: tl.constexpr,
+        BLK: tl.constexpr, SPLIT: tl.constexpr, MODE: tl.constexpr = 0, OUT: tl.constexpr = 0,
     ):
         """Block layout as in ``_quant_kernel``; a block's 16 guidance bits are 2 bytes (LSB first),
-        so even element 2j has bit 2j and odd element 2j+1 bit 2j+1 of that 16-bit word."""
+        so even element 2j has bit 2j and odd element 2j+1 bit 2j+1 of that 16-bit word.
+
+        MODE 0: write the packed codes (int64 word per block) through ``packed_ptr``. MODE 1 (guided
+        QDQ): write the dequantized values instead, through ``packed_ptr`` as ``_store_out``'s OUT (x's
+        dtype; bf16 as its int16 view): ``±e2m1_value(code) * div_rn(scale, gs)`` (one float32 rounding,
+        then the store's), the sign from code bit 3 (-0.0 for code 8), i.e. the reference's dequantize of
+        the codes MODE 0 packs. MODE 2: MODE 1 with the sign by float negation (``_guided_value``;
+        diagnostic only: loses -0.0 on the GPU under triton 3.6)."""
         b = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
         bmask = b < NBLK
         j = tl.arange(0, 8)
@@ -541,7 +561,11 @@ if triton is not None:
         bo = (w[:, None] >> (2 * j[None, :] + 1)) & 1
         ce = _guided_code(tl.minimum(tl.maximum(xe * os, -6.0), 6.0), be)
         co = _guided_code(tl.minimum(tl.maximum(xo * os, -6.0), 6.0), bo)
-        tl.store(packed_ptr + b, _block_word(ce, co, j), mask=bmask)
+        if MODE == 0:
+            tl.store(packed_ptr + b, _block_word(ce, co, j), mask=bmask)
+        else:
+            factor = tl.math.div_rn(sval, gs)[:, None]
+            _store_pairs(packed_ptr, b, _guided_value(ce, factor, MODE), _guided_value(co, factor, MODE), bmask, OUT)
 
     # ---- v2 kernels: one thread per 16-block (two 8-element halves), per-program global scale ----
 
@@ -1341,15 +1365,45 @@ def residual_fake_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, 
     return out
 
 
-def quantize_guided(x: torch.Tensor, guidance: GuidanceRecord, *, check_finite: bool = True) -> NVFP4Tensor:
-    """Triton :func:`verl_quads.nvfp4.quantize_guided`."""
+def _guided_prepare(x: torch.Tensor, guidance: GuidanceRecord, check_finite: bool, what: str) -> None:
     check_available(x)
     validate_input(x, check_finite=check_finite)
     if tuple(x.shape) != tuple(guidance.shape):
         raise ValueError(
-            f"quantize_guided: x has shape {tuple(x.shape)} but the guidance record was made for "
+            f"{what}: x has shape {tuple(x.shape)} but the guidance record was made for "
             f"{tuple(guidance.shape)} (stale or foreign record)"
         )
+
+
+def _guided_operands(x: torch.Tensor, guidance: GuidanceRecord):
+    """(bits as int16 words, block-scale bytes, float32 global scales, GS_DIV) on x's device, contiguous."""
+    g, div = _gs_rows(guidance.global_scale.to(x.device), tuple(x.shape[:-1]))
+    bits = guidance.bits.to(x.device).contiguous().view(torch.int16)
+    return bits, guidance.block_scale.to(x.device).contiguous().view(torch.uint8), g, div
+
+
+#: ``_guided_kernel``'s MODE for :func:`fake_quantize_guided`: 1 (the sign OR-ed into the bits). 2 is
+#: 1cd2ec7's float negation, kept only for scripts/debug_guided_qdq.py (it loses -0.0 on the GPU under triton 3.6).
+GUIDED_QDQ_MODE = 1
+
+
+def fake_quantize_guided(x: torch.Tensor, guidance: GuidanceRecord, *, check_finite: bool = True) -> torch.Tensor:
+    """Triton :func:`verl_quads.nvfp4.fake_quantize_guided`: guided quantize and dequantize in one
+    launch (``_guided_kernel`` MODE ``GUIDED_QDQ_MODE``), nothing packed; x's shape and dtype."""
+    _guided_prepare(x, guidance, check_finite, "fake_quantize_guided")
+    xc = x.contiguous()
+    out = torch.empty_like(xc)
+    nblk = xc.numel() // BLOCK_SIZE
+    if nblk:
+        bits, scale, g, div = _guided_operands(x, guidance)
+        _launch(_guided_kernel, _grid(nblk), xc, bits, scale, g, _out_arg(out), nblk, x.shape[-1] // BLOCK_SIZE, div,
+                MODE=GUIDED_QDQ_MODE, OUT=_out_code(x))
+    return out
+
+
+def quantize_guided(x: torch.Tensor, guidance: GuidanceRecord, *, check_finite: bool = True) -> NVFP4Tensor:
+    """Triton :func:`verl_quads.nvfp4.quantize_guided`."""
+    _guided_prepare(x, guidance, check_finite, "quantize_guided")
     k = x.shape[-1]
     lead = tuple(x.shape[:-1])
     xc = x.contiguous()
