@@ -319,7 +319,10 @@ def test_v2_e2m1_index_around_every_threshold_and_binade_edge(tk, fp):
 # tile walks) only changes the GPU compile: here it checks that the loops still run under the interpreter
 TILED_VARIANTS = {"tiled": ("tiled", {}), "gather": ("gather", {}),
                   "gather-early-stages2": ("gather", {"early": True, "stages": 2}),
-                  "gather-radix4": ("gather", {"radix": 4}), "tiled-radix2": ("tiled", {"radix": 2})}
+                  "gather-radix4": ("gather", {"radix": 4}), "tiled-radix2": ("tiled", {"radix": 2}),
+                  # one walk, row in registers (_residual_hold_kernel; tile_blocks is ignored there): one
+                  # warp with 1 block / thread (16 padded blocks), and the early stop switched off
+                  "hold-b1": ("hold", {"blocks_per_thread": 1}), "hold-late": ("hold", {"early": False})}
 
 
 @pytest.mark.parametrize("variant", list(TILED_VARIANTS))
@@ -365,6 +368,34 @@ def test_tiled_kernel_is_the_path_taken_when_chosen(tk, monkeypatch, kernel):
     want = nv.residual_fake_quantize(x, 0.5, gs, backend="torch")
     assert torch.equal(nv.residual_fake_quantize(x, 0.5, gs, backend="triton"), want)
     assert launched == [(3,)]
+
+
+def test_hold_kernel_is_taken_when_the_row_fits_else_gather(tk, monkeypatch):
+    # "hold" runs _residual_hold_kernel for rows of up to TILED_CONFIG["hold"]["max_blocks"] padded blocks and
+    # the gather kernel (same bytes) for longer ones
+    tk.KERNELS["residual_per_token"] = "hold"
+    x = _x((3, 96), torch.bfloat16, seed=5)  # 6 blocks, padded to 8
+    gs = nv.per_row_global_scale(x)
+    launched = []
+
+    def spy(name):
+        real = getattr(tk, name)
+
+        class Spy:
+            def __getitem__(self, grid):
+                launched.append((name, grid))
+                return real[grid]
+        monkeypatch.setattr(tk, name, Spy())
+
+    spy("_residual_hold_kernel")
+    spy("_residual_tiled_kernel")
+    want = nv.residual_fake_quantize(x, 0.5, gs, backend="torch")
+    assert torch.equal(nv.residual_fake_quantize(x, 0.5, gs, backend="triton"), want)
+    assert launched == [("_residual_hold_kernel", (3,))]
+    tk.TILED_CONFIG["hold"]["max_blocks"] = 4
+    launched.clear()
+    assert torch.equal(nv.residual_fake_quantize(x, 0.5, gs, backend="triton"), want)
+    assert launched == [("_residual_tiled_kernel", (3,))]
 
 
 _SM90_COMPILE = r"""
@@ -417,6 +448,12 @@ rv = dict(r, RADIX="constexpr", STAGES="constexpr", EARLY="constexpr")
 for pack, gather, radix, early, stages in ((False, True, 4, False, 2), (True, False, 1, True, 2)):
     comp(tk._residual_tiled_kernel, rv if pack else dict(rv, idx_ptr="*i32"), {"NTP": 8, "CT": 64, "HAS_W": False,
          "PACK": pack, "OUT": 0 if pack else 3, "GATHER": gather, "RADIX": radix, "EARLY": early, "STAGES": stages}, 2)
+# the one-walk kernel (RESIDUAL_VARIANTS "hold-*"): packed / bf16 QDQ / fp16 QDQ with weights, early stop on and off
+h = dict(list(r.items())[:13], NBP="constexpr", HAS_W="constexpr", PACK="constexpr", OUT="constexpr", EARLY="constexpr")
+for pack, out, xt, has_w, early, nbp, nw in ((True, 0, "*bf16", False, True, 128, 1), (False, 3, "*bf16", False, True, 512, 8),
+                                             (False, 2, "*fp16", True, False, 64, 2)):
+    comp(tk._residual_hold_kernel, dict(h, x_ptr=xt, out_ptr="*i16" if out == 3 else xt, idx_ptr="*i64" if pack else "*i32"),
+         {"NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "EARLY": early}, nw)
 # TRACE guided quantize (MODE 0: packed words) and one-launch guided QDQ (MODE 1, bf16 by cvt.rn / fp16 / fp32)
 gd = {"x_ptr": "*bf16", "bits_ptr": "*i16", "scale_ptr": "*u8", "gs_ptr": "*fp32", "packed_ptr": "*i64", "NBLK": "i32",
       "NBK": "i32", "GS_DIV": "i32", "BLK": "constexpr", "SPLIT": "constexpr", "MODE": "constexpr", "OUT": "constexpr"}

@@ -246,8 +246,10 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
 
 
 def run_residual_variants(shapes: list[tuple[int, int]] = ((8192, 8192), (4096, 2048)), dtype: torch.dtype = torch.bfloat16,
-                          ratios: tuple[float, ...] = (0.5, 0.25), device: str = "cuda") -> str:
-    """Every ``triton_kernels.RESIDUAL_VARIANTS`` entry, per shape and ratio, per-row global scale: first
+                          ratios: tuple[float, ...] = (0.5, 0.25), device: str = "cuda",
+                          variants: list[str] | None = None) -> str:
+    """Every ``triton_kernels.RESIDUAL_VARIANTS`` entry (or those named in ``variants``), per shape and ratio,
+    per-row global scale: first
     checked against the default kernel's bytes on the device (``torch.equal`` of the QDQ output and of
     every field of the packed result; a mismatch is reported in the table and not timed), then timed
     (CUDA-graph replay, us). Ratios: residual QDQ / plain per-row-scale QDQ (v2) and residual_quantize /
@@ -261,6 +263,10 @@ def run_residual_variants(shapes: list[tuple[int, int]] = ((8192, 8192), (4096, 
             (a.second.block_scale.view(torch.uint8), b.second.block_scale.view(torch.uint8)),
             (a.second.global_scale, b.second.global_scale)))
 
+    names = list(tk.RESIDUAL_VARIANTS) if variants is None else list(variants)
+    unknown = [n for n in names if n not in tk.RESIDUAL_VARIANTS]
+    if unknown:
+        raise ValueError(f"--variants: unknown residual variant(s) {unknown}; known: {sorted(tk.RESIDUAL_VARIANTS)}")
     rows = []
     tm = graph_time_s if device == "cuda" else (lambda f: median_time_s(f, 0, 1, 1))  # CPU: smoke run only
     for m, k in shapes:
@@ -275,7 +281,7 @@ def run_residual_variants(shapes: list[tuple[int, int]] = ((8192, 8192), (4096, 
         for ratio in ratios:
             ref_qdq = nv.residual_fake_quantize(x, ratio, gs_row, backend="triton", check_finite=False)
             ref_q = nv.residual_quantize(x, ratio, gs_row, backend="triton", check_finite=False)
-            for name in tk.RESIDUAL_VARIANTS:
+            for name in names:
                 with tk.residual_variant(name):
                     same = torch.equal(nv.residual_fake_quantize(x, ratio, gs_row, backend="triton", check_finite=False),
                                        ref_qdq)
@@ -317,13 +323,16 @@ def main(argv: list[str] | None = None) -> None:
                    help="only time every per-token residual kernel variant (triton_kernels.RESIDUAL_VARIANTS) at "
                         "8192x8192 and 4096x2048 (or --shapes if given), k = 0.5 and 0.25, each checked against the "
                         "default kernel's bytes first")
+    p.add_argument("--variants", default=None,
+                   help="with --residual-variants: comma-separated RESIDUAL_VARIANTS names to time (default: all)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("verl-quads bench nvfp4 needs a CUDA GPU (CPU numbers are not the point)")
     if a.residual_variants:
         shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes != p.get_default(
             "shapes") else [(8192, 8192), (4096, 2048)]
-        print(run_residual_variants(shapes, getattr(torch, a.dtype)), flush=True)
+        print(run_residual_variants(shapes, getattr(torch, a.dtype),
+                                    variants=a.variants.split(",") if a.variants else None), flush=True)
         return
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     run(shapes, getattr(torch, a.dtype), not a.no_torch, a.sweep, a.row_sweep, sweep_new=a.sweep_new)

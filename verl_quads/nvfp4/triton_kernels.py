@@ -936,6 +936,76 @@ if triton is not None:
                     v1 = tl.where(st[:, None], v1 + _qdq_half(r1, os2, f2), v1)
                     _store_halves(out_ptr, b, v0, v1, cmask, OUT)
 
+    @triton.jit
+    def _residual_hold_kernel(
+        x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
+        NB, NSEL, GS_DIV,
+        NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, EARLY: tl.constexpr = True,
+    ):
+        """Per-token QUADS residual compensation in ONE walk, one program per row of x [M, K] (NB = K / 16
+        blocks, padded to NBP): the whole row is held on chip as two float32 [NBP, 8] halves (one thread
+        per 16-block, ``_load_halves`` layout; each thread holds NBP / (32 * num_warps) blocks), so nothing
+        is read twice and the first pass is computed once:
+
+        1. first pass (``_tile_qdq``; PACK: its words and scale bytes are written), residual R = x - Q(x),
+           per-block score (``_tree8`` of the halves: the reference's pairwise order) and residual amax,
+           all kept in registers;
+        2. the row's NSEL highest scores as in ``_residual_tiled_kernel`` (threshold ``_topn_threshold``,
+           EARLY: stopped once the count is exact; ties to the lower block index by a cumulative count)
+           and the second-pass global scale of the row from the selected blocks' residual amax;
+        3. from the kept residuals: PACK: Q(R) words / scale bytes / block indices of the selected blocks
+           at their slot (cumulative count) and gs2; else Q(x) + Q(R_sel) (float32 sum, one cast), every
+           output element written once.
+
+        Same bytes as the tiled / gather kernels (the same formulas on the same values). Q(R) is
+        computed for every block of the row and kept where selected (SIMT: no compaction), so its cost
+        does not fall with the ratio; in exchange there is no second read of x, no recomputed first pass,
+        no index round trip through memory and no double write of the selected blocks."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, NBP)
+        cmask = c < NB
+        b = row * NB + c
+        g = tl.load(gs_ptr + row // GS_DIV)
+        gs = tl.zeros([NBP], tl.float32) + g
+        inv = tl.zeros([NBP], tl.float32) + tl.math.div_rn(g * 0.0 + 1.0, g)
+        x0, x1, sbyte, os, v0, v1 = _tile_qdq(x_ptr, b, cmask, gs, inv)
+        if PACK:
+            tl.store(packed1_ptr + b, _tile_word(x0, x1, os), mask=cmask)
+            tl.store(scale1_ptr + b, sbyte.to(tl.uint8), mask=cmask)
+        r0 = x0 - v0
+        r1 = x1 - v1
+        s0 = r0 * r0
+        s1 = r1 * r1
+        if HAS_W:
+            wv0, wv1 = _load_halves(w_ptr, c, cmask)
+            s0 = s0 * wv0
+            s1 = s1 * wv1
+        eb = tl.where(cmask, (_tree8(s0) + _tree8(s1)).to(tl.int32, bitcast=True), -1)  # padding: never selected
+        th = _topn_threshold(eb, NSEL, 1, EARLY)
+        gt = eb > th
+        eq = eb == th
+        need = NSEL - tl.sum(gt.to(tl.int32), axis=0)
+        sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+        ra = tl.maximum(tl.max(tl.abs(r0), axis=1), tl.max(tl.abs(r1), axis=1))
+        amax = tl.max(tl.where(sel, ra, 0.0), axis=0)
+        a = tl.maximum(amax, 1.1754943508222875e-38)
+        g2 = tl.math.div_rn(a * 0.0 + 1.0, a) * 2688.0
+        g2 = tl.where(g2 == float("inf"), 1.0, g2)
+        gs2 = tl.zeros([NBP], tl.float32) + g2
+        inv2 = tl.zeros([NBP], tl.float32) + tl.math.div_rn(g2 * 0.0 + 1.0, g2)
+        s2, sb2, os2 = _scales_inv(ra, gs2, inv2)
+        if PACK:
+            slot = row * NSEL + tl.cumsum(sel.to(tl.int32), axis=0) - 1
+            tl.store(packed2_ptr + slot, _tile_word(r0, r1, os2), mask=sel)
+            tl.store(scale2_ptr + slot, sb2.to(tl.uint8), mask=sel)
+            tl.store(idx_ptr + slot, c, mask=sel)  # cast to idx_ptr's int64
+            tl.store(gs2_ptr + row, g2)
+        else:
+            f2 = tl.math.div_rn(s2, gs2)
+            v0 = tl.where(sel[:, None], v0 + _qdq_half(r0, os2, f2), v0)
+            v1 = tl.where(sel[:, None], v1 + _qdq_half(r1, os2, f2), v1)
+            _store_halves(out_ptr, b, v0, v1, cmask, OUT)
+
 #: Blocks (of 16 elements) per program, warps, and the load style of ``_load_pairs`` for the
 #: elementwise kernels. Tuned on the H200 by ``verl-quads bench nvfp4 --sweep``.
 TILE_CONFIG = {"blocks": 128, "num_warps": 2, "split": True}
@@ -945,8 +1015,9 @@ TILE_CONFIG = {"blocks": 128, "num_warps": 2, "split": True}
 #: TILE_CONFIG) or "v2" = ``_quant2_kernel`` (one thread per block, global scale and its reciprocal
 #: once per program, QUANT2_CONFIG); residual_per_token (per-row global scale): "row" =
 #: ``_residual_row_kernel`` (whole row in registers, ROW_CONFIG), "tiled" = ``_residual_tiled_kernel``
-#: (row walked in tiles twice, TILED_CONFIG) or "gather" (the same kernel, second walk over the
-#: selected blocks only). ``verl-quads bench nvfp4`` times every variant side by side; the defaults
+#: (row walked in tiles twice, TILED_CONFIG), "gather" (the same kernel, second walk over the
+#: selected blocks only) or "hold" (``_residual_hold_kernel``: one walk, the row in registers;
+#: TILED_CONFIG["hold"], longer rows run "gather"). ``verl-quads bench nvfp4`` times every variant side by side; the defaults
 #: are its H200 winners (docs/bench_nvfp4_h200_session3.txt: 8192x8192 quantize v2 76% of copy BW vs
 #: v1 66%; per-token residual QDQ k=0.5 gather 2.4x plain QDQ vs row 4.8x). "bf16_store":
 #: how v2 / tiled / gather write bfloat16 outputs on a GPU: "native" (one conversion instruction) or
@@ -966,6 +1037,9 @@ QUANT2_CONFIG = {"quantize": {"blocks": 512, "num_warps": 4, "fp": False}, "qdq"
 # residual QDQ 176 -> 151 us at 8192x8192, 28.2 -> 22.1 us at 4096x2048.
 TILED_CONFIG = {"tiled": {"tile_blocks": 64, "num_warps": 2},
                 "gather": {"tile_blocks": 64, "num_warps": 2, "early": True},
+                # ``_residual_hold_kernel`` (one walk, row in registers): warps = padded blocks / (32 *
+                # blocks_per_thread), clamped to [1, 16]; rows over its "max_blocks" (padded) run "gather"
+                "hold": {"blocks_per_thread": 2, "early": True, "max_blocks": 1024},
                 "max_blocks": 8192}
 
 #: Named speed variants of the tiled / gather per-token residual kernel (kernel, TILED_CONFIG overrides), all
@@ -986,6 +1060,11 @@ RESIDUAL_VARIANTS = {
     "gather-early-t256w4": ("gather", {"early": True, "tile_blocks": 256, "num_warps": 4}),
     "tiled": ("tiled", {}),
     "tiled-early-stages2": ("tiled", {"early": True, "stages": 2}),
+    # one walk, the row held in registers (``_residual_hold_kernel``): 1 / 2 / 4 blocks (16 / 32 / 64 elements)
+    # per thread, i.e. K=8192: 16 / 8 / 4 warps, K=2048: 4 / 2 / 1 warps
+    "hold-b1": ("hold", {"blocks_per_thread": 1}),
+    "hold-b2": ("hold", {"blocks_per_thread": 2}),
+    "hold-b4": ("hold", {"blocks_per_thread": 4}),
 }
 
 
@@ -1210,7 +1289,7 @@ def _fused_rows_ok(gs: torch.Tensor, m: int, nb: int) -> bool:
     global scale is per row: a per-row first-pass scale ``[M, 1]`` (or a single row), and the padded
     row fits that kernel's config (ROW_CONFIG / TILED_CONFIG ``max_blocks``)."""
     per_row = gs.dim() == 2 and gs.shape[0] == m and gs.shape[1] == 1
-    cfg = TILED_CONFIG if KERNELS["residual_per_token"] in ("tiled", "gather") else ROW_CONFIG
+    cfg = TILED_CONFIG if KERNELS["residual_per_token"] in ("tiled", "gather", "hold") else ROW_CONFIG
     return (per_row or m == 1) and m > 0 and nb > 0 and triton.next_power_of_2(nb) <= cfg["max_blocks"]
 
 
@@ -1225,8 +1304,15 @@ def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: f
     nbp = triton.next_power_of_2(nb)
     wt = w if w is not None else g1
     choice = KERNELS["residual_per_token"]
+    if choice == "hold" and nbp > TILED_CONFIG["hold"]["max_blocks"]:
+        choice = "gather"  # the same bytes; the row does not fit the one-walk kernel's registers
     scratch = None
-    if choice in ("tiled", "gather"):
+    if choice == "hold":
+        kernel = _residual_hold_kernel
+        cfg = TILED_CONFIG["hold"]
+        meta = dict(NBP=nbp, HAS_W=w is not None, EARLY=cfg.get("early", True), enable_fp_fusion=False,
+                    num_warps=int(min(16, max(1, nbp // (32 * cfg["blocks_per_thread"])))))
+    elif choice in ("tiled", "gather"):
         kernel = _residual_tiled_kernel
         ct = min(TILED_CONFIG[choice]["tile_blocks"], nbp)
         cfg = TILED_CONFIG[choice]
