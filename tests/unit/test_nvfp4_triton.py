@@ -322,7 +322,9 @@ TILED_VARIANTS = {"tiled": ("tiled", {}), "gather": ("gather", {}),
                   "gather-radix4": ("gather", {"radix": 4}), "tiled-radix2": ("tiled", {"radix": 2}),
                   # one walk, row in registers (_residual_hold_kernel; tile_blocks is ignored there): one
                   # warp with 1 block / thread (16 padded blocks), and the early stop switched off
-                  "hold-b1": ("hold", {"blocks_per_thread": 1}), "hold-late": ("hold", {"early": False})}
+                  "hold-b1": ("hold", {"blocks_per_thread": 1}), "hold-late": ("hold", {"early": False}),
+                  # FAST: the random rows take the exact-count branch, the tie / zero rows the tie scan
+                  "hold-fast": ("hold", {"fast": True})}
 
 
 @pytest.mark.parametrize("variant", list(TILED_VARIANTS))
@@ -449,11 +451,15 @@ for pack, gather, radix, early, stages in ((False, True, 4, False, 2), (True, Fa
     comp(tk._residual_tiled_kernel, rv if pack else dict(rv, idx_ptr="*i32"), {"NTP": 8, "CT": 64, "HAS_W": False,
          "PACK": pack, "OUT": 0 if pack else 3, "GATHER": gather, "RADIX": radix, "EARLY": early, "STAGES": stages}, 2)
 # the one-walk kernel (RESIDUAL_VARIANTS "hold-*"): packed / bf16 QDQ / fp16 QDQ with weights, early stop on and off
-h = dict(list(r.items())[:13], NBP="constexpr", HAS_W="constexpr", PACK="constexpr", OUT="constexpr", EARLY="constexpr")
-for pack, out, xt, has_w, early, nbp, nw in ((True, 0, "*bf16", False, True, 128, 1), (False, 3, "*bf16", False, True, 512, 8),
-                                             (False, 2, "*fp16", True, False, 64, 2)):
+h = dict(list(r.items())[:13], NBP="constexpr", HAS_W="constexpr", PACK="constexpr", OUT="constexpr", EARLY="constexpr",
+         FAST="constexpr")
+for pack, out, xt, has_w, early, fast, nbp, nw in ((True, 0, "*bf16", False, True, False, 128, 1),
+                                                   (False, 3, "*bf16", False, True, False, 512, 8),
+                                                   (False, 2, "*fp16", True, False, False, 64, 2),
+                                                   (True, 0, "*bf16", True, True, True, 256, 4),
+                                                   (False, 3, "*bf16", False, True, True, 128, 1)):
     comp(tk._residual_hold_kernel, dict(h, x_ptr=xt, out_ptr="*i16" if out == 3 else xt, idx_ptr="*i64" if pack else "*i32"),
-         {"NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "EARLY": early}, nw)
+         {"NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "EARLY": early, "FAST": fast}, nw)
 # TRACE guided quantize (MODE 0: packed words) and one-launch guided QDQ (MODE 1, bf16 by cvt.rn / fp16 / fp32)
 gd = {"x_ptr": "*bf16", "bits_ptr": "*i16", "scale_ptr": "*u8", "gs_ptr": "*fp32", "packed_ptr": "*i64", "NBLK": "i32",
       "NBK": "i32", "GS_DIV": "i32", "BLK": "constexpr", "SPLIT": "constexpr", "MODE": "constexpr", "OUT": "constexpr"}

@@ -937,10 +937,36 @@ if triton is not None:
                     _store_halves(out_ptr, b, v0, v1, cmask, OUT)
 
     @triton.jit
+    def _hold_qdq_half(x, os, factor, FAST: tl.constexpr):
+        """``_qdq_half`` (same values); FAST: the magic of ``_e2m1_round`` as ``max(e + 0x0B000000, 0x4A800000)``
+        (add before max: one fused VIADDMNMX on sm_90 instead of max + add; the same integer for every
+        a = min(|p|, 6) in [0, 6], so the same value; only a NaN a differs, whose value is NaN both ways)."""
+        p = x * os[:, None]
+        if FAST:
+            a = tl.minimum(tl.abs(p), 6.0)
+            mb = tl.maximum((a.to(tl.int32, bitcast=True) & 0x7F800000) + 0x0B000000, 0x4A800000)
+            magic = mb.to(tl.float32, bitcast=True)
+            r = (a + magic) - magic
+        else:
+            _, r = _e2m1_round(tl.minimum(tl.abs(p), 6.0))
+        v = (r * factor[:, None]).to(tl.int32, bitcast=True) | (p.to(tl.int32, bitcast=True) & -2147483648)
+        return v.to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _tie_select(eb, th, NSEL):
+        """Selected blocks (bool [N]) of score bits ``eb`` [N] at threshold ``th``: all above it and, of
+        those equal to it, the first NSEL - #(above) in index order (the rule of ``_residual_tiled_kernel``)."""
+        gt = eb > th
+        eq = eb == th
+        need = NSEL - tl.sum(gt.to(tl.int32), axis=0)
+        return gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+
+    @triton.jit
     def _residual_hold_kernel(
         x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, EARLY: tl.constexpr = True,
+        FAST: tl.constexpr = False,
     ):
         """Per-token QUADS residual compensation in ONE walk, one program per row of x [M, K] (NB = K / 16
         blocks, padded to NBP): the whole row is held on chip as two float32 [NBP, 8] halves (one thread
@@ -960,7 +986,10 @@ if triton is not None:
         Same bytes as the tiled / gather kernels (the same formulas on the same values). Q(R) is
         computed for every block of the row and kept where selected (SIMT: no compaction), so its cost
         does not fall with the ratio; in exchange there is no second read of x, no recomputed first pass,
-        no index round trip through memory and no double write of the selected blocks."""
+        no index round trip through memory and no double write of the selected blocks.
+
+        FAST (speed only, same bytes): ``_hold_qdq_half``'s fused magic, and the tie scan skipped when the
+        early-stopped threshold already counts exactly NSEL blocks (then the selection is ``score >= T``)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
         cmask = c < NB
@@ -968,7 +997,12 @@ if triton is not None:
         g = tl.load(gs_ptr + row // GS_DIV)
         gs = tl.zeros([NBP], tl.float32) + g
         inv = tl.zeros([NBP], tl.float32) + tl.math.div_rn(g * 0.0 + 1.0, g)
-        x0, x1, sbyte, os, v0, v1 = _tile_qdq(x_ptr, b, cmask, gs, inv)
+        x0, x1 = _load_halves(x_ptr, b, cmask)
+        vec_max = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
+        sval, sbyte, os = _scales_inv(vec_max, gs, inv)
+        factor = tl.math.div_rn(sval, gs)
+        v0 = _hold_qdq_half(x0, os, factor, FAST)
+        v1 = _hold_qdq_half(x1, os, factor, FAST)
         if PACK:
             tl.store(packed1_ptr + b, _tile_word(x0, x1, os), mask=cmask)
             tl.store(scale1_ptr + b, sbyte.to(tl.uint8), mask=cmask)
@@ -982,10 +1016,14 @@ if triton is not None:
             s1 = s1 * wv1
         eb = tl.where(cmask, (_tree8(s0) + _tree8(s1)).to(tl.int32, bitcast=True), -1)  # padding: never selected
         th = _topn_threshold(eb, NSEL, 1, EARLY)
-        gt = eb > th
-        eq = eb == th
-        need = NSEL - tl.sum(gt.to(tl.int32), axis=0)
-        sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))
+        if FAST and EARLY:
+            ge = eb >= th
+            if tl.sum(ge.to(tl.int32), axis=0) == NSEL:  # the early stop's case: exactly NSEL blocks >= T
+                sel = ge
+            else:
+                sel = _tie_select(eb, th, NSEL)
+        else:
+            sel = _tie_select(eb, th, NSEL)
         ra = tl.maximum(tl.max(tl.abs(r0), axis=1), tl.max(tl.abs(r1), axis=1))
         amax = tl.max(tl.where(sel, ra, 0.0), axis=0)
         a = tl.maximum(amax, 1.1754943508222875e-38)
@@ -1002,8 +1040,8 @@ if triton is not None:
             tl.store(gs2_ptr + row, g2)
         else:
             f2 = tl.math.div_rn(s2, gs2)
-            v0 = tl.where(sel[:, None], v0 + _qdq_half(r0, os2, f2), v0)
-            v1 = tl.where(sel[:, None], v1 + _qdq_half(r1, os2, f2), v1)
+            v0 = tl.where(sel[:, None], v0 + _hold_qdq_half(r0, os2, f2, FAST), v0)
+            v1 = tl.where(sel[:, None], v1 + _hold_qdq_half(r1, os2, f2, FAST), v1)
             _store_halves(out_ptr, b, v0, v1, cmask, OUT)
 
 #: Blocks (of 16 elements) per program, warps, and the load style of ``_load_pairs`` for the
@@ -1065,6 +1103,9 @@ RESIDUAL_VARIANTS = {
     "hold-b1": ("hold", {"blocks_per_thread": 1}),
     "hold-b2": ("hold", {"blocks_per_thread": 2}),
     "hold-b4": ("hold", {"blocks_per_thread": 4}),
+    # + FAST: fused E2M1 magic, tie scan only when the early-stopped count is not exact
+    "hold-b2-fast": ("hold", {"blocks_per_thread": 2, "fast": True}),
+    "hold-b4-fast": ("hold", {"blocks_per_thread": 4, "fast": True}),
 }
 
 
@@ -1310,7 +1351,8 @@ def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: f
     if choice == "hold":
         kernel = _residual_hold_kernel
         cfg = TILED_CONFIG["hold"]
-        meta = dict(NBP=nbp, HAS_W=w is not None, EARLY=cfg.get("early", True), enable_fp_fusion=False,
+        meta = dict(NBP=nbp, HAS_W=w is not None, EARLY=cfg.get("early", True), FAST=cfg.get("fast", False),
+                    enable_fp_fusion=False,
                     num_warps=int(min(16, max(1, nbp // (32 * cfg["blocks_per_thread"])))))
     elif choice in ("tiled", "gather"):
         kernel = _residual_tiled_kernel
