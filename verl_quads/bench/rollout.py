@@ -35,6 +35,15 @@ reference (max |err| / max |ref| and the per-element 1 ulp + float32 summation b
 bytes/s as a fraction of the copy bandwidth of the same run, the ratio to cuBLAS BF16 /
 ``torch._grouped_mm`` BF16, the fastest correct variant per shape, the MoE layer with those variants,
 and a paste-ready ``DECODE_TABLE``.
+
+``--sweep-mid`` (issue #5, 16..256 rows: ~1-16 rows per expert in the MoE layer): at M = 256, 16, 64
+(most important first, for ``--budget-s``) for the MoE layer's w13 / w2 grouped GEMMs and dense GEMMs, a
+focused set of tensor-core :class:`triton_gemm.GemmConfig` launch configurations (swap or not, block_m /
+block_n / block_k, split_k, warps, stages: <= 25 in stage 1, split / stages / warps variations of the
+fastest two in stage 2) and at M <= 64 a few tensor-core :class:`triton_gemm.StreamConfig` variants, for
+``w4a16`` and ``naive`` (stage 1 only), cold L2, each checked against the torch reference; the BF16
+baselines; a torch.profiler table of the MoE layer's kernels at the largest M (is it the GEMM?); a
+summary (default dispatch vs fastest correct per point) and a paste-ready ``MID_TABLE``.
 """
 
 from __future__ import annotations
@@ -677,6 +686,564 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
     return "\n".join(out)
 
 
+# --- --sweep-mid: the tensor-core GEMM's launch configs at 16..256 rows (issue #5, mid M) ------------
+
+MID_SHAPES = "moe,d8192,d4096"
+# stage-1 tiles (swap, block_n, block_k, num_warps, num_stages) per block_m: small row tiles favour the
+# swapped MMA (weight rows on the MMA's M side); big ones the plain layout. Each at the split_k that fills
+# the GPU (the rule of pick_config); stage 2 varies split_k / stages / warps around the fastest two.
+_MID_SWAP = ((64, 128, 4, 3), (128, 128, 4, 3), (128, 64, 4, 3), (64, 256, 4, 3), (256, 128, 8, 3), (128, 256, 8, 4))
+_MID_PLAIN = ((64, 64, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3), (256, 64, 8, 3), (128, 128, 4, 4), (256, 128, 8, 4))
+
+
+def _mid_live_tiles(per_group_rows: list[int], bm: int) -> int:
+    """M-tiles that do work: sum over groups of cdiv(rows, bm) (a dense GEMM is one group)."""
+    return sum(-(-r // bm) for r in per_group_rows if r > 0)
+
+
+def _mid_split(live_m_tiles: int, bn: int, bk: int, n: int, k: int, sms: int, occ: int) -> int:
+    """split_k by pick_config's rule: double while the grid stays <= ``occ`` programs per SM and every K
+    range keeps >= 2 steps of ``bk``."""
+    tiles = live_m_tiles * -(-n // bn)
+    split = 1
+    while tiles * split * 2 <= occ * sms and k // (bk * split * 2) >= 2:
+        split *= 2
+    return split
+
+
+def _mid_block_ms(rows: int, grouped: bool) -> list[int]:
+    """block_m values tried at ~``rows`` rows per group: pick_block_m's, half of it (if >= 16) and, for a
+    grouped GEMM whose groups are about full, twice it (random routing: many groups then exceed bm)."""
+    from verl_quads.nvfp4.triton_gemm import pick_block_m
+
+    bm0 = pick_block_m(rows)
+    out = ([bm0 // 2] if bm0 > 16 else []) + [bm0]
+    if grouped and rows >= bm0 // 2 and bm0 < 64 and rows > 4:
+        out.append(2 * bm0)
+    return out
+
+
+def _mid_smem_ok(cfg, a4: bool) -> bool:
+    """Whether a GemmConfig's shared memory stays under the H200's 227 KB per block by a conservative
+    estimate: ``num_stages`` copies of the activation tile (bf16, or packed NVFP4 for W4A4) + the packed
+    weight tile + its scales, plus one decoded bf16 weight tile (the offline sm_90 compile of
+    bm128 n256 k128 st4 w4a16 needed 246 KB, this estimate 264 KB)."""
+    act = cfg.block_m * cfg.block_k * (1 if a4 else 4) // 2
+    w = cfg.block_n * cfg.block_k // 2 + cfg.block_n * cfg.block_k // 16
+    return cfg.num_stages * (act + w) + cfg.block_n * cfg.block_k * 2 <= 232448
+
+
+def _mid_stage1(rows: int, grouped: bool, per_group_rows: list[int], n: int, k: int, sms: int, a4: bool,
+                default):
+    """Stage-1 GemmConfigs for ``--sweep-mid``: ``default`` first, then per block_m of :func:`_mid_block_ms`
+    the swapped tiles (block_m <= 64) and the plain tiles (W4A4 / ``a4``: 3 of each), split_k by
+    :func:`_mid_split` (occupancy 4 programs per SM when block_m <= 32, else 2, as pick_config), those
+    passing :func:`_mid_smem_ok`. At most 25 configs, no duplicates."""
+    from verl_quads.nvfp4.triton_gemm import GemmConfig
+
+    out = [default]
+    for bm in _mid_block_ms(rows, grouped):
+        live = _mid_live_tiles(per_group_rows, bm)
+        occ = 4 if bm <= 32 else 2
+        swap = _MID_SWAP[:3] if a4 else _MID_SWAP
+        plain = _MID_PLAIN[:3] if a4 else _MID_PLAIN
+        if bm >= 128:
+            swap = swap[:2]
+        elif bm <= 16 and not a4:
+            plain = plain[:3]
+        for is_swap, tiles in ((True, swap), (False, plain)):
+            for bn, bk, warps, stages in tiles:
+                c = GemmConfig(block_m=bm, block_n=bn, block_k=bk, block_k2=64,
+                               split_k=_mid_split(live, bn, bk, n, k, sms, occ), num_warps=warps, num_stages=stages,
+                               swap=is_swap)
+                if _mid_smem_ok(c, a4):
+                    out.append(c)
+    return list(dict.fromkeys(out))[:25]
+
+
+def _mid_stage2(cfg, k: int):
+    """Stage-2 variations of a fast w4a16 config: split_k x2 and /2 (K ranges of >= 2 steps), stages +-1
+    (2..4), the other warp count (those passing :func:`_mid_smem_ok`)."""
+    out = []
+    for s in (cfg.split_k * 2, cfg.split_k // 2):
+        if s >= 1 and k // (cfg.block_k * s) >= 2:
+            out.append(replace(cfg, split_k=s))
+    for st in (cfg.num_stages - 1, cfg.num_stages + 1):
+        if 2 <= st <= 4:
+            out.append(replace(cfg, num_stages=st))
+    out.append(replace(cfg, num_warps=8 if cfg.num_warps == 4 else 4))
+    return [c for c in out if _mid_smem_ok(c, False)]
+
+
+def _mid_stream(rows: int, current):
+    """StreamConfig (tensor-core, ``mma`` 1/2) variants of the weight-streaming kernel at M <= 64:
+    the current DECODE_TABLE entry (may be None) and 4 tiles with bits / bf16x2 decode."""
+    from verl_quads.nvfp4.triton_gemm import StreamConfig
+
+    out = [current] if current is not None else []
+    bm = 16 if rows <= 16 else 32
+    out += [StreamConfig(block_m=bm, block_n=128, block_kw=16, mma=2, prefetch=False),
+            StreamConfig(block_m=bm, block_n=128, block_kw=16, mma=2, decode="bf16x2", prefetch=False),
+            StreamConfig(block_m=bm, block_n=128, block_kw=32, mma=1, decode="bf16x2", prefetch=False, num_stages=3),
+            StreamConfig(block_m=bm, block_n=64, block_kw=32, mma=1, decode="bf16x2", prefetch=False)]
+    return list(dict.fromkeys(out))[:5]
+
+
+def _cfg_label(cfg) -> str:
+    """Short name of a GemmConfig / StreamConfig for tables, e.g. ``tc swap bm16 n64 k128 s1 w4 st3``."""
+    from verl_quads.nvfp4.triton_gemm import StreamConfig
+
+    if cfg is None:
+        return "default"
+    if isinstance(cfg, StreamConfig):
+        return "stream " + cfg.label
+    return (f"tc {'swap ' if cfg.swap else ''}bm{cfg.block_m} n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} "
+            f"w{cfg.num_warps} st{cfg.num_stages}")
+
+
+def _profile_moe_layer(m: int, modes: tuple[str, ...], calls: int = 5) -> str:
+    """Where the time of :func:`triton_gemm.moe_forward` goes at ``m`` tokens (Qwen3-30B-A3B width,
+    random top-8 routing, default configs): a torch.profiler trace of ``calls`` eager calls per mode,
+    the top 10 device kernels by total time (per layer call: microseconds, launches, share), with the
+    block_m / GemmConfig / StreamConfig each GEMM resolves to."""
+    from verl_quads import nvfp4 as nv
+    from verl_quads.nvfp4 import triton_gemm as tg
+
+    dev = DEVICE
+    g = torch.Generator(device=dev).manual_seed(1)
+    e, hidden, inter = NUM_EXPERTS, SHAPES["w13"][2], SHAPES["w13"][1] // 2
+    qs = {}
+    for name, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
+        w = torch.randn(e, n, k, device=dev, generator=g) * 0.02
+        q = nv.quantize(w, nv.global_scale_from_amax(w.abs().amax(dim=(1, 2), keepdim=True)), backend="triton")
+        qs[name] = (q.packed, q.block_scale, q.global_scale.reshape(-1))
+        del w
+    x = torch.randn(m, hidden, device=dev, generator=g).to(torch.bfloat16)
+    ids = torch.rand(m, e, device=dev, generator=g).argsort(-1)[:, :TOP_K]
+    sw = torch.softmax(torch.randn(m, TOP_K, device=dev, generator=g), -1)
+    s = m * TOP_K
+    per = -(-s // min(e, s))
+    bm = tg.pick_block_m(per)
+    t_max = -(-s // bm) + min(e, s)
+    text = [f"where the time goes: moe_forward at M={m} ({s} token-slots, ~{per} rows per expert, block_m {bm}, "
+            f"{t_max} M-tiles in the grid); torch.profiler, {calls} eager calls per mode, device kernels only"]
+    for name, n, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
+        stream = tg.decode_config(s, n, k, True)
+        tc = tg.pick_config(per, t_max, n, k, torch.device(dev), block_m=bm)
+        text.append(f"  {name} [{n}x{k}] default: w4a16 -> {_cfg_label(stream) if stream else _cfg_label(tc)}; "
+                    f"naive -> {_cfg_label(tc)}")
+    for mode in modes:
+        def fn(mode=mode):
+            return tg.moe_forward(x, sw, ids, *qs["w13"], *qs["w2"], mode)
+
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+        agg: dict = {}
+        for ev in prof.events():
+            if ev.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = ev.time_range.elapsed_us()
+            tot, cnt = agg.get(ev.name, (0.0, 0))
+            agg[ev.name] = (tot + us, cnt + 1)
+        if not agg:  # pragma: no cover - a profiler build without device events in events()
+            text.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10))
+            continue
+        total = sum(v[0] for v in agg.values()) / calls
+        rows = [[name[:70], f"{tot / calls:.1f}", f"{cnt / calls:g}", f"{tot / calls / max(total, 1e-9):.0%}"]
+                for name, (tot, cnt) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:10]]
+        text.append(print_table(f"moe_forward {mode} M={m}: top device kernels, {total:.1f} us of kernel time per "
+                                "layer call", ["kernel", "us per call", "launches per call", "share"], rows))
+    del qs
+    torch.cuda.empty_cache()
+    return "\n".join(text)
+
+
+def _mid_point_inputs(name: str, grouped: bool, n: int, k: int, m: int, dev: str, g, num_experts: int, top_k: int):
+    """(x, ids): the activation ``[rows, K]`` bf16 of one --sweep-mid point (w13: M token rows; w2: M*top_k
+    slot rows; dense: M rows; an outlier column every 293) and, for a grouped GEMM, random top-k expert ids
+    ``[M, top_k]`` (None for dense)."""
+    rows = (m if name.endswith("w13") else m * top_k) if grouped else m
+    x = torch.randn(rows, k, device=dev, generator=g).to(torch.bfloat16)
+    x[:, ::293] *= 30.0
+    ids = torch.rand(m, num_experts, device=dev, generator=g).argsort(-1)[:, :top_k] if grouped else None
+    return x, ids
+
+
+def _mid_compile_jobs(jobs: list, num_experts: int, top_k: int, device: str = "cuda") -> list[str]:
+    """Worker of ``--sweep-mid``'s parallel precompile: run each job ``(name, grouped, n, k, m, mode, cfg)``
+    once on random data of the point's shapes (Triton's JIT compiles it for exactly the specialization the
+    timed launch has and stores it in its on-disk cache, where the parent process finds it). Returns one
+    line per failed job (the parent reports it again when it measures that config)."""
+    from verl_quads.nvfp4 import triton_gemm as tg
+
+    g = torch.Generator(device=device).manual_seed(0)
+    cache: dict = {}
+    failed = []
+    for name, grouped, n, k, m, mode, cfg in jobs:
+        e = num_experts if grouped else 1
+        if (name, m) not in cache:
+            x, ids = _mid_point_inputs(name, grouped, n, k, m, device, g, num_experts, top_k)
+            if (n, k, grouped) not in cache:
+                cache[(n, k, grouped)] = (torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=device),
+                                          torch.full((e, n, k // 16), 1.0, device=device).to(torch.float8_e4m3fn),
+                                          torch.ones(e, device=device))
+            cache[(name, m)] = (x, ids, {md: tg.quantize_activation(x, md)[0] for md in ("w4a16", "naive")})
+        x, ids, ops = cache[(name, m)]
+        wp, wsc, wgs = cache[(n, k, grouped)]
+        try:
+            if grouped:
+                s = m * top_k
+                bm = cfg.block_m if isinstance(cfg, tg.GemmConfig) else tg.pick_block_m(-(-s // min(e, s)))
+                r = tg.moe_align(ids, e, bm)
+                tg.nvfp4_gemm(ops[mode], wp, wsc, wgs, routing=r,
+                              a_rows=r.sorted_tokens if name.endswith("w13") else r.sorted_slots, out_rows=s, config=cfg)
+            else:
+                tg.nvfp4_gemm(ops[mode], wp[0], wsc[0], wgs.reshape(()), config=cfg)
+        except Exception as ex:  # reported; the parent measures (and reports) it again
+            failed.append(f"{name} M={m} {mode} {_cfg_label(cfg)}: {type(ex).__name__}: {str(ex)[:120]}")
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return failed
+
+
+class _MidPool:
+    """--sweep-mid's parallel precompile: ``workers`` spawned processes (the GPU host's CPU cores; one
+    Triton compile of the tensor-core kernel takes ~1-4 s of one core) run :func:`_mid_compile_jobs` so
+    that the timed loop finds its kernels in Triton's on-disk cache. :meth:`submit` deals jobs round-robin
+    (priority order kept per worker) and returns at once; :meth:`wait` collects them, giving up after a
+    timeout (the timed loop then compiles what is missing itself) and returns one status line."""
+
+    def __init__(self, workers: int):
+        import multiprocessing as mp
+
+        self.workers = workers
+        self.pool = mp.get_context("spawn").Pool(workers) if workers > 0 else None
+        self.res = None
+
+    def submit(self, jobs: list) -> None:
+        import time
+
+        self.t0, self.n = time.perf_counter(), len(jobs)
+        if self.pool is not None and jobs:
+            chunks = [jobs[i::self.workers] for i in range(self.workers)]
+            self.res = self.pool.starmap_async(_mid_compile_jobs, [(c, NUM_EXPERTS, TOP_K, DEVICE) for c in chunks],
+                                               chunksize=1)
+
+    def wait(self, timeout_s: float) -> str:
+        import time
+
+        if self.res is None:
+            return "precompile: nothing to do"
+        try:
+            failed = sum(self.res.get(timeout=timeout_s), [])
+            status = (f"precompile: {self.n} launch configs run once (compiled) in {self.workers} processes in "
+                      f"{time.perf_counter() - self.t0:.0f} s; {len(failed)} failed" + "".join(f"\n  {f}" for f in failed))
+        except Exception as ex:  # timeout or a worker crash: the timed loop compiles what is missing
+            status = f"precompile stopped after {time.perf_counter() - self.t0:.0f} s ({type(ex).__name__}: {str(ex)[:120]})"
+            self.close()
+        self.res = None
+        return status
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None
+
+
+def run_sweep_mid(shapes: list[str], ms: list[int], budget_s: float = 1e9, profile: bool = True,
+                  workers: int = 0) -> str:
+    """``--sweep-mid`` (issue #5): at M tokens (default 256, 16, 64) for the MoE layer's two grouped GEMMs
+    (``w13`` 1536x2048 / ``w2`` 2048x768, 128 experts, random top-8: ~M/16 rows per expert) and dense
+    GEMMs, time with cold L2 (rotating weight copies / routings, >= 256 MB read per replay, CUDA graph)
+    the BF16 baseline, the default dispatch of ``w4a16`` and ``naive`` (W4A4-emulated), and a focused set
+    of tensor-core GemmConfigs (stage 1: :func:`_mid_stage1`; stage 2: :func:`_mid_stage2` of the fastest
+    two correct; W4A4: stage 1 only) plus, at M <= 64, :func:`_mid_stream` variants for ``w4a16``. Every
+    config is checked against the torch reference (1 bf16 ulp + float32 summation bound); a WRONG one is
+    never "best". Points in the order shapes x ms (the MoE GEMMs first); stage 1 of every point, then
+    stage 2 and the stream variants of every point. Prints each measurement as it happens, then the
+    summary table (default vs best per point) and a paste-ready MID_TABLE. Past ``budget_s`` wall seconds
+    only the baselines and default dispatches are still timed. ``profile``: first a torch.profiler kernel
+    table of the MoE layer at the largest M (:func:`_profile_moe_layer`). ``workers`` > 0: the configs are
+    first compiled in that many processes (:class:`_MidPool`; stage 1 and stream configs while the
+    weights are built, stage 2 after stage 1)."""
+    import time
+
+    from verl_quads.nvfp4 import triton_gemm as tg
+
+    dev = DEVICE
+    t_start = time.perf_counter()
+    sms = tg._num_sms(torch.device(dev))
+    gemms = []  # (name, grouped, n, k)
+    for s in shapes:
+        if s == "moe":
+            gemms += [("moe w13", True) + SHAPES["w13"][1:], ("moe w2", True) + SHAPES["w2"][1:]]
+        else:
+            gemms.append((s,) + SHAPES[s])
+    # the points and their candidates first (the precompile needs them); random inputs drawn here
+    g = torch.Generator(device=dev).manual_seed(0)
+    points = []
+    for s in shapes:
+        for m in ms:
+            for name, grouped, n, k in gemms:
+                if (s == "moe") != grouped or (not grouped and name != s):
+                    continue
+                e = NUM_EXPERTS if grouped else 1
+                x, ids0 = _mid_point_inputs(name, grouped, n, k, m, dev, g, NUM_EXPERTS, TOP_K)
+                slots = m * TOP_K if grouped else m
+                per = -(-slots // min(e, slots)) if grouped else m
+                group_rows = torch.bincount(ids0.reshape(-1), minlength=e).tolist() if grouped else [m]
+                bm_def = tg.pick_block_m(per)
+                m_tiles = (-(-slots // bm_def) + min(e, slots)) if grouped else -(-m // bm_def)
+                tc_def = tg.pick_config(per, m_tiles, n, k, torch.device(dev), block_m=bm_def if grouped else None)
+                stream_def = tg.decode_config(slots, n, k, grouped)
+                cands = {md: _mid_stage1(per, grouped, group_rows, n, k, sms, md != "w4a16", tc_def)
+                         for md in ("w4a16", "naive")}
+                streams = _mid_stream(per if grouped else m, stream_def) if m <= 64 else []
+                points.append(dict(name=name, grouped=grouped, n=n, k=k, m=m, x=x, ids0=ids0, per=per,
+                                   group_rows=group_rows, tc_def=tc_def, stream_def=stream_def, cands=cands,
+                                   streams=streams))
+    out = [f"device: {device_name()}"]
+    print(out[0], flush=True)
+    pool_jobs = []
+    for p in points:
+        base = (p["name"], p["grouped"], p["n"], p["k"], p["m"])
+        pool_jobs += [base + ("w4a16", c) for c in p["cands"]["w4a16"] + p["streams"]]
+        pool_jobs += [base + ("naive", c) for c in p["cands"]["naive"]]
+    pool = _MidPool(workers)
+    pool.submit(list(dict.fromkeys(pool_jobs)))  # compiles while this process builds the weights (nothing timed)
+    try:
+        return _sweep_mid_measure(points, gemms, shapes, ms, budget_s, profile, pool, out, g, t_start)
+    finally:
+        pool.close()
+
+
+def _sweep_mid_measure(points, gemms, shapes, ms, budget_s, profile, pool, out, g, t_start) -> str:
+    """:func:`run_sweep_mid` after the candidates are known: weights, baselines, stage 1 for every point,
+    stage 2 (compiled by ``pool`` meanwhile), tables."""
+    import time
+
+    from verl_quads import nvfp4 as nv
+    from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.rollout import emulation as em
+
+    dev = DEVICE
+
+    def over_budget() -> bool:
+        return time.perf_counter() - t_start > budget_s
+
+    weights = {}
+    for name, grouped, n, k in gemms:
+        e = NUM_EXPERTS if grouped else 1
+        w = torch.randn(e, n, k, device=dev, generator=g) * 0.02
+        q = nv.quantize(w, nv.global_scale_from_amax(w.abs().amax(dim=(1, 2), keepdim=True)), backend="triton")
+        wp, wsc, wgs = q.packed, q.block_scale, q.global_scale.reshape(-1)
+        wf = em.weight_f32(wp, wsc, wgs.reshape(e, 1, 1)) if grouped else em.weight_f32(wp[0], wsc[0], wgs.reshape(()))
+        if not grouped:
+            wp, wsc, wgs = wp[0], wsc[0], wgs.reshape(())
+        weights[name] = (wp, wsc, wgs, wf, w.to(torch.bfloat16))
+        del w
+    out.append(pool.wait(max(30.0, budget_s / 2)))
+    print(out[-1], flush=True)
+    bw = _copy_bandwidth()
+    out.append(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write); timings: CUDA graph of one call "
+               f"per weight copy (or routing), copies so that >= {L2_FLUSH_BYTES >> 20} MB are read per replay (cold "
+               "L2), median of 7 x 3 replays")
+    print(out[-1], flush=True)
+    if profile and "moe" in shapes and dev == "cuda":
+        try:
+            out.append(_profile_moe_layer(max(ms), ("w4a16", "naive")))
+        except Exception as ex:  # pragma: no cover - profiler support depends on the build
+            out.append(f"profile failed: {type(ex).__name__}: {str(ex)[:200]}")
+        print(out[-1], flush=True)
+    rows = _Rows()
+
+    def timeit(fn) -> float:
+        t = graph_time_s(fn, iters=7, inner=3)
+        return t if t is not None else median_time_s(fn, 1, 3, 1)
+
+    # phase 1, per point: inputs, reference, BF16 baseline, default dispatch and stage 1 of both modes
+    for p in points:
+        name, grouped, n, k, m, x, per = p["name"], p["grouped"], p["n"], p["k"], p["m"], p["x"], p["per"]
+        wp, wsc, wgs, wf, w_bf16 = weights[name]
+        e = NUM_EXPERTS if grouped else 1
+        tag = f"{name} M={m}"
+        if grouped:
+            s_slots = m * TOP_K
+            ids0 = p["ids0"]
+            active = int(ids0.unique().numel())
+            wbytes, bbytes = active * n * k * 9 // 16, active * n * k * 2
+            copies = max(1, min(16, -(-L2_FLUSH_BYTES // wbytes)))
+            id_sets = [ids0] + [torch.rand(m, e, device=dev, generator=g).argsort(-1)[:, :TOP_K]
+                                for _ in range(copies - 1)]
+            routs: dict = {}
+
+            def rout(bm, i, id_sets=id_sets, routs=routs, e=e):
+                if (bm, i) not in routs:
+                    routs[(bm, i)] = tg.moe_align(id_sets[i], e, bm)
+                return routs[(bm, i)]
+
+            def arows(r, name=name):
+                return r.sorted_tokens if name.endswith("w13") else r.sorted_slots
+
+            xs0 = [x[arows(rout(16, i)).long()].contiguous() for i in range(copies)]
+            offs = [torch.cumsum(torch.bincount(ids.reshape(-1), minlength=e), 0).to(torch.int32) for ids in id_sets]
+            w_t = w_bf16.transpose(-2, -1)
+            bcopies = copies
+            bases = [_bf16_grouped(xs0[i], w_t, offs[i], torch.bincount(id_sets[i].reshape(-1), minlength=e).tolist())
+                     for i in range(copies)]
+            base_label = bases[0][1]
+
+            def base(i, bases=bases):
+                return bases[i][0]()
+
+            bm_def = tg.pick_block_m(per)
+
+            def run_cfg(op, cfg, i=0, s_slots=s_slots, bm_def=bm_def, wp=wp, wsc=wsc, wgs=wgs, rout=rout, arows=arows):
+                bm = cfg.block_m if isinstance(cfg, tg.GemmConfig) else bm_def
+                r = rout(bm, i)
+                return tg.nvfp4_gemm(op, wp, wsc, wgs, routing=r, a_rows=arows(r), out_rows=s_slots, config=cfg)
+
+            flat = ids0.reshape(-1)
+            slot_rows = (torch.arange(s_slots, device=dev) // TOP_K) if name.endswith("w13") else \
+                torch.arange(s_slots, device=dev)
+
+            def reference(xq, flat=flat, slot_rows=slot_rows, s_slots=s_slots, n=n, k=k, wf=wf):
+                xr = xq[slot_rows]
+                ref = torch.empty(s_slots, n, device=dev)
+                bound = torch.empty(s_slots, n, device=dev)
+                for ex in flat.unique().tolist():
+                    sel = flat == ex
+                    ref[sel] = xr[sel] @ wf[ex].t()
+                    bound[sel] = 4 * k * torch.finfo(torch.float32).eps * (xr[sel].abs() @ wf[ex].abs().t())
+                return ref.to(torch.bfloat16), bound
+        else:
+            wbytes, bbytes = n * k * 9 // 16, n * k * 2
+            copies = max(1, min(64, -(-L2_FLUSH_BYTES // wbytes)))
+            bcopies = max(1, min(64, -(-L2_FLUSH_BYTES // bbytes)))
+            wps = [wp] + [wp.clone() for _ in range(copies - 1)]
+            wscs = [wsc] + [wsc.clone() for _ in range(copies - 1)]
+            wbs = [w_bf16[0]] + [w_bf16[0].clone() for _ in range(bcopies - 1)]
+
+            def base(i, x=x, wbs=wbs):
+                return x @ wbs[i].t()
+
+            base_label = "bf16 torch.matmul (cuBLAS)"
+
+            def run_cfg(op, cfg, i=0, wps=wps, wscs=wscs, wgs=wgs):
+                return tg.nvfp4_gemm(op, wps[i], wscs[i], wgs, config=cfg)
+
+            def reference(xq, wf=wf, k=k):
+                return ((xq @ wf.t()).to(torch.bfloat16),
+                        4 * k * torch.finfo(torch.float32).eps * (xq.abs() @ wf.abs().t()))
+        t_base = timeit(_rotating(base, bcopies)) / bcopies
+        p["t_base"] = t_base
+        rows.append([tag, base_label, "-", t_base * 1e6, 1.0, bbytes / t_base / bw, "-"])
+        ops = {mode: tg.quantize_activation(x, mode)[0] for mode in ("w4a16", "naive")}
+        refs = {mode: reference(em.quantize_activation(x, em.ActQuant(mode, backend="auto"))[0])
+                for mode in ("w4a16", "naive")}
+
+        def measure(mode, cfg, label=None, copies=copies, run_cfg=run_cfg, tag=tag, t_base=t_base, wbytes=wbytes,
+                    ops=ops, refs=refs):
+            op = ops[mode]
+            try:
+                rel, ok = _err(run_cfg(op, cfg), *refs[mode])
+                t = timeit(_rotating(lambda i: run_cfg(op, cfg, i), copies)) / copies
+            except Exception as ex:  # a config that does not compile or fit: reported, skipped
+                print(f"  {tag} {mode} {_cfg_label(cfg)}: failed {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+                return None
+            rows.append([tag, f"{mode} {label or _cfg_label(cfg)}", "ok" if ok else "WRONG", t * 1e6, t_base / t,
+                         wbytes / t / bw, f"{rel:.1e}"])
+            return t if ok else None
+
+        p["measure"] = measure
+        tc_def, stream_def = p["tc_def"], p["stream_def"]
+        p["timed"], p["t_def"] = {}, {}
+        for mode in ("w4a16", "naive"):
+            resolved = stream_def if (mode == "w4a16" and stream_def) else tc_def
+            t_def = measure(mode, None, f"default = {_cfg_label(resolved)}")  # nvfp4_gemm's own dispatch
+            timed = [(t_def, resolved)] if t_def is not None else []
+            cands = p["cands"][mode]  # cands[0] is tc_def: measured here only if the dispatch took the stream kernel
+            for i_c, cfg in enumerate(cands):
+                if over_budget():
+                    print(f"  {tag} {mode}: budget {budget_s:.0f} s spent, {len(cands) - i_c} configs skipped", flush=True)
+                    break
+                if cfg == tc_def and (mode != "w4a16" or stream_def is None):
+                    continue
+                t = measure(mode, cfg)
+                if t is not None:
+                    timed.append((t, cfg))
+            p["timed"][mode], p["t_def"][mode] = timed, t_def
+        print(f"{tag}: stage 1 done, {time.perf_counter() - t_start:.0f} s", flush=True)
+    # stage 2 of every point (w4a16: split / stages / warps around the fastest two), compiled in parallel first
+    jobs = []
+    for p in points:
+        tried = {c for _, c in p["timed"]["w4a16"]} | set(p["cands"]["w4a16"])
+        p["stage2"] = []
+        for _, cfg in sorted(p["timed"]["w4a16"], key=lambda tc: tc[0])[:2]:
+            if isinstance(cfg, tg.GemmConfig):
+                p["stage2"] += [c2 for c2 in _mid_stage2(cfg, p["k"]) if c2 not in tried and c2 not in p["stage2"]]
+        jobs += [(p["name"], p["grouped"], p["n"], p["k"], p["m"], "w4a16", c) for c in p["stage2"]]
+    if not over_budget():
+        pool.submit(list(dict.fromkeys(jobs)))
+        out.append(pool.wait(max(20.0, budget_s - (time.perf_counter() - t_start))))
+        print(out[-1], flush=True)
+    summary = []
+    table: dict = {}
+    for p in points:
+        name, grouped, n, k, m, per, t_base = p["name"], p["grouped"], p["n"], p["k"], p["m"], p["per"], p["t_base"]
+        tc_def, stream_def, measure, timed = p["tc_def"], p["stream_def"], p["measure"], p["timed"]["w4a16"]
+        for cfg in p["stage2"] + [sc for sc in p["streams"] if sc not in {c for _, c in timed}]:
+            if over_budget():
+                print(f"  {name} M={m}: budget {budget_s:.0f} s spent, stage 2 / stream configs skipped", flush=True)
+                break
+            t = measure("w4a16", cfg)
+            if t is not None:
+                timed.append((t, cfg))
+        res = {}
+        for mode in ("w4a16", "naive"):
+            ts = p["timed"][mode]
+            best = min(ts, key=lambda tc: tc[0]) if ts else (float("nan"), None)
+            res[mode] = (p["t_def"][mode], best)
+            table[(grouped, per, n, k, mode)] = best[1]
+        (wd, (wb, wcfg)), (nd, (nb, ncfg)) = res["w4a16"], res["naive"]
+
+        def fmt(t):
+            return f"{t * 1e6:.1f}" if t is not None and t == t else "n/a"
+
+        summary.append([name, m, per, fmt(t_base), fmt(wd), _cfg_label(stream_def or tc_def), fmt(wb), _cfg_label(wcfg),
+                        f"{wd / wb:.2f}" if wd and wb == wb else "-", f"{t_base / wb:.2f}" if wb == wb else "-",
+                        fmt(nd), _cfg_label(tc_def), fmt(nb), _cfg_label(ncfg),
+                        f"{t_base / nb:.2f}" if nb == nb else "-"])
+        print(f"{name} M={m}: w4a16 default {fmt(wd)} us, best {fmt(wb)} us ({_cfg_label(wcfg)}); naive default "
+              f"{fmt(nd)} us, best {fmt(nb)} us ({_cfg_label(ncfg)}); bf16 {fmt(t_base)} us; "
+              f"{time.perf_counter() - t_start:.0f} s", flush=True)
+    out.append(print_table(
+        "--sweep-mid: every measurement (cold L2); check: within 1 bf16 ulp + fp32 summation bound of the torch "
+        "reference at every element", ["point", "kernel / config", "check", "us", "x bf16", "of copy BW",
+                                       "max err/max|ref|"], rows))
+    out.append(print_table(
+        "--sweep-mid summary (us, cold L2): default dispatch vs fastest correct config per point; x bf16 = BF16 time / "
+        "this time", ["gemm", "M", "rows/group", "bf16", "w4a16 default", "(its config)", "w4a16 best", "(config)",
+                      "default/best", "best x bf16", "naive default", "(its config)", "naive best", "(config)",
+                      "naive best x bf16"], summary))
+    snippet = ["MID_TABLE = {  # verl-quads bench rollout --sweep-mid, " + device_name()
+               + "; key (grouped, rows per group, N, K, mode)"]
+    for key, c in table.items():
+        snippet.append(f"    {key}: {c!r},")
+    snippet.append("}")
+    out.append("\n".join(snippet))
+    print("\n".join(snippet), flush=True)
+    out.append(f"wall time {time.perf_counter() - t_start:.0f} s")
+    print(out[-1], flush=True)
+    return "\n".join(out)
+
+
 def stream_sass_count(cfg, grouped: bool = False) -> tuple[int, float, dict]:
     """Offline (no GPU): compile ``_w4a16_stream_kernel`` for ``cfg`` for sm_90 with triton's bundled
     ptxas (bf16 activations, split-K partials, aligned sizes as the JIT specializes them), disassemble
@@ -766,8 +1333,18 @@ def main(argv: list[str] | None = None) -> None:
                    help="time every W4A16 weight-streaming kernel variant at decode M (default --m 1,4,16, shapes "
                         f"{DECODE_SHAPES}) with cold L2, check each against the torch reference, print the fastest "
                         "correct per shape and a paste-ready triton_gemm.DECODE_TABLE")
+    p.add_argument("--sweep-mid", action="store_true",
+                   help="issue #5, 16..256 rows: time a focused set of tensor-core GemmConfigs (swap, block_m/n/k, "
+                        "split_k, warps, stages; stage 2 around the fastest two) and, at M <= 64, stream-kernel "
+                        "variants, for w4a16 and naive, at default --m 256,16,64 for the MoE w13/w2 grouped GEMMs "
+                        f"and dense GEMMs (default shapes {MID_SHAPES}), cold L2, each checked against the torch "
+                        "reference; first a torch.profiler kernel table of the MoE layer at the largest M; prints "
+                        "default vs best per point and a paste-ready MID_TABLE. Use --budget-s.")
+    p.add_argument("--no-profile", action="store_true", help="--sweep-mid: skip the torch.profiler kernel table")
+    p.add_argument("--workers", type=int, default=8,
+                   help="--sweep-mid: processes that compile the candidate configs first (0: compile in the timed loop)")
     p.add_argument("--budget-s", type=float, default=1e9,
-                   help="--sweep-decode: wall seconds after which each remaining shape times only its baselines and "
+                   help="--sweep-decode / --sweep-mid: wall seconds after which each remaining shape times only its baselines and "
                         "first config (so a run under a time limit still prints its table)")
     p.add_argument("--focus", action="store_true",
                    help="--sweep-decode: short targeted sweep (<= 6 configs per GEMM: the current DECODE_TABLE entry, "
@@ -787,6 +1364,18 @@ def main(argv: list[str] | None = None) -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("verl-quads bench rollout needs a CUDA GPU (CPU numbers are not the point)")
+    if a.sweep_mid:
+        shapes = [s for s in (a.shapes if a.shapes != DEFAULT_SHAPES else MID_SHAPES).split(",") if s]
+        bad = [s for s in shapes if s not in ("moe", "d4096", "d8192", "qkv", "o_proj")]
+        if bad:
+            raise SystemExit(f"verl-quads bench rollout --sweep-mid: unknown shape(s) {bad}; allowed: moe (w13 and "
+                             "w2 grouped GEMMs), d4096, d8192, qkv, o_proj")
+        ms = [int(v) for v in (a.m if a.m != "1,4,16,64,256,1024,4096" else "256,16,64").split(",")]
+        text = run_sweep_mid(shapes, ms, a.budget_s, profile=not a.no_profile, workers=a.workers)
+        if a.out:
+            with open(a.out, "w") as f:
+                f.write(text + "\n")
+        return
     if a.sweep_decode:
         shapes = [s for s in (a.shapes if a.shapes != DEFAULT_SHAPES else DECODE_SHAPES).split(",") if s]
         bad = [s for s in shapes if s not in ("moe", "d4096", "d8192", "qkv", "o_proj")]
