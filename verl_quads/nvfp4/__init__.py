@@ -39,7 +39,9 @@ from verl_quads.nvfp4.layout import (
     unswizzle_block_scale,
 )
 from verl_quads.nvfp4.reference import global_scale_from_amax, per_row_global_scale, validate_input
-from verl_quads.nvfp4.residual import ResidualNVFP4, num_selected_blocks
+from verl_quads.nvfp4.residual import ChannelResidualNVFP4, ResidualNVFP4, num_selected_blocks, num_selected_channels
+from verl_quads.nvfp4.residual import GRANULARITIES as RESIDUAL_GRANULARITIES
+from verl_quads.nvfp4.residual import check_granularity as _check_granularity
 from verl_quads.nvfp4.residual import residual_quantize as _residual_quantize_ref
 from verl_quads.nvfp4.ste import fake_quantize_ste
 
@@ -116,6 +118,19 @@ def fake_quantize(
     return _ref.fake_quantize(x, _amax_to_global_scale(x, global_scale, amax), check_finite=check_finite)
 
 
+def _residual_use_triton(x: torch.Tensor, backend: str, granularity: str, per_token: bool) -> bool:
+    """Backend choice of the residual functions; ``granularity="channel"`` has no Triton kernel yet:
+    asking for it on the triton backend (or ``auto`` on a CUDA tensor) is an error, never the block rule."""
+    _check_granularity(granularity, per_token)
+    use = _use_triton(x, backend)
+    if use and granularity == "channel":
+        raise NotImplementedError(
+            f"NVFP4 residual granularity='channel' has no Triton kernel yet (backend={backend!r}"
+            f"{', CUDA tensor' if x.is_cuda else ''}); call it with backend='torch' (the reference)"
+        )
+    return use
+
+
 def residual_quantize(
     x: torch.Tensor,
     ratio: float,
@@ -123,22 +138,27 @@ def residual_quantize(
     *,
     per_token: bool = True,
     score_weight: torch.Tensor | None = None,
+    granularity: str = "block",
     backend: str = "auto",
     check_finite: bool = True,
-) -> ResidualNVFP4:
+) -> ResidualNVFP4 | ChannelResidualNVFP4:
     """QUADS residual compensation of a 2-D activation; see :mod:`.residual`.
 
     ``per_token``: select the compensated 16-blocks per row (default; batch-invariant) or per call.
     ``score_weight``: optional float32 ``[K]`` per-channel weight of the residual energy score
-    (e.g. the squared column norms of the layer's weight: output-aware selection)."""
-    if _use_triton(x, backend):
+    (e.g. the squared column norms of the layer's weight: output-aware selection).
+    ``granularity``: ``"block"`` (default: 16-channel blocks, a :class:`ResidualNVFP4`) or ``"channel"``
+    (single channels per token, second pass dense ``[M, K]``: a :class:`ChannelResidualNVFP4`; torch
+    backend only, ``triton`` / ``auto`` on CUDA raise NotImplementedError)."""
+    if _residual_use_triton(x, backend, granularity, per_token):
         from verl_quads.nvfp4 import triton_kernels
 
         return triton_kernels.residual_quantize(
             x, ratio, global_scale, per_token=per_token, score_weight=score_weight, check_finite=check_finite
         )
     return _residual_quantize_ref(
-        x, ratio, global_scale, per_token=per_token, score_weight=score_weight, check_finite=check_finite
+        x, ratio, global_scale, per_token=per_token, score_weight=score_weight, granularity=granularity,
+        check_finite=check_finite,
     )
 
 
@@ -149,18 +169,20 @@ def residual_fake_quantize(
     *,
     per_token: bool = True,
     score_weight: torch.Tensor | None = None,
+    granularity: str = "block",
     backend: str = "auto",
     check_finite: bool = True,
 ) -> torch.Tensor:
     """``Q(x) + Q(R_sel)`` in x's dtype; see :func:`residual_quantize` and :mod:`.residual`."""
-    if _use_triton(x, backend):
+    if _residual_use_triton(x, backend, granularity, per_token):
         from verl_quads.nvfp4 import triton_kernels
 
         return triton_kernels.residual_fake_quantize(
             x, ratio, global_scale, per_token=per_token, score_weight=score_weight, check_finite=check_finite
         )
     r = _residual_quantize_ref(
-        x, ratio, global_scale, per_token=per_token, score_weight=score_weight, check_finite=check_finite
+        x, ratio, global_scale, per_token=per_token, score_weight=score_weight, granularity=granularity,
+        check_finite=check_finite,
     )
     return r.dequantize(x.dtype)
 
@@ -192,6 +214,7 @@ def fake_quantize_guided(
 __all__ = [
     "BACKENDS",
     "BLOCK_SIZE",
+    "ChannelResidualNVFP4",
     "E2M1_VALUES",
     "E4M3_MAX",
     "FP4_MAX",
@@ -208,11 +231,13 @@ __all__ = [
     "from_modelopt",
     "global_scale_from_amax",
     "num_selected_blocks",
+    "num_selected_channels",
     "pack_bits",
     "pack_codes",
     "per_row_global_scale",
     "quantize",
     "quantize_guided",
+    "RESIDUAL_GRANULARITIES",
     "residual_fake_quantize",
     "residual_quantize",
     "swizzle_block_scale",

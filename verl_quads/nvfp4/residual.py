@@ -28,12 +28,39 @@ Per-call selection keeps the second pass a plain FP4 GEMM over gathered columns 
 the first as K' = K (1 + ratio)) but makes a token's activation depend on its batch mates (a
 trainer cannot reproduce it, and generation is not batch-invariant); per-token selection makes
 each token independent at the price of a per-row gathered second pass.
+
+``granularity="channel"`` (per token only; :func:`residual_quantize_channel`, torch reference only,
+docs/quads_selection.md), the rule over single channels instead of 16-blocks:
+
+- ``R = x - deq(Q(x))`` in float32 as above; score ``s[m, c] = R[m, c]**2`` (times
+  ``score_weight[c]`` when given), float32;
+- ``n_sel = round(ratio * K)`` channels per row, rounded half away from zero
+  (``floor(ratio * K + 0.5)``, :func:`num_selected_channels`); the ``n_sel`` highest scores of each
+  row are selected, ties (equal float32 scores, e.g. all-zero rows) to the lower channel index (a
+  stable descending sort); the selection is returned as int64 indices ``[M, n_sel]`` sorted
+  ascending (and as a bool mask ``[M, K]``, :attr:`ChannelResidualNVFP4.selected`);
+- ``R_sel`` = ``R`` with the unselected channels set to ``+0.0`` (dense ``[M, K]``, float32);
+- second pass ``Q(R_sel)`` over the ORIGINAL 16-blocks of K (dense ``[M, K]``), with its own global
+  scale from the amax of ``R_sel``: per row when the first pass's is per row (``[M, 1]``, the
+  rollout's convention), per tensor otherwise (as the block rule). A block with no selected channel
+  is all zeros: block scale 0, codes 0 (an all-zero row gets global scale 1.0, see
+  :func:`~verl_quads.nvfp4.global_scale_from_amax`), so it adds exactly 0;
+- compensated activation ``deq(Q(x)) + deq(Q(R_sel))`` summed in float32, cast once.
+
+At ``ratio = 1`` both rules select everything and give the same bytes. The channel rule's second
+pass is a dense ``[M, K]`` FP4 operand, as the block rule's is in the GEMMs that run it as a second
+``tl.dot`` over a dense operand (``residual_combine=fp4x2``) or sum the two QDQ operands
+(``residual_combine=bf16``): the same GEMM FLOPs at equal ratio. For a GEMM over a COMPACT second
+operand (``ratio * K`` columns) the equal-FLOP form regroups the selected channels into
+``ratio * K / 16`` new blocks; on synthetic activations that measured the same error as the dense
+form (relative GEMM output error / naive 0.256 vs 0.253 at k=0.5) but is not implemented here.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -44,6 +71,9 @@ from verl_quads.nvfp4.reference import (
     quantize,
     validate_input,
 )
+
+#: Residual selection granularities: 16-channel blocks (default) or single channels (per token only).
+GRANULARITIES = ("block", "channel")
 
 
 @dataclass(frozen=True)
@@ -63,6 +93,7 @@ class ResidualNVFP4:
     second: NVFP4Tensor
     block_idx: torch.Tensor
     ratio: float
+    granularity: ClassVar[str] = "block"
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``deq(first) + scatter(deq(second))`` in float32, cast to ``dtype`` (default x's)."""
@@ -77,6 +108,109 @@ class ResidualNVFP4:
             blocks.scatter_add_(1, idx.unsqueeze(-1).expand(-1, -1, BLOCK_SIZE), sec)
             out = blocks.flatten(-2)
         return out.to(dtype or self.first.dtype)
+
+
+@dataclass(frozen=True)
+class ChannelResidualNVFP4:
+    """Both passes of a ``granularity="channel"`` residual compensation of ``x`` ``[M, K]`` (module docstring).
+
+    Attributes:
+        first: ``Q(x)``, logical shape ``[M, K]``.
+        second: ``Q(R_sel)``, DENSE logical shape ``[M, K]`` in the original 16-blocks (unselected
+            channels are +0 in ``R_sel``), float32 source dtype; global scale ``[M, 1]`` when the
+            first pass's is per row, else per tensor.
+        channel_idx: int64 ``[M, n_sel]``, each row's selected channels sorted ascending.
+        ratio: the requested fraction of channels.
+    """
+
+    first: NVFP4Tensor
+    second: NVFP4Tensor
+    channel_idx: torch.Tensor
+    ratio: float
+    granularity: ClassVar[str] = "channel"
+
+    @property
+    def selected(self) -> torch.Tensor:
+        """Bool mask ``[M, K]`` of the selected channels (``channel_idx`` scattered)."""
+        m, k = self.first.shape
+        mask = torch.zeros((m, k), dtype=torch.bool, device=self.channel_idx.device)
+        return mask.scatter_(1, self.channel_idx, True)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``deq(first) + deq(second)`` summed in float32, cast once to ``dtype`` (default x's)."""
+        from verl_quads.nvfp4 import dequantize  # the backend dispatcher (triton for CUDA tensors)
+
+        out = dequantize(self.first, torch.float32) + dequantize(self.second, torch.float32)
+        return out.to(dtype or self.first.dtype)
+
+
+def check_granularity(granularity: str, per_token: bool) -> None:
+    """``granularity`` must be one of :data:`GRANULARITIES`; ``"channel"`` is per token only."""
+    if granularity not in GRANULARITIES:
+        raise ValueError(
+            f"residual granularity must be one of {GRANULARITIES} (block: 16-channel blocks; channel: single "
+            f"channels, per token), got {granularity!r}"
+        )
+    if granularity == "channel" and not per_token:
+        raise ValueError(
+            "residual granularity='channel' selects channels per token (row) only; per_token=False (one selection "
+            "per GEMM call) is defined for granularity='block' only"
+        )
+
+
+def num_selected_channels(k: int, ratio: float) -> int:
+    """``round(ratio * K)`` (half away from zero: ``floor(ratio * K + 0.5)``), channels compensated per row."""
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"residual ratio must be in [0, 1], got {ratio}")
+    return int(math.floor(ratio * k + 0.5))
+
+
+def select_channels(residual: torch.Tensor, n_sel: int, score_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Per row, the ``n_sel`` channels with the highest float32 score ``R**2`` (times ``score_weight``),
+    ties to the lower channel index; int64 ``[M, n_sel]`` sorted ascending."""
+    score = residual.to(torch.float32).square()
+    if score_weight is not None:
+        score = score * score_weight
+    order = torch.sort(score, dim=-1, descending=True, stable=True).indices
+    return torch.sort(order[..., :n_sel], dim=-1).values
+
+
+def _second_pass_scale(r_sel: torch.Tensor, first: NVFP4Tensor) -> torch.Tensor:
+    """Global scale of ``Q(R_sel)``: from R_sel's amax, per row if the first pass's scale is per row."""
+    m = r_sel.shape[0]
+    per_row = first.global_scale.dim() == 2 and first.global_scale.shape[0] == m and m > 1
+    if r_sel.numel() == 0:
+        amax = torch.zeros((m, 1) if per_row else (), dtype=torch.float32, device=r_sel.device)
+    else:
+        amax = r_sel.abs().amax(dim=-1, keepdim=True) if per_row else r_sel.abs().amax()
+    return global_scale_from_amax(amax)
+
+
+def residual_quantize_channel(
+    x: torch.Tensor,
+    ratio: float,
+    global_scale: torch.Tensor | float | None = None,
+    *,
+    score_weight: torch.Tensor | None = None,
+    check_finite: bool = True,
+) -> ChannelResidualNVFP4:
+    """``granularity="channel"`` residual compensation of a 2-D ``x`` ``[M, K]`` (module docstring)."""
+    validate_input(x, check_finite=check_finite)
+    if x.dim() != 2:
+        raise ValueError(f"residual_quantize: x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
+    m, k = x.shape
+    first = quantize(x, global_scale, check_finite=False)
+    residual = x.to(torch.float32) - dequantize_to_float32(first)
+    n_sel = num_selected_channels(k, ratio)
+    w = check_score_weight(score_weight, k, x.device, check_values=check_finite)
+    idx = select_channels(residual, n_sel, w)
+    if n_sel == k:
+        r_sel = residual
+    else:
+        mask = torch.zeros((m, k), dtype=torch.bool, device=x.device).scatter_(1, idx, True)
+        r_sel = torch.where(mask, residual, torch.zeros((), dtype=torch.float32, device=x.device))
+    second = quantize(r_sel, _second_pass_scale(r_sel, first), check_finite=False)
+    return ChannelResidualNVFP4(first, second, idx, ratio)
 
 
 def num_selected_blocks(k: int, ratio: float) -> int:
@@ -140,16 +274,21 @@ def residual_quantize(
     *,
     per_token: bool = True,
     score_weight: torch.Tensor | None = None,
+    granularity: str = "block",
     check_finite: bool = True,
-) -> ResidualNVFP4:
+) -> ResidualNVFP4 | ChannelResidualNVFP4:
     """Residual-compensated NVFP4 of a 2-D activation ``x`` ``[M, K]`` (float32/bf16/fp16).
 
     ``global_scale`` is the first pass's (as in :func:`~verl_quads.nvfp4.quantize`); the second
     pass's global scale comes from the amax of ``R_sel`` (per tensor; per row if ``global_scale``
-    is per row, i.e. shape ``[M, 1]``). ``per_token`` / ``score_weight``: the selection rule (see
-    the module docstring). Per-token selection is batch-invariant only with a per-row
+    is per row, i.e. shape ``[M, 1]``). ``per_token`` / ``score_weight`` / ``granularity``: the
+    selection rule (see the module docstring; ``"channel"`` returns a :class:`ChannelResidualNVFP4`,
+    per token only). Per-token selection is batch-invariant only with a per-row
     ``global_scale`` (a per-tensor one couples the rows through its amax).
     """
+    check_granularity(granularity, per_token)
+    if granularity == "channel":
+        return residual_quantize_channel(x, ratio, global_scale, score_weight=score_weight, check_finite=check_finite)
     validate_input(x, check_finite=check_finite)
     if x.dim() != 2:
         raise ValueError(f"residual_quantize: x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
@@ -163,12 +302,7 @@ def residual_quantize(
     r_sel = torch.gather(
         residual.unflatten(-1, (-1, BLOCK_SIZE)), 1, gather_idx.unsqueeze(-1).expand(-1, -1, BLOCK_SIZE)
     ).flatten(-2)
-    per_row = first.global_scale.dim() == 2 and first.global_scale.shape[0] == m and m > 1
-    if r_sel.numel() == 0:
-        amax = torch.zeros((m, 1) if per_row else (), dtype=torch.float32, device=x.device)
-    else:
-        amax = r_sel.abs().amax(dim=-1, keepdim=True) if per_row else r_sel.abs().amax()
-    second = quantize(r_sel, global_scale_from_amax(amax), check_finite=False)
+    second = quantize(r_sel, _second_pass_scale(r_sel, first), check_finite=False)
     return ResidualNVFP4(first, second, idx, ratio)
 
 
@@ -179,9 +313,11 @@ def residual_fake_quantize(
     *,
     per_token: bool = True,
     score_weight: torch.Tensor | None = None,
+    granularity: str = "block",
     check_finite: bool = True,
 ) -> torch.Tensor:
     """QDQ form ``Q(x) + Q(R_sel)`` of :func:`residual_quantize`, same shape and dtype as ``x``."""
     return residual_quantize(
-        x, ratio, global_scale, per_token=per_token, score_weight=score_weight, check_finite=check_finite
+        x, ratio, global_scale, per_token=per_token, score_weight=score_weight, granularity=granularity,
+        check_finite=check_finite,
     ).dequantize(x.dtype)
