@@ -29,6 +29,10 @@ Scale granularity (both sides must agree; decided here once):
   scale, it keeps a token's activation independent of its batch mates, so generation is
   batch-invariant. ``residual_per_token=False`` selects once per GEMM call (the sum of the
   scores over the call's rows; DESIGN.md §1's first definition), which is not batch-invariant.
+  ``residual_granularity="channel"`` (opt-in, per token only) selects single channels instead of 16-blocks:
+  the ``round(k * K)`` channels of the row with the largest squared residual, their residual quantized in
+  the original 16-blocks (dense second operand: the same GEMM cost as the block rule at equal k);
+  torch backend only for now (``triton`` / ``native`` refuse it; docs/quads_selection.md).
 - QUADS operand form on the emulated backends (``residual_combine``, opt-in): ``fp4x2`` (default) keeps
   ``Q(x)`` and ``Q(R_sel)`` as two FP4 GEMM operands combined in float32 (the arithmetic of an FP4
   tensor-core GEMM); ``bf16`` runs the W4A16 GEMM on the core's QDQ activation
@@ -47,6 +51,9 @@ TRAINER_MODES = ("none", "w4a16", "w4a4_qat", "trace")
 ROLLOUT_MODES = ("none", "w4a16", "naive", "quads", "trace")
 BACKENDS = ("auto", "torch", "triton", "native")
 RESIDUAL_COMBINES = ("fp4x2", "bf16")
+#: QUADS residual selection granularity (== verl_quads.nvfp4.RESIDUAL_GRANULARITIES; kept here so this module needs no torch).
+RESIDUAL_GRANULARITIES = ("block", "channel")
+WEIGHT_QDQS = ("per_forward", "per_version")
 
 _TRAINER_OF = {"none": "none", "naive": "none", "w4a16": "w4a16", "quads": "w4a16", "trace": "trace", "w4a4_qat": "w4a4_qat"}
 _ROLLOUT_OF = {"none": "none", "naive": "naive", "w4a16": "w4a16", "quads": "quads", "trace": "trace", "w4a4_qat": "naive"}
@@ -72,6 +79,10 @@ class QuantConfig:
         residual_ratio: QUADS fraction k of 16-channel blocks compensated, in [0, 1].
         residual_per_token: select the compensated residual blocks per token (default, batch-
             invariant) instead of once per GEMM call.
+        residual_granularity: QUADS selection unit, one of :data:`RESIDUAL_GRANULARITIES`: ``block``
+            (default: 16-channel blocks) or ``channel`` (opt-in: single channels per token, needs
+            ``residual_per_token=True``; the rollout's ``torch`` backend only, ``triton`` and ``native``
+            refuse it). Only read in the rollout's ``quads`` mode.
         guided_layers: TRACE: number of last decoder layers whose GEMM inputs are guided (> 0).
         trace_base_mode: trainer mode for the layers TRACE does not guide (``w4a16`` or ``w4a4_qat``).
         ignore: regex patterns of module names kept in BF16 (see :data:`DEFAULT_IGNORE`).
@@ -82,16 +93,23 @@ class QuantConfig:
             ``bf16`` (opt-in: the compensated activation rounded once to the activation dtype, then the
             W4A16 GEMM; see the module docstring). Only read in the rollout's ``quads`` mode; the
             ``native`` backend refuses ``bf16``.
+        weight_qdq: when the trainer fake-quantizes its weights, one of :data:`WEIGHT_QDQS`:
+            ``per_forward`` (default: every QAT module QDQs its unsharded weight in every forward) or
+            ``per_version`` (opt-in, FSDP2 only: each rank QDQs its weight shard once per weight version and
+            FSDP2 all-gathers the QDQ'd shards; same values bit for bit; see :mod:`verl_quads.qat.fsdp_qdq`).
+            Trainer-only; the rollout ignores it.
     """
 
     quant: str = "none"
     residual_ratio: float = 0.5
     residual_per_token: bool = True
+    residual_granularity: str = "block"
     guided_layers: int = 20
     trace_base_mode: str = "w4a16"
     ignore: tuple[str, ...] = DEFAULT_IGNORE
     backend: str = "auto"
     residual_combine: str = "fp4x2"
+    weight_qdq: str = "per_forward"
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_MODES:
@@ -101,6 +119,17 @@ class QuantConfig:
         if not (isinstance(self.residual_ratio, (int, float)) and 0.0 <= float(self.residual_ratio) <= 1.0):
             raise ValueError(
                 f"actor_rollout_ref.actor.quant_config.residual_ratio={self.residual_ratio!r}: must be a number in [0, 1]"
+            )
+        if self.residual_granularity not in RESIDUAL_GRANULARITIES:
+            raise ValueError(
+                f"actor_rollout_ref.actor.quant_config.residual_granularity={self.residual_granularity!r}: allowed: "
+                f"{', '.join(RESIDUAL_GRANULARITIES)} (block: 16-channel blocks, the default; channel: single channels "
+                "per token)"
+            )
+        if self.residual_granularity == "channel" and not self.residual_per_token:
+            raise ValueError(
+                "actor_rollout_ref.actor.quant_config.residual_granularity='channel' selects channels per token: it "
+                "needs residual_per_token=true (per-call selection is defined for residual_granularity='block' only)"
             )
         if not isinstance(self.guided_layers, int) or self.guided_layers < 1:
             raise ValueError(
@@ -119,6 +148,12 @@ class QuantConfig:
                 f"actor_rollout_ref.actor.quant_config.residual_combine={self.residual_combine!r}: allowed: "
                 f"{', '.join(RESIDUAL_COMBINES)} (fp4x2: two FP4 operands combined in float32, the default; bf16: the "
                 "compensated activation rounded once to the activation dtype, then the W4A16 GEMM)"
+            )
+        if self.weight_qdq not in WEIGHT_QDQS:
+            raise ValueError(
+                f"actor_rollout_ref.actor.quant_config.weight_qdq={self.weight_qdq!r}: allowed: {', '.join(WEIGHT_QDQS)} "
+                "(per_forward: QDQ the unsharded weight in every forward; per_version: QDQ each FSDP2 shard once per "
+                "weight version, before the all-gather)"
             )
         object.__setattr__(self, "ignore", tuple(self.ignore))
         for pat in self.ignore:
@@ -160,5 +195,5 @@ class QuantConfig:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
 
 
-__all__ = ["QUANT_MODES", "TRAINER_MODES", "ROLLOUT_MODES", "BACKENDS", "RESIDUAL_COMBINES", "DEFAULT_IGNORE",
-           "QuantConfig"]
+__all__ = ["QUANT_MODES", "TRAINER_MODES", "ROLLOUT_MODES", "BACKENDS", "RESIDUAL_COMBINES", "RESIDUAL_GRANULARITIES", "WEIGHT_QDQS",
+           "DEFAULT_IGNORE", "QuantConfig"]

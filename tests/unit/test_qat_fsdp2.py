@@ -10,6 +10,13 @@ refused. The reference is computed in the pytest process without FSDP:
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` makes the QDQ see bf16 parameters and
 turns the bf16 gradients into fp32 ones; both ranks feed the same tokens, so the gradient average
 over 2 ranks is exact ((g + g) / 2 == g) and must equal the plain model's bf16 gradient in fp32.
+
+``quant_config.weight_qdq=per_version`` (verl_quads/qat/fsdp_qdq.py: each rank QDQs its shard once per
+weight version, FSDP2 all-gathers the QDQ'd shards) runs in the same spawn: forward, gradients, the forward
+after an AdamW step and after a hand edit of a master weight must equal the per-forward path bit for bit
+(which QDQs the freshly gathered weight in every forward: the fresh reference), state_dict and optimizer
+state are stock, a NaN weight is named, a weight changed between forward and backward is refused; also
+uneven shards (3 experts on 2 ranks), q_proj in its own FSDP group, and a world-size-1 FSDP mesh.
 """
 
 from __future__ import annotations
@@ -33,15 +40,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _sharded_model(family: str, quant: str, granularity: str, mesh):
+def _uneven_moe():
+    """A 1-layer Qwen3-MoE with 3 experts: on 2 ranks the expert stacks shard as 2 + 1 (+ 1 padding row)."""
+    import transformers as tf
+
+    cfg = tf.Qwen3MoeConfig(vocab_size=96, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                            num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False, head_dim=32,
+                            intermediate_size=64, moe_intermediate_size=32, num_experts=3, num_experts_per_tok=2,
+                            decoder_sparse_step=1, norm_topk_prob=True)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tf.Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.05 + (1.0 if p.dim() == 1 else 0.0))
+    return model
+
+
+def _sharded_model(family: str, quant: str, granularity: str, mesh, weight_qdq: str = "per_forward"):
     from qat_models import tiny_model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from verl_quads.qat import apply_qat
 
     torch.manual_seed(0)
-    model = tiny_model(family, dtype=torch.float32)
-    apply_qat(model, QuantConfig(quant=quant))
+    model = _uneven_moe() if family == "qwen3_moe_3experts" else tiny_model(family, dtype=torch.float32)
+    apply_qat(model, QuantConfig(quant=quant, weight_qdq=weight_qdq))
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if granularity == "per_linear":
         for layer in model.model.layers:
@@ -49,7 +73,92 @@ def _sharded_model(family: str, quant: str, granularity: str, mesh):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    if weight_qdq == "per_version":
+        from verl_quads.qat import fsdp_qdq
+
+        fsdp_qdq.install(model)
     return model
+
+
+#: A weight of layer 0 edited by hand (in place, no_grad) in the per-version sequence.
+_HAND_EDITED = {"qwen3_moe": "model.layers.0.mlp.experts.gate_up_proj", "qwen3": "model.layers.0.mlp.up_proj.weight"}
+
+
+def _forward_backward(model, ids) -> dict:
+    logits = model(input_ids=ids).logits
+    logits.float().logsumexp(-1).sum().backward()
+    return {"logits": logits.detach().float(),
+            "grads": {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}}
+
+
+def _sequence(model, ids, hand_edited: str) -> dict:
+    """forward/backward, AdamW step, forward, hand edit of one master weight, forward; then what
+    state_dict / optimizer state / torch.save see (float32 logits; metadata as tuples)."""
+    import io
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = _forward_backward(model, ids)
+    opt.step()
+    opt.zero_grad()
+    out["after_step"] = model(input_ids=ids).logits.detach().float()
+    with torch.no_grad():
+        dict(model.named_parameters())[hand_edited].mul_(1.5)
+    out["after_edit"] = model(input_ids=ids).logits.detach().float()
+    model._verl_quads_qat.verify()
+    out["state_dict"] = {k: (tuple(v.shape), v.dtype, type(v).__name__) for k, v in model.state_dict().items()}
+    out["optim"] = [(k, tuple(v.shape), v.dtype) for st in opt.state_dict()["state"].values()
+                    for k, v in sorted(st.items()) if torch.is_tensor(v)]
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)  # the checkpoint manager's way: must pickle as stock
+    out["saved_bytes"] = buf.tell()
+    return out
+
+
+def _per_version_cases(rank: int, world: int, mesh, ids) -> dict:
+    """Every per-version case on this rank (see the module docstring)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    res = {}
+    for family, quant in CASES:
+        pf = _sequence(_sharded_model(family, quant, "per_layer", mesh), ids, _HAND_EDITED[family])
+        model = _sharded_model(family, quant, "per_layer", mesh, "per_version")
+        pv = _sequence(model, ids, _HAND_EDITED[family])
+        pv["refreshes"] = model._verl_quads_qat.fsdp_qdq.refreshes
+        # a NaN in the second expert of rank 1's shard (global expert 3 of 4); every rank bumps the version
+        # (SPMD), the check must name the weight and the global expert on every rank
+        if family == "qwen3_moe":
+            w = dict(model.named_parameters())["model.layers.1.mlp.experts.down_proj"]
+            with torch.no_grad():
+                w.mul_(1.0)
+                if rank == 1:
+                    w._local_tensor[1, 0, 0] = float("nan")
+            model(input_ids=ids)
+            try:
+                model._verl_quads_qat.verify()
+                pv["nan_error"] = None
+            except ValueError as e:
+                pv["nan_error"] = str(e)
+        # changed between forward and backward: the backward's re-gather must refuse (last use of the model)
+        logits = model(input_ids=ids).logits
+        with torch.no_grad():
+            dict(model.named_parameters())[_HAND_EDITED[family]].mul_(2.0)
+        try:
+            logits.float().sum().backward()
+            pv["stale_error"] = None
+        except RuntimeError as e:
+            pv["stale_error"] = str(e)
+        res[(family, quant)] = {"per_forward": pf, "per_version": pv}
+    # uneven shards; q_proj in its own FSDP group (per_version takes group amaxes from the all-reduce,
+    # so it needs no fused group inside one FSDP unit); an FSDP mesh of one rank (torch's no-collective path)
+    res["uneven"] = (_forward_backward(_sharded_model("qwen3_moe_3experts", "quads", "per_layer", mesh), ids),
+                     _forward_backward(_sharded_model("qwen3_moe_3experts", "quads", "per_layer", mesh, "per_version"), ids))
+    res["per_linear"] = _forward_backward(_sharded_model(*CASES[0], "per_linear", mesh, "per_version"), ids)
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in order
+    mesh1 = DeviceMesh.from_group(groups[rank], "cpu")
+    res["world1"] = (_forward_backward(_sharded_model(*CASES[1], "per_layer", mesh1), ids),
+                     _forward_backward(_sharded_model(*CASES[1], "per_layer", mesh1, "per_version"), ids))
+    return res
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str):
@@ -86,6 +195,12 @@ def _worker(rank: int, world: int, port: int, out_dir: str):
             res["refusal"] = {"logits": model(input_ids=ids).logits.detach().float()}
         except RuntimeError as e:
             res["refusal"] = {"error": str(e)}
+        try:
+            res["per_version"] = _per_version_cases(rank, world, mesh, ids)
+        except Exception:  # noqa: BLE001 - reported by the per-version tests (the other cases still count)
+            import traceback
+
+            res["per_version"] = {"error": traceback.format_exc()}
         torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
@@ -138,3 +253,59 @@ def test_fsdp2_sharding_below_the_fused_group_is_refused(two_ranks):
         assert "error" in r, f"rank {rank}: per-projection fully_shard ran without the refusal"
         assert "sharded DTensor" in r["error"], (rank, r["error"])
         assert "self_attn.q_proj.weight" in r["error"] or "self_attn.k_proj.weight" in r["error"], r["error"]
+
+
+def _per_version(two_ranks, rank):
+    pv = two_ranks[rank]["per_version"]
+    assert "error" not in pv, f"rank {rank}: per-version cases failed:\n{pv['error']}"
+    return pv
+
+
+def _assert_same(a: dict, b: dict, what: str):
+    assert torch.equal(a["logits"], b["logits"]), f"{what}: logits differ"
+    assert a["grads"].keys() == b["grads"].keys(), what
+    for k in a["grads"]:
+        assert a["grads"][k].dtype == b["grads"][k].dtype, (what, k)
+        assert torch.equal(a["grads"][k], b["grads"][k]), f"{what}: gradient of {k} differs"
+
+
+@pytest.mark.parametrize("family,quant", CASES)
+def test_fsdp2_per_version_weight_qdq_equals_per_forward(two_ranks, family, quant):
+    logits, grads = _plain_qat_reference(family, quant)
+    for rank in range(2):
+        r = _per_version(two_ranks, rank)[(family, quant)]
+        pf, pv = r["per_forward"], r["per_version"]
+        # first forward/backward: == plain unsharded QAT (in-process reference) and == per_forward
+        _assert_same(pv, {"logits": logits, "grads": {k: g.float() for k, g in grads.items()}}, f"rank {rank} vs plain")
+        _assert_same(pv, pf, f"rank {rank} per_version vs per_forward")
+        # after the optimizer step and after a hand edit, the next forward uses the new weights: equal to the
+        # path that QDQs the freshly gathered weight in that forward; and the weights did change
+        for key in ("after_step", "after_edit"):
+            assert torch.equal(pv[key], pf[key]), f"rank {rank}: {key} logits differ from per_forward"
+        assert not torch.equal(pv["after_step"], pv["logits"]) and not torch.equal(pv["after_edit"], pv["after_step"])
+        assert pv["refreshes"] == 3, pv["refreshes"]  # install + after step + after edit; none in between
+        # parameters, optimizer state and checkpoints are stock
+        assert pv["state_dict"] == pf["state_dict"], rank
+        assert pv["optim"] == pf["optim"] and pv["optim"], rank
+        assert pv["saved_bytes"] == pf["saved_bytes"], rank
+        assert pv["stale_error"] is not None, f"rank {rank}: a weight changed after the forward was gathered in backward"
+        assert "refusing to all-gather stale weights" in pv["stale_error"], pv["stale_error"]
+        assert _HAND_EDITED[family] in pv["stale_error"], pv["stale_error"]
+
+
+def test_fsdp2_per_version_names_nan_weight_and_global_expert(two_ranks):
+    for rank in range(2):
+        err = _per_version(two_ranks, rank)[CASES[0]]["per_version"]["nan_error"]
+        assert err is not None, f"rank {rank}: NaN weight not reported"
+        assert "NaN/Inf weights at forward time in model.layers.1.mlp.experts.down_proj (experts [3])" in err, err
+
+
+def test_fsdp2_per_version_uneven_shards_own_group_and_one_rank(two_ranks):
+    logits, grads = _plain_qat_reference(*CASES[0])
+    plain = {"logits": logits, "grads": {k: g.float() for k, g in grads.items()}}
+    for rank in range(2):
+        pv = _per_version(two_ranks, rank)
+        _assert_same(pv["uneven"][1], pv["uneven"][0], f"rank {rank}: 3 experts on 2 ranks")
+        # per_forward refuses q_proj in its own FSDP group (test above); per_version serves it exactly
+        _assert_same(pv["per_linear"], plain, f"rank {rank}: q_proj in its own FSDP group")
+        _assert_same(pv["world1"][1], pv["world1"][0], f"rank {rank}: FSDP mesh of one rank")

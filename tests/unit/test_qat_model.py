@@ -262,3 +262,37 @@ def test_weight_abs_max_is_abs_amax_bit_for_bit(dtype):
         assert got.dtype == want.dtype and got.shape == want.shape
         assert torch.equal(got.float().nan_to_num(-1.0), want.float().nan_to_num(-1.0)), dims
     assert torch.isnan(abs_max(w, dim=(1, 2))[2])
+
+
+def test_weight_qdq_option_is_validated_and_per_version_needs_fsdp2():
+    """``quant_config.weight_qdq``: allowed values in the error; ``per_version`` without an installed FSDP2 cache
+    refuses to run a forward (it would multiply with the plain BF16 weight) and install() refuses a model
+    that is not FSDP2-wrapped. (Equality with per_forward under fully_shard: tests/unit/test_qat_fsdp2.py.)"""
+    from verl_quads.qat import fsdp_qdq
+
+    with pytest.raises(ValueError, match=r"weight_qdq='per_step': allowed: per_forward, per_version"):
+        QuantConfig(quant="quads", weight_qdq="per_step")
+    assert QuantConfig.from_mapping("quads", {"weight_qdq": "per_version"}).weight_qdq == "per_version"
+    assert QuantConfig(quant="quads").weight_qdq == "per_forward"
+    for family in ("qwen3_moe", "qwen3"):
+        model = tiny_model(family)
+        apply_qat(model, QuantConfig(quant="quads", weight_qdq="per_version"))
+        with pytest.raises(RuntimeError, match=r"weight_qdq=per_version but no FSDP2 per-version weight QDQ is installed"):
+            model(input_ids=tokens())
+        with pytest.raises(ValueError, match=r"needs the root module wrapped by FSDP2 \(fully_shard\)"):
+            fsdp_qdq.install(model)
+    model = tiny_model("qwen3")
+    apply_qat(model, QuantConfig(quant="quads"))
+    with pytest.raises(ValueError, match=r"install\(\) is for quant_config.weight_qdq=per_version"):
+        fsdp_qdq.install(model)
+
+
+def test_fsdp2_qdq_patch_guard():
+    """The FSDP2 all-gather patch (per_version) names the torch releases it was read against and still finds
+    the private symbols it wraps in the installed torch."""
+    from verl_quads.patches import PatchVersionError
+    from verl_quads.patches import fsdp2_qdq_all_gather as patch
+
+    patch.check_upstream()
+    with pytest.raises(PatchVersionError, match=r"written for torch 2.11.0, 2.13.0; found 2.14.0"):
+        patch.apply(torch_version="2.14.0")

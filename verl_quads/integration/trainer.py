@@ -91,10 +91,18 @@ def make_engine_class(stock: type) -> type:
                 n_lin = sum(1 for v in state.modules.values() if v[0] == "linear")
                 n_exp = sum(1 for v in state.modules.values() if v[0] == "experts")
                 logger.warning(
-                    "verl-quads: QAT %s (trainer mode %s) on %d linear and %d fused-expert modules",
-                    qc.quant, qc.trainer_mode, n_lin, n_exp,
+                    "verl-quads: QAT %s (trainer mode %s, weight_qdq %s) on %d linear and %d fused-expert modules",
+                    qc.quant, qc.trainer_mode, qc.weight_qdq, n_lin, n_exp,
                 )
-            return super()._build_fsdp_module(module)
+            module = super()._build_fsdp_module(module)
+            if qc is not None and qc.trainer_mode != "none" and not self.engine_config.forward_only \
+                    and qc.weight_qdq == "per_version":
+                # QDQ each FSDP2 shard once per weight version, before the all-gather (verl_quads/qat/fsdp_qdq.py);
+                # the weights were loaded into the shards by verl inside _build_fsdp_module
+                from verl_quads.qat import fsdp_qdq
+
+                fsdp_qdq.install(module)
+            return module
 
         # ---- TRACE (issue 6): the rollout's guidance records drive the guided layers of each micro-batch
         def _verl_quads_trace_state(self):

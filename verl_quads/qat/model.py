@@ -5,7 +5,10 @@ uses NVFP4-QDQ weights (and, in W4A4 modes, QDQ GEMM inputs). Parameters, their 
 ``state_dict`` and the optimizer are unchanged, so FSDP2 (``fully_shard``, which swaps classes the
 same way and composes with ours in either order), optimizers and checkpoints see the stock model.
 The QDQ runs inside ``forward``, after FSDP2's pre-forward all-gather, so it sees the full
-unsharded weight.
+unsharded weight. With ``QuantConfig.weight_qdq == "per_version"`` the weight QDQ leaves the forward:
+FSDP2 gathers shards that :mod:`verl_quads.qat.fsdp_qdq` QDQ'd once per weight version (same values bit
+for bit), the modules use their weights as they are (activation QDQ unchanged), and a forward without
+that installed cache raises (:meth:`QATState.weights_pre_quantized`).
 
 Quantized modules (everything else is untouched):
 
@@ -71,6 +74,9 @@ class QATState:
     #: TRACE experts: ``grouped`` (grouped GEMMs, one guided call over all (token, slot) rows) or
     #: ``loop`` (the per-expert loop of :meth:`_QATExperts._a4_forward`; a reference for tests).
     expert_path: str = "grouped"
+    #: ``weight_qdq=per_version``: the installed :class:`verl_quads.qat.fsdp_qdq.ShardQDQ` (FSDP2 all-gathers
+    #: QDQ'd shards; the modules' forwards then use their weights as they are). None until installed.
+    fsdp_qdq: object | None = None
     #: fully-qualified name -> (kind, gemm, layer, act) of every quantized module.
     modules: dict[str, tuple[str, str, int | None, str]] = field(default_factory=dict)
     original_classes: dict[str, type] = field(default_factory=dict)
@@ -119,6 +125,20 @@ class QATState:
                 f"verl-quads QAT: NaN/Inf weights at forward time in {', '.join(bad)}; only finite weights can be "
                 "quantized (the master weights diverged or a checkpoint is corrupt)"
             )
+
+    def weights_pre_quantized(self, name: str) -> bool:
+        """True when the module's weight already IS its QDQ (``weight_qdq=per_version``, FSDP2 gathers QDQ'd
+        shards); False for ``per_forward`` (the forward QDQs it). Raises if ``per_version`` has no installed
+        cache: the weight would be the plain BF16 weight (never a silent fallback)."""
+        if self.config.weight_qdq != "per_version":
+            return False
+        if self.fsdp_qdq is None:
+            raise RuntimeError(
+                f"verl-quads QAT: {name}: quant_config.weight_qdq=per_version but no FSDP2 per-version weight QDQ "
+                "is installed: call verl_quads.qat.fsdp_qdq.install(model) on the root module after fully_shard "
+                "(verl-quads' verl engine does), or use weight_qdq=per_forward (the only choice without FSDP2)"
+            )
+        return True
 
     def require_trace(self, name: str) -> TraceBatch:
         if self.trace is None:
@@ -257,7 +277,7 @@ class _QATLinear:
         return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        w = self._qat_weight()
+        w = self.weight if self._qat_state.weights_pre_quantized(self._qat_name) else self._qat_weight()
         if self._qat_act != "none":
             x = self._qat_input(x)
         return F.linear(x, w, self.bias)
@@ -303,7 +323,12 @@ class _QATExperts:
         return impl in _APPLY_GATE_IMPLS and getattr(self, "has_gate", False) and hasattr(self, "_apply_gate")
 
     def forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):  # type: ignore[override]
-        qw = self._qdq_weights()
+        if self._qat_state.weights_pre_quantized(self._qat_name):
+            if self._qat_act == "none":  # the weights are the QDQ weights: the model's own forward
+                return super().forward(hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+            qw = {p: getattr(self, p) for p in self._qat_params}
+        else:
+            qw = self._qdq_weights()
         if self._qat_act == "none":
             return self._stock_forward(qw, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
         if self._qat_act == "rtn" and self._gate_hook_supported():
@@ -628,6 +653,8 @@ def remove_qat(model: nn.Module) -> None:
     state = getattr(model, "_verl_quads_qat", None)
     if state is None:
         return
+    if state.fsdp_qdq is not None:
+        state.fsdp_qdq.remove()
     for name, cls in state.original_classes.items():
         mod = model.get_submodule(name)
         base = type(mod)
