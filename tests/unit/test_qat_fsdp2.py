@@ -309,3 +309,26 @@ def test_fsdp2_per_version_uneven_shards_own_group_and_one_rank(two_ranks):
         # per_forward refuses q_proj in its own FSDP group (test above); per_version serves it exactly
         _assert_same(pv["per_linear"], plain, f"rank {rank}: q_proj in its own FSDP group")
         _assert_same(pv["world1"][1], pv["world1"][0], f"rank {rank}: FSDP mesh of one rank")
+
+
+def test_bench_qat_fsdp_per_version_runs_tiny():
+    """``bench qat --fsdp`` (1-rank gloo group made and destroyed by the bench, in this process): the device
+    check of per_version against per_forward passes and per_version refreshes once per timed unit (one weight
+    version: warm-up 1 + 1 timed = 2 units), not once per micro-batch."""
+    import torch.distributed as dist
+
+    from verl_quads.bench import qat
+
+    was_initialized = dist.is_initialized()
+    report = qat.main(["--fsdp", "--tokens", "16", "--hidden", "64", "--heads", "2", "--kv-heads", "1", "--head-dim",
+                       "32", "--experts", "4", "--top-k", "2", "--moe-inter", "32", "--iters", "1", "--warmup", "1",
+                       "--backend", "torch", "--modes", "bf16", "w4a16", "--micro-batches", "3"])
+    assert dist.is_initialized() == was_initialized  # the bench's own group is gone again
+    import re
+
+    assert re.search(r"w4a16: per_version output, input gradient and \d+ weight gradients bit-identical to "
+                     r"per_forward: True", report), report
+    rows = {tuple(c.strip() for c in line.split("|")[:3]): [c.strip() for c in line.split("|")]
+            for line in report.splitlines() if line.count("|") == 6}
+    assert rows[("w4a16", "per_version", "3")][5] == "2", rows  # refreshes: one per unit of 3 micro-batches
+    assert rows[("w4a16", "per_forward", "3")][5] == "0" and ("bf16", "-", "3") in rows, rows

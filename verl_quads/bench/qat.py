@@ -47,6 +47,20 @@ Host-side facts per mode (same flag; they tell whether a mode is launch- or sync
   If ``host ms`` is close to ``ms`` while ``busy ms`` is well below it, the mode is launch-bound.
 - ``launch overhead``: host microseconds per call of a torch op, of the weight path's global-scale ops
   and of one NVFP4 QDQ call, on a tiny tensor (what a launch costs on this host).
+
+``--fsdp``: the layer under FSDP2 instead (``fully_shard`` on the decoder layer and on a root module, fp32
+master weights, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` as verl sets it, so every
+forward AND backward all-gathers), on a process group of ONE rank made here (NCCL on CUDA, gloo on CPU;
+a file store in a temporary directory; destroyed at the end). Each mode runs with every ``--weight-qdq``
+(``per_forward``: QDQ of the unsharded weight in every forward; ``per_version``: verl_quads/qat/fsdp_qdq.py,
+QDQ of the shard once per weight version, before the all-gather). One timed unit = one weight version:
+the version counter of every master parameter is bumped (``torch.autograd.graph.increment_version``: no
+device work, the same in every row, standing in for ``optimizer.step``, whose own cost is not timed), then
+``G`` forward+backward micro-batches (``--micro-batches``, several values allowed). Reported per micro-batch
+(unit time / G) and as a ratio to the FSDP-wrapped BF16 layer at the same G: ``per_version`` pays its
+refresh (amax + QDQ of the shard, on one rank: no all-reduce) once per unit, so its ratio at G > 1 is the
+refresh amortized over G micro-batches, stated as such in the output. Before timing, ``per_version`` is
+checked against ``per_forward`` on the device (output and input gradient, ``torch.equal``, printed).
 """
 
 from __future__ import annotations
@@ -436,6 +450,180 @@ def kernel_classes_ms(step) -> dict[str, float]:
     return out
 
 
+class _Root(nn.Module):
+    """The FSDP root of the ``--fsdp`` bench: ``layers[0]`` under a module with a forward (FSDP2's and
+    verl-quads' root pre-forward hooks run on it)."""
+
+    def __init__(self, config, layers: nn.ModuleList):
+        super().__init__()
+        self.config = config
+        self.layers = layers
+
+    def forward(self, x, position_embeddings):
+        return self.layers[0](x, attention_mask=None, position_embeddings=position_embeddings)
+
+
+def _one_rank_group(device: str):
+    """Initialise a 1-rank process group (file store in a temp dir) unless one exists. Returns a cleanup."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_world_size() != 1:
+            raise RuntimeError("verl-quads bench qat --fsdp: runs on one rank; a larger process group is initialised")
+        return lambda: None
+    tmp = tempfile.mkdtemp(prefix="vq_bench_qat_")
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{os.path.join(tmp, 'store')}",
+                            rank=0, world_size=1)
+
+    def cleanup():
+        dist.destroy_process_group()
+
+    return cleanup
+
+
+def run_fsdp(a: argparse.Namespace) -> str:
+    """The ``--fsdp`` variant (see the module docstring)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from verl_quads.qat import InMemoryGuidanceStore, TraceBatch, apply_qat, fsdp_qdq, trace_context
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    cleanup = _one_rank_group(device)
+    try:
+        mesh = init_device_mesh(device, (1,))
+        base, rope, cfg = build_layer(a, device, torch.float32)  # fp32 master weights, as verl keeps them
+        g = torch.Generator(device=device).manual_seed(1)
+        x0 = torch.randn(1, a.tokens, a.hidden, device=device, dtype=torch.bfloat16, generator=g)
+        pos = torch.arange(a.tokens, device=device).unsqueeze(0)
+        pe = tuple(t.to(torch.bfloat16) for t in rope(x0, pos))
+        dy = torch.randn(1, a.tokens, a.hidden, device=device, dtype=torch.bfloat16, generator=g) * 1e-2
+        lines = [f"device: {device_name()}",
+                 f"layer: hidden {a.hidden}, heads {a.heads}/{a.kv_heads}x{a.head_dim}, experts {a.experts} "
+                 f"top-{a.top_k}, expert inter {a.moe_inter}, tokens {a.tokens} per micro-batch, attention "
+                 f"{cfg._attn_implementation}, experts impl {cfg._experts_implementation}, NVFP4 backend {a.backend}",
+                 "FSDP2 (fully_shard on the layer and a root; fp32 master, bf16 param_dtype, fp32 reduce_dtype) on a "
+                 "process group of 1 rank: every forward and backward all-gathers (a copy on one rank; no all-reduce "
+                 "in the per_version refresh)",
+                 "one timed unit = one weight version (version bump standing in for optimizer.step, not timed) + G "
+                 "forward+backward micro-batches; ms = unit time / G; per_version's refresh (amax + shard QDQ) is "
+                 "paid once per unit, i.e. amortized over G micro-batches"]
+        print("\n".join(lines), flush=True)
+
+        def make(mode: str, weight_qdq: str):
+            root = _Root(cfg, copy.deepcopy(base.layers))
+            state = None
+            if mode != "bf16":
+                qc = QuantConfig(quant=_QUANT_OF[mode], guided_layers=1, backend=a.backend, weight_qdq=weight_qdq)
+                state = apply_qat(root, qc)
+            mpp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            fully_shard(root.layers[0], mesh=mesh, mp_policy=mpp)
+            fully_shard(root, mesh=mesh, mp_policy=mpp)
+            if mode != "bf16" and weight_qdq == "per_version":
+                fsdp_qdq.install(root)
+            ctx = None
+            if mode == "trace":
+                store = InMemoryGuidanceStore()
+                tb = TraceBatch.padded(store, 0, ["seq0"], torch.ones(1, a.tokens, dtype=torch.long))
+                tb.record_into = store
+                with torch.no_grad(), trace_context(root, tb):
+                    root(x0, pe)
+                ctx = TraceBatch.padded(store, 0, ["seq0"], torch.ones(1, a.tokens, dtype=torch.long))
+            return root, state, ctx
+
+        def fwd_bwd(root, state, ctx, x):
+            if ctx is not None:
+                state.trace = ctx
+            try:
+                y = root(x, pe)
+                y.backward(dy)
+            finally:
+                if ctx is not None:
+                    state.trace = None
+            return y
+
+        # per_version == per_forward on this device (the FSDP patch and the shard QDQ, bit for bit)
+        def check(mode: str) -> str:
+            outs = {}
+            for wq in ("per_forward", "per_version"):
+                root, state, ctx = make(mode, wq)
+                x = x0.detach().clone().requires_grad_(True)
+                y = fwd_bwd(root, state, ctx, x)
+                outs[wq] = [y.detach(), x.grad.detach()] + [p.grad.to_local() for p in root.parameters()]
+                del root, state, ctx
+            same = len(outs["per_forward"]) == len(outs["per_version"]) and all(
+                torch.equal(u, v) for u, v in zip(outs["per_forward"], outs["per_version"]))
+            return (f"{mode}: per_version output, input gradient and {len(outs['per_version']) - 2} weight "
+                    f"gradients bit-identical to per_forward: {same}")
+
+        def time_variant(mode: str, wq: str) -> list[list]:
+            out = []
+            root, state, ctx = make(mode, "per_forward" if wq == "-" else wq)
+            params = list(root.parameters())
+            x = x0.detach().clone().requires_grad_(True)
+            qdq = fsdp_qdq.installed(root) if state is not None else None
+            for n_micro in a.micro_batches:
+                def unit(n_micro=n_micro):
+                    for p in params:
+                        torch.autograd.graph.increment_version(p)  # a new weight version, no device work
+                        p.grad = None
+                    for _ in range(n_micro):
+                        x.grad = None
+                        fwd_bwd(root, state, ctx, x)
+
+                r0 = qdq.refreshes if qdq is not None else 0
+                t = median_time_s(unit, warmup=a.warmup, iters=a.iters, inner=1) / n_micro
+                refreshes = (qdq.refreshes - r0) if qdq is not None else 0
+                if mode == "bf16":
+                    base_ms[n_micro] = t
+                peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+                out.append([mode, wq, n_micro, t * 1e3, t / base_ms.get(n_micro, float("nan")), refreshes, peak])
+                print(f"{mode} {wq} G={n_micro}: {t * 1e3:.2f} ms per micro-batch ({refreshes} refreshes)", flush=True)
+            if ctx is not None:
+                ctx.verify()
+            if state is not None:
+                state.verify()
+            return out
+
+        def failed(what: str, e: Exception) -> str:
+            import traceback
+
+            traceback.print_exc()
+            return f"{what}: FAILED {type(e).__name__}: {e}"
+
+        checks = []
+        if set(a.weight_qdq) == {"per_forward", "per_version"}:
+            for mode in [m for m in a.modes if m != "bf16"]:
+                try:
+                    checks.append(check(mode))
+                except Exception as e:  # noqa: BLE001 - reported in the output; the other rows still run
+                    checks.append(failed(f"{mode}: per_version vs per_forward check", e))
+                print(checks[-1], flush=True)
+
+        rows = []
+        base_ms: dict[int, float] = {}
+        variants = [("bf16", "-")] + [(m, wq) for m in a.modes if m != "bf16" for wq in a.weight_qdq]
+        for mode, wq in variants:
+            try:
+                rows += time_variant(mode, wq)
+            except Exception as e:  # noqa: BLE001 - reported as a row; the other variants still run
+                checks.append(failed(f"{mode} {wq}", e))
+                rows.append([mode, wq, "-", float("nan"), float("nan"), "FAILED", float("nan")])
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+        table = print_table(
+            "one MoE decoder layer under FSDP2 (1 rank), per micro-batch (unit of G micro-batches / G; per_version "
+            "refreshes once per unit = per weight version)",
+            ["mode", "weight_qdq", "G", "ms", "x bf16 (same G)", "refreshes", "peak GiB"], rows)
+        return "\n".join(lines + checks + [table])
+    finally:
+        cleanup()
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="verl-quads bench qat", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096)
@@ -455,7 +643,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                    help="skip the per-mode breakdown (weight QDQ alone; kernel classes on CUDA)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="run the layer under FSDP2 on a 1-rank process group (see the module docstring)")
+    p.add_argument("--weight-qdq", nargs="+", default=["per_forward", "per_version"],
+                   choices=("per_forward", "per_version"), help="--fsdp: weight QDQ schedules to time")
+    p.add_argument("--micro-batches", nargs="+", type=int, default=[1, 4],
+                   help="--fsdp: forward+backward micro-batches per weight version (G)")
     a = p.parse_args(argv)
+    if any(g < 1 for g in a.micro_batches):
+        p.error("--micro-batches: each G must be >= 1")
     if a.modes[0] != "bf16":
         a.modes = ["bf16"] + [m for m in a.modes if m != "bf16"]  # ratios need the baseline first
     return a
@@ -463,7 +659,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> str:
     """Run and return the report (the table is printed as it is made)."""
-    return run(parse(argv))
+    a = parse(argv)
+    return run_fsdp(a) if a.fsdp else run(a)
 
 
 if __name__ == "__main__":

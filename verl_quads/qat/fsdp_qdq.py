@@ -200,7 +200,11 @@ class ShardQDQ:
                 else:
                     amax = qbuf[e.slot + e.local_start : e.slot + e.local_start + w.shape[0]].view(-1, 1, 1).to(w.dtype)
                 x = w.transpose(-1, -2) if e.transposed else w
-                x.copy_(fake_quantize(x, amax=amax, backend=self.backend, check_finite=state.check_finite))
+                q = fake_quantize(x, amax=amax, backend=self.backend, check_finite=state.check_finite)
+                if not e.transposed and q.numel() == e.cache.numel() and q.is_contiguous():
+                    e.cache = q.view(-1)  # an unpadded shard: the QDQ output is the whole cache (no copy back)
+                else:
+                    x.copy_(q)
             e.made_from, e.version = objs, version
         for st in self._states[:1]:
             # FSDP's root pre-forward makes the copy-in stream wait for the current stream (our writes)
