@@ -49,6 +49,10 @@ def test_args_from_dict_env_and_default(monkeypatch):
         ({"quant": "quads", "residual_ratio": 1.5}, "residual_ratio"),
         ({"quant": "quads", "residual_combine": "fp16"},
          r"actor_rollout_ref\.actor\.quant_config\.residual_combine='fp16': allowed: fp4x2, bf16"),
+        ({"quant": "quads", "residual_granularity": "row"},
+         r"actor_rollout_ref\.actor\.quant_config\.residual_granularity='row': allowed: block, channel"),
+        ({"quant": "quads", "residual_granularity": "channel", "residual_per_token": False},
+         r"residual_granularity='channel' selects channels per token: it needs residual_per_token=true"),
     ],
 )
 def test_bad_args_fail_clearly(args, match):
@@ -77,6 +81,82 @@ def test_native_refuses_quads_bf16_combine_mocked_blackwell(monkeypatch):
         QuadsNVFP4Config.from_config({"quant": "quads", "residual_combine": "bf16"})
     assert QuadsNVFP4Config.from_config({"quant": "quads"}).backend == "native"
     assert QuadsNVFP4Config.from_config({"quant": "naive", "residual_combine": "bf16"}).backend == "native"
+
+
+def test_residual_granularity_reaches_each_layers_activation_quant(monkeypatch):
+    """quant_config.residual_granularity: default block; channel is handed to every layer's ActQuant (torch backend)."""
+    assert QuadsNVFP4Config.from_config({"quant": "quads"}).activation_quant("model.layers.0.mlp.down_proj")[0] \
+        .residual_granularity == "block"
+    cfg = QuadsNVFP4Config.from_config({"quant": "quads", "residual_granularity": "channel", "residual_ratio": 0.25})
+    assert cfg.backend == "torch"
+    act, idx, gemm = cfg.activation_quant("model.layers.1.self_attn.qkv_proj")
+    assert (act.mode, act.residual_granularity, act.residual_ratio, idx) == ("quads", "channel", 0.25, 1)
+    monkeypatch.setenv(ENV_VAR, json.dumps({"quant": "quads", "residual_granularity": "channel"}))
+    assert QuadsNVFP4Config().quant_config.residual_granularity == "channel"
+
+
+@pytest.mark.parametrize("backend", ["triton", "native"])
+def test_gpu_backends_refuse_channel_granularity_mocked_gpu(monkeypatch, backend):
+    """Mocked: the backend resolves to triton / native as it would on a Hopper / Blackwell GPU (none here).
+    residual_granularity='channel' has only the torch backend: refused naming the key (never the block rule);
+    block, and channel outside quads, are accepted."""
+    from verl_quads.rollout import quant_config as qc_mod
+
+    monkeypatch.setattr(qc_mod, "resolve_backend", lambda requested: backend)
+    with pytest.raises(NotImplementedError,
+                       match=rf"quant_config\.residual_granularity='channel' runs on the 'torch' backend only.*'{backend}'"):
+        QuadsNVFP4Config.from_config({"quant": "quads", "residual_granularity": "channel"})
+    assert QuadsNVFP4Config.from_config({"quant": "quads"}).backend == backend
+    assert QuadsNVFP4Config.from_config({"quant": "naive", "residual_granularity": "channel"}).backend == backend
+
+
+def _channel_linear_layer():
+    from verl_quads.rollout.emulation import ActQuant
+    from verl_quads.rollout.linear import QuadsNVFP4LinearMethod
+
+    layer = torch.nn.Module()
+    m = QuadsNVFP4LinearMethod(ActQuant("naive"))
+    m.create_weights(layer, 64, [48], 64, 48, torch.bfloat16, weight_loader=lambda *a: None)
+    layer.weight.data.copy_(torch.randn(48, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 0.05)
+    m.process_weights_after_loading(layer)
+    return layer
+
+
+def test_linear_and_moe_methods_channel_granularity_torch_backend_and_refusals():
+    """The torch backend computes the NVFP4 core's channel-rule operand (checked against the core's functions,
+    composed here); the triton / native methods refuse channel at construction (no kernel yet)."""
+    import types
+
+    from verl_quads.rollout import emulation as em
+    from verl_quads.rollout.emulation import ActQuant
+    from verl_quads.rollout.linear import QuadsNVFP4LinearMethod
+    from verl_quads.rollout.moe import QuadsNVFP4MoEMethod
+
+    chan = ActQuant("quads", 0.25, True, residual_granularity="channel")
+    layer = _channel_linear_layer()
+    x = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    x[..., 3] *= 30  # an outlier channel
+    y = QuadsNVFP4LinearMethod(chan, "torch").apply(layer, x, None)
+    x2 = x.reshape(-1, 64)
+    op = nvfp4.residual_quantize(x2, 0.25, nvfp4.per_row_global_scale(x2), granularity="channel", backend="torch")
+    assert op.channel_idx.shape == (10, 16)
+    w = em.weight_f32(layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
+    want = (op.dequantize(torch.float32) @ w.t()).to(torch.bfloat16).reshape(2, 5, 48)
+    assert torch.equal(y, want)
+    y_blk = QuadsNVFP4LinearMethod(ActQuant("quads", 0.25, True), "torch").apply(layer, x, None)
+    assert not torch.equal(y, y_blk)
+    ref = x.float() @ w.t()
+    assert (y.float() - ref).norm() < (y_blk.float() - ref).norm()  # this input: the channel rule is closer
+    with pytest.raises(ValueError, match="per token only"):
+        ActQuant("quads", 0.5, False, residual_granularity="channel")
+    with pytest.raises(ValueError, match=r"residual_granularity.*must be one of \('block', 'channel'\), got 'row'"):
+        ActQuant("quads", residual_granularity="row")
+    for backend in ("triton", "native"):
+        with pytest.raises(NotImplementedError, match=rf"linear: residual_granularity='channel'.*'torch' backend.*'{backend}'"):
+            QuadsNVFP4LinearMethod(chan, backend)
+        with pytest.raises(NotImplementedError, match=rf"MoE: residual_granularity='channel'.*'torch' backend.*'{backend}'"):
+            QuadsNVFP4MoEMethod(types.SimpleNamespace(has_bias=False, activation=None), chan, backend)
+    QuadsNVFP4LinearMethod(ActQuant("naive", residual_granularity="channel"), "triton")  # read in quads only
 
 
 def test_bad_env_json_fails_clearly(monkeypatch):

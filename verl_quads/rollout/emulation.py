@@ -23,6 +23,10 @@ reads both FP4 operands and combines them in float32); ``bf16``:
 :func:`verl_quads.nvfp4.residual_fake_quantize` (the same sum in float32, rounded ONCE to the activation
 dtype: relative <= 2**-8 per element for bf16, 2**-11 for fp16, none for float32), upcast to float32
 (exact), i.e. the operand of the ``w4a16`` GEMM that the ``triton`` backend then runs.
+
+QUADS selection unit (``ActQuant.residual_granularity``): ``block`` (default, 16-channel blocks) or
+``channel`` (single channels per token, :mod:`verl_quads.nvfp4.residual`); ``channel`` has no Triton
+kernel yet, so it needs ``backend="torch"`` for CUDA tensors (``auto`` raises NotImplementedError there).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from verl_quads import nvfp4
-from verl_quads.config import RESIDUAL_COMBINES
+from verl_quads.config import RESIDUAL_COMBINES, RESIDUAL_GRANULARITIES
 from verl_quads.nvfp4 import GuidanceRecord, NVFP4Tensor
 
 W4A4_MODES = ("naive", "quads", "trace")
@@ -53,6 +57,7 @@ class ActQuant:
             plugin's torch backend) or ``auto`` (Triton for CUDA tensors; the kernels are bit-exact
             with the torch reference, so only speed changes: used by the HF emulator on GPUs).
         residual_combine: ``quads`` only: ``fp4x2`` (default) or ``bf16`` (module docstring).
+        residual_granularity: ``quads`` only: ``block`` (default) or ``channel`` (per token only; module docstring).
     """
 
     mode: str
@@ -61,6 +66,7 @@ class ActQuant:
     capture: bool = False
     backend: str = "torch"
     residual_combine: str = "fp4x2"
+    residual_granularity: str = "block"
 
     def __post_init__(self) -> None:
         if self.mode not in RUNTIME_MODES:
@@ -72,6 +78,13 @@ class ActQuant:
                 f"ActQuant.residual_combine (quant_config.residual_combine) must be one of {RESIDUAL_COMBINES}, "
                 f"got {self.residual_combine!r}"
             )
+        if self.residual_granularity not in RESIDUAL_GRANULARITIES:
+            raise ValueError(
+                f"ActQuant.residual_granularity (quant_config.residual_granularity) must be one of "
+                f"{RESIDUAL_GRANULARITIES}, got {self.residual_granularity!r}"
+            )
+        if self.residual_granularity == "channel" and not self.residual_per_token:
+            raise ValueError("ActQuant.residual_granularity='channel' is per token only (residual_per_token=True)")
 
 
 #: One encode scale per token (row), float32 ``[M, 1]``: the core's definition, shared with the trainer.
@@ -93,12 +106,14 @@ def quantize_activation(x: torch.Tensor, q: ActQuant) -> tuple[torch.Tensor, Gui
     gs = per_token_global_scale(x)
     if q.mode == "quads" and q.residual_combine == "bf16":
         xq = nvfp4.residual_fake_quantize(
-            x, q.residual_ratio, gs, per_token=q.residual_per_token, backend=q.backend, check_finite=False
+            x, q.residual_ratio, gs, per_token=q.residual_per_token, granularity=q.residual_granularity,
+            backend=q.backend, check_finite=False,
         )
         return xq.to(torch.float32), None
     if q.mode == "quads":
         r = nvfp4.residual_quantize(
-            x, q.residual_ratio, gs, per_token=q.residual_per_token, backend=q.backend, check_finite=False
+            x, q.residual_ratio, gs, per_token=q.residual_per_token, granularity=q.residual_granularity,
+            backend=q.backend, check_finite=False,
         )
         return r.dequantize(torch.float32), None
     xq = nvfp4.quantize(x, gs, backend=q.backend, check_finite=False)
@@ -145,6 +160,7 @@ __all__ = [
     "W4A4_MODES",
     "RUNTIME_MODES",
     "RESIDUAL_COMBINES",
+    "RESIDUAL_GRANULARITIES",
     "ActQuant",
     "per_token_global_scale",
     "quantize_activation",

@@ -93,6 +93,11 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
                 "(torch, triton); backend 'native' runs vLLM's FP4 GEMM on the two FP4 operands (allowed there: "
                 "'fp4x2')"
             )
+        if act.mode == "quads" and act.residual_granularity != "block" and backend != "torch":
+            raise NotImplementedError(
+                f"quads_nvfp4 linear: residual_granularity={act.residual_granularity!r} runs on the 'torch' backend "
+                f"only for now (no {backend!r} kernel yet); use quant_config.backend='torch' or residual_granularity='block'"
+            )
         if backend == "native" and act.mode == "w4a16":
             from verl_quads.rollout import native
 

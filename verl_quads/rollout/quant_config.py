@@ -7,7 +7,7 @@ How to turn it on (vLLM alone; verl's glue will pass ``actor.quant`` the same wa
    ``hf_config.quantization_config`` (which ``hf_overrides`` sets) and calls
    :meth:`QuadsNVFP4Config.from_config` with it. The keys besides ``quant_method`` are
    :class:`verl_quads.config.QuantConfig`'s fields (``quant``, ``residual_ratio``,
-   ``residual_per_token``, ``residual_combine``, ``guided_layers``, ``ignore``, ``backend``, ...). The dict travels
+   ``residual_per_token``, ``residual_combine``, ``residual_granularity``, ``guided_layers``, ``ignore``, ``backend``, ...). The dict travels
    with the model config to every worker process. ``quantization=`` may then be omitted.
 2. ``LLM(model, quantization="quads_nvfp4")`` with no quantization config: vLLM builds the config
    with no arguments (``get_config_filenames() == []``); it then reads the JSON object in the
@@ -213,6 +213,12 @@ class QuadsNVFP4Config(QuantizationConfig):
                 "backend (Blackwell FP4 GEMM) keeps the two FP4 operands: allowed there 'fp4x2' (or set "
                 "quant_config.backend='triton')"
             )
+        if self.mode == "quads" and quant_config.residual_granularity != "block" and self.backend != "torch":
+            raise NotImplementedError(
+                f"quads_nvfp4: actor_rollout_ref.actor.quant_config.residual_granularity="
+                f"{quant_config.residual_granularity!r} runs on the 'torch' backend only for now (no {self.backend!r} "
+                "kernel yet); set actor_rollout_ref.actor.quant_config.backend='torch' or residual_granularity='block'"
+            )
         self.checkpoint_ignore = None if checkpoint_ignore is None else list(checkpoint_ignore)
         self._guided_from: int | None = None
         logger.info("verl-quads: quads_nvfp4 mode=%s backend=%s config=%s checkpoint=%s", self.mode, self.backend,
@@ -298,7 +304,7 @@ class QuadsNVFP4Config(QuantizationConfig):
         if capture:
             self._enable_capture()
         act = ActQuant(self.mode, cfg.residual_ratio, cfg.residual_per_token, capture,
-                       residual_combine=cfg.residual_combine)
+                       residual_combine=cfg.residual_combine, residual_granularity=cfg.residual_granularity)
         return act, layer_idx, gemm
 
     def _enable_capture(self) -> None:
