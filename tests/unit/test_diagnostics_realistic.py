@@ -27,7 +27,7 @@ def test_realistic_toy(tmp_path):
 def _run_toy(tmp_path, main, AutoTokenizer):
     rep = main(["--toy", "--seconds", "1", "--modes", "bf16,naive", "--guided-sweep", "1,2",
                 "--rule-ratios", "0.5", "--bos", "--weight-decay-on", "matrices",
-                "--extra-modes", "quads@0.5", "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt")])
+                "--extra-modes", "quads@0.5", "--channel-ratios", "0.5", "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt")])
     data = json.loads((tmp_path / "realistic.json").read_text())
     prov = data["provenance"]
     assert data["training"]["steps"] >= 1 and prov["n_files"] > 0 and prov["train_tokens"] > 1000
@@ -37,13 +37,16 @@ def _run_toy(tmp_path, main, AutoTokenizer):
     tok = AutoTokenizer.from_pretrained(tmp_path / "ckpt")
     assert tok("def f(x):").input_ids[0] == tok.convert_tokens_to_ids("<|bos|>") != tok.eos_token_id
     assert set(data["selection_rules"]["mean"]) == {"naive", "per_call@0.5", "per_token@0.5", "per_call_outaware@0.5",
-                                                   "per_token_outaware@0.5"}
+                                                   "per_token_outaware@0.5", "per_token_channel@0.5"}
     assert set(data["outliers_init"]) == set(data["outliers_trained"]) == {
         f"layer{i}.{k}" for i in range(2) for k in ("attn_in", "mlp_in")}
     for v in data["outliers_trained"].values():
         assert v["kurtosis"] > 0 and v["max_over_median"] >= 1.0
     pm = data["probe"]["per_mode"]
-    assert set(pm) == {"bf16", "naive"} and all(pm[m]["total"]["logp_gap_p99"]["n"] == 3 for m in pm)
+    # --channel-ratios 0.5 appends the channel rule's mode to the main probe (with its decomposition)
+    assert list(pm) == ["bf16", "naive", "quads@0.5:channel"] and all(pm[m]["total"]["logp_gap_p99"]["n"] == 3 for m in pm)
+    assert "activations_only" in pm["quads@0.5:channel"]["decomposition"]
+    assert any("quads@0.5:channel" in n and "torch reference" in n for n in data["probe"]["notes"])
     assert "hf" in data["probe"]["engine"]
     sweep = data["trace_sweep"]
     assert [sweep[k]["guided_layers"] for k in sorted(sweep)] == [1, 2]

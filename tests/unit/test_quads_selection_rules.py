@@ -18,6 +18,48 @@ def test_probe_mode_selects_per_token_by_default_and_per_call_on_request():
         parse_mode("quads@0.5:row")
 
 
+def test_probe_mode_channel_rule_and_its_emulator_backend():
+    """quads@R:channel: per-token channel granularity; the HF emulator quantizes it with the torch reference
+    (no Triton kernel for the channel rule), every other mode keeps the auto backend."""
+    from verl_quads.diagnostics.hf_rollout import RolloutSpec
+    from verl_quads.diagnostics.probe import parse_mode
+
+    ch = parse_mode("quads@0.25:channel")
+    assert ch.name == "quads@0.25:channel" and ch.cfg.residual_granularity == "channel"
+    assert ch.cfg.residual_per_token is True and ch.cfg.residual_ratio == 0.25
+    assert parse_mode("quads@0.25").cfg.residual_granularity == "block"
+    spec = RolloutSpec.for_rollout_mode(ch.cfg)
+    assert spec.residual_granularity == "channel" and spec.act_backend == "torch"
+    assert RolloutSpec.for_rollout_mode(parse_mode("quads@0.25").cfg).act_backend == "auto"
+    assert RolloutSpec.for_rollout_mode(parse_mode("naive").cfg).act_backend == "auto"
+    with pytest.raises(ValueError, match="per token only"):
+        RolloutSpec(True, "quads", 0.5, False, residual_granularity="channel")
+
+
+def test_emulator_channel_mode_uses_the_cores_channel_rule():
+    """A quads@0.5:channel emulated GEMM input == the NVFP4 core's channel-rule QDQ (torch reference), and differs
+    from the block rule's (tiny random Qwen3-MoE, one forward)."""
+    from verl_quads.diagnostics.hf_rollout import RolloutEmulator, RolloutSpec
+    from verl_quads.diagnostics.realistic import build_model
+    import verl_quads.nvfp4 as nv
+
+    model = build_model(vocab=64, layers=1, hidden=64, heads=2, kv_heads=1, experts=4, top_k=2, inter=32, seed=0).eval()
+    ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
+    seen = {}
+    h = model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda m, a: seen.setdefault("x", a[0].detach()))
+    with torch.no_grad():
+        model(input_ids=ids)
+    h.remove()
+    x = seen["x"].reshape(-1, 64)
+    ops = {}
+    for gran in ("block", "channel"):
+        emu = RolloutEmulator(model, RolloutSpec(False, "quads", 0.5, True, residual_granularity=gran))
+        ops[gran] = emu._quant_act(x, 0, "self_attn.o_proj")
+    want = nv.residual_fake_quantize(x, 0.5, nv.per_row_global_scale(x), granularity="channel", backend="torch")
+    assert torch.equal(ops["channel"], want.float())
+    assert not torch.equal(ops["channel"], ops["block"])
+
+
 def test_selection_rule_errors_on_a_tiny_moe():
     from verl_quads.diagnostics.realistic import SELECTION_RULES, build_model, selection_rule_errors
 

@@ -40,6 +40,9 @@ ACT_MODES = ("none", "naive", "quads", "trace")
 #: Activation quantization backend: Triton kernels on CUDA tensors (bit-exact with the torch reference,
 #: only faster: the emulation issues thousands of small GEMM calls per decode step), torch on CPU.
 _BACKEND = "auto"
+#: QUADS ``residual_granularity="channel"`` has no Triton kernel yet: its activations always use the torch
+#: reference (also on CUDA tensors; the probe says so in its notes). Same bytes, slower.
+_CHANNEL_BACKEND = "torch"
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,8 @@ class RolloutSpec:
         weights: NVFP4 weights (else the checkpoint's BF16 weights, upcast exactly).
         act: activation handling: ``none`` (BF16), ``naive`` (RTN NVFP4), ``quads`` (NVFP4 +
             residual compensation), ``trace`` (naive + guidance capture in the guided layers).
-        residual_ratio / residual_per_token: QUADS options.
+        residual_ratio / residual_per_token / residual_granularity: QUADS options (``channel``
+            granularity: activations by the torch reference on every device, see :data:`_CHANNEL_BACKEND`).
         guided_layers: trace: the last N decoder layers capture guidance.
     """
 
@@ -59,10 +63,19 @@ class RolloutSpec:
     residual_ratio: float = 0.5
     residual_per_token: bool = True
     guided_layers: int = 20
+    residual_granularity: str = "block"
 
     def __post_init__(self) -> None:
         if self.act not in ACT_MODES:
             raise ValueError(f"RolloutSpec.act must be one of {ACT_MODES}, got {self.act!r}")
+        if self.act == "quads":  # the same checks as the rollout's (names the key and the allowed values)
+            ActQuant("quads", self.residual_ratio, self.residual_per_token,
+                     residual_granularity=self.residual_granularity)
+
+    @property
+    def act_backend(self) -> str:
+        """NVFP4 core backend of the activation quantization: ``torch`` for the channel rule, else ``auto``."""
+        return _CHANNEL_BACKEND if self.act == "quads" and self.residual_granularity == "channel" else _BACKEND
 
     @property
     def is_bf16(self) -> bool:
@@ -75,7 +88,8 @@ class RolloutSpec:
         if mode == "none":
             return cls(False, "none")
         act = "none" if mode == "w4a16" else mode
-        return cls(True, act, cfg.residual_ratio, cfg.residual_per_token, cfg.guided_layers)
+        return cls(True, act, cfg.residual_ratio, cfg.residual_per_token, cfg.guided_layers,
+                   residual_granularity=cfg.residual_granularity)
 
 
 class _Recorder:
@@ -179,7 +193,8 @@ class RolloutEmulator:
             "naive" if self.spec.act == "trace" else self.spec.act,
             self.spec.residual_ratio,
             self.spec.residual_per_token,
-            backend=_BACKEND,
+            backend=self.spec.act_backend,
+            residual_granularity=self.spec.residual_granularity,
         )
         guided = self._guided(layer)
         if guided:

@@ -63,7 +63,8 @@ class Mode:
 
 def parse_mode(text: str, *, guided_layers: int = 20) -> Mode:
     """``bf16``/``none``, ``naive``, ``w4a16``, ``w4a4_qat``, ``trace``, ``quads`` or ``quads@<ratio>``,
-    optionally ``quads@<ratio>:call`` (per-call residual selection) / ``:token`` (per token, the default)."""
+    optionally ``quads@<ratio>:call`` (per-call residual selection) / ``:token`` (per token, the default) /
+    ``:channel`` (per token, single channels instead of 16-blocks: ``residual_granularity="channel"``)."""
     t = text.strip()
     if t in ("bf16", "none"):
         return Mode("bf16", QuantConfig("none"))
@@ -71,20 +72,22 @@ def parse_mode(text: str, *, guided_layers: int = 20) -> Mode:
         ratio, sel = 0.5, "token"
         if ":" in t:  # quads@R:call selects the residual blocks once per GEMM call (default: per token)
             t, sel = t.split(":", 1)
-            if sel not in ("token", "call"):
-                raise ValueError(f"probe: bad QUADS selection in {text!r} (want quads@0.5:token or quads@0.5:call)")
+            if sel not in ("token", "call", "channel"):
+                raise ValueError(f"probe: bad QUADS selection in {text!r} (want quads@0.5:token, quads@0.5:call or "
+                                 "quads@0.5:channel)")
         if "@" in t:
             try:
                 ratio = float(t.split("@", 1)[1])
             except ValueError as e:
                 raise ValueError(f"probe: bad QUADS ratio in {text!r} (want quads@0.5)") from e
-        name = f"quads@{ratio:g}" + (":call" if sel == "call" else "")
-        return Mode(name, QuantConfig("quads", residual_ratio=ratio, residual_per_token=sel == "token"))
+        name = f"quads@{ratio:g}" + (f":{sel}" if sel != "token" else "")
+        return Mode(name, QuantConfig("quads", residual_ratio=ratio, residual_per_token=sel != "call",
+                                      residual_granularity="channel" if sel == "channel" else "block"))
     if t == "trace":
         return Mode("trace", QuantConfig("trace", guided_layers=guided_layers))
     if t in ("naive", "w4a16", "w4a4_qat"):
         return Mode(t, QuantConfig(t))
-    raise ValueError(f"probe: unknown mode {text!r}; allowed: bf16, naive, w4a16, w4a4_qat, quads[@ratio][:call|:token], trace")
+    raise ValueError(f"probe: unknown mode {text!r}; allowed: bf16, naive, w4a16, w4a4_qat, quads[@ratio][:call|:token|:channel], trace")
 
 
 @dataclass
@@ -480,6 +483,11 @@ def run_probe(
         res.notes.append("vLLM is not installed (or engine=hf): the rollout is verl-quads' own rollout arithmetic "
                          "(verl_quads.diagnostics.hf_rollout) over a Hugging Face model, KV-cached decoding with eager "
                          "attention; the trainer uses SDPA attention and one full-sequence forward.")
+    chan = [m.name for m in mode_objs if m.cfg.rollout_mode == "quads" and m.cfg.residual_granularity == "channel"]
+    if chan:
+        res.notes.append(f"{', '.join(chan)}: QUADS channel-granularity activations are computed by the NVFP4 core's "
+                         "torch reference on every device (no Triton kernel for that rule yet; same bytes, slower)"
+                         + ("; the other modes use the Triton kernels" if str(device).startswith("cuda") else ""))
     n_steps = len(mode_objs) * len(seeds)
     bar = _progress(n_steps, "probe")
     floor_runs = None
@@ -525,12 +533,13 @@ def run_probe(
 def _decompose(model, mode: Mode, r: Rollout, tr: Scored, device, decomp_runs: dict, layer_runs: list) -> None:
     rspec = RolloutSpec.for_rollout_mode(mode.cfg)
     tw, ta = _trainer_mode_spec(mode.cfg)
-    ratio, per_tok = mode.cfg.residual_ratio, mode.cfg.residual_per_token
+    ratio, per_tok, gran = mode.cfg.residual_ratio, mode.cfg.residual_per_token, mode.cfg.residual_granularity
+    r_act = rspec.act if rspec.act != "trace" else "naive"
     variants = {
-        "neither": RolloutSpec(tw, ta, ratio, per_tok),
-        "weights_only": RolloutSpec(rspec.weights, ta, ratio, per_tok),
-        "activations_only": RolloutSpec(tw, rspec.act if rspec.act != "trace" else "naive", ratio, per_tok),
-        "both": RolloutSpec(rspec.weights, rspec.act if rspec.act != "trace" else "naive", ratio, per_tok),
+        "neither": RolloutSpec(tw, ta, ratio, per_tok, residual_granularity=gran),
+        "weights_only": RolloutSpec(rspec.weights, ta, ratio, per_tok, residual_granularity=gran),
+        "activations_only": RolloutSpec(tw, r_act, ratio, per_tok, residual_granularity=gran),
+        "both": RolloutSpec(rspec.weights, r_act, ratio, per_tok, residual_granularity=gran),
     }
     for name, spec in variants.items():
         sc = score_emulated(model, spec, mode.cfg, r, device=device)
@@ -643,7 +652,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="verl-quads probe", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="HF checkpoint directory (default: build the tiny random Qwen3-MoE with outlier channels)")
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma list: bf16,naive,w4a16,w4a4_qat,quads@R,trace")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma list: bf16,naive,w4a16,w4a4_qat,quads@R[:call|:channel],trace")
     p.add_argument("--prompts", help="file with one prompt per line (default: built-in set)")
     p.add_argument("--seeds", type=int, default=3, help="number of sampled batches (>= 3)")
     p.add_argument("--max-new-tokens", type=int, default=16)

@@ -23,9 +23,12 @@ the probe's rollout is then verl-quads' own rollout arithmetic over the HF model
    the guidance cache size each costs;
 6. (``--rule-ratios``) compares QUADS residual selection rules on the trained model's GEMM inputs:
    per-call vs per-token selection, residual energy vs output-aware score (energy weighted by the
-   weight's squared column norms), as relative GEMM output error (:func:`selection_rule_errors`).
+   weight's squared column norms), and per-token 16-blocks vs per-token single channels
+   (``residual_granularity="channel"``), as relative GEMM output error (:func:`selection_rule_errors`).
    End to end, ``--modes ...,quads@0.5,quads@0.5:call`` compares per-token and per-call selection
-   in the probe's log-prob gaps.
+   in the probe's log-prob gaps, and ``--channel-ratios 0.125,0.25,0.5`` adds ``quads@R:channel``
+   modes (the channel rule; its activations run on the torch reference also on CUDA, the probe's
+   notes say so).
 
 Prints tables and the per-phase seconds; writes ``realistic.json`` (rewritten after every phase) (+ the probe's ``probe.json``/``probe.txt``/``probe.png``) in
 ``--out``. ``--toy`` shrinks everything for a CPU smoke test.
@@ -242,9 +245,10 @@ def train(model, ids: torch.Tensor, *, seconds: float, seq: int, batch: int, lr:
             "loss_last": sum(losses[-k:]) / k, "tokens": step * batch * seq, **res}
 
 
-#: QUADS selection rules compared by :func:`selection_rule_errors`: (per_token, output-aware score).
-SELECTION_RULES = {"per_call": (False, False), "per_token": (True, False),
-                   "per_call_outaware": (False, True), "per_token_outaware": (True, True)}
+#: QUADS selection rules compared by :func:`selection_rule_errors`: (per_token, output-aware score, granularity).
+SELECTION_RULES = {"per_call": (False, False, "block"), "per_token": (True, False, "block"),
+                   "per_call_outaware": (False, True, "block"), "per_token_outaware": (True, True, "block"),
+                   "per_token_channel": (True, False, "channel")}
 
 
 def selection_rule_errors(model, input_ids: torch.Tensor, ratios: tuple[float, ...], max_rows: int = 4096) -> dict:
@@ -256,7 +260,8 @@ def selection_rule_errors(model, input_ids: torch.Tensor, ratios: tuple[float, .
     each rule of :data:`SELECTION_RULES` and ratio k measures
     ``||(Q_k(X) - X) W^T||_F / ||X W^T||_F`` in float32 with per-token global scales (the rollout's
     convention), where ``Q_k`` is :func:`verl_quads.nvfp4.residual_fake_quantize` (torch reference);
-    the output-aware rules pass ``score_weight = (W.float() ** 2).sum(0)``. Per-call rules select once
+    the output-aware rules pass ``score_weight = (W.float() ** 2).sum(0)``; ``per_token_channel`` selects
+    single channels (``granularity="channel"``, the same number of compensated channels per row). Per-call rules select once
     per GEMM call: for experts, per expert's group of routed rows (as the rollout's MoE calls do).
     ``naive`` (k = 0) is the baseline. Returns ``{"gemms": {name: {rule@k: err}}, "mean": {rule@k: mean err},
     "median_ratio_to_naive": {...}}``.
@@ -311,9 +316,9 @@ def selection_rule_errors(model, input_ids: torch.Tensor, ratios: tuple[float, .
             col = wf.square().sum(0)
             row = {"naive": (F.linear(nv.fake_quantize(x, gs, backend="torch").float(), wf) - ref).norm().item() / denom}
             for k in ratios:
-                for rule, (per_token, outaware) in SELECTION_RULES.items():
+                for rule, (per_token, outaware, gran) in SELECTION_RULES.items():
                     q = nv.residual_fake_quantize(x, k, gs, per_token=per_token, score_weight=col if outaware else None,
-                                                  backend="torch", check_finite=False)
+                                                  granularity=gran, backend="torch", check_finite=False)
                     row[f"{rule}@{k:g}"] = (F.linear(q.float(), wf) - ref).norm().item() / denom
             gemms[name] = row
     keys = list(next(iter(gemms.values())).keys()) if gemms else []
@@ -387,6 +392,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-files", type=int, default=20000)
     p.add_argument("--max-file-bytes", type=int, default=20000)
     p.add_argument("--modes", default="bf16,naive,w4a16,w4a4_qat,quads@0.125,quads@0.25,quads@0.5,quads@0.75,quads@1.0,trace")
+    p.add_argument("--channel-ratios", default="",
+                   help="comma list of QUADS ratios R: append quads@R:channel (the per-token channel rule, "
+                        "residual_granularity='channel') to --modes, e.g. 0.125,0.25,0.5. Their activations run on the "
+                        "torch reference (no Triton kernel yet): count ~15-35 s per mode on the H200 in --probe-reserve-s")
     p.add_argument("--extra-modes", default="",
                    help="comma list of modes probed after everything else, without decomposition (bf16 and naive "
                         "are rerun with them as closure anchors)")
@@ -405,6 +414,18 @@ def main(argv: list[str] | None = None) -> dict:
         a.n_prompts, a.prompt_tokens, a.max_new_tokens = 4, 12, 4
     if a.seconds <= 0:
         raise SystemExit(f"--seconds must be > 0, got {a.seconds}")
+    try:
+        chan = [f"quads@{float(r):g}:channel" for r in a.channel_ratios.split(",") if r.strip()]
+    except ValueError as e:
+        raise SystemExit(f"--channel-ratios must be a comma list of numbers in [0, 1], got {a.channel_ratios!r}") from e
+    a.modes = ",".join([m for m in a.modes.split(",") if m.strip()] + [m for m in chan if m not in a.modes.split(",")])
+    for m in a.modes.split(","):  # a bad mode fails here, before the text / training phases
+        from verl_quads.diagnostics.probe import parse_mode
+
+        try:
+            parse_mode(m)
+        except ValueError as e:
+            raise SystemExit(f"--modes / --channel-ratios: {e}") from e
     if not a.toy and a.seconds + a.probe_reserve_s > a.max_total_s:
         raise SystemExit(
             f"--seconds {a.seconds:g} + --probe-reserve-s {a.probe_reserve_s:g} exceeds --max-total-s {a.max_total_s:g}: "
