@@ -6,6 +6,7 @@ build verl's FSDP2 engine through ``EngineRegistry`` exactly as verl's worker do
 ``verl_quads.qat.apply_qat`` on a plain HF model loaded the same way. Prints one JSON line per mode.
 """
 
+import dataclasses
 import json
 import os
 import sys
@@ -30,9 +31,11 @@ def main(model_dir: str, port: str, modes: list[str]) -> None:
     from verl_quads.qat import GuidanceError, apply_qat
 
     ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(0))
-    for quant in modes:
+    for spec in modes:
+        quant, _, weight_qdq = spec.partition(":")  # e.g. "quads:per_version"
+        extra = [f"actor_rollout_ref.actor.quant_config.weight_qdq={weight_qdq}"] if weight_qdq else []
         with initialize_config_module("verl.trainer.config", version_base=None):
-            cfg = compose("ppo_trainer", overrides=[
+            cfg = compose("ppo_trainer", overrides=extra + [
                 f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.actor.strategy=fsdp2",
                 f"actor_rollout_ref.actor.quant={quant}", "actor_rollout_ref.actor.rollout_n=1",
                 "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1", "actor_rollout_ref.actor.optim.lr=1e-2",
@@ -51,8 +54,9 @@ def main(model_dir: str, port: str, modes: list[str]) -> None:
         ref = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, attn_implementation="sdpa")
         for p in ref.parameters():
             p.data = p.data.to(torch.bfloat16)
-        apply_qat(ref, actor.quant_settings)
-        out = {"quant": quant, "engine": type(engine).__name__, "qat_classes": kinds}
+        # the reference QDQs in its forward (per_forward; per_version needs FSDP2): same values bit for bit
+        apply_qat(ref, dataclasses.replace(actor.quant_settings, weight_qdq="per_forward"))
+        out = {"quant": spec, "engine": type(engine).__name__, "qat_classes": kinds}
         try:
             logits = module(input_ids=ids).logits
         except GuidanceError as e:
@@ -69,6 +73,12 @@ def main(model_dir: str, port: str, modes: list[str]) -> None:
         after = {n: p.detach().full_tensor() for n, p in module.named_parameters()}
         out["changed"] = sum(not torch.equal(before[n], after[n]) for n in before)
         out["params"] = len(before)
+        # the next forward uses the stepped weights (per_version: refreshed in the root pre-forward hook)
+        with torch.no_grad():
+            for n, p in ref.named_parameters():
+                p.copy_(after[n])  # fp32 master -> bf16, FSDP2's cast
+            out["after_step_equal_ref"] = bool(torch.equal(module(input_ids=ids).logits.float(),
+                                                           ref(input_ids=ids).logits.float()))
         out["finite"] = all(bool(torch.isfinite(v).all()) for v in after.values())
         out["names_stock"] = all(".parametrizations." not in n and "_orig_mod" not in n for n in after)
         print("RESULT " + json.dumps(out), flush=True)

@@ -4,7 +4,9 @@
 for each mode, ``actor_rollout_ref.actor.quant=<mode>`` is composed into verl's stock ``ppo_trainer``
 config (no ``+``), verl builds the engine as its worker does, the engine loads the tiny random
 Qwen3-MoE, applies verl-quads QAT, wraps with FSDP2 (gloo, 1 rank) and builds its optimizer; one
-forward/backward/optimizer step follows.
+forward/backward/optimizer step follows, then a forward with the stepped weights. ``quads`` runs with
+``quant_config.weight_qdq=per_version`` (FSDP2 gathers shards QDQ'd once per weight version), the other QAT
+modes with the default ``per_forward``: both schedules through verl's engine, no extra engine build.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ def test_engine_built_from_composed_verl_config_one_step_each_mode(tmp_path):
     model_dir = tiny.build_tiny_qwen3_moe(tmp_path / "model", num_layers=2, dtype="float32")
     script = Path(__file__).with_name("qat_engine_script.py")
     proc = subprocess.run(
-        [sys.executable, str(script), str(model_dir), str(_port()), "none", "naive", "quads", "w4a4_qat", "trace"],
+        [sys.executable, str(script), str(model_dir), str(_port()), "none", "naive", "quads:per_version", "w4a4_qat",
+         "trace"],
         capture_output=True, text=True, timeout=600,
     )
     results = {r["quant"]: r for r in (json.loads(l[7:]) for l in proc.stdout.splitlines() if l.startswith("RESULT "))}
@@ -41,13 +44,15 @@ def test_engine_built_from_composed_verl_config_one_step_each_mode(tmp_path):
         assert r["engine"] == "QuadsFSDPEngineWithLMHead", r
     for quant in ("none", "naive"):  # trainer mode none: stock modules, stock numerics
         assert results[quant]["qat_classes"] == [], results[quant]
-    for quant in ("quads", "w4a4_qat", "trace"):
+    for quant in ("quads:per_version", "w4a4_qat", "trace"):
         assert results[quant]["qat_classes"] == ["QATLinear", "QATQwen3MoeExperts"], results[quant]
-    for quant in ("none", "naive", "quads", "w4a4_qat"):
+    for quant in ("none", "naive", "quads:per_version", "w4a4_qat"):
         r = results[quant]
         # forward of verl's FSDP2 module == verl_quads.qat on the plain HF model (bit for bit),
-        # and one optimizer step updates every parameter (names unchanged: checkpoints are stock)
+        # and one optimizer step updates every parameter (names unchanged: checkpoints are stock);
+        # the forward after the step == the reference with the stepped weights (per_version: refreshed)
         assert r["logits_equal_ref"] and r["finite"] and r["names_stock"], r
         assert r["changed"] == r["params"], r
+        assert r["after_step_equal_ref"], r
     # verl does not feed TRACE guidance to the actor yet: a guided forward without a TraceBatch is an error.
     assert "no TraceBatch is active" in results["trace"]["error"]
