@@ -573,26 +573,27 @@ def format_tables(res: ProbeResult) -> str:
     lines = [f"engine: {res.engine}", f"model: {res.model_dir}",
              f"{res.n_prompts} prompts x {res.max_new_tokens} new tokens, seeds {res.seeds} (mean±std over seeds)"]
     lines += [f"NOTE: {n}" for n in res.notes]
-    hdr = f"{'mode':12s} {'max|gap|':>16s} {'p99|gap|':>16s} {'mean|gap|':>16s} {'k3 KL':>16s} {'argmax!=':>16s} {'routing!=':>16s} {'closure p99':>11s}"
+    w = max([12] + [len(n) for n in res.per_mode])  # mode column width (e.g. quads@0.125:channel)
+    hdr = f"{'mode':{w}s} {'max|gap|':>16s} {'p99|gap|':>16s} {'mean|gap|':>16s} {'k3 KL':>16s} {'argmax!=':>16s} {'routing!=':>16s} {'closure p99':>11s}"
     lines += ["", "== total gap (rollout engine vs trainer) ==", hdr]
     for name, e in res.per_mode.items():
         t = e["total"]
         rt = _pm(t["routing_set_differs"]) if "routing_set_differs" in t else "n/a"
         cl = e.get("closure", {}).get("logp_gap_p99")
-        lines.append(f"{name:12s} {_pm(t['logp_gap_max']):>16s} {_pm(t['logp_gap_p99']):>16s} {_pm(t['logp_gap_mean']):>16s} "
+        lines.append(f"{name:{w}s} {_pm(t['logp_gap_max']):>16s} {_pm(t['logp_gap_p99']):>16s} {_pm(t['logp_gap_mean']):>16s} "
                      f"{_pm(t['k3_kl']):>16s} {_pm(t['argmax_differs']):>16s} {rt:>16s} {('%.3f' % cl) if cl is not None else 'n/a':>11s}")
     if any("decomposition" in e for e in res.per_mode.values()):
         lines += ["", "== decomposition by ablation (p99 |gap| / mean |gap|; rollout side emulated, teacher-forced) =="]
         parts = ("engine_floor", "neither", "weights_only", "activations_only", "both")
-        lines.append(f"{'mode':12s} " + " ".join(f"{p:>24s}" for p in parts))
+        lines.append(f"{'mode':{w}s} " + " ".join(f"{p:>24s}" for p in parts))
         for name, e in res.per_mode.items():
             d = e.get("decomposition", {})
             cells = [(f"{d[p]['logp_gap_p99']['mean']:.4f}/{d[p]['logp_gap_mean']['mean']:.4f}" if p in d else "n/a") for p in parts]
-            lines.append(f"{name:12s} " + " ".join(f"{c:>24s}" for c in cells))
+            lines.append(f"{name:{w}s} " + " ".join(f"{c:>24s}" for c in cells))
         lines += ["", "== per-layer relative output error (emulated rollout 'both' vs trainer; mean over seeds) =="]
         for name, e in res.per_mode.items():
             le = e.get("layer_rel_error", {})
-            lines.append(f"{name:12s} " + " ".join(f"{k}={v['mean']:.4f}" for k, v in le.items()))
+            lines.append(f"{name:{w}s} " + " ".join(f"{k}={v['mean']:.4f}" for k, v in le.items()))
     return "\n".join(lines)
 
 

@@ -580,7 +580,7 @@ def main(argv: list[str] | None = None) -> dict:
         for m in tot:
             c = [closure(tot[m]["total"][k]["mean"], tot["naive"]["total"][k]["mean"], tot["bf16"]["total"][k]["mean"])
                  for k in ("logp_gap_p99", "logp_gap_max", "logp_gap_mean")]
-            print(f"  {m:16s} {c[0]:6.3f} {c[1]:6.3f} {c[2]:6.3f}")
+            print(f"  {m:20s} {c[0]:6.3f} {c[1]:6.3f} {c[2]:6.3f}")
     print(f"\nphase seconds: {phases}")
     print(f"\nwrote {out / 'realistic.json'} ({report['wall_s']:.0f}s total)")
     return report
