@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--vocab", type=int, default=8192)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--max-steps", type=int, default=0,
+                   help="stop training after this many optimizer steps (0: no limit; --seconds still applies): "
+                        "a step-bound run is comparable across seeds on a loaded host, a time-bound one is not")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--adam-betas", default="0.9,0.95", help="AdamW betas, 'b1,b2'")
     p.add_argument("--weight-decay", type=float, default=0.1)
@@ -482,7 +485,8 @@ def main(argv: list[str] | None = None) -> dict:
                   f"training, --probe-reserve-s {a.probe_reserve_s:g} kept of --max-total-s {a.max_total_s:g}", flush=True)
             train_s = max(1.0, left)
     tr = train(model, ids, seconds=train_s, seq=a.seq, batch=a.batch, lr=a.lr, device=a.device, seed=a.seed,
-               betas=betas, weight_decay=a.weight_decay, wd_on=a.weight_decay_on, bos_id=bos_id)
+               betas=betas, weight_decay=a.weight_decay, wd_on=a.weight_decay_on, bos_id=bos_id,
+               max_steps=a.max_steps or None)
     print(f"trained: {tr['steps']} steps, {tr['tokens'] / 1e6:.1f}M tokens, loss {tr['loss_first']:.3f} -> {tr['loss_last']:.3f}")
     tr["seconds_budget"] = train_s
     t_ph = phase("train", t_ph)
