@@ -72,9 +72,8 @@ def check_upstream() -> None:
     if not hasattr(fp, "ShardedState") or not hasattr(fp.ShardedState, "SHARDED"):
         missing.append("ShardedState.SHARDED")
     src = inspect.getsource(fp.FSDPParam)
-    for attr in ("_sharded_param_data", "padded_sharded_param_size", "sharded_size", "fsdp_placement",
-                 "_module_info", "offload_to_cpu", "param_dtype", "orig_dtype", "mesh_info", "sharded_state",
-                 "post_forward_mesh_info", "is_dtensor"):
+    for attr in ("_sharded_param_data", "sharded_param", "padded_sharded_param_size", "sharded_size", "_orig_size",
+                 "fsdp_placement", "_module_info", "param_dtype", "orig_dtype", "mesh_info", "sharded_state"):
         if f"self.{attr} =" not in src and f"self.{attr}: " not in src:  # instance attributes set in FSDPParam
             missing.append(f"FSDPParam.{attr}")
     if missing:
