@@ -332,3 +332,38 @@ def test_bench_qat_fsdp_per_version_runs_tiny():
             for line in report.splitlines() if line.count("|") == 6}
     assert rows[("w4a16", "per_version", "3")][5] == "2", rows  # refreshes: one per unit of 3 micro-batches
     assert rows[("w4a16", "per_forward", "3")][5] == "0" and ("bf16", "-", "3") in rows, rows
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (triton backend on CPU)")
+def test_per_version_step_is_host_sync_free():
+    """A forward+backward whose root pre-forward refreshes the shard caches (after an in-place weight change)
+    has no device->host sync with the triton backend (HostSyncRecorder; 1-rank gloo group in this process),
+    like the per_forward step (tests/unit/test_qat_host_syncs.py)."""
+    from qat_models import tiny_model, tokens
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from verl_quads.bench.qat import _one_rank_group
+    from verl_quads.qat import apply_qat, fsdp_qdq
+    from verl_quads.qat.host_sync import HostSyncRecorder
+
+    cleanup = _one_rank_group("cpu")
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = tiny_model("qwen3_moe", dtype=torch.float32, layers=1)
+        apply_qat(model, QuantConfig(quant="quads", weight_qdq="per_version", backend="triton"))
+        mpp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        fully_shard(model.model.layers[0], mesh=mesh, mp_policy=mpp)
+        fully_shard(model, mesh=mesh, mp_policy=mpp)
+        qdq = fsdp_qdq.install(model)
+        ids = tokens()
+        model(input_ids=ids).logits.float().sum().backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.0)
+        with HostSyncRecorder() as rec:
+            model(input_ids=ids).logits.float().sum().backward()
+        assert qdq.refreshes == 2, qdq.refreshes
+        assert len(rec) == 0, rec.summary()
+    finally:
+        cleanup()
