@@ -465,12 +465,24 @@ gd = {"x_ptr": "*bf16", "bits_ptr": "*i16", "scale_ptr": "*u8", "gs_ptr": "*fp32
       "NBK": "i32", "GS_DIV": "i32", "BLK": "constexpr", "SPLIT": "constexpr", "MODE": "constexpr", "OUT": "constexpr"}
 comp(tk._guided_kernel, gd, {"BLK": 128, "SPLIT": True, "MODE": 0, "OUT": 0}, 2)
 import re
+
+
+def no_float_negation(k, what):
+    # kernels that write dequantized values OR the code's sign into the value's bits: no float negation, which
+    # triton 3.6 lowers to 0.0 - v (+0.0 for code 8 where the reference has -0.0; the H200 failure of 1cd2ec7's
+    # where(c >= 8, -v, v), and the H200 bytes of _dequant_kernel before the fix)
+    neg = re.findall(r"fneg|fsub (?:<\d+ x )?float>? (?:zeroinitializer|-?0\.000000e\+00)", k.asm["llir"])
+    assert not neg, (what, "negates a float", neg[:3])
+
+
 for xt, ot, out in (("*bf16", "*i16", 3), ("*bf16", "*i16", 1), ("*fp16", "*fp16", 2), ("*fp32", "*fp32", 0)):
     k = comp(tk._guided_kernel, dict(gd, x_ptr=xt, packed_ptr=ot), {"BLK": 128, "SPLIT": True, "MODE": 1, "OUT": out}, 2)
-    # the code's sign is OR-ed into the value's bits: no float negation, which triton 3.6 lowers to 0.0 - v
-    # (+0.0 for code 8 where the reference has -0.0; the H200 failure of 1cd2ec7's where(c >= 8, -v, v))
-    neg = re.findall(r"fneg|fsub (?:<\d+ x )?float>? (?:zeroinitializer|-?0\.000000e\+00)", k.asm["llir"])
-    assert not neg, ("_guided_kernel MODE 1 negates a float", xt, out, neg[:3])
+    no_float_negation(k, ("_guided_kernel MODE 1", xt, out))
+dq = {"packed_ptr": "*i64", "scale_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": "*i16", "NBLK": "i32", "NBK": "i32",
+      "GS_DIV": "i32", "BLK": "constexpr", "OUT": "constexpr", "SPLIT": "constexpr"}
+for ot, out in (("*i16", 1), ("*fp16", 2), ("*fp32", 0)):
+    no_float_negation(comp(tk._dequant_kernel, dict(dq, out_ptr=ot), {"BLK": 128, "OUT": out, "SPLIT": True}, 2),
+                      ("_dequant_kernel", out))
 print("compiled")
 """
 

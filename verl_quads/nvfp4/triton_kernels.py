@@ -300,13 +300,9 @@ if triton is not None:
         sb = tl.load(scale_ptr + b, mask=bmask, other=0).to(tl.int32)
         gs = tl.load(gs_ptr + (b // NBK) // GS_DIV, mask=bmask, other=1.0)
         factor = tl.math.div_rn(_e4m3_decode(sb), gs)[:, None]
-        ce = p & 15
-        co = p >> 4
-        ve = _e2m1_value(ce & 7) * factor
-        vo = _e2m1_value(co & 7) * factor
-        ve = tl.where((ce >> 3) == 1, -ve, ve)
-        vo = tl.where((co >> 3) == 1, -vo, vo)
-        _store_pairs(out_ptr, b, ve, vo, bmask, OUT)
+        # the sign bit OR-ed in (_code_value MODE 1): -0.0 for code 8 on the GPU too (a float negation is
+        # 0.0 - v under triton 3.6, +0.0 there; scripts/debug_guided_qdq.py's "triton Q then DQ" on the H200)
+        _store_pairs(out_ptr, b, _code_value(p & 15, factor, 1), _code_value(p >> 4, factor, 1), bmask, OUT)
 
     @triton.jit
     def _residual_stats_kernel(
@@ -522,9 +518,10 @@ if triton is not None:
         return (_signbit(y) << 3) | tl.where(v == a, n, lo + ((lo ^ bit) & 1))
 
     @triton.jit
-    def _guided_value(c, factor, MODE: tl.constexpr):
+    def _code_value(c, factor, MODE: tl.constexpr):
         """float32 value of E2M1 codes ``c`` (int32 [BLK, 8]) times ``factor`` ([BLK, 1]):
-        ``e2m1_value(c & 7) * factor`` with the sign of code bit 3 (code 8 -> -0.0, as the reference).
+        ``e2m1_value(c & 7) * factor`` (one float32 rounding) with the sign of code bit 3 (code 8 -> -0.0,
+        as the reference). Used by ``_dequant_kernel`` (MODE 1) and ``_guided_kernel``'s QDQ (MODE 1, 2).
         MODE 1: the sign bit is OR-ed into the product's bits (integer ops, -0.0 on every device). MODE 2
         (diagnostic only, 1cd2ec7's formulation): ``where(c >= 8, -v, v)``; triton 3.6 lowers the float
         negation to ``0.0 - v`` (``fsub`` from +0.0; triton 3.9 emits ``fneg``), which gives +0.0 for
@@ -546,7 +543,7 @@ if triton is not None:
         QDQ): write the dequantized values instead, through ``packed_ptr`` as ``_store_out``'s OUT (x's
         dtype; bf16 as its int16 view): ``±e2m1_value(code) * div_rn(scale, gs)`` (one float32 rounding,
         then the store's), the sign from code bit 3 (-0.0 for code 8), i.e. the reference's dequantize of
-        the codes MODE 0 packs. MODE 2: MODE 1 with the sign by float negation (``_guided_value``;
+        the codes MODE 0 packs. MODE 2: MODE 1 with the sign by float negation (``_code_value``;
         diagnostic only: loses -0.0 on the GPU under triton 3.6)."""
         b = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
         bmask = b < NBLK
@@ -565,7 +562,7 @@ if triton is not None:
             tl.store(packed_ptr + b, _block_word(ce, co, j), mask=bmask)
         else:
             factor = tl.math.div_rn(sval, gs)[:, None]
-            _store_pairs(packed_ptr, b, _guided_value(ce, factor, MODE), _guided_value(co, factor, MODE), bmask, OUT)
+            _store_pairs(packed_ptr, b, _code_value(ce, factor, MODE), _code_value(co, factor, MODE), bmask, OUT)
 
     # ---- v2 kernels: one thread per 16-block (two 8-element halves), per-program global scale ----
 

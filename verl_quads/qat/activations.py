@@ -5,7 +5,8 @@
   straight-through gradient.
 - ``guided`` (``trace``): the same per-row quantization, but rounding follows the rollout's
   :class:`~verl_quads.nvfp4.GuidanceRecord` (its block and global scales, its codeword choice) via
-  :func:`verl_quads.nvfp4.quantize_guided`; straight-through gradient. Rows the record does not
+  :func:`verl_quads.nvfp4.fake_quantize_guided` (``dequantize(quantize_guided(...))`` bit for bit; one
+  kernel launch on the triton backend); straight-through gradient. Rows the record does not
   cover (padding, the one trailing position, see :mod:`.guidance`) are given their own
   round-to-nearest guidance, so they quantize exactly as ``rtn``.
 
@@ -18,12 +19,11 @@ import torch
 
 from verl_quads.nvfp4 import (
     GuidanceRecord,
-    dequantize,
     extract_guidance,
+    fake_quantize_guided,
     fake_quantize_ste,
     per_row_global_scale,
     quantize,
-    quantize_guided,
 )
 
 
@@ -40,8 +40,7 @@ def qdq_rtn(x: torch.Tensor, backend: str = "auto", check_finite: bool = True) -
 class _GuidedQDQ(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, record: GuidanceRecord, backend: str, check_finite: bool):  # type: ignore[override]
-        q = quantize_guided(x, record, backend=backend, check_finite=check_finite)
-        return dequantize(q, x.dtype, backend=backend)
+        return fake_quantize_guided(x, record, backend=backend, check_finite=check_finite)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
