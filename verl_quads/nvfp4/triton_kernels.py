@@ -1,6 +1,7 @@
 """Triton fast paths for NVFP4: quantize, dequantize, QDQ, residual compensation, guided quantize.
 
-Each kernel produces the same bytes as :mod:`.reference` (tests compare with ``torch.equal``):
+Each kernel produces the same bytes as :mod:`.reference` (tests compare with ``torch.equal``; the GPU
+tests of dequantized / QDQ outputs compare their bytes, as ``torch.equal`` takes -0.0 == +0.0):
 
 - float32 division uses ``tl.math.div_rn`` (IEEE round-to-nearest); Triton's plain ``/`` lowers
   to an approximate division on NVIDIA GPUs.
@@ -8,6 +9,9 @@ Each kernel produces the same bytes as :mod:`.reference` (tests compare with ``t
   mantissa bits, subnormals included), so it does not depend on a conversion instruction.
 - kernels are launched with ``enable_fp_fusion=False``: a multiply feeding an add must not be
   contracted into an FMA, which would round differently from the reference.
+- a sign is OR-ed into a value's bits (``_qdq_pairs``, ``_code_value``), never applied by a float
+  negation: triton 3.6 lowers ``-v`` to ``0.0 - v``, which is +0.0 for v = +0.0 (the reference's code 8
+  is -0.0; the interpreter and triton 3.9 negate exactly, so only the GPU showed it).
 
 The residual path (QUADS, selection rule in :mod:`.residual`):
 
