@@ -1,7 +1,7 @@
 """Triton fast paths for NVFP4: quantize, dequantize, QDQ, residual compensation, guided quantize.
 
-Each kernel produces the same bytes as :mod:`.reference` (tests compare with ``torch.equal``; the GPU
-tests of dequantized / QDQ outputs compare their bytes, as ``torch.equal`` takes -0.0 == +0.0):
+Each kernel produces the same bytes as :mod:`.reference` (tests compare with ``torch.equal``, which takes
+-0.0 == +0.0 on floats; the GPU tests of dequantize, plain and guided QDQ compare bytes, the residual ones not yet):
 
 - float32 division uses ``tl.math.div_rn`` (IEEE round-to-nearest); Triton's plain ``/`` lowers
   to an approximate division on NVIDIA GPUs.
