@@ -57,10 +57,27 @@ def test_dense_real_shapes(mode, per_token, name, n, k, m):
     _check(y, ref, xf, wf, f"{name} M={m} {mode} per_token={per_token}")
 
 
+@pytest.mark.parametrize("mode, per_token", [("w4a16", False), ("naive", False)])
+@pytest.mark.parametrize("n", [4096, 8192])
+@pytest.mark.parametrize("m", [8, 16, 64, 100, 256])
+def test_dense_mid_table_shapes(mode, per_token, n, m):
+    """Square d4096 / d8192 linears at the MID_TABLE's rows (16, 64, 256) and between buckets (8, 100: the
+    next bucket's entry) by the default dispatch, against the torch reference."""
+    x = _x(m, n)
+    q_w = em.quantize_weight(_w((n, n)))
+    xf, _ = em.quantize_activation(x, em.ActQuant(mode, 0.5, per_token))
+    wf = em.weight_f32(q_w.packed, q_w.block_scale, q_w.global_scale.reshape(()))
+    y = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, q_w.global_scale.reshape(()), None, mode,
+                        residual_per_token=per_token)
+    _check(y, em.gemm(xf, wf, None, x.dtype), xf, wf, f"d{n} M={m} {mode} per_token={per_token}")
+
+
 @pytest.mark.parametrize("mode, per_token", [("w4a16", False), ("naive", False), ("quads", True)])
 @pytest.mark.parametrize("gemm", ["w13", "w2"])
-@pytest.mark.parametrize("tokens", [1, 64, 512])
+@pytest.mark.parametrize("tokens", [1, 16, 64, 256, 512])
 def test_grouped_experts_real_shapes(mode, per_token, gemm, tokens):
+    """The default dispatch (MID_TABLE / DECODE_TABLE / heuristic) of one expert GEMM at Qwen3-30B-A3B width,
+    routing built as moe_forward builds it (grouped_block_m: block_m 32 at 16 slots per expert)."""
     e, topk = 128, 8
     n, k = (1536, 2048) if gemm == "w13" else (2048, 768)
     q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
@@ -76,7 +93,7 @@ def test_grouped_experts_real_shapes(mode, per_token, gemm, tokens):
         rows_of = lambda slots: slots  # noqa: E731
     op, _ = tg.quantize_activation(x, mode, residual_per_token=per_token)
     xf, _ = em.quantize_activation(x, em.ActQuant(mode, 0.5, per_token))
-    routing = tg.moe_align(ids, e, tg.pick_block_m(-(-s // min(e, s))))
+    routing = tg.moe_align(ids, e, tg.grouped_block_m(-(-s // min(e, s))))
     y = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing,
                       a_rows=rows_of(routing.sorted_slots), out_rows=s)
     flat = ids.reshape(-1)
@@ -181,6 +198,7 @@ def _moe_reference(x, sw, ids, q13, q2, mode, per_token):
 @pytest.mark.parametrize("mode, per_token, tokens", [
     ("w4a16", True, 1), ("naive", True, 1), ("quads", True, 1), ("quads", False, 1),
     ("w4a16", True, 64), ("naive", True, 64), ("quads", True, 64), ("quads", True, 1024),
+    ("w4a16", True, 16), ("w4a16", True, 256), ("naive", True, 256), ("quads", True, 256),  # MID_TABLE points
 ])
 def test_moe_layer_real_shape(mode, per_token, tokens):
     """moe_forward (two grouped launches) == the per-expert torch reference, Qwen3-30B-A3B experts.

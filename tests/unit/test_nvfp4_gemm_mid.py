@@ -124,10 +124,11 @@ ext = {}
 for c, a4, grouped, k in cands:
     act = c.block_m * c.block_k * (1 if a4 else 4) // 2
     val = (c.num_stages * (act + c.block_n * c.block_k // 2) + c.block_n * c.block_k * 2, c.block_n, c.block_m)
-    key = (c.swap, a4, grouped) if not a4 else (None, a4, None)  # w4a16: per orientation and kind; W4A4: one
+    key = (c.swap, a4)  # w4a16 swapped (natural tiles) / plain, W4A4 swapped / plain
     if key not in ext or val > ext[key][0]:
         ext[key] = (val, c, k, grouped)
-assert len(ext) == 5 and sum(c.num_stages == 4 and 256 in (c.block_n, c.block_k) for _, c, _, _ in ext.values()) >= 3
+assert len(ext) == 4 and sum(c.num_stages == 4 and 256 in (c.block_n, c.block_k) for _, c, _, _ in ext.values()) >= 2
+assert any(c.natural for _, c, _, _ in ext.values())
 for key, (_, c, k, grouped) in sorted(ext.items(), key=str):
     a4 = key[1] is True
     kb, gk = k // 16, c.block_k // 16
@@ -142,7 +143,7 @@ for key, (_, c, k, grouped) in sorted(ext.items(), key=str):
     sig.update({i: "i32" for i in ("M", "N", "K", "KH", "KB", "NSEL2", "OUT_ROWS", "KB_PER_SPLIT", "JB_PER_SPLIT")})
     const = dict(A4=a4, DT=1, DT2=1, SECOND=0, GROUPED=grouped, HAS_BIAS=False, SPLIT_K=c.split_k, OUT=1,
                  BM=c.block_m, BN=c.block_n, GK=gk, G2=c.block_k2 // 16, SWAP=c.swap, EVEN_K=even,
-                 SC4=even and gk % 4 == 0 and kb % 4 == 0)
+                 SC4=even and gk % 4 == 0 and kb % 4 == 0, NAT=c.natural and not a4)
     sig.update({nm: "constexpr" for nm in const})
     # as the JIT specializes for aligned tensors: pointers and ints divisible by 16 carry tt.divisibility=16
     attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(sig)
@@ -157,7 +158,147 @@ print("compiled")
 
 
 def test_sweep_mid_extreme_candidates_compile_for_sm90_without_a_gpu():
-    """The largest --sweep-mid candidates (by staged bytes: w4a16 per orientation and dense / grouped, all
-    of them block 256 with 4 stages at these shapes, and the largest W4A4 one) compile for sm_90 with
+    """The largest --sweep-mid candidates (by staged bytes, per tile orientation, w4a16 and W4A4: the w4a16
+    ones are block 256 with 4 stages, the swapped one with natural-K-order tiles) compile for sm_90 with
     triton's bundled ptxas and fit the H200's shared memory. Compiles only."""
     compile_for_sm90_in_subprocess(_SM90_MID, "on a GPU --sweep-mid itself compiles and runs the candidates")
+
+
+def test_mid_table_dispatch_and_grouped_block_m():
+    """MID_TABLE (the measured --sweep-mid configs): bucket lookup, pick_config takes an entry only when the
+    routing's block_m is its own, each grouped bucket's entries share MID_GROUPED_BLOCK_M (one routing serves
+    both expert GEMMs and every mode), every entry fits the shared-memory estimate; the heuristic no longer
+    swaps w4a16 tiles (measured slower) and still swaps W4A4 ones; the DECODE_TABLE entries the sweep
+    measured slower are gone and the MoE w2 stream entry covers 129..512 slots."""
+    cpu = torch.device("cpu")
+    w13 = tg.MID_TABLE[(True, 16, 1536, 2048, False)]
+    assert tg.mid_config(16, 1536, 2048, True, False) is w13 and tg.mid_config(5, 1536, 2048, True, False) is w13
+    assert tg.mid_config(17, 1536, 2048, True, False) is None and tg.mid_config(16, 1536, 2048, False, False) is None
+    assert tg.pick_config(16, 200, 1536, 2048, cpu, block_m=32, grouped=True) is w13
+    fallback = tg.pick_config(16, 200, 1536, 2048, cpu, block_m=16, grouped=True)  # a routing built for 16 rows
+    assert fallback.block_m == 16 and not fallback.swap and fallback.block_n == 128
+    assert tg.pick_config(16, 200, 1536, 2048, cpu, block_m=16, grouped=True, a4=True).swap
+    assert tg.pick_config(100, 1, 8192, 8192, cpu) is tg.MID_TABLE[(False, 256, 8192, 8192, False)]
+    assert tg.pick_config(300, 3, 8192, 8192, cpu).block_m == 128  # past the last bucket: heuristic
+    assert [tg.grouped_block_m(r) for r in (1, 3, 4, 5, 16, 17, 40)] == [16, 16, 16, 32, 32, 32, 64]
+    for (grouped, b, n, k, a4), c in tg.MID_TABLE.items():
+        assert b in tg.MID_BUCKETS[grouped] and br._mid_smem_ok(c, a4)
+        if grouped:
+            assert c.block_m == tg.MID_GROUPED_BLOCK_M[b], (b, n, k, a4)
+    for gone in ((False, 16, 8192, 8192), (False, 16, 4096, 4096), (True, 128, 1536, 2048)):
+        assert gone not in tg.DECODE_TABLE
+    assert tg.decode_config(512, 2048, 768, True) is tg.DECODE_TABLE[(True, 512, 2048, 768)]
+    assert tg.decode_config(128, 1536, 2048, True) is None and tg.decode_config(16, 8192, 8192, False) is None
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["w4a16", "naive"])
+def test_grouped_default_dispatch_with_a_mid_entry(monkeypatch, mode):
+    """A grouped GEMM whose experts get ~12 slots each takes its MID_TABLE entry (block_m 32 from
+    grouped_block_m, the measured tile kind: plain for w4a16, swapped for W4A4) by default, and moe_forward
+    builds its routing with that block_m; outputs match the per-expert torch reference (1 bf16 ulp + the
+    float32 summation bound, as the other GEMM tests) and the layer the torch reference of the rollout
+    (relative 2**-6: GEMM1 rounding can flip a GEMM2 activation code)."""
+    from verl_quads.rollout import emulation as em
+
+    e, topk, tokens, hidden, inter = 4, 2, 24, 64, 32
+    entry = tg.GemmConfig(block_m=32, block_n=32, block_k=32, block_k2=32, split_k=1, num_warps=4, num_stages=2,
+                          swap=mode != "w4a16")
+    monkeypatch.setitem(tg.MID_TABLE, (True, 16, 2 * inter, hidden, mode != "w4a16"), entry)
+    monkeypatch.setitem(tg.MID_TABLE, (True, 16, hidden, inter, mode != "w4a16"), entry)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(tokens, hidden, generator=g) * 2).to(torch.bfloat16).to(DEV)
+    ids = torch.rand(tokens, e, generator=g).argsort(-1)[:, :topk].to(DEV)
+    sw = torch.softmax(torch.randn(tokens, topk, generator=g), -1).to(DEV)
+    q13 = em.quantize_weight((torch.randn(e, 2 * inter, hidden, generator=g) * 0.05).to(DEV), reduce_dims=(1, 2))
+    q2 = em.quantize_weight((torch.randn(e, hidden, inter, generator=g) * 0.05).to(DEV), reduce_dims=(1, 2))
+    q13 = (q13.packed, q13.block_scale, q13.global_scale.reshape(-1))
+    q2 = (q2.packed, q2.block_scale, q2.global_scale.reshape(-1))
+    seen, launched = [], []
+    align, gemm = tg.moe_align, tg.nvfp4_gemm
+    monkeypatch.setattr(tg, "moe_align", lambda ids_, e_, bm: (seen.append(bm), align(ids_, e_, bm))[1])
+    monkeypatch.setattr(tg, "pick_config", lambda *a, **kw: (launched.append(tg.mid_config(a[0], a[2], a[3],
+                                                                                           kw["grouped"], kw["a4"])),
+                                                             _pick(*a, **kw))[1])
+    y = tg.moe_forward(x, sw, ids, *q13, *q2, mode)
+    assert seen == [32] and launched == [entry, entry]
+    # GEMM1 alone against the per-expert reference
+    routing = align(ids, e, tg.grouped_block_m(tokens * topk // e))
+    op, _ = tg.quantize_activation(x, mode)
+    h = gemm(op, *q13, routing=routing, a_rows=routing.sorted_tokens, out_rows=tokens * topk)
+    xf, _ = em.quantize_activation(x, em.ActQuant(mode, 0.5, True))
+    for slot, ex in enumerate(ids.reshape(-1).tolist()):
+        wf = em.weight_f32(q13[0][ex], q13[1][ex], q13[2][ex])
+        xr = xf[slot // topk: slot // topk + 1]
+        ref = em.gemm(xr, wf, None, x.dtype).float()
+        ulp = 2.0 ** torch.floor(torch.log2(ref.abs().clamp(min=1e-30))) * 2.0 ** -7
+        bound = ulp + 4 * hidden * torch.finfo(torch.float32).eps * (xr.abs() @ wf.abs().t())
+        assert bool(((h[slot].float() - ref).abs() <= bound).all()), f"slot {slot}"
+    # the layer against the rollout's torch arithmetic (per expert, float32 GEMMs)
+    act = em.ActQuant(mode, 0.5, True)
+    out = torch.zeros(tokens, hidden, dtype=torch.float32, device=DEV)
+    for ex in ids.unique().tolist():
+        tok, slot = (ids == ex).nonzero(as_tuple=True)
+        hh = em.gemm(xf[tok], em.weight_f32(q13[0][ex], q13[1][ex], q13[2][ex]), None, x.dtype)
+        a = (torch.nn.functional.silu(hh[:, :inter].float()) * hh[:, inter:].float()).to(x.dtype)
+        yy = em.gemm(em.quantize_activation(a, act)[0], em.weight_f32(q2[0][ex], q2[1][ex], q2[2][ex]), None, x.dtype)
+        out.index_add_(0, tok, yy.float() * sw[tok, slot].unsqueeze(-1))
+    ref = out.to(x.dtype).float()
+    assert float((y.float() - ref).abs().max() / ref.abs().max()) <= 2 ** -6
+
+
+_pick = tg.pick_config
+
+
+@needs_kernels
+@pytest.mark.parametrize("grouped", [False, True])
+def test_w4a16_swapped_natural_tile_matches_reference(grouped):
+    """GemmConfig.natural (w4a16, swapped tile with natural-K-order activation / interleaved weight tiles):
+    within 1 bf16 ulp + the float32 summation bound of the torch reference, dense (masked K tail, split-K)
+    and grouped; a weight code changed must be seen; W4A4 ignores the flag (same bits)."""
+    from verl_quads.rollout import emulation as em
+
+    g = torch.Generator().manual_seed(7)
+    cfg = tg.GemmConfig(block_m=16, block_n=16, block_k=32, block_k2=32, split_k=1 if grouped else 2, num_warps=4,
+                        num_stages=2, swap=True, natural=True)
+    n, k = 24, 112 if not grouped else 64  # dense: 7 16-blocks (masked tail)
+    if grouped:
+        e, topk, tokens = 3, 2, 5
+        q = em.quantize_weight((torch.randn(e, n, k, generator=g) * 0.05).to(DEV), reduce_dims=(1, 2))
+        ids = torch.tensor([[0, 2], [2, 1], [1, 0], [2, 0], [0, 1]], device=DEV)
+        routing = tg.moe_align(ids, e, 16)
+        x = torch.randn(tokens, k, generator=g).to(torch.bfloat16).to(DEV)
+        gs = q.global_scale.reshape(-1)
+
+        def run(packed, c=cfg, mode="w4a16"):
+            op, _ = tg.quantize_activation(x, mode)
+            return tg.nvfp4_gemm(op, packed, q.block_scale, gs, routing=routing, a_rows=routing.sorted_tokens,
+                                 out_rows=tokens * topk, config=c)
+        rows = [(slot, ex, slot // topk) for slot, ex in enumerate(ids.reshape(-1).tolist())]
+    else:
+        q = em.quantize_weight((torch.randn(n, k, generator=g) * 0.05).to(DEV))
+        x = torch.randn(5, k, generator=g).to(torch.bfloat16).to(DEV)
+        gs = q.global_scale.reshape(())
+
+        def run(packed, c=cfg, mode="w4a16"):
+            op, _ = tg.quantize_activation(x, mode)
+            return tg.nvfp4_gemm(op, packed, q.block_scale, gs, config=c)
+        rows = [(r, None, r) for r in range(5)]
+
+    def ok(y):
+        good = True
+        for out_row, ex, x_row in rows:
+            wf = em.weight_f32(q.packed[ex], q.block_scale[ex], gs[ex]) if grouped else em.weight_f32(q.packed, q.block_scale, gs)
+            xr = x[x_row: x_row + 1].float()
+            ref = em.gemm(xr, wf, None, x.dtype).float()
+            ulp = 2.0 ** torch.floor(torch.log2(ref.abs().clamp(min=1e-30))) * 2.0 ** -7
+            bound = ulp + 4 * k * torch.finfo(torch.float32).eps * (xr.abs() @ wf.abs().t())
+            good &= bool(((y[out_row: out_row + 1].float() - ref).abs() <= bound).all())
+        return good
+
+    assert ok(run(q.packed))
+    bad = q.packed.clone()
+    bad.view(-1)[3] ^= 0x07
+    assert not ok(run(bad))
+    plain = tg.replace(cfg, natural=False)
+    assert torch.equal(run(q.packed, cfg, "naive"), run(q.packed, plain, "naive"))

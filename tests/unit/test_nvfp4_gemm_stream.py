@@ -196,7 +196,8 @@ def test_stream_config_errors_and_dispatch_table(monkeypatch):
     assert tg.decode_config(5, 16, 64, False) is c16 and tg.decode_config(16, 16, 64, False) is c16
     assert tg.decode_config(17, 16, 64, False) is None
     assert tg.decode_config(3, 16, 64, True) is None and tg.decode_config(3, 32, 64, False) is None
-    assert tg.decode_bucket(1) == 1 and tg.decode_bucket(24) == 32 and tg.decode_bucket(129) is None
+    assert tg.decode_bucket(1) == 1 and tg.decode_bucket(24) == 32 and tg.decode_bucket(129) == 256
+    assert tg.decode_bucket(513) is None
 
 
 def test_stream_split_k_fixup_is_bit_identical_to_reduction_launch():

@@ -91,10 +91,10 @@ def _copy_bandwidth() -> float:
     return 2 * src.numel() / t
 
 
-def _sweep_configs(rows_per_group: int):
+def _sweep_configs(rows_per_group: int, block_m: int | None = None):
     from verl_quads.nvfp4.triton_gemm import GemmConfig, pick_block_m
 
-    bm0 = pick_block_m(rows_per_group)
+    bm0 = block_m or pick_block_m(rows_per_group)
     bms = (bm0,) if bm0 <= 64 else (64, 128)
     splits = (1, 4, 8) if bm0 <= 64 else (1,)
     for bm, bn, bk, split, (warps, stages) in itertools.product(bms, (64, 128), (64, 128), splits,
@@ -174,7 +174,7 @@ def _moe_layer_rows(ms: list[int], ratios: list[float], bw: float, dev: str, g: 
         except Exception as ex:  # pragma: no cover - depends on the torch build
             print(f"{tag}: bf16 layer baseline failed ({type(ex).__name__}: {ex})", flush=True)
             t_base = float("nan")
-        bm = tg.pick_block_m(-(-(m * TOP_K) // min(e, m * TOP_K)))
+        bm = tg.grouped_block_m(-(-(m * TOP_K) // min(e, m * TOP_K)))
         t_align, how = _time(lambda: tg.moe_align(ids, e, bm))
         rows.append([tag, "moe_align (routing sort + tile table)", how, t_align * 1e6, "-", "-", "-"])
         for label, mode, r, comb in _variants(ratios):
@@ -311,7 +311,7 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> s
                 active = int(ids.unique().numel())
                 n_rows = m if name == "w13" else s
                 x = torch.randn(n_rows, k, device=dev, generator=g).to(torch.bfloat16)
-                routing = tg.moe_align(ids, e, tg.pick_block_m(-(-s // min(e, s))))
+                routing = tg.moe_align(ids, e, tg.grouped_block_m(-(-s // min(e, s))))
                 a_rows = routing.sorted_tokens if name == "w13" else routing.sorted_slots
                 counts = torch.bincount(ids.reshape(-1), minlength=e)
                 offs = torch.cumsum(counts, 0).to(torch.int32)
@@ -351,7 +351,8 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> s
                 if sweep and mode in ("w4a16", "naive"):
                     op, _ = tg.quantize_activation(x, mode)
                     per = -(-(m * TOP_K) // min(e, m * TOP_K)) if grouped else m
-                    cands = [c for c in _sweep_configs(per) if not grouped or c.block_m == routing.block_m]
+                    cands = [c for c in _sweep_configs(per, routing.block_m if grouped else None)
+                             if not grouped or c.block_m == routing.block_m]
                     timed = []
                     for c in cands:
                         try:
@@ -618,7 +619,8 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
                 return t, ok
 
             default = tg.pick_config(per, routs[0].tile_expert.numel() if grouped else -(-m // tg.pick_block_m(m)),
-                                     n, k, torch.device(dev), block_m=routs[0].block_m if grouped else None)
+                                     n, k, torch.device(dev), block_m=routs[0].block_m if grouped else None,
+                                     grouped=grouped)
             r_def = measure("tensor-core kernel (pick_config, before #5 decode)", default)
             first, second = _decode_variants(per, grouped, m)
             if focus:
@@ -736,7 +738,8 @@ def _mid_smem_ok(cfg, a4: bool) -> bool:
 def _mid_stage1(rows: int, grouped: bool, per_group_rows: list[int], n: int, k: int, sms: int, a4: bool,
                 default):
     """Stage-1 GemmConfigs for ``--sweep-mid``: ``default`` first, then per block_m of :func:`_mid_block_ms`
-    the swapped tiles (block_m <= 64) and the plain tiles (W4A4 / ``a4``: 3 of each), split_k by
+    the swapped tiles (block_m <= 64; w4a16: with ``natural`` K-order tiles, the old (even, odd) split measured
+    1.2-2x slower in session 5) and the plain tiles (W4A4 / ``a4``: 3 of each), split_k by
     :func:`_mid_split` (occupancy 4 programs per SM when block_m <= 32, else 2, as pick_config), those
     passing :func:`_mid_smem_ok`. At most 25 configs, no duplicates."""
     from verl_quads.nvfp4.triton_gemm import GemmConfig
@@ -755,7 +758,7 @@ def _mid_stage1(rows: int, grouped: bool, per_group_rows: list[int], n: int, k: 
             for bn, bk, warps, stages in tiles:
                 c = GemmConfig(block_m=bm, block_n=bn, block_k=bk, block_k2=64,
                                split_k=_mid_split(live, bn, bk, n, k, sms, occ), num_warps=warps, num_stages=stages,
-                               swap=is_swap)
+                               swap=is_swap, natural=is_swap and not a4)
                 if _mid_smem_ok(c, a4):
                     out.append(c)
     return list(dict.fromkeys(out))[:25]
@@ -797,8 +800,8 @@ def _cfg_label(cfg) -> str:
         return "default"
     if isinstance(cfg, StreamConfig):
         return "stream " + cfg.label
-    return (f"tc {'swap ' if cfg.swap else ''}bm{cfg.block_m} n{cfg.block_n} k{cfg.block_k} s{cfg.split_k} "
-            f"w{cfg.num_warps} st{cfg.num_stages}")
+    return (f"tc {'swap ' if cfg.swap else ''}{'nat ' if cfg.natural else ''}bm{cfg.block_m} n{cfg.block_n} "
+            f"k{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}")
 
 
 def _profile_moe_layer(m: int, modes: tuple[str, ...], calls: int = 5) -> str:
@@ -823,15 +826,16 @@ def _profile_moe_layer(m: int, modes: tuple[str, ...], calls: int = 5) -> str:
     sw = torch.softmax(torch.randn(m, TOP_K, device=dev, generator=g), -1)
     s = m * TOP_K
     per = -(-s // min(e, s))
-    bm = tg.pick_block_m(per)
+    bm = tg.grouped_block_m(per)
     t_max = -(-s // bm) + min(e, s)
     text = [f"where the time goes: moe_forward at M={m} ({s} token-slots, ~{per} rows per expert, block_m {bm}, "
             f"{t_max} M-tiles in the grid); torch.profiler, {calls} eager calls per mode, device kernels only"]
     for name, n, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
         stream = tg.decode_config(s, n, k, True)
-        tc = tg.pick_config(per, t_max, n, k, torch.device(dev), block_m=bm)
+        tc, tc4 = (tg.pick_config(per, t_max, n, k, torch.device(dev), block_m=bm, grouped=True, a4=a4)
+                   for a4 in (False, True))
         text.append(f"  {name} [{n}x{k}] default: w4a16 -> {_cfg_label(stream) if stream else _cfg_label(tc)}; "
-                    f"naive -> {_cfg_label(tc)}")
+                    f"naive -> {_cfg_label(tc4)}")
     for mode in modes:
         def fn(mode=mode):
             return tg.moe_forward(x, sw, ids, *qs["w13"], *qs["w2"], mode)
@@ -898,7 +902,7 @@ def _mid_compile_jobs(jobs: list, num_experts: int, top_k: int, device: str = "c
         try:
             if grouped:
                 s = m * top_k
-                bm = cfg.block_m if isinstance(cfg, tg.GemmConfig) else tg.pick_block_m(-(-s // min(e, s)))
+                bm = cfg.block_m if isinstance(cfg, tg.GemmConfig) else tg.grouped_block_m(-(-s // min(e, s)))
                 r = tg.moe_align(ids, e, bm)
                 tg.nvfp4_gemm(ops[mode], wp, wsc, wgs, routing=r,
                               a_rows=r.sorted_tokens if name.endswith("w13") else r.sorted_slots, out_rows=s, config=cfg)
@@ -998,11 +1002,12 @@ def run_sweep_mid(shapes: list[str], ms: list[int], budget_s: float = 1e9, profi
                 slots = m * TOP_K if grouped else m
                 per = -(-slots // min(e, slots)) if grouped else m
                 group_rows = torch.bincount(ids0.reshape(-1), minlength=e).tolist() if grouped else [m]
-                bm_def = tg.pick_block_m(per)
+                bm_def = tg.grouped_block_m(per) if grouped else tg.pick_block_m(per)
                 m_tiles = (-(-slots // bm_def) + min(e, slots)) if grouped else -(-m // bm_def)
-                tc_def = tg.pick_config(per, m_tiles, n, k, torch.device(dev), block_m=bm_def if grouped else None)
+                tc_def = {md: tg.pick_config(per, m_tiles, n, k, torch.device(dev), block_m=bm_def if grouped else None,
+                                             grouped=grouped, a4=md != "w4a16") for md in ("w4a16", "naive")}
                 stream_def = tg.decode_config(slots, n, k, grouped)
-                cands = {md: _mid_stage1(per, grouped, group_rows, n, k, sms, md != "w4a16", tc_def)
+                cands = {md: _mid_stage1(per, grouped, group_rows, n, k, sms, md != "w4a16", tc_def[md])
                          for md in ("w4a16", "naive")}
                 streams = _mid_stream(per if grouped else m, stream_def) if m <= 64 else []
                 points.append(dict(name=name, grouped=grouped, n=n, k=k, m=m, x=x, ids0=ids0, per=per,
@@ -1102,7 +1107,7 @@ def _sweep_mid_measure(points, gemms, shapes, ms, budget_s, profile, pool, out, 
             def base(i, bases=bases):
                 return bases[i][0]()
 
-            bm_def = tg.pick_block_m(per)
+            bm_def = tg.grouped_block_m(per)
 
             def run_cfg(op, cfg, i=0, s_slots=s_slots, bm_def=bm_def, wp=wp, wsc=wsc, wgs=wgs, rout=rout, arows=arows):
                 bm = cfg.block_m if isinstance(cfg, tg.GemmConfig) else bm_def
@@ -1162,9 +1167,10 @@ def _sweep_mid_measure(points, gemms, shapes, ms, budget_s, profile, pool, out, 
             return t if ok else None
 
         p["measure"] = measure
-        tc_def, stream_def = p["tc_def"], p["stream_def"]
+        stream_def = p["stream_def"]
         p["timed"], p["t_def"] = {}, {}
         for mode in ("w4a16", "naive"):
+            tc_def = p["tc_def"][mode]
             resolved = stream_def if (mode == "w4a16" and stream_def) else tc_def
             t_def = measure(mode, None, f"default = {_cfg_label(resolved)}")  # nvfp4_gemm's own dispatch
             timed = [(t_def, resolved)] if t_def is not None else []
@@ -1216,9 +1222,9 @@ def _sweep_mid_measure(points, gemms, shapes, ms, budget_s, profile, pool, out, 
         def fmt(t):
             return f"{t * 1e6:.1f}" if t is not None and t == t else "n/a"
 
-        summary.append([name, m, per, fmt(t_base), fmt(wd), _cfg_label(stream_def or tc_def), fmt(wb), _cfg_label(wcfg),
-                        f"{wd / wb:.2f}" if wd and wb == wb else "-", f"{t_base / wb:.2f}" if wb == wb else "-",
-                        fmt(nd), _cfg_label(tc_def), fmt(nb), _cfg_label(ncfg),
+        summary.append([name, m, per, fmt(t_base), fmt(wd), _cfg_label(stream_def or tc_def["w4a16"]), fmt(wb),
+                        _cfg_label(wcfg), f"{wd / wb:.2f}" if wd and wb == wb else "-",
+                        f"{t_base / wb:.2f}" if wb == wb else "-", fmt(nd), _cfg_label(tc_def["naive"]), fmt(nb), _cfg_label(ncfg),
                         f"{t_base / nb:.2f}" if nb == nb else "-"])
         print(f"{name} M={m}: w4a16 default {fmt(wd)} us, best {fmt(wb)} us ({_cfg_label(wcfg)}); naive default "
               f"{fmt(nd)} us, best {fmt(nb)} us ({_cfg_label(ncfg)}); bf16 {fmt(t_base)} us; "

@@ -257,7 +257,7 @@ if triton is not None:
         A4: tl.constexpr, DT: tl.constexpr, DT2: tl.constexpr, SECOND: tl.constexpr, GROUPED: tl.constexpr,
         HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, OUT: tl.constexpr,
         BM: tl.constexpr, BN: tl.constexpr, GK: tl.constexpr, G2: tl.constexpr, SWAP: tl.constexpr,
-        EVEN_K: tl.constexpr, SC4: tl.constexpr,
+        EVEN_K: tl.constexpr, SC4: tl.constexpr, NAT: tl.constexpr = False,
     ):
         """One (BM rows x BN cols) output tile, K-range ``pid_k`` of ``SPLIT_K``.
 
@@ -271,6 +271,7 @@ if triton is not None:
         out[pid_k, row, col] (no bias). SWAP: accumulate the transposed tile [BN, BM] (decode).
         EVEN_K: every K step of the first loop is full (K/16 and KB_PER_SPLIT multiples of GK).
         SC4: the first loop loads block scales as int32 words (EVEN_K, and GK, K/16 multiples of 4).
+        NAT: w4a16 with SWAP takes the natural-K-order tiles of the plain path (GemmConfig.natural).
 
         K is walked in the order (even elements of the step, odd elements of the step) on both
         operands (the sum is the same; the packed byte's two nibbles need no interleave)."""
@@ -314,7 +315,7 @@ if triton is not None:
                 ae, ao = _fp4_pairs(a_ptr, as_ptr, arow * KH, arow * KB, rmask, kb0, kb_hi, BM, GK, DT,
                                     not EVEN_K, SC4)
                 acc = _dot2(acc, ae, ao, we, wo, SWAP, DT)
-            elif SWAP:
+            elif SWAP and not NAT:
                 # w4a16 decode: the weight tile goes to the MMA from registers in (even, odd) order (its
                 # shared-memory copy is read straight into the dot layout); the few activation rows are split
                 we, wo = _fp4_pairs(w_ptr, ws_ptr, wprow, wsrow, nmask, kb0, kb_hi, BN, GK, DT, not EVEN_K, SC4)
@@ -848,6 +849,11 @@ class GemmConfig:
         num_warps / num_stages: Triton launch options.
         swap: accumulate the transposed tile (weight rows on the MMA's M side; for decode tiles of
             few activation rows).
+        natural: (w4a16 with ``swap``) load the activation tile in natural K order (one 2-D load, as the
+            plain tile does) and interleave the decoded weight halves in registers, instead of splitting
+            the activation into (even, odd) halves with a strided ``[BM, BK/2, 2]`` load (issue #5: the
+            H200 sweep measured that swapped w4a16 tile 1.2-2x slower than the plain one; this is the
+            candidate fix, chosen per shape only where measured faster). No effect otherwise.
     """
 
     block_m: int = 64
@@ -858,6 +864,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     swap: bool = False
+    natural: bool = False
 
 
 def _interpreting() -> bool:
@@ -879,15 +886,25 @@ def pick_block_m(rows_per_group: int) -> int:
 
 
 def pick_config(rows_per_group: int, m_tiles: int, n: int, k: int, device: torch.device,
-                block_m: int | None = None) -> GemmConfig:
-    """Heuristic launch configuration (``verl-quads bench rollout --sweep`` times alternatives on the H200).
+                block_m: int | None = None, *, grouped: bool = False, a4: bool = False) -> GemmConfig:
+    """Launch configuration of the tensor-core kernel: the :data:`MID_TABLE` entry of the shape if it has
+    one (measured, ``verl-quads bench rollout --sweep-mid``) and ``block_m`` is None or its block_m (a grouped
+    GEMM's routing fixes it), else a heuristic. ``grouped``: an expert GEMM (``rows_per_group`` = token-slots
+    per expert); ``a4``: a W4A4 operand (naive / quads / trace; else w4a16).
 
-    Decode (<= 32 rows per group): the GEMM is bound by streaming the weight bytes, so the tile is
-    swapped (weight rows on the MMA's M side, BLOCK_N 64, K steps of 128 = 64 bytes per weight row)
-    and K is split across programs until ~4 programs per SM are resident."""
+    Heuristic, decode-sized tiles (<= 32 rows per group): W4A4 swaps the tile (weight rows on the MMA's M
+    side, BLOCK_N 64, K steps of 128 = 64 bytes per weight row); w4a16 does not (H200 sweep: its swapped
+    tile, which splits the bf16 activation into (even, odd) halves with a strided load, was 1.1-2x slower
+    than the plain BLOCK_N 128 / BLOCK_K 64 tile at every measured point). K is split across programs
+    until ~4 programs per SM (2 for BLOCK_M >= 64) are resident."""
     bm = block_m or pick_block_m(rows_per_group)
-    if bm <= 32:
+    entry = mid_config(rows_per_group, n, k, grouped, a4)
+    if entry is not None and (block_m is None or entry.block_m == block_m):
+        return entry
+    if bm <= 32 and a4:
         cfg = GemmConfig(block_m=bm, block_n=64, block_k=128, block_k2=64, num_warps=4, num_stages=3, swap=True)
+    elif bm <= 32:
+        cfg = GemmConfig(block_m=bm, block_n=128, block_k=64, block_k2=64, num_warps=4, num_stages=3)
     elif bm == 64:
         cfg = GemmConfig(block_m=64, block_n=128, block_k=64, block_k2=64, num_warps=4, num_stages=3)
     else:
@@ -898,6 +915,58 @@ def pick_config(rows_per_group: int, m_tiles: int, n: int, k: int, device: torch
     while tiles * split * 2 <= target and k // (cfg.block_k * split * 2) >= 2:
         split *= 2
     return replace(cfg, split_k=split)
+
+
+# Mid-M dispatch of the tensor-core kernel (issue #5): (grouped, rows bucket, N, K, a4) -> GemmConfig. Rows = rows
+# per group: M for a dense GEMM, token-slots per expert (S / min(E, S)) for a grouped one; a GEMM takes the entry of
+# the smallest of MID_BUCKETS[grouped] >= its rows that has one (the bucket's block_m must be its routing's:
+# grouped_block_m), past the last bucket pick_config's heuristic. From `verl-quads bench rollout --sweep-mid`,
+# NVIDIA H200 (sm_90), torch 2.11.0+cu130, triton 3.6.0, 2026-11-30 session 5, cold L2
+# (docs/bench_rollout_h200_mid_sweep_s5.txt; us: fastest correct config vs the old default). Only entries that beat
+# the old default by > 3% (ties and naive dense stay on the heuristic); MoE: Qwen3-30B-A3B experts, 128 x top-8.
+MID_BUCKETS = {True: (1, 4, 16), False: (16, 64, 256)}
+MID_GROUPED_BLOCK_M = {1: 16, 4: 16, 16: 32}  # grouped bucket -> the routing's block_m (moe_forward)
+MID_TABLE: dict[tuple[bool, int, int, int, bool], GemmConfig] = {
+    # MoE M=256 (16 slots per expert): block_m 32 (one tile for most experts) for both GEMMs and both modes
+    (True, 16, 1536, 2048, False): GemmConfig(block_m=32, block_n=128, block_k=128, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=False),  # 338 vs 604 us
+    (True, 16, 2048, 768, False): GemmConfig(block_m=32, block_n=128, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=False),  # 177 vs 325
+    (True, 16, 1536, 2048, True): GemmConfig(block_m=32, block_n=128, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=True),  # 253 vs 308
+    (True, 16, 2048, 768, True): GemmConfig(block_m=32, block_n=128, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=True),  # 131 vs 162
+    # MoE M=64 (4 per expert); w2 w4a16 takes the stream kernel (DECODE_TABLE (True, 512, 2048, 768): 100 vs 227)
+    (True, 4, 1536, 2048, False): GemmConfig(block_m=16, block_n=128, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=False),  # 257 vs 411
+    (True, 4, 2048, 768, True): GemmConfig(block_m=16, block_n=128, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=True),  # 105 vs 111
+    # MoE M=16 (1 per expert); w13 w4a16: tensor-core tile 175 vs the stream entry 219 (removed); w2 w4a16: stream
+    (True, 1, 1536, 2048, False): GemmConfig(block_m=16, block_n=64, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=False),  # 175 vs 219
+    (True, 1, 2048, 768, True): GemmConfig(block_m=16, block_n=128, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=False),  # 73.7 vs 78.4
+    # dense w4a16 (W4A4 dense: the heuristic was fastest or within 3%)
+    (False, 16, 8192, 8192, False): GemmConfig(block_m=16, block_n=128, block_k=64, block_k2=64, split_k=8, num_warps=4, num_stages=3, swap=False),  # 54.2 vs stream 76.5
+    (False, 16, 4096, 4096, False): GemmConfig(block_m=16, block_n=64, block_k=64, block_k2=64, split_k=8, num_warps=8, num_stages=3, swap=False),  # 21.7 vs stream 24.0
+    (False, 64, 8192, 8192, False): GemmConfig(block_m=64, block_n=128, block_k=128, block_k2=64, split_k=4, num_warps=4, num_stages=3, swap=False),  # 55.1 vs 60.6
+    (False, 64, 4096, 4096, False): GemmConfig(block_m=64, block_n=64, block_k=64, block_k2=64, split_k=4, num_warps=4, num_stages=4, swap=False),  # 23.7 vs 26.0
+    (False, 256, 8192, 8192, False): GemmConfig(block_m=128, block_n=64, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=False),  # 118 vs 124
+    (False, 256, 4096, 4096, False): GemmConfig(block_m=128, block_n=64, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=False),  # 42.3 vs 46.5
+}
+
+
+def _mid_bucket(rows_per_group: int, grouped: bool) -> int | None:
+    return next((b for b in MID_BUCKETS[grouped] if rows_per_group <= b), None)
+
+
+def mid_config(rows_per_group: int, n: int, k: int, grouped: bool, a4: bool) -> GemmConfig | None:
+    """The :data:`MID_TABLE` entry of the smallest bucket >= ``rows_per_group`` that has one, or None."""
+    for b in MID_BUCKETS[grouped]:
+        if rows_per_group <= b and (grouped, b, n, k, a4) in MID_TABLE:
+            return MID_TABLE[(grouped, b, n, k, a4)]
+    return None
+
+
+def grouped_block_m(rows_per_group: int) -> int:
+    """BLOCK_M (the routing's M-tile height, :func:`moe_align`) of a grouped GEMM with ~``rows_per_group``
+    token-slots per expert: :data:`MID_GROUPED_BLOCK_M` of its bucket (the block_m of the measured
+    :data:`MID_TABLE` entries: 32 at 5..16 slots per expert, so that most experts are one tile), else
+    :func:`pick_block_m`."""
+    b = _mid_bucket(rows_per_group, True)
+    return MID_GROUPED_BLOCK_M.get(b, pick_block_m(rows_per_group)) if b is not None else pick_block_m(rows_per_group)
 
 
 @dataclass(frozen=True)
@@ -1005,21 +1074,22 @@ class StreamConfig:
 # follow-up `--sweep-decode --focus --shapes moe,d8192 --m 1` run (docs/bench_rollout_h200_decode_focus.txt).
 # Session 4 (2026-11-30, `--sweep-decode --focus --shapes moe,d8192 --m 1,16`, docs/bench_rollout_h200_decode_focus_s4.txt):
 # (False, 1, 8192, 8192), (True, 8, *) -> f16x2 + late_scale; (True, 128, 1536, 2048) -> bf16x2 (225 vs 235 us).
+# Session 5 (`--sweep-mid`, docs/bench_rollout_h200_mid_sweep_s5.txt): (False, 16, *) and (True, 128, 1536, 2048) removed
+# (the tensor-core kernel's MID_TABLE tiles measured faster: 54.2 vs 76.5 us d8192, 21.7 vs 24.0 d4096, 175 vs 219 MoE
+# w13 M=16); (True, 512, 2048, 768) added (MoE w2 at 129..512 slots, M=64: 100 vs 227 us for the old default).
 DECODE_TABLE: dict[tuple[bool, int, int, int], StreamConfig] = {
     (False, 1, 4096, 4096): StreamConfig(block_m=1, block_n=256, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=True),
     (False, 1, 8192, 8192): StreamConfig(block_m=1, block_n=256, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True),
     (False, 4, 4096, 4096): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
     (False, 4, 8192, 8192): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
-    (False, 16, 4096, 4096): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
-    (False, 16, 8192, 8192): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
     (True, 8, 1536, 2048): StreamConfig(block_m=1, block_n=256, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True),
     (True, 8, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=False, late_scale=True),
     (True, 32, 1536, 2048): StreamConfig(block_m=2, block_n=128, block_kw=16, split_k=2, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=False),
     (True, 32, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=False, fixup=False),
-    (True, 128, 1536, 2048): StreamConfig(block_m=16, block_n=128, block_kw=32, split_k=0, num_warps=4, num_stages=3, mma=1, decode='bf16x2', prefetch=False, fixup=False),
     (True, 128, 2048, 768): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
+    (True, 512, 2048, 768): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
 }
-DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
 def decode_bucket(rows: int) -> int | None:
@@ -1477,14 +1547,14 @@ def nvfp4_gemm(
         t_max = routing.tile_expert.numel()
         if config is None:
             per = -(-s // max(1, min(routing.num_experts, s)))
-            config = pick_config(per, t_max, n, k, dev, block_m=routing.block_m)
+            config = pick_config(per, t_max, n, k, dev, block_m=routing.block_m, grouped=True, a4=act.mode != "w4a16")
         elif config.block_m != routing.block_m:
             raise ValueError(f"nvfp4 GEMM: config.block_m {config.block_m} != routing.block_m {routing.block_m}")
         m_tiles = t_max
         arow_t = routing.sorted_slots if a_rows is None else a_rows.to(torch.int32).contiguous()
         orow_t = routing.sorted_slots
     else:
-        config = config or pick_config(m, -(-m // pick_block_m(m)), n, k, dev)
+        config = config or pick_config(m, -(-m // pick_block_m(m)), n, k, dev, a4=act.mode != "w4a16")
         m_tiles = -(-m // config.block_m)
         arow_t = orow_t = None
     bm, bn, bk, bk2 = config.block_m, config.block_n, config.block_k, config.block_k2
@@ -1546,7 +1616,7 @@ def nvfp4_gemm(
         m, n, k, k // 2, kb, nsel2, rows_out, kb_per, jb_per,
         A4=a4, DT=dt, DT2=dt2, SECOND=second, GROUPED=grouped, HAS_BIAS=bias is not None, SPLIT_K=split,
         OUT=_OUT_CODES[act.dtype], BM=bm, BN=bn, GK=gk, G2=g2, SWAP=config.swap,
-        EVEN_K=even_k, SC4=even_k and gk % 4 == 0 and kb % 4 == 0,
+        EVEN_K=even_k, SC4=even_k and gk % 4 == 0 and kb % 4 == 0, NAT=config.natural and not a4,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if split > 1:
@@ -1622,7 +1692,7 @@ def moe_forward(
     n_exp = w13_packed.shape[0]
     inter = w2_packed.shape[-1] * 2
     s = t * k
-    routing = moe_align(expert_ids, n_exp, pick_block_m(-(-s // min(n_exp, s))))
+    routing = moe_align(expert_ids, n_exp, grouped_block_m(-(-s // min(n_exp, s))))
     capture = on_record is not None
     op1, rec = quantize_activation(x, act_mode, residual_ratio=residual_ratio,
                                    residual_per_token=residual_per_token, capture=capture,
@@ -1701,11 +1771,14 @@ __all__ = [
     "ActOperand",
     "DECODE_TABLE",
     "GemmConfig",
+    "MID_TABLE",
     "StreamConfig",
     "decode_bucket",
     "decode_config",
     "GroupedRouting",
+    "grouped_block_m",
     "linear_op",
+    "mid_config",
     "moe_align",
     "moe_align_reference",
     "moe_forward",
