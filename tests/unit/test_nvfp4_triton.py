@@ -322,7 +322,7 @@ TILED_VARIANTS = {"tiled": ("tiled", {}), "gather": ("gather", {}),
                   "gather-radix4": ("gather", {"radix": 4}), "tiled-radix2": ("tiled", {"radix": 2}),
                   # one walk, row in registers (_residual_hold_kernel; tile_blocks is ignored there): one
                   # warp with 1 block / thread (16 padded blocks), and the early stop switched off
-                  "hold-b1": ("hold", {"blocks_per_thread": 1}), "hold-late": ("hold", {"early": False}),
+                  "hold-late": ("hold", {"early": False}), "gather-fast": ("gather", {"early": True, "fast": True}),
                   # FAST: the random rows take the exact-count branch, the tie / zero rows the tie scan
                   "hold-fast": ("hold", {"fast": True})}
 
@@ -400,6 +400,31 @@ def test_hold_kernel_is_taken_when_the_row_fits_else_gather(tk, monkeypatch):
     assert launched == [("_residual_tiled_kernel", (3,))]
 
 
+def test_auto_residual_kernel_follows_the_row_length_rule(tk, monkeypatch):
+    # the default ("auto") serves a row by RESIDUAL_BY_BLOCKS (first entry whose padded block count fits)
+    assert tk.KERNELS["residual_per_token"] == "auto"
+    monkeypatch.setattr(tk, "RESIDUAL_BY_BLOCKS", ((8, "hold-b4-fast"), (None, "gather-early")))
+    launched = []
+    for name in ("_residual_hold_kernel", "_residual_tiled_kernel"):
+        real = getattr(tk, name)
+
+        class Spy:
+            def __getitem__(self, grid, name=name, real=real):
+                launched.append(name)
+                return real[grid]
+        monkeypatch.setattr(tk, name, Spy())
+    for k, want_kernel in ((96, "_residual_hold_kernel"), (160, "_residual_tiled_kernel")):  # 8 / 16 padded blocks
+        x = _x((3, k), torch.bfloat16, seed=5)
+        gs = nv.per_row_global_scale(x)
+        launched.clear()
+        assert torch.equal(nv.residual_fake_quantize(x, 0.5, gs, backend="triton"),
+                           nv.residual_fake_quantize(x, 0.5, gs, backend="torch"))
+        assert launched == [want_kernel], (k, launched)
+    monkeypatch.setattr(tk, "RESIDUAL_BY_BLOCKS", ((8, "hold-b4-fast"),))
+    with pytest.raises(ValueError, match="RESIDUAL_BY_BLOCKS has no entry for rows of 16 padded 16-blocks"):
+        nv.residual_fake_quantize(_x((3, 160), torch.bfloat16, seed=5), 0.5, gs, backend="triton")
+
+
 _SM90_COMPILE = r"""
 import sys
 import triton
@@ -450,14 +475,16 @@ rv = dict(r, RADIX="constexpr", STAGES="constexpr", EARLY="constexpr")
 for pack, gather, radix, early, stages in ((False, True, 4, False, 2), (True, False, 1, True, 2)):
     comp(tk._residual_tiled_kernel, rv if pack else dict(rv, idx_ptr="*i32"), {"NTP": 8, "CT": 64, "HAS_W": False,
          "PACK": pack, "OUT": 0 if pack else 3, "GATHER": gather, "RADIX": radix, "EARLY": early, "STAGES": stages}, 2)
+# FAST (gather-early-*-fast variants): fused E2M1 magic + the tie scan only when the early count is not exact
+for pack, ct, ntp, nw in ((False, 32, 4, 1), (True, 128, 4, 4)):
+    comp(tk._residual_tiled_kernel, dict(rv, FAST="constexpr") if pack else dict(rv, idx_ptr="*i32", FAST="constexpr"),
+         {"NTP": ntp, "CT": ct, "HAS_W": False, "PACK": pack, "OUT": 0 if pack else 3, "GATHER": True, "RADIX": 1,
+          "EARLY": True, "STAGES": None, "FAST": True}, nw)
 # the one-walk kernel (RESIDUAL_VARIANTS "hold-*"): packed / bf16 QDQ / fp16 QDQ with weights, early stop on and off
 h = dict(list(r.items())[:13], NBP="constexpr", HAS_W="constexpr", PACK="constexpr", OUT="constexpr", EARLY="constexpr",
          FAST="constexpr")
-for pack, out, xt, has_w, early, fast, nbp, nw in ((True, 0, "*bf16", False, True, False, 128, 1),
-                                                   (False, 3, "*bf16", False, True, False, 512, 8),
-                                                   (False, 2, "*fp16", True, False, False, 64, 2),
-                                                   (True, 0, "*bf16", True, True, True, 256, 4),
-                                                   (False, 3, "*bf16", False, True, True, 128, 1)):
+for pack, out, xt, has_w, early, fast, nbp, nw in ((True, 0, "*bf16", True, True, True, 256, 4),
+                                                   (False, 2, "*fp16", True, False, False, 64, 2)):
     comp(tk._residual_hold_kernel, dict(h, x_ptr=xt, out_ptr="*i16" if out == 3 else xt, idx_ptr="*i64" if pack else "*i32"),
          {"NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "EARLY": early, "FAST": fast}, nw)
 # TRACE guided quantize (MODE 0: packed words) and one-launch guided QDQ (MODE 1, bf16 by cvt.rn / fp16 / fp32)

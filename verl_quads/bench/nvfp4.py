@@ -12,8 +12,9 @@ at k = 0.5).
 
 Kernel variants (``triton_kernels.KERNELS``) are timed side by side in the same run: quantize / QDQ
 ``[v1]`` (the old block-tile kernel) and ``[v2]`` / ``[v2 int-e2m1]`` (one thread per block; the
-float or the integer E2M1 index), per-token residual ``row`` (whole row in registers), ``tiled``
-(row walked in tiles twice) and ``gather`` (second walk over the selected blocks only); the new
+float or the integer E2M1 index), per-token residual ``row`` (whole row in registers), ``gather``
+(second walk over the selected blocks only, 64-block tiles, 2 warps) and the default ``auto``
+(``RESIDUAL_BY_BLOCKS``: the tile / warps measured fastest per row length); the new
 kernels write bf16 with the GPU's conversion instruction (``[... int-bf16-store]``: with the integer
 rounding v1 uses). Residual ratios are given against both plain variants.
 Each timed call selects its variant and restores ``KERNELS`` afterwards; ``--sweep`` tunes each
@@ -205,8 +206,8 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
                       lambda b: _with(dict(v2q, bf16_store="int"), lambda: nv.fake_quantize(
                           x, gs_row, backend=b, check_finite=False))(), 2 * m * k * eb))
         for ratio in (0.25, 0.5):
-            for per_token, tag, kern in ((True, "per-token, fused row", "row"), (True, "per-token, tiled", "tiled"),
-                                         (True, "per-token, gather", "gather"), (False, "per-call", "row")):
+            for per_token, tag, kern in ((True, "per-token, fused row", "row"), (True, "per-token, gather t64w2", "gather"),
+                                         (True, "per-token, default (auto)", "auto"), (False, "per-call", "row")):
                 idx_bytes = m * int(ratio * k / 16) * 8 if per_token else int(ratio * k / 16) * 8
                 ch = dict(residual_per_token=kern)
                 cases.append((f"residual_quantize k={ratio:g} ({tag})",
@@ -218,7 +219,7 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
                                   x, r, gs_row, per_token=pt, backend=b, check_finite=False))(),
                               2 * m * k * eb))
         col_w = torch.rand(k, device=dev, dtype=torch.float32)  # stands in for a weight's squared column norms
-        for kern in ("row", "tiled", "gather"):
+        for kern in ("row", "gather", "auto"):
             cases.append((f"residual QDQ k=0.5 (per-token, fused {kern}, output-aware score)",
                           lambda b, ch=dict(residual_per_token=kern): _with(ch, lambda: nv.residual_fake_quantize(
                               x, 0.5, gs_row, score_weight=col_w, backend=b, check_finite=False))(),

@@ -781,15 +781,16 @@ if triton is not None:
         return th
 
     @triton.jit
-    def _tile_qdq(x_ptr, b, m, gs, inv):
+    def _tile_qdq(x_ptr, b, m, gs, inv, FAST: tl.constexpr = False):
         """First pass of 16-blocks ``b`` ([CT] int64 indices in the block layout, mask ``m``) under the
         row's global scale ``gs`` [CT] and its reciprocal ``inv``: returns x's halves (float32 [CT, 8]),
-        E4M3 scale bytes (int32 [CT]), output scales [CT] and the QDQ halves (float32 [CT, 8])."""
+        E4M3 scale bytes (int32 [CT]), output scales [CT] and the QDQ halves (float32 [CT, 8]).
+        FAST: ``_hold_qdq_half``'s fused E2M1 magic (same values)."""
         x0, x1 = _load_halves(x_ptr, b, m)
         vec_max = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
         sval, sbyte, os = _scales_inv(vec_max, gs, inv)
         factor = tl.math.div_rn(sval, gs)
-        return x0, x1, sbyte, os, _qdq_half(x0, os, factor), _qdq_half(x1, os, factor)
+        return x0, x1, sbyte, os, _hold_qdq_half(x0, os, factor, FAST), _hold_qdq_half(x1, os, factor, FAST)
 
     @triton.jit
     def _tile_word(x0, x1, os):
@@ -800,11 +801,11 @@ if triton is not None:
         return (w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)
 
     @triton.jit
-    def _tile_second(x_ptr, b, m, gs, inv, gs2, inv2):
+    def _tile_second(x_ptr, b, m, gs, inv, gs2, inv2, FAST: tl.constexpr = False):
         """First pass, residual and second-pass scales of 16-blocks ``b`` (see ``_tile_qdq``): returns the
         QDQ halves v0, v1, residual halves r0, r1 (float32 [CT, 8]) and the residual's E4M3 scale value,
         byte and output scale [CT] under the row's second-pass global scale gs2 (reciprocal inv2)."""
-        x0, x1, _, os, v0, v1 = _tile_qdq(x_ptr, b, m, gs, inv)
+        x0, x1, _, os, v0, v1 = _tile_qdq(x_ptr, b, m, gs, inv, FAST)
         r0 = x0 - v0
         r1 = x1 - v1
         ra = tl.maximum(tl.max(tl.abs(r0), axis=1), tl.max(tl.abs(r1), axis=1))
@@ -814,14 +815,14 @@ if triton is not None:
     @triton.jit
     def _tiled_first(x_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, row, t, NB, gs, inv, ebits, ram,
                      CT: tl.constexpr, NTP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr,
-                     OUT: tl.constexpr, GATHER: tl.constexpr):
+                     OUT: tl.constexpr, GATHER: tl.constexpr, FAST: tl.constexpr = False):
         """Step 1 of ``_residual_tiled_kernel`` for tile ``t`` of the row: returns ``ebits`` / ``ram``
         ([NTP, CT] int32 score bits / float32 residual amax) with row ``t`` filled in."""
         ci = tl.arange(0, CT)
         c = t * CT + ci
         cmask = c < NB
         b = row * NB + c
-        x0, x1, sbyte, os, v0, v1 = _tile_qdq(x_ptr, b, cmask, gs, inv)
+        x0, x1, sbyte, os, v0, v1 = _tile_qdq(x_ptr, b, cmask, gs, inv, FAST)
         if PACK:
             tl.store(packed1_ptr + b, _tile_word(x0, x1, os), mask=cmask)
             tl.store(scale1_ptr + b, sbyte.to(tl.uint8), mask=cmask)
@@ -848,6 +849,7 @@ if triton is not None:
         NB, NSEL, GS_DIV,
         NTP: tl.constexpr, CT: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr,
         GATHER: tl.constexpr, RADIX: tl.constexpr = 1, STAGES: tl.constexpr = None, EARLY: tl.constexpr = False,
+        FAST: tl.constexpr = False,
     ):
         """Per-token QUADS residual compensation, one program per row of x [M, K] (NB = K / 16
         blocks) walking the row in tiles of CT blocks twice, so only a tile's data is in registers:
@@ -872,7 +874,9 @@ if triton is not None:
 
         Speed-only options (same bytes): RADIX / EARLY: bits per step of the threshold search / stop it
         once the count is exact (``_topn_threshold``). STAGES: None = plain loops; an int =
-        ``tl.range(num_stages=STAGES)`` for the tile walks (software-pipelined loads)."""
+        ``tl.range(num_stages=STAGES)`` for the tile walks (software-pipelined loads). FAST: the E2M1
+        magic of ``_hold_qdq_half`` and, with EARLY, the tie scan only when the stopped threshold does not
+        count exactly NSEL blocks (as ``_residual_hold_kernel``)."""
         row = tl.program_id(0).to(tl.int64)
         ci = tl.arange(0, CT)
         ti = tl.arange(0, NTP)
@@ -884,13 +888,18 @@ if triton is not None:
         nt = tl.cdiv(NB, CT)
         for t in tl.range(0, nt, num_stages=STAGES):
             ebits, ram = _tiled_first(x_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, row, t, NB, gs, inv, ebits, ram,
-                                      CT, NTP, HAS_W, PACK, OUT, GATHER)
+                                      CT, NTP, HAS_W, PACK, OUT, GATHER, FAST)
         eb = tl.reshape(ebits, (NTP * CT,))
         th = _topn_threshold(eb, NSEL, RADIX, EARLY)
-        gt = eb > th
-        eq = eb == th
-        need = NSEL - tl.sum(gt.to(tl.int32), axis=0)
-        sel = gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))  # padding: bits -1, never selected
+        # padding: bits -1, never selected
+        if FAST and EARLY:
+            ge = eb >= th
+            if tl.sum(ge.to(tl.int32), axis=0) == NSEL:  # the early stop's case: exactly NSEL blocks >= T
+                sel = ge
+            else:
+                sel = _tie_select(eb, th, NSEL)
+        else:
+            sel = _tie_select(eb, th, NSEL)
         amax = tl.max(tl.where(sel, tl.reshape(ram, (NTP * CT,)), 0.0), axis=0)
         a = tl.maximum(amax, 1.1754943508222875e-38)
         g2 = tl.math.div_rn(a * 0.0 + 1.0, a) * 2688.0
@@ -911,13 +920,14 @@ if triton is not None:
                 smask = sl < NSEL
                 blk = tl.load(idx_ptr + row * NSEL + sl, mask=smask, other=0)
                 b = row * NB + blk
-                v0, v1, r0, r1, s2, sb2, os2 = _tile_second(x_ptr, b, smask, gs, inv, gs2, inv2)
+                v0, v1, r0, r1, s2, sb2, os2 = _tile_second(x_ptr, b, smask, gs, inv, gs2, inv2, FAST)
                 if PACK:
                     tl.store(packed2_ptr + row * NSEL + sl, _tile_word(r0, r1, os2), mask=smask)
                     tl.store(scale2_ptr + row * NSEL + sl, sb2.to(tl.uint8), mask=smask)
                 else:
                     f2 = tl.math.div_rn(s2, gs2)
-                    _store_halves(out_ptr, b, v0 + _qdq_half(r0, os2, f2), v1 + _qdq_half(r1, os2, f2), smask, OUT)
+                    _store_halves(out_ptr, b, v0 + _hold_qdq_half(r0, os2, f2, FAST),
+                                  v1 + _hold_qdq_half(r1, os2, f2, FAST), smask, OUT)
         else:
             base = row * NSEL
             for t in tl.range(0, nt, num_stages=STAGES):
@@ -1054,14 +1064,15 @@ TILE_CONFIG = {"blocks": 128, "num_warps": 2, "split": True}
 #: TILE_CONFIG) or "v2" = ``_quant2_kernel`` (one thread per block, global scale and its reciprocal
 #: once per program, QUANT2_CONFIG); residual_per_token (per-row global scale): "row" =
 #: ``_residual_row_kernel`` (whole row in registers, ROW_CONFIG), "tiled" = ``_residual_tiled_kernel``
-#: (row walked in tiles twice, TILED_CONFIG), "gather" (the same kernel, second walk over the
+#: (row walked in tiles twice, TILED_CONFIG), "auto" (the ``RESIDUAL_BY_BLOCKS`` variant for the row's
+#: padded block count: the default), "gather" (the same kernel, second walk over the
 #: selected blocks only) or "hold" (``_residual_hold_kernel``: one walk, the row in registers;
 #: TILED_CONFIG["hold"], longer rows run "gather"). ``verl-quads bench nvfp4`` times every variant side by side; the defaults
 #: are its H200 winners (docs/bench_nvfp4_h200_session3.txt: 8192x8192 quantize v2 76% of copy BW vs
 #: v1 66%; per-token residual QDQ k=0.5 gather 2.4x plain QDQ vs row 4.8x). "bf16_store":
 #: how v2 / tiled / gather write bfloat16 outputs on a GPU: "native" (one conversion instruction) or
 #: "int" (integer rounding, as v1 and always under the interpreter, whose cast truncates).
-KERNELS = {"quantize": "v2", "fake_quantize": "v2", "residual_per_token": "gather", "bf16_store": "native"}
+KERNELS = {"quantize": "v2", "fake_quantize": "v2", "residual_per_token": "auto", "bf16_store": "native"}
 
 #: ``_quant2_kernel``: 16-blocks per program, warps, and the float formulation of the E2M1 index
 #: (``_e2m1_code`` FP=True) for quantize; tuned by ``verl-quads bench nvfp4 --sweep`` (values below:
@@ -1073,7 +1084,8 @@ QUANT2_CONFIG = {"quantize": {"blocks": 512, "num_warps": 4, "fp": False}, "qdq"
 #: ``_residual_tiled_kernel``, per variant ("tiled", "gather"): 16-blocks per tile and warps per row
 #: program; rows longer than ``max_blocks`` blocks use the multi-kernel path.
 # "gather" early=True: H200 2026-11-30 (docs/bench_nvfp4_h200_residual_variants_s4.txt), same bytes, k=0.5 bf16
-# residual QDQ 176 -> 151 us at 8192x8192, 28.2 -> 22.1 us at 4096x2048.
+# residual QDQ 176 -> 151 us at 8192x8192, 28.2 -> 22.1 us at 4096x2048. The default ("auto") picks tile / warps
+# per row length from RESIDUAL_BY_BLOCKS (session 5).
 TILED_CONFIG = {"tiled": {"tile_blocks": 64, "num_warps": 2},
                 "gather": {"tile_blocks": 64, "num_warps": 2, "early": True},
                 # ``_residual_hold_kernel`` (one walk, row in registers): warps = padded blocks / (32 *
@@ -1097,17 +1109,37 @@ RESIDUAL_VARIANTS = {
     "gather-early-t128w2": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 2}),
     "gather-early-t128w4": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 4}),
     "gather-early-t256w4": ("gather", {"early": True, "tile_blocks": 256, "num_warps": 4}),
+    # + FAST (``_residual_tiled_kernel``): fused E2M1 magic, tie scan only when the early count is not exact
+    "gather-early-fast": ("gather", {"early": True, "fast": True}),
+    "gather-early-t32w1-fast": ("gather", {"early": True, "tile_blocks": 32, "num_warps": 1, "fast": True}),
+    "gather-early-t128w4-fast": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 4, "fast": True}),
     "tiled": ("tiled", {}),
     "tiled-early-stages2": ("tiled", {"early": True, "stages": 2}),
     # one walk, the row held in registers (``_residual_hold_kernel``): 1 / 2 / 4 blocks (16 / 32 / 64 elements)
     # per thread, i.e. K=8192: 16 / 8 / 4 warps, K=2048: 4 / 2 / 1 warps
-    "hold-b1": ("hold", {"blocks_per_thread": 1}),
-    "hold-b2": ("hold", {"blocks_per_thread": 2}),
-    "hold-b4": ("hold", {"blocks_per_thread": 4}),
-    # + FAST: fused E2M1 magic, tie scan only when the early-stopped count is not exact
+    # + FAST: fused E2M1 magic, tie scan only when the early-stopped count is not exact. Measured SLOWER than
+    # gather on the H200 (session 5, k=0.5 bf16: 229-239 us vs 148 at 8192^2, 21.8 vs 20.3 at 4096x2048, 135 vs
+    # 125 at 32768x2048; hold-b1/b2/b4 without FAST were slower still and are gone): kept as a measured option
     "hold-b2-fast": ("hold", {"blocks_per_thread": 2, "fast": True}),
     "hold-b4-fast": ("hold", {"blocks_per_thread": 4, "fast": True}),
 }
+
+
+#: ``KERNELS["residual_per_token"] == "auto"``: the RESIDUAL_VARIANTS entry that serves a row of ``nbp`` padded
+#: 16-blocks: the first (largest nbp, name) with nbp <= largest (None: any length). All variants give the same
+#: bytes; this is the measured fastest per row length.
+# H200 2026-11-30 session 5 (docs/bench_nvfp4_h200_residual_variants_s5.txt, bf16 residual QDQ us at k=0.5 / 0.25):
+# K=2048 (128 blocks) t32w1 20.3 / 18.0 at 4096x2048 and 125 / 108 at 32768x2048 vs gather-early (t64w2) 22.0 / 22.5
+# and 145 / 146; K=8192 (512 blocks) t128w4 148 / 129 vs 152 / 130 (session 4: 147 vs 151). Other lengths keep
+# gather-early (t64w2): not measured; rows of <= 64 blocks take the 1-warp tile by extrapolation from K=2048.
+RESIDUAL_BY_BLOCKS = ((128, "gather-early-t32w1"), (256, "gather-early"), (512, "gather-early-t128w4"), (None, "gather-early"))
+
+
+def _auto_residual_variant(nbp: int) -> str:
+    for most, name in RESIDUAL_BY_BLOCKS:
+        if most is None or nbp <= most:
+            return name
+    raise ValueError(f"RESIDUAL_BY_BLOCKS has no entry for rows of {nbp} padded 16-blocks: {RESIDUAL_BY_BLOCKS}")
 
 
 @contextlib.contextmanager
@@ -1331,7 +1363,7 @@ def _fused_rows_ok(gs: torch.Tensor, m: int, nb: int) -> bool:
     global scale is per row: a per-row first-pass scale ``[M, 1]`` (or a single row), and the padded
     row fits that kernel's config (ROW_CONFIG / TILED_CONFIG ``max_blocks``)."""
     per_row = gs.dim() == 2 and gs.shape[0] == m and gs.shape[1] == 1
-    cfg = TILED_CONFIG if KERNELS["residual_per_token"] in ("tiled", "gather", "hold") else ROW_CONFIG
+    cfg = TILED_CONFIG if KERNELS["residual_per_token"] in ("tiled", "gather", "hold", "auto") else ROW_CONFIG
     return (per_row or m == 1) and m > 0 and nb > 0 and triton.next_power_of_2(nb) <= cfg["max_blocks"]
 
 
@@ -1346,22 +1378,25 @@ def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: f
     nbp = triton.next_power_of_2(nb)
     wt = w if w is not None else g1
     choice = KERNELS["residual_per_token"]
-    if choice == "hold" and nbp > TILED_CONFIG["hold"]["max_blocks"]:
-        choice = "gather"  # the same bytes; the row does not fit the one-walk kernel's registers
+    over = {}
+    if choice == "auto":
+        choice, over = RESIDUAL_VARIANTS[_auto_residual_variant(nbp)]
+    if choice == "hold" and nbp > dict(TILED_CONFIG["hold"], **over)["max_blocks"]:
+        choice, over = "gather", {}  # the same bytes; the row does not fit the one-walk kernel's registers
     scratch = None
     if choice == "hold":
         kernel = _residual_hold_kernel
-        cfg = TILED_CONFIG["hold"]
+        cfg = dict(TILED_CONFIG["hold"], **over)
         meta = dict(NBP=nbp, HAS_W=w is not None, EARLY=cfg.get("early", True), FAST=cfg.get("fast", False),
                     enable_fp_fusion=False,
                     num_warps=int(min(16, max(1, nbp // (32 * cfg["blocks_per_thread"])))))
     elif choice in ("tiled", "gather"):
         kernel = _residual_tiled_kernel
-        ct = min(TILED_CONFIG[choice]["tile_blocks"], nbp)
-        cfg = TILED_CONFIG[choice]
+        cfg = dict(TILED_CONFIG[choice], **over)
+        ct = min(cfg["tile_blocks"], nbp)
         meta = dict(NTP=triton.next_power_of_2(triton.cdiv(nb, ct)), CT=ct, HAS_W=w is not None,
                     GATHER=choice == "gather", RADIX=cfg.get("radix", 1), STAGES=cfg.get("stages"),
-                    EARLY=cfg.get("early", False),
+                    EARLY=cfg.get("early", False), FAST=cfg.get("fast", False),
                     enable_fp_fusion=False, num_warps=cfg["num_warps"])
         if choice == "gather" and not packed:  # selected block indices, read back by the same program
             scratch = torch.empty(m, max(n_sel, 1), dtype=torch.int32, device=dev)
