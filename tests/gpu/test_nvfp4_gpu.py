@@ -26,9 +26,10 @@ def quant_variant(request, monkeypatch):
     return request.param
 
 
-#: per-token residual kernels: "row", "gather-int-bf16-store" and every named speed variant of the tiled /
-#: gather kernel (triton_kernels.RESIDUAL_VARIANTS: radix / early-stopped threshold search, pipelined walks, tiles)
-RESIDUAL_KERNELS = ["row", "gather-int-bf16-store"] + list(tk.RESIDUAL_VARIANTS)
+#: per-token residual kernels: "row", "auto" (the default: RESIDUAL_BY_BLOCKS per row length),
+#: "gather-int-bf16-store" and every named speed variant of the tiled / gather / hold kernels
+#: (triton_kernels.RESIDUAL_VARIANTS: radix / early-stopped threshold search, pipelined walks, tiles, FAST, one walk)
+RESIDUAL_KERNELS = ["row", "auto", "gather-int-bf16-store"] + list(tk.RESIDUAL_VARIANTS)
 
 
 @pytest.fixture(params=RESIDUAL_KERNELS)
