@@ -27,6 +27,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 from verl_quads.config import QuantConfig
 
@@ -57,6 +58,47 @@ def _uneven_moe():
     return model
 
 
+class _TransposedExperts(torch.nn.Module):
+    """gpt-oss-style fused experts (``is_transposed``: ``gate_up_proj`` ``[E, H, 2I]``, ``down_proj`` ``[E, I, H]``,
+    K = dim 1): every token through every expert, weighted (a tiny stand-in with the transformers experts
+    signature; QAT needs only the layout)."""
+
+    is_transposed = True
+
+    def __init__(self, experts=3, hidden=32, inter=16):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(experts, hidden, 2 * inter) * 0.05)
+        self.down_proj = torch.nn.Parameter(torch.randn(experts, inter, hidden) * 0.05)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        h = torch.einsum("th,ehi->eti", hidden_states, self.gate_up_proj)
+        gate, up = h.chunk(2, dim=-1)
+        y = torch.einsum("eti,eih->eth", F.silu(gate) * up, self.down_proj)
+        return (y * top_k_weights.t().unsqueeze(-1)).sum(0)
+
+
+class _TransposedLayer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = torch.nn.Module()
+        self.mlp.experts = _TransposedExperts()
+
+    def forward(self, x):
+        return self.mlp.experts(x, None, torch.softmax(x[:, :3], dim=-1))
+
+
+class _TransposedModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        import types
+
+        self.config = types.SimpleNamespace(num_hidden_layers=1)
+        self.layers = torch.nn.ModuleList([_TransposedLayer()])
+
+    def forward(self, x):
+        return self.layers[0](x)
+
+
 def _sharded_model(family: str, quant: str, granularity: str, mesh, weight_qdq: str = "per_forward"):
     from qat_models import tiny_model
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -64,9 +106,20 @@ def _sharded_model(family: str, quant: str, granularity: str, mesh, weight_qdq: 
     from verl_quads.qat import apply_qat
 
     torch.manual_seed(0)
-    model = _uneven_moe() if family == "qwen3_moe_3experts" else tiny_model(family, dtype=torch.float32)
+    if family == "transposed_experts":
+        model = _TransposedModel()
+    else:
+        model = _uneven_moe() if family == "qwen3_moe_3experts" else tiny_model(family, dtype=torch.float32)
     apply_qat(model, QuantConfig(quant=quant, weight_qdq=weight_qdq))
     mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if family == "transposed_experts":
+        fully_shard(model.layers[0], mesh=mesh, mp_policy=mp_policy)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        if weight_qdq == "per_version":
+            from verl_quads.qat import fsdp_qdq
+
+            fsdp_qdq.install(model)
+        return model
     if granularity == "per_linear":
         for layer in model.model.layers:
             fully_shard(layer.self_attn.q_proj, mesh=mesh, mp_policy=mp_policy)
@@ -88,6 +141,13 @@ def _forward_backward(model, ids) -> dict:
     logits = model(input_ids=ids).logits
     logits.float().logsumexp(-1).sum().backward()
     return {"logits": logits.detach().float(),
+            "grads": {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}}
+
+
+def _forward_backward_x(model, x) -> dict:
+    y = model(x.to(torch.bfloat16))
+    y.float().pow(2).sum().backward()
+    return {"logits": y.detach().float(),
             "grads": {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()}}
 
 
@@ -154,6 +214,10 @@ def _per_version_cases(rank: int, world: int, mesh, ids) -> dict:
     res["uneven"] = (_forward_backward(_sharded_model("qwen3_moe_3experts", "quads", "per_layer", mesh), ids),
                      _forward_backward(_sharded_model("qwen3_moe_3experts", "quads", "per_layer", mesh, "per_version"), ids))
     res["per_linear"] = _forward_backward(_sharded_model(*CASES[0], "per_linear", mesh, "per_version"), ids)
+    # transposed experts (K = dim 1), 3 experts on 2 ranks; and the same model without QAT (bf16 under FSDP)
+    x = torch.randn(6, 32, generator=torch.Generator().manual_seed(2))
+    res["transposed"] = [_forward_backward_x(_sharded_model("transposed_experts", q, "per_layer", mesh, wq), x)
+                         for q, wq in (("quads", "per_forward"), ("quads", "per_version"), ("none", "per_forward"))]
     groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group, in order
     mesh1 = DeviceMesh.from_group(groups[rank], "cpu")
     res["world1"] = (_forward_backward(_sharded_model(*CASES[1], "per_layer", mesh1), ids),
@@ -300,7 +364,7 @@ def test_fsdp2_per_version_names_nan_weight_and_global_expert(two_ranks):
         assert "NaN/Inf weights at forward time in model.layers.1.mlp.experts.down_proj (experts [3])" in err, err
 
 
-def test_fsdp2_per_version_uneven_shards_own_group_and_one_rank(two_ranks):
+def test_fsdp2_per_version_uneven_shards_own_group_one_rank_transposed_experts(two_ranks):
     logits, grads = _plain_qat_reference(*CASES[0])
     plain = {"logits": logits, "grads": {k: g.float() for k, g in grads.items()}}
     for rank in range(2):
@@ -309,6 +373,9 @@ def test_fsdp2_per_version_uneven_shards_own_group_and_one_rank(two_ranks):
         # per_forward refuses q_proj in its own FSDP group (test above); per_version serves it exactly
         _assert_same(pv["per_linear"], plain, f"rank {rank}: q_proj in its own FSDP group")
         _assert_same(pv["world1"][1], pv["world1"][0], f"rank {rank}: FSDP mesh of one rank")
+        pf_t, pv_t, bf16_t = pv["transposed"]
+        _assert_same(pv_t, pf_t, f"rank {rank}: transposed experts")
+        assert not torch.equal(pv_t["logits"], bf16_t["logits"]), "transposed experts: QDQ changed nothing"
 
 
 def test_bench_qat_fsdp_per_version_runs_tiny():
