@@ -28,7 +28,10 @@ caches (one amax pass, one all-reduce, one QDQ per weight). The all-gather hook
 (``verl_quads/patches/fsdp2_qdq_all_gather.py``) re-checks the version of the shard it is about to send
 and raises instead of gathering a stale cache (e.g. a weight changed between forward and backward, or a
 submodule called directly after a change). Assumes SPMD: every rank changes its weights together (a rank
-that changed alone would enter the refresh's all-reduce alone).
+that changed alone would enter the refresh's all-reduce alone). Not seen: an in-place change through
+``param.data`` (a DTensor's ``.data`` has a fresh version counter and bumps none of the three; measured on
+torch 2.13); the training-time paths of verl 0.9.1 do not do that (AdamW, ``load_state_dict``, ``module.to``
+for param offload, ``fsdp2_sharded_load_from_cpu``'s ``param._local_tensor.copy_`` are all seen).
 
 NaN/Inf weights: NaN amaxes become +Inf before the all-reduce (MAX then carries them to every rank);
 the global amaxes are noted per weight for :meth:`QATState.verify` (the same deferred check, message and
