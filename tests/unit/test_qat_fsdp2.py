@@ -380,25 +380,33 @@ def test_fsdp2_per_version_uneven_shards_own_group_one_rank_transposed_experts(t
 
 def test_bench_qat_fsdp_per_version_runs_tiny():
     """``bench qat --fsdp`` (1-rank gloo group made and destroyed by the bench, in this process): the device
-    check of per_version against per_forward passes and per_version refreshes once per timed unit (one weight
-    version: warm-up 1 + 1 timed = 2 units), not once per micro-batch."""
+    check (per_version vs per_forward, with a per_forward rerun control and SDPA forced to math) finds every
+    tensor and every QDQ weight bit-identical on CPU, and in the interleaved timing per_version refreshes once
+    per timed unit (one weight version), not once per micro-batch; the no-FSDP baseline and both FSDP
+    settings (fp32 and bf16 master) are reported with the QAT added ms."""
+    import re
+
     import torch.distributed as dist
 
     from verl_quads.bench import qat
 
     was_initialized = dist.is_initialized()
     report = qat.main(["--fsdp", "--tokens", "16", "--hidden", "64", "--heads", "2", "--kv-heads", "1", "--head-dim",
-                       "32", "--experts", "4", "--top-k", "2", "--moe-inter", "32", "--iters", "1", "--warmup", "1",
-                       "--backend", "torch", "--modes", "bf16", "w4a16", "--micro-batches", "3"])
+                       "32", "--experts", "4", "--top-k", "2", "--moe-inter", "32", "--rounds", "1", "--units", "3",
+                       "--warmup", "1", "--backend", "torch", "--modes", "bf16", "w4a16", "--micro-batches", "3"])
     assert dist.is_initialized() == was_initialized  # the bench's own group is gone again
-    import re
-
     assert re.search(r"w4a16: per_version output, input gradient and \d+ weight gradients bit-identical to "
                      r"per_forward: True", report), report
-    rows = {tuple(c.strip() for c in line.split("|")[:3]): [c.strip() for c in line.split("|")]
-            for line in report.splitlines() if line.count("|") == 6}
-    assert rows[("w4a16", "per_version", "3")][5] == "2", rows  # refreshes: one per unit of 3 micro-batches
-    assert rows[("w4a16", "per_forward", "3")][5] == "0" and ("bf16", "-", "3") in rows, rows
+    assert re.search(r"w4a16: QDQ weights .* 6 tensors bit-identical: True", report), report  # q/k/v/o + 2 expert stacks
+    assert "w4a16: verdict: per_version bit-identical to per_forward (output, input grad, every weight grad)" in report
+    assert "FAILED" not in report, report
+    rows = {tuple(c.strip() for c in line.split("|")[:4]): [c.strip() for c in line.split("|")]
+            for line in report.splitlines() if line.count("|") == 9}
+    for setting in ("fp32 master", "bf16 master"):
+        assert rows[(setting, "w4a16", "per_version", "3")][9] == "1", rows  # one refresh per unit of 3 micro-batches
+        assert rows[(setting, "w4a16", "per_forward", "3")][9] == "0", rows
+        assert rows[(setting, "bf16", "-", "3")][7] == "0", rows  # added ms of the baseline itself
+    assert re.search(r"^w4a16 +\| [0-9.]+ +\|", report, re.M), report  # the no-FSDP table
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (triton backend on CPU)")

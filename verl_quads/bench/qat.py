@@ -48,19 +48,34 @@ Host-side facts per mode (same flag; they tell whether a mode is launch- or sync
 - ``launch overhead``: host microseconds per call of a torch op, of the weight path's global-scale ops
   and of one NVFP4 QDQ call, on a tiny tensor (what a launch costs on this host).
 
-``--fsdp``: the layer under FSDP2 instead (``fully_shard`` on the decoder layer and on a root module, fp32
-master weights, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` as verl sets it, so every
-forward AND backward all-gathers), on a process group of ONE rank made here (NCCL on CUDA, gloo on CPU;
-a file store in a temporary directory; destroyed at the end). Each mode runs with every ``--weight-qdq``
-(``per_forward``: QDQ of the unsharded weight in every forward; ``per_version``: verl_quads/qat/fsdp_qdq.py,
-QDQ of the shard once per weight version, before the all-gather). One timed unit = one weight version:
-the version counter of every master parameter is bumped (``torch.autograd.graph.increment_version``: no
-device work, the same in every row, standing in for ``optimizer.step``, whose own cost is not timed), then
-``G`` forward+backward micro-batches (``--micro-batches``, several values allowed). Reported per micro-batch
-(unit time / G) and as a ratio to the FSDP-wrapped BF16 layer at the same G: ``per_version`` pays its
-refresh (amax + QDQ of the shard, on one rank: no all-reduce) once per unit, so its ratio at G > 1 is the
-refresh amortized over G micro-batches, stated as such in the output. Before timing, ``per_version`` is
-checked against ``per_forward`` on the device (output and input gradient, ``torch.equal``, printed).
+``--fsdp``: the layer under FSDP2 instead (``fully_shard`` on the decoder layer and on a root module), on a
+process group of ONE rank made here (NCCL on CUDA, gloo on CPU; a file store in a temporary directory; destroyed
+at the end), so every forward AND backward all-gathers (a copy on one rank). Two FSDP settings: ``fp32 master``
+(fp32 master weights, ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` as verl sets it: every
+gather casts) and ``bf16 master`` (bf16 master weights, default policy: nothing to cast; ``--no-bf16-master``
+skips it). Each mode runs with every ``--weight-qdq`` (``per_forward``: QDQ of the unsharded weight in every
+forward; ``per_version``: verl_quads/qat/fsdp_qdq.py, QDQ of the shard once per weight version, before the
+all-gather).
+
+Device check first (fp32 master; ``--no-check`` skips it), per mode, on one model per weight_qdq with the same
+inputs: per_forward run 3 times (the CONTROL: is the backward run-to-run deterministic on this device?), per_version
+twice, then both with SDPA forced to the math backend (deterministic attention backward), and the QDQ weights
+themselves (per_version's all-gathered shards vs per_forward's QDQ of the all-gathered weight). Printed per tensor
+(output, input grad, every weight grad): ``=`` (``torch.equal``) or the max abs difference and the number of
+differing elements, then a verdict that separates a numerics difference of per_version (forward output or QDQ
+weights differ, or differences beyond the control) from run-to-run nondeterminism of the default backward.
+
+Timing: one timed unit = one weight version (the version counter of every master parameter is bumped with
+``torch.autograd.graph.increment_version``: no device work, the same in every row, standing in for
+``optimizer.step``, whose own cost is not timed) then ``G`` forward+backward micro-batches (``--micro-batches``).
+All variants of one setting are resident and timed in ``--rounds`` interleaved rounds (variant order rotated per
+round; ``round(--units / G)`` units per G per variant per round, CUDA events and a sync per unit), so drift hits
+every row alike; ms per micro-batch = median over units of unit time / G (p25-p75 shown). Reported per row:
+``added ms`` = mode - bf16 at the same setting and G (the QAT cost, undiluted by FSDP's own cost) and ``x issue`` =
+(bf16 without FSDP + added ms) / bf16 without FSDP: the issue's ratio (goal w4a16 <= 1.10, trace <= 1.20) against
+the plain layer's forward+backward, timed in the same run (with the per_forward QAT modes without FSDP as a
+cross-check). ``per_version`` refreshes once per unit (column ``refresh/unit``), so at G > 1 its refresh is amortized
+over G micro-batches, as over the micro-batches of one optimizer step in verl.
 """
 
 from __future__ import annotations
@@ -484,12 +499,61 @@ def _one_rank_group(device: str):
     return cleanup
 
 
+def _time_once_s(fn) -> float:
+    """Seconds of one ``fn()`` call: CUDA events around it, then a sync (CPU: perf_counter)."""
+    if torch.cuda.is_available():
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        fn()
+        t1.record()
+        t1.synchronize()
+        return t0.elapsed_time(t1) / 1e3
+    import time
+
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    """(p25, median, p75) of ``xs``."""
+    import statistics
+
+    if len(xs) < 2:
+        return xs[0], xs[0], xs[0]
+    q = statistics.quantiles(xs, n=4, method="inclusive")
+    return q[0], statistics.median(xs), q[2]
+
+
+def _release(device: str) -> None:
+    """Free deleted models now: QAT state -> per-version installer -> model is a reference cycle."""
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _diff_cell(u: torch.Tensor, v: torch.Tensor) -> str:
+    """``=`` when bit-identical (torch.equal), else ``max|u-v| (number of differing elements)``."""
+    if u.shape != v.shape or u.dtype != v.dtype:
+        return f"shape/dtype {tuple(u.shape)}/{u.dtype} vs {tuple(v.shape)}/{v.dtype}"
+    if torch.equal(u, v):
+        return "="
+    d = (u.float() - v.float()).abs()
+    return f"{d.max().item():.3g} ({int((u != v).sum().item())})"
+
+
 def run_fsdp(a: argparse.Namespace) -> str:
     """The ``--fsdp`` variant (see the module docstring)."""
+    from contextlib import nullcontext
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from verl_quads.qat import InMemoryGuidanceStore, TraceBatch, apply_qat, fsdp_qdq, trace_context
+    from verl_quads.qat.model import _QATExperts, _QATLinear
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     cleanup = _one_rank_group(device)
@@ -501,42 +565,49 @@ def run_fsdp(a: argparse.Namespace) -> str:
         pos = torch.arange(a.tokens, device=device).unsqueeze(0)
         pe = tuple(t.to(torch.bfloat16) for t in rope(x0, pos))
         dy = torch.randn(1, a.tokens, a.hidden, device=device, dtype=torch.bfloat16, generator=g) * 1e-2
+        #: FSDP settings: master dtype + mixed precision. "fp32 master" is verl's (every gather casts fp32 ->
+        #: bf16, gradients reduced in fp32); "bf16 master" has nothing to cast (param_dtype = master dtype).
+        settings = {"fp32 master": (torch.float32, MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                        reduce_dtype=torch.float32))}
+        if a.bf16_master:
+            settings["bf16 master"] = (torch.bfloat16, MixedPrecisionPolicy())
         lines = [f"device: {device_name()}",
                  f"layer: hidden {a.hidden}, heads {a.heads}/{a.kv_heads}x{a.head_dim}, experts {a.experts} "
                  f"top-{a.top_k}, expert inter {a.moe_inter}, tokens {a.tokens} per micro-batch, attention "
                  f"{cfg._attn_implementation}, experts impl {cfg._experts_implementation}, NVFP4 backend {a.backend}",
-                 "FSDP2 (fully_shard on the layer and a root; fp32 master, bf16 param_dtype, fp32 reduce_dtype) on a "
-                 "process group of 1 rank: every forward and backward all-gathers (a copy on one rank; no all-reduce "
-                 "in the per_version refresh)",
-                 "one timed unit = one weight version (version bump standing in for optimizer.step, not timed) + G "
-                 "forward+backward micro-batches; ms = unit time / G; per_version's refresh (amax + shard QDQ) is "
-                 "paid once per unit, i.e. amortized over G micro-batches"]
+                 "FSDP2 (fully_shard on the layer and a root) on a process group of 1 rank: every forward and backward "
+                 "all-gathers (a copy on one rank; no all-reduce in the per_version refresh); settings: "
+                 + "; ".join(f"{k}: master {d}, {m}" for k, (d, m) in settings.items())]
         print("\n".join(lines), flush=True)
 
-        def make(mode: str, weight_qdq: str):
-            root = _Root(cfg, copy.deepcopy(base.layers))
+        def records(root):
+            """TRACE: guidance records made from the layer's own activations (the rollout would supply them)."""
+            store = InMemoryGuidanceStore()
+            tb = TraceBatch.padded(store, 0, ["seq0"], torch.ones(1, a.tokens, dtype=torch.long))
+            tb.record_into = store
+            with torch.no_grad(), trace_context(root, tb):
+                root(x0, pe)
+            return TraceBatch.padded(store, 0, ["seq0"], torch.ones(1, a.tokens, dtype=torch.long))
+
+        def make(mode: str, weight_qdq: str, setting: str | None = "fp32 master"):
+            """(root, QAT state, TraceBatch) of one variant; ``setting=None``: no FSDP, bf16 weights."""
+            dtype = torch.bfloat16 if setting is None else settings[setting][0]
+            root = _Root(cfg, copy.deepcopy(base.layers).to(dtype))
             state = None
             if mode != "bf16":
                 qc = QuantConfig(quant=_QUANT_OF[mode], guided_layers=1, backend=a.backend, weight_qdq=weight_qdq)
                 state = apply_qat(root, qc)
-            mpp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            fully_shard(root.layers[0], mesh=mesh, mp_policy=mpp)
-            fully_shard(root, mesh=mesh, mp_policy=mpp)
-            if mode != "bf16" and weight_qdq == "per_version":
-                fsdp_qdq.install(root)
-            ctx = None
-            if mode == "trace":
-                store = InMemoryGuidanceStore()
-                tb = TraceBatch.padded(store, 0, ["seq0"], torch.ones(1, a.tokens, dtype=torch.long))
-                tb.record_into = store
-                with torch.no_grad(), trace_context(root, tb):
-                    root(x0, pe)
-                ctx = TraceBatch.padded(store, 0, ["seq0"], torch.ones(1, a.tokens, dtype=torch.long))
-            return root, state, ctx
+            if setting is not None:
+                mpp = settings[setting][1]
+                fully_shard(root.layers[0], mesh=mesh, mp_policy=mpp)
+                fully_shard(root, mesh=mesh, mp_policy=mpp)
+                if mode != "bf16" and weight_qdq == "per_version":
+                    fsdp_qdq.install(root)
+            return root, state, (records(root) if mode == "trace" else None)
 
         def fwd_bwd(root, state, ctx, x):
             if ctx is not None:
-                state.trace = ctx
+                state.trace = ctx  # as verl-quads' verl engine sets it per micro-batch
             try:
                 y = root(x, pe)
                 y.backward(dy)
@@ -545,48 +616,99 @@ def run_fsdp(a: argparse.Namespace) -> str:
                     state.trace = None
             return y
 
-        # per_version == per_forward on this device (the FSDP patch and the shard QDQ, bit for bit)
-        def check(mode: str) -> str:
-            outs = {}
-            for wq in ("per_forward", "per_version"):
-                root, state, ctx = make(mode, wq)
-                x = x0.detach().clone().requires_grad_(True)
-                y = fwd_bwd(root, state, ctx, x)
-                outs[wq] = [y.detach(), x.grad.detach()] + [p.grad.to_local() for p in root.parameters()]
-                del root, state, ctx
-            same = len(outs["per_forward"]) == len(outs["per_version"]) and all(
-                torch.equal(u, v) for u, v in zip(outs["per_forward"], outs["per_version"]))
-            return (f"{mode}: per_version output, input gradient and {len(outs['per_version']) - 2} weight "
-                    f"gradients bit-identical to per_forward: {same}")
-
-        def time_variant(mode: str, wq: str) -> list[list]:
-            out = []
-            root, state, ctx = make(mode, "per_forward" if wq == "-" else wq)
-            params = list(root.parameters())
-            x = x0.detach().clone().requires_grad_(True)
-            qdq = fsdp_qdq.installed(root) if state is not None else None
-            for n_micro in a.micro_batches:
-                def unit(n_micro=n_micro):
-                    for p in params:
-                        torch.autograd.graph.increment_version(p)  # a new weight version, no device work
-                        p.grad = None
-                    for _ in range(n_micro):
-                        x.grad = None
-                        fwd_bwd(root, state, ctx, x)
-
-                r0 = qdq.refreshes if qdq is not None else 0
-                t = median_time_s(unit, warmup=a.warmup, iters=a.iters, inner=1) / n_micro
-                refreshes = (qdq.refreshes - r0) if qdq is not None else 0
-                if mode == "bf16":
-                    base_ms[n_micro] = t
-                peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-                out.append([mode, wq, n_micro, t * 1e3, t / base_ms.get(n_micro, float("nan")), refreshes, peak])
-                print(f"{mode} {wq} G={n_micro}: {t * 1e3:.2f} ms per micro-batch ({refreshes} refreshes)", flush=True)
-            if ctx is not None:
-                ctx.verify()
-            if state is not None:
-                state.verify()
+        # ---- device check: per_version vs per_forward, with a run-to-run control of per_forward itself ----
+        def gathered_qdq_weights(root, wq: str) -> dict[str, torch.Tensor]:
+            """Every quantized weight as the forward multiplies with it: per_forward QDQs the all-gathered
+            weight (the module's own weight path), per_version's all-gathered weight IS the QDQ weight."""
+            layer = root.layers[0]
+            layer.unshard()
+            out = {}
+            try:
+                with torch.no_grad():
+                    for name, m in layer.named_modules():
+                        if isinstance(m, _QATLinear):
+                            out[f"{name}.weight"] = (m._qat_weight() if wq == "per_forward" else m.weight).clone()
+                        elif isinstance(m, _QATExperts):
+                            qw = m._qdq_weights() if wq == "per_forward" else {p: getattr(m, p) for p in m._qat_params}
+                            out.update({f"{name}.{p}": t.clone() for p, t in qw.items()})
+            finally:
+                layer.reshard()
             return out
+
+        def check(mode: str) -> list[str]:
+            built = {wq: make(mode, wq) for wq in ("per_forward", "per_version")}
+            names = ["output", "input grad"] + [n for n, _ in built["per_forward"][0].named_parameters()]
+
+            def once(wq: str, math: bool = False) -> list[torch.Tensor]:
+                root, state, ctx = built[wq]
+                for p in root.parameters():
+                    p.grad = None
+                x = x0.detach().clone().requires_grad_(True)
+                with sdpa_kernel([SDPBackend.MATH]) if math else nullcontext():
+                    y = fwd_bwd(root, state, ctx, x)
+                res = [y.detach(), x.grad] + [p.grad.to_local() for p in root.parameters()]
+                for p in root.parameters():
+                    p.grad = None
+                return res
+
+            pf = [once("per_forward") for _ in range(3)]  # the control: the same model and inputs, 3 runs
+            pv = [once("per_version") for _ in range(2)]
+            pfm = [once("per_forward", True) for _ in range(2)]  # SDPA forced to the math backend
+            pvm = once("per_version", True)
+            w_pf = gathered_qdq_weights(built["per_forward"][0], "per_forward")
+            w_pv = gathered_qdq_weights(built["per_version"][0], "per_version")
+            for _root, state, ctx in built.values():
+                if ctx is not None:
+                    ctx.verify()
+                if state is not None:
+                    state.verify()
+            del built
+            _release(device)
+            cols = [("pf run2 vs run1", pf[1], pf[0]), ("pf run3 vs run1", pf[2], pf[0]),
+                    ("pv vs pf", pv[0], pf[0]), ("pv run2 vs run1", pv[1], pv[0]),
+                    ("math: pf run2 vs run1", pfm[1], pfm[0]), ("math: pv vs pf", pvm, pfm[0])]
+            table = [[n, pf[0][i].float().abs().max().item()] + [_diff_cell(u[i], v[i]) for _c, u, v in cols]
+                     for i, n in enumerate(names)]
+
+            def differing(u, v) -> list[str]:
+                return [n for i, n in enumerate(names) if not torch.equal(u[i], v[i])]
+
+            ctrl = sorted(set(differing(pf[1], pf[0])) | set(differing(pf[2], pf[0])))
+            pv_d, pvpv_d = differing(pv[0], pf[0]), differing(pv[1], pv[0])
+            m_ctrl, m_pv = differing(pfm[1], pfm[0]), differing(pvm, pfm[0])
+            w_bad = [f"{n} ({_diff_cell(w_pv[n], w_pf[n])})" for n in w_pf if n not in w_pv
+                     or not torch.equal(w_pv[n], w_pf[n])] + [n for n in w_pv if n not in w_pf]
+            out_ok = "output" not in pv_d and "output" not in m_pv
+            if w_bad or not out_ok:
+                verdict = (f"per_version DIFFERS from per_forward in the forward (QDQ weights differ: {w_bad or 'none'}; "
+                           f"output bit-identical: {out_ok}): a numerics bug, not nondeterminism")
+            elif not pv_d:
+                verdict = "per_version bit-identical to per_forward (output, input grad, every weight grad)"
+            elif not m_pv and not m_ctrl:
+                verdict = ("per_version bit-identical to per_forward with the deterministic math attention (output, "
+                           "input grad, every weight grad) and in the forward and QDQ weights with the default kernels; "
+                           f"with the default kernels it differs in {pv_d}, and per_forward differs from ITSELF in "
+                           f"{ctrl or 'nothing in 2 reruns'}, per_version from itself in {pvpv_d or 'nothing'}: "
+                           "run-to-run nondeterminism of the default backward (SDPA), not per_version")
+            elif set(pv_d) <= set(ctrl) and not m_pv:
+                verdict = (f"differences only in tensors that also differ between per_forward reruns ({ctrl}) and none "
+                           "with math attention: nondeterministic backward, not per_version")
+            else:
+                verdict = (f"per_version DIFFERS from per_forward beyond the control: default kernels {pv_d} (control "
+                           f"{ctrl}), math attention {m_pv} (math control {m_ctrl})")
+            return [
+                print_table(f"{mode}: device check, same model + inputs ('=' bit-identical, else max |diff| (differing "
+                            "elements)); pf = weight_qdq per_forward, pv = per_version (fp32 master); 'math:' = SDPA "
+                            "forced to the math backend (deterministic)", ["tensor", "max|pf|"] + [c[0] for c in cols],
+                            table),
+                f"{mode}: QDQ weights (per_version's all-gathered QDQ shards vs per_forward's QDQ of the all-gathered "
+                f"weight), {len(w_pf)} tensors bit-identical: {not w_bad}" + (f"; differ: {w_bad}" if w_bad else ""),
+                f"{mode}: per_version output, input gradient and {len(names) - 2} weight gradients bit-identical to "
+                f"per_forward: {not pv_d}" + (f" (differ: {pv_d})" if pv_d else ""),
+                f"{mode}: per_version bit-identical to per_forward with math attention: {not m_pv}; per_forward "
+                f"run-to-run equal: default kernels {not ctrl}, math attention {not m_ctrl}",
+                f"{mode}: verdict: {verdict}",
+            ]
 
         def failed(what: str, e: Exception) -> str:
             import traceback
@@ -594,32 +716,141 @@ def run_fsdp(a: argparse.Namespace) -> str:
             traceback.print_exc()
             return f"{what}: FAILED {type(e).__name__}: {e}"
 
-        checks = []
-        if set(a.weight_qdq) == {"per_forward", "per_version"}:
+        checks: list[str] = []
+        if set(a.weight_qdq) == {"per_forward", "per_version"} and a.check:
             for mode in [m for m in a.modes if m != "bf16"]:
                 try:
-                    checks.append(check(mode))
-                except Exception as e:  # noqa: BLE001 - reported in the output; the other rows still run
-                    checks.append(failed(f"{mode}: per_version vs per_forward check", e))
-                print(checks[-1], flush=True)
+                    got = check(mode)
+                except Exception as e:  # noqa: BLE001 - reported in the output; the rest still runs
+                    got = [failed(f"{mode}: per_version vs per_forward check", e)]
+                checks += got
+                print("\n".join(got[1:]), flush=True)
+                _release(device)
 
-        rows = []
-        base_ms: dict[int, float] = {}
-        variants = [("bf16", "-")] + [(m, wq) for m in a.modes if m != "bf16" for wq in a.weight_qdq]
-        for mode, wq in variants:
-            try:
-                rows += time_variant(mode, wq)
-            except Exception as e:  # noqa: BLE001 - reported as a row; the other variants still run
-                checks.append(failed(f"{mode} {wq}", e))
-                rows.append([mode, wq, "-", float("nan"), float("nan"), "FAILED", float("nan")])
-            if device == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-        table = print_table(
-            "one MoE decoder layer under FSDP2 (1 rank), per micro-batch (unit of G micro-batches / G; per_version "
-            "refreshes once per unit = per weight version)",
-            ["mode", "weight_qdq", "G", "ms", "x bf16 (same G)", "refreshes", "peak GiB"], rows)
-        return "\n".join(lines + checks + [table])
+        # ---- timing: all variants of one setting alive, interleaved round-robin ----
+        class _Variant:
+            def __init__(self, key, root, state, ctx):
+                self.key, self.root, self.state, self.ctx = key, root, state, ctx
+                self.params = list(root.parameters())
+                self.x = x0.detach().clone().requires_grad_(True)
+                self.qdq = fsdp_qdq.installed(root) if state is not None else None
+
+            def unit(self, n_micro: int) -> None:
+                """One weight version (version bump standing in for optimizer.step: no device work) + n_micro
+                forward+backward micro-batches."""
+                for p in self.params:
+                    torch.autograd.graph.increment_version(p)
+                    p.grad = None
+                for _ in range(n_micro):
+                    self.x.grad = None
+                    fwd_bwd(self.root, self.state, self.ctx, self.x)
+
+            def free(self) -> None:
+                for p in self.params:
+                    p.grad = None
+                self.x.grad = None
+
+        def interleaved(variants: list, gs: list[int]) -> dict:
+            """Per (key, G): ms-per-micro-batch samples (one per unit) and refreshes per unit. Rounds rotate
+            the variant order; each variant's grads are freed after its turn."""
+            samples: dict = {}
+            units: dict = {}
+            alive = list(variants)
+            for v in list(alive):
+                try:
+                    for G in gs:
+                        for _ in range(a.warmup):
+                            v.unit(G)
+                    v.free()
+                except Exception as e:  # noqa: BLE001
+                    checks.append(failed(f"{v.key} warm-up", e))
+                    alive.remove(v)
+            r0 = {v.key: v.qdq.refreshes if v.qdq is not None else 0 for v in alive}
+            for r in range(a.rounds):
+                k = r % max(1, len(alive))
+                for v in alive[k:] + alive[:k]:
+                    try:
+                        for G in gs:
+                            for _ in range(max(1, round(a.units / G))):
+                                samples.setdefault((v.key, G), []).append(_time_once_s(lambda v=v, G=G: v.unit(G)) / G)
+                                units[v.key] = units.get(v.key, 0) + 1
+                        v.free()
+                    except Exception as e:  # noqa: BLE001
+                        checks.append(failed(f"{v.key} timing", e))
+                        alive.remove(v)
+            refr = {v.key: ((v.qdq.refreshes - r0[v.key]) / units[v.key] if v.qdq is not None else 0.0)
+                    for v in alive if v.key in units}
+            for v in alive:
+                if v.ctx is not None:
+                    v.ctx.verify()
+                if v.state is not None:
+                    v.state.verify()
+            return {"samples": samples, "refreshes": refr}
+
+        qmodes = [m for m in a.modes if m != "bf16"]
+        results: dict = {}
+        # the issue's baseline first: the plain layer (bf16 weights, no FSDP) and the per_forward QAT modes on it;
+        # then each FSDP setting: bf16 + every mode x weight_qdq
+        groups = [("no FSDP", None, [("bf16", "-")] + [(m, "per_forward") for m in qmodes], [1])]
+        groups += [(s, s, [("bf16", "-")] + [(m, wq) for m in qmodes for wq in a.weight_qdq], list(a.micro_batches))
+                   for s in settings]
+        for label, setting, todo, gs in groups:
+            vs = []
+            for m, wq in todo:
+                try:
+                    vs.append(_Variant((label, m, wq), *make(m, "per_forward" if wq == "-" else wq, setting)))
+                except Exception as e:  # noqa: BLE001 - reported; the other variants still run
+                    checks.append(failed(f"{label} {m} {wq}", e))
+            results[label] = interleaved(vs, gs)
+            del vs
+            _release(device)
+
+        nan = float("nan")
+        base_nofsdp = nan
+        plain_rows = []
+        if results["no FSDP"]["samples"]:
+            s = results["no FSDP"]["samples"]
+            base_nofsdp = _quartiles(s[(("no FSDP", "bf16", "-"), 1)])[1] * 1e3 if (("no FSDP", "bf16", "-"), 1) in s else nan
+            for (key, _G), xs in s.items():
+                lo, med, hi = (t * 1e3 for t in _quartiles(xs))
+                plain_rows.append([key[1], med, f"{lo:.3g}-{hi:.3g}", len(xs), med - base_nofsdp, med / base_nofsdp])
+        rows, added = [], {}
+        for setting in settings:
+            s, refr = results[setting]["samples"], results[setting]["refreshes"]
+            for (key, G), xs in s.items():
+                lo, med, hi = (t * 1e3 for t in _quartiles(xs))
+                b = s.get(((setting, "bf16", "-"), G))
+                add = med - _quartiles(b)[1] * 1e3 if b else nan
+                added[(setting, key[1], key[2], G)] = add
+                rows.append([setting, key[1], key[2], G, med, f"{lo:.3g}-{hi:.3g}", len(xs), add,
+                             (base_nofsdp + add) / base_nofsdp, f"{refr.get(key, nan):.2g}"])
+        summary = []
+        for setting in settings:
+            for m in qmodes:
+                for G in a.micro_batches:
+                    pf_add = added.get((setting, m, "per_forward", G), nan)
+                    pv_add = added.get((setting, m, "per_version", G), nan)
+                    summary.append([m, setting, G, pf_add, pv_add, pf_add - pv_add, (base_nofsdp + pf_add) / base_nofsdp,
+                                    (base_nofsdp + pv_add) / base_nofsdp])
+        how = (f"timing: per setting all variants resident, {a.rounds} interleaved rounds (variant order rotated), each "
+               f"round round(--units {a.units} / G) timed units per G per variant after {a.warmup} warm-up units; a unit = "
+               "one weight version (version bump standing in for optimizer.step, not timed) + G forward+backward "
+               "micro-batches, CUDA events + sync per unit; ms = median over units of unit time / G (p25-p75 shown); "
+               "added ms = mode - bf16 at the same setting and G; x issue = (bf16 no-FSDP + added) / bf16 no-FSDP "
+               f"(bf16 no-FSDP = {base_nofsdp:.3g} ms, the issue's baseline: goal w4a16 <= 1.10, trace <= 1.20); "
+               "per_version refreshes once per unit (refresh/unit column), i.e. amortized over G micro-batches")
+        print(how, flush=True)
+        tables = [how]
+        tables.append(print_table("one MoE decoder layer WITHOUT FSDP (bf16 weights; QAT modes per_forward), ms per "
+                                  "forward+backward", ["mode", "ms", "p25-p75", "n", "added ms", "x bf16"], plain_rows))
+        tables.append(print_table(
+            "one MoE decoder layer under FSDP2 (1 rank), ms per micro-batch",
+            ["setting", "mode", "weight_qdq", "G", "ms", "p25-p75", "n", "added ms", "x issue", "refresh/unit"], rows))
+        tables.append(print_table(
+            "QAT added ms per micro-batch (mode - bf16, same FSDP setting and G) and the issue's ratio on the no-FSDP "
+            "bf16 baseline", ["mode", "setting", "G", "per_forward added", "per_version added", "per_version saves",
+                              "x issue per_forward", "x issue per_version"], summary))
+        return "\n".join(lines + checks + tables)
     finally:
         cleanup()
 
@@ -649,6 +880,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=("per_forward", "per_version"), help="--fsdp: weight QDQ schedules to time")
     p.add_argument("--micro-batches", nargs="+", type=int, default=[1, 4],
                    help="--fsdp: forward+backward micro-batches per weight version (G)")
+    p.add_argument("--rounds", type=int, default=8,
+                   help="--fsdp: interleaved timing rounds (every variant of a setting timed in each)")
+    p.add_argument("--units", type=int, default=4,
+                   help="--fsdp: micro-batches per G per variant per round (round(units / G) timed units, >= 1)")
+    p.add_argument("--no-bf16-master", dest="bf16_master", action="store_false",
+                   help="--fsdp: skip the second FSDP setting (bf16 master weights: nothing to cast at the gather)")
+    p.add_argument("--no-check", dest="check", action="store_false",
+                   help="--fsdp: skip the per_version vs per_forward device check")
     a = p.parse_args(argv)
     if any(g < 1 for g in a.micro_batches):
         p.error("--micro-batches: each G must be >= 1")
