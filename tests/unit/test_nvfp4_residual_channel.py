@@ -1,5 +1,6 @@
 """QUADS residual compensation with ``granularity="channel"`` (per-token top-k% channels by R**2,
-second pass dense over the original 16-blocks): torch reference (verl_quads/nvfp4/residual.py).
+second pass dense over the original 16-blocks): torch reference (verl_quads/nvfp4/residual.py) and its Triton
+kernel (verl_quads/nvfp4/triton_channel.py, compared bit for bit with the reference; on CPU under TRITON_INTERPRET=1).
 
 Expected selections and values below are worked out by hand from the E2M1 grid (row amax 6 makes the
 block scale 448 and the encode factor 1, so x is quantized on the grid directly), or come from an
@@ -140,26 +141,141 @@ def test_errors_name_the_option_and_the_allowed_values(monkeypatch):
         _q(x, 1.5)
     with pytest.raises(ValueError, match="score_weight"):
         _q(x, 0.5, score_weight=torch.ones(31))
-    import verl_quads.nvfp4 as mod
+    from verl_quads.nvfp4 import triton_channel
 
-    # auto on a CUDA tensor means triton; no GPU here, so the device decision is simulated (not the kernel)
-    monkeypatch.setattr(mod, "_use_triton", lambda t, b: True)
+    # the triton kernel holds a row on chip: a longer row is refused naming the config key (never the block rule,
+    # never torch). Checked before anything launches, so no interpreter is needed.
+    monkeypatch.setitem(triton_channel.CHANNEL_CONFIG, "max_k", 16)
+    monkeypatch.setattr(triton_channel.tk, "check_available", lambda t: None)
     for fn in (nv.residual_quantize, nv.residual_fake_quantize):
-        with pytest.raises(NotImplementedError, match="granularity='channel' has no Triton kernel.*backend='torch'"):
-            fn(x, 0.5, granularity="channel", backend="auto")
+        with pytest.raises(NotImplementedError, match=r"granularity='channel'.*K = 32.*CHANNEL_CONFIG\['max_k'\] = 16"):
+            fn(x, 0.5, granularity="channel", backend="triton")
 
 
-def test_triton_backend_refuses_channel_under_the_interpreter():
-    import os
+# ---- the Triton kernel (verl_quads/nvfp4/triton_channel.py): the reference's bytes -----------------------------
 
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1 (scripts/test.sh sets it) for backend='triton' on CPU")
-    x = torch.randn(4, 32)
-    with pytest.raises(NotImplementedError, match="backend='triton'.*use|call it with backend='torch'"):
-        nv.residual_fake_quantize(x, 0.5, granularity="channel", backend="triton")
-    # the block rule on the same backend still runs (and equals the reference)
+_needs_interp = pytest.mark.skipif(
+    not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it on CPU)",
+)
+_DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _bytes_eq(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def _same_channel_result(x, ratio, gs, **kw):
+    """Triton vs torch reference: packed codes, E4M3 scale bytes, global scales (values and shapes), selected
+    channels, and the QDQ output, all bit for bit."""
+    t = nv.residual_quantize(x, ratio, gs, granularity="channel", backend="triton", **kw)
+    r = nv.residual_quantize(x, ratio, gs, granularity="channel", backend="torch", **kw)
+    assert isinstance(t, ChannelResidualNVFP4)
+    for a, b in ((t.first, r.first), (t.second, r.second)):
+        assert torch.equal(a.packed, b.packed), (ratio, (a.packed != b.packed).nonzero()[:5].tolist())
+        assert _bytes_eq(a.block_scale, b.block_scale) and _bytes_eq(a.global_scale, b.global_scale)
+        assert a.shape == b.shape and a.dtype == b.dtype
+    assert t.channel_idx.dtype == torch.int64 and torch.equal(t.channel_idx, r.channel_idx), ratio
+    ft = nv.residual_fake_quantize(x, ratio, gs, granularity="channel", backend="triton", **kw)
+    fr = nv.residual_fake_quantize(x, ratio, gs, granularity="channel", backend="torch", **kw)
+    assert _bytes_eq(ft, fr), (ratio, x.dtype)
+    return t
+
+
+def _rows(m, k, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) / torch.rand(m, k, generator=g).clamp(min=0.05)
+    x[0] = 0.0  # an all-zero row: every score ties at +0
+    if k >= 32:
+        x[-1, :16] *= 1e-5  # a block scale in the E4M3 subnormal range
+        x[-1, 16:32] = -0.0
+    return x.to(dtype).to(_DEV)
+
+
+@_needs_interp
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_triton_channel_kernel_matches_reference(dtype):
+    # ratios 0 and 1 (nothing / everything selected) at the small K only: the interpreter's time goes to K = 2048
+    for k, m, ratios in ((16, 3, (0.0, 0.125, 0.5, 1.0)), (32, 3, (0.0, 0.125, 0.5, 1.0)), (2048, 2, (0.125, 0.5))):
+        x = _rows(m, k, dtype, seed=k)
+        gs = nv.per_row_global_scale(x)
+        for ratio in ratios:
+            _same_channel_result(x, ratio, gs)
+
+
+@_needs_interp
+def test_triton_channel_kernel_ties_weights_and_scale_layouts():
+    # hand-made ties straddling the threshold: _HAND_X's scores are .25 (ch 1, 17), .0625 (2, 3, 5, 18, 19, 21),
+    # .015625 (4, 20), 0; n_sel = 3 cuts through the six .0625 ties (the reference takes 1, 17 then 2), n_sel = 12
+    # through the zero-score channels
+    x = _HAND_X.to(_DEV)
+    assert _same_channel_result(x, 3 / 32, nv.per_row_global_scale(x)).channel_idx.tolist() == [[1, 2, 17]]
+    for ratio in (5 / 32, 0.25, 12 / 32, 0.5):
+        _same_channel_result(x, ratio, nv.per_row_global_scale(x))
+    # several rows of equal |R| in every channel (x constant 1.25 -> R = +.25 everywhere): all 64 scores tie
+    xt = torch.full((3, 64), 1.25, device=_DEV)
+    xt[0, ::16] = 6.0  # row amax 6: the grid is exact (block scales 448)
+    xt[1] = torch.tensor([1.25, -1.25] * 32)
+    t = _same_channel_result(xt, 0.3, nv.per_row_global_scale(xt))
+    assert t.channel_idx[1].tolist() == list(range(19))  # round(.3 * 64) = 19 ties -> the lowest 19 channels
+    # score weights (zeros make ties among non-zero residuals), per-tensor first-pass scale (the second pass's
+    # scale is then per tensor: two launches), no scale at all, a single row
+    x = _rows(5, 96, torch.bfloat16, seed=7)
+    w = torch.rand(96).to(_DEV)
+    w[::3] = 0.0
+    _same_channel_result(x, 0.4, nv.per_row_global_scale(x), score_weight=w)
+    t = _same_channel_result(x, 0.4, nv.global_scale_from_amax(x.float().abs().amax()))
+    assert t.second.global_scale.dim() == 0
+    _same_channel_result(x, 0.25, None)
+    _same_channel_result(x[1:2], 0.25, nv.per_row_global_scale(x[1:2]))
+    _same_channel_result(x[:0], 0.5, nv.per_row_global_scale(x[:0]))  # no rows: nothing launched
+
+
+@_needs_interp
+def test_triton_channel_leading_dims_and_batch_invariance():
+    x = _rows(6, 48, torch.bfloat16, seed=3)
     gs = nv.per_row_global_scale(x)
-    assert torch.equal(nv.residual_fake_quantize(x, 0.5, gs, backend="triton"), nv.residual_fake_quantize(x, 0.5, gs, backend="torch"))
+    full = nv.residual_fake_quantize(x, 0.5, gs, granularity="channel", backend="triton")
+    part = nv.residual_fake_quantize(x[2:4], 0.5, gs[2:4], granularity="channel", backend="triton")
+    assert _bytes_eq(full[2:4], part)
+    with pytest.raises(ValueError, match=r"2-D \[tokens, K\], got shape \(2, 3, 48\)"):
+        nv.residual_fake_quantize(x.reshape(2, 3, 48), 0.5, granularity="channel", backend="triton")
+    # the caller flattens leading dims (as the rollout does)
+    assert _bytes_eq(nv.residual_fake_quantize(x.reshape(2, 3, 48).reshape(-1, 48), 0.5, gs, granularity="channel",
+                                               backend="triton"), full)
+
+
+_SM90_CHANNEL = r"""
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from verl_quads.nvfp4 import triton_channel as tc
+
+sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16", "packed1_ptr": "*i64",
+       "scale1_ptr": "*u8", "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32",
+       "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
+       "OUT": "constexpr", "GS2": "constexpr", "EARLY": "constexpr"}
+for xt, ot, pack, out, gs2, has_w, early, nbp, nw in (
+        ("*bf16", "*i16", False, 3, 0, False, True, 128, 4), ("*bf16", "*i64", True, 0, 0, True, True, 512, 16),
+        ("*fp16", "*fp16", False, 2, 1, True, False, 1, 1), ("*fp32", "*fp32", False, 0, 2, False, True, 64, 2)):
+    s = dict(sig, x_ptr=xt, out_ptr=ot)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
+    k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
+        "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "EARLY": early}),
+        target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False})
+    assert k.asm["cubin"]
+    # values and codes carry signs by OR-ing bits: a float negation would be 0.0 - v under triton 3.6 (+0.0 for -0.0)
+    neg = re.findall(r"fneg|fsub (?:<\d+ x )?float>? (?:zeroinitializer|-?0\.000000e\+00)", k.asm["llir"])
+    assert not neg, (xt, pack, neg[:3])
+print("compiled")
+"""
+
+
+def test_triton_channel_kernel_compiles_for_sm90_without_a_gpu():
+    from sm90_compile import compile_for_sm90_in_subprocess
+
+    compile_for_sm90_in_subprocess(_SM90_CHANNEL, "on a GPU the channel kernel is compiled and run by the other tests")
 
 
 def _rel_gemm_err(xq, x, w):

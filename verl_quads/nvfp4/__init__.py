@@ -119,16 +119,10 @@ def fake_quantize(
 
 
 def _residual_use_triton(x: torch.Tensor, backend: str, granularity: str, per_token: bool) -> bool:
-    """Backend choice of the residual functions; ``granularity="channel"`` has no Triton kernel yet:
-    asking for it on the triton backend (or ``auto`` on a CUDA tensor) is an error, never the block rule."""
+    """Backend choice of the residual functions (both granularities have a Triton kernel: the block rule in
+    :mod:`.triton_kernels`, ``granularity="channel"`` in :mod:`.triton_channel`)."""
     _check_granularity(granularity, per_token)
-    use = _use_triton(x, backend)
-    if use and granularity == "channel":
-        raise NotImplementedError(
-            f"NVFP4 residual granularity='channel' has no Triton kernel yet (backend={backend!r}"
-            f"{', CUDA tensor' if x.is_cuda else ''}); call it with backend='torch' (the reference)"
-        )
-    return use
+    return _use_triton(x, backend)
 
 
 def residual_quantize(
@@ -148,9 +142,15 @@ def residual_quantize(
     ``score_weight``: optional float32 ``[K]`` per-channel weight of the residual energy score
     (e.g. the squared column norms of the layer's weight: output-aware selection).
     ``granularity``: ``"block"`` (default: 16-channel blocks, a :class:`ResidualNVFP4`) or ``"channel"``
-    (single channels per token, second pass dense ``[M, K]``: a :class:`ChannelResidualNVFP4`; torch
-    backend only, ``triton`` / ``auto`` on CUDA raise NotImplementedError)."""
+    (single channels per token, second pass dense ``[M, K]``: a :class:`ChannelResidualNVFP4`; the triton
+    backend runs :mod:`.triton_channel`, same bytes)."""
     if _residual_use_triton(x, backend, granularity, per_token):
+        if granularity == "channel":
+            from verl_quads.nvfp4 import triton_channel
+
+            return triton_channel.residual_quantize(
+                x, ratio, global_scale, score_weight=score_weight, check_finite=check_finite
+            )
         from verl_quads.nvfp4 import triton_kernels
 
         return triton_kernels.residual_quantize(
@@ -175,6 +175,12 @@ def residual_fake_quantize(
 ) -> torch.Tensor:
     """``Q(x) + Q(R_sel)`` in x's dtype; see :func:`residual_quantize` and :mod:`.residual`."""
     if _residual_use_triton(x, backend, granularity, per_token):
+        if granularity == "channel":
+            from verl_quads.nvfp4 import triton_channel
+
+            return triton_channel.residual_fake_quantize(
+                x, ratio, global_scale, score_weight=score_weight, check_finite=check_finite
+            )
         from verl_quads.nvfp4 import triton_kernels
 
         return triton_kernels.residual_fake_quantize(

@@ -1,0 +1,196 @@
+"""Triton fast path of the QUADS residual rule with ``granularity="channel"`` (per token; definition in
+:mod:`.residual`, docs/quads_selection.md). Same bytes as :func:`verl_quads.nvfp4.residual.residual_quantize_channel`
+(packed codes, E4M3 scale bytes, global scales, selected channels) and as its QDQ form.
+
+One program per row of ``x`` ``[M, K]``, the whole row held on chip as a float32 ``[NBP, 16]`` tile (NB = K / 16
+blocks padded to a power of two NBP; each 16-block one row of the tile, so the flattened tile is the channel order):
+
+1. first pass ``Q(x)`` under the row's global scale (the shared helpers of :mod:`.triton_kernels`: E4M3 block
+   scale ``_scales_inv``, E2M1 rounding ``_qdq_half`` / ``_packed_word``), ``R = x - deq(Q(x))`` in float32;
+2. score ``R**2`` (times ``score_weight[c]``), float32 >= +0, so its int32 bit pattern orders like the value;
+   the row's ``NSEL`` highest scores by the threshold search of ``_topn_threshold`` (MSB-first over the 31 value
+   bits, stopped once the count is exact) over the ``NBP * 16`` channel bit patterns (padding -1 never counts),
+   ties at the threshold to the lowest channel indices by a prefix count (``_tie_select``) -- the reference's
+   stable descending sort, without a sort;
+3. ``R_sel`` = R on the selected channels, ``+0.0`` elsewhere; its row amax gives the second-pass global scale
+   (``_gs_from_amax`` = :func:`~verl_quads.nvfp4.global_scale_from_amax` bit for bit) when the first pass's is per
+   row (``[M, 1]``) or M == 1; with a per-tensor first-pass scale and M > 1 the amax is over the whole tensor:
+   a first launch writes each row's amax of R_sel (GS2 = 2), torch takes ``global_scale_from_amax`` of their max
+   (the reference's ``r_sel.abs().amax()``), and a second launch uses it (GS2 = 1);
+4. second pass ``Q(R_sel)`` dense over the original 16-blocks; PACK: both passes' words / scale bytes, the
+   ascending channel indices ``[M, NSEL]`` (slot = prefix count of the selection) and the row's gs2; else the
+   QDQ ``deq(Q(x)) + deq(Q(R_sel))`` summed in float32 over EVERY channel (an unselected one adds +0.0, as the
+   reference's dense sum does) and cast once.
+
+Rows longer than ``CHANNEL_CONFIG["max_k"]`` channels raise NotImplementedError (no tiled variant yet; never the
+block rule, never a silent switch to torch). Kernels run with ``enable_fp_fusion=False`` and use no float negation
+(triton 3.6 lowers ``-v`` to ``0.0 - v``), as :mod:`.triton_kernels`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
+from verl_quads.nvfp4.reference import global_scale_from_amax
+from verl_quads.nvfp4.residual import ChannelResidualNVFP4, num_selected_channels
+from verl_quads.nvfp4.residual import residual_quantize_channel as _ref_residual_quantize_channel
+from verl_quads.nvfp4 import triton_kernels as tk
+
+triton = tk.triton
+tl = tk.tl
+
+#: ``_channel_row_kernel`` launch: warps so that a thread holds about ``elems_per_thread`` channels of the row (the
+#: tile is [NBP, 16] float32; the search reduces over the whole row 31 times at most), clamped to [1, max_warps];
+#: rows longer than ``max_k`` channels (padded to a power of two of 16-blocks) are refused. Not tuned on a GPU yet.
+CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "early": True}
+
+
+if triton is not None:
+    _scales_inv = tk._scales_inv
+    _qdq_half = tk._qdq_half
+    _packed_word = tk._packed_word
+    _topn_threshold = tk._topn_threshold
+    _tie_select = tk._tie_select
+    _gs_from_amax = tk._gs_from_amax
+    _store_out = tk._store_out
+
+    @triton.jit
+    def _channel_row_kernel(
+        x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
+        NB, NSEL, GS_DIV,
+        NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
+        EARLY: tl.constexpr,
+    ):
+        """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
+
+        x: float32/bf16/fp16 [M, K] contiguous; gs_ptr: float32 first-pass encode scales, row r's at
+        ``r // GS_DIV``; w_ptr: float32 [K] score weights (HAS_W); NB = K / 16; NSEL = channels selected per row.
+        GS2 (second-pass global scale): 0 = from this row's amax of R_sel (written to gs2_ptr[row] when PACK);
+        1 = gs2_ptr[0] (per tensor, computed by the caller); 2 = statistics only: write this row's amax of R_sel
+        (float32) to gs2_ptr[row] and nothing else.
+        PACK: packed1/packed2 int64 [M, NB] (one word per 16-block, byte j = code 2j | code 2j+1 << 4),
+        scale1/scale2 uint8 [M, NB] (E4M3 bytes), idx int64 [M, NSEL] (ascending channels); else out [M, K] in
+        x's dtype (OUT: ``_store_out`` code) = deq(Q(x)) + deq(Q(R_sel))."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, NBP)
+        e = tl.arange(0, 16)
+        cmask = c < NB
+        m2 = cmask[:, None]
+        b = row * NB + c
+        off = b[:, None] * 16 + e[None, :]
+        x = tl.load(x_ptr + off, mask=m2, other=0.0).to(tl.float32)
+        g = tl.load(gs_ptr + row // GS_DIV)
+        gs = tl.zeros([NBP], tl.float32) + g
+        inv = tl.zeros([NBP], tl.float32) + tl.math.div_rn(g * 0.0 + 1.0, g)
+        sval, sbyte, os = _scales_inv(tl.max(tl.abs(x), axis=1), gs, inv)
+        v = _qdq_half(x, os, tl.math.div_rn(sval, gs))
+        r = x - v
+        s = r * r
+        if HAS_W:
+            s = s * tl.load(w_ptr + c[:, None] * 16 + e[None, :], mask=m2, other=0.0)
+        eb = tl.reshape(tl.where(m2, s.to(tl.int32, bitcast=True), -1), (NBP * 16,))  # padding: never selected
+        th = _topn_threshold(eb, NSEL, 1, EARLY)
+        sel_f = _tie_select(eb, th, NSEL)
+        sel = tl.reshape(sel_f, (NBP, 16))
+        rs = tl.where(sel, r, 0.0)
+        ra = tl.max(tl.abs(rs), axis=1)
+        amax = tl.zeros([NBP], tl.float32) + tl.max(ra, axis=0)
+        if GS2 == 2:
+            tl.store(gs2_ptr + row + c * 0, amax, mask=c == 0)
+        else:
+            if GS2 == 1:
+                gs2 = tl.zeros([NBP], tl.float32) + tl.load(gs2_ptr)
+            else:
+                gs2 = _gs_from_amax(amax)
+            inv2 = tl.math.div_rn(tl.full([NBP], 1.0, tl.float32), gs2)
+            s2, sb2, os2 = _scales_inv(ra, gs2, inv2)
+            if PACK:
+                j = tl.arange(0, 8)
+                xe, xo = tl.split(tl.reshape(x, (NBP, 8, 2)))
+                re, ro = tl.split(tl.reshape(rs, (NBP, 8, 2)))
+                tl.store(packed1_ptr + b, _packed_word(xe, xo, os, j), mask=cmask)
+                tl.store(scale1_ptr + b, sbyte.to(tl.uint8), mask=cmask)
+                tl.store(packed2_ptr + b, _packed_word(re, ro, os2, j), mask=cmask)
+                tl.store(scale2_ptr + b, sb2.to(tl.uint8), mask=cmask)
+                fi = tl.arange(0, NBP * 16)
+                slot = tl.cumsum(sel_f.to(tl.int32), axis=0) - 1
+                tl.store(idx_ptr + row * NSEL + slot, fi, mask=sel_f)  # cast to idx_ptr's int64
+                if GS2 == 0:
+                    tl.store(gs2_ptr + row + c * 0, gs2, mask=c == 0)
+            else:
+                out = v + _qdq_half(rs, os2, tl.math.div_rn(s2, gs2))
+                _store_out(out_ptr + off, out, m2, OUT)
+
+
+def _warps(nbp: int) -> int:
+    n = nbp * BLOCK_SIZE // (32 * CHANNEL_CONFIG["elems_per_thread"])
+    return int(min(CHANNEL_CONFIG["max_warps"], max(1, tk._pow2(max(1, n)))))
+
+
+def _check_row(k: int) -> int:
+    nbp = tk._pow2(max(1, k // BLOCK_SIZE))
+    if nbp * BLOCK_SIZE > CHANNEL_CONFIG["max_k"]:
+        raise NotImplementedError(
+            f"NVFP4 residual granularity='channel' on the triton backend holds a row on chip: K = {k} (padded to "
+            f"{nbp * BLOCK_SIZE}) exceeds CHANNEL_CONFIG['max_k'] = {CHANNEL_CONFIG['max_k']}; use backend='torch'"
+        )
+    return nbp
+
+
+def _run(x: torch.Tensor, ratio: float, global_scale, score_weight, check_finite: bool, packed: bool):
+    num_selected_channels(x.shape[-1] if x.dim() else 0, ratio)  # validates the ratio first
+    gs, xc, w = tk._residual_prepare(x, global_scale, score_weight, check_finite)
+    m, k = x.shape
+    if m == 0 or k == 0:  # nothing to launch; the reference defines the (empty) result and its shapes
+        r = _ref_residual_quantize_channel(x, ratio, gs, score_weight=w, check_finite=False)
+        return r if packed else r.dequantize(x.dtype)
+    nb = k // BLOCK_SIZE
+    nbp = _check_row(k)
+    n_sel = num_selected_channels(k, ratio)
+    dev = x.device
+    g1, div1 = tk._gs_rows(gs, (m,))
+    per_row = gs.dim() == 2 and gs.shape[0] == m and m > 1  # the reference's _second_pass_scale rule
+    wt = w if w is not None else g1
+    meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, EARLY=CHANNEL_CONFIG["early"],
+                num_warps=_warps(nbp), enable_fp_fusion=False)
+    gs2_mode, gs2_arg = 0, None
+    if not per_row and m > 1:  # per-tensor second-pass scale: amax of R_sel over all rows first
+        amax_rows = torch.empty(m, dtype=torch.float32, device=dev)
+        _channel_row_kernel[(m,)](xc, g1, wt, xc, xc, xc, xc, xc, xc, amax_rows, PACK=False, OUT=0, GS2=2, **meta)
+        gs2_mode, gs2_arg = 1, global_scale_from_amax(amax_rows.amax())
+    if not packed:
+        out = torch.empty_like(xc)
+        o = tk._out_arg(out)
+        _channel_row_kernel[(m,)](xc, g1, wt, o, o, o, o, o, o, gs2_arg if gs2_arg is not None else g1, PACK=False,
+                                  OUT=tk._out_code(x), GS2=gs2_mode, **meta)
+        return out
+    codes1 = torch.empty(m, k // 2, dtype=torch.uint8, device=dev)
+    scale1 = torch.empty(m, nb, dtype=torch.uint8, device=dev)
+    codes2 = torch.empty(m, k // 2, dtype=torch.uint8, device=dev)
+    scale2 = torch.empty(m, nb, dtype=torch.uint8, device=dev)
+    idx_buf = torch.empty(m, max(n_sel, 1), dtype=torch.int64, device=dev)  # n_sel = 0: nothing stored
+    gs2_rows = torch.empty(m, dtype=torch.float32, device=dev) if gs2_arg is None else gs2_arg
+    _channel_row_kernel[(m,)](xc, g1, wt, xc, codes1.view(torch.int64), scale1, codes2.view(torch.int64), scale2,
+                              idx_buf, gs2_rows, PACK=True, OUT=0, GS2=gs2_mode, **meta)
+    if gs2_arg is not None:
+        gs2 = gs2_arg
+    else:
+        gs2 = gs2_rows.unsqueeze(-1) if per_row else gs2_rows.reshape(())  # the reference's shapes
+    first = NVFP4Tensor(codes1, scale1.view(torch.float8_e4m3fn), gs, x.shape, x.dtype)
+    second = NVFP4Tensor(codes2, scale2.view(torch.float8_e4m3fn), gs2, torch.Size((m, k)), torch.float32)
+    return ChannelResidualNVFP4(first, second, idx_buf[:, :n_sel], ratio)
+
+
+def residual_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, score_weight: torch.Tensor | None = None,
+                      check_finite: bool = True) -> ChannelResidualNVFP4:
+    """Triton :func:`verl_quads.nvfp4.residual_quantize` with ``granularity="channel"`` (per token): x 2-D
+    ``[M, K]`` float32/bf16/fp16; returns a :class:`ChannelResidualNVFP4` with the reference's bytes."""
+    return _run(x, ratio, global_scale, score_weight, check_finite, packed=True)
+
+
+def residual_fake_quantize(x: torch.Tensor, ratio: float, global_scale=None, *,
+                           score_weight: torch.Tensor | None = None, check_finite: bool = True) -> torch.Tensor:
+    """Triton :func:`verl_quads.nvfp4.residual_fake_quantize` with ``granularity="channel"``: ``deq(Q(x)) +
+    deq(Q(R_sel))`` in x's dtype and shape ``[M, K]``, one launch (two with a per-tensor scale and M > 1)."""
+    return _run(x, ratio, global_scale, score_weight, check_finite, packed=False)
