@@ -148,3 +148,45 @@ def test_fused_per_token_residual_is_batch_invariant_on_gpu(residual_kernel):
     full = nv.residual_fake_quantize(x, 0.5, gs, backend="triton")
     part = nv.residual_fake_quantize(x[100:137].contiguous(), 0.5, gs[100:137].contiguous(), backend="triton")
     assert torch.equal(full[100:137], part)
+
+
+def _same_channel(x, ratio, gs, **kw):
+    """granularity='channel' (verl_quads/nvfp4/triton_channel.py) vs the torch reference on the same device: packed
+    codes, scale bytes, global scales (bytes and shape), selected channels, QDQ output bytes."""
+    t = nv.residual_quantize(x, ratio, gs, granularity="channel", backend="triton", **kw)
+    r = nv.residual_quantize(x, ratio, gs, granularity="channel", backend="torch", **kw)
+    assert torch.equal(t.channel_idx, r.channel_idx), (ratio, (t.channel_idx != r.channel_idx).float().mean().item())
+    for a, b in ((t.first, r.first), (t.second, r.second)):
+        assert _eq(a, b) and _same_bytes(a.global_scale.reshape(-1), b.global_scale.reshape(-1))
+        assert a.global_scale.shape == b.global_scale.shape
+    assert _same_bytes(nv.residual_fake_quantize(x, ratio, gs, granularity="channel", backend="triton", **kw),
+                       nv.residual_fake_quantize(x, ratio, gs, granularity="channel", backend="torch", **kw))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_channel_residual_bit_exact(dtype):
+    """The channel rule's Triton kernel at the rollout's activation shape (4096 x 2048, per-row scale, k = 0.5;
+    bf16 also at k = 0.125 / 1, a score weight, a per-tensor scale and a non-power-of-two / a long row), plus a
+    small tie case: equal R**2 straddling the threshold, all-zero rows, -0.0 and subnormal block scales."""
+    x = _x(4096, 2048, dtype, seed=5)
+    _same_channel(x, 0.5, nv.per_row_global_scale(x))
+    if dtype == torch.bfloat16:
+        for ratio in (0.125, 1.0):
+            _same_channel(x, ratio, nv.per_row_global_scale(x))
+        _same_channel(x, 0.5, nv.per_row_global_scale(x), score_weight=torch.rand(2048, device="cuda"))
+        _same_channel(x[:512], 0.5, nv.global_scale_from_amax(x[:512].float().abs().amax()))  # two launches
+        for k in (2880, 8192):
+            xk = _x(256, k, dtype, seed=6)
+            _same_channel(xk, 0.5, nv.per_row_global_scale(xk))
+    # ties: rows of constant |x| = 1.25 with one 6.0 per block (grid exact, R = +-0.25 everywhere: all scores tie),
+    # hand residuals with six equal .0625 scores cut by n_sel = 3 of 32, all-zero rows, -0.0, subnormal scales
+    blk = [6.0, 5.5, 2.75, 1.25, 0.125, 3.75] + [0.0] * 10
+    t = torch.tensor([blk + blk] * 4, device="cuda")
+    t[1] = torch.tensor([1.25, -1.25] * 16)
+    t[1, ::16] = 6.0
+    t[2] = 0.0
+    t[3, :16] = -0.0
+    t[3, 16:] = torch.linspace(-1, 1, 16) * 1e-3
+    t = t.to(dtype)
+    for ratio in (3 / 32, 0.25, 0.5, 12 / 32, 1.0):
+        _same_channel(t, ratio, nv.per_row_global_scale(t))
