@@ -17,6 +17,8 @@ float or the integer E2M1 index), per-token residual ``row`` (whole row in regis
 (``RESIDUAL_BY_BLOCKS``: the tile / warps measured fastest per row length); the new
 kernels write bf16 with the GPU's conversion instruction (``[... int-bf16-store]``: with the integer
 rounding v1 uses). Residual ratios are given against both plain variants.
+The channel rule (``granularity="channel"``, k = 0.5) has its own rows in the table; ``--channel`` times only it
+(bytes checked against the torch reference first, next to plain QDQ and the block rule, warps swept).
 Each timed call selects its variant and restores ``KERNELS`` afterwards; ``--sweep`` tunes each
 variant's configuration first (and keeps the fastest for the table) and prints it.
 """
@@ -218,6 +220,13 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
                               lambda b, r=ratio, pt=per_token, ch=ch: _with(ch, lambda: nv.residual_fake_quantize(
                                   x, r, gs_row, per_token=pt, backend=b, check_finite=False))(),
                               2 * m * k * eb))
+        # the channel rule (granularity="channel", verl_quads/nvfp4/triton_channel.py): same dense second pass
+        cases.append(("residual_quantize k=0.5 (per-token, channel rule)",
+                      lambda b: nv.residual_quantize(x, 0.5, gs_row, granularity="channel", backend=b, check_finite=False),
+                      _bytes_quant(m, k, eb) + m * k // 2 + m * k // 16 + m * (k // 2) * 8))
+        cases.append(("residual QDQ k=0.5 (per-token, channel rule)",
+                      lambda b: nv.residual_fake_quantize(x, 0.5, gs_row, granularity="channel", backend=b,
+                                                          check_finite=False), 2 * m * k * eb))
         col_w = torch.rand(k, device=dev, dtype=torch.float32)  # stands in for a weight's squared column norms
         for kern in ("row", "gather", "auto"):
             cases.append((f"residual QDQ k=0.5 (per-token, fused {kern}, output-aware score)",
@@ -309,6 +318,72 @@ def run_residual_variants(shapes: list[tuple[int, int]] = ((8192, 8192), (4096, 
                         "x plain quantize", "== default bytes"], rows)
 
 
+def run_channel(shapes: list[tuple[int, int]] = ((4096, 2048), (8192, 8192)), dtype: torch.dtype = torch.bfloat16,
+                ratios: tuple[float, ...] = (0.5, 0.25), device: str = "cuda",
+                elems_per_thread: tuple[int, ...] = (8, 16, 32, 64)) -> str:
+    """The channel rule's Triton kernel (``granularity="channel"``, :mod:`verl_quads.nvfp4.triton_channel`), per-row
+    global scale: per shape and ratio, first checked against the torch reference on the same device (QDQ output
+    bytes; packed codes, scale bytes, gs2 and channel indices of ``residual_quantize``; a mismatch is reported and
+    not timed), then timed (CUDA-graph replay, us) next to plain per-row-scale QDQ / quantize (v2) and the block rule
+    (default ``auto`` kernel) at the same ratio; at k = 0.5 also each ``CHANNEL_CONFIG["elems_per_thread"]`` (the
+    kernel's warps; same bytes). ``device`` other than "cuda": functional smoke run only."""
+    from verl_quads.nvfp4 import triton_channel as tc
+
+    def same(a, b):
+        return all(torch.equal(u.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)) for u, v in (
+            (a.first.packed, b.first.packed), (a.second.packed, b.second.packed),
+            (a.first.block_scale, b.first.block_scale), (a.second.block_scale, b.second.block_scale),
+            (a.second.global_scale, b.second.global_scale))) and torch.equal(a.channel_idx, b.channel_idx)
+
+    tm = graph_time_s if device == "cuda" else (lambda f: median_time_s(f, 0, 1, 1))  # CPU: smoke run only
+    rows = []
+    for m, k in shapes:
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        x[:, :: max(1, k // 8)] *= 30.0  # outlier channels
+        gs_row = nv.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
+        with _kernels(quantize="v2", fake_quantize="v2"):
+            t_qdq = tm(lambda: nv.fake_quantize(x, gs_row, backend="triton", check_finite=False))
+            t_q = tm(lambda: nv.quantize(x, gs_row, backend="triton", check_finite=False))
+        rows.append([f"{m}x{k}", "-", "plain v2 QDQ, quantize", "-", t_qdq * 1e6, 1.0, t_q * 1e6, 1.0, "-"])
+        print(rows[-1], flush=True)
+        for ratio in ratios:
+            tb = tm(lambda: nv.residual_fake_quantize(x, ratio, gs_row, backend="triton", check_finite=False))
+            tb2 = tm(lambda: nv.residual_quantize(x, ratio, gs_row, backend="triton", check_finite=False))
+            rows.append([f"{m}x{k}", f"{ratio:g}", "block rule (auto)", "-", tb * 1e6, f"{tb / t_qdq:.2f}x", tb2 * 1e6,
+                         f"{tb2 / t_q:.2f}x", "-"])
+            print(rows[-1], flush=True)
+            for ept in elems_per_thread if ratio == 0.5 else (tc.CHANNEL_CONFIG["elems_per_thread"],):
+                old = dict(tc.CHANNEL_CONFIG)
+                tc.CHANNEL_CONFIG["elems_per_thread"] = ept
+                nw = tc._warps(tc._check_row(k) if k else 1)
+                try:
+                    qdq = lambda: nv.residual_fake_quantize(x, ratio, gs_row, granularity="channel", backend="triton",
+                                                            check_finite=False)
+                    q = lambda: nv.residual_quantize(x, ratio, gs_row, granularity="channel", backend="triton",
+                                                     check_finite=False)
+                    ok = torch.equal(qdq().view(torch.uint8), nv.residual_fake_quantize(
+                        x, ratio, gs_row, granularity="channel", backend="torch", check_finite=False).view(torch.uint8))
+                    ok = ok and same(q(), nv.residual_quantize(x, ratio, gs_row, granularity="channel", backend="torch",
+                                                               check_finite=False))
+                    if not ok:
+                        rows.append([f"{m}x{k}", f"{ratio:g}", f"channel rule e/t {ept}", nw, "MISMATCH", "-", "-", "-",
+                                     "no"])
+                    else:
+                        t, t2 = tm(qdq), tm(q)
+                        rows.append([f"{m}x{k}", f"{ratio:g}", f"channel rule e/t {ept}", nw, t * 1e6,
+                                     f"{t / t_qdq:.2f}x", t2 * 1e6, f"{t2 / t_q:.2f}x", "yes"])
+                except Exception as e:  # a config the device's triton does not compile: reported, not timed
+                    rows.append([f"{m}x{k}", f"{ratio:g}", f"channel rule e/t {ept}", nw, "ERROR",
+                                 f"{type(e).__name__}: {str(e)[:120]!r}", "-", "-", "no"])
+                finally:
+                    tc.CHANNEL_CONFIG.clear()
+                    tc.CHANNEL_CONFIG.update(old)
+                print(rows[-1], flush=True)
+    return print_table(f"channel-rule residual kernel (granularity='channel'), per-row global scale, input {dtype} "
+                       f"({device_name()})", ["shape", "k", "kernel", "warps", "residual QDQ us", "x plain QDQ",
+                                             "residual_quantize us", "x plain quantize", "== torch bytes"], rows)
+
+
 def _variant_call(name: str, fn):
     from verl_quads.nvfp4 import triton_kernels as tk
 
@@ -330,11 +405,19 @@ def main(argv: list[str] | None = None) -> None:
                    help="only time every per-token residual kernel variant (triton_kernels.RESIDUAL_VARIANTS) at "
                         "8192x8192 and 4096x2048 (or --shapes if given), k = 0.5 and 0.25, each checked against the "
                         "default kernel's bytes first")
+    p.add_argument("--channel", action="store_true",
+                   help="only time the channel-rule residual kernel (granularity='channel') vs plain QDQ and the block "
+                        "rule, bytes checked against the torch reference first (default shapes 4096x2048,8192x8192)")
     p.add_argument("--variants", default=None,
                    help="with --residual-variants: comma-separated RESIDUAL_VARIANTS names to time (default: all)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("verl-quads bench nvfp4 needs a CUDA GPU (CPU numbers are not the point)")
+    if a.channel:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes != p.get_default(
+            "shapes") else [(4096, 2048), (8192, 8192)]
+        print(run_channel(shapes, getattr(torch, a.dtype)), flush=True)
+        return
     if a.residual_variants:
         shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes != p.get_default(
             "shapes") else [(8192, 8192), (4096, 2048)]
