@@ -245,6 +245,54 @@ def test_triton_channel_leading_dims_and_batch_invariance():
                                                backend="triton"), full)
 
 
+@_needs_interp
+@pytest.mark.parametrize("combine", ["fp4x2", "bf16"])
+def test_rollout_triton_backend_runs_the_channel_rule(monkeypatch, combine):
+    """The vLLM methods with backend="triton" (constructed directly: bypasses resolve_backend's device check, as
+    tests/unit/test_rollout_triton_backend.py does) and residual_granularity="channel": the GEMM operand is the
+    core's channel-rule result bit for bit (fp4x2: Q(x) + the rule's dense Q(R_sel) as the second FP4 operand; bf16:
+    the QDQ form as a w4a16 operand), the output matches the torch backend (the emulated GEMM; accumulation order
+    differs) for a linear layer and the routed experts, and differs from the block rule."""
+    pytest.importorskip("vllm")
+    from test_rollout_triton_backend import _close, _linear_layer, _moe_layer
+
+    from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.rollout.emulation import ActQuant
+    from verl_quads.rollout.linear import QuadsNVFP4LinearMethod
+    from verl_quads.rollout.moe import QuadsNVFP4MoEMethod
+
+    layer = _linear_layer()
+    x = torch.randn(2, 3, 96, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    x[..., 7] *= 20
+    act = ActQuant("quads", 0.25, True, residual_combine=combine, residual_granularity="channel")
+    y = {b: QuadsNVFP4LinearMethod(act, b).apply(layer, x, None) for b in ("torch", "triton")}
+    _close(y["triton"], y["torch"], f"linear channel combine={combine}")
+    x2 = x.reshape(-1, 96)
+    gs = nv.per_row_global_scale(x2)
+    w = (layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
+    if combine == "bf16":
+        op = tg.ActOperand("w4a16", x.dtype, values=nv.residual_fake_quantize(x2, 0.25, gs, granularity="channel",
+                                                                             backend="torch"))
+    else:
+        r = nv.residual_quantize(x2, 0.25, gs, granularity="channel", backend="torch")
+        op = tg.ActOperand("quads", x.dtype, first=nv.NVFP4Tensor(r.first.packed, r.first.block_scale, gs, r.first.shape,
+                                                                  r.first.dtype),
+                           second_packed=r.second.packed, second_scale=r.second.block_scale,
+                           second_gs=r.second.global_scale.reshape(-1))
+        got, _ = tg.quantize_activation(x2, "quads", residual_ratio=0.25, residual_per_token=True,
+                                        residual_granularity="channel")
+        assert torch.equal(got.second_packed, r.second.packed) and torch.equal(got.first.packed, r.first.packed)
+    assert torch.equal(y["triton"], tg.nvfp4_gemm(op, *w, None).reshape(2, 3, -1))
+    blk = QuadsNVFP4LinearMethod(ActQuant("quads", 0.25, True, residual_combine=combine), "triton").apply(layer, x, None)
+    assert not torch.equal(y["triton"], blk)
+    mlayer, cfg = _moe_layer()
+    xm = torch.randn(5, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    ids = torch.tensor([[0, 3], [1, 3], [2, 0], [3, 2], [0, 1]])
+    tw = torch.softmax(torch.randn(5, 2, generator=torch.Generator().manual_seed(6)), -1)
+    ym = {b: QuadsNVFP4MoEMethod(cfg, act, b).apply(mlayer, xm, tw, ids, None, None) for b in ("torch", "triton")}
+    _close(ym["triton"], ym["torch"], f"moe channel combine={combine}")
+
+
 _SM90_CHANNEL = r"""
 import re
 import triton

@@ -98,14 +98,20 @@ def test_residual_granularity_reaches_each_layers_activation_quant(monkeypatch):
 @pytest.mark.parametrize("backend", ["triton", "native"])
 def test_gpu_backends_refuse_channel_granularity_mocked_gpu(monkeypatch, backend):
     """Mocked: the backend resolves to triton / native as it would on a Hopper / Blackwell GPU (none here).
-    residual_granularity='channel' has only the torch backend: refused naming the key (never the block rule);
-    block, and channel outside quads, are accepted."""
+    residual_granularity='channel' runs on the torch and triton backends (verl_quads/nvfp4/triton_channel.py);
+    native refuses it naming the key (never the block rule); block, and channel outside quads, are accepted."""
     from verl_quads.rollout import quant_config as qc_mod
 
     monkeypatch.setattr(qc_mod, "resolve_backend", lambda requested: backend)
-    with pytest.raises(NotImplementedError,
-                       match=rf"quant_config\.residual_granularity='channel' runs on the 'torch' backend only.*'{backend}'"):
-        QuadsNVFP4Config.from_config({"quant": "quads", "residual_granularity": "channel"})
+    if backend == "triton":
+        for combine in ("fp4x2", "bf16"):
+            cfg = QuadsNVFP4Config.from_config({"quant": "quads", "residual_granularity": "channel",
+                                                "residual_combine": combine})
+            assert cfg.backend == "triton" and cfg.quant_config.residual_granularity == "channel"
+    else:
+        with pytest.raises(NotImplementedError,
+                           match=rf"quant_config\.residual_granularity='channel' runs on the 'torch' and 'triton' backends only.*'{backend}'"):
+            QuadsNVFP4Config.from_config({"quant": "quads", "residual_granularity": "channel"})
     assert QuadsNVFP4Config.from_config({"quant": "quads"}).backend == backend
     assert QuadsNVFP4Config.from_config({"quant": "naive", "residual_granularity": "channel"}).backend == backend
 
@@ -124,7 +130,7 @@ def _channel_linear_layer():
 
 def test_linear_and_moe_methods_channel_granularity_torch_backend_and_refusals():
     """The torch backend computes the NVFP4 core's channel-rule operand (checked against the core's functions,
-    composed here); the triton / native methods refuse channel at construction (no kernel yet)."""
+    composed here); the native methods refuse channel at construction (no kernel yet), triton accepts it."""
     import types
 
     from verl_quads.rollout import emulation as em
@@ -151,11 +157,13 @@ def test_linear_and_moe_methods_channel_granularity_torch_backend_and_refusals()
         ActQuant("quads", 0.5, False, residual_granularity="channel")
     with pytest.raises(ValueError, match=r"residual_granularity.*must be one of \('block', 'channel'\), got 'row'"):
         ActQuant("quads", residual_granularity="row")
-    for backend in ("triton", "native"):
-        with pytest.raises(NotImplementedError, match=rf"linear: residual_granularity='channel'.*'torch' backend.*'{backend}'"):
+    for backend in ("native",):  # triton runs it (tests/unit/test_nvfp4_residual_channel.py)
+        with pytest.raises(NotImplementedError, match=rf"linear: residual_granularity='channel'.*'torch' and 'triton' backends.*'{backend}'"):
             QuadsNVFP4LinearMethod(chan, backend)
-        with pytest.raises(NotImplementedError, match=rf"MoE: residual_granularity='channel'.*'torch' backend.*'{backend}'"):
+        with pytest.raises(NotImplementedError, match=rf"MoE: residual_granularity='channel'.*'torch' and 'triton' backends.*'{backend}'"):
             QuadsNVFP4MoEMethod(types.SimpleNamespace(has_bias=False, activation=None), chan, backend)
+    QuadsNVFP4LinearMethod(chan, "triton")
+    QuadsNVFP4MoEMethod(types.SimpleNamespace(has_bias=False, activation=None), chan, "triton")
     QuadsNVFP4LinearMethod(ActQuant("naive", residual_granularity="channel"), "triton")  # read in quads only
 
 

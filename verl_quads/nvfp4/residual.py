@@ -29,8 +29,9 @@ the first as K' = K (1 + ratio)) but makes a token's activation depend on its ba
 trainer cannot reproduce it, and generation is not batch-invariant); per-token selection makes
 each token independent at the price of a per-row gathered second pass.
 
-``granularity="channel"`` (per token only; :func:`residual_quantize_channel`, torch reference only,
-docs/quads_selection.md), the rule over single channels instead of 16-blocks:
+``granularity="channel"`` (per token only; :func:`residual_quantize_channel` is the reference, the Triton
+kernel :mod:`verl_quads.nvfp4.triton_channel` gives the same bytes; docs/quads_selection.md), the rule over
+single channels instead of 16-blocks:
 
 - ``R = x - deq(Q(x))`` in float32 as above; score ``s[m, c] = R[m, c]**2`` (times
   ``score_weight[c]`` when given), float32;

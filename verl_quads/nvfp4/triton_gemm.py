@@ -1251,13 +1251,19 @@ def _row_gs(gs: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def _residual_operand(r, mode: str, dtype: torch.dtype) -> ActOperand:
-    """ActOperand of a :class:`~verl_quads.nvfp4.ResidualNVFP4` of ``[M, K]`` (one row group)."""
+    """ActOperand of a :class:`~verl_quads.nvfp4.ResidualNVFP4` or :class:`~verl_quads.nvfp4.ChannelResidualNVFP4`
+    of ``[M, K]`` (one row group)."""
     m, k = r.first.shape
     nb = k // BLOCK_SIZE
-    n_sel = r.block_idx.shape[-1]
     gs1 = _row_gs(r.first.global_scale, m)
     first = NVFP4Tensor(r.first.packed, r.first.block_scale, gs1.unsqueeze(-1), r.first.shape, r.first.dtype)
     gs2 = _row_gs(r.second.global_scale, m)
+    if r.granularity == "channel":  # the second pass is already dense [M, K] (+0 codes outside the selection)
+        if r.channel_idx.shape[-1] == 0:
+            return ActOperand(mode, dtype, first=first)
+        return ActOperand(mode, dtype, first=first, second_packed=r.second.packed.contiguous(),
+                          second_scale=r.second.block_scale.contiguous(), second_gs=gs2)
+    n_sel = r.block_idx.shape[-1]
     if n_sel == 0:
         return ActOperand(mode, dtype, first=first)
     if r.block_idx.dim() == 1:  # per call: one block table, the second pass reads only the selected blocks
@@ -1282,6 +1288,7 @@ def quantize_activation(
     residual_per_token: bool = False,
     capture: bool = False,
     residual_combine: str = "fp4x2",
+    residual_granularity: str = "block",
 ) -> tuple[ActOperand, GuidanceRecord | None]:
     """Activation operand of one GEMM (``x`` ``[M, K]``), quantized by the NVFP4 core (backend
     ``"triton"``) with one global scale per token, and the guidance record (``trace`` with
@@ -1290,7 +1297,12 @@ def quantize_activation(
     ``residual_combine`` (``quads`` only, :data:`RESIDUAL_COMBINES`): ``fp4x2`` -> ``Q(x)`` and
     ``Q(R_sel)`` as two FP4 operands; ``bf16`` -> a ``w4a16`` operand holding
     ``nvfp4.residual_fake_quantize(x, residual_ratio, per-token global scale)`` in x's dtype (the same
-    bytes as the core's torch reference)."""
+    bytes as the core's torch reference).
+
+    ``residual_granularity`` (``quads``): ``block`` (default) or ``channel`` (per token only; the core's channel
+    rule, :mod:`verl_quads.nvfp4.triton_channel`): ``bf16`` as above; ``fp4x2`` -> ``Q(x)`` and the rule's dense
+    ``Q(R_sel)`` ``[M, K]`` as the second FP4 operand (the dense form the per-token block rule is scattered into;
+    same GEMM cost)."""
     from verl_quads import nvfp4 as nv
 
     if mode not in ACT_MODES:
@@ -1305,12 +1317,12 @@ def quantize_activation(
         return ActOperand(mode, x.dtype, values=x.contiguous()), None
     gs = nv.per_row_global_scale(x)
     if mode == "quads" and residual_combine == "bf16":
-        xq = nv.residual_fake_quantize(x, residual_ratio, gs, per_token=residual_per_token, backend="triton",
-                                       check_finite=False)
+        xq = nv.residual_fake_quantize(x, residual_ratio, gs, per_token=residual_per_token,
+                                       granularity=residual_granularity, backend="triton", check_finite=False)
         return ActOperand("w4a16", x.dtype, values=xq), None
     if mode == "quads":
-        r = nv.residual_quantize(x, residual_ratio, gs, per_token=residual_per_token, backend="triton",
-                                 check_finite=False)
+        r = nv.residual_quantize(x, residual_ratio, gs, per_token=residual_per_token, granularity=residual_granularity,
+                                 backend="triton", check_finite=False)
         return _residual_operand(r, mode, x.dtype), None
     q = nv.quantize(x, gs, backend="triton", check_finite=False)
     record = nv.extract_guidance(q) if (mode == "trace" and capture) else None
@@ -1639,15 +1651,16 @@ def nvfp4_linear(
     residual_per_token: bool = False,
     config: GemmConfig | None = None,
     residual_combine: str = "fp4x2",
+    residual_granularity: str = "block",
 ) -> torch.Tensor:
     """``x`` ``[M, K]`` (bf16/fp16/fp32) times an NVFP4 weight ``[N, K]`` (``w_packed`` uint8
     ``[N, K/2]``, ``w_scale`` e4m3 ``[N, K/16]``, ``w_gs`` float32 0-d encode scale), plus ``bias``
     ``[N]``: ``[M, N]`` in x's dtype. ``act_mode``: ``w4a16`` (x as is), ``naive``/``trace`` (x
     quantized to NVFP4 per token), ``quads`` (``Q(x) + Q(R_sel)``, ratio ``residual_ratio``; operand
-    form ``residual_combine``, see :func:`quantize_activation`).
+    form ``residual_combine``, selection unit ``residual_granularity``, see :func:`quantize_activation`).
     Use :func:`quantize_activation` + :func:`nvfp4_gemm` to also get the trace guidance record."""
     act, _ = quantize_activation(x, act_mode, residual_ratio=residual_ratio, residual_per_token=residual_per_token,
-                                 residual_combine=residual_combine)
+                                 residual_combine=residual_combine, residual_granularity=residual_granularity)
     return nvfp4_gemm(act, w_packed, w_scale, w_gs, bias, config=config)
 
 
@@ -1667,6 +1680,7 @@ def moe_forward(
     residual_per_token: bool = False,
     on_record=None,
     residual_combine: str = "fp4x2",
+    residual_granularity: str = "block",
 ) -> torch.Tensor:
     """Routed experts (gated silu) with ONE grouped launch per expert GEMM; ``[T, H]`` in x's dtype.
 
@@ -1680,7 +1694,8 @@ def moe_forward(
     host-synchronizing loop over the active experts; every other mode has no host sync); GEMM2 ->
     cast; router-weighted sum over the k slots in float32, one cast. ``residual_combine`` (``quads``):
     see :func:`quantize_activation`; ``bf16`` makes both GEMMs ``w4a16`` GEMMs on the compensated
-    activations (per-call selection: :func:`quads_grouped_values`).
+    activations (per-call selection: :func:`quads_grouped_values`). ``residual_granularity`` (``quads``): see
+    :func:`quantize_activation` (``channel``: per token, ``bf16`` only).
 
     ``on_record(gemm, record)`` (trace): receives the guidance record of GEMM1's input
     (``"mlp.experts.w13"``, ``[T, H]``) and of GEMM2's input (``"mlp.experts.w2"``, ``[T * k, I]`` in
@@ -1696,7 +1711,7 @@ def moe_forward(
     capture = on_record is not None
     op1, rec = quantize_activation(x, act_mode, residual_ratio=residual_ratio,
                                    residual_per_token=residual_per_token, capture=capture,
-                                   residual_combine=residual_combine)
+                                   residual_combine=residual_combine, residual_granularity=residual_granularity)
     if rec is not None:
         on_record("mlp.experts.w13", rec)
     token_rows = routing.sorted_tokens
@@ -1714,7 +1729,7 @@ def moe_forward(
     else:
         op2, rec2 = quantize_activation(a, act_mode, residual_ratio=residual_ratio,
                                         residual_per_token=residual_per_token, capture=capture,
-                                        residual_combine=residual_combine)
+                                        residual_combine=residual_combine, residual_granularity=residual_granularity)
         if rec2 is not None:
             on_record("mlp.experts.w2", rec2)
         a_rows = None
@@ -1728,41 +1743,46 @@ def moe_forward(
 
 def _linear_op(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
                bias: torch.Tensor | None, act_mode: str, residual_ratio: float,
-               residual_per_token: bool, residual_combine: str = "fp4x2") -> torch.Tensor:
+               residual_per_token: bool, residual_combine: str = "fp4x2",
+               residual_granularity: str = "block") -> torch.Tensor:
     return nvfp4_linear(x, w_packed, w_scale, w_gs, bias, act_mode, residual_ratio=residual_ratio,
-                        residual_per_token=residual_per_token, residual_combine=residual_combine)
+                        residual_per_token=residual_per_token, residual_combine=residual_combine,
+                        residual_granularity=residual_granularity)
 
 
 def _moe_op(x: torch.Tensor, slot_weights: torch.Tensor, expert_ids: torch.Tensor, w13_packed: torch.Tensor,
             w13_scale: torch.Tensor, w13_gs: torch.Tensor, w2_packed: torch.Tensor, w2_scale: torch.Tensor,
             w2_gs: torch.Tensor, act_mode: str, residual_ratio: float, residual_per_token: bool,
-            residual_combine: str = "fp4x2") -> torch.Tensor:
+            residual_combine: str = "fp4x2", residual_granularity: str = "block") -> torch.Tensor:
     return moe_forward(x, slot_weights, expert_ids, w13_packed, w13_scale, w13_gs, w2_packed, w2_scale, w2_gs,
                        act_mode, residual_ratio=residual_ratio, residual_per_token=residual_per_token,
-                       residual_combine=residual_combine)
+                       residual_combine=residual_combine, residual_granularity=residual_granularity)
 
 
 linear_op = torch.library.custom_op(
     "verl_quads::nvfp4_linear", _linear_op, mutates_args=(),
     schema="(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_gs, Tensor? bias, str act_mode, "
-           "float residual_ratio, bool residual_per_token, str residual_combine='fp4x2') -> Tensor",
+           "float residual_ratio, bool residual_per_token, str residual_combine='fp4x2', "
+           "str residual_granularity='block') -> Tensor",
 )
 moe_op = torch.library.custom_op(
     "verl_quads::nvfp4_moe", _moe_op, mutates_args=(),
     schema="(Tensor x, Tensor slot_weights, Tensor expert_ids, Tensor w13_packed, Tensor w13_scale, "
            "Tensor w13_gs, Tensor w2_packed, Tensor w2_scale, Tensor w2_gs, str act_mode, "
-           "float residual_ratio, bool residual_per_token, str residual_combine='fp4x2') -> Tensor",
+           "float residual_ratio, bool residual_per_token, str residual_combine='fp4x2', "
+           "str residual_granularity='block') -> Tensor",
 )
 
 
 @linear_op.register_fake
-def _(x, w_packed, w_scale, w_gs, bias, act_mode, residual_ratio, residual_per_token, residual_combine="fp4x2"):
+def _(x, w_packed, w_scale, w_gs, bias, act_mode, residual_ratio, residual_per_token, residual_combine="fp4x2",
+      residual_granularity="block"):
     return x.new_empty(x.shape[0], w_packed.shape[0])
 
 
 @moe_op.register_fake
 def _(x, slot_weights, expert_ids, w13_packed, w13_scale, w13_gs, w2_packed, w2_scale, w2_gs, act_mode,
-      residual_ratio, residual_per_token, residual_combine="fp4x2"):
+      residual_ratio, residual_per_token, residual_combine="fp4x2", residual_granularity="block"):
     return torch.empty_like(x)
 
 

@@ -25,8 +25,10 @@ dtype: relative <= 2**-8 per element for bf16, 2**-11 for fp16, none for float32
 (exact), i.e. the operand of the ``w4a16`` GEMM that the ``triton`` backend then runs.
 
 QUADS selection unit (``ActQuant.residual_granularity``): ``block`` (default, 16-channel blocks) or
-``channel`` (single channels per token, :mod:`verl_quads.nvfp4.residual`); ``channel`` has no Triton
-kernel yet, so it needs ``backend="torch"`` for CUDA tensors (``auto`` raises NotImplementedError there).
+``channel`` (single channels per token, :mod:`verl_quads.nvfp4.residual`; with ``backend="auto"`` on CUDA
+tensors the core runs its Triton kernel, :mod:`verl_quads.nvfp4.triton_channel`, same bytes). The plugin's
+``triton`` backend builds the same operands (:func:`verl_quads.nvfp4.triton_gemm.quantize_activation`: ``fp4x2``
+with the rule's dense second FP4 operand, or ``bf16``); ``native`` refuses ``channel``.
 """
 
 from __future__ import annotations

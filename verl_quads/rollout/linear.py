@@ -93,10 +93,10 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
                 "(torch, triton); backend 'native' runs vLLM's FP4 GEMM on the two FP4 operands (allowed there: "
                 "'fp4x2')"
             )
-        if act.mode == "quads" and act.residual_granularity != "block" and backend != "torch":
+        if act.mode == "quads" and act.residual_granularity != "block" and backend == "native":
             raise NotImplementedError(
-                f"quads_nvfp4 linear: residual_granularity={act.residual_granularity!r} runs on the 'torch' backend "
-                f"only for now (no {backend!r} kernel yet); use quant_config.backend='torch' or residual_granularity='block'"
+                f"quads_nvfp4 linear: residual_granularity={act.residual_granularity!r} runs on the 'torch' and 'triton' "
+                f"backends (no {backend!r} kernel yet); use quant_config.backend='triton' or residual_granularity='block'"
             )
         if backend == "native" and act.mode == "w4a16":
             from verl_quads.rollout import native
@@ -213,12 +213,13 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
             y = torch.ops.verl_quads.nvfp4_linear(
                 x2, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, bias, self.act.mode,
                 self.act.residual_ratio, self.act.residual_per_token, self.act.residual_combine,
+                self.act.residual_granularity,
             )
             return y.reshape(*x.shape[:-1], y.shape[-1])
         op, record = triton_gemm.quantize_activation(
             x2, self.act.mode, residual_ratio=self.act.residual_ratio,
             residual_per_token=self.act.residual_per_token, capture=capture,
-            residual_combine=self.act.residual_combine,
+            residual_combine=self.act.residual_combine, residual_granularity=self.act.residual_granularity,
         )
         if record is not None and capture:
             from verl_quads.rollout.capture import get_store

@@ -63,10 +63,10 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
             )
         if getattr(moe, "has_bias", False):
             raise NotImplementedError("quads_nvfp4 MoE: expert biases are not supported")
-        if act.mode == "quads" and act.residual_granularity != "block" and backend != "torch":
+        if act.mode == "quads" and act.residual_granularity != "block" and backend == "native":
             raise NotImplementedError(
-                f"quads_nvfp4 MoE: residual_granularity={act.residual_granularity!r} runs on the 'torch' backend only "
-                f"for now (no {backend!r} kernel yet); use quant_config.backend='torch' or residual_granularity='block'"
+                f"quads_nvfp4 MoE: residual_granularity={act.residual_granularity!r} runs on the 'torch' and 'triton' "
+                f"backends (no {backend!r} kernel yet); use quant_config.backend='triton' or residual_granularity='block'"
             )
         act_name = getattr(getattr(moe, "activation", None), "value", None)
         if act_name not in (None, "silu"):
@@ -213,7 +213,7 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
                    layer.w2_weight_packed, layer.w2_weight_scale, layer.w2_weight_global_scale)
         if not (q.capture and self.capture_layer is not None):
             return torch.ops.verl_quads.nvfp4_moe(x, slot_weights, ids, *weights, q.mode, q.residual_ratio,
-                                                  q.residual_per_token, q.residual_combine)
+                                                  q.residual_per_token, q.residual_combine, q.residual_granularity)
         from verl_quads.rollout.capture import get_store
 
         inter = layer.w2_weight_packed.shape[-1] * 2
@@ -226,7 +226,7 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
 
         return tg.moe_forward(x, slot_weights, ids, *weights, q.mode, residual_ratio=q.residual_ratio,
                               residual_per_token=q.residual_per_token, on_record=on_record,
-                              residual_combine=q.residual_combine)
+                              residual_combine=q.residual_combine, residual_granularity=q.residual_granularity)
 
     def forward_reference(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
         """Routed-experts output ``[T, H]`` in x's dtype (see module docstring for the arithmetic)."""
