@@ -17,7 +17,11 @@ an expert is never split across ranks; zero elsewhere), and ONE ``all_reduce(MAX
 makes them global; fused groups (q/k/v, gate/up) then take the max over their members' slots, experts one
 scale per expert ``[E, 1, 1]``, exactly the amax values ``per_forward`` feeds the same QDQ call.
 Gradients: the STE makes d loss / d master = d loss / d QDQ weight, which is the gradient of the unsharded
-parameter that FSDP reduce-scatters into the sharded gradient, as in the stock path.
+parameter that FSDP reduce-scatters into the sharded gradient, as in the stock path. On the H200 (torch 2.11,
+``python -m verl_quads.bench.qat --fsdp`` device check, one Qwen3-30B-A3B-width layer, 4096 tokens): QDQ weights
+and forward output bit-identical for w4a16 / w4a4_qat / trace, and every gradient too with SDPA on the math
+backend; with the default SDPA (flash) backward, whose dq accumulation is nondeterministic, the input and
+q_proj gradients differ run to run for ``per_forward`` itself, so compare gradients under deterministic attention.
 
 Refresh: :meth:`ShardQDQ.refresh` runs in a forward pre-hook on the root FSDP module (registered before
 FSDP's own root hook, so it runs before any all-gather of the step; all ranks are in lockstep there, as
