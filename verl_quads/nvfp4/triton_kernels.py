@@ -1128,11 +1128,14 @@ RESIDUAL_VARIANTS = {
 #: ``KERNELS["residual_per_token"] == "auto"``: the RESIDUAL_VARIANTS entry that serves a row of ``nbp`` padded
 #: 16-blocks: the first (largest nbp, name) with nbp <= largest (None: any length). All variants give the same
 #: bytes; this is the measured fastest per row length.
-# H200 2026-11-30 session 5 (docs/bench_nvfp4_h200_residual_variants_s5.txt, bf16 residual QDQ us at k=0.5 / 0.25):
-# K=2048 (128 blocks) t32w1 20.3 / 18.0 at 4096x2048 and 125 / 108 at 32768x2048 vs gather-early (t64w2) 22.0 / 22.5
-# and 145 / 146; K=8192 (512 blocks) t128w4 148 / 129 vs 152 / 130 (session 4: 147 vs 151). Other lengths keep
-# gather-early (t64w2): not measured; rows of <= 64 blocks take the 1-warp tile by extrapolation from K=2048.
-RESIDUAL_BY_BLOCKS = ((128, "gather-early-t32w1"), (256, "gather-early"), (512, "gather-early-t128w4"), (None, "gather-early"))
+# H200 2026-11-30 session 5 (docs/bench_nvfp4_h200_residual_variants_s5.txt, second run; bf16 residual QDQ us at
+# k=0.5, same bytes, the default before this rule = gather-early t64w2): 64 blocks (4096x1024) t32w1-fast 11.2 vs
+# 17.9; 128 (4096x2048) t32w1-fast 19.3 vs 22.1, (32768x2048) 119 vs 144; 256 (4096x4096) gather-early-fast 40.5 vs
+# 42.9; 512 (8192x8192) t128w4-fast 142 vs 151. Longer rows: gather-early-fast (not timed; its GPU bit-exact test
+# passed at K=16384). FAST is 3-4% slower than plain t32w1 for the packed residual_quantize at 32768x2048 (143 vs
+# 138 us) and faster at every other measured point.
+RESIDUAL_BY_BLOCKS = ((128, "gather-early-t32w1-fast"), (256, "gather-early-fast"), (512, "gather-early-t128w4-fast"),
+                      (None, "gather-early-fast"))
 
 
 def _auto_residual_variant(nbp: int) -> str:
