@@ -19,8 +19,8 @@ def test_probe_mode_selects_per_token_by_default_and_per_call_on_request():
 
 
 def test_probe_mode_channel_rule_and_its_emulator_backend():
-    """quads@R:channel: per-token channel granularity; the HF emulator quantizes it with the torch reference
-    (no Triton kernel for the channel rule), every other mode keeps the auto backend."""
+    """quads@R:channel: per-token channel granularity; the HF emulator quantizes every mode with the auto backend
+    (the channel rule has its Triton kernel, bit-exact with the torch reference)."""
     from verl_quads.diagnostics.hf_rollout import RolloutSpec
     from verl_quads.diagnostics.probe import parse_mode
 
@@ -29,7 +29,7 @@ def test_probe_mode_channel_rule_and_its_emulator_backend():
     assert ch.cfg.residual_per_token is True and ch.cfg.residual_ratio == 0.25
     assert parse_mode("quads@0.25").cfg.residual_granularity == "block"
     spec = RolloutSpec.for_rollout_mode(ch.cfg)
-    assert spec.residual_granularity == "channel" and spec.act_backend == "torch"
+    assert spec.residual_granularity == "channel" and spec.act_backend == "auto"
     assert RolloutSpec.for_rollout_mode(parse_mode("quads@0.25").cfg).act_backend == "auto"
     assert RolloutSpec.for_rollout_mode(parse_mode("naive").cfg).act_backend == "auto"
     with pytest.raises(ValueError, match="per token only"):

@@ -40,9 +40,6 @@ ACT_MODES = ("none", "naive", "quads", "trace")
 #: Activation quantization backend: Triton kernels on CUDA tensors (bit-exact with the torch reference,
 #: only faster: the emulation issues thousands of small GEMM calls per decode step), torch on CPU.
 _BACKEND = "auto"
-#: QUADS ``residual_granularity="channel"`` has no Triton kernel yet: its activations always use the torch
-#: reference (also on CUDA tensors; the probe says so in its notes). Same bytes, slower.
-_CHANNEL_BACKEND = "torch"
 
 
 @dataclass(frozen=True)
@@ -53,8 +50,7 @@ class RolloutSpec:
         weights: NVFP4 weights (else the checkpoint's BF16 weights, upcast exactly).
         act: activation handling: ``none`` (BF16), ``naive`` (RTN NVFP4), ``quads`` (NVFP4 +
             residual compensation), ``trace`` (naive + guidance capture in the guided layers).
-        residual_ratio / residual_per_token / residual_granularity: QUADS options (``channel``
-            granularity: activations by the torch reference on every device, see :data:`_CHANNEL_BACKEND`).
+        residual_ratio / residual_per_token / residual_granularity: QUADS options.
         guided_layers: trace: the last N decoder layers capture guidance.
     """
 
@@ -74,8 +70,9 @@ class RolloutSpec:
 
     @property
     def act_backend(self) -> str:
-        """NVFP4 core backend of the activation quantization: ``torch`` for the channel rule, else ``auto``."""
-        return _CHANNEL_BACKEND if self.act == "quads" and self.residual_granularity == "channel" else _BACKEND
+        """NVFP4 core backend of the activation quantization (every rule, the channel rule included, has a
+        Triton kernel bit-exact with the torch reference: ``auto``)."""
+        return _BACKEND
 
     @property
     def is_bf16(self) -> bool:

@@ -483,11 +483,6 @@ def run_probe(
         res.notes.append("vLLM is not installed (or engine=hf): the rollout is verl-quads' own rollout arithmetic "
                          "(verl_quads.diagnostics.hf_rollout) over a Hugging Face model, KV-cached decoding with eager "
                          "attention; the trainer uses SDPA attention and one full-sequence forward.")
-    chan = [m.name for m in mode_objs if m.cfg.rollout_mode == "quads" and m.cfg.residual_granularity == "channel"]
-    if chan:
-        res.notes.append(f"{', '.join(chan)}: QUADS channel-granularity activations are computed by the NVFP4 core's "
-                         "torch reference on every device (no Triton kernel for that rule yet; same bytes, slower)"
-                         + ("; the other modes use the Triton kernels" if str(device).startswith("cuda") else ""))
     n_steps = len(mode_objs) * len(seeds)
     bar = _progress(n_steps, "probe")
     floor_runs = None

@@ -27,8 +27,7 @@ the probe's rollout is then verl-quads' own rollout arithmetic over the HF model
    (``residual_granularity="channel"``), as relative GEMM output error (:func:`selection_rule_errors`).
    End to end, ``--modes ...,quads@0.5,quads@0.5:call`` compares per-token and per-call selection
    in the probe's log-prob gaps, and ``--channel-ratios 0.125,0.25,0.5`` adds ``quads@R:channel``
-   modes (the channel rule; its activations run on the torch reference also on CUDA, the probe's
-   notes say so).
+   modes (the channel rule).
 
 Prints tables and the per-phase seconds; writes ``realistic.json`` (rewritten after every phase) (+ the probe's ``probe.json``/``probe.txt``/``probe.png``) in
 ``--out``. ``--toy`` shrinks everything for a CPU smoke test.
@@ -397,8 +396,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--modes", default="bf16,naive,w4a16,w4a4_qat,quads@0.125,quads@0.25,quads@0.5,quads@0.75,quads@1.0,trace")
     p.add_argument("--channel-ratios", default="",
                    help="comma list of QUADS ratios R: append quads@R:channel (the per-token channel rule, "
-                        "residual_granularity='channel') to --modes, e.g. 0.125,0.25,0.5. Their activations run on the "
-                        "torch reference (no Triton kernel yet): count ~15-35 s per mode on the H200 in --probe-reserve-s")
+                        "residual_granularity='channel') to --modes, e.g. 0.125,0.25,0.5 (each is one more probe mode: count it in --probe-reserve-s)")
     p.add_argument("--extra-modes", default="",
                    help="comma list of modes probed after everything else, without decomposition (bf16 and naive "
                         "are rerun with them as closure anchors)")
