@@ -280,12 +280,7 @@ def run_residual_variants(shapes: list[tuple[int, int]] = ((8192, 8192), (4096, 
     rows = []
     tm = graph_time_s if device == "cuda" else (lambda f: median_time_s(f, 0, 1, 1))  # CPU: smoke run only
     for m, k in shapes:
-        x = torch.randn(m, k, device=device, dtype=dtype)
-        x[:, :: max(1, k // 8)] *= 30.0  # outlier channels
-        gs_row = nv.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
-        with _kernels(quantize="v2", fake_quantize="v2"):
-            t_qdq = tm(lambda: nv.fake_quantize(x, gs_row, backend="triton", check_finite=False))
-            t_q = tm(lambda: nv.quantize(x, gs_row, backend="triton", check_finite=False))
+        x, gs_row, t_qdq, t_q = _outlier_rows_and_plain_times(m, k, dtype, device, tm)
         rows.append([f"{m}x{k}", "-", "plain v2 QDQ, quantize", t_qdq * 1e6, 1.0, t_q * 1e6, 1.0, "-"])
         print(rows[-1], flush=True)
         for ratio in ratios:
@@ -318,6 +313,19 @@ def run_residual_variants(shapes: list[tuple[int, int]] = ((8192, 8192), (4096, 
                         "x plain quantize", "== default bytes"], rows)
 
 
+def _outlier_rows_and_plain_times(m: int, k: int, dtype: torch.dtype, device: str, tm):
+    """Input of the residual benches: ``x`` ``[m, k]`` random with every ``k // 8``-th channel x30 (outliers), its
+    per-row global scales (float32 ``[m, 1]``), and the baselines' times in seconds (``tm`` timer): plain v2 QDQ
+    and quantize of ``x`` with those scales."""
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    x[:, :: max(1, k // 8)] *= 30.0  # outlier channels
+    gs_row = nv.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
+    with _kernels(quantize="v2", fake_quantize="v2"):
+        t_qdq = tm(lambda: nv.fake_quantize(x, gs_row, backend="triton", check_finite=False))
+        t_q = tm(lambda: nv.quantize(x, gs_row, backend="triton", check_finite=False))
+    return x, gs_row, t_qdq, t_q
+
+
 def run_channel(shapes: list[tuple[int, int]] = ((4096, 2048), (8192, 8192)), dtype: torch.dtype = torch.bfloat16,
                 ratios: tuple[float, ...] = (0.5, 0.25), device: str = "cuda",
                 elems_per_thread: tuple[int, ...] = (8, 16, 32, 64)) -> str:
@@ -338,12 +346,7 @@ def run_channel(shapes: list[tuple[int, int]] = ((4096, 2048), (8192, 8192)), dt
     tm = graph_time_s if device == "cuda" else (lambda f: median_time_s(f, 0, 1, 1))  # CPU: smoke run only
     rows = []
     for m, k in shapes:
-        x = torch.randn(m, k, device=device, dtype=dtype)
-        x[:, :: max(1, k // 8)] *= 30.0  # outlier channels
-        gs_row = nv.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
-        with _kernels(quantize="v2", fake_quantize="v2"):
-            t_qdq = tm(lambda: nv.fake_quantize(x, gs_row, backend="triton", check_finite=False))
-            t_q = tm(lambda: nv.quantize(x, gs_row, backend="triton", check_finite=False))
+        x, gs_row, t_qdq, t_q = _outlier_rows_and_plain_times(m, k, dtype, device, tm)
         rows.append([f"{m}x{k}", "-", "plain v2 QDQ, quantize", "-", t_qdq * 1e6, 1.0, t_q * 1e6, 1.0, "-"])
         print(rows[-1], flush=True)
         for ratio in ratios:

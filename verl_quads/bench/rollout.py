@@ -497,6 +497,23 @@ def _rotating(fn_of_copy, copies: int):
     return fn
 
 
+def _gemm_weights(grouped: bool, n: int, k: int, dev: str, g: torch.Generator):
+    """Random NVFP4 weights of one bench GEMM: ``(packed, block_scale, global_scale, float32 dequantized, bf16
+    source)``; grouped: ``[E, n, k]`` with one global scale per expert (``[E]``), else ``[n, k]`` with a 0-d one
+    (the bf16 source keeps its leading ``[1]`` then: ``[1, n, k]``)."""
+    from verl_quads import nvfp4 as nv
+    from verl_quads.rollout import emulation as em
+
+    e = NUM_EXPERTS if grouped else 1
+    w = torch.randn(e, n, k, device=dev, generator=g) * 0.02
+    q = nv.quantize(w, nv.global_scale_from_amax(w.abs().amax(dim=(1, 2), keepdim=True)), backend="triton")
+    wp, wsc, wgs = q.packed, q.block_scale, q.global_scale.reshape(-1)
+    if grouped:
+        return wp, wsc, wgs, em.weight_f32(wp, wsc, wgs.reshape(e, 1, 1)), w.to(torch.bfloat16)
+    wp, wsc, wgs = wp[0], wsc[0], wgs.reshape(())
+    return wp, wsc, wgs, em.weight_f32(wp, wsc, wgs), w.to(torch.bfloat16)
+
+
 def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, focus: bool = False) -> str:
     """Time every streaming-kernel variant (and the current default kernel, and the BF16 baseline) at
     decode shapes with cold L2 (rotating weight copies / routings), check each variant against the
@@ -506,9 +523,7 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
     ``focus``: only :func:`_focus_variants` (<= 6 per GEMM), no stage 2."""
     import time
 
-    from verl_quads import nvfp4 as nv
     from verl_quads.nvfp4 import triton_gemm as tg
-    from verl_quads.rollout import emulation as em
 
     dev = DEVICE
     out = [f"device: {device_name()}"]
@@ -533,14 +548,7 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
             gemms.append((s,) + SHAPES[s])
     for name, grouped, n, k in gemms:
         e = NUM_EXPERTS if grouped else 1
-        w = torch.randn(e, n, k, device=dev, generator=g) * 0.02
-        q = nv.quantize(w, nv.global_scale_from_amax(w.abs().amax(dim=(1, 2), keepdim=True)), backend="triton")
-        wp, wsc, wgs = q.packed, q.block_scale, q.global_scale.reshape(-1)
-        wf = em.weight_f32(wp, wsc, wgs.reshape(e, 1, 1)) if grouped else em.weight_f32(wp[0], wsc[0], wgs.reshape(()))
-        if not grouped:
-            wp, wsc, wgs = wp[0], wsc[0], wgs.reshape(())
-        w_bf16 = w.to(torch.bfloat16)
-        del w
+        wp, wsc, wgs, wf, w_bf16 = _gemm_weights(grouped, n, k, dev, g)
         for m in ms:
             tag = f"{name} M={m}"
             if grouped:
@@ -1033,7 +1041,6 @@ def _sweep_mid_measure(points, gemms, shapes, ms, budget_s, profile, pool, out, 
     stage 2 (compiled by ``pool`` meanwhile), tables."""
     import time
 
-    from verl_quads import nvfp4 as nv
     from verl_quads.nvfp4 import triton_gemm as tg
     from verl_quads.rollout import emulation as em
 
@@ -1044,15 +1051,7 @@ def _sweep_mid_measure(points, gemms, shapes, ms, budget_s, profile, pool, out, 
 
     weights = {}
     for name, grouped, n, k in gemms:
-        e = NUM_EXPERTS if grouped else 1
-        w = torch.randn(e, n, k, device=dev, generator=g) * 0.02
-        q = nv.quantize(w, nv.global_scale_from_amax(w.abs().amax(dim=(1, 2), keepdim=True)), backend="triton")
-        wp, wsc, wgs = q.packed, q.block_scale, q.global_scale.reshape(-1)
-        wf = em.weight_f32(wp, wsc, wgs.reshape(e, 1, 1)) if grouped else em.weight_f32(wp[0], wsc[0], wgs.reshape(()))
-        if not grouped:
-            wp, wsc, wgs = wp[0], wsc[0], wgs.reshape(())
-        weights[name] = (wp, wsc, wgs, wf, w.to(torch.bfloat16))
-        del w
+        weights[name] = _gemm_weights(grouped, n, k, dev, g)
     out.append(pool.wait(max(30.0, budget_s / 2)))
     print(out[-1], flush=True)
     bw = _copy_bandwidth()
