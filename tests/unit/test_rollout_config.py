@@ -96,22 +96,21 @@ def test_residual_granularity_reaches_each_layers_activation_quant(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["triton", "native"])
-def test_gpu_backends_refuse_channel_granularity_mocked_gpu(monkeypatch, backend):
+def test_gpu_backends_accept_channel_granularity_mocked_gpu(monkeypatch, backend):
     """Mocked: the backend resolves to triton / native as it would on a Hopper / Blackwell GPU (none here).
-    residual_granularity='channel' runs on the torch and triton backends (verl_quads/nvfp4/triton_channel.py);
-    native refuses it naming the key (never the block rule); block, and channel outside quads, are accepted."""
+    residual_granularity='channel' runs on every backend (triton: verl_quads/nvfp4/triton_channel.py; native:
+    its dense second pass is the second FP4 operand, tests/unit/test_rollout_native_mocked_blackwell.py); native
+    keeps refusing residual_combine='bf16' (it runs the FP4 GEMM on the two FP4 operands)."""
     from verl_quads.rollout import quant_config as qc_mod
 
     monkeypatch.setattr(qc_mod, "resolve_backend", lambda requested: backend)
-    if backend == "triton":
-        for combine in ("fp4x2", "bf16"):
-            cfg = QuadsNVFP4Config.from_config({"quant": "quads", "residual_granularity": "channel",
-                                                "residual_combine": combine})
-            assert cfg.backend == "triton" and cfg.quant_config.residual_granularity == "channel"
-    else:
-        with pytest.raises(NotImplementedError,
-                           match=rf"quant_config\.residual_granularity='channel' runs on the 'torch' and 'triton' backends only.*'{backend}'"):
-            QuadsNVFP4Config.from_config({"quant": "quads", "residual_granularity": "channel"})
+    for combine in ("fp4x2", "bf16") if backend == "triton" else ("fp4x2",):
+        cfg = QuadsNVFP4Config.from_config({"quant": "quads", "residual_granularity": "channel",
+                                            "residual_combine": combine})
+        assert cfg.backend == backend and cfg.quant_config.residual_granularity == "channel"
+    if backend == "native":
+        with pytest.raises(ValueError, match="residual_combine='bf16' is for the emulated backends"):
+            QuadsNVFP4Config.from_config({"quant": "quads", "residual_granularity": "channel", "residual_combine": "bf16"})
     assert QuadsNVFP4Config.from_config({"quant": "quads"}).backend == backend
     assert QuadsNVFP4Config.from_config({"quant": "naive", "residual_granularity": "channel"}).backend == backend
 
@@ -130,7 +129,7 @@ def _channel_linear_layer():
 
 def test_linear_and_moe_methods_channel_granularity_torch_backend_and_refusals():
     """The torch backend computes the NVFP4 core's channel-rule operand (checked against the core's functions,
-    composed here); the native methods refuse channel at construction (no kernel yet), triton accepts it."""
+    composed here); the triton and native methods accept it at construction."""
     import types
 
     from verl_quads.rollout import emulation as em
@@ -157,11 +156,7 @@ def test_linear_and_moe_methods_channel_granularity_torch_backend_and_refusals()
         ActQuant("quads", 0.5, False, residual_granularity="channel")
     with pytest.raises(ValueError, match=r"residual_granularity.*must be one of \('block', 'channel'\), got 'row'"):
         ActQuant("quads", residual_granularity="row")
-    for backend in ("native",):  # triton runs it (tests/unit/test_nvfp4_residual_channel.py)
-        with pytest.raises(NotImplementedError, match=rf"linear: residual_granularity='channel'.*'torch' and 'triton' backends.*'{backend}'"):
-            QuadsNVFP4LinearMethod(chan, backend)
-        with pytest.raises(NotImplementedError, match=rf"MoE: residual_granularity='channel'.*'torch' and 'triton' backends.*'{backend}'"):
-            QuadsNVFP4MoEMethod(types.SimpleNamespace(has_bias=False, activation=None), chan, backend)
+    QuadsNVFP4LinearMethod(chan, "native")
     QuadsNVFP4LinearMethod(chan, "triton")
     QuadsNVFP4MoEMethod(types.SimpleNamespace(has_bias=False, activation=None), chan, "triton")
     QuadsNVFP4LinearMethod(ActQuant("naive", residual_granularity="channel"), "triton")  # read in quads only

@@ -134,15 +134,17 @@ def _passes_abs(x, act):
     """A = sum over the activation passes of |x_q| (float32, dequantized): for the error bound."""
     gs = nvfp4.per_row_global_scale(x)
     if act.mode == "quads":
-        r = nvfp4.residual_quantize(x, act.residual_ratio, gs, per_token=act.residual_per_token, backend="torch")
+        r = nvfp4.residual_quantize(x, act.residual_ratio, gs, per_token=act.residual_per_token, backend="torch",
+                                    granularity=act.residual_granularity)
         first = nvfp4.dequantize(r.first, torch.float32, backend="torch")
         return first.abs() + (r.dequantize(torch.float32) - first).abs() * 1.001
     return nvfp4.dequantize(nvfp4.quantize(x, gs, backend="torch"), torch.float32, backend="torch").abs()
 
 
 @pytest.mark.parametrize("act", [ActQuant("naive"), ActQuant("trace"), ActQuant("quads", 0.5),
-                                 ActQuant("quads", 0.25, residual_per_token=False), ActQuant("quads", 1.0)],
-                         ids=["naive", "trace", "quads0.5", "quads0.25_per_call", "quads1.0"])
+                                 ActQuant("quads", 0.25, residual_per_token=False), ActQuant("quads", 1.0),
+                                 ActQuant("quads", 0.5, residual_granularity="channel")],
+                         ids=["naive", "trace", "quads0.5", "quads0.25_per_call", "quads1.0", "quads0.5_channel"])
 def test_native_w4a4_within_the_double_rounding_bound_of_torch_backend(act):
     """|native - torch| <= u|y_torch| + (2u + K 2^-23) A (native.py docstring); and mostly equal."""
     x, w, bias = _data()

@@ -28,7 +28,8 @@ QUADS selection unit (``ActQuant.residual_granularity``): ``block`` (default, 16
 ``channel`` (single channels per token, :mod:`verl_quads.nvfp4.residual`; with ``backend="auto"`` on CUDA
 tensors the core runs its Triton kernel, :mod:`verl_quads.nvfp4.triton_channel`, same bytes). The plugin's
 ``triton`` backend builds the same operands (:func:`verl_quads.nvfp4.triton_gemm.quantize_activation`: ``fp4x2``
-with the rule's dense second FP4 operand, or ``bf16``); ``native`` refuses ``channel``.
+with the rule's dense second FP4 operand, or ``bf16``); ``native`` uses that dense second pass as its second FP4
+GEMM operand (:func:`verl_quads.rollout.native.activation_passes`).
 """
 
 from __future__ import annotations

@@ -93,11 +93,6 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
                 "(torch, triton); backend 'native' runs vLLM's FP4 GEMM on the two FP4 operands (allowed there: "
                 "'fp4x2')"
             )
-        if act.mode == "quads" and act.residual_granularity != "block" and backend == "native":
-            raise NotImplementedError(
-                f"quads_nvfp4 linear: residual_granularity={act.residual_granularity!r} runs on the 'torch' and 'triton' "
-                f"backends (no {backend!r} kernel yet); use quant_config.backend='triton' or residual_granularity='block'"
-            )
         if backend == "native" and act.mode == "w4a16":
             from verl_quads.rollout import native
 

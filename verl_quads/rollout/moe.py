@@ -63,11 +63,6 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
             )
         if getattr(moe, "has_bias", False):
             raise NotImplementedError("quads_nvfp4 MoE: expert biases are not supported")
-        if act.mode == "quads" and act.residual_granularity != "block" and backend == "native":
-            raise NotImplementedError(
-                f"quads_nvfp4 MoE: residual_granularity={act.residual_granularity!r} runs on the 'torch' and 'triton' "
-                f"backends (no {backend!r} kernel yet); use quant_config.backend='triton' or residual_granularity='block'"
-            )
         act_name = getattr(getattr(moe, "activation", None), "value", None)
         if act_name not in (None, "silu"):
             raise NotImplementedError(f"quads_nvfp4 MoE: activation {act_name!r} not supported (only gated silu)")

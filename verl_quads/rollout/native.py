@@ -190,15 +190,24 @@ def _dense_residual(r, m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def activation_passes(x: torch.Tensor, mode: str, residual_ratio: float = 0.5, residual_per_token: bool = True,
-                      capture: bool = False):
+                      capture: bool = False, residual_granularity: str = "block"):
     """FP4 operands of the activation ``x`` ``[M, K]`` for the native GEMM, and the guidance record.
 
     Returns ``(passes, record)``: ``passes`` is a list of ``(packed uint8 [M, K/2], block_scale e4m3
     [M, K/16] linear layout, global_scale float32 [M])``, one for ``naive``/``trace``, two for
     ``quads`` with a non-empty selection; ``record`` is the :class:`~verl_quads.nvfp4.GuidanceRecord`
-    (``trace`` with ``capture``) or None. Codes are the core's (same as the ``torch`` backend)."""
+    (``trace`` with ``capture``) or None. Codes are the core's (same as the ``torch`` backend).
+    ``residual_granularity``: the QUADS selection rule (``block``, or ``channel``: its second pass is already a
+    dense ``[M, K]`` FP4 tensor in the original 16-blocks, so it is the second operand as it is)."""
     m, k = x.shape
     gs = nvfp4.per_row_global_scale(x)
+    if mode == "quads" and residual_granularity == "channel":
+        r = nvfp4.residual_quantize(x, residual_ratio, gs, per_token=residual_per_token, backend="auto",
+                                    check_finite=False, granularity="channel")
+        passes = [(r.first.packed, r.first.block_scale, _row_vector(r.first.global_scale, m))]
+        if r.channel_idx.shape[-1]:
+            passes.append((r.second.packed, r.second.block_scale, _row_vector(r.second.global_scale, m)))
+        return passes, None
     if mode == "quads":
         r = nvfp4.residual_quantize(x, residual_ratio, gs, per_token=residual_per_token, backend="auto",
                                     check_finite=False)
@@ -230,10 +239,11 @@ def gemm_passes(passes, w_packed: torch.Tensor, w_scale_swizzled: torch.Tensor, 
 
 def _native_linear(x: torch.Tensor, w_packed: torch.Tensor, w_scale_swizzled: torch.Tensor, alpha: torch.Tensor,
                    bias: torch.Tensor | None, act_mode: str, residual_ratio: float,
-                   residual_per_token: bool) -> torch.Tensor:
+                   residual_per_token: bool, residual_granularity: str = "block") -> torch.Tensor:
     if x.shape[0] == 0:
         return x.new_empty(0, w_packed.shape[0])
-    passes, _ = activation_passes(x, act_mode, residual_ratio, residual_per_token)
+    passes, _ = activation_passes(x, act_mode, residual_ratio, residual_per_token,
+                                  residual_granularity=residual_granularity)
     return gemm_passes(passes, w_packed, w_scale_swizzled, alpha, bias, x.dtype)
 
 
@@ -241,12 +251,13 @@ def _native_linear(x: torch.Tensor, w_packed: torch.Tensor, w_scale_swizzled: to
 native_linear_op = torch.library.custom_op(
     "verl_quads::nvfp4_native_linear", _native_linear, mutates_args=(),
     schema="(Tensor x, Tensor w_packed, Tensor w_scale_swizzled, Tensor alpha, Tensor? bias, str act_mode, "
-           "float residual_ratio, bool residual_per_token) -> Tensor",
+           "float residual_ratio, bool residual_per_token, str residual_granularity='block') -> Tensor",
 )
 
 
 @native_linear_op.register_fake
-def _(x, w_packed, w_scale_swizzled, alpha, bias, act_mode, residual_ratio, residual_per_token):
+def _(x, w_packed, w_scale_swizzled, alpha, bias, act_mode, residual_ratio, residual_per_token,
+      residual_granularity="block"):
     return x.new_empty(x.shape[0], w_packed.shape[0])
 
 
@@ -267,11 +278,12 @@ def apply_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
     if not capture:
         y = torch.ops.verl_quads.nvfp4_native_linear(x2, layer.weight_packed, getattr(layer, SWIZZLED_SCALE),
                                                      getattr(layer, ALPHA), bias, act.mode, act.residual_ratio,
-                                                     act.residual_per_token)
+                                                     act.residual_per_token, act.residual_granularity)
         return y.reshape(*x.shape[:-1], y.shape[-1])
     if x2.shape[0] == 0:
         return x.new_empty(*x.shape[:-1], layer.weight_packed.shape[0])
-    passes, record = activation_passes(x2, act.mode, act.residual_ratio, act.residual_per_token, capture=True)
+    passes, record = activation_passes(x2, act.mode, act.residual_ratio, act.residual_per_token, capture=True,
+                                       residual_granularity=act.residual_granularity)
     if record is not None:
         from verl_quads.rollout.capture import get_store
 

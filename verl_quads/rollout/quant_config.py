@@ -213,13 +213,6 @@ class QuadsNVFP4Config(QuantizationConfig):
                 "backend (Blackwell FP4 GEMM) keeps the two FP4 operands: allowed there 'fp4x2' (or set "
                 "quant_config.backend='triton')"
             )
-        if self.mode == "quads" and quant_config.residual_granularity != "block" and self.backend == "native":
-            raise NotImplementedError(
-                f"quads_nvfp4: actor_rollout_ref.actor.quant_config.residual_granularity="
-                f"{quant_config.residual_granularity!r} runs on the 'torch' and 'triton' backends only (no "
-                f"{self.backend!r} kernel yet); set actor_rollout_ref.actor.quant_config.backend='triton' or "
-                "residual_granularity='block'"
-            )
         self.checkpoint_ignore = None if checkpoint_ignore is None else list(checkpoint_ignore)
         self._guided_from: int | None = None
         logger.info("verl-quads: quads_nvfp4 mode=%s backend=%s config=%s checkpoint=%s", self.mode, self.backend,
