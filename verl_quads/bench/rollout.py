@@ -65,6 +65,7 @@ SHAPES = {  # name: (grouped, N, K)
     "w2": (True, 2048, 768),
 }
 DEFAULT_SHAPES = "moe,d4096,d8192,qkv,o_proj"
+DEFAULT_MS = "1,4,16,64,256,1024,4096"
 NUM_EXPERTS, TOP_K = 128, 8
 DEVICE = "cuda"  # a CPU smoke run (TRITON_INTERPRET=1, tiny SHAPES) may set "cpu"
 
@@ -1331,7 +1332,7 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", default=DEFAULT_SHAPES,
                    help=f"comma-separated, from {['moe'] + list(SHAPES)} (moe: the whole routed-experts layer)")
-    p.add_argument("--m", default="1,4,16,64,256,1024,4096", help="comma-separated token counts M")
+    p.add_argument("--m", default=DEFAULT_MS, help="comma-separated token counts M")
     p.add_argument("--ratios", default="0.25,0.5,1.0", help="QUADS residual ratios k (comma-separated)")
     p.add_argument("--sweep", action="store_true", help="try launch configs per shape and use the fastest")
     p.add_argument("--sweep-decode", action="store_true",
@@ -1360,44 +1361,33 @@ def main(argv: list[str] | None = None) -> None:
                         "count the SASS instructions per weight element in their K loop")
     p.add_argument("--out", default=None, help="also write the tables to this file")
     a = p.parse_args(argv)
+
+    def shapes_and_ms(default_shapes: str, default_ms: str, what: str,
+                      allowed: tuple[str, ...] = ("moe", "d4096", "d8192", "qkv", "o_proj")) -> tuple[list[str], list[int]]:
+        """--shapes / --m of a special mode: the mode's own defaults where the user kept the general ones."""
+        shapes = [s for s in (a.shapes if a.shapes != DEFAULT_SHAPES else default_shapes).split(",") if s]
+        bad = [s for s in shapes if s not in allowed]
+        if bad:
+            raise SystemExit(f"verl-quads bench rollout {what}: unknown shape(s) {bad}; allowed: {list(allowed)} "
+                             "(moe: the w13 and w2 grouped GEMMs)")
+        return shapes, [int(v) for v in (a.m if a.m != DEFAULT_MS else default_ms).split(",")]
+
     if a.sass_count:
-        shapes = [s for s in (a.shapes if a.shapes != DEFAULT_SHAPES else "moe,d8192").split(",") if s]
-        text = run_sass_count(shapes, [int(v) for v in (a.m if a.m != "1,4,16,64,256,1024,4096" else "1,16").split(",")])
-        if a.out:
-            with open(a.out, "w") as f:
-                f.write(text + "\n")
-        return
-    if not torch.cuda.is_available():
+        text = run_sass_count(*shapes_and_ms("moe,d8192", "1,16", "--sass-count", ("moe", *SHAPES)))
+    elif not torch.cuda.is_available():
         raise SystemExit("verl-quads bench rollout needs a CUDA GPU (CPU numbers are not the point)")
-    if a.sweep_mid:
-        shapes = [s for s in (a.shapes if a.shapes != DEFAULT_SHAPES else MID_SHAPES).split(",") if s]
-        bad = [s for s in shapes if s not in ("moe", "d4096", "d8192", "qkv", "o_proj")]
-        if bad:
-            raise SystemExit(f"verl-quads bench rollout --sweep-mid: unknown shape(s) {bad}; allowed: moe (w13 and "
-                             "w2 grouped GEMMs), d4096, d8192, qkv, o_proj")
-        ms = [int(v) for v in (a.m if a.m != "1,4,16,64,256,1024,4096" else "256,16,64").split(",")]
+    elif a.sweep_mid:
+        shapes, ms = shapes_and_ms(MID_SHAPES, "256,16,64", "--sweep-mid")
         text = run_sweep_mid(shapes, ms, a.budget_s, profile=not a.no_profile, workers=a.workers)
-        if a.out:
-            with open(a.out, "w") as f:
-                f.write(text + "\n")
-        return
-    if a.sweep_decode:
-        shapes = [s for s in (a.shapes if a.shapes != DEFAULT_SHAPES else DECODE_SHAPES).split(",") if s]
-        bad = [s for s in shapes if s not in ("moe", "d4096", "d8192", "qkv", "o_proj")]
-        if bad:
-            raise SystemExit(f"verl-quads bench rollout --sweep-decode: unknown shape(s) {bad}; allowed: moe (w13 and "
-                             "w2 grouped GEMMs), d4096, d8192, qkv, o_proj")
-        ms = [int(v) for v in (a.m if a.m != "1,4,16,64,256,1024,4096" else "1,4,16").split(",")]
+    elif a.sweep_decode:
+        shapes, ms = shapes_and_ms(DECODE_SHAPES, "1,4,16", "--sweep-decode")
         text = run_sweep_decode(shapes, ms, a.budget_s, a.focus)
-        if a.out:
-            with open(a.out, "w") as f:
-                f.write(text + "\n")
-        return
-    shapes = [s for s in a.shapes.split(",") if s]
-    bad = [s for s in shapes if s not in SHAPES and s != "moe"]
-    if bad:
-        raise SystemExit(f"verl-quads bench rollout: unknown shape(s) {bad}; allowed: {['moe'] + list(SHAPES)}")
-    text = run(shapes, [int(v) for v in a.m.split(",")], [float(v) for v in a.ratios.split(",") if v], a.sweep)
+    else:
+        shapes = [s for s in a.shapes.split(",") if s]
+        bad = [s for s in shapes if s not in SHAPES and s != "moe"]
+        if bad:
+            raise SystemExit(f"verl-quads bench rollout: unknown shape(s) {bad}; allowed: {['moe'] + list(SHAPES)}")
+        text = run(shapes, [int(v) for v in a.m.split(",")], [float(v) for v in a.ratios.split(",") if v], a.sweep)
     if a.out:
         with open(a.out, "w") as f:
             f.write(text + "\n")
