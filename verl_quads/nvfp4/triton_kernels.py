@@ -892,14 +892,7 @@ if triton is not None:
         eb = tl.reshape(ebits, (NTP * CT,))
         th = _topn_threshold(eb, NSEL, RADIX, EARLY)
         # padding: bits -1, never selected
-        if FAST and EARLY:
-            ge = eb >= th
-            if tl.sum(ge.to(tl.int32), axis=0) == NSEL:  # the early stop's case: exactly NSEL blocks >= T
-                sel = ge
-            else:
-                sel = _tie_select(eb, th, NSEL)
-        else:
-            sel = _tie_select(eb, th, NSEL)
+        sel = _select_top(eb, th, NSEL, FAST, EARLY)
         amax = tl.max(tl.where(sel, tl.reshape(ram, (NTP * CT,)), 0.0), axis=0)
         a = tl.maximum(amax, 1.1754943508222875e-38)
         g2 = tl.math.div_rn(a * 0.0 + 1.0, a) * 2688.0
@@ -973,6 +966,21 @@ if triton is not None:
         return gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))
 
     @triton.jit
+    def _select_top(eb, th, NSEL, FAST: tl.constexpr, EARLY: tl.constexpr):
+        """:func:`_tie_select` of the threshold ``th`` of ``_topn_threshold``; with FAST and the early-stopped
+        search (EARLY): when exactly NSEL scores are >= th (the early stop's usual case) those are the
+        selection and the tie scan is skipped (same blocks)."""
+        if FAST and EARLY:
+            ge = eb >= th
+            if tl.sum(ge.to(tl.int32), axis=0) == NSEL:
+                sel = ge
+            else:
+                sel = _tie_select(eb, th, NSEL)
+        else:
+            sel = _tie_select(eb, th, NSEL)
+        return sel
+
+    @triton.jit
     def _residual_hold_kernel(
         x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
         NB, NSEL, GS_DIV,
@@ -1027,14 +1035,7 @@ if triton is not None:
             s1 = s1 * wv1
         eb = tl.where(cmask, (_tree8(s0) + _tree8(s1)).to(tl.int32, bitcast=True), -1)  # padding: never selected
         th = _topn_threshold(eb, NSEL, 1, EARLY)
-        if FAST and EARLY:
-            ge = eb >= th
-            if tl.sum(ge.to(tl.int32), axis=0) == NSEL:  # the early stop's case: exactly NSEL blocks >= T
-                sel = ge
-            else:
-                sel = _tie_select(eb, th, NSEL)
-        else:
-            sel = _tie_select(eb, th, NSEL)
+        sel = _select_top(eb, th, NSEL, FAST, EARLY)
         ra = tl.maximum(tl.max(tl.abs(r0), axis=1), tl.max(tl.abs(r1), axis=1))
         amax = tl.max(tl.where(sel, ra, 0.0), axis=0)
         a = tl.maximum(amax, 1.1754943508222875e-38)
