@@ -302,3 +302,113 @@ def test_w4a16_swapped_natural_tile_matches_reference(grouped):
     assert not ok(run(bad))
     plain = tg.replace(cfg, natural=False)
     assert torch.equal(run(q.packed, cfg, "naive"), run(q.packed, plain, "naive"))
+
+
+def _mid_table_cases():
+    """Each distinct (config, grouped) of MID_TABLE that uses the swapped tile (natural-K or not), with the
+    mode the table gives it: natural tiles (w4a16) are run as w4a16 and as naive (which ignores the flag)."""
+    seen = {}
+    for (grouped, _b, _n, _k, a4), c in sorted(tg.MID_TABLE.items(), key=str):
+        if c.swap:
+            seen.setdefault((c, grouped), "naive" if a4 else "w4a16")
+    return [pytest.param(c, grouped, mode, id=f"{'grouped' if grouped else 'dense'}-{mode}-{br._cfg_label(c)}")
+            for (c, grouped), mode in seen.items()]
+
+
+@needs_kernels
+@pytest.mark.parametrize("cfg, grouped, mode", _mid_table_cases())
+def test_mid_table_swapped_configs_match_reference(cfg, grouped, mode):
+    """Every swapped-tile MID_TABLE config, as the table launches it (its own block_m / block_n / block_k /
+    split_k / stages; grouped entries with a routing of that block_m), at small shapes (2 N tiles, the last
+    partial; K a multiple of the K step: the EVEN_K / int32-scale path of the real shapes, split-K included),
+    bf16 and fp16 activations: within 1 ulp of the output dtype + the float32 summation bound of the torch
+    reference at every element. Natural-K (w4a16) entries also run as naive, where the flag must change no bit."""
+    from verl_quads.rollout import emulation as em
+
+    g = torch.Generator().manual_seed(11)
+    n = cfg.block_n + 16
+    k = cfg.block_k * max(2, cfg.split_k)
+    modes = [mode] + (["naive"] if cfg.natural else [])
+    for dtype in (torch.bfloat16, torch.float16):
+        if grouped:
+            e, topk, tokens = 3, 2, 6
+            q = em.quantize_weight((torch.randn(e, n, k, generator=g) * 0.05).to(DEV), reduce_dims=(1, 2))
+            gs = q.global_scale.reshape(-1)
+            ids = torch.tensor([[0, 2], [2, 1], [1, 0], [2, 0], [0, 1], [2, 1]], device=DEV)
+            routing = tg.moe_align(ids, e, cfg.block_m)
+            x = (torch.randn(tokens, k, generator=g) * 2).to(dtype).to(DEV)
+            rows = [(slot, ex, slot // topk) for slot, ex in enumerate(ids.reshape(-1).tolist())]
+
+            def run(md, c):
+                op, _ = tg.quantize_activation(x, md)
+                return tg.nvfp4_gemm(op, q.packed, q.block_scale, gs, routing=routing, a_rows=routing.sorted_tokens,
+                                     out_rows=tokens * topk, config=c)
+        else:
+            q = em.quantize_weight((torch.randn(n, k, generator=g) * 0.05).to(DEV))
+            gs = q.global_scale.reshape(())
+            x = (torch.randn(5, k, generator=g) * 2).to(dtype).to(DEV)
+            rows = [(r, None, r) for r in range(5)]
+
+            def run(md, c):
+                op, _ = tg.quantize_activation(x, md)
+                return tg.nvfp4_gemm(op, q.packed, q.block_scale, gs, config=c)
+        for md in modes:
+            y = run(md, cfg)
+            assert y.dtype == dtype
+            xf, _ = em.quantize_activation(x, em.ActQuant(md, 0.5, True))
+            for out_row, ex, x_row in rows:
+                wf = em.weight_f32(q.packed[ex], q.block_scale[ex], gs[ex]) if grouped else \
+                    em.weight_f32(q.packed, q.block_scale, gs)
+                xr = xf[x_row: x_row + 1].float()
+                ref = em.gemm(xr, wf, None, dtype).float()
+                ulp = 2.0 ** torch.floor(torch.log2(ref.abs().clamp(min=1e-30))) * torch.finfo(dtype).eps
+                bound = ulp + 4 * k * torch.finfo(torch.float32).eps * (xr.abs() @ wf.abs().t())
+                d = (y[out_row: out_row + 1].float() - ref).abs()
+                assert bool((d <= bound).all()), (md, dtype, out_row, float((d / ulp).max()))
+        if cfg.natural:
+            assert torch.equal(run("naive", cfg), run("naive", tg.replace(cfg, natural=False)))
+
+
+_SM90_TABLE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from verl_quads.nvfp4 import triton_gemm as tg
+
+# every natural-K MID_TABLE entry as nvfp4_gemm launches it at its real shape, bf16 and fp16 activations
+done = 0
+for (grouped, b, n, k, a4), c in sorted(tg.MID_TABLE.items(), key=str):
+    if not c.natural:
+        continue
+    for dt, act in ((1, "*bf16"), (2, "*fp16")):
+        kb, gk = k // 16, c.block_k // 16
+        kb_per = -(-(-(-kb // c.split_k)) // gk) * gk
+        even = kb % gk == 0 and kb_per % gk == 0 and kb_per * c.split_k == kb
+        rows = "*i32" if grouped else "*fp32"
+        sig = {"a_ptr": act, "as_ptr": act, "ags_ptr": act, "a2_ptr": act, "a2s_ptr": act, "a2gs_ptr": act,
+               "idx2_ptr": act, "w_ptr": "*u8", "ws_ptr": "*u8", "wgs_ptr": "*fp32", "bias_ptr": "*fp32",
+               "out_ptr": "*fp32" if c.split_k > 1 else "*i16", "arow_ptr": rows, "orow_ptr": rows,
+               "tile_e_ptr": rows, "tile_r0_ptr": rows, "tile_r1_ptr": rows}
+        sig.update({i: "i32" for i in ("M", "N", "K", "KH", "KB", "NSEL2", "OUT_ROWS", "KB_PER_SPLIT", "JB_PER_SPLIT")})
+        const = dict(A4=False, DT=dt, DT2=dt, SECOND=0, GROUPED=grouped, HAS_BIAS=False, SPLIT_K=c.split_k, OUT=dt,
+                     BM=c.block_m, BN=c.block_n, GK=gk, G2=c.block_k2 // 16, SWAP=c.swap, EVEN_K=even,
+                     SC4=even and gk % 4 == 0 and kb % 4 == 0, NAT=True)
+        sig.update({nm: "constexpr" for nm in const})
+        attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(sig)
+                 if sig[nm][0] == "*" or nm in ("M", "N", "K", "KH", "KB", "OUT_ROWS", "KB_PER_SPLIT")}
+        kern = triton.compile(ASTSource(fn=tg._nvfp4_gemm_kernel, signature=sig, constexprs=const, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": c.num_warps, "num_stages": c.num_stages})
+        assert kern.asm["cubin"] and kern.metadata.shared <= 232448, (c, kern.metadata.shared)
+        print((grouped, b, n, k), dt, c, kern.metadata.shared)
+        done += 1
+assert done >= 2
+print("compiled")
+"""
+
+
+def test_mid_table_natural_entries_compile_for_sm90_without_a_gpu():
+    """Every natural-K swapped MID_TABLE entry (w4a16), at its real shape's constexprs (EVEN_K, int32 scales,
+    split-K, grouped or not), bf16 and fp16, compiles for sm_90 with triton's bundled ptxas within the H200's
+    shared memory. Compiles only."""
+    compile_for_sm90_in_subprocess(_SM90_TABLE, "tests/gpu/test_nvfp4_gemm_gpu.py runs the MID_TABLE configs there")

@@ -852,8 +852,8 @@ class GemmConfig:
         natural: (w4a16 with ``swap``) load the activation tile in natural K order (one 2-D load, as the
             plain tile does) and interleave the decoded weight halves in registers, instead of splitting
             the activation into (even, odd) halves with a strided ``[BM, BK/2, 2]`` load (issue #5: the
-            H200 sweep measured that swapped w4a16 tile 1.2-2x slower than the plain one; this is the
-            candidate fix, chosen per shape only where measured faster). No effect otherwise.
+            H200 sweep measured that swapped w4a16 tile 1.2-2x slower than the plain one; the natural one was
+            1.1-1.6x faster than the plain one at 6 MID_TABLE points, which use it). No effect otherwise.
     """
 
     block_m: int = 64
@@ -924,26 +924,31 @@ def pick_config(rows_per_group: int, m_tiles: int, n: int, k: int, device: torch
 # NVIDIA H200 (sm_90), torch 2.11.0+cu130, triton 3.6.0, 2026-11-30 session 5, cold L2
 # (docs/bench_rollout_h200_mid_sweep_s5.txt; us: fastest correct config vs the old default). Only entries that beat
 # the old default by > 3% (ties and naive dense stay on the heuristic); MoE: Qwen3-30B-A3B experts, 128 x top-8.
+# Session 6: the w4a16 entries marked "sweep2" take the natural-K swapped tile (GemmConfig(swap=True, natural=True)),
+# measured faster by the second --sweep-mid of session 5 (docs/bench_rollout_h200_mid_sweep2_s5.txt, commit dc28eea,
+# same command; us: natural tile vs the entry it replaces). Not taken from sweep2: d8192 M=64 w4a16 (54.0 vs 54.7, a
+# tie), MoE w2 M=16/64 w4a16 (the DECODE_TABLE stream entries: 66.2 = best, 97.8 vs 97.6 a tie) and the naive
+# entries (within 3.4% of the current dispatch).
 MID_BUCKETS = {True: (1, 4, 16), False: (16, 64, 256)}
 MID_GROUPED_BLOCK_M = {1: 16, 4: 16, 16: 32}  # grouped bucket -> the routing's block_m (moe_forward)
 MID_TABLE: dict[tuple[bool, int, int, int, bool], GemmConfig] = {
     # MoE M=256 (16 slots per expert): block_m 32 (one tile for most experts) for both GEMMs and both modes
-    (True, 16, 1536, 2048, False): GemmConfig(block_m=32, block_n=128, block_k=128, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=False),  # 338 vs 604 us
-    (True, 16, 2048, 768, False): GemmConfig(block_m=32, block_n=128, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=False),  # 177 vs 325
+    (True, 16, 1536, 2048, False): GemmConfig(block_m=32, block_n=64, block_k=128, block_k2=64, split_k=1, num_warps=4, num_stages=4, swap=True, natural=True),  # sweep2: 216 vs 338 us (604 before session 5)
+    (True, 16, 2048, 768, False): GemmConfig(block_m=32, block_n=128, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=True, natural=True),  # sweep2: 110 vs 175 (325)
     (True, 16, 1536, 2048, True): GemmConfig(block_m=32, block_n=128, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=True),  # 253 vs 308
     (True, 16, 2048, 768, True): GemmConfig(block_m=32, block_n=128, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=True),  # 131 vs 162
     # MoE M=64 (4 per expert); w2 w4a16 takes the stream kernel (DECODE_TABLE (True, 512, 2048, 768): 100 vs 227)
-    (True, 4, 1536, 2048, False): GemmConfig(block_m=16, block_n=128, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=False),  # 257 vs 411
+    (True, 4, 1536, 2048, False): GemmConfig(block_m=16, block_n=64, block_k=128, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=True, natural=True),  # sweep2: 189 vs 257 (411)
     (True, 4, 2048, 768, True): GemmConfig(block_m=16, block_n=128, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=True),  # 105 vs 111
     # MoE M=16 (1 per expert); w13 w4a16: tensor-core tile 175 vs the stream entry 219 (removed); w2 w4a16: stream
-    (True, 1, 1536, 2048, False): GemmConfig(block_m=16, block_n=64, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=False),  # 175 vs 219
+    (True, 1, 1536, 2048, False): GemmConfig(block_m=16, block_n=64, block_k=128, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=True, natural=True),  # sweep2: 127 vs 178 (stream 219)
     (True, 1, 2048, 768, True): GemmConfig(block_m=16, block_n=128, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=False),  # 73.7 vs 78.4
     # dense w4a16 (W4A4 dense: the heuristic was fastest or within 3%)
-    (False, 16, 8192, 8192, False): GemmConfig(block_m=16, block_n=128, block_k=64, block_k2=64, split_k=8, num_warps=4, num_stages=3, swap=False),  # 54.2 vs stream 76.5
+    (False, 16, 8192, 8192, False): GemmConfig(block_m=16, block_n=64, block_k=128, block_k2=64, split_k=8, num_warps=4, num_stages=3, swap=True, natural=True),  # sweep2: 43.3 vs 54.2 (stream 76.5)
     (False, 16, 4096, 4096, False): GemmConfig(block_m=16, block_n=64, block_k=64, block_k2=64, split_k=8, num_warps=8, num_stages=3, swap=False),  # 21.7 vs stream 24.0
     (False, 64, 8192, 8192, False): GemmConfig(block_m=64, block_n=128, block_k=128, block_k2=64, split_k=4, num_warps=4, num_stages=3, swap=False),  # 55.1 vs 60.6
     (False, 64, 4096, 4096, False): GemmConfig(block_m=64, block_n=64, block_k=64, block_k2=64, split_k=4, num_warps=4, num_stages=4, swap=False),  # 23.7 vs 26.0
-    (False, 256, 8192, 8192, False): GemmConfig(block_m=128, block_n=64, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=False),  # 118 vs 124
+    (False, 256, 8192, 8192, False): GemmConfig(block_m=128, block_n=64, block_k=128, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=True, natural=True),  # sweep2: 105 vs 118 (124)
     (False, 256, 4096, 4096, False): GemmConfig(block_m=128, block_n=64, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=False),  # 42.3 vs 46.5
 }
 
