@@ -33,7 +33,8 @@ def _w(shape, seed=1):
 def _check(y, ref, xf, wf, what):
     r = ref.float()
     d = (y.float() - r).abs()
-    ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.abs().clamp(min=1e-30))) * 2.0 ** -7,
+    eps = torch.finfo(ref.dtype).eps if ref.dtype in (torch.bfloat16, torch.float16) else 2.0 ** -7  # 1 ulp at 1.0
+    ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.abs().clamp(min=1e-30))) * eps,
                       torch.full_like(r, 1e-38))
     bound = ulp + 4 * xf.shape[1] * torch.finfo(torch.float32).eps * (xf.abs() @ wf.abs().t())
     worst = float((d / ulp).max())
@@ -111,6 +112,69 @@ def test_grouped_experts_real_shapes(mode, per_token, gemm, tokens):
         ys.append(float((d / ulp).max()))
         assert bool((d <= bound).all()), f"{gemm} T={tokens} expert {ex} {mode}: {ys[-1]:.2f} ulp"
     print(f"{gemm} T={tokens} {mode} per_token={per_token}: {len(ys)} experts, max |diff| {max(ys):.2f} bf16 ulp")
+
+
+def _natural_entries():
+    return [pytest.param(key, c, id=f"{'moe' if key[0] else 'dense'}-b{key[1]}-{key[2]}x{key[3]}")
+            for key, c in sorted(tg.MID_TABLE.items(), key=str) if c.natural]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("key, cfg", _natural_entries())
+def test_mid_table_natural_tiles_real_shapes(key, cfg, dtype):
+    """Each natural-K swapped MID_TABLE entry (w4a16) at the real shape and M of its bucket (MoE
+    Qwen3-30B-A3B experts, 128 x top-8 random routing: M = 16 * rows per expert; dense: M = the bucket), bf16
+    and fp16 activations: nvfp4_gemm's default dispatch picks exactly that entry and its output is within
+    1 ulp of the output dtype + the float32 summation bound of the torch reference at every element (dense)
+    / for every active expert (grouped)."""
+    grouped, b, n, k, a4 = key
+    assert not a4
+    dev = torch.device(DEV)
+    if not grouped:
+        m = b
+        x = _x(m, k).to(dtype)
+        q_w = em.quantize_weight(_w((n, k)))
+        gs = q_w.global_scale.reshape(())
+        assert tg.decode_config(m, n, k, False) is None
+        assert tg.pick_config(m, -(-m // tg.pick_block_m(m)), n, k, dev) is cfg
+        wf = em.weight_f32(q_w.packed, q_w.block_scale, gs)
+        xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, True))
+        y = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16")
+        _check(y, em.gemm(xf, wf, None, dtype), xf, wf, f"d{n} M={m} w4a16 {dtype} {cfg}")
+        return
+    e, topk = 128, 8
+    tokens = b * e // topk
+    s = tokens * topk
+    q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
+    gs = q_w.global_scale.reshape(-1)
+    g = torch.Generator(device=DEV).manual_seed(2)
+    ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
+    w13 = (n, k) == (1536, 2048)  # else w2 (2048, 768): rows are token-slots
+    x = _x(tokens if w13 else s, k).to(dtype)
+    rows_of = (lambda sl: torch.div(sl, topk, rounding_mode="floor")) if w13 else (lambda sl: sl)  # noqa: E731
+    per = -(-s // min(e, s))
+    assert per == b and tg.decode_config(s, n, k, True) is None
+    routing = tg.moe_align(ids, e, tg.grouped_block_m(per))
+    t_max = routing.tile_expert.numel()
+    assert tg.pick_config(per, t_max, n, k, dev, block_m=routing.block_m, grouped=True) is cfg
+    op, _ = tg.quantize_activation(x, "w4a16")
+    y = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing, a_rows=rows_of(routing.sorted_slots),
+                      out_rows=s)
+    xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, True))
+    flat = ids.reshape(-1)
+    worst = 0.0
+    for ex in flat.unique().tolist():
+        slots = (flat == ex).nonzero().squeeze(-1)
+        wf = em.weight_f32(q_w.packed[ex], q_w.block_scale[ex], gs[ex])
+        xr = xf[rows_of(slots)]
+        ref = em.gemm(xr, wf, None, dtype).float()
+        ulp = torch.where(ref.abs() > 0, 2.0 ** torch.floor(torch.log2(ref.abs().clamp(min=1e-30)))
+                          * torch.finfo(dtype).eps, torch.full_like(ref, 1e-38))
+        bound = ulp + 4 * k * torch.finfo(torch.float32).eps * (xr.abs() @ wf.abs().t())
+        d = (y[slots].float() - ref).abs()
+        worst = max(worst, float((d / ulp).max()))
+        assert bool((d <= bound).all()), f"{key} {dtype} expert {ex}: {float((d / ulp).max()):.2f} ulp"
+    print(f"MID_TABLE {key} {dtype} T={tokens}: {flat.unique().numel()} experts, max |diff| {worst:.2f} ulp")
 
 
 @pytest.mark.parametrize("tokens, block_m", [(1, 16), (64, 16), (4096, 128)])
