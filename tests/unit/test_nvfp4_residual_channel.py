@@ -283,7 +283,8 @@ def test_rollout_triton_backend_runs_the_channel_rule(monkeypatch, combine):
                                         residual_granularity="channel")
         assert torch.equal(got.second_packed, r.second.packed) and torch.equal(got.first.packed, r.first.packed)
     assert torch.equal(y["triton"], tg.nvfp4_gemm(op, *w, None).reshape(2, 3, -1))
-    blk = QuadsNVFP4LinearMethod(ActQuant("quads", 0.25, True, residual_combine=combine), "triton").apply(layer, x, None)
+    blk = QuadsNVFP4LinearMethod(ActQuant("quads", 0.25, True, residual_combine=combine, residual_granularity="block"),
+                                 "triton").apply(layer, x, None)
     assert not torch.equal(y["triton"], blk)
     mlayer, cfg = _moe_layer()
     xm = torch.randn(5, 64, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
@@ -291,6 +292,50 @@ def test_rollout_triton_backend_runs_the_channel_rule(monkeypatch, combine):
     tw = torch.softmax(torch.randn(5, 2, generator=torch.Generator().manual_seed(6)), -1)
     ym = {b: QuadsNVFP4MoEMethod(cfg, act, b).apply(mlayer, xm, tw, ids, None, None) for b in ("torch", "triton")}
     _close(ym["triton"], ym["torch"], f"moe channel combine={combine}")
+
+
+def _low_bit_ties(m=3, k=64):
+    """Rows whose scores differ only in their lowest mantissa bits: x = +-1.25 with one 6.0 per 16-block (the grid
+    is exact, R = +-0.25 on the other channels, R**2 = 1/16), score weights 1 + j * 2**-23 (j = 0..7 repeating, so
+    eight distinct scores a few ulps apart, each tied eight times per 64 channels; a radix select needs its last
+    digit, the ties the lowest-index rule); row 1 has alternating signs (same scores)."""
+    x = torch.full((m, k), 1.25)
+    x[:, ::16] = 6.0
+    x[1, 1::2] = -1.25
+    w = 1.0 + (torch.arange(k) % 8).float() * 2.0**-23
+    return x.to(_DEV), w.to(_DEV)
+
+
+@_needs_interp
+@pytest.mark.parametrize("variant", ["bits", "bits-fast", "hist", "hist-fast"])
+def test_triton_channel_kernel_variants_match_reference(variant):
+    """Every speed variant of the channel kernel (``CHANNEL_VARIANTS``) gives the reference's bytes: K = 16 and
+    non-power-of-two block counts (K = 48, 96), ratios 0 / 1 (nothing / everything), all-zero rows (every score ties
+    at +0), hand-made ties across the threshold, scores a few ulps apart (``_low_bit_ties``), a score weight, a
+    per-tensor scale with M > 1 (two launches), one row."""
+    from verl_quads.nvfp4 import triton_channel as tc
+
+    with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
+        for k, m, ratios in ((16, 3, (0.0, 0.125, 0.5, 1.0)), (48, 2, (0.0, 0.3, 1.0))):
+            x = _rows(m, k, torch.bfloat16, seed=k)
+            for ratio in ratios:
+                _same_channel_result(x, ratio, nv.per_row_global_scale(x))
+        xh = _HAND_X.to(_DEV)
+        assert _same_channel_result(xh, 3 / 32, nv.per_row_global_scale(xh)).channel_idx.tolist() == [[1, 2, 17]]
+        _same_channel_result(xh, 12 / 32, nv.per_row_global_scale(xh))
+        xl, wl = _low_bit_ties()
+        want = {3 / 64: [7, 15, 23],  # round(3): the lowest three of the eight top scores (j = 7)
+                0.3: sorted([c for c in range(64) if c % 8 >= 6] + [5, 13, 21]),  # 19: j = 7, 6, then 3 of j = 5
+                0.5: [c for c in range(64) if c % 8 >= 4]}  # 32: j = 7..4 exactly
+        for ratio, chans in want.items():
+            t = _same_channel_result(xl, ratio, nv.per_row_global_scale(xl), score_weight=wl)
+            assert t.channel_idx.tolist() == [chans] * 3, ratio
+        x = _rows(5, 96, torch.float16, seed=7)
+        w = torch.rand(96).to(_DEV)
+        w[::3] = 0.0
+        _same_channel_result(x, 0.4, nv.per_row_global_scale(x), score_weight=w)
+        assert _same_channel_result(x, 0.4, nv.global_scale_from_amax(x.float().abs().amax())).second.global_scale.dim() == 0
+        _same_channel_result(x[1:2], 0.25, nv.per_row_global_scale(x[1:2]))
 
 
 _SM90_CHANNEL = r"""
@@ -303,14 +348,23 @@ from verl_quads.nvfp4 import triton_channel as tc
 sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16", "packed1_ptr": "*i64",
        "scale1_ptr": "*u8", "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
-       "OUT": "constexpr", "GS2": "constexpr", "EARLY": "constexpr"}
-for xt, ot, pack, out, gs2, has_w, early, nbp, nw in (
-        ("*bf16", "*i16", False, 3, 0, False, True, 128, 4), ("*bf16", "*i64", True, 0, 0, True, True, 512, 16),
-        ("*fp16", "*fp16", False, 2, 1, True, False, 1, 1), ("*fp32", "*fp32", False, 0, 2, False, True, 64, 2)):
+       "OUT": "constexpr", "GS2": "constexpr", "EARLY": "constexpr", "SEARCH": "constexpr", "FAST": "constexpr"}
+for xt, ot, pack, out, gs2, has_w, early, nbp, nw, search, fast in (
+        ("*bf16", "*i16", False, 3, 0, False, True, 128, 4, 0, False),
+        ("*bf16", "*i64", True, 0, 0, True, True, 512, 16, 0, False),
+        ("*fp16", "*fp16", False, 2, 1, True, False, 1, 1, 0, False),
+        ("*fp32", "*fp32", False, 0, 2, False, True, 64, 2, 0, False),
+        ("*bf16", "*i16", False, 3, 0, False, True, 128, 4, 0, True),
+        ("*bf16", "*i64", True, 0, 0, False, True, 512, 16, 0, True),
+        ("*bf16", "*i16", False, 3, 0, False, True, 128, 4, 1, True),
+        ("*bf16", "*i64", True, 0, 0, True, True, 512, 16, 1, True),
+        ("*fp16", "*fp16", False, 2, 1, False, True, 1, 1, 1, False),
+        ("*fp32", "*fp32", False, 0, 2, False, True, 64, 2, 1, False)):
     s = dict(sig, x_ptr=xt, out_ptr=ot)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
-        "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "EARLY": early}),
+        "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "EARLY": early, "SEARCH": search,
+        "FAST": fast}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False})
     assert k.asm["cubin"]
     # values and codes carry signs by OR-ing bits: a float negation would be 0.0 - v under triton 3.6 (+0.0 for -0.0)

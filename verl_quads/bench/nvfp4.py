@@ -18,7 +18,8 @@ float or the integer E2M1 index), per-token residual ``row`` (whole row in regis
 kernels write bf16 with the GPU's conversion instruction (``[... int-bf16-store]``: with the integer
 rounding v1 uses). Residual ratios are given against both plain variants.
 The channel rule (``granularity="channel"``, k = 0.5) has its own rows in the table; ``--channel`` times only it
-(bytes checked against the torch reference first, next to plain QDQ and the block rule, warps swept).
+(each variant of ``triton_channel.CHANNEL_VARIANTS``, bytes checked against the torch reference first, next to plain
+QDQ and the block rule, warps swept).
 Each timed call selects its variant and restores ``KERNELS`` afterwards; ``--sweep`` tunes each
 variant's configuration first (and keeps the fastest for the table) and prints it.
 """
@@ -326,15 +327,26 @@ def _outlier_rows_and_plain_times(m: int, k: int, dtype: torch.dtype, device: st
     return x, gs_row, t_qdq, t_q
 
 
-def run_channel(shapes: list[tuple[int, int]] = ((4096, 2048), (8192, 8192)), dtype: torch.dtype = torch.bfloat16,
+CHANNEL_BENCH_SHAPES = ((4096, 2048), (8192, 8192), (2048, 768), (256, 2048))
+
+#: (variant of ``triton_channel.CHANNEL_VARIANTS``, elems_per_thread) timed at k = 0.5; at the other ratios only
+#: ``CHANNEL_OTHER_RATIOS``.
+CHANNEL_BENCH_CONFIGS = (("bits", 16), ("bits-fast", 16), ("hist", 16), ("hist-fast", 8), ("hist-fast", 16),
+                         ("hist-fast", 32))
+CHANNEL_OTHER_RATIOS = (("bits", 16), ("hist-fast", 16))
+
+
+def run_channel(shapes: list[tuple[int, int]] = CHANNEL_BENCH_SHAPES, dtype: torch.dtype = torch.bfloat16,
                 ratios: tuple[float, ...] = (0.5, 0.25), device: str = "cuda",
-                elems_per_thread: tuple[int, ...] = (8, 16, 32, 64)) -> str:
+                configs: tuple[tuple[str, int], ...] = CHANNEL_BENCH_CONFIGS,
+                other_ratio_configs: tuple[tuple[str, int], ...] = CHANNEL_OTHER_RATIOS) -> str:
     """The channel rule's Triton kernel (``granularity="channel"``, :mod:`verl_quads.nvfp4.triton_channel`), per-row
-    global scale: per shape and ratio, first checked against the torch reference on the same device (QDQ output
-    bytes; packed codes, scale bytes, gs2 and channel indices of ``residual_quantize``; a mismatch is reported and
-    not timed), then timed (CUDA-graph replay, us) next to plain per-row-scale QDQ / quantize (v2) and the block rule
-    (default ``auto`` kernel) at the same ratio; at k = 0.5 also each ``CHANNEL_CONFIG["elems_per_thread"]`` (the
-    kernel's warps; same bytes). ``device`` other than "cuda": functional smoke run only."""
+    global scale: per shape and ratio, each kernel variant (``CHANNEL_VARIANTS`` name x ``elems_per_thread``, i.e.
+    warps; ``configs`` at k = 0.5, ``other_ratio_configs`` at the other ratios) first checked against the torch
+    reference on the same device (QDQ output bytes; packed codes, scale bytes, gs2 and channel indices of
+    ``residual_quantize``; a mismatch is reported and not timed), then timed (CUDA-graph replay, us) next to plain
+    per-row-scale QDQ / quantize (v2) and the block rule (default ``auto`` kernel) at the same ratio, ratios against the
+    plain kernels of the same run. ``device`` other than "cuda": functional smoke run only."""
     from verl_quads.nvfp4 import triton_channel as tc
 
     def same(a, b):
@@ -355,32 +367,28 @@ def run_channel(shapes: list[tuple[int, int]] = ((4096, 2048), (8192, 8192)), dt
             rows.append([f"{m}x{k}", f"{ratio:g}", "block rule (auto)", "-", tb * 1e6, f"{tb / t_qdq:.2f}x", tb2 * 1e6,
                          f"{tb2 / t_q:.2f}x", "-"])
             print(rows[-1], flush=True)
-            for ept in elems_per_thread if ratio == 0.5 else (tc.CHANNEL_CONFIG["elems_per_thread"],):
-                old = dict(tc.CHANNEL_CONFIG)
-                tc.CHANNEL_CONFIG["elems_per_thread"] = ept
-                nw = tc._warps(tc._check_row(k) if k else 1)
-                try:
-                    qdq = lambda: nv.residual_fake_quantize(x, ratio, gs_row, granularity="channel", backend="triton",
-                                                            check_finite=False)
-                    q = lambda: nv.residual_quantize(x, ratio, gs_row, granularity="channel", backend="triton",
-                                                     check_finite=False)
-                    ok = torch.equal(qdq().view(torch.uint8), nv.residual_fake_quantize(
-                        x, ratio, gs_row, granularity="channel", backend="torch", check_finite=False).view(torch.uint8))
-                    ok = ok and same(q(), nv.residual_quantize(x, ratio, gs_row, granularity="channel", backend="torch",
-                                                               check_finite=False))
-                    if not ok:
-                        rows.append([f"{m}x{k}", f"{ratio:g}", f"channel rule e/t {ept}", nw, "MISMATCH", "-", "-", "-",
-                                     "no"])
-                    else:
-                        t, t2 = tm(qdq), tm(q)
-                        rows.append([f"{m}x{k}", f"{ratio:g}", f"channel rule e/t {ept}", nw, t * 1e6,
-                                     f"{t / t_qdq:.2f}x", t2 * 1e6, f"{t2 / t_q:.2f}x", "yes"])
-                except Exception as e:  # a config the device's triton does not compile: reported, not timed
-                    rows.append([f"{m}x{k}", f"{ratio:g}", f"channel rule e/t {ept}", nw, "ERROR",
-                                 f"{type(e).__name__}: {str(e)[:120]!r}", "-", "-", "no"])
-                finally:
-                    tc.CHANNEL_CONFIG.clear()
-                    tc.CHANNEL_CONFIG.update(old)
+            ref_qdq = nv.residual_fake_quantize(x, ratio, gs_row, granularity="channel", backend="torch",
+                                                check_finite=False)
+            ref_q = nv.residual_quantize(x, ratio, gs_row, granularity="channel", backend="torch", check_finite=False)
+            for variant, ept in configs if ratio == 0.5 else other_ratio_configs:
+                label = f"channel {variant} e/t {ept}"
+                with tc.channel_config(**tc.CHANNEL_VARIANTS[variant], elems_per_thread=ept):
+                    nw = tc._warps(tc._check_row(k) if k else 1)
+                    try:
+                        qdq = lambda: nv.residual_fake_quantize(x, ratio, gs_row, granularity="channel",
+                                                                backend="triton", check_finite=False)
+                        q = lambda: nv.residual_quantize(x, ratio, gs_row, granularity="channel", backend="triton",
+                                                         check_finite=False)
+                        ok = torch.equal(qdq().view(torch.uint8), ref_qdq.view(torch.uint8)) and same(q(), ref_q)
+                        if not ok:
+                            rows.append([f"{m}x{k}", f"{ratio:g}", label, nw, "MISMATCH", "-", "-", "-", "no"])
+                        else:
+                            t, t2 = tm(qdq), tm(q)
+                            rows.append([f"{m}x{k}", f"{ratio:g}", label, nw, t * 1e6, f"{t / t_qdq:.2f}x", t2 * 1e6,
+                                         f"{t2 / t_q:.2f}x", "yes"])
+                    except Exception as e:  # a config the device's triton does not compile: reported, not timed
+                        rows.append([f"{m}x{k}", f"{ratio:g}", label, nw, "ERROR",
+                                     f"{type(e).__name__}: {str(e)[:120]!r}", "-", "-", "no"])
                 print(rows[-1], flush=True)
     return print_table(f"channel-rule residual kernel (granularity='channel'), per-row global scale, input {dtype} "
                        f"({device_name()})", ["shape", "k", "kernel", "warps", "residual QDQ us", "x plain QDQ",
@@ -410,7 +418,8 @@ def main(argv: list[str] | None = None) -> None:
                         "default kernel's bytes first")
     p.add_argument("--channel", action="store_true",
                    help="only time the channel-rule residual kernel (granularity='channel') vs plain QDQ and the block "
-                        "rule, bytes checked against the torch reference first (default shapes 4096x2048,8192x8192)")
+                        "rule, every CHANNEL_VARIANTS variant, bytes checked against the torch reference first (default shapes "
+                        "4096x2048,8192x8192,2048x768,256x2048)")
     p.add_argument("--variants", default=None,
                    help="with --residual-variants: comma-separated RESIDUAL_VARIANTS names to time (default: all)")
     a = p.parse_args(argv)
@@ -418,7 +427,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("verl-quads bench nvfp4 needs a CUDA GPU (CPU numbers are not the point)")
     if a.channel:
         shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes != p.get_default(
-            "shapes") else [(4096, 2048), (8192, 8192)]
+            "shapes") else list(CHANNEL_BENCH_SHAPES)
         print(run_channel(shapes, getattr(torch, a.dtype)), flush=True)
         return
     if a.residual_variants:

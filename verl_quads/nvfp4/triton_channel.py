@@ -29,6 +29,8 @@ block rule, never a silent switch to torch). Kernels run with ``enable_fp_fusion
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
@@ -41,9 +43,13 @@ triton = tk.triton
 tl = tk.tl
 
 #: ``_channel_row_kernel`` launch: warps so that a thread holds about ``elems_per_thread`` channels of the row (the
-#: tile is [NBP, 16] float32; the search reduces over the whole row 31 times at most), clamped to [1, max_warps];
-#: rows longer than ``max_k`` channels (padded to a power of two of 16-blocks) are refused. Not tuned on a GPU yet.
-CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "early": True}
+#: tile is [NBP, 16] float32), clamped to [1, max_warps]; rows longer than ``max_k`` channels (padded to a power of
+#: two of 16-blocks) are refused. Speed-only options (same bytes): ``search`` = "bits" (``_topn_threshold``: one
+#: full-row count per threshold bit, ``early``: stopped once the count is exact) or "hist" (``_radix_threshold``: 8-bit
+#: digits, one 256-bin histogram per digit, stopped once the count is exact); ``fast``: ``_hold_qdq_half``'s fused
+#: E2M1 magic and the tie scan skipped when exactly NSEL scores are >= the threshold (``_select_top``).
+CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "early": True, "search": "bits",
+                  "fast": False}
 
 
 if triton is not None:
@@ -54,13 +60,48 @@ if triton is not None:
     _tie_select = tk._tie_select
     _gs_from_amax = tk._gs_from_amax
     _store_out = tk._store_out
+    _hold_qdq_half = tk._hold_qdq_half
+    _select_top = tk._select_top
+
+    @triton.jit
+    def _radix_threshold(eb, NSEL, NVALID):
+        """Selection threshold of a row by an MSB-first radix select over 8-bit digits (bits 30..23, 22..15, 14..7,
+        then 6..0 of the score bits ``eb`` [N] int32, non-negative for the NVALID real entries, -1 for padding).
+        Returns (th, cnt): th the accepted prefix (its lower digits zero) and cnt = #(eb >= th), with cnt == NSEL when
+        the search stopped early (then the selection is exactly ``eb >= th``: the NSEL highest scores), else after the
+        last digit th = T, the largest value with #(eb >= T) >= NSEL (as ``_topn_threshold``; the caller breaks the
+        ties at T).
+
+        One step per digit: every entry is mapped to one of 256 bins -- its digit when its higher bits equal the
+        accepted prefix, 255 when they are above it (already counted in, as every bin's suffix count includes it),
+        0 when below (and padding) -- one ``tl.histogram``, a reverse cumulative sum S[d] = #(eb >= prefix | d << lo)
+        (exact for d >= 1; d = 0 keeps the prefix, whose count is the previous step's), and the largest d >= 1 with
+        S[d] >= NSEL (else 0). Count and digit travel as one int32 key d << 16 | S[d] (S <= 32768) through a single
+        max reduction. NSEL = 0 stops at the first step (no score has exponent byte 255 unless it is Inf/NaN)."""
+        bins = tl.arange(0, 256)
+        th = tl.max(eb, axis=0) * 0
+        cnt = th + NVALID
+        k = th
+        while (k < 4) & (cnt != NSEL):
+            hi = 31 - 8 * k
+            lo = tl.maximum(hi - 8, 0)
+            dmask = (1 << (hi - lo)) - 1
+            pre = eb >> hi
+            p = th >> hi
+            dig = tl.where(pre > p, 255, tl.where(pre < p, 0, (eb >> lo) & dmask))
+            s = tl.cumsum(tl.histogram(dig, 256), axis=0, reverse=True)
+            key = tl.max(tl.where((s >= NSEL) & (bins > 0) & (bins <= dmask), (bins << 16) | s, 0), axis=0)
+            cnt = tl.where(key > 0, key & 0xFFFF, cnt)
+            th = th | ((key >> 16) << lo)
+            k += 1
+        return th, cnt
 
     @triton.jit
     def _channel_row_kernel(
         x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
-        EARLY: tl.constexpr,
+        EARLY: tl.constexpr, SEARCH: tl.constexpr = 0, FAST: tl.constexpr = False,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -71,7 +112,10 @@ if triton is not None:
         (float32) to gs2_ptr[row] and nothing else.
         PACK: packed1/packed2 int64 [M, NB] (one word per 16-block, byte j = code 2j | code 2j+1 << 4),
         scale1/scale2 uint8 [M, NB] (E4M3 bytes), idx int64 [M, NSEL] (ascending channels); else out [M, K] in
-        x's dtype (OUT: ``_store_out`` code) = deq(Q(x)) + deq(Q(R_sel))."""
+        x's dtype (OUT: ``_store_out`` code) = deq(Q(x)) + deq(Q(R_sel)).
+        Speed only (same bytes): SEARCH 0 = ``_topn_threshold`` (bitwise; EARLY: stopped once exact), 1 =
+        ``_radix_threshold`` (8-bit digits by histogram); FAST: ``_hold_qdq_half``'s fused magic and no tie scan
+        when exactly NSEL scores are >= the threshold."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
         e = tl.arange(0, 16)
@@ -84,14 +128,21 @@ if triton is not None:
         gs = tl.zeros([NBP], tl.float32) + g
         inv = tl.zeros([NBP], tl.float32) + tl.math.div_rn(g * 0.0 + 1.0, g)
         sval, sbyte, os = _scales_inv(tl.max(tl.abs(x), axis=1), gs, inv)
-        v = _qdq_half(x, os, tl.math.div_rn(sval, gs))
+        v = _hold_qdq_half(x, os, tl.math.div_rn(sval, gs), FAST)
         r = x - v
         s = r * r
         if HAS_W:
             s = s * tl.load(w_ptr + c[:, None] * 16 + e[None, :], mask=m2, other=0.0)
         eb = tl.reshape(tl.where(m2, s.to(tl.int32, bitcast=True), -1), (NBP * 16,))  # padding: never selected
-        th = _topn_threshold(eb, NSEL, 1, EARLY)
-        sel_f = _tie_select(eb, th, NSEL)
+        if SEARCH == 1:
+            th, cnt = _radix_threshold(eb, NSEL, NB * 16)
+            if cnt == NSEL:
+                sel_f = eb >= th
+            else:
+                sel_f = _tie_select(eb, th, NSEL)
+        else:
+            th = _topn_threshold(eb, NSEL, 1, EARLY)
+            sel_f = _select_top(eb, th, NSEL, FAST, EARLY)
         sel = tl.reshape(sel_f, (NBP, 16))
         rs = tl.where(sel, r, 0.0)
         ra = tl.max(tl.abs(rs), axis=1)
@@ -119,8 +170,41 @@ if triton is not None:
                 if GS2 == 0:
                     tl.store(gs2_ptr + row + c * 0, gs2, mask=c == 0)
             else:
-                out = v + _qdq_half(rs, os2, tl.math.div_rn(s2, gs2))
+                out = v + _hold_qdq_half(rs, os2, tl.math.div_rn(s2, gs2), FAST)
                 _store_out(out_ptr + off, out, m2, OUT)
+
+
+_SEARCH_CODES = {"bits": 0, "hist": 1}
+
+#: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` (same bytes).
+CHANNEL_VARIANTS = {
+    "bits": {"search": "bits", "fast": False},
+    "bits-fast": {"search": "bits", "fast": True},
+    "hist": {"search": "hist", "fast": False},
+    "hist-fast": {"search": "hist", "fast": True},
+}
+
+
+@contextlib.contextmanager
+def channel_config(**overrides):
+    """``CHANNEL_CONFIG`` with ``overrides`` applied inside the block (restored after; keys must exist)."""
+    bad = sorted(set(overrides) - set(CHANNEL_CONFIG))
+    if bad:
+        raise KeyError(f"unknown CHANNEL_CONFIG keys {bad}; allowed {sorted(CHANNEL_CONFIG)}")
+    old = dict(CHANNEL_CONFIG)
+    CHANNEL_CONFIG.update(overrides)
+    try:
+        yield CHANNEL_CONFIG
+    finally:
+        CHANNEL_CONFIG.clear()
+        CHANNEL_CONFIG.update(old)
+
+
+def _search_code() -> int:
+    try:
+        return _SEARCH_CODES[CHANNEL_CONFIG["search"]]
+    except KeyError:
+        raise ValueError(f"CHANNEL_CONFIG['search'] = {CHANNEL_CONFIG['search']!r}: allowed {tuple(_SEARCH_CODES)}") from None
 
 
 def _warps(nbp: int) -> int:
@@ -153,7 +237,8 @@ def _run(x: torch.Tensor, ratio: float, global_scale, score_weight, check_finite
     per_row = gs.dim() == 2 and gs.shape[0] == m and m > 1  # the reference's _second_pass_scale rule
     wt = w if w is not None else g1
     meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, EARLY=CHANNEL_CONFIG["early"],
-                num_warps=_warps(nbp), enable_fp_fusion=False)
+                SEARCH=_search_code(), FAST=bool(CHANNEL_CONFIG["fast"]), num_warps=_warps(nbp),
+                enable_fp_fusion=False)
     gs2_mode, gs2_arg = 0, None
     if not per_row and m > 1:  # per-tensor second-pass scale: amax of R_sel over all rows first
         amax_rows = torch.empty(m, dtype=torch.float32, device=dev)
