@@ -412,3 +412,58 @@ def test_mid_table_natural_entries_compile_for_sm90_without_a_gpu():
     split-K, grouped or not), bf16 and fp16, compiles for sm_90 with triton's bundled ptxas within the H200's
     shared memory. Compiles only."""
     compile_for_sm90_in_subprocess(_SM90_TABLE, "tests/gpu/test_nvfp4_gemm_gpu.py runs the MID_TABLE configs there")
+
+
+@needs_kernels
+def test_bench_rollout_rows_follow_the_default_rule_tiny_shapes(monkeypatch):
+    """``bench rollout`` (run) at tiny shapes on CPU (interpreter; timing faked: every call 1 ms): the
+    quads rows name and use QuantConfig()'s default selection rule, each point has one quads-bf16 comparison row
+    per other rule, every quads-bf16 operand equals the torch reference's bytes for its own rule, the goal lines
+    judge the default rule's quads and quads-bf16 rows and mark the comparison row as not the goal;
+    ``--variants`` keeps only the asked kinds and rejects unknown ones by name."""
+    from verl_quads.config import RESIDUAL_GRANULARITIES, QuantConfig
+
+    if DEV != "cpu":
+        pytest.skip("timing is faked on CPU only (the PASS lines assume equal times); on a GPU run the bench itself")
+    monkeypatch.setattr(br, "DEVICE", DEV)
+    monkeypatch.setattr(br, "SHAPES", {**br.SHAPES, "w13": (True, 32, 32), "w2": (True, 32, 16),
+                                       "d4096": (False, 16, 64)})
+    monkeypatch.setattr(br, "NUM_EXPERTS", 4)
+    monkeypatch.setattr(br, "TOP_K", 2)
+    calls = []
+
+    def fake_time(fn, eager=False):
+        calls.append(fn)
+        fn()
+        return 1e-3, "fake"
+    monkeypatch.setattr(br, "_time", fake_time)
+    gran = QuantConfig().residual_granularity
+    others = [o for o in RESIDUAL_GRANULARITIES if o != gran]
+    text = br.run(["moe", "d4096"], [3], [0.5], False)
+    for tag in ("moe layer M=3", "d4096 M=3"):
+        got = [ln.split("|")[1].strip() for ln in text.splitlines()
+               if ln.startswith(tag) and ln.split("|")[1].strip().startswith("triton ")]
+        want = ["w4a16", "naive", f"quads k=0.5 ({gran})", f"quads-bf16 k=0.5 ({gran})",
+                *[f"quads-bf16 k=0.5 ({o})" for o in others]]
+        assert [g.removeprefix("triton ").removesuffix(" layer") for g in got] == want, got
+    assert f"residual_granularity={gran!r}" in text
+    same = [ln for ln in text.splitlines() if "operand == torch reference bytes" in ln]
+    assert len(same) == 2 * (1 + len(others)) and all(ln.endswith("True") for ln in same), same
+    assert sum("(no fp4x2 row of this rule)" in ln for ln in same) == 2 * len(others)
+    goals = text[text.index("goals (issue #5"):]
+    for shape in ("moe", "d4096"):
+        assert f"PASS {shape}: quads k=0.5 ({gran}) time / naive time" in goals
+        assert f"PASS {shape}: quads-bf16 k=0.5 ({gran}) time / naive time" in goals
+        for o in others:
+            assert f"(comparison, not the goal: pass) {shape}: quads-bf16 k=0.5 ({o})" in goals
+    n_all = len(calls)
+    calls.clear()
+    text = br.run(["d4096"], [3], [0.5], False, ("naive", "quads"))
+    table = text[:text.index("goals (issue #5")]
+    assert "triton quads k=0.5" in table and "triton naive" in table
+    assert "triton w4a16" not in table and "quads-bf16" not in table
+    with pytest.raises(ValueError, match="unknown \\['fp8'\\]"):
+        br.run(["d4096"], [3], [0.5], False, ("naive", "fp8"))
+    with pytest.raises(SystemExit, match="unknown --variants"):
+        br.main(["--variants", "naive,bogus"])
+    assert n_all > len(calls) > 0

@@ -11,16 +11,20 @@ No vLLM needed: calls :mod:`verl_quads.nvfp4.triton_gemm` directly. Rows (issue 
   rowwise ``torch._scaled_mm`` (e4m3 operands + per-row/per-column float32 scales, activation
   quantization included; skipped with the reason printed where unsupported);
 - per shape and M (default 1, 4, 16, 64, 256, 1024, 4096 tokens): ``w4a16``, ``naive`` (W4A4
-  emulated: activation quantized per token by the core), ``quads k=R`` for R in ``--ratios``
-  (per-token residual selection, the default; graph-capturable) and ``quads-bf16 k=R`` (the opt-in
-  ``residual_combine="bf16"`` operand: the core's QDQ activation in bf16, then the w4a16 GEMM); each timed as the whole call
+  emulated: activation quantized per token by the core), ``quads k=R (G)`` for R in ``--ratios``
+  (per-token residual selection with the product's default rule G = ``QuantConfig().residual_granularity``,
+  read at run time and passed explicitly; graph-capturable) and ``quads-bf16 k=R (G)`` (the opt-in
+  ``residual_combine="bf16"`` operand: the core's QDQ activation in bf16, then the w4a16 GEMM), plus one
+  comparison row ``quads-bf16 k=R (other)`` per other selection rule (``block`` when the default is
+  ``channel``); ``--variants`` keeps a subset of the rows; each timed as the whole call
   (activation quantization included) captured in a CUDA graph; ``x bf16`` = BF16 time / this time
   (> 1: faster); weight bandwidth counts the NVFP4 bytes the GEMM must read (codes + block scales;
   the active experts' only) as a fraction of the device-to-device copy bandwidth of the same run.
 
 At the end the goals of issue #5 are checked (PASS/FAIL with the measured ratios): W4A16 MoE layer
 >= 2.5x BF16 grouped at M <= 256; W4A16 dense 4096/8192 >= 2.5x cuBLAS BF16 at M <= 16; QUADS
-k=0.5 <= 1.10x the time of naive (W4A4-emulated) at every M (checked for ``quads`` and ``quads-bf16``).
+k=0.5 <= 1.10x the time of naive (W4A4-emulated) at every M (checked for the default rule's ``quads`` and
+``quads-bf16``; the comparison rule's ratios are printed as information).
 
 ``--shapes`` also accepts ``w13`` / ``w2`` (one grouped expert GEMM alone) and ``--sweep`` times a
 few launch configurations of the w4a16 / naive GEMM per (shape, M) to tune
@@ -127,7 +131,7 @@ def _bf16_grouped(x_sorted: torch.Tensor, w_t: torch.Tensor, offs: torch.Tensor,
 
 
 def _moe_layer_rows(ms: list[int], ratios: list[float], bw: float, dev: str, g: torch.Generator,
-                    times: dict) -> list[list[object]]:
+                    times: dict, variants: tuple[str, ...] = ()) -> list[list[object]]:
     """Whole routed-experts layer (hidden 2048, intermediate 768, 128 experts top-8, random routing):
     :func:`triton_gemm.moe_forward` (one grouped launch per GEMM, routing sort included) vs a BF16
     layer of the same structure (stable sort by expert, ``torch._grouped_mm`` w13, silu * up,
@@ -178,25 +182,27 @@ def _moe_layer_rows(ms: list[int], ratios: list[float], bw: float, dev: str, g: 
         bm = tg.grouped_block_m(-(-(m * TOP_K) // min(e, m * TOP_K)))
         t_align, how = _time(lambda: tg.moe_align(ids, e, bm))
         rows.append([tag, "moe_align (routing sort + tile table)", how, t_align * 1e6, "-", "-", "-"])
-        for label, mode, r, comb in _variants(ratios):
-            def fn(mode=mode, r=r, comb=comb):
+        for label, mode, r, comb, gran in _variants(ratios, variants):
+            def fn(mode=mode, r=r, comb=comb, gran=gran):
                 return tg.moe_forward(x, sw, ids, *qs["w13"], *qs["w2"], mode, residual_ratio=r,
-                                      residual_per_token=True, residual_combine=comb)
+                                      residual_per_token=True, residual_combine=comb, residual_granularity=gran)
 
             t, how = _time(fn)
             rows.append([tag, f"triton {label} layer", how, t * 1e6, t_base / t, wbytes / t / 1e9, wbytes / t / bw])
             times[("moe", m, label)] = t
-            _record_combine_gap(times, ("moe", m), label, comb, fn, x, r)
+            _record_combine_gap(times, ("moe", m), label, comb, fn, x, r, gran)
         times[("moe", m, "bf16")] = t_base
     return rows
 
 
-def _record_combine_gap(times: dict, key: tuple, label: str, comb: str, fn, x: torch.Tensor, r: float) -> None:
-    """Output of the ``quads k=R`` variant kept (one extra call); for ``quads-bf16 k=R``, its relative
-    distance to it, ``||y_bf16 - y_fp4x2|| / ||y_fp4x2||`` (float32 norms), stored as ``times[(*key,
-    "gap quads-bf16 k=R")]`` (the one activation rounding to bf16 + summation order, measured on the device),
-    and whether the bf16 operand of ``x`` (the first GEMM's input) is the torch reference's bytes
-    (``times[(*key, "same quads-bf16 k=R")]``)."""
+def _record_combine_gap(times: dict, key: tuple, label: str, comb: str, fn, x: torch.Tensor, r: float,
+                        gran: str) -> None:
+    """Output of the ``quads k=R (G)`` variant kept (one extra call); for ``quads-bf16 k=R (G)``, its relative
+    distance to it (same rule G), ``||y_bf16 - y_fp4x2|| / ||y_fp4x2||`` (float32 norms), stored as
+    ``times[(*key, "gap quads-bf16 k=R (G)")]`` (the one activation rounding to bf16 + summation order, measured
+    on the device), and whether the bf16 operand of ``x`` (the first GEMM's input) is the torch reference's
+    bytes for rule ``gran`` (``times[(*key, "same quads-bf16 k=R (G)")]``; also for a comparison row without
+    its fp4x2 twin)."""
     if not label.startswith("quads"):
         return
     y = fn().float()
@@ -209,17 +215,45 @@ def _record_combine_gap(times: dict, key: tuple, label: str, comb: str, fn, x: t
     ref = times.pop((*key, "out " + label.replace("quads-bf16", "quads")), None)
     if ref is not None:
         times[(*key, "gap " + label)] = float((y - ref).norm() / ref.norm().clamp_min(1e-30))
-    op, _ = tg.quantize_activation(x, "quads", residual_ratio=r, residual_per_token=True, residual_combine="bf16")
-    want = nv.residual_fake_quantize(x, r, nv.per_row_global_scale(x), per_token=True, backend="torch")
+    op, _ = tg.quantize_activation(x, "quads", residual_ratio=r, residual_per_token=True, residual_combine="bf16",
+                                   residual_granularity=gran)
+    want = nv.residual_fake_quantize(x, r, nv.per_row_global_scale(x), per_token=True, granularity=gran,
+                                     backend="torch")
     times[(*key, "same " + label)] = bool(torch.equal(op.values, want))
 
 
-def _variants(ratios: list[float]) -> list[tuple[str, str, float, str]]:
-    """(label, act_mode, residual ratio, residual_combine): w4a16, naive, and for each R quads k=R (two FP4
-    operands, the default) and quads-bf16 k=R (``residual_combine="bf16"``), per-token selection."""
-    out = [("w4a16", "w4a16", 0.0, "fp4x2"), ("naive", "naive", 0.0, "fp4x2")]
+VARIANTS = ("w4a16", "naive", "quads", "quads-bf16", "compare")
+
+
+def default_granularity() -> str:
+    """The product's default QUADS selection rule, ``verl_quads.config.QuantConfig().residual_granularity``,
+    read when called (not at import)."""
+    from verl_quads.config import QuantConfig
+
+    return QuantConfig().residual_granularity
+
+
+def _variants(ratios: list[float], variants: tuple[str, ...] = ()) -> list[tuple[str, str, float, str, str]]:
+    """(label, act_mode, residual ratio, residual_combine, residual_granularity): w4a16, naive, and for each R
+    ``quads k=R (G)`` (two FP4 operands) and ``quads-bf16 k=R (G)`` (``residual_combine="bf16"``) with the
+    default rule G (:func:`default_granularity`), then ``quads-bf16 k=R (G')`` for each other rule G' (the
+    comparison rows); per-token selection. ``variants``: keep only these kinds (:data:`VARIANTS`; empty: all)."""
+    from verl_quads.config import RESIDUAL_GRANULARITIES
+
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise ValueError(f"bench rollout --variants: unknown {bad}; allowed: {list(VARIANTS)}")
+    keep = set(variants or VARIANTS)
+    gran = default_granularity()
+    out = [v for v in (("w4a16", "w4a16", 0.0, "fp4x2", "block"), ("naive", "naive", 0.0, "fp4x2", "block"))
+           if v[0] in keep]
     for r in ratios:
-        out += [(f"quads k={r:g}", "quads", r, "fp4x2"), (f"quads-bf16 k={r:g}", "quads", r, "bf16")]
+        if "quads" in keep:
+            out.append((f"quads k={r:g} ({gran})", "quads", r, "fp4x2", gran))
+        if "quads-bf16" in keep:
+            out.append((f"quads-bf16 k={r:g} ({gran})", "quads", r, "bf16", gran))
+        if "compare" in keep:
+            out += [(f"quads-bf16 k={r:g} ({o})", "quads", r, "bf16", o) for o in RESIDUAL_GRANULARITIES if o != gran]
     return out
 
 
@@ -244,17 +278,23 @@ def _fp8_rowwise(x: torch.Tensor, w_bf16: torch.Tensor):
         return None, f"{type(e).__name__}: {str(e)[:160]}"
 
 
-def _goal_lines(times: dict, ms: list[int], ratios: list[float]) -> list[str]:
-    """PASS/FAIL of issue #5's goals from the measured times (seconds)."""
-    out = ["goals (issue #5):"]
+def _goal_lines(times: dict, ms: list[int], ratios: list[float], gran: str | None = None) -> list[str]:
+    """PASS/FAIL of issue #5's goals from the measured times (seconds); the QUADS goal judges the rows of
+    the default rule ``gran`` (:func:`default_granularity` if None), the other rules' rows are information."""
+    from verl_quads.config import RESIDUAL_GRANULARITIES
 
-    def check(name, pairs, want, larger_is_better=True):
+    gran = gran or default_granularity()
+    out = [f"goals (issue #5; QUADS rows: the default selection rule residual_granularity={gran!r}):"]
+
+    def check(name, pairs, want, larger_is_better=True, info=False):
         if not pairs:
-            out.append(f"  {name}: not measured")
+            if not info:
+                out.append(f"  {name}: not measured")
             return
         vals = ", ".join(f"M={m}: {v:.2f}x" for m, v in pairs)
         ok = all((v >= want) if larger_is_better else (v <= want) for _, v in pairs)
-        out.append(f"  {'PASS' if ok else 'FAIL'} {name}: {vals}")
+        verdict = "PASS" if ok else "FAIL"
+        out.append(f"  {f'(comparison, not the goal: {verdict.lower()})' if info else verdict} {name}: {vals}")
 
     check("W4A16 MoE layer >= 2.5x BF16 grouped at M <= 256",
           [(m, times[("moe", m, "bf16")] / times[("moe", m, "w4a16")]) for m in ms
@@ -264,22 +304,27 @@ def _goal_lines(times: dict, ms: list[int], ratios: list[float]) -> list[str]:
               [(m, times[(shape, m, "bf16")] / times[(shape, m, "w4a16")]) for m in ms
                if m <= 16 and (shape, m, "w4a16") in times], 2.5)
     if 0.5 in ratios:
+        others = [f"quads-bf16 k=0.5 ({o})" for o in RESIDUAL_GRANULARITIES if o != gran]
         for shape in sorted({k[0] for k in times}):
-            for v in ("quads k=0.5", "quads-bf16 k=0.5"):
+            for v in (f"quads k=0.5 ({gran})", f"quads-bf16 k=0.5 ({gran})", *others):
                 check(f"{shape}: {v} time / naive time <= 1.10 at every M",
                       [(m, times[(shape, m, v)] / times[(shape, m, "naive")]) for m in ms
                        if (shape, m, v) in times and (shape, m, "naive") in times], 1.10,
-                      larger_is_better=False)
+                      larger_is_better=False, info=v in others)
     return out
 
 
-def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> str:
+def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool, variants: tuple[str, ...] = ()) -> str:
     from verl_quads import nvfp4 as nv
     from verl_quads.nvfp4 import triton_gemm as tg
 
     dev = DEVICE
-    out = [f"device: {device_name()}"]
-    print(out[0], flush=True)
+    gran = default_granularity()
+    _variants(ratios, variants)  # unknown --variants: fail before any timing
+    out = [f"device: {device_name()}",
+           f"QUADS selection rule of the quads rows: residual_granularity={gran!r} (QuantConfig() default), "
+           "per token; other rules: the comparison rows"]
+    print("\n".join(out), flush=True)
     bw = _copy_bandwidth()
     out.append(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write)")
     print(out[-1], flush=True)
@@ -288,7 +333,7 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> s
     times: dict = {}
     g = torch.Generator(device=dev).manual_seed(0)
     if "moe" in shapes:
-        rows += _moe_layer_rows(ms, ratios, bw, dev, g, times)
+        rows += _moe_layer_rows(ms, ratios, bw, dev, g, times, variants)
         print(f"moe layer rows done", flush=True)
     for name in shapes:
         if name == "moe":
@@ -347,7 +392,7 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> s
                                          out_rows=m * TOP_K)
                 return tg.nvfp4_gemm(op, w_packed, w_scale, w_gs, config=cfg)
 
-            for label, mode, r, comb in _variants(ratios):
+            for label, mode, r, comb, rule in _variants(ratios, variants):
                 cfg = None
                 if sweep and mode in ("w4a16", "naive"):
                     op, _ = tg.quantize_activation(x, mode)
@@ -367,14 +412,14 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> s
                                          f"(default {graph_time_s(lambda: gemm(op)) * 1e6:.1f} us)")
                         print(best_cfgs[-1], flush=True)
 
-                def full(mode=mode, r=r, cfg=cfg, comb=comb):
+                def full(mode=mode, r=r, cfg=cfg, comb=comb, rule=rule):
                     o, _ = tg.quantize_activation(x, mode, residual_ratio=r, residual_per_token=True,
-                                                  residual_combine=comb)
+                                                  residual_combine=comb, residual_granularity=rule)
                     return gemm(o, cfg)
 
                 t, how = _time(full)
                 times[(name, m, label)] = t
-                _record_combine_gap(times, (name, m), label, comb, full, x, r)
+                _record_combine_gap(times, (name, m), label, comb, full, x, r, rule)
                 rows.append([tag, f"triton {label}", how, t * 1e6, t_base / t, wbytes / t / 1e9, wbytes / t / bw])
             torch.cuda.empty_cache()
         print(f"{name} rows done", flush=True)
@@ -383,14 +428,17 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool) -> s
         ["shape", "kernel", "timing", "us", "x bf16", "weight GB/s", "of copy BW"], rows))
     if best_cfgs:
         out.append("best launch configs (--sweep):\n" + "\n".join(best_cfgs))
-    gaps = [f"  {k[0]} M={k[1]} {k[2][4:]}: {v:.2e}; operand == torch reference bytes: "
-            f"{times.get((k[0], k[1], 'same ' + k[2][4:]))}" for k, v in times.items() if k[2].startswith("gap ")]
+    gaps = [f"  {k[0]} M={k[1]} {k[2][5:]}: "
+            + (f"{times[(k[0], k[1], 'gap ' + k[2][5:])]:.2e}" if (k[0], k[1], 'gap ' + k[2][5:]) in times
+               else "- (no fp4x2 row of this rule)")
+            + f"; operand == torch reference bytes: {v}" for k, v in times.items() if k[2].startswith("same ")]
     if gaps:
         out.append("quads-bf16 vs quads (fp4x2) output, ||y_bf16 - y_fp4x2|| / ||y_fp4x2||:\n" + "\n".join(gaps))
         print(out[-1], flush=True)
     times = {k: v for k, v in times.items() if isinstance(v, float)}
-    out += _goal_lines(times, ms, ratios)
-    print("\n".join(_goal_lines(times, ms, ratios)), flush=True)
+    goals = _goal_lines(times, ms, ratios, gran)
+    out += goals
+    print("\n".join(goals), flush=True)
     return "\n".join(out)
 
 
@@ -1335,6 +1383,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--m", default=DEFAULT_MS, help="comma-separated token counts M")
     p.add_argument("--ratios", default="0.25,0.5,1.0", help="QUADS residual ratios k (comma-separated)")
     p.add_argument("--sweep", action="store_true", help="try launch configs per shape and use the fastest")
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated row kinds to time, from {list(VARIANTS)} (compare: quads-bf16 with the "
+                        "non-default selection rule); naive is the baseline of the QUADS goal")
     p.add_argument("--sweep-decode", action="store_true",
                    help="time every W4A16 weight-streaming kernel variant at decode M (default --m 1,4,16, shapes "
                         f"{DECODE_SHAPES}) with cold L2, check each against the torch reference, print the fastest "
@@ -1361,6 +1412,10 @@ def main(argv: list[str] | None = None) -> None:
                         "count the SASS instructions per weight element in their K loop")
     p.add_argument("--out", default=None, help="also write the tables to this file")
     a = p.parse_args(argv)
+    variants = tuple(v for v in a.variants.split(",") if v)
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        raise SystemExit(f"verl-quads bench rollout: unknown --variants {bad}; allowed: {list(VARIANTS)}")
 
     def shapes_and_ms(default_shapes: str, default_ms: str, what: str,
                       allowed: tuple[str, ...] = ("moe", "d4096", "d8192", "qkv", "o_proj")) -> tuple[list[str], list[int]]:
@@ -1387,7 +1442,8 @@ def main(argv: list[str] | None = None) -> None:
         bad = [s for s in shapes if s not in SHAPES and s != "moe"]
         if bad:
             raise SystemExit(f"verl-quads bench rollout: unknown shape(s) {bad}; allowed: {['moe'] + list(SHAPES)}")
-        text = run(shapes, [int(v) for v in a.m.split(",")], [float(v) for v in a.ratios.split(",") if v], a.sweep)
+        text = run(shapes, [int(v) for v in a.m.split(",")], [float(v) for v in a.ratios.split(",") if v], a.sweep,
+                   variants)
     if a.out:
         with open(a.out, "w") as f:
             f.write(text + "\n")
