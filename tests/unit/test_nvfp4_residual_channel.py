@@ -13,6 +13,7 @@ import torch
 
 import verl_quads.nvfp4 as nv
 from verl_quads.nvfp4.residual import ChannelResidualNVFP4, select_channels
+from verl_quads.nvfp4.triton_channel import CHANNEL_VARIANTS
 
 # one 16-block: values on the E2M1 scale (row amax 6 -> global scale 448, block scale 448, y = x)
 # residual x - Q(x): 6 -> 0, 5.5 -> 6 (-0.5), 2.75 -> 3 (-0.25), 1.25 -> 1 (+0.25), 0.125 -> 0 (+0.125),
@@ -307,7 +308,7 @@ def _low_bit_ties(m=3, k=64):
 
 
 @_needs_interp
-@pytest.mark.parametrize("variant", ["bits", "bits-fast", "hist", "hist-fast"])
+@pytest.mark.parametrize("variant", list(CHANNEL_VARIANTS))
 def test_triton_channel_kernel_variants_match_reference(variant):
     """Every speed variant of the channel kernel (``CHANNEL_VARIANTS``) gives the reference's bytes: K = 16 and
     non-power-of-two block counts (K = 48, 96), ratios 0 / 1 (nothing / everything), all-zero rows (every score ties
@@ -315,7 +316,7 @@ def test_triton_channel_kernel_variants_match_reference(variant):
     per-tensor scale with M > 1 (two launches), one row."""
     from verl_quads.nvfp4 import triton_channel as tc
 
-    with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
+    with tc.channel_config(**CHANNEL_VARIANTS[variant]):
         for k, m, ratios in ((16, 3, (0.0, 0.125, 0.5, 1.0)), (48, 2, (0.0, 0.3, 1.0))):
             x = _rows(m, k, torch.bfloat16, seed=k)
             for ratio in ratios:
@@ -349,27 +350,27 @@ sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16",
        "scale1_ptr": "*u8", "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
        "OUT": "constexpr", "GS2": "constexpr", "EARLY": "constexpr", "SEARCH": "constexpr", "FAST": "constexpr"}
-for xt, ot, pack, out, gs2, has_w, early, nbp, nw, search, fast in (
-        ("*bf16", "*i16", False, 3, 0, False, True, 128, 4, 0, False),
-        ("*bf16", "*i64", True, 0, 0, True, True, 512, 16, 0, False),
-        ("*fp16", "*fp16", False, 2, 1, True, False, 1, 1, 0, False),
-        ("*fp32", "*fp32", False, 0, 2, False, True, 64, 2, 0, False),
-        ("*bf16", "*i16", False, 3, 0, False, True, 128, 4, 0, True),
-        ("*bf16", "*i64", True, 0, 0, False, True, 512, 16, 0, True),
-        ("*bf16", "*i16", False, 3, 0, False, True, 128, 4, 1, True),
-        ("*bf16", "*i64", True, 0, 0, True, True, 512, 16, 1, True),
-        ("*fp16", "*fp16", False, 2, 1, False, True, 1, 1, 1, False),
-        ("*fp32", "*fp32", False, 0, 2, False, True, 64, 2, 1, False)):
+for kern, xt, ot, pack, out, gs2, has_w, early, nbp, nw, search, fast in (
+        ("_channel_row_kernel", "*bf16", "*i16", False, 3, 0, False, True, 128, 4, 0, False),
+        ("_channel_row_kernel", "*bf16", "*i64", True, 0, 0, True, True, 512, 16, 0, False),
+        ("_channel_row_kernel", "*fp16", "*fp16", False, 2, 1, True, False, 1, 1, 0, False),
+        ("_channel_row_kernel", "*fp32", "*fp32", False, 0, 2, False, True, 64, 2, 0, True),
+        ("_channel_row_kernel", "*bf16", "*i16", False, 3, 0, False, True, 128, 4, 1, True),
+        ("_channel_row_kernel", "*bf16", "*i64", True, 0, 0, True, True, 512, 16, 1, True),
+        ("_channel_halves_kernel", "*bf16", "*i16", False, 3, 0, False, True, 128, 4, 1, True),
+        ("_channel_halves_kernel", "*bf16", "*i64", True, 0, 0, True, True, 512, 16, 0, True),
+        ("_channel_halves_kernel", "*fp16", "*fp16", False, 2, 1, False, True, 1, 1, 1, False),
+        ("_channel_halves_kernel", "*fp32", "*fp32", False, 0, 2, False, True, 64, 2, 1, True)):
     s = dict(sig, x_ptr=xt, out_ptr=ot)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
-    k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
+    k = triton.compile(ASTSource(fn=getattr(tc, kern), signature=s, attrs=attrs, constexprs={
         "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "EARLY": early, "SEARCH": search,
         "FAST": fast}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False})
     assert k.asm["cubin"]
     # values and codes carry signs by OR-ing bits: a float negation would be 0.0 - v under triton 3.6 (+0.0 for -0.0)
     neg = re.findall(r"fneg|fsub (?:<\d+ x )?float>? (?:zeroinitializer|-?0\.000000e\+00)", k.asm["llir"])
-    assert not neg, (xt, pack, neg[:3])
+    assert not neg, (kern, xt, pack, neg[:3])
 print("compiled")
 """
 

@@ -47,9 +47,10 @@ tl = tk.tl
 #: two of 16-blocks) are refused. Speed-only options (same bytes): ``search`` = "bits" (``_topn_threshold``: one
 #: full-row count per threshold bit, ``early``: stopped once the count is exact) or "hist" (``_radix_threshold``: 8-bit
 #: digits, one 256-bin histogram per digit, stopped once the count is exact); ``fast``: ``_hold_qdq_half``'s fused
-#: E2M1 magic and the tie scan skipped when exactly NSEL scores are >= the threshold (``_select_top``).
+#: E2M1 magic and the tie scan skipped when exactly NSEL scores are >= the threshold (``_select_top``); ``layout``:
+#: "tile" (``_channel_row_kernel``, a [NBP, 16] tile) or "halves" (``_channel_halves_kernel``, one thread per block).
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "early": True, "search": "bits",
-                  "fast": False}
+                  "fast": False, "layout": "tile"}
 
 
 if triton is not None:
@@ -79,16 +80,15 @@ if triton is not None:
         S[d] >= NSEL (else 0). Count and digit travel as one int32 key d << 16 | S[d] (S <= 32768) through a single
         max reduction. NSEL = 0 stops at the first step (no score has exponent byte 255 unless it is Inf/NaN)."""
         bins = tl.arange(0, 256)
-        th = tl.max(eb, axis=0) * 0
+        th = tl.full((), 0, tl.int32)  # a scalar without a reduction
         cnt = th + NVALID
         k = th
         while (k < 4) & (cnt != NSEL):
-            hi = 31 - 8 * k
-            lo = tl.maximum(hi - 8, 0)
-            dmask = (1 << (hi - lo)) - 1
-            pre = eb >> hi
-            p = th >> hi
-            dig = tl.where(pre > p, 255, tl.where(pre < p, 0, (eb >> lo) & dmask))
+            lo = tl.maximum(23 - 8 * k, 0)
+            dmask = (1 << (31 - 8 * k - lo)) - 1
+            # th's bits below the prefix are 0: (eb >> lo) - (th >> lo) is the digit when eb's prefix equals th's,
+            # >= 2**(digit width) when above (clamped to 255), < 0 when below or padding (clamped to 0)
+            dig = tl.minimum(tl.maximum((eb >> lo) - (th >> lo), 0), 255)
             s = tl.cumsum(tl.histogram(dig, 256), axis=0, reverse=True)
             key = tl.max(tl.where((s >= NSEL) & (bins > 0) & (bins <= dmask), (bins << 16) | s, 0), axis=0)
             cnt = tl.where(key > 0, key & 0xFFFF, cnt)
@@ -173,15 +173,111 @@ if triton is not None:
                 out = v + _hold_qdq_half(rs, os2, tl.math.div_rn(s2, gs2), FAST)
                 _store_out(out_ptr + off, out, m2, OUT)
 
+    _load_halves = tk._load_halves
+    _store_halves = tk._store_halves
+    _tile_word = tk._tile_word
+
+    @triton.jit
+    def _half_ranks(q0, q1):
+        """Inclusive ranks in channel order of the flags q0, q1 (int32 [NBP, 8]: elements 0..7 / 8..15 of each
+        16-block, ``_load_halves`` layout): channel 16 b + 8 h + j gets #(flags set at channels <= it). The
+        within-block counts are per thread; one cumulative sum runs over the NBP block totals."""
+        n0 = tl.sum(q0, axis=1)
+        n01 = n0 + tl.sum(q1, axis=1)
+        before = tl.cumsum(n01, axis=0) - n01
+        return before[:, None] + tl.cumsum(q0, axis=1), (before + n0)[:, None] + tl.cumsum(q1, axis=1)
+
+    @triton.jit
+    def _channel_halves_kernel(
+        x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
+        NB, NSEL, GS_DIV,
+        NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
+        EARLY: tl.constexpr, SEARCH: tl.constexpr = 0, FAST: tl.constexpr = False,
+    ):
+        """``_channel_row_kernel`` (same arguments, same bytes) with the row held as two float32 [NBP, 8] halves, one
+        thread per 16-block (``_load_halves`` layout, as ``triton_kernels._residual_hold_kernel``): block maxima,
+        scales, packed words (``_tile_word``) and QDQ stay in the thread; the selection counts every channel of
+        both halves (the threshold depends on the multiset only), ties and index slots are ranked in channel order
+        by ``_half_ranks``."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, NBP)
+        cmask = c < NB
+        b = row * NB + c
+        x0, x1 = _load_halves(x_ptr, b, cmask)
+        g = tl.load(gs_ptr + row // GS_DIV)
+        gs = tl.zeros([NBP], tl.float32) + g
+        inv = tl.zeros([NBP], tl.float32) + tl.math.div_rn(g * 0.0 + 1.0, g)
+        sval, sbyte, os = _scales_inv(tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1)), gs, inv)
+        factor = tl.math.div_rn(sval, gs)
+        v0 = _hold_qdq_half(x0, os, factor, FAST)
+        v1 = _hold_qdq_half(x1, os, factor, FAST)
+        r0 = x0 - v0
+        r1 = x1 - v1
+        s0 = r0 * r0
+        s1 = r1 * r1
+        if HAS_W:
+            w0, w1 = _load_halves(w_ptr, c, cmask)
+            s0 = s0 * w0
+            s1 = s1 * w1
+        m2 = cmask[:, None]
+        e0 = tl.where(m2, s0.to(tl.int32, bitcast=True), -1)  # padding: never selected
+        e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
+        eb = tl.reshape(tl.join(e0, e1), (NBP * 16,))  # every channel once (not in channel order)
+        if SEARCH == 1:
+            th, cnt = _radix_threshold(eb, NSEL, NB * 16)
+        else:
+            th = _topn_threshold(eb, NSEL, 1, EARLY)
+            cnt = tl.sum((eb >= th).to(tl.int32), axis=0)
+        if cnt == NSEL:
+            sel0 = e0 >= th
+            sel1 = e1 >= th
+        else:
+            eq0 = e0 == th
+            eq1 = e1 == th
+            need = NSEL - tl.sum((eb > th).to(tl.int32), axis=0)
+            k0, k1 = _half_ranks(eq0.to(tl.int32), eq1.to(tl.int32))
+            sel0 = (e0 > th) | (eq0 & (k0 <= need))
+            sel1 = (e1 > th) | (eq1 & (k1 <= need))
+        rs0 = tl.where(sel0, r0, 0.0)
+        rs1 = tl.where(sel1, r1, 0.0)
+        ra = tl.maximum(tl.max(tl.abs(rs0), axis=1), tl.max(tl.abs(rs1), axis=1))
+        amax = tl.zeros([NBP], tl.float32) + tl.max(ra, axis=0)
+        if GS2 == 2:
+            tl.store(gs2_ptr + row + c * 0, amax, mask=c == 0)
+        else:
+            if GS2 == 1:
+                gs2 = tl.zeros([NBP], tl.float32) + tl.load(gs2_ptr)
+            else:
+                gs2 = _gs_from_amax(amax)
+            inv2 = tl.math.div_rn(tl.full([NBP], 1.0, tl.float32), gs2)
+            s2, sb2, os2 = _scales_inv(ra, gs2, inv2)
+            if PACK:
+                tl.store(packed1_ptr + b, _tile_word(x0, x1, os), mask=cmask)
+                tl.store(scale1_ptr + b, sbyte.to(tl.uint8), mask=cmask)
+                tl.store(packed2_ptr + b, _tile_word(rs0, rs1, os2), mask=cmask)
+                tl.store(scale2_ptr + b, sb2.to(tl.uint8), mask=cmask)
+                k0, k1 = _half_ranks(sel0.to(tl.int32), sel1.to(tl.int32))
+                ch = c[:, None] * 16 + tl.arange(0, 8)[None, :]
+                base = idx_ptr + row * NSEL - 1
+                tl.store(base + k0, ch, mask=sel0)  # cast to idx_ptr's int64
+                tl.store(base + k1, ch + 8, mask=sel1)
+                if GS2 == 0:
+                    tl.store(gs2_ptr + row + c * 0, gs2, mask=c == 0)
+            else:
+                f2 = tl.math.div_rn(s2, gs2)
+                _store_halves(out_ptr, b, v0 + _hold_qdq_half(rs0, os2, f2, FAST),
+                              v1 + _hold_qdq_half(rs1, os2, f2, FAST), cmask, OUT)
+
 
 _SEARCH_CODES = {"bits": 0, "hist": 1}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` (same bytes).
 CHANNEL_VARIANTS = {
-    "bits": {"search": "bits", "fast": False},
-    "bits-fast": {"search": "bits", "fast": True},
-    "hist": {"search": "hist", "fast": False},
-    "hist-fast": {"search": "hist", "fast": True},
+    "bits": {"layout": "tile", "search": "bits", "fast": False},
+    "bits-fast": {"layout": "tile", "search": "bits", "fast": True},
+    "hist-fast": {"layout": "tile", "search": "hist", "fast": True},
+    "halves-bits-fast": {"layout": "halves", "search": "bits", "fast": True},
+    "halves-hist-fast": {"layout": "halves", "search": "hist", "fast": True},
 }
 
 
@@ -205,6 +301,13 @@ def _search_code() -> int:
         return _SEARCH_CODES[CHANNEL_CONFIG["search"]]
     except KeyError:
         raise ValueError(f"CHANNEL_CONFIG['search'] = {CHANNEL_CONFIG['search']!r}: allowed {tuple(_SEARCH_CODES)}") from None
+
+
+def _layout_kernel():
+    layouts = {"tile": "_channel_row_kernel", "halves": "_channel_halves_kernel"}
+    if CHANNEL_CONFIG["layout"] not in layouts:
+        raise ValueError(f"CHANNEL_CONFIG['layout'] = {CHANNEL_CONFIG['layout']!r}: allowed {tuple(layouts)}")
+    return globals()[layouts[CHANNEL_CONFIG["layout"]]]
 
 
 def _warps(nbp: int) -> int:
@@ -239,16 +342,17 @@ def _run(x: torch.Tensor, ratio: float, global_scale, score_weight, check_finite
     meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, EARLY=CHANNEL_CONFIG["early"],
                 SEARCH=_search_code(), FAST=bool(CHANNEL_CONFIG["fast"]), num_warps=_warps(nbp),
                 enable_fp_fusion=False)
+    kern = _layout_kernel()
     gs2_mode, gs2_arg = 0, None
     if not per_row and m > 1:  # per-tensor second-pass scale: amax of R_sel over all rows first
         amax_rows = torch.empty(m, dtype=torch.float32, device=dev)
-        _channel_row_kernel[(m,)](xc, g1, wt, xc, xc, xc, xc, xc, xc, amax_rows, PACK=False, OUT=0, GS2=2, **meta)
+        kern[(m,)](xc, g1, wt, xc, xc, xc, xc, xc, xc, amax_rows, PACK=False, OUT=0, GS2=2, **meta)
         gs2_mode, gs2_arg = 1, global_scale_from_amax(amax_rows.amax())
     if not packed:
         out = torch.empty_like(xc)
         o = tk._out_arg(out)
-        _channel_row_kernel[(m,)](xc, g1, wt, o, o, o, o, o, o, gs2_arg if gs2_arg is not None else g1, PACK=False,
-                                  OUT=tk._out_code(x), GS2=gs2_mode, **meta)
+        kern[(m,)](xc, g1, wt, o, o, o, o, o, o, gs2_arg if gs2_arg is not None else g1, PACK=False,
+                   OUT=tk._out_code(x), GS2=gs2_mode, **meta)
         return out
     codes1 = torch.empty(m, k // 2, dtype=torch.uint8, device=dev)
     scale1 = torch.empty(m, nb, dtype=torch.uint8, device=dev)
@@ -256,8 +360,8 @@ def _run(x: torch.Tensor, ratio: float, global_scale, score_weight, check_finite
     scale2 = torch.empty(m, nb, dtype=torch.uint8, device=dev)
     idx_buf = torch.empty(m, max(n_sel, 1), dtype=torch.int64, device=dev)  # n_sel = 0: nothing stored
     gs2_rows = torch.empty(m, dtype=torch.float32, device=dev) if gs2_arg is None else gs2_arg
-    _channel_row_kernel[(m,)](xc, g1, wt, xc, codes1.view(torch.int64), scale1, codes2.view(torch.int64), scale2,
-                              idx_buf, gs2_rows, PACK=True, OUT=0, GS2=gs2_mode, **meta)
+    kern[(m,)](xc, g1, wt, xc, codes1.view(torch.int64), scale1, codes2.view(torch.int64), scale2,
+               idx_buf, gs2_rows, PACK=True, OUT=0, GS2=gs2_mode, **meta)
     if gs2_arg is not None:
         gs2 = gs2_arg
     else:
