@@ -195,23 +195,22 @@ def test_channel_residual_bit_exact(dtype):
 
 @pytest.mark.parametrize("variant", list(tc.CHANNEL_VARIANTS))
 def test_channel_residual_variants_bit_exact(variant):
-    """Every speed variant of the channel kernel (triton_channel.CHANNEL_VARIANTS, at 2 warp counts) gives the
+    """Every speed variant of the channel kernel (triton_channel.CHANNEL_VARIANTS, default warps) gives the
     reference's bytes on the GPU: the rollout shapes (bf16 4096 x 2048, MoE-like 2048 x 768, a long row 256 x 8192)
     at k = 0.5 / 0.125 / 0 / 1, a score weight, a per-tensor scale (two launches), and scores a few ulps apart (score
     weights 1 + j * 2**-23 on R**2 = 1/16: the radix select's last digit, ties to the lower channel)."""
-    for ept in (8, 32):
-        with tc.channel_config(**tc.CHANNEL_VARIANTS[variant], elems_per_thread=ept):
-            x = _x(4096, 2048, torch.bfloat16, seed=11)
-            for ratio in (0.5, 0.125, 0.0, 1.0):
-                _same_channel(x, ratio, nv.per_row_global_scale(x))
-            _same_channel(x, 0.5, nv.per_row_global_scale(x), score_weight=torch.rand(2048, device="cuda"))
-            _same_channel(x[:512], 0.5, nv.global_scale_from_amax(x[:512].float().abs().amax()))
-            for m, k in ((2048, 768), (256, 8192)):
-                xk = _x(m, k, torch.bfloat16, seed=12)
-                _same_channel(xk, 0.5, nv.per_row_global_scale(xk))
-            xl = torch.full((64, 256), 1.25, device="cuda")
-            xl[:, ::16] = 6.0
-            xl[1::2, 1::2] = -1.25
-            wl = 1.0 + (torch.arange(256, device="cuda") % 8).float() * 2.0**-23
-            for ratio in (3 / 256, 0.3, 0.5):
-                _same_channel(xl, ratio, nv.per_row_global_scale(xl), score_weight=wl)
+    with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
+        x = _x(4096, 2048, torch.bfloat16, seed=11)
+        for ratio in (0.5, 0.125, 0.0, 1.0):
+            _same_channel(x, ratio, nv.per_row_global_scale(x))
+        _same_channel(x, 0.5, nv.per_row_global_scale(x), score_weight=torch.rand(2048, device="cuda"))
+        _same_channel(x[:512], 0.5, nv.global_scale_from_amax(x[:512].float().abs().amax()))
+        for m, k in ((2048, 768), (256, 8192)):
+            xk = _x(m, k, torch.bfloat16, seed=12)
+            _same_channel(xk, 0.5, nv.per_row_global_scale(xk))
+        xl = torch.full((64, 256), 1.25, device="cuda")
+        xl[:, ::16] = 6.0
+        xl[1::2, 1::2] = -1.25
+        wl = 1.0 + (torch.arange(256, device="cuda") % 8).float() * 2.0**-23
+        for ratio in (3 / 256, 0.3, 0.5):
+            _same_channel(xl, ratio, nv.per_row_global_scale(xl), score_weight=wl)
