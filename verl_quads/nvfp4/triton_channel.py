@@ -65,34 +65,49 @@ if triton is not None:
     _select_top = tk._select_top
 
     @triton.jit
+    def _radix_step(eb, th, cnt, k, NSEL):
+        """Digit ``k`` (0..3: bits 30..23, 22..15, 14..7, 6..0) of ``_radix_threshold``: returns the new (th, cnt)."""
+        bins = tl.arange(0, 256)
+        lo = tl.maximum(23 - 8 * k, 0)
+        dmask = (1 << (31 - 8 * k - lo)) - 1
+        # th's bits below the prefix are 0: (eb >> lo) - (th >> lo) is the digit when eb's prefix equals th's,
+        # >= 2**(digit width) when above (clamped to 255), < 0 when below or padding (clamped to 0)
+        dig = tl.minimum(tl.maximum((eb >> lo) - (th >> lo), 0), 255)
+        s = tl.cumsum(tl.histogram(dig, 256), axis=0, reverse=True)
+        key = tl.max(tl.where((s >= NSEL) & (bins > 0) & (bins <= dmask), (bins << 16) | s, 0), axis=0)
+        return th | ((key >> 16) << lo), tl.where(key > 0, key & 0xFFFF, cnt)
+
+    @triton.jit
     def _radix_threshold(eb, NSEL, NVALID):
         """Selection threshold of a row by an MSB-first radix select over 8-bit digits (bits 30..23, 22..15, 14..7,
         then 6..0 of the score bits ``eb`` [N] int32, non-negative for the NVALID real entries, -1 for padding).
         Returns (th, cnt): th the accepted prefix (its lower digits zero) and cnt = #(eb >= th), with cnt == NSEL when
-        the search stopped early (then the selection is exactly ``eb >= th``: the NSEL highest scores), else after the
-        last digit th = T, the largest value with #(eb >= T) >= NSEL (as ``_topn_threshold``; the caller breaks the
-        ties at T).
+        the search stopped early (then the selection is exactly ``eb >= th``: the NSEL highest scores), else th = T,
+        the largest value with #(eb >= T) >= NSEL (as ``_topn_threshold``; the caller breaks the ties at T).
 
-        One step per digit: every entry is mapped to one of 256 bins -- its digit when its higher bits equal the
-        accepted prefix, 255 when they are above it (already counted in, as every bin's suffix count includes it),
-        0 when below (and padding) -- one ``tl.histogram``, a reverse cumulative sum S[d] = #(eb >= prefix | d << lo)
-        (exact for d >= 1; d = 0 keeps the prefix, whose count is the previous step's), and the largest d >= 1 with
-        S[d] >= NSEL (else 0). Count and digit travel as one int32 key d << 16 | S[d] (S <= 32768) through a single
-        max reduction. NSEL = 0 stops at the first step (no score has exponent byte 255 unless it is Inf/NaN)."""
-        bins = tl.arange(0, 256)
+        One step per digit (``_radix_step``): every entry is mapped to one of 256 bins -- its digit when its higher
+        bits equal the accepted prefix, 255 when they are above it (already counted in, as every bin's suffix count
+        includes it), 0 when below (and padding) -- one ``tl.histogram``, a reverse cumulative sum S[d] = #(eb >=
+        prefix | d << lo) (exact for d >= 1; d = 0 keeps the prefix, whose count is the previous step's), and the
+        largest d >= 1 with S[d] >= NSEL (else 0). Count and digit travel as one int32 key d << 16 | S[d] (S <= 32768)
+        through a single max reduction. NSEL = 0 stops at the first step (no score has exponent byte 255 unless it is
+        Inf/NaN). After two digits, if the candidates (entries whose bits 30..15 equal the prefix) are all one value v,
+        T = v and the last two digits are skipped (count unchanged; #(> v) < NSEL): with bf16 inputs R**2 repeats, the
+        count at T is rarely exact and this is the usual exit."""
         th = tl.full((), 0, tl.int32)  # a scalar without a reduction
         cnt = th + NVALID
         k = th
+        while (k < 2) & (cnt != NSEL):
+            th, cnt = _radix_step(eb, th, cnt, k, NSEL)
+            k += 1
+        if cnt != NSEL:
+            cand = (eb >> 15) == (th >> 15)
+            vmax = tl.max(tl.where(cand, eb, -1), axis=0)
+            if tl.min(tl.where(cand, eb, 0x7FFFFFFF), axis=0) == vmax:
+                th = vmax
+                k = th * 0 + 4
         while (k < 4) & (cnt != NSEL):
-            lo = tl.maximum(23 - 8 * k, 0)
-            dmask = (1 << (31 - 8 * k - lo)) - 1
-            # th's bits below the prefix are 0: (eb >> lo) - (th >> lo) is the digit when eb's prefix equals th's,
-            # >= 2**(digit width) when above (clamped to 255), < 0 when below or padding (clamped to 0)
-            dig = tl.minimum(tl.maximum((eb >> lo) - (th >> lo), 0), 255)
-            s = tl.cumsum(tl.histogram(dig, 256), axis=0, reverse=True)
-            key = tl.max(tl.where((s >= NSEL) & (bins > 0) & (bins <= dmask), (bins << 16) | s, 0), axis=0)
-            cnt = tl.where(key > 0, key & 0xFFFF, cnt)
-            th = th | ((key >> 16) << lo)
+            th, cnt = _radix_step(eb, th, cnt, k, NSEL)
             k += 1
         return th, cnt
 
