@@ -50,7 +50,7 @@ def test_dense_real_shapes(mode, per_token, name, n, k, m):
     x = _x(m, k)
     q_w = em.quantize_weight(_w((n, k)))
     bias = None
-    xf, _ = em.quantize_activation(x, em.ActQuant(mode, 0.5, per_token))
+    xf, _ = em.quantize_activation(x, em.ActQuant(mode, 0.5, per_token, residual_granularity="block"))
     wf = em.weight_f32(q_w.packed, q_w.block_scale, q_w.global_scale.reshape(()))
     ref = em.gemm(xf, wf, bias, x.dtype)
     y = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, q_w.global_scale.reshape(()), bias, mode,
@@ -66,7 +66,7 @@ def test_dense_mid_table_shapes(mode, per_token, n, m):
     next bucket's entry) by the default dispatch, against the torch reference."""
     x = _x(m, n)
     q_w = em.quantize_weight(_w((n, n)))
-    xf, _ = em.quantize_activation(x, em.ActQuant(mode, 0.5, per_token))
+    xf, _ = em.quantize_activation(x, em.ActQuant(mode, 0.5, per_token, residual_granularity="block"))
     wf = em.weight_f32(q_w.packed, q_w.block_scale, q_w.global_scale.reshape(()))
     y = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, q_w.global_scale.reshape(()), None, mode,
                         residual_per_token=per_token)
@@ -93,7 +93,7 @@ def test_grouped_experts_real_shapes(mode, per_token, gemm, tokens):
         x = _x(s, k)
         rows_of = lambda slots: slots  # noqa: E731
     op, _ = tg.quantize_activation(x, mode, residual_per_token=per_token)
-    xf, _ = em.quantize_activation(x, em.ActQuant(mode, 0.5, per_token))
+    xf, _ = em.quantize_activation(x, em.ActQuant(mode, 0.5, per_token, residual_granularity="block"))
     routing = tg.moe_align(ids, e, tg.grouped_block_m(-(-s // min(e, s))))
     y = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing,
                       a_rows=rows_of(routing.sorted_slots), out_rows=s)
@@ -240,7 +240,7 @@ def _moe_reference(x, sw, ids, q13, q2, mode, per_token):
     verl_quads/rollout/moe.py, which imports vLLM and so cannot run here), per expert, float32 GEMMs."""
     t, hidden = x.shape
     k = ids.shape[1]
-    act = em.ActQuant(mode, 0.5, per_token)
+    act = em.ActQuant(mode, 0.5, per_token, residual_granularity="block")
     xf, _ = em.quantize_activation(x, act)
     inter = q2[0].shape[-1] * 2
     a_all = torch.zeros(t, k, inter, dtype=x.dtype, device=x.device)

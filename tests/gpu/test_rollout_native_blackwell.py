@@ -27,8 +27,10 @@ from verl_quads.rollout.emulation import ActQuant
 
 DEV = "cuda"
 U = 2.0**-8
-MODES = [ActQuant("naive"), ActQuant("trace"), ActQuant("quads", 0.5), ActQuant("quads", 0.25, residual_per_token=False)]
-MODE_IDS = ["naive", "trace", "quads0.5", "quads0.25_per_call"]
+# quads: ActQuant's default rule (per-token channels), the per-token block rule, per-call blocks
+MODES = [ActQuant("naive"), ActQuant("trace"), ActQuant("quads", 0.5), ActQuant("quads", 0.5, residual_granularity="block"),
+         ActQuant("quads", 0.25, residual_per_token=False, residual_granularity="block")]
+MODE_IDS = ["naive", "trace", "quads0.5_channel", "quads0.5_block", "quads0.25_per_call_block"]
 
 
 def _blackwell_reason():
@@ -87,7 +89,8 @@ def _reference_and_bound(x, layer, act):
     ref = em.gemm(xf, wf, None, x.dtype)
     gs = nvfp4.per_row_global_scale(x)
     if act.mode == "quads":
-        r = nvfp4.residual_quantize(x, act.residual_ratio, gs, per_token=act.residual_per_token, backend="torch")
+        r = nvfp4.residual_quantize(x, act.residual_ratio, gs, per_token=act.residual_per_token, backend="torch",
+                                    granularity=act.residual_granularity)
         first = nvfp4.dequantize(r.first, torch.float32, backend="torch")
         xa = first.abs() + (r.dequantize(torch.float32) - first).abs() * 1.001
     else:
@@ -122,7 +125,8 @@ def test_vllm_cutlass_fp4_mm_contract_on_blackwell(m):
 def test_native_linear_within_double_rounding_bound_on_blackwell(act, m):
     x, layer = _x(m, 2048), _layer(_w(4096, 2048))
     ref, bound = _reference_and_bound(x, layer, act)
-    passes, _ = native.activation_passes(x, act.mode, act.residual_ratio, act.residual_per_token)
+    passes, _ = native.activation_passes(x, act.mode, act.residual_ratio, act.residual_per_token,
+                                         residual_granularity=act.residual_granularity)
     got = native.gemm_passes(passes, layer.weight_packed, layer.weight_scale_swizzled, layer.weight_alpha, None,
                              x.dtype)
     err = (got.float() - ref.float()).abs()
@@ -156,10 +160,12 @@ def test_native_activation_path_on_cuda_with_mocked_fp4_gemm(act, monkeypatch):
     torch core's codes, and with the FP4 GEMM mocked the output is within the bound."""
     monkeypatch.setattr(native, "_fp4_mm", lambda: _mocked_fp4_mm)
     x, layer = _x(37, 2048), _layer(_w(1024, 2048))
-    passes, rec = native.activation_passes(x, act.mode, act.residual_ratio, act.residual_per_token, capture=True)
+    passes, rec = native.activation_passes(x, act.mode, act.residual_ratio, act.residual_per_token, capture=True,
+                                           residual_granularity=act.residual_granularity)
     gs = nvfp4.per_row_global_scale(x)
     if act.mode == "quads":
-        r = nvfp4.residual_quantize(x, act.residual_ratio, gs, per_token=act.residual_per_token, backend="torch")
+        r = nvfp4.residual_quantize(x, act.residual_ratio, gs, per_token=act.residual_per_token, backend="torch",
+                                    granularity=act.residual_granularity)
         assert torch.equal(passes[0][0], r.first.packed) and len(passes) == 2
     else:
         q = nvfp4.quantize(x, gs, backend="torch")

@@ -140,7 +140,7 @@ def test_emulator_padding_rows_do_not_change_per_call_quads_of_valid_rows(tiny):
     am[1, :3] = 0  # sequence 1 is left-padded by 3
     pos = (am.cumsum(-1) - 1).clamp_min(0)
     rows = (torch.where(am.bool(), torch.arange(2).unsqueeze(1), -1).flatten(), torch.where(am.bool(), pos, -1).flatten())
-    emu = RolloutEmulator(m, RolloutSpec(True, "quads", 0.25, residual_per_token=False))
+    emu = RolloutEmulator(m, RolloutSpec(True, "quads", 0.25, residual_per_token=False, residual_granularity="block"))
     outs = {}
     with torch.no_grad(), emu.installed():
         for pad in (0, 1):
@@ -151,3 +151,24 @@ def test_emulator_padding_rows_do_not_change_per_call_quads_of_valid_rows(tiny):
                 outs[pad, with_rows] = m(input_ids=x, attention_mask=am, position_ids=pos).logits[am.bool()]
     assert torch.equal(outs[0, True], outs[1, True])
     assert not torch.equal(outs[0, False], outs[1, False])
+
+
+def test_probe_quads_modes_follow_the_product_default_and_name_the_other_rules():
+    """quads@R is QuantConfig's default rule (per-token channels); :block / :call name the block rules; the old
+    ':token' (per-token blocks until session 5) and duplicate names are refused instead of silently re-ruled."""
+    from verl_quads.config import QuantConfig
+    from verl_quads.diagnostics.probe import parse_mode, run_probe
+
+    rule = lambda m: (m.name, m.cfg.residual_ratio, m.cfg.residual_per_token, m.cfg.residual_granularity)  # noqa: E731
+    assert QuantConfig("quads").residual_granularity == "channel"
+    assert rule(parse_mode("quads@0.25")) == ("quads@0.25", 0.25, True, "channel")
+    assert rule(parse_mode("quads")) == ("quads@0.5", 0.5, True, "channel")
+    assert rule(parse_mode("quads@0.25:channel")) == ("quads@0.25", 0.25, True, "channel")
+    assert rule(parse_mode("quads@0.25:block")) == ("quads@0.25:block", 0.25, True, "block")
+    assert rule(parse_mode("quads@0.25:call")) == ("quads@0.25:call", 0.25, False, "block")
+    with pytest.raises(ValueError, match=r"':token' \(per-token 16-channel blocks until session 5\).*quads@R:block"):
+        parse_mode("quads@0.5:token")
+    with pytest.raises(ValueError, match=r"bad QUADS selection in 'quads@0.5:row'"):
+        parse_mode("quads@0.5:row")
+    with pytest.raises(ValueError, match=r"name the same mode more than once: \['quads@0.5'\]"):
+        run_probe("/nonexistent", modes=["quads@0.5", "quads@0.5:channel"])

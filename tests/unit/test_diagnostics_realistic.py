@@ -27,7 +27,7 @@ def test_realistic_toy(tmp_path):
 def _run_toy(tmp_path, main, AutoTokenizer):
     rep = main(["--toy", "--seconds", "1", "--modes", "bf16,naive", "--guided-sweep", "1,2",
                 "--rule-ratios", "0.5", "--bos", "--weight-decay-on", "matrices",
-                "--extra-modes", "quads@0.5", "--channel-ratios", "0.5", "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt")])
+                "--extra-modes", "quads@0.5", "--block-ratios", "0.5", "--out", str(tmp_path), "--ckpt", str(tmp_path / "ckpt")])
     data = json.loads((tmp_path / "realistic.json").read_text())
     prov = data["provenance"]
     assert data["training"]["steps"] >= 1 and prov["n_files"] > 0 and prov["train_tokens"] > 1000
@@ -43,9 +43,11 @@ def _run_toy(tmp_path, main, AutoTokenizer):
     for v in data["outliers_trained"].values():
         assert v["kurtosis"] > 0 and v["max_over_median"] >= 1.0
     pm = data["probe"]["per_mode"]
-    # --channel-ratios 0.5 appends the channel rule's mode to the main probe (with its decomposition)
-    assert list(pm) == ["bf16", "naive", "quads@0.5:channel"] and all(pm[m]["total"]["logp_gap_p99"]["n"] == 3 for m in pm)
-    assert "activations_only" in pm["quads@0.5:channel"]["decomposition"]
+    # --block-ratios 0.5 appends the block rule's mode to the main probe (with its decomposition)
+    assert list(pm) == ["bf16", "naive", "quads@0.5:block"] and all(pm[m]["total"]["logp_gap_p99"]["n"] == 3 for m in pm)
+    assert "activations_only" in pm["quads@0.5:block"]["decomposition"]
+    assert data["probe"]["quads_rules"] == {"quads@0.5:block": {"residual_ratio": 0.5, "residual_per_token": True,
+                                                                "residual_granularity": "block"}}
     assert "hf" in data["probe"]["engine"]
     sweep = data["trace_sweep"]
     assert [sweep[k]["guided_layers"] for k in sorted(sweep)] == [1, 2]
@@ -57,7 +59,26 @@ def _run_toy(tmp_path, main, AutoTokenizer):
     px = data["probe_extra"]["per_mode"]
     assert list(px) == ["bf16", "naive", "quads@0.5"] and all("decomposition" not in px[m] or
                                                                set(px[m]["decomposition"]) == {"engine_floor"} for m in px)
+    # plain quads@R is the product default: the per-token channel rule
+    assert data["probe_extra"]["quads_rules"]["quads@0.5"]["residual_granularity"] == "channel"
+    assert "quads@0.5: k=0.5 per token channels" in (tmp_path / "extra" / "probe.txt").read_text()
     assert (tmp_path / "extra" / "probe.txt").exists() and "extra_probe" in data["phase_seconds"]
+
+
+def test_realistic_refuses_the_removed_channel_ratios_flag_and_bad_modes():
+    """--channel-ratios (session 5: appended quads@R:channel) is refused with the new spelling, before any work;
+    a bad --modes entry too (quads@R:token meant per-token BLOCKS until session 5)."""
+    import pytest
+
+    from verl_quads.diagnostics.realistic import main
+
+    with pytest.raises(SystemExit, match=r"--channel-ratios was removed: quads@R is the per-token channel rule.*"
+                                         r"--block-ratios"):
+        main(["--toy", "--seconds", "1", "--channel-ratios", "0.5"])
+    with pytest.raises(SystemExit, match=r"--modes / --block-ratios: .*':token'.*quads@R:block"):
+        main(["--toy", "--seconds", "1", "--modes", "bf16,quads@0.5:token"])
+    with pytest.raises(SystemExit, match=r"--block-ratios must be a comma list"):
+        main(["--toy", "--seconds", "1", "--block-ratios", "half"])
 
 
 def test_weight_decay_groups_and_bos_windows():

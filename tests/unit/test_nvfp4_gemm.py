@@ -56,7 +56,8 @@ def _ulps(y, ref, bound_extra):
 
 
 def _reference(x, q_w, mode, bias=None, ratio=0.5, per_token=False):
-    act = em.ActQuant(mode, ratio, per_token)
+    # triton_gemm's default QUADS rule is the core's 16-channel block rule (the product's default is channels)
+    act = em.ActQuant(mode, ratio, per_token, residual_granularity="block")
     xf, _ = em.quantize_activation(x, act)
     wf = em.weight_f32(q_w.packed, q_w.block_scale, q_w.global_scale.reshape(()))
     ref = em.gemm(xf, wf, bias, x.dtype)
@@ -203,7 +204,7 @@ def test_grouped_matches_per_expert_reference(mode, per_token):
     q_w = em.quantize_weight(w, reduce_dims=(1, 2))
     gs = q_w.global_scale.reshape(-1)
     ids = torch.tensor([[0, 3], [3, 1], [3, -1], [0, 3], [1, 3], [3, 0]], device=DEV)
-    act = em.ActQuant(mode, 0.5, per_token)
+    act = em.ActQuant(mode, 0.5, per_token, residual_granularity="block")  # triton_gemm's default rule: blocks
     xf, _ = em.quantize_activation(x, act)  # one call over all tokens (the experts' shared input)
     op, _ = tg.quantize_activation(x, mode, residual_per_token=per_token)
     routing = tg.moe_align(ids, e, 16)
@@ -245,7 +246,7 @@ def test_grouped_quads_per_expert_selection_and_split_k():
     for ex, cnt in enumerate(sizes):
         if not cnt:
             continue
-        xr, _ = em.quantize_activation(xs[start:start + cnt], em.ActQuant("quads", 0.25, False))
+        xr, _ = em.quantize_activation(xs[start:start + cnt], em.ActQuant("quads", 0.25, False, residual_granularity="block"))
         wf = em.weight_f32(q_w.packed[ex], q_w.block_scale[ex], gs[ex])
         ref = em.gemm(xr, wf, None, xs.dtype)
         bound = 4 * k * torch.finfo(torch.float32).eps * (xr.abs() @ wf.abs().t())

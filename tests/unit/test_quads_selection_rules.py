@@ -1,5 +1,6 @@
-"""QUADS selection-rule experiment support: probe modes quads@R:call / :token and the per-GEMM
-rule comparison of verl_quads.diagnostics.realistic (tiny random Qwen3-MoE on CPU)."""
+"""QUADS selection-rule experiment support: probe modes quads@R (the product default: per-token channels),
+quads@R:block / :call, and the per-GEMM rule comparison of verl_quads.diagnostics.realistic (tiny random
+Qwen3-MoE on CPU)."""
 
 from __future__ import annotations
 
@@ -13,31 +14,39 @@ def test_probe_mode_selects_per_token_by_default_and_per_call_on_request():
     tok, call = parse_mode("quads@0.5"), parse_mode("quads@0.25:call")
     assert tok.name == "quads@0.5" and tok.cfg.residual_per_token is True
     assert call.name == "quads@0.25:call" and call.cfg.residual_per_token is False and call.cfg.residual_ratio == 0.25
-    assert parse_mode("quads@0.5:token").cfg.residual_per_token is True
+    assert call.cfg.residual_granularity == "block"  # per-call selection is defined for blocks only
+    with pytest.raises(ValueError, match="':token'"):  # per-token BLOCKS until session 5: refused, not re-ruled
+        parse_mode("quads@0.5:token")
     with pytest.raises(ValueError, match="selection"):
         parse_mode("quads@0.5:row")
 
 
 def test_probe_mode_channel_rule_and_its_emulator_backend():
-    """quads@R:channel: per-token channel granularity; the HF emulator quantizes every mode with the auto backend
-    (the channel rule has its Triton kernel, bit-exact with the torch reference)."""
+    """quads@R is the per-token channel rule (QuantConfig's default), quads@R:block the per-token block rule; the
+    HF emulator quantizes every mode with the auto backend (the channel rule has its Triton kernel, bit-exact with
+    the torch reference)."""
+    from verl_quads.config import QuantConfig
     from verl_quads.diagnostics.hf_rollout import RolloutSpec
     from verl_quads.diagnostics.probe import parse_mode
 
-    ch = parse_mode("quads@0.25:channel")
-    assert ch.name == "quads@0.25:channel" and ch.cfg.residual_granularity == "channel"
+    ch = parse_mode("quads@0.25")
+    assert ch.name == "quads@0.25" and ch.cfg.residual_granularity == "channel" == QuantConfig().residual_granularity
     assert ch.cfg.residual_per_token is True and ch.cfg.residual_ratio == 0.25
-    assert parse_mode("quads@0.25").cfg.residual_granularity == "block"
+    assert parse_mode("quads@0.25:channel") == ch
+    blk = parse_mode("quads@0.25:block")
+    assert blk.name == "quads@0.25:block" and blk.cfg.residual_granularity == "block" and blk.cfg.residual_per_token
     spec = RolloutSpec.for_rollout_mode(ch.cfg)
     assert spec.residual_granularity == "channel" and spec.act_backend == "auto"
-    assert RolloutSpec.for_rollout_mode(parse_mode("quads@0.25").cfg).act_backend == "auto"
+    assert RolloutSpec.for_rollout_mode(blk.cfg).residual_granularity == "block"
+    assert RolloutSpec(True, "quads").residual_granularity == "channel"
     assert RolloutSpec.for_rollout_mode(parse_mode("naive").cfg).act_backend == "auto"
-    with pytest.raises(ValueError, match="per token only"):
-        RolloutSpec(True, "quads", 0.5, False, residual_granularity="channel")
+    for kw in ({"residual_granularity": "channel"}, {}):
+        with pytest.raises(ValueError, match="blocks only"):
+            RolloutSpec(True, "quads", 0.5, False, **kw)
 
 
 def test_emulator_channel_mode_uses_the_cores_channel_rule():
-    """A quads@0.5:channel emulated GEMM input == the NVFP4 core's channel-rule QDQ (torch reference), and differs
+    """A quads@0.5 (channel rule) emulated GEMM input == the NVFP4 core's channel-rule QDQ (torch reference), and differs
     from the block rule's (tiny random Qwen3-MoE, one forward)."""
     from verl_quads.diagnostics.hf_rollout import RolloutEmulator, RolloutSpec
     from verl_quads.diagnostics.realistic import build_model

@@ -52,7 +52,12 @@ def test_args_from_dict_env_and_default(monkeypatch):
         ({"quant": "quads", "residual_granularity": "row"},
          r"actor_rollout_ref\.actor\.quant_config\.residual_granularity='row': allowed: block, channel"),
         ({"quant": "quads", "residual_granularity": "channel", "residual_per_token": False},
-         r"residual_granularity='channel' selects channels per token: it needs residual_per_token=true"),
+         r"residual_per_token=false selects once per GEMM call, which is defined for 16-channel blocks only.*set "
+         r"actor_rollout_ref\.actor\.quant_config\.residual_granularity=block"),
+        # per-call selection with the DEFAULT granularity (channel): an error naming the key to set, no silent switch
+        ({"quant": "quads", "residual_per_token": False},
+         r"residual_granularity='channel' \(the default\).*set actor_rollout_ref\.actor\.quant_config\."
+         r"residual_granularity=block for per-call selection"),
     ],
 )
 def test_bad_args_fail_clearly(args, match):
@@ -84,15 +89,22 @@ def test_native_refuses_quads_bf16_combine_mocked_blackwell(monkeypatch):
 
 
 def test_residual_granularity_reaches_each_layers_activation_quant(monkeypatch):
-    """quant_config.residual_granularity: default block; channel is handed to every layer's ActQuant (torch backend)."""
-    assert QuadsNVFP4Config.from_config({"quant": "quads"}).activation_quant("model.layers.0.mlp.down_proj")[0] \
-        .residual_granularity == "block"
-    cfg = QuadsNVFP4Config.from_config({"quant": "quads", "residual_granularity": "channel", "residual_ratio": 0.25})
+    """quant_config.residual_granularity: default channel (per token), also with no config at all; block (and
+    per-call block selection) is handed to every layer's ActQuant when set (torch backend)."""
+    act = QuadsNVFP4Config.from_config({"quant": "quads"}).activation_quant("model.layers.0.mlp.down_proj")[0]
+    assert (act.residual_granularity, act.residual_per_token) == ("channel", True)
+    assert QuadsNVFP4Config().quant_config.residual_granularity == "channel"  # no env var: {"quant": "quads"}
+    cfg = QuadsNVFP4Config.from_config({"quant": "quads", "residual_granularity": "block", "residual_ratio": 0.25})
     assert cfg.backend == "torch"
     act, idx, gemm = cfg.activation_quant("model.layers.1.self_attn.qkv_proj")
-    assert (act.mode, act.residual_granularity, act.residual_ratio, idx) == ("quads", "channel", 0.25, 1)
-    monkeypatch.setenv(ENV_VAR, json.dumps({"quant": "quads", "residual_granularity": "channel"}))
-    assert QuadsNVFP4Config().quant_config.residual_granularity == "channel"
+    assert (act.mode, act.residual_granularity, act.residual_ratio, idx) == ("quads", "block", 0.25, 1)
+    cfg = QuadsNVFP4Config.from_config({"quant": "quads", "residual_granularity": "block", "residual_per_token": False})
+    act = cfg.activation_quant("model.layers.1.self_attn.qkv_proj")[0]
+    assert (act.residual_granularity, act.residual_per_token) == ("block", False)
+    monkeypatch.setenv(ENV_VAR, json.dumps({"quant": "quads", "residual_granularity": "block"}))
+    assert QuadsNVFP4Config().quant_config.residual_granularity == "block"
+    # outside quads the option is not read: per-call with the default granularity is not an error there
+    assert quant_config_from_args({"quant": "naive", "residual_per_token": False}).rollout_mode == "naive"
 
 
 @pytest.mark.parametrize("backend", ["triton", "native"])
@@ -148,18 +160,55 @@ def test_linear_and_moe_methods_channel_granularity_torch_backend_and_refusals()
     w = em.weight_f32(layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
     want = (op.dequantize(torch.float32) @ w.t()).to(torch.bfloat16).reshape(2, 5, 48)
     assert torch.equal(y, want)
-    y_blk = QuadsNVFP4LinearMethod(ActQuant("quads", 0.25, True), "torch").apply(layer, x, None)
+    assert torch.equal(QuadsNVFP4LinearMethod(ActQuant("quads", 0.25), "torch").apply(layer, x, None), y)  # default
+    y_blk = QuadsNVFP4LinearMethod(ActQuant("quads", 0.25, True, residual_granularity="block"), "torch").apply(
+        layer, x, None)
     assert not torch.equal(y, y_blk)
     ref = x.float() @ w.t()
     assert (y.float() - ref).norm() < (y_blk.float() - ref).norm()  # this input: the channel rule is closer
-    with pytest.raises(ValueError, match="per token only"):
-        ActQuant("quads", 0.5, False, residual_granularity="channel")
+    for kw in ({"residual_granularity": "channel"}, {}):  # explicit, and the default granularity
+        with pytest.raises(ValueError, match=r"residual_per_token=False.*blocks only.*pass residual_granularity='block'"):
+            ActQuant("quads", 0.5, False, **kw)
+    assert ActQuant("quads", 0.5, False, residual_granularity="block").residual_per_token is False
+    ActQuant("naive", 0.5, False)  # the granularity is read in quads only
     with pytest.raises(ValueError, match=r"residual_granularity.*must be one of \('block', 'channel'\), got 'row'"):
         ActQuant("quads", residual_granularity="row")
     QuadsNVFP4LinearMethod(chan, "native")
     QuadsNVFP4LinearMethod(chan, "triton")
     QuadsNVFP4MoEMethod(types.SimpleNamespace(has_bias=False, activation=None), chan, "triton")
     QuadsNVFP4LinearMethod(ActQuant("naive", residual_granularity="channel"), "triton")  # read in quads only
+
+
+def test_channel_rule_row_limit_is_refused_at_layer_creation_on_triton_and_native():
+    """The channel rule's Triton kernel holds a row on chip (CHANNEL_CONFIG['max_k'] channels): on the triton / native
+    backends a GEMM input longer than that fails when vLLM creates the layer (engine start), naming the layer, K and
+    the key to set; the block rule, the torch backend and K == max_k are accepted. (No GPU needed: create_weights
+    only allocates the BF16 weight; the limit is read from the kernel module itself.)"""
+    import types
+
+    from verl_quads.nvfp4 import triton_channel
+    from verl_quads.rollout.emulation import ActQuant
+    from verl_quads.rollout.linear import QuadsNVFP4LinearMethod
+    from verl_quads.rollout.moe import QuadsNVFP4MoEMethod
+
+    max_k = triton_channel.CHANNEL_CONFIG["max_k"]
+    chan, blk = ActQuant("quads", 0.5), ActQuant("quads", 0.5, residual_granularity="block")
+    assert chan.residual_granularity == "channel"
+    for backend in ("triton", "native"):
+        layer = torch.nn.Module()
+        layer.prefix = "model.layers.0.mlp.down_proj"
+        with pytest.raises(ValueError, match=rf"model\.layers\.0\.mlp\.down_proj: GEMM input of K = {max_k + 16} "
+                           rf"channels.*backend '{backend}'.*max_k'\] = {max_k}.*residual_granularity=block"):
+            QuadsNVFP4LinearMethod(chan, backend).create_weights(layer, max_k + 16, [16], max_k + 16, 16, torch.bfloat16)
+    for act, backend, k in ((blk, "triton", max_k + 16), (chan, "torch", max_k + 16), (chan, "triton", max_k)):
+        layer = torch.nn.Module()
+        QuadsNVFP4LinearMethod(act, backend).create_weights(layer, k, [16], k, 16, torch.bfloat16)
+        assert layer.weight.shape == (16, k)
+    moe_cfg = types.SimpleNamespace(has_bias=False, activation=None)
+    layer = torch.nn.Module()
+    with pytest.raises(ValueError, match=rf"experts w2: GEMM input of K = {max_k + 16} channels"):
+        QuadsNVFP4MoEMethod(moe_cfg, chan, "triton").create_weights(layer, 1, 64, max_k + 16, torch.bfloat16)
+    QuadsNVFP4MoEMethod(moe_cfg, blk, "triton").create_weights(torch.nn.Module(), 1, 64, max_k + 16, torch.bfloat16)
 
 
 def test_bad_env_json_fails_clearly(monkeypatch):

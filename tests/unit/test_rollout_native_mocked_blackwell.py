@@ -142,9 +142,10 @@ def _passes_abs(x, act):
 
 
 @pytest.mark.parametrize("act", [ActQuant("naive"), ActQuant("trace"), ActQuant("quads", 0.5),
-                                 ActQuant("quads", 0.25, residual_per_token=False), ActQuant("quads", 1.0),
-                                 ActQuant("quads", 0.5, residual_granularity="channel")],
-                         ids=["naive", "trace", "quads0.5", "quads0.25_per_call", "quads1.0", "quads0.5_channel"])
+                                 ActQuant("quads", 0.25, residual_per_token=False, residual_granularity="block"),
+                                 ActQuant("quads", 1.0), ActQuant("quads", 0.5, residual_granularity="block")],
+                         ids=["naive", "trace", "quads0.5_channel_default", "quads0.25_per_call_block", "quads1.0",
+                              "quads0.5_block"])
 def test_native_w4a4_within_the_double_rounding_bound_of_torch_backend(act):
     """|native - torch| <= u|y_torch| + (2u + K 2^-23) A (native.py docstring); and mostly equal."""
     x, w, bias = _data()

@@ -58,11 +58,15 @@ def _close(y, ref, what):
     assert rel <= 2 ** -7 and equal >= 0.95, (what, rel, equal)
 
 
-@pytest.mark.parametrize("mode, per_token, combine", [
-    ("w4a16", False, "fp4x2"), ("naive", False, "fp4x2"), ("quads", False, "fp4x2"), ("quads", True, "fp4x2"),
-    ("trace", False, "fp4x2"), ("quads", True, "bf16"), ("quads", False, "bf16"),
+#: QUADS selection unit per case: None = ActQuant's default (the per-token channel rule); per-call cases need
+#: "block" (per-call selection is defined for blocks only); ("quads", True, ..., "block") keeps the per-token
+#: block rule tested through the product path.
+@pytest.mark.parametrize("mode, per_token, combine, gran", [
+    ("w4a16", False, "fp4x2", None), ("naive", False, "fp4x2", None), ("quads", False, "fp4x2", "block"),
+    ("quads", True, "fp4x2", None), ("quads", True, "fp4x2", "block"),
+    ("trace", False, "fp4x2", None), ("quads", True, "bf16", None), ("quads", False, "bf16", "block"),
 ])
-def test_linear_apply_triton_equals_torch(monkeypatch, mode, per_token, combine):
+def test_linear_apply_triton_equals_torch(monkeypatch, mode, per_token, combine, gran):
     layer = _linear_layer()
     x = torch.randn(2, 3, 96, dtype=torch.bfloat16)  # [batch, seq, K]: apply flattens the leading dims
     x[..., 7] *= 20
@@ -71,11 +75,13 @@ def test_linear_apply_triton_equals_torch(monkeypatch, mode, per_token, combine)
     for backend in ("torch", "triton"):
         store = _Store()
         monkeypatch.setattr(capture_mod, "get_store", lambda: store)
-        m = QuadsNVFP4LinearMethod(ActQuant(mode, 0.5, per_token, capture=mode == "trace", residual_combine=combine),
-                                   backend, capture_key=(3, "self_attn.qkv_proj") if mode == "trace" else None)
+        act = ActQuant(mode, 0.5, per_token, capture=mode == "trace", residual_combine=combine,
+                       **({} if gran is None else {"residual_granularity": gran}))
+        assert mode != "quads" or act.residual_granularity == (gran or "channel")
+        m = QuadsNVFP4LinearMethod(act, backend, capture_key=(3, "self_attn.qkv_proj") if mode == "trace" else None)
         outs[backend] = m.apply(layer, x, bias)
         recs[backend] = store.records
-    _close(outs["triton"], outs["torch"], f"linear {mode} per_token={per_token} combine={combine}")
+    _close(outs["triton"], outs["torch"], f"linear {mode} per_token={per_token} combine={combine} granularity={gran}")
     if mode == "trace":
         a, b = recs["torch"][(3, "self_attn.qkv_proj")], recs["triton"][(3, "self_attn.qkv_proj")]
         assert torch.equal(a.bits, b.bits) and torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
@@ -95,12 +101,13 @@ def _moe_layer(n_exp=4, hidden=64, inter=32, seed=0):
     return layer, cfg
 
 
-@pytest.mark.parametrize("mode, per_token, expert_map, combine", [
-    ("w4a16", False, False, "fp4x2"), ("naive", False, True, "fp4x2"), ("quads", False, False, "fp4x2"),
-    ("quads", True, False, "fp4x2"), ("trace", False, False, "fp4x2"), ("quads", True, True, "bf16"),
-    ("quads", False, False, "bf16"),
+@pytest.mark.parametrize("mode, per_token, expert_map, combine, gran", [  # gran: as test_linear_apply_triton_equals_torch
+    ("w4a16", False, False, "fp4x2", None), ("naive", False, True, "fp4x2", None),
+    ("quads", False, False, "fp4x2", "block"), ("quads", True, False, "fp4x2", None),
+    ("quads", True, False, "fp4x2", "block"), ("trace", False, False, "fp4x2", None),
+    ("quads", True, True, "bf16", None), ("quads", False, False, "bf16", "block"),
 ])
-def test_moe_apply_triton_equals_torch(monkeypatch, mode, per_token, expert_map, combine):
+def test_moe_apply_triton_equals_torch(monkeypatch, mode, per_token, expert_map, combine, gran):
     layer, cfg = _moe_layer()
     if expert_map:  # expert parallel: global experts 0..5, this rank holds 4 of them, 1 and 4 elsewhere
         layer.expert_map = torch.tensor([0, -1, 1, 2, -1, 3])
@@ -115,11 +122,13 @@ def test_moe_apply_triton_equals_torch(monkeypatch, mode, per_token, expert_map,
     for backend in ("torch", "triton"):
         store = _Store()
         monkeypatch.setattr(capture_mod, "get_store", lambda: store)
-        m = QuadsNVFP4MoEMethod(cfg, ActQuant(mode, 0.5, per_token, capture=mode == "trace", residual_combine=combine),
-                                backend, capture_layer=5 if mode == "trace" else None)
+        act = ActQuant(mode, 0.5, per_token, capture=mode == "trace", residual_combine=combine,
+                       **({} if gran is None else {"residual_granularity": gran}))
+        m = QuadsNVFP4MoEMethod(cfg, act, backend, capture_layer=5 if mode == "trace" else None)
         outs[backend] = m.apply(layer, x, tw, ids, None, None)
         recs[backend] = store.records
-    _close(outs["triton"], outs["torch"], f"moe {mode} per_token={per_token} expert_map={expert_map} combine={combine}")
+    _close(outs["triton"], outs["torch"],
+           f"moe {mode} per_token={per_token} expert_map={expert_map} combine={combine} granularity={gran}")
     assert set(recs["triton"]) == set(recs["torch"])
     for key in recs["torch"]:
         a, b = recs["torch"][key], recs["triton"][key]
@@ -188,9 +197,11 @@ def test_quads_bf16_operand_is_the_cores_residual_fake_quantize(per_token, dtype
                                      residual_combine="bf16")
     assert rec is None and op.mode == "w4a16" and op.first is None and op.second_packed is None
     assert torch.equal(op.values, want)
-    xf, _ = em.quantize_activation(x, ActQuant("quads", 0.5, per_token, residual_combine="bf16"))
+    # the block rule through the plugin's ActQuant (the core and triton_gemm default to blocks; the product to channels)
+    xf, _ = em.quantize_activation(x, ActQuant("quads", 0.5, per_token, residual_combine="bf16",
+                                               residual_granularity="block"))
     assert xf.dtype == torch.float32 and torch.equal(xf, want.float())
-    fp4x2, _ = em.quantize_activation(x, ActQuant("quads", 0.5, per_token))
+    fp4x2, _ = em.quantize_activation(x, ActQuant("quads", 0.5, per_token, residual_granularity="block"))
     assert torch.equal(fp4x2, f32)  # the default operand is unchanged (never rounded)
     layer = _linear_layer()
     w = (layer.weight_packed, layer.weight_scale, layer.weight_global_scale)

@@ -94,6 +94,22 @@ def test_conflicting_rollout_quantization_fails_naming_both_keys(overrides, mess
     assert isinstance(ei.value.__cause__, ValueError)
 
 
+def test_quads_selection_rule_default_and_per_call_through_the_verl_config():
+    """verl's composed config: quant=quads alone hands vLLM the per-token channel rule (QuantConfig's default);
+    quant_config.residual_per_token=false alone fails at instantiation naming residual_granularity=block (no silent
+    switch of rule); with residual_granularity=block it configures per-call block selection."""
+    qc = _rollout("actor_rollout_ref.actor.quant=quads").engine_kwargs["vllm"]["hf_overrides"]["quantization_config"]
+    assert (qc["residual_granularity"], qc["residual_per_token"]) == ("channel", True)
+    with pytest.raises(InstantiationException, match=r"residual_per_token=false.*set actor_rollout_ref\.actor\."
+                                                     r"quant_config\.residual_granularity=block") as ei:
+        _rollout("actor_rollout_ref.actor.quant=quads", "actor_rollout_ref.actor.quant_config.residual_per_token=false")
+    assert isinstance(ei.value.__cause__, ValueError)
+    qc = _rollout("actor_rollout_ref.actor.quant=quads", "actor_rollout_ref.actor.quant_config.residual_per_token=false",
+                  "actor_rollout_ref.actor.quant_config.residual_granularity=block"
+                  ).engine_kwargs["vllm"]["hf_overrides"]["quantization_config"]
+    assert (qc["residual_granularity"], qc["residual_per_token"]) == ("block", False)
+
+
 def test_test_only_env_var_forces_a_mismatched_engine(monkeypatch):
     from verl_quads.integration.verl_config import TEST_FORCE_ROLLOUT_QUANT_ENV
 

@@ -50,7 +50,8 @@ class RolloutSpec:
         weights: NVFP4 weights (else the checkpoint's BF16 weights, upcast exactly).
         act: activation handling: ``none`` (BF16), ``naive`` (RTN NVFP4), ``quads`` (NVFP4 +
             residual compensation), ``trace`` (naive + guidance capture in the guided layers).
-        residual_ratio / residual_per_token / residual_granularity: QUADS options.
+        residual_ratio / residual_per_token / residual_granularity: QUADS options (defaults as
+            :class:`verl_quads.config.QuantConfig`: per token, the channel rule).
         guided_layers: trace: the last N decoder layers capture guidance.
     """
 
@@ -59,7 +60,7 @@ class RolloutSpec:
     residual_ratio: float = 0.5
     residual_per_token: bool = True
     guided_layers: int = 20
-    residual_granularity: str = "block"
+    residual_granularity: str = "channel"
 
     def __post_init__(self) -> None:
         if self.act not in ACT_MODES:

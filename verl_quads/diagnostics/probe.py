@@ -62,32 +62,41 @@ class Mode:
 
 
 def parse_mode(text: str, *, guided_layers: int = 20) -> Mode:
-    """``bf16``/``none``, ``naive``, ``w4a16``, ``w4a4_qat``, ``trace``, ``quads`` or ``quads@<ratio>``,
-    optionally ``quads@<ratio>:call`` (per-call residual selection) / ``:token`` (per token, the default) /
-    ``:channel`` (per token, single channels instead of 16-blocks: ``residual_granularity="channel"``)."""
+    """``bf16``/``none``, ``naive``, ``w4a16``, ``w4a4_qat``, ``trace``, ``quads`` or ``quads@<ratio>``.
+
+    ``quads@<ratio>`` is the product default (:class:`verl_quads.config.QuantConfig`: per token, the channel
+    rule, ``residual_granularity="channel"``); a suffix names another rule: ``:block`` (per token, 16-channel
+    blocks: ``residual_granularity="block"``), ``:call`` (per-call selection, 16-channel blocks:
+    ``residual_per_token=False, residual_granularity="block"``), ``:channel`` (the default rule spelled out;
+    displayed without suffix). ``:token`` (per-token blocks until session 5) is refused."""
     t = text.strip()
     if t in ("bf16", "none"):
         return Mode("bf16", QuantConfig("none"))
     if t.startswith("quads"):
-        ratio, sel = 0.5, "token"
-        if ":" in t:  # quads@R:call selects the residual blocks once per GEMM call (default: per token)
+        ratio, sel = 0.5, "channel"
+        if ":" in t:
             t, sel = t.split(":", 1)
-            if sel not in ("token", "call", "channel"):
-                raise ValueError(f"probe: bad QUADS selection in {text!r} (want quads@0.5:token, quads@0.5:call or "
-                                 "quads@0.5:channel)")
+            if sel == "token":  # meant per-token BLOCKS until session 5: refused rather than silently re-ruled
+                raise ValueError(f"probe: {text!r}: ':token' (per-token 16-channel blocks until session 5) is gone since "
+                                 "the channel rule became the default: write quads@R:block for the block rule, quads@R "
+                                 "for the channel rule")
+            if sel not in ("channel", "block", "call"):
+                raise ValueError(f"probe: bad QUADS selection in {text!r} (want quads@0.5 (channel rule, the default), "
+                                 "quads@0.5:block or quads@0.5:call)")
         if "@" in t:
             try:
                 ratio = float(t.split("@", 1)[1])
             except ValueError as e:
                 raise ValueError(f"probe: bad QUADS ratio in {text!r} (want quads@0.5)") from e
-        name = f"quads@{ratio:g}" + (f":{sel}" if sel != "token" else "")
+        name = f"quads@{ratio:g}" + (f":{sel}" if sel != "channel" else "")
         return Mode(name, QuantConfig("quads", residual_ratio=ratio, residual_per_token=sel != "call",
                                       residual_granularity="channel" if sel == "channel" else "block"))
     if t == "trace":
         return Mode("trace", QuantConfig("trace", guided_layers=guided_layers))
     if t in ("naive", "w4a16", "w4a4_qat"):
         return Mode(t, QuantConfig(t))
-    raise ValueError(f"probe: unknown mode {text!r}; allowed: bf16, naive, w4a16, w4a4_qat, quads[@ratio][:call|:token|:channel], trace")
+    raise ValueError(f"probe: unknown mode {text!r}; allowed: bf16, naive, w4a16, w4a4_qat, "
+                     "quads[@ratio][:block|:call], trace")
 
 
 @dataclass
@@ -439,6 +448,8 @@ class ProbeResult:
     per_mode: dict = field(default_factory=dict)  # mode -> {"total": summary, "decomposition": {...}, "layers": ..., "runs": [...]}
     gaps: dict = field(default_factory=dict)  # mode -> list of |gap| values (all batches), for the plot
     notes: list[str] = field(default_factory=list)
+    #: QUADS modes -> their selection rule: {"residual_ratio", "residual_per_token", "residual_granularity"}
+    quads_rules: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = dict(self.__dict__)
@@ -473,12 +484,19 @@ def run_probe(
     from transformers import AutoTokenizer
 
     mode_objs = [parse_mode(m, guided_layers=guided_layers) for m in modes]
+    names = [m.name for m in mode_objs]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:  # e.g. quads@0.5 and quads@0.5:channel name the same mode
+        raise ValueError(f"probe: modes {list(modes)} name the same mode more than once: {dup}")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompt_ids = [tok(p).input_ids for p in prompts]
     eng = make_engine(engine, model_dir, device)
     trainer = load_hf(model_dir, "sdpa", device)
     emu_model = load_hf(model_dir, "sdpa", device) if decompose else None
     res = ProbeResult(eng.name, str(model_dir), [m.name for m in mode_objs], list(seeds), len(prompts), max_new_tokens)
+    res.quads_rules = {m.name: {k: getattr(m.cfg, k) for k in ("residual_ratio", "residual_per_token",
+                                                              "residual_granularity")}
+                       for m in mode_objs if m.cfg.quant == "quads"}
     if isinstance(eng, HFEngine):
         res.notes.append("vLLM is not installed (or engine=hf): the rollout is verl-quads' own rollout arithmetic "
                          "(verl_quads.diagnostics.hf_rollout) over a Hugging Face model, KV-cached decoding with eager "
@@ -568,7 +586,12 @@ def format_tables(res: ProbeResult) -> str:
     lines = [f"engine: {res.engine}", f"model: {res.model_dir}",
              f"{res.n_prompts} prompts x {res.max_new_tokens} new tokens, seeds {res.seeds} (mean±std over seeds)"]
     lines += [f"NOTE: {n}" for n in res.notes]
-    w = max([12] + [len(n) for n in res.per_mode])  # mode column width (e.g. quads@0.125:channel)
+    if res.quads_rules:
+        lines.append("QUADS selection: " + "; ".join(
+            f"{n}: k={r['residual_ratio']:g} {'per token' if r['residual_per_token'] else 'per call'} "
+            f"{'channels' if r['residual_granularity'] == 'channel' else '16-channel blocks'}"
+            for n, r in res.quads_rules.items()))
+    w = max([12] + [len(n) for n in res.per_mode])  # mode column width (e.g. quads@0.125:block)
     hdr = f"{'mode':{w}s} {'max|gap|':>16s} {'p99|gap|':>16s} {'mean|gap|':>16s} {'k3 KL':>16s} {'argmax!=':>16s} {'routing!=':>16s} {'closure p99':>11s}"
     lines += ["", "== total gap (rollout engine vs trainer) ==", hdr]
     for name, e in res.per_mode.items():
@@ -648,7 +671,9 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(prog="verl-quads probe", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="HF checkpoint directory (default: build the tiny random Qwen3-MoE with outlier channels)")
-    p.add_argument("--modes", default=",".join(DEFAULT_MODES), help="comma list: bf16,naive,w4a16,w4a4_qat,quads@R[:call|:channel],trace")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help="comma list: bf16,naive,w4a16,w4a4_qat,quads@R[:block|:call],trace (quads@R: the per-token "
+                        "channel rule, the product default; :block per-token 16-channel blocks; :call per-call blocks)")
     p.add_argument("--prompts", help="file with one prompt per line (default: built-in set)")
     p.add_argument("--seeds", type=int, default=3, help="number of sampled batches (>= 3)")
     p.add_argument("--max-new-tokens", type=int, default=16)

@@ -25,9 +25,9 @@ the probe's rollout is then verl-quads' own rollout arithmetic over the HF model
    per-call vs per-token selection, residual energy vs output-aware score (energy weighted by the
    weight's squared column norms), and per-token 16-blocks vs per-token single channels
    (``residual_granularity="channel"``), as relative GEMM output error (:func:`selection_rule_errors`).
-   End to end, ``--modes ...,quads@0.5,quads@0.5:call`` compares per-token and per-call selection
-   in the probe's log-prob gaps, and ``--channel-ratios 0.125,0.25,0.5`` adds ``quads@R:channel``
-   modes (the channel rule).
+   End to end, the probe's ``quads@R`` modes run the product default (per-token channel rule);
+   ``--block-ratios 0.125,0.25,0.5`` adds ``quads@R:block`` modes (per-token 16-channel blocks, the
+   default before session 6) for the comparison, and ``--modes ...,quads@0.5:call`` per-call selection.
 
 Prints tables and the per-phase seconds; writes ``realistic.json`` (rewritten after every phase) (+ the probe's ``probe.json``/``probe.txt``/``probe.png``) in
 ``--out``. ``--toy`` shrinks everything for a CPU smoke test.
@@ -394,9 +394,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--max-files", type=int, default=20000)
     p.add_argument("--max-file-bytes", type=int, default=20000)
     p.add_argument("--modes", default="bf16,naive,w4a16,w4a4_qat,quads@0.125,quads@0.25,quads@0.5,quads@0.75,quads@1.0,trace")
-    p.add_argument("--channel-ratios", default="",
-                   help="comma list of QUADS ratios R: append quads@R:channel (the per-token channel rule, "
-                        "residual_granularity='channel') to --modes, e.g. 0.125,0.25,0.5 (each is one more probe mode: count it in --probe-reserve-s)")
+    p.add_argument("--block-ratios", default="",
+                   help="comma list of QUADS ratios R: append quads@R:block (the per-token 16-channel block rule, "
+                        "residual_granularity='block'; quads@R itself is the channel rule, the product default) to "
+                        "--modes, e.g. 0.125,0.25,0.5 (each is one more probe mode: count it in --probe-reserve-s)")
+    p.add_argument("--channel-ratios", default=None, help=argparse.SUPPRESS)  # removed in session 6: refused below
     p.add_argument("--extra-modes", default="",
                    help="comma list of modes probed after everything else, without decomposition (bf16 and naive "
                         "are rerun with them as closure anchors)")
@@ -415,18 +417,22 @@ def main(argv: list[str] | None = None) -> dict:
         a.n_prompts, a.prompt_tokens, a.max_new_tokens = 4, 12, 4
     if a.seconds <= 0:
         raise SystemExit(f"--seconds must be > 0, got {a.seconds}")
+    if a.channel_ratios is not None:
+        raise SystemExit("--channel-ratios was removed: quads@R is the per-token channel rule now (the product "
+                         "default); use --block-ratios R,... to add the 16-channel block rule (quads@R:block) for the "
+                         "comparison")
     try:
-        chan = [f"quads@{float(r):g}:channel" for r in a.channel_ratios.split(",") if r.strip()]
+        blk = [f"quads@{float(r):g}:block" for r in a.block_ratios.split(",") if r.strip()]
     except ValueError as e:
-        raise SystemExit(f"--channel-ratios must be a comma list of numbers in [0, 1], got {a.channel_ratios!r}") from e
-    a.modes = ",".join([m for m in a.modes.split(",") if m.strip()] + [m for m in chan if m not in a.modes.split(",")])
+        raise SystemExit(f"--block-ratios must be a comma list of numbers in [0, 1], got {a.block_ratios!r}") from e
+    a.modes = ",".join([m for m in a.modes.split(",") if m.strip()] + [m for m in blk if m not in a.modes.split(",")])
     for m in a.modes.split(","):  # a bad mode fails here, before the text / training phases
         from verl_quads.diagnostics.probe import parse_mode
 
         try:
             parse_mode(m)
         except ValueError as e:
-            raise SystemExit(f"--modes / --channel-ratios: {e}") from e
+            raise SystemExit(f"--modes / --block-ratios: {e}") from e
     if not a.toy and a.seconds + a.probe_reserve_s > a.max_total_s:
         raise SystemExit(
             f"--seconds {a.seconds:g} + --probe-reserve-s {a.probe_reserve_s:g} exceeds --max-total-s {a.max_total_s:g}: "

@@ -24,9 +24,12 @@ reads both FP4 operands and combines them in float32); ``bf16``:
 dtype: relative <= 2**-8 per element for bf16, 2**-11 for fp16, none for float32), upcast to float32
 (exact), i.e. the operand of the ``w4a16`` GEMM that the ``triton`` backend then runs.
 
-QUADS selection unit (``ActQuant.residual_granularity``): ``block`` (default, 16-channel blocks) or
-``channel`` (single channels per token, :mod:`verl_quads.nvfp4.residual`; with ``backend="auto"`` on CUDA
-tensors the core runs its Triton kernel, :mod:`verl_quads.nvfp4.triton_channel`, same bytes). The plugin's
+QUADS selection unit (``ActQuant.residual_granularity``, default as :class:`verl_quads.config.QuantConfig`):
+``channel`` (default: single channels per token, :mod:`verl_quads.nvfp4.residual`; with ``backend="auto"`` on
+CUDA tensors the core runs its Triton kernel, :mod:`verl_quads.nvfp4.triton_channel`, same bytes) or ``block``
+(16-channel blocks; the only unit of per-call selection, ``residual_per_token=False``). The NVFP4 core's own
+default (:func:`verl_quads.nvfp4.residual_quantize`, the ``triton_gemm`` functions) stays ``block``: this
+module always passes the unit explicitly. The plugin's
 ``triton`` backend builds the same operands (:func:`verl_quads.nvfp4.triton_gemm.quantize_activation`: ``fp4x2``
 with the rule's dense second FP4 operand, or ``bf16``); ``native`` uses that dense second pass as its second FP4
 GEMM operand (:func:`verl_quads.rollout.native.activation_passes`).
@@ -52,15 +55,16 @@ class ActQuant:
 
     Attributes:
         mode: one of :data:`RUNTIME_MODES`.
-        residual_ratio: QUADS fraction of 16-blocks compensated (``quads`` only).
+        residual_ratio: QUADS fraction k of the row compensated, in [0, 1] (``quads`` only): ``round(k * K)``
+            channels (``channel``) or ``round(k * K / 16)`` 16-blocks (``block``).
         residual_per_token: QUADS per-token (default, as :class:`verl_quads.config.QuantConfig`) instead of
-            per-call block selection.
+            per-call selection (``False``: blocks only, needs ``residual_granularity="block"``).
         capture: ``trace`` only: also return the guidance record of the activation.
         backend: NVFP4 core backend for the activation quantization: ``torch`` (this module is the
             plugin's torch backend) or ``auto`` (Triton for CUDA tensors; the kernels are bit-exact
             with the torch reference, so only speed changes: used by the HF emulator on GPUs).
         residual_combine: ``quads`` only: ``fp4x2`` (default) or ``bf16`` (module docstring).
-        residual_granularity: ``quads`` only: ``block`` (default) or ``channel`` (per token only; module docstring).
+        residual_granularity: ``quads`` only: ``channel`` (default, per token only) or ``block`` (module docstring).
     """
 
     mode: str
@@ -69,7 +73,7 @@ class ActQuant:
     capture: bool = False
     backend: str = "torch"
     residual_combine: str = "fp4x2"
-    residual_granularity: str = "block"
+    residual_granularity: str = "channel"
 
     def __post_init__(self) -> None:
         if self.mode not in RUNTIME_MODES:
@@ -86,8 +90,13 @@ class ActQuant:
                 f"ActQuant.residual_granularity (quant_config.residual_granularity) must be one of "
                 f"{RESIDUAL_GRANULARITIES}, got {self.residual_granularity!r}"
             )
-        if self.residual_granularity == "channel" and not self.residual_per_token:
-            raise ValueError("ActQuant.residual_granularity='channel' is per token only (residual_per_token=True)")
+        if self.mode == "quads" and self.residual_granularity == "channel" and not self.residual_per_token:
+            raise ValueError(
+                "ActQuant: residual_per_token=False (per-call selection, quant_config.residual_per_token) is defined "
+                "for 16-channel blocks only, but residual_granularity='channel' (the default) selects channels per "
+                "token: pass residual_granularity='block' (quant_config.residual_granularity=block) for per-call "
+                "selection"
+            )
 
 
 #: One encode scale per token (row), float32 ``[M, 1]``: the core's definition, shared with the trainer.
@@ -122,6 +131,32 @@ def quantize_activation(x: torch.Tensor, q: ActQuant) -> tuple[torch.Tensor, Gui
     xq = nvfp4.quantize(x, gs, backend=q.backend, check_finite=False)
     record = nvfp4.extract_guidance(xq) if (q.mode == "trace" and q.capture) else None
     return nvfp4.dequantize(xq, torch.float32, backend=q.backend), record
+
+
+def check_gemm_input_length(q: ActQuant, backend: str, k: int, where: str) -> None:
+    """Engine-start check (layer creation) that this GEMM's activation rule can run at row length ``k``.
+
+    ``q``: the layer's :class:`ActQuant`; ``backend``: the plugin's concrete backend (``torch``, ``triton``,
+    ``native``); ``k``: channels per activation row (the GEMM's input size per tensor-parallel rank); ``where``:
+    the layer name for the message. Only the QUADS channel rule on ``triton`` / ``native`` (which run the
+    activation step through the NVFP4 core's Triton channel kernel on CUDA tensors) has a limit: that kernel holds
+    a row on chip and refuses rows longer than ``verl_quads.nvfp4.triton_channel.CHANNEL_CONFIG["max_k"]``
+    channels (after its padding); the check asks the kernel module itself, so it moves with that limit. Raises
+    ValueError naming the layer, K, the limit and what to set instead, so an engine fails when it builds the
+    model, not at its first generation."""
+    if q.mode != "quads" or q.residual_granularity != "channel" or backend not in ("triton", "native"):
+        return
+    from verl_quads.nvfp4 import triton_channel
+
+    try:
+        triton_channel._check_row(int(k))
+    except NotImplementedError as e:
+        raise ValueError(
+            f"quads_nvfp4: {where}: GEMM input of K = {k} channels per row is too long for the QUADS channel rule "
+            f"(quant_config.residual_granularity=channel, the default) on backend {backend!r}: {e}. Set "
+            "actor_rollout_ref.actor.quant_config.residual_granularity=block (the 16-channel block rule has no row "
+            "limit), or add the layer to quant_config.ignore"
+        ) from e
 
 
 def quantize_weight(w: torch.Tensor, reduce_dims: tuple[int, ...] | None = None) -> NVFP4Tensor:
@@ -165,6 +200,7 @@ __all__ = [
     "RESIDUAL_COMBINES",
     "RESIDUAL_GRANULARITIES",
     "ActQuant",
+    "check_gemm_input_length",
     "per_token_global_scale",
     "quantize_activation",
     "quantize_weight",

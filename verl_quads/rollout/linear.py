@@ -117,6 +117,8 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
                 f"{input_size_per_partition} per partition, not a multiple of 16 (NVFP4 block); "
                 "add it to quant_config.ignore"
             )
+        emulation.check_gemm_input_length(self.act, self.backend, input_size_per_partition,
+                                          getattr(layer, "prefix", type(layer).__name__))
         if self.backend == "native" and self.act.mode != "w4a16":  # w4a16 runs the triton kernel
             from verl_quads.rollout import native
 

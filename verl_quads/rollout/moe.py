@@ -84,6 +84,9 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
         for name, dim in (("hidden", hidden_size), ("intermediate", intermediate_size_per_partition)):
             if dim % 16:
                 raise ValueError(f"quads_nvfp4 MoE: {name} size {dim} is not a multiple of 16 (NVFP4 block)")
+        for gemm, k in (("w13", hidden_size), ("w2", intermediate_size_per_partition)):  # their activation rows
+            emulation.check_gemm_input_length(self.act, self.backend, k,
+                                              f"{getattr(layer, 'layer_name', '') or 'MoE layer'} experts {gemm}")
         if self.packed:
             self._create_packed(layer, num_experts, hidden_size, intermediate_size_per_partition, extra)
             return

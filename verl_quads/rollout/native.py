@@ -190,15 +190,17 @@ def _dense_residual(r, m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def activation_passes(x: torch.Tensor, mode: str, residual_ratio: float = 0.5, residual_per_token: bool = True,
-                      capture: bool = False, residual_granularity: str = "block"):
+                      capture: bool = False, residual_granularity: str = "channel"):
     """FP4 operands of the activation ``x`` ``[M, K]`` for the native GEMM, and the guidance record.
 
     Returns ``(passes, record)``: ``passes`` is a list of ``(packed uint8 [M, K/2], block_scale e4m3
     [M, K/16] linear layout, global_scale float32 [M])``, one for ``naive``/``trace``, two for
     ``quads`` with a non-empty selection; ``record`` is the :class:`~verl_quads.nvfp4.GuidanceRecord`
     (``trace`` with ``capture``) or None. Codes are the core's (same as the ``torch`` backend).
-    ``residual_granularity``: the QUADS selection rule (``block``, or ``channel``: its second pass is already a
-    dense ``[M, K]`` FP4 tensor in the original 16-blocks, so it is the second operand as it is)."""
+    ``residual_granularity``: the QUADS selection rule (default as :class:`verl_quads.config.QuantConfig`:
+    ``channel``, whose second pass is already a dense ``[M, K]`` FP4 tensor in the original 16-blocks, so it is
+    the second operand as it is; or ``block``, whose selected blocks are scattered into that dense form; per-call
+    selection, ``residual_per_token=False``, needs ``block``)."""
     m, k = x.shape
     gs = nvfp4.per_row_global_scale(x)
     if mode == "quads" and residual_granularity == "channel":
@@ -239,7 +241,7 @@ def gemm_passes(passes, w_packed: torch.Tensor, w_scale_swizzled: torch.Tensor, 
 
 def _native_linear(x: torch.Tensor, w_packed: torch.Tensor, w_scale_swizzled: torch.Tensor, alpha: torch.Tensor,
                    bias: torch.Tensor | None, act_mode: str, residual_ratio: float,
-                   residual_per_token: bool, residual_granularity: str = "block") -> torch.Tensor:
+                   residual_per_token: bool, residual_granularity: str = "channel") -> torch.Tensor:
     if x.shape[0] == 0:
         return x.new_empty(0, w_packed.shape[0])
     passes, _ = activation_passes(x, act_mode, residual_ratio, residual_per_token,
@@ -251,13 +253,13 @@ def _native_linear(x: torch.Tensor, w_packed: torch.Tensor, w_scale_swizzled: to
 native_linear_op = torch.library.custom_op(
     "verl_quads::nvfp4_native_linear", _native_linear, mutates_args=(),
     schema="(Tensor x, Tensor w_packed, Tensor w_scale_swizzled, Tensor alpha, Tensor? bias, str act_mode, "
-           "float residual_ratio, bool residual_per_token, str residual_granularity='block') -> Tensor",
+           "float residual_ratio, bool residual_per_token, str residual_granularity='channel') -> Tensor",
 )
 
 
 @native_linear_op.register_fake
 def _(x, w_packed, w_scale_swizzled, alpha, bias, act_mode, residual_ratio, residual_per_token,
-      residual_granularity="block"):
+      residual_granularity="channel"):
     return x.new_empty(x.shape[0], w_packed.shape[0])
 
 

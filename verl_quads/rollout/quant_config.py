@@ -7,8 +7,10 @@ How to turn it on (vLLM alone; verl's glue will pass ``actor.quant`` the same wa
    ``hf_config.quantization_config`` (which ``hf_overrides`` sets) and calls
    :meth:`QuadsNVFP4Config.from_config` with it. The keys besides ``quant_method`` are
    :class:`verl_quads.config.QuantConfig`'s fields (``quant``, ``residual_ratio``,
-   ``residual_per_token``, ``residual_combine``, ``residual_granularity``, ``guided_layers``, ``ignore``, ``backend``, ...). The dict travels
-   with the model config to every worker process. ``quantization=`` may then be omitted.
+   ``residual_per_token``, ``residual_combine``, ``residual_granularity``, ``guided_layers``, ``ignore``, ``backend``, ...), with its
+   defaults (QUADS: k = 0.5, the per-token channel rule; ``residual_granularity="block"`` for 16-channel
+   blocks). The dict travels with the model config to every worker process. ``quantization=`` may then be
+   omitted.
 2. ``LLM(model, quantization="quads_nvfp4")`` with no quantization config: vLLM builds the config
    with no arguments (``get_config_filenames() == []``); it then reads the JSON object in the
    environment variable ``VERL_QUADS_QUANT_CONFIG`` (same keys; the variable must be set before
