@@ -349,28 +349,20 @@ from verl_quads.nvfp4 import triton_channel as tc
 sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16", "packed1_ptr": "*i64",
        "scale1_ptr": "*u8", "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
-       "OUT": "constexpr", "GS2": "constexpr", "EARLY": "constexpr", "SEARCH": "constexpr", "FAST": "constexpr"}
-for kern, xt, ot, pack, out, gs2, has_w, early, nbp, nw, search, fast in (
-        ("_channel_row_kernel", "*bf16", "*i16", False, 3, 0, False, True, 128, 4, 0, False),
-        ("_channel_row_kernel", "*bf16", "*i64", True, 0, 0, True, True, 512, 16, 0, False),
-        ("_channel_row_kernel", "*fp16", "*fp16", False, 2, 1, True, False, 1, 1, 0, False),
-        ("_channel_row_kernel", "*fp32", "*fp32", False, 0, 2, False, True, 64, 2, 0, True),
-        ("_channel_row_kernel", "*bf16", "*i16", False, 3, 0, False, True, 128, 4, 1, True),
-        ("_channel_row_kernel", "*bf16", "*i64", True, 0, 0, True, True, 512, 16, 1, True),
-        ("_channel_halves_kernel", "*bf16", "*i16", False, 3, 0, False, True, 128, 4, 1, True),
-        ("_channel_halves_kernel", "*bf16", "*i64", True, 0, 0, True, True, 512, 16, 0, True),
-        ("_channel_halves_kernel", "*fp16", "*fp16", False, 2, 1, False, True, 1, 1, 1, False),
-        ("_channel_halves_kernel", "*fp32", "*fp32", False, 0, 2, False, True, 64, 2, 1, True)):
+       "OUT": "constexpr", "GS2": "constexpr", "EQ": "constexpr"}
+for xt, ot, pack, out, gs2, has_w, eq, nbp, nw in (
+        ("*bf16", "*i16", False, 3, 0, False, False, 128, 4), ("*bf16", "*i64", True, 0, 0, True, True, 512, 16),
+        ("*fp16", "*fp16", False, 2, 1, True, True, 1, 1), ("*fp32", "*fp32", False, 0, 2, False, False, 64, 2),
+        ("*bf16", "*i16", False, 3, 0, False, True, 128, 8), ("*bf16", "*i64", True, 0, 0, False, False, 64, 1)):
     s = dict(sig, x_ptr=xt, out_ptr=ot)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
-    k = triton.compile(ASTSource(fn=getattr(tc, kern), signature=s, attrs=attrs, constexprs={
-        "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "EARLY": early, "SEARCH": search,
-        "FAST": fast}),
+    k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
+        "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "EQ": eq}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False})
     assert k.asm["cubin"]
     # values and codes carry signs by OR-ing bits: a float negation would be 0.0 - v under triton 3.6 (+0.0 for -0.0)
     neg = re.findall(r"fneg|fsub (?:<\d+ x )?float>? (?:zeroinitializer|-?0\.000000e\+00)", k.asm["llir"])
-    assert not neg, (kern, xt, pack, neg[:3])
+    assert not neg, (xt, pack, eq, neg[:3])
 print("compiled")
 """
 
