@@ -59,7 +59,7 @@ BACKENDS = ("auto", "torch", "triton", "native")
 RESIDUAL_COMBINES = ("fp4x2", "bf16")
 #: QUADS residual selection granularity (== verl_quads.nvfp4.RESIDUAL_GRANULARITIES; kept here so this module needs no torch).
 RESIDUAL_GRANULARITIES = ("block", "channel")
-WEIGHT_QDQS = ("per_forward", "per_version")
+WEIGHT_QDQS = ("auto", "per_forward", "per_version")
 
 _TRAINER_OF = {"none": "none", "naive": "none", "w4a16": "w4a16", "quads": "w4a16", "trace": "trace", "w4a4_qat": "w4a4_qat"}
 _ROLLOUT_OF = {"none": "none", "naive": "naive", "w4a16": "w4a16", "quads": "quads", "trace": "trace", "w4a4_qat": "naive"}
@@ -102,10 +102,12 @@ class QuantConfig:
             W4A16 GEMM; see the module docstring). Only read in the rollout's ``quads`` mode; the
             ``native`` backend refuses ``bf16``.
         weight_qdq: when the trainer fake-quantizes its weights, one of :data:`WEIGHT_QDQS`:
-            ``per_forward`` (default: every QAT module QDQs its unsharded weight in every forward) or
-            ``per_version`` (opt-in, FSDP2 only: each rank QDQs its weight shard once per weight version and
-            FSDP2 all-gathers the QDQ'd shards; same values bit for bit; see :mod:`verl_quads.qat.fsdp_qdq`).
-            Trainer-only; the rollout ignores it.
+            ``auto`` (default: ``per_version`` when the trainer model is FSDP2-sharded and the FSDP2 patch's
+            torch guard accepts the installed torch, else ``per_forward``; the choice and its reason are logged
+            once, see :func:`verl_quads.qat.fsdp_qdq.setup`), ``per_forward`` (every QAT module QDQs its
+            unsharded weight in every forward) or ``per_version`` (FSDP2 only, an error where it cannot run:
+            each rank QDQs its weight shard once per weight version and FSDP2 all-gathers the QDQ'd shards; same
+            values bit for bit; see :mod:`verl_quads.qat.fsdp_qdq`). Trainer-only; the rollout ignores it.
     """
 
     quant: str = "none"
@@ -117,7 +119,7 @@ class QuantConfig:
     ignore: tuple[str, ...] = DEFAULT_IGNORE
     backend: str = "auto"
     residual_combine: str = "fp4x2"
-    weight_qdq: str = "per_forward"
+    weight_qdq: str = "auto"
 
     def __post_init__(self) -> None:
         if self.quant not in QUANT_MODES:
@@ -162,8 +164,8 @@ class QuantConfig:
         if self.weight_qdq not in WEIGHT_QDQS:
             raise ValueError(
                 f"actor_rollout_ref.actor.quant_config.weight_qdq={self.weight_qdq!r}: allowed: {', '.join(WEIGHT_QDQS)} "
-                "(per_forward: QDQ the unsharded weight in every forward; per_version: QDQ each FSDP2 shard once per "
-                "weight version, before the all-gather)"
+                "(auto: per_version where it can run, else per_forward; per_forward: QDQ the unsharded weight in every "
+                "forward; per_version: QDQ each FSDP2 shard once per weight version, before the all-gather)"
             )
         object.__setattr__(self, "ignore", tuple(self.ignore))
         for pat in self.ignore:

@@ -56,7 +56,9 @@ def main(model_dir: str, port: str, modes: list[str]) -> None:
             p.data = p.data.to(torch.bfloat16)
         # the reference QDQs in its forward (per_forward; per_version needs FSDP2): same values bit for bit
         apply_qat(ref, dataclasses.replace(actor.quant_settings, weight_qdq="per_forward"))
-        out = {"quant": spec, "engine": type(engine).__name__, "qat_classes": kinds}
+        qat_state = getattr(module, "_verl_quads_qat", None)
+        out = {"quant": spec, "engine": type(engine).__name__, "qat_classes": kinds,
+               "weight_qdq": None if qat_state is None else qat_state.weight_qdq}  # what fsdp_qdq.setup chose
         try:
             logits = module(input_ids=ids).logits
         except GuidanceError as e:

@@ -7,7 +7,7 @@ NVFP4 sync, routing metric) and of ``test_qat_grpo.py``'s quads run (QAT in the 
 same stock ``main_ppo`` with ``actor.quant=quads`` on a random 2-layer model: one Ray + vLLM + FSDP
 start-up instead of three (CI time, issue 2). Asserts, from what the run produced:
 - every step logged reward and the ``quads/*`` mismatch metrics (finite) and the demo printed them;
-- the actor ran verl-quads QAT: the engine logged ``QAT quads (trainer mode w4a16, weight_qdq per_forward) on 4L linear and
+- the actor ran verl-quads QAT: the engine logged ``QAT quads (trainer mode w4a16, weight_qdq auto -> per_version) on 4L linear and
   L fused-expert modules`` (L decoder layers of the model);
 - the rollout ran NVFP4: vLLM's side of every sync (one before the first rollout + one per step)
   holds ``quads_nvfp4`` packed FP4 codes (uint8) + E4M3 block scales for every quantized layer
@@ -126,7 +126,7 @@ def test_demo_quads_two_steps(tmp_path):
 
     # the actor ran QAT on every attention projection and every layer's fused experts
     log = (work / "main_ppo.log").read_text(errors="replace")
-    qat_line = (f"verl-quads: QAT quads (trainer mode w4a16, weight_qdq per_forward) on {4 * layers} linear and {layers} "
+    qat_line = (f"verl-quads: QAT quads (trainer mode w4a16, weight_qdq auto -> per_version) on {4 * layers} linear and {layers} "
                 "fused-expert modules")
     assert qat_line in log, log[-6000:]
     # packed sync: ~0.28x of bf16 bytes for the quantized layers

@@ -4,9 +4,10 @@
 for each mode, ``actor_rollout_ref.actor.quant=<mode>`` is composed into verl's stock ``ppo_trainer``
 config (no ``+``), verl builds the engine as its worker does, the engine loads the tiny random
 Qwen3-MoE, applies verl-quads QAT, wraps with FSDP2 (gloo, 1 rank) and builds its optimizer; one
-forward/backward/optimizer step follows, then a forward with the stepped weights. ``quads`` runs with
-``quant_config.weight_qdq=per_version`` (FSDP2 gathers shards QDQ'd once per weight version), the other QAT
-modes with the default ``per_forward``: both schedules through verl's engine, no extra engine build.
+forward/backward/optimizer step follows, then a forward with the stepped weights. ``quads`` and ``trace`` run
+the default ``quant_config.weight_qdq=auto``, which the engine's ``fsdp_qdq.setup`` turns into ``per_version``
+here (FSDP2, torch 2.13: FSDP2 gathers shards QDQ'd once per weight version); ``w4a4_qat`` runs with an explicit
+``per_forward``: both schedules through verl's engine, no extra engine build.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def test_engine_built_from_composed_verl_config_one_step_each_mode(tmp_path):
     model_dir = tiny.build_tiny_qwen3_moe(tmp_path / "model", num_layers=2, dtype="float32")
     script = Path(__file__).with_name("qat_engine_script.py")
     proc = subprocess.run(
-        [sys.executable, str(script), str(model_dir), str(_port()), "none", "naive", "quads:per_version", "w4a4_qat",
+        [sys.executable, str(script), str(model_dir), str(_port()), "none", "naive", "quads", "w4a4_qat:per_forward",
          "trace"],
         capture_output=True, text=True, timeout=600,
     )
@@ -44,9 +45,12 @@ def test_engine_built_from_composed_verl_config_one_step_each_mode(tmp_path):
         assert r["engine"] == "QuadsFSDPEngineWithLMHead", r
     for quant in ("none", "naive"):  # trainer mode none: stock modules, stock numerics
         assert results[quant]["qat_classes"] == [], results[quant]
-    for quant in ("quads:per_version", "w4a4_qat", "trace"):
+    for quant in ("quads", "w4a4_qat:per_forward", "trace"):
         assert results[quant]["qat_classes"] == ["QATLinear", "QATQwen3MoeExperts"], results[quant]
-    for quant in ("none", "naive", "quads:per_version", "w4a4_qat"):
+    # weight_qdq auto (the default) -> per_version under verl's FSDP2 engine; explicit per_forward stays
+    assert results["quads"]["weight_qdq"] == results["trace"]["weight_qdq"] == "per_version", results
+    assert results["w4a4_qat:per_forward"]["weight_qdq"] == "per_forward", results
+    for quant in ("none", "naive", "quads", "w4a4_qat:per_forward"):
         r = results[quant]
         # forward of verl's FSDP2 module == verl_quads.qat on the plain HF model (bit for bit),
         # and one optimizer step updates every parameter (names unchanged: checkpoints are stock);

@@ -403,10 +403,18 @@ def test_bench_qat_fsdp_per_version_runs_tiny():
     rows = {tuple(c.strip() for c in line.split("|")[:4]): [c.strip() for c in line.split("|")]
             for line in report.splitlines() if line.count("|") == 9}
     for setting in ("fp32 master", "bf16 master"):
-        assert rows[(setting, "w4a16", "per_version", "3")][9] == "1", rows  # one refresh per unit of 3 micro-batches
+        # weight_qdq auto (the default, set up as verl-quads' engine does) is per_version here: one refresh per
+        # unit of 3 micro-batches
+        assert rows[(setting, "w4a16", "auto", "3")][9] == "1", rows
         assert rows[(setting, "w4a16", "per_forward", "3")][9] == "0", rows
         assert rows[(setting, "bf16", "-", "3")][7] == "0", rows  # added ms of the baseline itself
     assert re.search(r"^w4a16 +\| [0-9.]+ +\|", report, re.M), report  # the no-FSDP table
+    assert "w4a16 auto (fp32 master) -> per_version" in report and "w4a16 auto (bf16 master) -> per_version" in report
+    assert "G = forward+backward micro-batches per weight version" in report
+    head = report[report.index("HEADLINE: the default path of a verl user"):].splitlines()
+    assert [c.strip() for c in head[1].split("|")] == ["mode", "weight_qdq", "G", "ms", "added ms", "x issue"], head
+    w4 = [c.strip() for c in head[3].split("|")]
+    assert w4[:3] == ["w4a16", "auto -> per_version", "3"] and float(w4[5]) > 0, head
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (triton backend on CPU)")

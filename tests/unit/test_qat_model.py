@@ -270,10 +270,10 @@ def test_weight_qdq_option_is_validated_and_per_version_needs_fsdp2():
     that is not FSDP2-wrapped. (Equality with per_forward under fully_shard: tests/unit/test_qat_fsdp2.py.)"""
     from verl_quads.qat import fsdp_qdq
 
-    with pytest.raises(ValueError, match=r"weight_qdq='per_step': allowed: per_forward, per_version"):
+    with pytest.raises(ValueError, match=r"weight_qdq='per_step': allowed: auto, per_forward, per_version"):
         QuantConfig(quant="quads", weight_qdq="per_step")
     assert QuantConfig.from_mapping("quads", {"weight_qdq": "per_version"}).weight_qdq == "per_version"
-    assert QuantConfig(quant="quads").weight_qdq == "per_forward"
+    assert QuantConfig(quant="quads").weight_qdq == "auto"
     for family in ("qwen3_moe", "qwen3"):
         model = tiny_model(family)
         apply_qat(model, QuantConfig(quant="quads", weight_qdq="per_version"))
@@ -282,8 +282,8 @@ def test_weight_qdq_option_is_validated_and_per_version_needs_fsdp2():
         with pytest.raises(ValueError, match=r"needs the root module wrapped by FSDP2 \(fully_shard\)"):
             fsdp_qdq.install(model)
     model = tiny_model("qwen3")
-    apply_qat(model, QuantConfig(quant="quads"))
-    with pytest.raises(ValueError, match=r"install\(\) is for quant_config.weight_qdq=per_version"):
+    apply_qat(model, QuantConfig(quant="quads", weight_qdq="per_forward"))
+    with pytest.raises(ValueError, match=r"install\(\) is for quant_config.weight_qdq=per_version \(or auto\)"):
         fsdp_qdq.install(model)
 
 

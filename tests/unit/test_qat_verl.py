@@ -43,7 +43,7 @@ def test_quant_key_exists_without_plus_and_reaches_the_engine_config():
     assert a.quant == "trace" and a.quant_config["guided_layers"] == 4
     qc = a.engine._verl_quads_quant
     assert (qc.trainer_mode, qc.rollout_mode, qc.guided_layers, qc.trace_base_mode) == ("trace", "trace", 4, "w4a4_qat")
-    assert qc.weight_qdq == "per_forward"  # default
+    assert qc.weight_qdq == "auto"  # default: per_version where it can run (fsdp_qdq.setup in the engine)
     v = _actor("actor_rollout_ref.actor.quant=quads", "actor_rollout_ref.actor.quant_config.weight_qdq=per_version")
     assert v.engine._verl_quads_quant.weight_qdq == "per_version"
     # Default: quant=none, stock behaviour; the ref model's config is untouched.
@@ -70,7 +70,7 @@ def test_bad_values_fail_at_composition(override, message):
 @pytest.mark.parametrize("overrides,message", [
     (["actor_rollout_ref.actor.quant_config.residual_ratio=1.5"], r"residual_ratio=1.5: must be a number in \[0, 1\]"),
     (["actor_rollout_ref.actor.quant_config.trace_base_mode=none"], "trace_base_mode='none': allowed: w4a16, w4a4_qat"),
-    (["actor_rollout_ref.actor.quant_config.weight_qdq=per_step"], "weight_qdq='per_step': allowed: per_forward, per_version"),
+    (["actor_rollout_ref.actor.quant_config.weight_qdq=per_step"], "weight_qdq='per_step': allowed: auto, per_forward, per_version"),
     (["actor_rollout_ref.actor.fsdp_config.qat.enable=true"], "verl's QAT and verl-quads would both fake-quantize"),
     (["actor_rollout_ref.actor.strategy=fsdp"], "needs actor_rollout_ref.actor.strategy=fsdp2"),
 ])

@@ -55,7 +55,11 @@ at the end), so every forward AND backward all-gathers (a copy on one rank). Two
 gather casts) and ``bf16 master`` (bf16 master weights, default policy: nothing to cast; ``--no-bf16-master``
 skips it). Each mode runs with every ``--weight-qdq`` (``per_forward``: QDQ of the unsharded weight in every
 forward; ``per_version``: verl_quads/qat/fsdp_qdq.py, QDQ of the shard once per weight version, before the
-all-gather).
+all-gather; ``auto``, the default of ``quant_config.weight_qdq``: set up by ``fsdp_qdq.setup`` exactly as verl-quads'
+verl engine does, so it becomes ``per_version`` where that can run, else ``per_forward``; the output says which).
+Default ``--weight-qdq per_forward auto``. The HEADLINE table, printed last, is the path a verl user gets by
+default: FSDP2 with verl's fp32 master weights + bf16 mixed precision, ``weight_qdq=auto``, per ``G``; the text
+above it says what ``G`` is in verl's terms (:data:`G_IN_VERL`).
 
 Device check first (fp32 master; ``--no-check`` skips it), per mode, on one model per weight_qdq with the same
 inputs: per_forward run 3 times (the CONTROL: is the backward run-to-run deterministic on this device?), per_version
@@ -90,6 +94,28 @@ from verl_quads.bench.timing import device_name, median_time_s, print_table
 from verl_quads.config import QuantConfig
 
 MODES = ("bf16", "w4a16", "w4a4_qat", "trace")
+
+#: What the bench's G (micro-batches per weight version) is in verl 0.9.1 (read in verl/workers/engine_workers.py
+#: and verl/trainer/ppo/v1/trainer_base.py; printed with the headline table).
+G_IN_VERL = (
+    "G = forward+backward micro-batches per weight version on one rank. In verl 0.9.1 one weight version lasts one "
+    "actor mini-batch: _update_actor sends mini_batch_size = ppo_mini_batch_size * rollout.n samples; "
+    "ActorRolloutRefWorker.update_actor -> TrainingWorker.train_mini_batch splits the rank's batch into mini-batches "
+    "of mini_batch_size / data-parallel size (ppo_epochs passes), and each mini-batch is one engine.train_batch = "
+    "forward_backward_batch over its micro-batches + ONE optimizer step. So G = ppo_mini_batch_size * rollout.n / "
+    "(ppo_micro_batch_size_per_gpu * data-parallel size) with fixed micro-batches (data-parallel size = world size "
+    "without sequence parallelism); with use_dynamic_bsz=True at least the mini-batch's tokens on the rank / "
+    "ppo_max_token_len_per_gpu, rounded up. Weight versions per training step = train_batch_size / "
+    "ppo_mini_batch_size * ppo_epochs. The old-log-prob pass of the step (compute_log_prob: forward only, every "
+    "sample of the rank in log_prob_micro_batch_size_per_gpu micro-batches) runs on the version the step's first "
+    "mini-batch then trains, so that version serves more micro-batches (per_version refreshes once, before the "
+    "log-prob pass). The bench's micro-batch is --tokens tokens: G here ~ tokens per rank per version / --tokens. "
+    "Example, recipes/grpo_math_qwen3_30b_a3b.args (8 GPUs, ppo_mini_batch_size 64, rollout.n 8, dynamic bsz 16384): "
+    "64 * 8 / 8 = 64 samples per rank per version, i.e. 64 * L / 4096 bench micro-batches for mean sample length L "
+    "(16 at L = 1024), 4 versions per step (train_batch_size 256), plus 256 samples of log-prob forwards on the "
+    "first. The recipes also enable gradient checkpointing, whose recomputed forward QDQs the weights again under "
+    "per_forward (not in this bench, which runs no checkpointing)."
+)
 _QUANT_OF = {"w4a16": "quads", "w4a4_qat": "w4a4_qat", "trace": "trace"}
 
 
@@ -589,6 +615,10 @@ def run_fsdp(a: argparse.Namespace) -> str:
                 root(x0, pe)
             return TraceBatch.padded(store, 0, ["seq0"], torch.ones(1, a.tokens, dtype=torch.long))
 
+        resolved: dict = {}  # (mode, weight_qdq, setting) -> the schedule fsdp_qdq.setup put in effect
+        # the schedule compared with per_forward (device check, summary): auto (the default) or per_version
+        pv_wq = "auto" if "auto" in a.weight_qdq else ("per_version" if "per_version" in a.weight_qdq else None)
+
         def make(mode: str, weight_qdq: str, setting: str | None = "fp32 master"):
             """(root, QAT state, TraceBatch) of one variant; ``setting=None``: no FSDP, bf16 weights."""
             dtype = torch.bfloat16 if setting is None else settings[setting][0]
@@ -601,8 +631,9 @@ def run_fsdp(a: argparse.Namespace) -> str:
                 mpp = settings[setting][1]
                 fully_shard(root.layers[0], mesh=mesh, mp_policy=mpp)
                 fully_shard(root, mesh=mesh, mp_policy=mpp)
-                if mode != "bf16" and weight_qdq == "per_version":
-                    fsdp_qdq.install(root)
+                if mode != "bf16" and weight_qdq in ("per_version", "auto"):
+                    # as verl-quads' verl engine: per_version installs (or raises), auto decides
+                    resolved[(mode, weight_qdq, setting)] = fsdp_qdq.setup(root)
             return root, state, (records(root) if mode == "trace" else None)
 
         def fwd_bwd(root, state, ctx, x):
@@ -636,7 +667,11 @@ def run_fsdp(a: argparse.Namespace) -> str:
             return out
 
         def check(mode: str) -> list[str]:
-            built = {wq: make(mode, wq) for wq in ("per_forward", "per_version")}
+            built = {"per_forward": make(mode, "per_forward"), "per_version": make(mode, pv_wq)}
+            if fsdp_qdq.installed(built["per_version"][0]) is None:
+                del built
+                _release(device)
+                return ["", f"{mode}: device check skipped: weight_qdq {pv_wq} took per_forward here (nothing to compare)"]
             names = ["output", "input grad"] + [n for n, _ in built["per_forward"][0].named_parameters()]
 
             def once(wq: str, math: bool = False) -> list[torch.Tensor]:
@@ -702,7 +737,8 @@ def run_fsdp(a: argparse.Namespace) -> str:
                            f"{ctrl}), math attention {m_pv} (math control {m_ctrl})")
             return [
                 print_table(f"{mode}: device check, same model + inputs ('=' bit-identical, else max |diff| (differing "
-                            "elements)); pf = weight_qdq per_forward, pv = per_version (fp32 master); 'math:' = SDPA "
+                            "elements)); pf = weight_qdq per_forward, pv = per_version (fp32 master"
+                            + (", set up by weight_qdq auto" if pv_wq == "auto" else "") + "); 'math:' = SDPA "
                             "forced to the math backend (deterministic)", ["tensor", "max|pf|"] + [c[0] for c in cols],
                             table),
                 f"{mode}: QDQ weights (per_version's all-gathered QDQ shards vs per_forward's QDQ of the all-gathered "
@@ -721,7 +757,7 @@ def run_fsdp(a: argparse.Namespace) -> str:
             return f"{what}: FAILED {type(e).__name__}: {e}"
 
         checks: list[str] = []
-        if set(a.weight_qdq) == {"per_forward", "per_version"} and a.check:
+        if "per_forward" in a.weight_qdq and pv_wq is not None and a.check:
             for mode in [m for m in a.modes if m != "bf16"]:
                 try:
                     got = check(mode)
@@ -833,9 +869,19 @@ def run_fsdp(a: argparse.Namespace) -> str:
             for m in qmodes:
                 for G in a.micro_batches:
                     pf_add = added.get((setting, m, "per_forward", G), nan)
-                    pv_add = added.get((setting, m, "per_version", G), nan)
+                    pv_add = added.get((setting, m, pv_wq, G), nan)
                     summary.append([m, setting, G, pf_add, pv_add, pf_add - pv_add, (base_nofsdp + pf_add) / base_nofsdp,
                                     (base_nofsdp + pv_add) / base_nofsdp])
+        res_txt = "; ".join(f"{m} {wq} ({st}) -> {r}" for (m, wq, st), r in sorted(resolved.items(), key=str)
+                            if wq == "auto") or "auto not timed"
+        headline = []
+        for m in qmodes:
+            for G in a.micro_batches:
+                key = ("fp32 master", m, "auto", G)
+                if key in added:
+                    xs = results["fp32 master"]["samples"][(("fp32 master", m, "auto"), G)]
+                    headline.append([m, f"auto -> {resolved.get((m, 'auto', 'fp32 master'), '?')}", G,
+                                     _quartiles(xs)[1] * 1e3, added[key], (base_nofsdp + added[key]) / base_nofsdp])
         how = (f"timing: per setting all variants resident, {a.rounds} interleaved rounds (variant order rotated), each "
                f"round round(--units {a.units} / G) timed units per G per variant after {a.warmup} warm-up units; a unit = "
                "one weight version (version bump standing in for optimizer.step, not timed) + G forward+backward "
@@ -852,8 +898,20 @@ def run_fsdp(a: argparse.Namespace) -> str:
             ["setting", "mode", "weight_qdq", "G", "ms", "p25-p75", "n", "added ms", "x issue", "refresh/unit"], rows))
         tables.append(print_table(
             "QAT added ms per micro-batch (mode - bf16, same FSDP setting and G) and the issue's ratio on the no-FSDP "
-            "bf16 baseline", ["mode", "setting", "G", "per_forward added", "per_version added", "per_version saves",
-                              "x issue per_forward", "x issue per_version"], summary))
+            "bf16 baseline", ["mode", "setting", "G", "per_forward added", f"{pv_wq} added", f"{pv_wq} saves",
+                              "x issue per_forward", f"x issue {pv_wq}"], summary))
+        if headline:
+            import importlib.metadata as md
+
+            tables.append(f"weight_qdq auto resolved (fsdp_qdq.setup, as in verl-quads' verl engine; torch "
+                          f"{md.version('torch')}): {res_txt}")
+            tables.append(G_IN_VERL)
+            print(tables[-2] + "\n" + tables[-1], flush=True)
+            tables.append(print_table(
+                "HEADLINE: the default path of a verl user (FSDP2, fp32 master + bf16 mixed precision as verl sets it, "
+                "quant_config.weight_qdq=auto), ms per micro-batch of --tokens tokens at G micro-batches per weight "
+                "version; x issue = (bf16 no-FSDP + added) / bf16 no-FSDP (goal w4a16 <= 1.10, trace <= 1.20)",
+                ["mode", "weight_qdq", "G", "ms", "added ms", "x issue"], headline))
         return "\n".join(lines + checks + tables)
     finally:
         cleanup()
@@ -880,10 +938,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="skip the per-mode breakdown (weight QDQ alone; kernel classes on CUDA)")
     p.add_argument("--fsdp", action="store_true",
                    help="run the layer under FSDP2 on a 1-rank process group (see the module docstring)")
-    p.add_argument("--weight-qdq", nargs="+", default=["per_forward", "per_version"],
-                   choices=("per_forward", "per_version"), help="--fsdp: weight QDQ schedules to time")
-    p.add_argument("--micro-batches", nargs="+", type=int, default=[1, 4],
-                   help="--fsdp: forward+backward micro-batches per weight version (G)")
+    p.add_argument("--weight-qdq", nargs="+", default=["per_forward", "auto"],
+                   choices=("per_forward", "per_version", "auto"),
+                   help="--fsdp: weight QDQ schedules to time (auto: quant_config's default, set up as verl-quads' "
+                        "verl engine does; the headline table needs it)")
+    p.add_argument("--micro-batches", nargs="+", type=int, default=[1, 4, 16],
+                   help="--fsdp: forward+backward micro-batches per weight version (G; 16 ~ the Qwen3-30B-A3B recipe "
+                        "at 1024 tokens per sample, see G_IN_VERL)")
     p.add_argument("--rounds", type=int, default=8,
                    help="--fsdp: interleaved timing rounds (every variant of a setting timed in each)")
     p.add_argument("--units", type=int, default=4,

@@ -90,19 +90,29 @@ def make_engine_class(stock: type) -> type:
                     self._verl_quads_replay = install_router_replay(module, state)
                 n_lin = sum(1 for v in state.modules.values() if v[0] == "linear")
                 n_exp = sum(1 for v in state.modules.values() if v[0] == "experts")
-                logger.warning(
-                    "verl-quads: QAT %s (trainer mode %s, weight_qdq %s) on %d linear and %d fused-expert modules",
-                    qc.quant, qc.trainer_mode, qc.weight_qdq, n_lin, n_exp,
-                )
             module = super()._build_fsdp_module(module)
-            if qc is not None and qc.trainer_mode != "none" and not self.engine_config.forward_only \
-                    and qc.weight_qdq == "per_version":
-                # QDQ each FSDP2 shard once per weight version, before the all-gather (verl_quads/qat/fsdp_qdq.py);
-                # the weights were loaded into the shards by verl inside _build_fsdp_module
+            if qc is not None and qc.trainer_mode != "none" and not self.engine_config.forward_only:
+                # weight_qdq per_version (or auto where it can run): QDQ each FSDP2 shard once per weight version,
+                # before the all-gather (verl_quads/qat/fsdp_qdq.py); the weights were loaded into the shards by
+                # verl inside _build_fsdp_module
                 from verl_quads.qat import fsdp_qdq
 
-                fsdp_qdq.install(module)
+                wq = fsdp_qdq.setup(module)
+                logger.warning(
+                    "verl-quads: QAT %s (trainer mode %s, weight_qdq %s) on %d linear and %d fused-expert modules",
+                    qc.quant, qc.trainer_mode, f"auto -> {wq}" if qc.weight_qdq == "auto" else wq, n_lin, n_exp,
+                )
             return module
+
+        def to(self, device, model=True, optimizer=True, grad=True):
+            super().to(device, model=model, optimizer=optimizer, grad=grad)
+            from verl.utils.device import get_device_name
+
+            if model and device == "cpu" and get_device_name() != "cpu" and not self.engine_config.forward_only:
+                # param offload: drop the per-version QDQ caches (device memory) with the master shards
+                from verl_quads.qat import fsdp_qdq
+
+                fsdp_qdq.release(getattr(self.module, "_fsdp_wrapped_module", self.module))
 
         # ---- TRACE (issue 6): the rollout's guidance records drive the guided layers of each micro-batch
         def _verl_quads_trace_state(self):

