@@ -53,12 +53,16 @@ tl = tk.tl
 #: ``_channel_row_kernel`` launch: warps so that a thread holds about ``elems_per_thread`` channels of the row (16 =
 #: one 16-block per thread), clamped to [1, max_warps]; rows longer than ``max_k`` channels (padded to a power of two
 #: of 16-blocks) are refused. ``eq_exit`` (speed only, same bytes): ``_bits_threshold`` also stops once the
-#: candidates left are one value (checked before bits 12, 14, 16).
-CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "eq_exit": False}
+#: candidates left are one value (checked before bits 12, 14, 16); ``qdq_maxnreg``: None or a register cap per
+#: thread for the QDQ launches on a GPU (more rows in flight per SM; the packed form spills at <= 80 on sm_90, so it
+#: has none; a register cap means nothing to the interpreter, which ignores it).
+CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "eq_exit": False, "qdq_maxnreg": None}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and tested
 #: against the reference (same bytes).
-CHANNEL_VARIANTS = {"bits": {"eq_exit": False}, "bits-eq": {"eq_exit": True}}
+CHANNEL_VARIANTS = {"bits": {"eq_exit": False, "qdq_maxnreg": None}, "bits-eq": {"eq_exit": True, "qdq_maxnreg": None},
+                    "bits-eq-r80": {"eq_exit": True, "qdq_maxnreg": 80},
+                    "bits-eq-r64": {"eq_exit": True, "qdq_maxnreg": 64}}
 
 
 if triton is not None:
@@ -255,6 +259,8 @@ def _run(x: torch.Tensor, ratio: float, global_scale, score_weight, check_finite
         kern[(m,)](xc, g1, wt, xc, xc, xc, xc, xc, xc, amax_rows, PACK=False, OUT=0, GS2=2, **meta)
         gs2_mode, gs2_arg = 1, global_scale_from_amax(amax_rows.amax())
     if not packed:
+        if CHANNEL_CONFIG["qdq_maxnreg"] is not None and xc.is_cuda:
+            meta["maxnreg"] = int(CHANNEL_CONFIG["qdq_maxnreg"])
         out = torch.empty_like(xc)
         o = tk._out_arg(out)
         kern[(m,)](xc, g1, wt, o, o, o, o, o, o, gs2_arg if gs2_arg is not None else g1, PACK=False,
