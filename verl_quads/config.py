@@ -39,12 +39,18 @@ Scale granularity (both sides must agree; decided here once):
   rows; DESIGN.md §1's first definition; not batch-invariant); it is defined for blocks only, so it
   needs ``residual_granularity="block"`` set explicitly (with the default ``channel`` it is an error,
   never a silent switch of rule).
-- QUADS operand form on the emulated backends (``residual_combine``, opt-in): ``fp4x2`` (default) keeps
-  ``Q(x)`` and ``Q(R_sel)`` as two FP4 GEMM operands combined in float32 (the arithmetic of an FP4
-  tensor-core GEMM); ``bf16`` runs the W4A16 GEMM on the core's QDQ activation
-  ``residual_fake_quantize(x)`` = ``Q(x) + Q(R_sel)`` summed in float32 and rounded ONCE to the
-  activation dtype (relative <= 2**-8 per element for bf16, 2**-11 for fp16; float32 activations: no
-  rounding). Same selection, codes and scales; ``native`` (Blackwell) refuses ``bf16``.
+- QUADS operand form (``residual_combine``): ``fp4x2`` keeps ``Q(x)`` and ``Q(R_sel)`` as two FP4 GEMM
+  operands combined in float32 (the arithmetic of an FP4 tensor-core GEMM); ``bf16`` runs the W4A16 GEMM
+  on the core's QDQ activation ``residual_fake_quantize(x)`` = ``Q(x) + Q(R_sel)`` summed in float32 and
+  rounded ONCE to the activation dtype (relative <= 2**-8 per element for bf16, 2**-11 for fp16; float32
+  activations: no rounding). Same selection, codes and scales. ``auto`` (the default) is resolved ONCE at
+  engine start, where the rollout backend is known (:func:`resolve_residual_combine`): ``bf16`` on the
+  emulated backends (``torch``, ``triton``), ``fp4x2`` on ``native`` (Blackwell: its FP4 GEMM takes FP4
+  operands; an explicit ``bf16`` there is an error). Why ``bf16`` where it can run: on the H200 (session 6,
+  block rule, k=0.5) it costs 0.90-0.95x of W4A4-emulated (naive) for the Qwen3-30B-A3B MoE layer and
+  0.65-1.09x for a dense 8192x8192 linear at M=1..4096 tokens, while ``fp4x2`` (two operands, two
+  accumulators) costs 1.24-2.15x; the QUADS trainer is ``w4a16`` (BF16 activations), so nothing on the
+  trainer side depends on the rollout's operand form.
 """
 
 from __future__ import annotations
@@ -56,7 +62,12 @@ QUANT_MODES = ("none", "naive", "w4a16", "quads", "trace", "w4a4_qat")
 TRAINER_MODES = ("none", "w4a16", "w4a4_qat", "trace")
 ROLLOUT_MODES = ("none", "w4a16", "naive", "quads", "trace")
 BACKENDS = ("auto", "torch", "triton", "native")
-RESIDUAL_COMBINES = ("fp4x2", "bf16")
+#: Values of ``quant_config.residual_combine``: ``auto`` (default, resolved at engine start by
+#: :func:`resolve_residual_combine`) or one of the concrete forms :data:`RESIDUAL_COMBINE_FORMS`.
+RESIDUAL_COMBINES = ("auto", "fp4x2", "bf16")
+#: Concrete QUADS operand forms (== verl_quads.nvfp4.triton_gemm.RESIDUAL_COMBINES): what every layer
+#: (:class:`verl_quads.rollout.emulation.ActQuant`) and the NVFP4 core see; never ``auto``.
+RESIDUAL_COMBINE_FORMS = ("fp4x2", "bf16")
 #: QUADS residual selection granularity (== verl_quads.nvfp4.RESIDUAL_GRANULARITIES; kept here so this module needs no torch).
 RESIDUAL_GRANULARITIES = ("block", "channel")
 WEIGHT_QDQS = ("auto", "per_forward", "per_version")
@@ -96,11 +107,12 @@ class QuantConfig:
         ignore: regex patterns of module names kept in BF16 (see :data:`DEFAULT_IGNORE`).
         backend: kernel backend, one of :data:`BACKENDS` (``auto`` picks by device; asking for one
             that cannot run is an error).
-        residual_combine: QUADS operand form on the emulated backends (``torch``, ``triton``), one of
-            :data:`RESIDUAL_COMBINES`: ``fp4x2`` (default: two FP4 operands, combined in float32) or
-            ``bf16`` (opt-in: the compensated activation rounded once to the activation dtype, then the
-            W4A16 GEMM; see the module docstring). Only read in the rollout's ``quads`` mode; the
-            ``native`` backend refuses ``bf16``.
+        residual_combine: QUADS operand form, one of :data:`RESIDUAL_COMBINES`: ``auto`` (default: resolved
+            once at engine start by :func:`resolve_residual_combine`: ``bf16`` on the ``torch`` and ``triton``
+            backends, ``fp4x2`` on ``native``), ``fp4x2`` (two FP4 operands, combined in float32) or ``bf16``
+            (the compensated activation rounded once to the activation dtype, then the W4A16 GEMM; see the
+            module docstring). Only read in the rollout's ``quads`` mode; the ``native`` backend refuses an
+            explicit ``bf16``.
         weight_qdq: when the trainer fake-quantizes its weights, one of :data:`WEIGHT_QDQS`:
             ``auto`` (default: ``per_version`` when the trainer model is FSDP2-sharded and the FSDP2 patch's
             torch guard accepts the installed torch, else ``per_forward``; the choice and its reason are logged
@@ -118,7 +130,7 @@ class QuantConfig:
     trace_base_mode: str = "w4a16"
     ignore: tuple[str, ...] = DEFAULT_IGNORE
     backend: str = "auto"
-    residual_combine: str = "fp4x2"
+    residual_combine: str = "auto"
     weight_qdq: str = "auto"
 
     def __post_init__(self) -> None:
@@ -158,8 +170,9 @@ class QuantConfig:
         if self.residual_combine not in RESIDUAL_COMBINES:
             raise ValueError(
                 f"actor_rollout_ref.actor.quant_config.residual_combine={self.residual_combine!r}: allowed: "
-                f"{', '.join(RESIDUAL_COMBINES)} (fp4x2: two FP4 operands combined in float32, the default; bf16: the "
-                "compensated activation rounded once to the activation dtype, then the W4A16 GEMM)"
+                f"{', '.join(RESIDUAL_COMBINES)} (auto: the default, bf16 on the torch/triton backends and fp4x2 on "
+                "native; fp4x2: two FP4 operands combined in float32; bf16: the compensated activation rounded once to "
+                "the activation dtype, then the W4A16 GEMM)"
             )
         if self.weight_qdq not in WEIGHT_QDQS:
             raise ValueError(
@@ -207,5 +220,29 @@ class QuantConfig:
         return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v) for f in fields(self)}
 
 
-__all__ = ["QUANT_MODES", "TRAINER_MODES", "ROLLOUT_MODES", "BACKENDS", "RESIDUAL_COMBINES", "RESIDUAL_GRANULARITIES", "WEIGHT_QDQS",
-           "DEFAULT_IGNORE", "QuantConfig"]
+#: What ``residual_combine="auto"`` resolves to per concrete rollout backend (see :func:`resolve_residual_combine`).
+AUTO_RESIDUAL_COMBINE = {"torch": "bf16", "triton": "bf16", "native": "fp4x2"}
+
+
+def resolve_residual_combine(value: str, backend: str) -> str:
+    """The concrete QUADS operand form (one of :data:`RESIDUAL_COMBINE_FORMS`) of ``quant_config.residual_combine``
+    ``value`` on the concrete rollout ``backend`` (``torch``, ``triton`` or ``native``; the HF emulator of the
+    diagnostics runs the ``torch`` arithmetic). ``auto`` -> ``bf16`` on ``torch``/``triton`` (the W4A16 GEMM on
+    the compensated activation: measured at or below W4A4-emulated cost on the H200, module docstring),
+    ``fp4x2`` on ``native`` (its FP4 GEMM takes FP4 operands); a concrete value is returned as it is (whether
+    it can run on ``backend`` is the engine's check: ``native`` refuses ``bf16``). Called once at engine start."""
+    if backend not in AUTO_RESIDUAL_COMBINE:
+        raise ValueError(
+            f"resolve_residual_combine: backend must be a concrete rollout backend, one of "
+            f"{', '.join(AUTO_RESIDUAL_COMBINE)}; got {backend!r} (resolve quant_config.backend first)"
+        )
+    if value not in RESIDUAL_COMBINES:
+        raise ValueError(
+            f"actor_rollout_ref.actor.quant_config.residual_combine={value!r}: allowed: {', '.join(RESIDUAL_COMBINES)}"
+        )
+    return AUTO_RESIDUAL_COMBINE[backend] if value == "auto" else value
+
+
+__all__ = ["QUANT_MODES", "TRAINER_MODES", "ROLLOUT_MODES", "BACKENDS", "RESIDUAL_COMBINES", "RESIDUAL_COMBINE_FORMS",
+           "AUTO_RESIDUAL_COMBINE", "RESIDUAL_GRANULARITIES", "WEIGHT_QDQS", "DEFAULT_IGNORE", "QuantConfig",
+           "resolve_residual_combine"]

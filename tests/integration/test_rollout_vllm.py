@@ -196,6 +196,8 @@ def test_each_mode_generates_with_logprobs(engines, ckpts, mode):
     assert len(lin) == 2 * LAYERS and len(moe) == LAYERS  # qkv_proj + o_proj per layer; experts per layer
     for name, layer in lin.items():
         assert layer.quant_method.act.mode == mode
+        # quant_config.residual_combine left at its default (auto): resolved at engine start, torch backend -> bf16
+        assert mode != "quads" or layer.quant_method.act.residual_combine == "bf16", name
         params = dict(layer.named_parameters(recurse=False))
         assert set(params) == {"weight_packed", "weight_scale", "weight_global_scale"}, name
         assert params["weight_packed"].dtype == torch.uint8 and params["weight_scale"].dtype == torch.float8_e4m3fn
@@ -203,6 +205,7 @@ def test_each_mode_generates_with_logprobs(engines, ckpts, mode):
         # DESIGN §4: vLLM CPU repacks *unquantized* linear weights for oneDNN; ours must not be touched.
         assert not hasattr(layer, "cpu_linear"), name
     for name, layer in moe.items():
+        assert mode != "quads" or layer.quant_method.act.residual_combine == "bf16", name
         shapes = {n: tuple(p.shape) for n, p in layer.named_parameters(recurse=False)}
         assert shapes == {
             "w13_weight_packed": (EXPERTS, 2 * INTER, HIDDEN // 2), "w13_weight_scale": (EXPERTS, 2 * INTER, HIDDEN // 16),
@@ -276,24 +279,31 @@ def qdq_f32(t: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     return nvfp4.dequantize(nvfp4.quantize(t, gs, backend="torch"), torch.float32, backend="torch")
 
 
-def act_operand(x: torch.Tensor, mode: str, ratio: float = 0.5, granularity: str = "channel") -> torch.Tensor:
+def act_operand(x: torch.Tensor, mode: str, ratio: float = 0.5, granularity: str = "channel",
+                combine: str = "fp4x2") -> torch.Tensor:
     """Reference activation operand (float32) written directly against verl_quads.nvfp4 (``quads``: per token,
-    ``granularity`` passed explicitly: the product's default rule is ``channel``, the core's own default ``block``)."""
+    ``granularity`` passed explicitly: the product's default rule is ``channel``, the core's own default ``block``;
+    ``combine``: ``fp4x2`` = the two passes summed in float32, ``bf16`` = the core's QDQ activation, that sum
+    rounded once to x's dtype)."""
     if mode in ("w4a16", "bf16"):
         return x.float()
     gs = nvfp4.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
+    if mode == "quads" and combine == "bf16":
+        return nvfp4.residual_fake_quantize(x, ratio, gs, per_token=True, granularity=granularity,
+                                            backend="torch").float()
     if mode == "quads":
         return nvfp4.residual_quantize(x, ratio, gs, per_token=True, granularity=granularity,
                                        backend="torch").dequantize(torch.float32)
     return qdq_f32(x, gs)
 
 
-def ref_linear(x, w_bf16, mode, ratio=0.5, quant_weight=True, granularity="channel"):
+def ref_linear(x, w_bf16, mode, ratio=0.5, quant_weight=True, granularity="channel", combine="fp4x2"):
     w = qdq_f32(w_bf16, nvfp4.global_scale_from_amax(w_bf16.abs().amax().float())) if quant_weight else w_bf16.float()
-    return act_operand(x, mode, ratio, granularity) @ w.t()
+    return act_operand(x, mode, ratio, granularity, combine) @ w.t()
 
 
-def ref_experts(x, topk_w, topk_ids, w13_bf16, w2_bf16, mode, ratio=0.5, quant_weight=True, granularity="channel"):
+def ref_experts(x, topk_w, topk_ids, w13_bf16, w2_bf16, mode, ratio=0.5, quant_weight=True, granularity="channel",
+                combine="fp4x2"):
     """Routed experts, float32 result; mirrors the documented arithmetic (per-expert loop)."""
     if quant_weight:
         w13 = qdq_f32(w13_bf16, nvfp4.global_scale_from_amax(w13_bf16.abs().amax(dim=(1, 2), keepdim=True).float()))
@@ -301,14 +311,14 @@ def ref_experts(x, topk_w, topk_ids, w13_bf16, w2_bf16, mode, ratio=0.5, quant_w
     else:
         w13, w2 = w13_bf16.float(), w2_bf16.float()
     out_dtype = x.dtype
-    xa = act_operand(x, mode, ratio, granularity)
+    xa = act_operand(x, mode, ratio, granularity, combine)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32)
     ids = topk_ids.long()
     for e in torch.unique(ids).tolist():
         tok, slot = (ids == e).nonzero(as_tuple=True)
         h = (xa[tok] @ w13[e].t()).to(out_dtype)
         a = (torch.nn.functional.silu(h[:, :INTER].float()) * h[:, INTER:].float()).to(out_dtype)
-        y = (act_operand(a, mode, ratio, granularity) @ w2[e].t()).to(out_dtype)
+        y = (act_operand(a, mode, ratio, granularity, combine) @ w2[e].t()).to(out_dtype)
         out.index_add_(0, tok, y.float() * topk_w[tok, slot].float().unsqueeze(-1))
     return out
 
@@ -380,29 +390,38 @@ def test_trace_refuses_prefix_caching(engines, ckpts):
 def test_methods_match_nvfp4_qdq_plus_plain_matmul(engines, ckpts):
     from verl_quads.rollout.linear import QuadsNVFP4LinearMethod
     from verl_quads.rollout.moe import QuadsNVFP4MoEMethod
+    from verl_quads.rollout.quant_config import QuadsNVFP4Config
 
     llm = engines.get(ckpts[0], "naive")
     lin, moe, records = capture_activations(llm)
     ck = checkpoint_tensors(ckpts[0])
     n_checked = 0
-    # quads: ActQuant's default rule (per-token channels, the product default) and the block rule named explicitly
-    for mode, gran in (("w4a16", None), ("naive", None), ("quads", None), ("quads", "block")):
-        act = ActQuant(mode, 0.5, **({} if gran is None else {"residual_granularity": gran}))
-        ref_gran = gran or "channel"
+    # quads: the product default as the engine builds it (QuadsNVFP4Config with no options on vLLM CPU: per-token
+    # channels, residual_combine auto -> bf16 on the torch backend), the fp4x2 operand form named explicitly, and
+    # the block rule named explicitly
+    product = QuadsNVFP4Config.from_config({"quant": "quads"}).activation_quant("model.layers.0.mlp.experts")[0]
+    assert (product.residual_granularity, product.residual_combine) == ("channel", "bf16")
+    cases = [("w4a16", None, ActQuant("w4a16", 0.5)), ("naive", None, ActQuant("naive", 0.5)),
+             ("quads", "default", product), ("quads", "fp4x2", ActQuant("quads", 0.5, residual_combine="fp4x2")),
+             ("quads", "block", ActQuant("quads", 0.5, residual_granularity="block", residual_combine="fp4x2"))]
+    for mode, case, act in cases:
+        ref_gran, ref_combine = act.residual_granularity, act.residual_combine
         for kind, name, inp, _ in records[:: max(1, len(records) // 24)]:
             if kind == "linear":
                 layer = lin[name]
                 y = QuadsNVFP4LinearMethod(act).apply(layer, inp)
-                ref = ref_linear(inp, linear_bf16_weight(ck, name), mode, granularity=ref_gran).to(inp.dtype)
+                ref = ref_linear(inp, linear_bf16_weight(ck, name), mode, granularity=ref_gran,
+                                 combine=ref_combine).to(inp.dtype)
             else:
                 layer = moe[name]
                 x, tw, ti = inp
                 y = QuadsNVFP4MoEMethod(layer.moe_config, act).apply(layer, x, tw, ti, None, None)
-                ref = ref_experts(x, tw, ti, *expert_bf16_weights(ck, name), mode, granularity=ref_gran).to(x.dtype)
+                ref = ref_experts(x, tw, ti, *expert_bf16_weights(ck, name), mode, granularity=ref_gran,
+                                  combine=ref_combine).to(x.dtype)
             # same fp32 products; only the summation order may differ -> at most bf16 rounding flips
-            torch.testing.assert_close(y, ref, rtol=2**-7, atol=1e-5, msg=f"{mode} {gran} {name}")
+            torch.testing.assert_close(y, ref, rtol=2**-7, atol=1e-5, msg=f"{mode} {case} {name}")
             n_checked += 1
-    assert n_checked >= 4 * 8
+    assert n_checked >= 5 * 8
 
 
 # ----------------------------------------------------------------------------- 3. per-layer error

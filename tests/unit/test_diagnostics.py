@@ -172,3 +172,47 @@ def test_probe_quads_modes_follow_the_product_default_and_name_the_other_rules()
         parse_mode("quads@0.5:row")
     with pytest.raises(ValueError, match=r"name the same mode more than once: \['quads@0.5'\]"):
         run_probe("/nonexistent", modes=["quads@0.5", "quads@0.5:channel"])
+
+
+def test_emulator_and_probe_header_follow_residual_combine_auto(monkeypatch):
+    """The HF emulator runs the emulated (torch) arithmetic, so quant_config.residual_combine='auto' (the default)
+    resolves to bf16 there as on the plugin's torch/triton backends: its QUADS operand is the core's QDQ activation
+    (residual_fake_quantize, rounded once to bf16), fp4x2 when asked; probe.txt's QUADS header line names the
+    operand the rollout engine runs (hf: bf16; a vLLM engine on a native backend, mocked: fp4x2, with the
+    decomposition's emulated bf16 named beside it)."""
+    import verl_quads.nvfp4 as nv
+    from verl_quads.config import QuantConfig
+    from verl_quads.diagnostics import probe as P
+    from verl_quads.diagnostics.hf_rollout import RolloutEmulator, RolloutSpec
+    from verl_quads.rollout import backend as backend_mod
+
+    spec = RolloutSpec.for_rollout_mode(QuantConfig("quads"))
+    assert (spec.residual_combine, spec.combine) == ("auto", "bf16")
+    assert RolloutSpec(True, "quads", residual_combine="fp4x2").combine == "fp4x2"
+    with pytest.raises(ValueError, match=r"RolloutSpec\.residual_combine .* must be one of \('auto', 'fp4x2', 'bf16'\)"):
+        RolloutSpec(True, "quads", residual_combine="fp16")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 64, generator=g).to(torch.bfloat16)
+    x[:, 5] *= 30
+    gs = nv.per_row_global_scale(x)
+    ops = {c: RolloutEmulator(torch.nn.Linear(1, 1), RolloutSpec(False, "quads", 0.5, residual_combine=c))
+           ._quant_act(x, 0, "self_attn.o_proj") for c in ("auto", "fp4x2")}
+    assert torch.equal(ops["auto"], nv.residual_fake_quantize(x, 0.5, gs, granularity="channel", backend="torch").float())
+    assert torch.equal(ops["fp4x2"], nv.residual_quantize(x, 0.5, gs, granularity="channel", backend="torch")
+                       .dequantize(torch.float32))
+    assert not torch.equal(ops["auto"], ops["fp4x2"])  # bf16 rounding of the sum changes some elements
+
+    cfg = P.parse_mode("quads@0.5").cfg
+    hf = P.HFEngine.__new__(P.HFEngine)
+    assert P._quads_operand(hf, cfg) == {"residual_combine": "auto", "rollout": "bf16", "emulated": "bf16"}
+    vl = P.VLLMEngine.__new__(P.VLLMEngine)
+    monkeypatch.setattr(backend_mod, "resolve_backend", lambda requested: "native")
+    assert P._quads_operand(vl, cfg) == {"residual_combine": "auto", "rollout": "fp4x2", "emulated": "bf16"}
+    res = P.ProbeResult("hf", "m", ["quads@0.5"], [0, 1, 2], 2, 4)
+    res.quads_rules = {"quads@0.5": {"residual_ratio": 0.5, "residual_per_token": True, "residual_granularity": "channel"}}
+    res.quads_operand = {"quads@0.5": P._quads_operand(hf, cfg)}
+    head = next(line for line in P.format_tables(res).splitlines() if line.startswith("QUADS selection"))
+    assert head.startswith("QUADS selection: quads@0.5: k=0.5 per token channels, operand bf16 (residual_combine=auto) [")
+    res.quads_operand = {"quads@0.5": P._quads_operand(vl, cfg)}
+    head = next(line for line in P.format_tables(res).splitlines() if line.startswith("QUADS selection"))
+    assert "operand fp4x2 (residual_combine=auto, emulated (decomposition) bf16)" in head

@@ -62,6 +62,11 @@ def _run_toy(tmp_path, main, AutoTokenizer):
     # plain quads@R is the product default: the per-token channel rule
     assert data["probe_extra"]["quads_rules"]["quads@0.5"]["residual_granularity"] == "channel"
     assert "quads@0.5: k=0.5 per token channels" in (tmp_path / "extra" / "probe.txt").read_text()
+    # the emulated rollout (hf engine) resolves residual_combine=auto (the default) to bf16, and says so
+    assert data["probe_extra"]["quads_operand"]["quads@0.5"] == {"residual_combine": "auto", "rollout": "bf16",
+                                                                 "emulated": "bf16"}
+    assert "quads@0.5: k=0.5 per token channels, operand bf16 (residual_combine=auto)" in \
+        (tmp_path / "extra" / "probe.txt").read_text()
     assert (tmp_path / "extra" / "probe.txt").exists() and "extra_probe" in data["phase_seconds"]
 
 

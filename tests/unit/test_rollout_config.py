@@ -48,7 +48,7 @@ def test_args_from_dict_env_and_default(monkeypatch):
         ({"quant_method": "modelopt_fp4", "quant": "quads"}, "expected 'quads_nvfp4'"),
         ({"quant": "quads", "residual_ratio": 1.5}, "residual_ratio"),
         ({"quant": "quads", "residual_combine": "fp16"},
-         r"actor_rollout_ref\.actor\.quant_config\.residual_combine='fp16': allowed: fp4x2, bf16"),
+         r"actor_rollout_ref\.actor\.quant_config\.residual_combine='fp16': allowed: auto, fp4x2, bf16"),
         ({"quant": "quads", "residual_granularity": "row"},
          r"actor_rollout_ref\.actor\.quant_config\.residual_granularity='row': allowed: block, channel"),
         ({"quant": "quads", "residual_granularity": "channel", "residual_per_token": False},
@@ -65,26 +65,70 @@ def test_bad_args_fail_clearly(args, match):
         quant_config_from_args(args)
 
 
-def test_residual_combine_reaches_each_layers_activation_quant(monkeypatch):
-    """quant_config.residual_combine: default fp4x2; bf16 is handed to every layer's ActQuant."""
-    assert QuadsNVFP4Config.from_config({"quant": "quads"}).activation_quant("model.layers.0.mlp.down_proj")[0] \
-        .residual_combine == "fp4x2"
+def test_residual_combine_reaches_each_layers_activation_quant(monkeypatch, caplog):
+    """quant_config.residual_combine: default auto, resolved once at engine start on the torch backend (vLLM CPU)
+    to bf16 (logged at INFO); explicit fp4x2 / bf16 are handed to every layer's ActQuant as given."""
+    import logging
+
+    from verl_quads.config import QuantConfig
+
+    assert QuantConfig("quads").residual_combine == "auto"
+    with caplog.at_level(logging.INFO, logger="verl_quads"):
+        cfg = QuadsNVFP4Config.from_config({"quant": "quads"})
+    assert (cfg.backend, cfg.quant_config.residual_combine, cfg.residual_combine) == ("torch", "auto", "bf16")
+    assert cfg.activation_quant("model.layers.0.mlp.down_proj")[0].residual_combine == "bf16"
+    logged = [r.getMessage() for r in caplog.records if "QUADS operand form" in r.getMessage()]
+    assert logged == ["verl-quads: quads_nvfp4 QUADS operand form residual_combine=bf16 "
+                      "(quant_config.residual_combine='auto' on backend torch)"]
+    cfg = QuadsNVFP4Config.from_config({"quant": "quads", "residual_combine": "fp4x2"})
+    assert cfg.activation_quant("model.layers.0.mlp.down_proj")[0].residual_combine == "fp4x2"
     cfg = QuadsNVFP4Config.from_config({"quant": "quads", "residual_combine": "bf16", "residual_ratio": 0.25})
     act, idx, gemm = cfg.activation_quant("model.layers.1.self_attn.qkv_proj")
     assert (act.mode, act.residual_combine, act.residual_ratio, idx, gemm) == ("quads", "bf16", 0.25, 1, "self_attn.qkv_proj")
-    monkeypatch.setenv(ENV_VAR, json.dumps({"quant": "quads", "residual_combine": "bf16"}))
-    assert QuadsNVFP4Config().quant_config.residual_combine == "bf16"
+    monkeypatch.setenv(ENV_VAR, json.dumps({"quant": "quads", "residual_combine": "fp4x2"}))
+    assert QuadsNVFP4Config().quant_config.residual_combine == "fp4x2" == QuadsNVFP4Config().residual_combine
+
+
+@pytest.mark.parametrize("backend, want", [("torch", "bf16"), ("triton", "bf16"), ("native", "fp4x2")])
+def test_auto_residual_combine_resolves_once_per_backend_mocked_gpu(monkeypatch, backend, want):
+    """Mocked (triton: a Hopper GPU; native: a Blackwell GPU with vLLM's FP4 ops; none here): residual_combine='auto'
+    resolves at engine start to bf16 on the emulated backends and to fp4x2 on native; every layer's ActQuant gets
+    the concrete form (never 'auto'); outside quads the resolution is not logged."""
+    from verl_quads.config import resolve_residual_combine
+    from verl_quads.rollout import quant_config as qc_mod
+    from verl_quads.rollout.emulation import ActQuant
+
+    monkeypatch.setattr(qc_mod, "resolve_backend", lambda requested: backend)
+    cfg = QuadsNVFP4Config.from_config({"quant": "quads"})
+    assert (cfg.backend, cfg.residual_combine) == (backend, want)
+    act = cfg.activation_quant("model.layers.3.mlp.experts")[0]
+    assert act.residual_combine == want
+    assert resolve_residual_combine("auto", backend) == want
+    for concrete in ("fp4x2", "bf16"):  # explicit values pass through (native's refusal of bf16 is the engine's)
+        assert resolve_residual_combine(concrete, backend) == concrete
+    with pytest.raises(ValueError, match=r"backend must be a concrete rollout backend.*got 'auto'"):
+        resolve_residual_combine("auto", "auto")
+    with pytest.raises(ValueError, match=r"residual_combine='fp16': allowed: auto, fp4x2, bf16"):
+        resolve_residual_combine("fp16", backend)
+    # below the engine nothing sees 'auto': ActQuant refuses it, naming the resolution
+    with pytest.raises(ValueError, match=r"ActQuant\.residual_combine='auto'.*resolve_residual_combine.*'bf16' on "
+                                         r"torch/triton and 'fp4x2' on native"):
+        ActQuant("quads", residual_combine="auto")
 
 
 def test_native_refuses_quads_bf16_combine_mocked_blackwell(monkeypatch):
     """Mocked: the backend resolves to native as it would on a Blackwell GPU with vLLM's FP4 ops (none here).
-    residual_combine='bf16' is refused there, naming the key; fp4x2 (and bf16 outside quads) is accepted."""
+    An explicit residual_combine='bf16' is refused there, naming the key; auto (-> fp4x2), fp4x2 and bf16 outside
+    quads are accepted."""
     from verl_quads.rollout import quant_config as qc_mod
 
     monkeypatch.setattr(qc_mod, "resolve_backend", lambda requested: "native")
-    with pytest.raises(ValueError, match=r"quant_config\.residual_combine='bf16' is for the emulated backends.*'native'"):
+    with pytest.raises(ValueError, match=r"quant_config\.residual_combine='bf16' is for the emulated backends.*'native'"
+                                         r".*allowed there 'fp4x2' or 'auto'"):
         QuadsNVFP4Config.from_config({"quant": "quads", "residual_combine": "bf16"})
-    assert QuadsNVFP4Config.from_config({"quant": "quads"}).backend == "native"
+    cfg = QuadsNVFP4Config.from_config({"quant": "quads"})
+    assert (cfg.backend, cfg.residual_combine) == ("native", "fp4x2")
+    assert QuadsNVFP4Config.from_config({"quant": "quads", "residual_combine": "fp4x2"}).residual_combine == "fp4x2"
     assert QuadsNVFP4Config.from_config({"quant": "naive", "residual_combine": "bf16"}).backend == "native"
 
 
@@ -116,7 +160,7 @@ def test_gpu_backends_accept_channel_granularity_mocked_gpu(monkeypatch, backend
     from verl_quads.rollout import quant_config as qc_mod
 
     monkeypatch.setattr(qc_mod, "resolve_backend", lambda requested: backend)
-    for combine in ("fp4x2", "bf16") if backend == "triton" else ("fp4x2",):
+    for combine in ("auto", "fp4x2", "bf16") if backend == "triton" else ("auto", "fp4x2"):
         cfg = QuadsNVFP4Config.from_config({"quant": "quads", "residual_granularity": "channel",
                                             "residual_combine": combine})
         assert cfg.backend == backend and cfg.quant_config.residual_granularity == "channel"

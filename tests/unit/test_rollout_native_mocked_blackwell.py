@@ -164,6 +164,22 @@ def test_native_w4a4_within_the_double_rounding_bound_of_torch_backend(act):
     assert torch.equal(yn[5], (bias.float()).to(torch.bfloat16))  # zero token: exactly the bias
 
 
+def test_native_runs_the_product_default_residual_combine_auto_as_fp4x2(monkeypatch):
+    """quant_config.residual_combine='auto' (the default) on the native backend (resolve_backend mocked to native,
+    as on a Blackwell GPU with vLLM's FP4 ops) resolves at engine start to fp4x2: the layer's ActQuant is the
+    two-FP4-operand form, and the native GEMM on it stays within the double-rounding bound of the torch backend's
+    fp4x2 output. An explicit bf16 is refused there, naming the key."""
+    from verl_quads.rollout import quant_config as qc_mod
+
+    monkeypatch.setattr(qc_mod, "resolve_backend", lambda requested: "native")
+    cfg = qc_mod.QuadsNVFP4Config.from_config({"quant": "quads"})
+    act = cfg.activation_quant("model.layers.0.mlp.down_proj")[0]
+    assert (cfg.quant_config.residual_combine, cfg.backend, act.residual_combine) == ("auto", "native", "fp4x2")
+    test_native_w4a4_within_the_double_rounding_bound_of_torch_backend(act)
+    with pytest.raises(ValueError, match=r"quant_config\.residual_combine='bf16' is for the emulated backends"):
+        qc_mod.QuadsNVFP4Config.from_config({"quant": "quads", "residual_combine": "bf16"})
+
+
 def test_native_with_a_swizzle_bug_fails_the_bound():
     """Negative control: a layout bug (row-major scales handed to the op) breaks the bound above."""
     x, w, bias = _data()

@@ -58,13 +58,32 @@ def _close(y, ref, what):
     assert rel <= 2 ** -7 and equal >= 0.95, (what, rel, equal)
 
 
-#: QUADS selection unit per case: None = ActQuant's default (the per-token channel rule); per-call cases need
+def _act(monkeypatch, backend, mode, per_token, combine, gran, prefix):
+    """The layer's ActQuant. ``combine="auto"`` (quads only): built as the engine builds it, by QuadsNVFP4Config
+    with quant_config.residual_combine left at its default (auto) and the backend resolved to ``backend`` (mocked:
+    no GPU here), so the default's resolution (bf16 on torch and triton) is what the layer runs."""
+    if combine != "auto":
+        return ActQuant(mode, 0.5, per_token, capture=mode == "trace", residual_combine=combine,
+                        **({} if gran is None else {"residual_granularity": gran}))
+    from verl_quads.rollout import quant_config as qc_mod
+
+    assert mode == "quads"
+    monkeypatch.setattr(qc_mod, "resolve_backend", lambda requested: backend)
+    cfg = qc_mod.QuadsNVFP4Config.from_config({"quant": "quads", "residual_ratio": 0.5, "residual_per_token": per_token,
+                                               **({} if gran is None else {"residual_granularity": gran})})
+    act = cfg.activation_quant(prefix)[0]
+    assert cfg.quant_config.residual_combine == "auto" and cfg.backend == backend and act.residual_combine == "bf16"
+    return act
+
+
+#: QUADS selection unit per case: None = the default (the per-token channel rule); per-call cases need
 #: "block" (per-call selection is defined for blocks only); ("quads", True, ..., "block") keeps the per-token
-#: block rule tested through the product path.
+#: block rule tested through the product path. combine "auto": the product default (-> bf16 on both backends,
+#: see _act); fp4x2 and explicit bf16 stay covered.
 @pytest.mark.parametrize("mode, per_token, combine, gran", [
     ("w4a16", False, "fp4x2", None), ("naive", False, "fp4x2", None), ("quads", False, "fp4x2", "block"),
     ("quads", True, "fp4x2", None), ("quads", True, "fp4x2", "block"),
-    ("trace", False, "fp4x2", None), ("quads", True, "bf16", None), ("quads", False, "bf16", "block"),
+    ("trace", False, "fp4x2", None), ("quads", True, "auto", None), ("quads", False, "bf16", "block"),
 ])
 def test_linear_apply_triton_equals_torch(monkeypatch, mode, per_token, combine, gran):
     layer = _linear_layer()
@@ -75,8 +94,7 @@ def test_linear_apply_triton_equals_torch(monkeypatch, mode, per_token, combine,
     for backend in ("torch", "triton"):
         store = _Store()
         monkeypatch.setattr(capture_mod, "get_store", lambda: store)
-        act = ActQuant(mode, 0.5, per_token, capture=mode == "trace", residual_combine=combine,
-                       **({} if gran is None else {"residual_granularity": gran}))
+        act = _act(monkeypatch, backend, mode, per_token, combine, gran, "model.layers.3.self_attn.qkv_proj")
         assert mode != "quads" or act.residual_granularity == (gran or "channel")
         m = QuadsNVFP4LinearMethod(act, backend, capture_key=(3, "self_attn.qkv_proj") if mode == "trace" else None)
         outs[backend] = m.apply(layer, x, bias)
@@ -105,7 +123,7 @@ def _moe_layer(n_exp=4, hidden=64, inter=32, seed=0):
     ("w4a16", False, False, "fp4x2", None), ("naive", False, True, "fp4x2", None),
     ("quads", False, False, "fp4x2", "block"), ("quads", True, False, "fp4x2", None),
     ("quads", True, False, "fp4x2", "block"), ("trace", False, False, "fp4x2", None),
-    ("quads", True, True, "bf16", None), ("quads", False, False, "bf16", "block"),
+    ("quads", True, True, "auto", None), ("quads", False, False, "bf16", "block"),
 ])
 def test_moe_apply_triton_equals_torch(monkeypatch, mode, per_token, expert_map, combine, gran):
     layer, cfg = _moe_layer()
@@ -122,8 +140,7 @@ def test_moe_apply_triton_equals_torch(monkeypatch, mode, per_token, expert_map,
     for backend in ("torch", "triton"):
         store = _Store()
         monkeypatch.setattr(capture_mod, "get_store", lambda: store)
-        act = ActQuant(mode, 0.5, per_token, capture=mode == "trace", residual_combine=combine,
-                       **({} if gran is None else {"residual_granularity": gran}))
+        act = _act(monkeypatch, backend, mode, per_token, combine, gran, "model.layers.5.mlp.experts")
         m = QuadsNVFP4MoEMethod(cfg, act, backend, capture_layer=5 if mode == "trace" else None)
         outs[backend] = m.apply(layer, x, tw, ids, None, None)
         recs[backend] = store.records

@@ -162,13 +162,14 @@ def test_upstream_symbols_the_wiring_relies_on():
 
 def test_residual_combine_option_reaches_vllm_and_is_validated():
     """actor_rollout_ref.actor.quant_config.residual_combine (like residual_ratio): typed key, mirrored into the
-    rollout's vLLM quantization config; a value outside fp4x2/bf16 fails naming the key and the allowed values."""
+    rollout's vLLM quantization config; default auto (resolved by the plugin at engine start); a value outside
+    auto/fp4x2/bf16 fails naming the key and the allowed values."""
     from verl_quads.rollout.quant_config import quant_config_from_args
 
     r = _rollout("actor_rollout_ref.actor.quant=quads", "actor_rollout_ref.actor.quant_config.residual_combine=bf16")
     want = r.engine_kwargs["vllm"]["hf_overrides"]["quantization_config"]
     assert want["residual_combine"] == "bf16" and quant_config_from_args(want).residual_combine == "bf16"
-    assert _rollout("actor_rollout_ref.actor.quant=quads").quant_config["residual_combine"] == "fp4x2"
+    assert _rollout("actor_rollout_ref.actor.quant=quads").quant_config["residual_combine"] == "auto"
     with pytest.raises(InstantiationException,
-                       match=r"actor_rollout_ref\.actor\.quant_config\.residual_combine='fp16': allowed: fp4x2, bf16"):
+                       match=r"actor_rollout_ref\.actor\.quant_config\.residual_combine='fp16': allowed: auto, fp4x2, bf16"):
         _rollout("actor_rollout_ref.actor.quant=quads", "actor_rollout_ref.actor.quant_config.residual_combine=fp16")

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verl_quads.config import QuantConfig
+from verl_quads.config import RESIDUAL_COMBINES, QuantConfig, resolve_residual_combine
 from verl_quads.nvfp4 import GuidanceRecord
 from verl_quads.qat.weights import EXPERT_PARAMS, FUSED_GROUPS
 from verl_quads.rollout import emulation
@@ -40,6 +40,9 @@ ACT_MODES = ("none", "naive", "quads", "trace")
 #: Activation quantization backend: Triton kernels on CUDA tensors (bit-exact with the torch reference,
 #: only faster: the emulation issues thousands of small GEMM calls per decode step), torch on CPU.
 _BACKEND = "auto"
+#: The rollout backend whose arithmetic this emulator runs (the plugin's ``torch`` backend): it decides what
+#: ``residual_combine="auto"`` resolves to here (:func:`verl_quads.config.resolve_residual_combine`: ``bf16``).
+EMULATED_BACKEND = "torch"
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,9 @@ class RolloutSpec:
         residual_ratio / residual_per_token / residual_granularity: QUADS options (defaults as
             :class:`verl_quads.config.QuantConfig`: per token, the channel rule).
         guided_layers: trace: the last N decoder layers capture guidance.
+        residual_combine: QUADS operand form, as ``quant_config.residual_combine`` (default ``auto``); the
+            emulator runs the emulated (``torch``) arithmetic, so ``auto`` resolves to ``bf16`` as on the
+            plugin's torch/triton backends (:attr:`combine`).
     """
 
     weights: bool
@@ -61,13 +67,23 @@ class RolloutSpec:
     residual_per_token: bool = True
     guided_layers: int = 20
     residual_granularity: str = "channel"
+    residual_combine: str = "auto"
 
     def __post_init__(self) -> None:
         if self.act not in ACT_MODES:
             raise ValueError(f"RolloutSpec.act must be one of {ACT_MODES}, got {self.act!r}")
+        if self.residual_combine not in RESIDUAL_COMBINES:
+            raise ValueError(f"RolloutSpec.residual_combine (quant_config.residual_combine) must be one of "
+                             f"{RESIDUAL_COMBINES}, got {self.residual_combine!r}")
         if self.act == "quads":  # the same checks as the rollout's (names the key and the allowed values)
-            ActQuant("quads", self.residual_ratio, self.residual_per_token,
+            ActQuant("quads", self.residual_ratio, self.residual_per_token, residual_combine=self.combine,
                      residual_granularity=self.residual_granularity)
+
+    @property
+    def combine(self) -> str:
+        """The concrete QUADS operand form the emulator runs: ``residual_combine`` resolved on the emulated
+        backend (``auto`` -> ``bf16``; ``fp4x2`` / ``bf16`` as given)."""
+        return resolve_residual_combine(self.residual_combine, EMULATED_BACKEND)
 
     @property
     def act_backend(self) -> str:
@@ -87,7 +103,7 @@ class RolloutSpec:
             return cls(False, "none")
         act = "none" if mode == "w4a16" else mode
         return cls(True, act, cfg.residual_ratio, cfg.residual_per_token, cfg.guided_layers,
-                   residual_granularity=cfg.residual_granularity)
+                   residual_granularity=cfg.residual_granularity, residual_combine=cfg.residual_combine)
 
 
 class _Recorder:
@@ -192,6 +208,7 @@ class RolloutEmulator:
             self.spec.residual_ratio,
             self.spec.residual_per_token,
             backend=self.spec.act_backend,
+            residual_combine=self.spec.combine,
             residual_granularity=self.spec.residual_granularity,
         )
         guided = self._guided(layer)

@@ -450,6 +450,9 @@ class ProbeResult:
     notes: list[str] = field(default_factory=list)
     #: QUADS modes -> their selection rule: {"residual_ratio", "residual_per_token", "residual_granularity"}
     quads_rules: dict = field(default_factory=dict)
+    #: QUADS modes -> their operand form: {"residual_combine": the config value, "rollout": the concrete form the
+    #: rollout engine runs, "emulated": the form of the emulated rollout (decomposition; the hf engine)}
+    quads_operand: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = dict(self.__dict__)
@@ -497,6 +500,7 @@ def run_probe(
     res.quads_rules = {m.name: {k: getattr(m.cfg, k) for k in ("residual_ratio", "residual_per_token",
                                                               "residual_granularity")}
                        for m in mode_objs if m.cfg.quant == "quads"}
+    res.quads_operand = {m.name: _quads_operand(eng, m.cfg) for m in mode_objs if m.cfg.quant == "quads"}
     if isinstance(eng, HFEngine):
         res.notes.append("vLLM is not installed (or engine=hf): the rollout is verl-quads' own rollout arithmetic "
                          "(verl_quads.diagnostics.hf_rollout) over a Hugging Face model, KV-cached decoding with eager "
@@ -543,16 +547,34 @@ def run_probe(
     return res
 
 
+def _quads_operand(eng, cfg: QuantConfig) -> dict:
+    """The QUADS operand form (``residual_combine``, resolved as at engine start) of the rollout engine ``eng``
+    (hf: the emulated torch arithmetic; vllm: the plugin's backend for ``cfg.backend`` on this device) and of the
+    emulated rollout of the decomposition."""
+    from verl_quads.config import resolve_residual_combine
+    from verl_quads.diagnostics.hf_rollout import EMULATED_BACKEND
+
+    emulated = resolve_residual_combine(cfg.residual_combine, EMULATED_BACKEND)
+    if isinstance(eng, HFEngine):
+        rollout = emulated
+    else:
+        from verl_quads.rollout.backend import resolve_backend
+
+        rollout = resolve_residual_combine(cfg.residual_combine, resolve_backend(cfg.backend))
+    return {"residual_combine": cfg.residual_combine, "rollout": rollout, "emulated": emulated}
+
+
 def _decompose(model, mode: Mode, r: Rollout, tr: Scored, device, decomp_runs: dict, layer_runs: list) -> None:
     rspec = RolloutSpec.for_rollout_mode(mode.cfg)
     tw, ta = _trainer_mode_spec(mode.cfg)
     ratio, per_tok, gran = mode.cfg.residual_ratio, mode.cfg.residual_per_token, mode.cfg.residual_granularity
+    kw = dict(residual_granularity=gran, residual_combine=mode.cfg.residual_combine)
     r_act = rspec.act if rspec.act != "trace" else "naive"
     variants = {
-        "neither": RolloutSpec(tw, ta, ratio, per_tok, residual_granularity=gran),
-        "weights_only": RolloutSpec(rspec.weights, ta, ratio, per_tok, residual_granularity=gran),
-        "activations_only": RolloutSpec(tw, r_act, ratio, per_tok, residual_granularity=gran),
-        "both": RolloutSpec(rspec.weights, r_act, ratio, per_tok, residual_granularity=gran),
+        "neither": RolloutSpec(tw, ta, ratio, per_tok, **kw),
+        "weights_only": RolloutSpec(rspec.weights, ta, ratio, per_tok, **kw),
+        "activations_only": RolloutSpec(tw, r_act, ratio, per_tok, **kw),
+        "both": RolloutSpec(rspec.weights, r_act, ratio, per_tok, **kw),
     }
     for name, spec in variants.items():
         sc = score_emulated(model, spec, mode.cfg, r, device=device)
@@ -587,10 +609,22 @@ def format_tables(res: ProbeResult) -> str:
              f"{res.n_prompts} prompts x {res.max_new_tokens} new tokens, seeds {res.seeds} (mean±std over seeds)"]
     lines += [f"NOTE: {n}" for n in res.notes]
     if res.quads_rules:
+        ops = res.quads_operand
+
+        def _op(n: str) -> str:
+            o = ops.get(n)
+            if not o:
+                return ""
+            emu = "" if o["emulated"] == o["rollout"] else f", emulated (decomposition) {o['emulated']}"
+            return f", operand {o['rollout']} (residual_combine={o['residual_combine']}{emu})"
+
         lines.append("QUADS selection: " + "; ".join(
             f"{n}: k={r['residual_ratio']:g} {'per token' if r['residual_per_token'] else 'per call'} "
-            f"{'channels' if r['residual_granularity'] == 'channel' else '16-channel blocks'}"
-            for n, r in res.quads_rules.items()))
+            f"{'channels' if r['residual_granularity'] == 'channel' else '16-channel blocks'}{_op(n)}"
+            for n, r in res.quads_rules.items())
+            + (" [operand bf16: Q(x)+Q(R_sel) summed in float32, rounded once to the activation dtype, then the "
+               "W4A16 GEMM (what residual_combine=auto runs on the emulated torch/triton backends); fp4x2: two FP4 "
+               "operands summed in float32 (auto on native)]" if ops else ""))
     w = max([12] + [len(n) for n in res.per_mode])  # mode column width (e.g. quads@0.125:block)
     hdr = f"{'mode':{w}s} {'max|gap|':>16s} {'p99|gap|':>16s} {'mean|gap|':>16s} {'k3 KL':>16s} {'argmax!=':>16s} {'routing!=':>16s} {'closure p99':>11s}"
     lines += ["", "== total gap (rollout engine vs trainer) ==", hdr]

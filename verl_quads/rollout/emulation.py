@@ -17,12 +17,15 @@ Modes (rollout vocabulary of :class:`verl_quads.config.QuantConfig`): ``w4a16``,
 ``Q(x) + Q(R_sel)``, :func:`verl_quads.nvfp4.residual_quantize`), ``trace`` (``naive`` arithmetic;
 the activation's :class:`~verl_quads.nvfp4.GuidanceRecord` is returned for capture).
 
-QUADS operand form (``ActQuant.residual_combine``, :class:`verl_quads.config.QuantConfig`):
-``fp4x2`` (default): ``deq(Q(x)) + deq(Q(R_sel))`` in float32, never rounded (the model of a GEMM that
-reads both FP4 operands and combines them in float32); ``bf16``:
-:func:`verl_quads.nvfp4.residual_fake_quantize` (the same sum in float32, rounded ONCE to the activation
-dtype: relative <= 2**-8 per element for bf16, 2**-11 for fp16, none for float32), upcast to float32
-(exact), i.e. the operand of the ``w4a16`` GEMM that the ``triton`` backend then runs.
+QUADS operand form (``ActQuant.residual_combine``, always concrete): ``fp4x2`` (ActQuant's default, as the
+NVFP4 core's): ``deq(Q(x)) + deq(Q(R_sel))`` in float32, never rounded (the model of a GEMM that reads both
+FP4 operands and combines them in float32); ``bf16``: :func:`verl_quads.nvfp4.residual_fake_quantize` (the
+same sum in float32, rounded ONCE to the activation dtype: relative <= 2**-8 per element for bf16, 2**-11 for
+fp16, none for float32), upcast to float32 (exact), i.e. the operand of the ``w4a16`` GEMM that the
+``triton`` backend then runs. The product's key ``quant_config.residual_combine`` defaults to ``auto``, which
+the engine resolves once where the backend is known (:func:`verl_quads.config.resolve_residual_combine`:
+``bf16`` on ``torch``/``triton``, ``fp4x2`` on ``native``) before it builds any ActQuant; ActQuant refuses
+``auto``.
 
 QUADS selection unit (``ActQuant.residual_granularity``, default as :class:`verl_quads.config.QuantConfig`):
 ``channel`` (default: single channels per token, :mod:`verl_quads.nvfp4.residual`; with ``backend="auto"`` on
@@ -42,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from verl_quads import nvfp4
-from verl_quads.config import RESIDUAL_COMBINES, RESIDUAL_GRANULARITIES
+from verl_quads.config import RESIDUAL_COMBINE_FORMS, RESIDUAL_GRANULARITIES
 from verl_quads.nvfp4 import GuidanceRecord, NVFP4Tensor
 
 W4A4_MODES = ("naive", "quads", "trace")
@@ -63,7 +66,9 @@ class ActQuant:
         backend: NVFP4 core backend for the activation quantization: ``torch`` (this module is the
             plugin's torch backend) or ``auto`` (Triton for CUDA tensors; the kernels are bit-exact
             with the torch reference, so only speed changes: used by the HF emulator on GPUs).
-        residual_combine: ``quads`` only: ``fp4x2`` (default) or ``bf16`` (module docstring).
+        residual_combine: ``quads`` only, a concrete form: ``fp4x2`` (default) or ``bf16`` (module docstring);
+            ``auto`` (the quant_config default) is refused: the engine resolves it first
+            (:func:`verl_quads.config.resolve_residual_combine`).
         residual_granularity: ``quads`` only: ``channel`` (default, per token only) or ``block`` (module docstring).
     """
 
@@ -80,9 +85,16 @@ class ActQuant:
             raise ValueError(f"quads_nvfp4: runtime mode must be one of {RUNTIME_MODES}, got {self.mode!r}")
         if self.backend not in ("torch", "auto"):
             raise ValueError(f"ActQuant.backend must be 'torch' or 'auto', got {self.backend!r}")
-        if self.residual_combine not in RESIDUAL_COMBINES:
+        if self.residual_combine == "auto":
             raise ValueError(
-                f"ActQuant.residual_combine (quant_config.residual_combine) must be one of {RESIDUAL_COMBINES}, "
+                "ActQuant.residual_combine='auto' (the quant_config.residual_combine default) must be resolved where "
+                "the rollout backend is known, before a layer is built: verl_quads.config.resolve_residual_combine("
+                "'auto', backend) gives 'bf16' on torch/triton and 'fp4x2' on native; ActQuant takes one of "
+                f"{RESIDUAL_COMBINE_FORMS}"
+            )
+        if self.residual_combine not in RESIDUAL_COMBINE_FORMS:
+            raise ValueError(
+                f"ActQuant.residual_combine (quant_config.residual_combine) must be one of {RESIDUAL_COMBINE_FORMS}, "
                 f"got {self.residual_combine!r}"
             )
         if self.residual_granularity not in RESIDUAL_GRANULARITIES:
@@ -197,7 +209,7 @@ def gemm(x_f32: torch.Tensor, w_f32: torch.Tensor, bias: torch.Tensor | None, ou
 __all__ = [
     "W4A4_MODES",
     "RUNTIME_MODES",
-    "RESIDUAL_COMBINES",
+    "RESIDUAL_COMBINE_FORMS",
     "RESIDUAL_GRANULARITIES",
     "ActQuant",
     "check_gemm_input_length",

@@ -9,8 +9,9 @@ How to turn it on (vLLM alone; verl's glue will pass ``actor.quant`` the same wa
    :class:`verl_quads.config.QuantConfig`'s fields (``quant``, ``residual_ratio``,
    ``residual_per_token``, ``residual_combine``, ``residual_granularity``, ``guided_layers``, ``ignore``, ``backend``, ...), with its
    defaults (QUADS: k = 0.5, the per-token channel rule; ``residual_granularity="block"`` for 16-channel
-   blocks). The dict travels with the model config to every worker process. ``quantization=`` may then be
-   omitted.
+   blocks; ``residual_combine="auto"``, resolved once in :class:`QuadsNVFP4Config` on the concrete backend:
+   ``bf16`` on torch/triton, ``fp4x2`` on native, logged at INFO). The dict travels with the model config to
+   every worker process. ``quantization=`` may then be omitted.
 2. ``LLM(model, quantization="quads_nvfp4")`` with no quantization config: vLLM builds the config
    with no arguments (``get_config_filenames() == []``); it then reads the JSON object in the
    environment variable ``VERL_QUADS_QUANT_CONFIG`` (same keys; the variable must be set before
@@ -50,7 +51,7 @@ from typing import Any
 import torch
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
-from verl_quads.config import QuantConfig
+from verl_quads.config import QuantConfig, resolve_residual_combine
 from verl_quads.rollout.backend import resolve_backend
 from verl_quads.rollout.emulation import ActQuant
 
@@ -208,13 +209,19 @@ class QuadsNVFP4Config(QuantizationConfig):
         self.quant_config = quant_config
         self.mode = quant_config.rollout_mode
         self.backend = resolve_backend(quant_config.backend)
-        if self.backend == "native" and self.mode == "quads" and quant_config.residual_combine != "fp4x2":
+        if self.backend == "native" and self.mode == "quads" and quant_config.residual_combine == "bf16":
             raise ValueError(
                 f"quads_nvfp4: actor_rollout_ref.actor.quant_config.residual_combine="
                 f"{quant_config.residual_combine!r} is for the emulated backends (torch, triton); the 'native' "
-                "backend (Blackwell FP4 GEMM) keeps the two FP4 operands: allowed there 'fp4x2' (or set "
+                "backend (Blackwell FP4 GEMM) keeps the two FP4 operands: allowed there 'fp4x2' or 'auto' (or set "
                 "quant_config.backend='triton')"
             )
+        #: the QUADS operand form every layer of this engine runs (``auto`` resolved once, here, on the backend)
+        self.residual_combine = resolve_residual_combine(quant_config.residual_combine, self.backend)
+        if self.mode == "quads":
+            logger.info("verl-quads: quads_nvfp4 QUADS operand form residual_combine=%s "
+                        "(quant_config.residual_combine=%r on backend %s)",
+                        self.residual_combine, quant_config.residual_combine, self.backend)
         self.checkpoint_ignore = None if checkpoint_ignore is None else list(checkpoint_ignore)
         self._guided_from: int | None = None
         logger.info("verl-quads: quads_nvfp4 mode=%s backend=%s config=%s checkpoint=%s", self.mode, self.backend,
@@ -300,7 +307,7 @@ class QuadsNVFP4Config(QuantizationConfig):
         if capture:
             self._enable_capture()
         act = ActQuant(self.mode, cfg.residual_ratio, cfg.residual_per_token, capture,
-                       residual_combine=cfg.residual_combine, residual_granularity=cfg.residual_granularity)
+                       residual_combine=self.residual_combine, residual_granularity=cfg.residual_granularity)
         return act, layer_idx, gemm
 
     def _enable_capture(self) -> None:
