@@ -12,11 +12,10 @@ words and QDQ stay in the thread:
    float32;
 2. score ``R**2`` (times ``score_weight[c]``), float32 >= +0, so its int32 bit pattern orders like the value
    (padding -1 never counts); the row's ``NSEL`` highest scores by the threshold search ``_bits_threshold``
-   (MSB-first over the 31 value bits, one full-row count per bit, stopped once the count is exact; option
-   ``eq_exit``: also stopped once the candidates left are one value). When exactly NSEL scores are >= the
-   threshold they are the selection; else ties at the threshold T go to the lowest channel indices, ranked in
-   channel order by ``_half_ranks`` (per-thread counts + one cumulative sum over the NBP blocks) -- the reference's
-   stable descending sort, without a sort;
+   (MSB-first over the 31 value bits, one full-row count per bit, stopped once the count is exact). When exactly
+   NSEL scores are >= the threshold they are the selection; else ties at the threshold T go to the lowest channel
+   indices, ranked in channel order by ``_half_ranks`` (per-thread counts + one cumulative sum over the NBP blocks)
+   -- the reference's stable descending sort, without a sort;
 3. ``R_sel`` = R on the selected channels, ``+0.0`` elsewhere; its row amax gives the second-pass global scale
    (``_gs_from_amax`` = :func:`~verl_quads.nvfp4.global_scale_from_amax` bit for bit) when the first pass's is per
    row (``[M, 1]``) or M == 1; with a per-tensor first-pass scale and M > 1 the amax is over the whole tensor:
@@ -27,9 +26,11 @@ words and QDQ stay in the thread:
    the QDQ ``deq(Q(x)) + deq(Q(R_sel))`` summed in float32 over EVERY channel (an unselected one adds +0.0, as the
    reference's dense sum does) and cast once.
 
-Speed (H200, bf16, k = 0.5, docs/bench_nvfp4_h200_channel_s6.txt): this layout was the fastest of the session-6
-variants at every shape; a [NBP, 16] tile layout and a radix select by 256-bin ``tl.histogram`` digits were slower
-and are gone (the histogram steps cost more than the bit steps they save). Rows longer than
+Speed (H200, bf16, docs/bench_nvfp4_h200_channel_s6.txt): this layout was the fastest of the session-6 variants at
+every shape (k = 0.5 QDQ: 68 us = 7.9x plain QDQ at 4096x2048, was 77 us; 860 us = 11.9x at 8192x8192); a
+[NBP, 16] tile layout, a radix select by 256-bin ``tl.histogram`` digits (1.6x slower: a histogram step costs more
+than the bit steps it saves) and an exit once the candidates are one value (fewer steps, yet slower) were measured
+and are gone. Rows longer than
 ``CHANNEL_CONFIG["max_k"]`` channels raise NotImplementedError (no tiled variant yet; never the block rule, never a
 silent switch to torch). Kernels run with ``enable_fp_fusion=False`` and use no float negation (triton 3.6 lowers
 ``-v`` to ``0.0 - v``), as :mod:`.triton_kernels`.
@@ -52,18 +53,17 @@ tl = tk.tl
 
 #: ``_channel_row_kernel`` launch: warps so that a thread holds about ``elems_per_thread`` channels of the row (16 =
 #: one 16-block per thread), clamped to [1, max_warps]; rows longer than ``max_k`` channels (padded to a power of two
-#: of 16-blocks) are refused. ``eq_exit`` (speed only, same bytes): ``_bits_threshold`` also stops once the
-#: candidates left are one value (checked before bits 12, 14, 16); ``qdq_maxnreg``: None or a register cap per
-#: thread for the QDQ launches on a GPU (more rows in flight per SM; the packed form spills at <= 80 on sm_90, so it
-#: has none; a register cap means nothing to the interpreter, which ignores it).
-CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "eq_exit": False, "qdq_maxnreg": None}
+#: of 16-blocks) are refused. ``qdq_maxnreg`` / ``pack_maxnreg``: None or a register cap per thread for the QDQ /
+#: packed launches on a GPU (speed only: more rows in flight per SM; a cap means nothing to the interpreter, which
+#: ignores it). sm_90 static counts (triton 3.9's ptxas): QDQ 81-94 registers uncapped, no spills at 80, 24 B at 64;
+#: packed 106-108 uncapped, 112-120 B spilled at 80.
+CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": None, "pack_maxnreg": None}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and tested
 #: against the reference (same bytes).
-CHANNEL_VARIANTS = {"bits": {"eq_exit": False, "qdq_maxnreg": None}, "bits-eq": {"eq_exit": True, "qdq_maxnreg": None},
-                    "bits-eq-r80": {"eq_exit": True, "qdq_maxnreg": 80},
-                    "bits-eq-r64": {"eq_exit": True, "qdq_maxnreg": 64}}
-
+CHANNEL_VARIANTS = {"bits": {"qdq_maxnreg": None, "pack_maxnreg": None},
+                    "bits-r80": {"qdq_maxnreg": 80, "pack_maxnreg": 80},
+                    "bits-r64": {"qdq_maxnreg": 64, "pack_maxnreg": 64}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -74,42 +74,28 @@ if triton is not None:
     _tile_word = tk._tile_word
 
     @triton.jit
-    def _min_max(lo0, hi0, lo1, hi1):
-        return tl.minimum(lo0, lo1), tl.maximum(hi0, hi1)
-
-    @triton.jit
-    def _bits_threshold(eb, NSEL, NVALID, EQ: tl.constexpr):
+    def _bits_threshold(eb, NSEL, NVALID):
         """Selection threshold of a row's score bits ``eb`` [N] int32 (non-negative for the NVALID real entries,
         -1 for padding): returns (th, cnt = #(eb >= th)). MSB first, step k accepts bit 30 - k when #(eb >= th |
         bit) >= NSEL, and the search stops as soon as the count of th is exactly NSEL (then the selection is
         ``eb >= th``: the NSEL highest scores); else, after the last bit, th = T, the largest value with #(eb >= T)
-        >= NSEL, and the caller breaks the ties at T. NSEL = 0 gives 0x7FFFFFFF (or stops at a th no entry reaches).
+        >= NSEL, and the caller breaks the ties at T (``_topn_threshold``'s early-stopped search, returning the
+        count too). NSEL = 0 stops at the first th no entry reaches.
 
-        EQ: before steps 12, 14 and 16 one reduction also takes the min and max of the candidates (entries whose
-        bits above 30 - k equal th's): when they are one value v, T = v (#(eb >= v) = cnt, #(eb > v) < NSEL) and the
-        search ends there. bf16 inputs repeat R**2 values, so the count at T is rarely exact and the plain search
-        runs all 31 steps, while their candidates are one value after 11-15 bits (measured on the bench's rows in
-        numpy: 4096x2048-, 8192x8192- and 2048x768-like bf16 rows, k = 0.5 and 0.25)."""
+        bf16 inputs repeat R**2 values, so the count at T is rarely exact and the search usually runs all 31 steps
+        (numpy on the bench's rows: 26-31). An exit once the candidates left are one value (they are after 11-15
+        bits for bf16) cut the steps to ~15 but measured SLOWER on the H200 (docs/bench_nvfp4_h200_channel_s6.txt,
+        run 2: 81 vs 68 us at 4096x2048), so it is not here."""
         th = tl.full((), 0, tl.int32)  # a scalar without a reduction
         cnt = th + NVALID
         k = th
         while (k < 31) & (cnt != NSEL):
-            same = k < 0
-            if EQ:
-                if (k == 12) | (k == 14) | (k == 16):
-                    inc = (eb >> (31 - k)) == (th >> (31 - k))
-                    vmin, vmax = tl.reduce((tl.where(inc, eb, 0x7FFFFFFF), tl.where(inc, eb, -1)), 0, _min_max)
-                    same = vmin == vmax
-                    th = tl.where(same, vmax, th)
-            if same:
-                k = th * 0 + 31
-            else:
-                cand = th | (1 << (30 - k))
-                c = tl.sum((eb >= cand).to(tl.int32), axis=0)
-                take = c >= NSEL
-                th = tl.where(take, cand, th)
-                cnt = tl.where(take, c, cnt)
-                k += 1
+            cand = th | (1 << (30 - k))
+            c = tl.sum((eb >= cand).to(tl.int32), axis=0)
+            take = c >= NSEL
+            th = tl.where(take, cand, th)
+            cnt = tl.where(take, c, cnt)
+            k += 1
         return th, cnt
 
     @triton.jit
@@ -127,7 +113,6 @@ if triton is not None:
         x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
-        EQ: tl.constexpr,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -138,8 +123,7 @@ if triton is not None:
         (float32) to gs2_ptr[row] and nothing else.
         PACK: packed1/packed2 int64 [M, NB] (one word per 16-block, byte j = code 2j | code 2j+1 << 4),
         scale1/scale2 uint8 [M, NB] (E4M3 bytes), idx int64 [M, NSEL] (ascending channels); else out [M, K] in
-        x's dtype (OUT: ``_store_out`` code) = deq(Q(x)) + deq(Q(R_sel)). EQ: ``_bits_threshold``'s equal-candidates
-        exit (speed only)."""
+        x's dtype (OUT: ``_store_out`` code) = deq(Q(x)) + deq(Q(R_sel))."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
         cmask = c < NB
@@ -164,7 +148,7 @@ if triton is not None:
         e0 = tl.where(m2, s0.to(tl.int32, bitcast=True), -1)  # padding: never selected
         e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
         eb = tl.reshape(tl.join(e0, e1), (NBP * 16,))  # every channel once (not in channel order)
-        th, cnt = _bits_threshold(eb, NSEL, NB * 16, EQ)
+        th, cnt = _bits_threshold(eb, NSEL, NB * 16)
         if cnt == NSEL:
             sel0 = e0 >= th
             sel1 = e1 >= th
@@ -250,17 +234,18 @@ def _run(x: torch.Tensor, ratio: float, global_scale, score_weight, check_finite
     g1, div1 = tk._gs_rows(gs, (m,))
     per_row = gs.dim() == 2 and gs.shape[0] == m and m > 1  # the reference's _second_pass_scale rule
     wt = w if w is not None else g1
-    meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, EQ=bool(CHANNEL_CONFIG["eq_exit"]),
-                num_warps=_warps(nbp), enable_fp_fusion=False)
+    meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, num_warps=_warps(nbp),
+                enable_fp_fusion=False)
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
     if not per_row and m > 1:  # per-tensor second-pass scale: amax of R_sel over all rows first
         amax_rows = torch.empty(m, dtype=torch.float32, device=dev)
         kern[(m,)](xc, g1, wt, xc, xc, xc, xc, xc, xc, amax_rows, PACK=False, OUT=0, GS2=2, **meta)
         gs2_mode, gs2_arg = 1, global_scale_from_amax(amax_rows.amax())
+    cap = CHANNEL_CONFIG["pack_maxnreg" if packed else "qdq_maxnreg"]
+    if cap is not None and xc.is_cuda:  # the interpreter has no registers
+        meta["maxnreg"] = int(cap)
     if not packed:
-        if CHANNEL_CONFIG["qdq_maxnreg"] is not None and xc.is_cuda:
-            meta["maxnreg"] = int(CHANNEL_CONFIG["qdq_maxnreg"])
         out = torch.empty_like(xc)
         o = tk._out_arg(out)
         kern[(m,)](xc, g1, wt, o, o, o, o, o, o, gs2_arg if gs2_arg is not None else g1, PACK=False,
