@@ -56,14 +56,17 @@ tl = tk.tl
 #: of 16-blocks) are refused. ``qdq_maxnreg`` / ``pack_maxnreg``: None or a register cap per thread for the QDQ /
 #: packed launches on a GPU (speed only: more rows in flight per SM; a cap means nothing to the interpreter, which
 #: ignores it). sm_90 static counts (triton 3.9's ptxas): QDQ 81-94 registers uncapped, no spills at 80, 24 B at 64;
-#: packed 106-108 uncapped, 112-120 B spilled at 80.
-CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": None, "pack_maxnreg": None}
+#: packed 106-108 uncapped, 112-120 B spilled at 80. ``quad``: ``_bits_threshold`` two bits per step (speed only).
+CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": None, "pack_maxnreg": None,
+                  "quad": False}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and tested
 #: against the reference (same bytes).
-CHANNEL_VARIANTS = {"bits": {"qdq_maxnreg": None, "pack_maxnreg": None},
-                    "bits-r80": {"qdq_maxnreg": 80, "pack_maxnreg": 80},
-                    "bits-r64": {"qdq_maxnreg": 64, "pack_maxnreg": 64}}
+CHANNEL_VARIANTS = {"bits": {"qdq_maxnreg": None, "pack_maxnreg": None, "quad": False},
+                    "bits-r80": {"qdq_maxnreg": 80, "pack_maxnreg": 80, "quad": False},
+                    "bits-r64": {"qdq_maxnreg": 64, "pack_maxnreg": 64, "quad": False},
+                    "quad": {"qdq_maxnreg": None, "pack_maxnreg": None, "quad": True},
+                    "quad-r64": {"qdq_maxnreg": 64, "pack_maxnreg": 64, "quad": True}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -74,7 +77,11 @@ if triton is not None:
     _tile_word = tk._tile_word
 
     @triton.jit
-    def _bits_threshold(eb, NSEL, NVALID):
+    def _add2(a0, b0, a1, b1):
+        return a0 + a1, b0 + b1
+
+    @triton.jit
+    def _bits_threshold(eb, NSEL, NVALID, QUAD: tl.constexpr = False):
         """Selection threshold of a row's score bits ``eb`` [N] int32 (non-negative for the NVALID real entries,
         -1 for padding): returns (th, cnt = #(eb >= th)). MSB first, step k accepts bit 30 - k when #(eb >= th |
         bit) >= NSEL, and the search stops as soon as the count of th is exactly NSEL (then the selection is
@@ -82,13 +89,31 @@ if triton is not None:
         >= NSEL, and the caller breaks the ties at T (``_topn_threshold``'s early-stopped search, returning the
         count too). NSEL = 0 stops at the first th no entry reaches.
 
-        bf16 inputs repeat R**2 values, so the count at T is rarely exact and the search usually runs all 31 steps
-        (numpy on the bench's rows: 26-31). An exit once the candidates left are one value (they are after 11-15
-        bits for bf16) cut the steps to ~15 but measured SLOWER on the H200 (docs/bench_nvfp4_h200_channel_s6.txt,
-        run 2: 81 vs 68 us at 4096x2048), so it is not here."""
+        QUAD (speed only, same th and cnt): bits 30..1 two per step -- each entry's digit d = clamp((eb >> s) - (th
+        >> s), 0, 3) (th's bits below the prefix are 0: d = how many of th | 1 << s, 2 << s, 3 << s it reaches),
+        the three counts #(d >= 1) | #(d >= 2) << 16 and #(d >= 3) in ONE reduction of two int32 operands (counts <=
+        32768 fit 16 bits), the largest digit whose count reaches NSEL taken -- then bit 0 alone: 16 dependent
+        reductions instead of 31.
+
+        bf16 inputs repeat R**2 values, so the count at T is rarely exact and the search usually runs all the way
+        (numpy on the bench's rows: 26-31 of 31 bit steps). An exit once the candidates left are one value (they
+        are after 11-15 bits for bf16) cut the steps to ~15 but measured SLOWER on the H200
+        (docs/bench_nvfp4_h200_channel_s6.txt, run 2: 81 vs 68 us at 4096x2048), so it is not here."""
         th = tl.full((), 0, tl.int32)  # a scalar without a reduction
         cnt = th + NVALID
         k = th
+        if QUAD:
+            while (k < 30) & (cnt != NSEL):
+                sh = 29 - k
+                d = tl.minimum(tl.maximum((eb >> sh) - (th >> sh), 0), 3)
+                a, n3 = tl.reduce(((d >= 1).to(tl.int32) | ((d >= 2).to(tl.int32) << 16), (d >= 3).to(tl.int32)), 0,
+                                  _add2)
+                n1 = a & 0xFFFF
+                n2 = (a >> 16) & 0xFFFF
+                dig = tl.where(n3 >= NSEL, 3, tl.where(n2 >= NSEL, 2, tl.where(n1 >= NSEL, 1, 0)))
+                cnt = tl.where(n3 >= NSEL, n3, tl.where(n2 >= NSEL, n2, tl.where(n1 >= NSEL, n1, cnt)))
+                th = th | (dig << sh)
+                k += 2
         while (k < 31) & (cnt != NSEL):
             cand = th | (1 << (30 - k))
             c = tl.sum((eb >= cand).to(tl.int32), axis=0)
@@ -113,6 +138,7 @@ if triton is not None:
         x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
+        QUAD: tl.constexpr = False,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -123,7 +149,8 @@ if triton is not None:
         (float32) to gs2_ptr[row] and nothing else.
         PACK: packed1/packed2 int64 [M, NB] (one word per 16-block, byte j = code 2j | code 2j+1 << 4),
         scale1/scale2 uint8 [M, NB] (E4M3 bytes), idx int64 [M, NSEL] (ascending channels); else out [M, K] in
-        x's dtype (OUT: ``_store_out`` code) = deq(Q(x)) + deq(Q(R_sel))."""
+        x's dtype (OUT: ``_store_out`` code) = deq(Q(x)) + deq(Q(R_sel)). QUAD: ``_bits_threshold``'s two bits per
+        step (speed only)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
         cmask = c < NB
@@ -148,7 +175,7 @@ if triton is not None:
         e0 = tl.where(m2, s0.to(tl.int32, bitcast=True), -1)  # padding: never selected
         e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
         eb = tl.reshape(tl.join(e0, e1), (NBP * 16,))  # every channel once (not in channel order)
-        th, cnt = _bits_threshold(eb, NSEL, NB * 16)
+        th, cnt = _bits_threshold(eb, NSEL, NB * 16, QUAD)
         if cnt == NSEL:
             sel0 = e0 >= th
             sel1 = e1 >= th
@@ -234,8 +261,8 @@ def _run(x: torch.Tensor, ratio: float, global_scale, score_weight, check_finite
     g1, div1 = tk._gs_rows(gs, (m,))
     per_row = gs.dim() == 2 and gs.shape[0] == m and m > 1  # the reference's _second_pass_scale rule
     wt = w if w is not None else g1
-    meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, num_warps=_warps(nbp),
-                enable_fp_fusion=False)
+    meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, QUAD=bool(CHANNEL_CONFIG["quad"]),
+                num_warps=_warps(nbp), enable_fp_fusion=False)
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
     if not per_row and m > 1:  # per-tensor second-pass scale: amax of R_sel over all rows first
