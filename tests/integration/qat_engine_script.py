@@ -72,6 +72,8 @@ def main(model_dir: str, port: str, modes: list[str]) -> None:
         engine.optimizer_zero_grad()
         logits.float().logsumexp(-1).mean().backward()
         engine.optimizer_step()
+        if qat_state is not None and qat_state.fsdp_qdq is not None:  # per_version: stale caches freed by the step
+            out["caches_freed_by_step"] = all(e.cache is None for e in qat_state.fsdp_qdq.entries)
         after = {n: p.detach().full_tensor() for n, p in module.named_parameters()}
         out["changed"] = sum(not torch.equal(before[n], after[n]) for n in before)
         out["params"] = len(before)

@@ -50,6 +50,9 @@ def test_engine_built_from_composed_verl_config_one_step_each_mode(tmp_path):
     # weight_qdq auto (the default) -> per_version under verl's FSDP2 engine; explicit per_forward stays
     assert results["quads"]["weight_qdq"] == results["trace"]["weight_qdq"] == "per_version", results
     assert results["w4a4_qat:per_forward"]["weight_qdq"] == "per_forward", results
+    # the engine's optimizer step frees the (then stale) per-version caches; the next forward remakes them
+    # (after_step_equal_ref below)
+    assert results["quads"]["caches_freed_by_step"] is True, results["quads"]
     for quant in ("none", "naive", "quads", "w4a4_qat:per_forward"):
         r = results[quant]
         # forward of verl's FSDP2 module == verl_quads.qat on the plain HF model (bit for bit),

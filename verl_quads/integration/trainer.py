@@ -114,6 +114,15 @@ def make_engine_class(stock: type) -> type:
 
                 fsdp_qdq.release(getattr(self.module, "_fsdp_wrapped_module", self.module))
 
+        def optimizer_step(self):
+            grad_norm = super().optimizer_step()
+            # the step changed the master shards, so the per-version QDQ caches are stale: free them now (the next
+            # root forward remakes them, as it would anyway) instead of holding them through the rollout
+            from verl_quads.qat import fsdp_qdq
+
+            fsdp_qdq.release(getattr(self.module, "_fsdp_wrapped_module", self.module))
+            return grad_norm
+
         # ---- TRACE (issue 6): the rollout's guidance records drive the guided layers of each micro-batch
         def _verl_quads_trace_state(self):
             inner = getattr(self.module, "_fsdp_wrapped_module", self.module)

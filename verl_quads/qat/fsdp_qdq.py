@@ -48,9 +48,10 @@ parameter per rank / world size for bf16), kept while the model lives (FSDP's st
 the cast copy per gather). Refused: FSDP2 CPU offload (``offload_policy``), sharding other than ``Shard(0)``,
 DTensor (tensor-parallel) parameters, quantized weights not managed by ``fully_shard``.
 Without FSDP2 ``per_version`` is an error (the forward refuses to run without an installed cache); use
-``per_forward`` there. On offload (verl's ``param_offload``: ``engine.to("cpu")`` moves the master shards with
-``module.to``) :func:`release` drops the caches, so they do not hold device memory through the rollout; the next
-root forward remakes them.
+``per_forward`` there. :func:`release` drops the caches; verl-quads' engine calls it after every
+``optimizer_step`` (the caches are stale then anyway) and on offload (verl's ``param_offload``: ``engine.to("cpu")``
+moves the master shards with ``module.to``), so they hold no device memory between training passes (e.g. through the
+rollout); the next root forward remakes them.
 
 ``weight_qdq=auto`` (the default): :func:`setup`, called once on the root module after ``fully_shard`` (verl-quads'
 verl engine calls it for every QAT model it builds), installs this per-version QDQ when the root is an FSDP2
