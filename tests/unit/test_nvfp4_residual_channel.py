@@ -13,7 +13,6 @@ import torch
 
 import verl_quads.nvfp4 as nv
 from verl_quads.nvfp4.residual import ChannelResidualNVFP4, select_channels
-from verl_quads.nvfp4.triton_channel import CHANNEL_VARIANTS
 
 # one 16-block: values on the E2M1 scale (row amax 6 -> global scale 448, block scale 448, y = x)
 # residual x - Q(x): 6 -> 0, 5.5 -> 6 (-0.5), 2.75 -> 3 (-0.25), 1.25 -> 1 (+0.25), 0.125 -> 0 (+0.125),
@@ -308,36 +307,32 @@ def _low_bit_ties(m=3, k=64):
 
 
 @_needs_interp
-@pytest.mark.parametrize("variant", [v for v, c in CHANNEL_VARIANTS.items() if not c["qdq_maxnreg"] and not c["pack_maxnreg"]])
-def test_triton_channel_kernel_variants_match_reference(variant):
-    """Every speed variant of the channel kernel (``CHANNEL_VARIANTS``; those that differ only by a GPU register cap
-    run the same code here, the caps are compiled by the sm_90 test below and run by tests/gpu) gives the reference's
-    bytes: K = 16 and non-power-of-two block counts (K = 48, 96), ratios 0 / 1 (nothing / everything), all-zero rows
-    (every score ties at +0), hand-made ties across the threshold, scores a few ulps apart (``_low_bit_ties``), a
-    score weight, a per-tensor scale with M > 1 (two launches), one row."""
-    from verl_quads.nvfp4 import triton_channel as tc
-
-    with tc.channel_config(**CHANNEL_VARIANTS[variant]):
-        for k, m, ratios in ((16, 3, (0.0, 0.125, 0.5, 1.0)), (48, 2, (0.0, 0.3, 1.0))):
-            x = _rows(m, k, torch.bfloat16, seed=k)
-            for ratio in ratios:
-                _same_channel_result(x, ratio, nv.per_row_global_scale(x))
-        xh = _HAND_X.to(_DEV)
-        assert _same_channel_result(xh, 3 / 32, nv.per_row_global_scale(xh)).channel_idx.tolist() == [[1, 2, 17]]
-        _same_channel_result(xh, 12 / 32, nv.per_row_global_scale(xh))
-        xl, wl = _low_bit_ties()
-        want = {3 / 64: [7, 15, 23],  # round(3): the lowest three of the eight top scores (j = 7)
-                0.3: sorted([c for c in range(64) if c % 8 >= 6] + [5, 13, 21]),  # 19: j = 7, 6, then 3 of j = 5
-                0.5: [c for c in range(64) if c % 8 >= 4]}  # 32: j = 7..4 exactly
-        for ratio, chans in want.items():
-            t = _same_channel_result(xl, ratio, nv.per_row_global_scale(xl), score_weight=wl)
-            assert t.channel_idx.tolist() == [chans] * 3, ratio
-        x = _rows(5, 96, torch.float16, seed=7)
-        w = torch.rand(96).to(_DEV)
-        w[::3] = 0.0
-        _same_channel_result(x, 0.4, nv.per_row_global_scale(x), score_weight=w)
-        assert _same_channel_result(x, 0.4, nv.global_scale_from_amax(x.float().abs().amax())).second.global_scale.dim() == 0
-        _same_channel_result(x[1:2], 0.25, nv.per_row_global_scale(x[1:2]))
+def test_triton_channel_kernel_edge_cases_and_ulp_apart_scores():
+    """The channel kernel gives the reference's bytes at K = 16 and non-power-of-two block counts (K = 48, 96), ratios
+    0 / 1 (nothing / everything), all-zero rows (every score ties at +0), hand-made ties across the threshold, scores
+    a few ulps apart (``_low_bit_ties``: the search's last bits), a score weight, a per-tensor scale with M > 1 (two
+    launches), one row. (``CHANNEL_VARIANTS`` differ only by GPU register caps, which the interpreter ignores; the
+    caps are compiled by the sm_90 test below and run against the reference by tests/gpu.)"""
+    for k, m, ratios in ((16, 3, (0.0, 0.125, 0.5, 1.0)), (48, 2, (0.0, 0.3, 1.0))):
+        x = _rows(m, k, torch.bfloat16, seed=k)
+        for ratio in ratios:
+            _same_channel_result(x, ratio, nv.per_row_global_scale(x))
+    xh = _HAND_X.to(_DEV)
+    assert _same_channel_result(xh, 3 / 32, nv.per_row_global_scale(xh)).channel_idx.tolist() == [[1, 2, 17]]
+    _same_channel_result(xh, 12 / 32, nv.per_row_global_scale(xh))
+    xl, wl = _low_bit_ties()
+    want = {3 / 64: [7, 15, 23],  # round(3): the lowest three of the eight top scores (j = 7)
+            0.3: sorted([c for c in range(64) if c % 8 >= 6] + [5, 13, 21]),  # 19: j = 7, 6, then 3 of j = 5
+            0.5: [c for c in range(64) if c % 8 >= 4]}  # 32: j = 7..4 exactly
+    for ratio, chans in want.items():
+        t = _same_channel_result(xl, ratio, nv.per_row_global_scale(xl), score_weight=wl)
+        assert t.channel_idx.tolist() == [chans] * 3, ratio
+    x = _rows(5, 96, torch.float16, seed=7)
+    w = torch.rand(96).to(_DEV)
+    w[::3] = 0.0
+    _same_channel_result(x, 0.4, nv.per_row_global_scale(x), score_weight=w)
+    assert _same_channel_result(x, 0.4, nv.global_scale_from_amax(x.float().abs().amax())).second.global_scale.dim() == 0
+    _same_channel_result(x[1:2], 0.25, nv.per_row_global_scale(x[1:2]))
 
 
 _SM90_CHANNEL = r"""
@@ -350,15 +345,15 @@ from verl_quads.nvfp4 import triton_channel as tc
 sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16", "packed1_ptr": "*i64",
        "scale1_ptr": "*u8", "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
-       "OUT": "constexpr", "GS2": "constexpr", "QUAD": "constexpr"}
-for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, quad in (
-        ("*bf16", "*i16", False, 3, 0, False, 128, 4, None, False), ("*bf16", "*i64", True, 0, 0, True, 512, 16, None, True),
-        ("*fp16", "*fp16", False, 2, 1, True, 1, 1, None, False), ("*fp32", "*fp32", False, 0, 2, False, 64, 2, None, True),
-        ("*bf16", "*i16", False, 3, 0, False, 128, 8, 64, True), ("*bf16", "*i64", True, 0, 0, False, 64, 1, 80, False)):
+       "OUT": "constexpr", "GS2": "constexpr"}
+for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg in (
+        ("*bf16", "*i16", False, 3, 0, False, 128, 4, 64), ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64),
+        ("*fp16", "*fp16", False, 2, 1, True, 1, 1, None), ("*fp32", "*fp32", False, 0, 2, False, 64, 2, 64),
+        ("*bf16", "*i64", True, 0, 0, False, 64, 2, None)):
     s = dict(sig, x_ptr=xt, out_ptr=ot)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
-        "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "QUAD": quad}),
+        "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
     # values and codes carry signs by OR-ing bits: a float negation would be 0.0 - v under triton 3.6 (+0.0 for -0.0)
@@ -366,6 +361,22 @@ for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, quad in (
     assert not neg, (xt, pack, maxnreg, neg[:3])
 print("compiled")
 """
+
+
+def test_triton_channel_register_caps_per_launch_kind():
+    """CHANNEL_CONFIG's caps: QDQ launches capped, packed launches only from pack_maxnreg_min_warps warps (the H200
+    measured the packed cap slower with 1-4 warps); the "uncapped" variant and None leave the compiler's choice."""
+    from verl_quads.nvfp4 import triton_channel as tc
+
+    c = tc.CHANNEL_CONFIG
+    assert tc._maxnreg(False, 4) == c["qdq_maxnreg"] == 64
+    assert tc._maxnreg(True, c["pack_maxnreg_min_warps"]) == c["pack_maxnreg"] == 64
+    assert tc._maxnreg(True, c["pack_maxnreg_min_warps"] // 2) is None
+    with tc.channel_config(**tc.CHANNEL_VARIANTS["uncapped"]):
+        assert tc._maxnreg(False, 16) is None and tc._maxnreg(True, 16) is None
+    with pytest.raises(KeyError, match="unknown CHANNEL_CONFIG keys"):
+        with tc.channel_config(maxnreg=64):
+            pass
 
 
 def test_triton_channel_kernel_compiles_for_sm90_without_a_gpu():

@@ -331,9 +331,8 @@ CHANNEL_BENCH_SHAPES = ((4096, 2048), (8192, 8192), (2048, 768), (256, 2048))
 
 #: (variant of ``triton_channel.CHANNEL_VARIANTS``, elems_per_thread) timed at k = 0.5; at the other ratios only
 #: ``CHANNEL_OTHER_RATIOS``.
-CHANNEL_BENCH_CONFIGS = (("bits", 16), ("bits", 32), ("bits-r80", 16), ("bits-r64", 16), ("quad", 16), ("quad", 32),
-                         ("quad-r64", 16))
-CHANNEL_OTHER_RATIOS = (("bits", 16), ("quad", 16))
+CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16))
+CHANNEL_OTHER_RATIOS = (("default", 16),)
 
 
 def run_channel(shapes: list[tuple[int, int]] = CHANNEL_BENCH_SHAPES, dtype: torch.dtype = torch.bfloat16,

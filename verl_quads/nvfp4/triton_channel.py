@@ -26,11 +26,13 @@ words and QDQ stay in the thread:
    the QDQ ``deq(Q(x)) + deq(Q(R_sel))`` summed in float32 over EVERY channel (an unselected one adds +0.0, as the
    reference's dense sum does) and cast once.
 
-Speed (H200, bf16, docs/bench_nvfp4_h200_channel_s6.txt): this layout was the fastest of the session-6 variants at
-every shape (k = 0.5 QDQ: 68 us = 7.9x plain QDQ at 4096x2048, was 77 us; 860 us = 11.9x at 8192x8192); a
-[NBP, 16] tile layout, a radix select by 256-bin ``tl.histogram`` digits (1.6x slower: a histogram step costs more
-than the bit steps it saves) and an exit once the candidates are one value (fewer steps, yet slower) were measured
-and are gone. Rows longer than
+Speed (H200, bf16 k = 0.5, docs/bench_nvfp4_h200_channel_s6.txt, run 3): QDQ 65 us = 7.6x plain QDQ at 4096x2048
+(session 5: 77 us), 640 us = 8.9x at 8192x8192 (was 925), 22.5 us = 5.2x at 2048x768, 10.6 us = 2.0x at 256x2048;
+packed ``residual_quantize`` 99 us / 1010 us (was 121 / 1330). The block rule costs ~2x. The row's threshold search
+(~28 dependent full-row counts for bf16 rows, which tie at the threshold) is the floor of this design: every measured
+way to take fewer, longer steps was slower (``_bits_threshold``), as were a [NBP, 16] tile layout and other warp
+counts (uncapped); what helped was this layout (one thread per block) and the register caps of ``CHANNEL_CONFIG`` (more rows in
+flight per SM). Rows longer than
 ``CHANNEL_CONFIG["max_k"]`` channels raise NotImplementedError (no tiled variant yet; never the block rule, never a
 silent switch to torch). Kernels run with ``enable_fp_fusion=False`` and use no float negation (triton 3.6 lowers
 ``-v`` to ``0.0 - v``), as :mod:`.triton_kernels`.
@@ -53,20 +55,19 @@ tl = tk.tl
 
 #: ``_channel_row_kernel`` launch: warps so that a thread holds about ``elems_per_thread`` channels of the row (16 =
 #: one 16-block per thread), clamped to [1, max_warps]; rows longer than ``max_k`` channels (padded to a power of two
-#: of 16-blocks) are refused. ``qdq_maxnreg`` / ``pack_maxnreg``: None or a register cap per thread for the QDQ /
-#: packed launches on a GPU (speed only: more rows in flight per SM; a cap means nothing to the interpreter, which
-#: ignores it). sm_90 static counts (triton 3.9's ptxas): QDQ 81-94 registers uncapped, no spills at 80, 24 B at 64;
-#: packed 106-108 uncapped, 112-120 B spilled at 80. ``quad``: ``_bits_threshold`` two bits per step (speed only).
-CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": None, "pack_maxnreg": None,
-                  "quad": False}
+#: of 16-blocks) are refused. Register caps per thread on a GPU (speed only; the interpreter has no registers and
+#: ignores them): ``qdq_maxnreg`` for the QDQ launches, ``pack_maxnreg`` for the packed ones when the program has at
+#: least ``pack_maxnreg_min_warps`` warps (None: uncapped). Why (H200, docs/bench_nvfp4_h200_channel_s6.txt run 3):
+#: uncapped the kernel takes 81-94 (QDQ) / 106-108 (packed) registers on sm_90, so a 16-warp program (K = 8192)
+#: holds a whole SM's register file and one row is in flight per SM; at 64 it spills 24 B (QDQ) / ~220 B (packed).
+#: QDQ capped at 64: 640 vs 863 us at 8192x8192, 65.4 vs 68.1 at 4096x2048, equal at 2048x768 and 256x2048; packed
+#: capped at 64: 1010 vs 1160 us at 8192x8192 (16 warps) but slower with 1-4 warps (28.4 vs 24.7 us at 2048x768).
+CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
+                  "pack_maxnreg_min_warps": 16}
 
-#: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and tested
-#: against the reference (same bytes).
-CHANNEL_VARIANTS = {"bits": {"qdq_maxnreg": None, "pack_maxnreg": None, "quad": False},
-                    "bits-r80": {"qdq_maxnreg": 80, "pack_maxnreg": 80, "quad": False},
-                    "bits-r64": {"qdq_maxnreg": 64, "pack_maxnreg": 64, "quad": False},
-                    "quad": {"qdq_maxnreg": None, "pack_maxnreg": None, "quad": True},
-                    "quad-r64": {"qdq_maxnreg": 64, "pack_maxnreg": 64, "quad": True}}
+#: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
+#: the reference by tests/gpu (same bytes): the default and the kernel without register caps.
+CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnreg": None}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -77,11 +78,7 @@ if triton is not None:
     _tile_word = tk._tile_word
 
     @triton.jit
-    def _add2(a0, b0, a1, b1):
-        return a0 + a1, b0 + b1
-
-    @triton.jit
-    def _bits_threshold(eb, NSEL, NVALID, QUAD: tl.constexpr = False):
+    def _bits_threshold(eb, NSEL, NVALID):
         """Selection threshold of a row's score bits ``eb`` [N] int32 (non-negative for the NVALID real entries,
         -1 for padding): returns (th, cnt = #(eb >= th)). MSB first, step k accepts bit 30 - k when #(eb >= th |
         bit) >= NSEL, and the search stops as soon as the count of th is exactly NSEL (then the selection is
@@ -89,31 +86,14 @@ if triton is not None:
         >= NSEL, and the caller breaks the ties at T (``_topn_threshold``'s early-stopped search, returning the
         count too). NSEL = 0 stops at the first th no entry reaches.
 
-        QUAD (speed only, same th and cnt): bits 30..1 two per step -- each entry's digit d = clamp((eb >> s) - (th
-        >> s), 0, 3) (th's bits below the prefix are 0: d = how many of th | 1 << s, 2 << s, 3 << s it reaches),
-        the three counts #(d >= 1) | #(d >= 2) << 16 and #(d >= 3) in ONE reduction of two int32 operands (counts <=
-        32768 fit 16 bits), the largest digit whose count reaches NSEL taken -- then bit 0 alone: 16 dependent
-        reductions instead of 31.
-
         bf16 inputs repeat R**2 values, so the count at T is rarely exact and the search usually runs all the way
-        (numpy on the bench's rows: 26-31 of 31 bit steps). An exit once the candidates left are one value (they
-        are after 11-15 bits for bf16) cut the steps to ~15 but measured SLOWER on the H200
-        (docs/bench_nvfp4_h200_channel_s6.txt, run 2: 81 vs 68 us at 4096x2048), so it is not here."""
+        (numpy on the bench's rows: 26-31 of 31 bit steps). Fewer steps measured SLOWER on the H200
+        (docs/bench_nvfp4_h200_channel_s6.txt): an exit once the candidates left are one value (~15 steps; 81 vs 68 us
+        at 4096x2048), two bits per step with three counts in one reduction (16 steps; 81 vs 68 us), 8-bit digits by
+        ``tl.histogram`` (<= 4 steps; 125 vs 76 us). The longer steps cost more than the barriers they save."""
         th = tl.full((), 0, tl.int32)  # a scalar without a reduction
         cnt = th + NVALID
         k = th
-        if QUAD:
-            while (k < 30) & (cnt != NSEL):
-                sh = 29 - k
-                d = tl.minimum(tl.maximum((eb >> sh) - (th >> sh), 0), 3)
-                a, n3 = tl.reduce(((d >= 1).to(tl.int32) | ((d >= 2).to(tl.int32) << 16), (d >= 3).to(tl.int32)), 0,
-                                  _add2)
-                n1 = a & 0xFFFF
-                n2 = (a >> 16) & 0xFFFF
-                dig = tl.where(n3 >= NSEL, 3, tl.where(n2 >= NSEL, 2, tl.where(n1 >= NSEL, 1, 0)))
-                cnt = tl.where(n3 >= NSEL, n3, tl.where(n2 >= NSEL, n2, tl.where(n1 >= NSEL, n1, cnt)))
-                th = th | (dig << sh)
-                k += 2
         while (k < 31) & (cnt != NSEL):
             cand = th | (1 << (30 - k))
             c = tl.sum((eb >= cand).to(tl.int32), axis=0)
@@ -138,7 +118,6 @@ if triton is not None:
         x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
-        QUAD: tl.constexpr = False,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -149,8 +128,7 @@ if triton is not None:
         (float32) to gs2_ptr[row] and nothing else.
         PACK: packed1/packed2 int64 [M, NB] (one word per 16-block, byte j = code 2j | code 2j+1 << 4),
         scale1/scale2 uint8 [M, NB] (E4M3 bytes), idx int64 [M, NSEL] (ascending channels); else out [M, K] in
-        x's dtype (OUT: ``_store_out`` code) = deq(Q(x)) + deq(Q(R_sel)). QUAD: ``_bits_threshold``'s two bits per
-        step (speed only)."""
+        x's dtype (OUT: ``_store_out`` code) = deq(Q(x)) + deq(Q(R_sel))."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
         cmask = c < NB
@@ -175,7 +153,7 @@ if triton is not None:
         e0 = tl.where(m2, s0.to(tl.int32, bitcast=True), -1)  # padding: never selected
         e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
         eb = tl.reshape(tl.join(e0, e1), (NBP * 16,))  # every channel once (not in channel order)
-        th, cnt = _bits_threshold(eb, NSEL, NB * 16, QUAD)
+        th, cnt = _bits_threshold(eb, NSEL, NB * 16)
         if cnt == NSEL:
             sel0 = e0 >= th
             sel1 = e1 >= th
@@ -232,6 +210,16 @@ def channel_config(**overrides):
         CHANNEL_CONFIG.update(old)
 
 
+def _maxnreg(packed: bool, num_warps: int) -> int | None:
+    """The register cap of a launch (``CHANNEL_CONFIG``): qdq_maxnreg, or pack_maxnreg from pack_maxnreg_min_warps
+    warps on; None = uncapped."""
+    if not packed:
+        cap = CHANNEL_CONFIG["qdq_maxnreg"]
+    else:
+        cap = CHANNEL_CONFIG["pack_maxnreg"] if num_warps >= CHANNEL_CONFIG["pack_maxnreg_min_warps"] else None
+    return None if cap is None else int(cap)
+
+
 def _warps(nbp: int) -> int:
     n = nbp * BLOCK_SIZE // (32 * CHANNEL_CONFIG["elems_per_thread"])
     return int(min(CHANNEL_CONFIG["max_warps"], max(1, tk._pow2(max(1, n)))))
@@ -261,17 +249,17 @@ def _run(x: torch.Tensor, ratio: float, global_scale, score_weight, check_finite
     g1, div1 = tk._gs_rows(gs, (m,))
     per_row = gs.dim() == 2 and gs.shape[0] == m and m > 1  # the reference's _second_pass_scale rule
     wt = w if w is not None else g1
-    meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, QUAD=bool(CHANNEL_CONFIG["quad"]),
-                num_warps=_warps(nbp), enable_fp_fusion=False)
+    meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, num_warps=_warps(nbp),
+                enable_fp_fusion=False)
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
     if not per_row and m > 1:  # per-tensor second-pass scale: amax of R_sel over all rows first
         amax_rows = torch.empty(m, dtype=torch.float32, device=dev)
         kern[(m,)](xc, g1, wt, xc, xc, xc, xc, xc, xc, amax_rows, PACK=False, OUT=0, GS2=2, **meta)
         gs2_mode, gs2_arg = 1, global_scale_from_amax(amax_rows.amax())
-    cap = CHANNEL_CONFIG["pack_maxnreg" if packed else "qdq_maxnreg"]
+    cap = _maxnreg(packed, meta["num_warps"])
     if cap is not None and xc.is_cuda:  # the interpreter has no registers
-        meta["maxnreg"] = int(cap)
+        meta["maxnreg"] = cap
     if not packed:
         out = torch.empty_like(xc)
         o = tk._out_arg(out)
