@@ -27,7 +27,8 @@ words and QDQ stay in the thread:
    reference's dense sum does) and cast once.
 
 Speed (H200, bf16 k = 0.5, docs/bench_nvfp4_h200_channel_s6.txt, run 3): QDQ 65 us = 7.6x plain QDQ at 4096x2048
-(session 5: 77 us), 640 us = 8.9x at 8192x8192 (was 925), 22.5 us = 5.2x at 2048x768, 10.6 us = 2.0x at 256x2048;
+(session 5: 77 us), 640 us = 8.9x at 8192x8192 (was 925), 22.5 us = 5.2x at 2048x768, 10.6 us at 256x2048 (2.0-3.4x:
+the plain kernel took 3.1-5.3 us there across runs);
 packed ``residual_quantize`` 99 us / 1010 us (was 121 / 1330). The block rule costs ~2x. The row's threshold search
 (~28 dependent full-row counts for bf16 rows, which tie at the threshold) is the floor of this design: every measured
 way to take fewer, longer steps was slower (``_bits_threshold``), as were a [NBP, 16] tile layout and other warp
