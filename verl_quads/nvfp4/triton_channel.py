@@ -28,12 +28,11 @@ words and QDQ stay in the thread:
 
 Speed (H200, bf16 k = 0.5, docs/bench_nvfp4_h200_channel_s6.txt, run 3): QDQ 65 us = 7.6x plain QDQ at 4096x2048
 (session 5: 77 us), 640 us = 8.9x at 8192x8192 (was 925), 22.5 us = 5.2x at 2048x768, 10.6 us at 256x2048 (2.0-3.4x:
-the plain kernel took 3.1-5.3 us there across runs);
-packed ``residual_quantize`` 99 us / 1010 us (was 121 / 1330). The block rule costs ~2x. The row's threshold search
-(~28 dependent full-row counts for bf16 rows, which tie at the threshold) is the floor of this design: every measured
-way to take fewer, longer steps was slower (``_bits_threshold``), as were a [NBP, 16] tile layout and other warp
-counts (uncapped); what helped was this layout (one thread per block) and the register caps of ``CHANNEL_CONFIG`` (more rows in
-flight per SM). Rows longer than
+the plain kernel took 3.1-5.3 us there across runs); packed ``residual_quantize`` 99 us / 1010 us (was 121 / 1330).
+The block rule costs ~2x. The row's threshold search (~28 dependent full-row counts for bf16 rows, which tie at the
+threshold) is the floor of this design: every measured way to take fewer, longer steps was slower
+(``_bits_threshold``), as were a [NBP, 16] tile layout and other warp counts (uncapped); what helped was this layout
+(one thread per block) and the register caps of ``CHANNEL_CONFIG`` (more rows in flight per SM). Rows longer than
 ``CHANNEL_CONFIG["max_k"]`` channels raise NotImplementedError (no tiled variant yet; never the block rule, never a
 silent switch to torch). Kernels run with ``enable_fp_fusion=False`` and use no float negation (triton 3.6 lowers
 ``-v`` to ``0.0 - v``), as :mod:`.triton_kernels`.
