@@ -304,9 +304,9 @@ if triton is not None:
         sb = tl.load(scale_ptr + b, mask=bmask, other=0).to(tl.int32)
         gs = tl.load(gs_ptr + (b // NBK) // GS_DIV, mask=bmask, other=1.0)
         factor = tl.math.div_rn(_e4m3_decode(sb), gs)[:, None]
-        # the sign bit OR-ed in (_code_value MODE 1): -0.0 for code 8 on the GPU too (a float negation is
-        # 0.0 - v under triton 3.6, +0.0 there; scripts/debug_guided_qdq.py's "triton Q then DQ" on the H200)
-        _store_pairs(out_ptr, b, _code_value(p & 15, factor, 1), _code_value(p >> 4, factor, 1), bmask, OUT)
+        # the sign bit OR-ed in (_code_value): -0.0 for code 8 on the GPU too (a float negation is
+        # 0.0 - v under triton 3.6, +0.0 there; seen on the H200 in session 5)
+        _store_pairs(out_ptr, b, _code_value(p & 15, factor), _code_value(p >> 4, factor), bmask, OUT)
 
     @triton.jit
     def _residual_stats_kernel(
@@ -522,18 +522,15 @@ if triton is not None:
         return (_signbit(y) << 3) | tl.where(v == a, n, lo + ((lo ^ bit) & 1))
 
     @triton.jit
-    def _code_value(c, factor, MODE: tl.constexpr):
+    def _code_value(c, factor):
         """float32 value of E2M1 codes ``c`` (int32 [BLK, 8]) times ``factor`` ([BLK, 1]):
-        ``e2m1_value(c & 7) * factor`` (one float32 rounding) with the sign of code bit 3 (code 8 -> -0.0,
-        as the reference). Used by ``_dequant_kernel`` (MODE 1) and ``_guided_kernel``'s QDQ (MODE 1, 2).
-        MODE 1: the sign bit is OR-ed into the product's bits (integer ops, -0.0 on every device). MODE 2
-        (diagnostic only, 1cd2ec7's formulation): ``where(c >= 8, -v, v)``; triton 3.6 lowers the float
-        negation to ``0.0 - v`` (``fsub`` from +0.0; triton 3.9 emits ``fneg``), which gives +0.0 for
-        code 8 on the GPU, while the interpreter gives -0.0."""
+        ``e2m1_value(c & 7) * factor`` (one float32 rounding) with the sign of code bit 3 OR-ed into the
+        product's bits (code 8 -> -0.0 on every device, as the reference). Used by ``_dequant_kernel`` and
+        ``_guided_kernel``'s QDQ. Not ``where(c >= 8, -v, v)``: triton 3.6 lowers a float negation to
+        ``0.0 - v``, which gives +0.0 for code 8 on the GPU while the interpreter gives -0.0 (session 5,
+        H200)."""
         v = _e2m1_value(c & 7) * factor
-        if MODE == 1:
-            return (v.to(tl.int32, bitcast=True) | ((c << 28) & -2147483648)).to(tl.float32, bitcast=True)
-        return tl.where((c >> 3) == 1, -v, v)
+        return (v.to(tl.int32, bitcast=True) | ((c << 28) & -2147483648)).to(tl.float32, bitcast=True)
 
     @triton.jit
     def _guided_kernel(
@@ -547,8 +544,7 @@ if triton is not None:
         QDQ): write the dequantized values instead, through ``packed_ptr`` as ``_store_out``'s OUT (x's
         dtype; bf16 as its int16 view): ``±e2m1_value(code) * div_rn(scale, gs)`` (one float32 rounding,
         then the store's), the sign from code bit 3 (-0.0 for code 8), i.e. the reference's dequantize of
-        the codes MODE 0 packs. MODE 2: MODE 1 with the sign by float negation (``_code_value``;
-        diagnostic only: loses -0.0 on the GPU under triton 3.6)."""
+        the codes MODE 0 packs."""
         b = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
         bmask = b < NBLK
         j = tl.arange(0, 8)
@@ -566,7 +562,7 @@ if triton is not None:
             tl.store(packed_ptr + b, _block_word(ce, co, j), mask=bmask)
         else:
             factor = tl.math.div_rn(sval, gs)[:, None]
-            _store_pairs(packed_ptr, b, _code_value(ce, factor, MODE), _code_value(co, factor, MODE), bmask, OUT)
+            _store_pairs(packed_ptr, b, _code_value(ce, factor), _code_value(co, factor), bmask, OUT)
 
     # ---- v2 kernels: one thread per 16-block (two 8-element halves), per-program global scale ----
 
@@ -1550,14 +1546,9 @@ def _guided_operands(x: torch.Tensor, guidance: GuidanceRecord):
     return bits, guidance.block_scale.to(x.device).contiguous().view(torch.uint8), g, div
 
 
-#: ``_guided_kernel``'s MODE for :func:`fake_quantize_guided`: 1 (the sign OR-ed into the bits). 2 is
-#: 1cd2ec7's float negation, kept only for scripts/debug_guided_qdq.py (it loses -0.0 on the GPU under triton 3.6).
-GUIDED_QDQ_MODE = 1
-
-
 def fake_quantize_guided(x: torch.Tensor, guidance: GuidanceRecord, *, check_finite: bool = True) -> torch.Tensor:
     """Triton :func:`verl_quads.nvfp4.fake_quantize_guided`: guided quantize and dequantize in one
-    launch (``_guided_kernel`` MODE ``GUIDED_QDQ_MODE``), nothing packed; x's shape and dtype."""
+    launch (``_guided_kernel`` MODE 1), nothing packed; x's shape and dtype."""
     _guided_prepare(x, guidance, check_finite, "fake_quantize_guided")
     xc = x.contiguous()
     out = torch.empty_like(xc)
@@ -1565,7 +1556,7 @@ def fake_quantize_guided(x: torch.Tensor, guidance: GuidanceRecord, *, check_fin
     if nblk:
         bits, scale, g, div = _guided_operands(x, guidance)
         _launch(_guided_kernel, _grid(nblk), xc, bits, scale, g, _out_arg(out), nblk, x.shape[-1] // BLOCK_SIZE, div,
-                MODE=GUIDED_QDQ_MODE, OUT=_out_code(x))
+                MODE=1, OUT=_out_code(x))
     return out
 
 
