@@ -76,32 +76,7 @@ if triton is not None:
     _load_halves = tk._load_halves
     _store_halves = tk._store_halves
     _tile_word = tk._tile_word
-
-    @triton.jit
-    def _bits_threshold(eb, NSEL, NVALID):
-        """Selection threshold of a row's score bits ``eb`` [N] int32 (non-negative for the NVALID real entries,
-        -1 for padding): returns (th, cnt = #(eb >= th)). MSB first, step k accepts bit 30 - k when #(eb >= th |
-        bit) >= NSEL, and the search stops as soon as the count of th is exactly NSEL (then the selection is
-        ``eb >= th``: the NSEL highest scores); else, after the last bit, th = T, the largest value with #(eb >= T)
-        >= NSEL, and the caller breaks the ties at T (``_topn_threshold``'s early-stopped search, returning the
-        count too). NSEL = 0 stops at the first th no entry reaches.
-
-        bf16 inputs repeat R**2 values, so the count at T is rarely exact and the search usually runs all the way
-        (numpy on the bench's rows: 26-31 of 31 bit steps). Fewer steps measured SLOWER on the H200
-        (docs/bench_nvfp4_h200_channel_s6.txt): an exit once the candidates left are one value (~15 steps; 81 vs 68 us
-        at 4096x2048), two bits per step with three counts in one reduction (16 steps; 81 vs 68 us), 8-bit digits by
-        ``tl.histogram`` (<= 4 steps; 125 vs 76 us). The longer steps cost more than the barriers they save."""
-        th = tl.full((), 0, tl.int32)  # a scalar without a reduction
-        cnt = th + NVALID
-        k = th
-        while (k < 31) & (cnt != NSEL):
-            cand = th | (1 << (30 - k))
-            c = tl.sum((eb >= cand).to(tl.int32), axis=0)
-            take = c >= NSEL
-            th = tl.where(take, cand, th)
-            cnt = tl.where(take, c, cnt)
-            k += 1
-        return th, cnt
+    _bits_threshold = tk._bits_threshold
 
     @triton.jit
     def _half_ranks(q0, q1):
