@@ -160,8 +160,18 @@ def _same_channel(x, ratio, gs, **kw):
     for a, b in ((t.first, r.first), (t.second, r.second)):
         assert _eq(a, b) and _same_bytes(a.global_scale.reshape(-1), b.global_scale.reshape(-1))
         assert a.global_scale.shape == b.global_scale.shape
-    assert _same_bytes(nv.residual_fake_quantize(x, ratio, gs, granularity="channel", backend="triton", **kw),
-                       nv.residual_fake_quantize(x, ratio, gs, granularity="channel", backend="torch", **kw))
+    fr = nv.residual_fake_quantize(x, ratio, gs, granularity="channel", backend="torch", **kw)
+    assert _same_bytes(nv.residual_fake_quantize(x, ratio, gs, granularity="channel", backend="triton", **kw), fr)
+    if gs is not None and gs.dim() == 2 and gs.shape[0] == x.shape[0]:  # per-row: also derived in the kernel
+        assert torch.equal(gs, nv.per_row_global_scale(x))
+        tr = nv.residual_quantize(x, ratio, amax="row", granularity="channel", backend="triton", check_finite=False,
+                                  **kw)
+        assert torch.equal(tr.channel_idx, r.channel_idx)
+        for a, b in ((tr.first, r.first), (tr.second, r.second)):
+            assert _eq(a, b) and _same_bytes(a.global_scale.reshape(-1), b.global_scale.reshape(-1))
+            assert a.global_scale.shape == b.global_scale.shape
+        assert _same_bytes(nv.residual_fake_quantize(x, ratio, amax="row", granularity="channel", backend="triton",
+                                                     check_finite=False, **kw), fr)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

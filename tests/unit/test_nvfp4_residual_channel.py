@@ -179,7 +179,21 @@ def _same_channel_result(x, ratio, gs, **kw):
     ft = nv.residual_fake_quantize(x, ratio, gs, granularity="channel", backend="triton", **kw)
     fr = nv.residual_fake_quantize(x, ratio, gs, granularity="channel", backend="torch", **kw)
     assert _bytes_eq(ft, fr), (ratio, x.dtype)
+    if x.shape[-1] <= 256 and gs is not None and gs.dim() == 2 and gs.shape[0] == x.shape[0]:
+        _same_with_row_scale_in_kernel(x, ratio, gs, r, fr, **kw)
     return t
+
+
+def _same_with_row_scale_in_kernel(x, ratio, gs, r, fr, **kw):
+    """amax="row" (each row's scale derived inside the kernel) == the reference given per_row_global_scale(x)."""
+    assert torch.equal(gs, nv.per_row_global_scale(x))  # the callers' per-row scale is that convention
+    t = nv.residual_quantize(x, ratio, amax="row", granularity="channel", backend="triton", check_finite=False, **kw)
+    for a, b in ((t.first, r.first), (t.second, r.second)):
+        assert torch.equal(a.packed, b.packed) and _bytes_eq(a.block_scale, b.block_scale)
+        assert _bytes_eq(a.global_scale, b.global_scale), (a.global_scale.shape, b.global_scale.shape)
+    assert torch.equal(t.channel_idx, r.channel_idx)
+    ft = nv.residual_fake_quantize(x, ratio, amax="row", granularity="channel", backend="triton", **kw)
+    assert _bytes_eq(ft, fr), (ratio, x.dtype)
 
 
 def _rows(m, k, dtype, seed):
@@ -311,7 +325,7 @@ def test_triton_channel_kernel_edge_cases_and_ulp_apart_scores():
     """The channel kernel gives the reference's bytes at K = 16 and non-power-of-two block counts (K = 48, 96), ratios
     0 / 1 (nothing / everything), all-zero rows (every score ties at +0), hand-made ties across the threshold, scores
     a few ulps apart (``_low_bit_ties``: the search's last bits), a score weight, a per-tensor scale with M > 1 (two
-    launches), one row. (``CHANNEL_VARIANTS`` differ only by GPU register caps, which the interpreter ignores; the
+    launches), one row. (``CHANNEL_VARIANTS`` differ only by GPU register caps and warps, which the interpreter ignores; the
     caps are compiled by the sm_90 test below and run against the reference by tests/gpu.)"""
     for k, m, ratios in ((16, 3, (0.0, 0.125, 0.5, 1.0)), (48, 2, (0.0, 0.3, 1.0))):
         x = _rows(m, k, torch.bfloat16, seed=k)
@@ -345,15 +359,16 @@ from verl_quads.nvfp4 import triton_channel as tc
 sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16", "packed1_ptr": "*i64",
        "scale1_ptr": "*u8", "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
-       "OUT": "constexpr", "GS2": "constexpr"}
-for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg in (
-        ("*bf16", "*i16", False, 3, 0, False, 128, 4, 64), ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64),
-        ("*fp16", "*fp16", False, 2, 1, True, 1, 1, None), ("*fp32", "*fp32", False, 0, 2, False, 64, 2, 64),
-        ("*bf16", "*i64", True, 0, 0, False, 64, 2, None)):
+       "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr"}
+for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs in (
+        ("*bf16", "*i16", False, 3, 0, False, 128, 4, 64, False), ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64, False),
+        ("*fp16", "*fp16", False, 2, 1, True, 1, 1, None, False), ("*fp32", "*fp32", False, 0, 2, False, 64, 2, 64, False),
+        ("*bf16", "*i64", True, 0, 0, False, 64, 2, None, False), ("*bf16", "*i16", False, 3, 0, False, 512, 16, 64, True),
+        ("*bf16", "*i64", True, 0, 0, False, 128, 4, None, True)):
     s = dict(sig, x_ptr=xt, out_ptr=ot)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
-        "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2}),
+        "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "ROW_GS": row_gs}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
     # values and codes carry signs by OR-ing bits: a float negation would be 0.0 - v under triton 3.6 (+0.0 for -0.0)
@@ -402,3 +417,24 @@ def test_channel_rule_beats_the_block_rule_on_gaussian_activations():
         ch = _rel_gemm_err(_fq(x, ratio), x, w) / naive
         # measured (this seed, error / naive): k=0.25 block 0.759 / channel 0.458; k=0.5 block 0.558 / channel 0.251
         assert ch < 0.85 * blk < 1.0, (ratio, blk, ch)
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=_needs_interp)])
+@pytest.mark.parametrize("gran", ["block", "channel"])
+def test_residual_amax_row_is_per_row_global_scale(backend, gran):
+    """``amax="row"`` (the rollout's per-token convention; in the channel kernel derived on chip) gives the bytes of
+    passing ``per_row_global_scale(x)``, for both rules and backends; ``global_scale`` and ``amax`` together or an
+    unknown amax string are errors naming the argument."""
+    x = _rows(4, 64, torch.bfloat16, seed=21)
+    gs = nv.per_row_global_scale(x)
+    a = nv.residual_quantize(x, 0.5, amax="row", granularity=gran, backend=backend)
+    b = nv.residual_quantize(x, 0.5, gs, granularity=gran, backend="torch")
+    for p, q in ((a.first, b.first), (a.second, b.second)):
+        assert torch.equal(p.packed, q.packed) and _bytes_eq(p.block_scale, q.block_scale)
+        assert _bytes_eq(p.global_scale, q.global_scale)
+    assert _bytes_eq(nv.residual_fake_quantize(x, 0.5, amax="row", granularity=gran, backend=backend),
+                     nv.residual_fake_quantize(x, 0.5, gs, granularity=gran, backend="torch"))
+    with pytest.raises(ValueError, match="pass global_scale or amax, not both"):
+        nv.residual_fake_quantize(x, 0.5, gs, amax="row", granularity=gran, backend=backend)
+    with pytest.raises(ValueError, match="amax must be a tensor or 'row', got 'rows'"):
+        nv.residual_quantize(x, 0.5, amax="rows", granularity=gran, backend=backend)

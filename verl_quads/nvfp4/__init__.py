@@ -130,6 +130,7 @@ def residual_quantize(
     ratio: float,
     global_scale: torch.Tensor | float | None = None,
     *,
+    amax: torch.Tensor | str | None = None,
     per_token: bool = True,
     score_weight: torch.Tensor | None = None,
     granularity: str = "block",
@@ -143,21 +144,26 @@ def residual_quantize(
     (e.g. the squared column norms of the layer's weight: output-aware selection).
     ``granularity``: ``"block"`` (default: 16-channel blocks, a :class:`ResidualNVFP4`) or ``"channel"``
     (single channels per token, second pass dense ``[M, K]``: a :class:`ChannelResidualNVFP4`; the triton
-    backend runs :mod:`.triton_channel`, same bytes)."""
+    backend runs :mod:`.triton_channel`, same bytes).
+    ``amax`` (instead of ``global_scale``): as in :func:`quantize`; the same bytes as passing
+    ``global_scale_from_amax(amax)``. ``amax="row"`` (each row's own scale, :func:`per_row_global_scale`: the
+    rollout's activation convention) is derived inside the kernel on the triton backend with
+    ``granularity="channel"`` (one launch, no separate amax kernels); elsewhere by torch first."""
     if _residual_use_triton(x, backend, granularity, per_token):
         if granularity == "channel":
             from verl_quads.nvfp4 import triton_channel
 
             return triton_channel.residual_quantize(
-                x, ratio, global_scale, score_weight=score_weight, check_finite=check_finite
+                x, ratio, global_scale, amax=amax, score_weight=score_weight, check_finite=check_finite
             )
         from verl_quads.nvfp4 import triton_kernels
 
         return triton_kernels.residual_quantize(
-            x, ratio, global_scale, per_token=per_token, score_weight=score_weight, check_finite=check_finite
+            x, ratio, _amax_to_global_scale(x, global_scale, amax), per_token=per_token, score_weight=score_weight,
+            check_finite=check_finite,
         )
     return _residual_quantize_ref(
-        x, ratio, global_scale, per_token=per_token, score_weight=score_weight, granularity=granularity,
+        x, ratio, _amax_to_global_scale(x, global_scale, amax), per_token=per_token, score_weight=score_weight, granularity=granularity,
         check_finite=check_finite,
     )
 
@@ -167,27 +173,29 @@ def residual_fake_quantize(
     ratio: float,
     global_scale: torch.Tensor | float | None = None,
     *,
+    amax: torch.Tensor | str | None = None,
     per_token: bool = True,
     score_weight: torch.Tensor | None = None,
     granularity: str = "block",
     backend: str = "auto",
     check_finite: bool = True,
 ) -> torch.Tensor:
-    """``Q(x) + Q(R_sel)`` in x's dtype; see :func:`residual_quantize` and :mod:`.residual`."""
+    """``Q(x) + Q(R_sel)`` in x's dtype; see :func:`residual_quantize` (incl. ``amax``) and :mod:`.residual`."""
     if _residual_use_triton(x, backend, granularity, per_token):
         if granularity == "channel":
             from verl_quads.nvfp4 import triton_channel
 
             return triton_channel.residual_fake_quantize(
-                x, ratio, global_scale, score_weight=score_weight, check_finite=check_finite
+                x, ratio, global_scale, amax=amax, score_weight=score_weight, check_finite=check_finite
             )
         from verl_quads.nvfp4 import triton_kernels
 
         return triton_kernels.residual_fake_quantize(
-            x, ratio, global_scale, per_token=per_token, score_weight=score_weight, check_finite=check_finite
+            x, ratio, _amax_to_global_scale(x, global_scale, amax), per_token=per_token, score_weight=score_weight,
+            check_finite=check_finite,
         )
     r = _residual_quantize_ref(
-        x, ratio, global_scale, per_token=per_token, score_weight=score_weight, granularity=granularity,
+        x, ratio, _amax_to_global_scale(x, global_scale, amax), per_token=per_token, score_weight=score_weight, granularity=granularity,
         check_finite=check_finite,
     )
     return r.dequantize(x.dtype)

@@ -45,7 +45,7 @@ import contextlib
 import torch
 
 from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
-from verl_quads.nvfp4.reference import global_scale_from_amax
+from verl_quads.nvfp4.reference import global_scale_from_amax, per_row_global_scale
 from verl_quads.nvfp4.residual import ChannelResidualNVFP4, num_selected_channels
 from verl_quads.nvfp4.residual import residual_quantize_channel as _ref_residual_quantize_channel
 from verl_quads.nvfp4 import triton_kernels as tk
@@ -66,8 +66,10 @@ CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_
                   "pack_maxnreg_min_warps": 16}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
-#: the reference by tests/gpu (same bytes): the default and the kernel without register caps.
-CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnreg": None}}
+#: the reference by tests/gpu (same bytes): the default, the kernel without register caps, and up to 32 warps per row
+#: (session 7: whether more threads per row cut the single-row latency that decode-sized M sees).
+CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnreg": None},
+                    "w32": {"max_warps": 32, "elems_per_thread": 8}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -93,11 +95,14 @@ if triton is not None:
         x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
+        ROW_GS: tl.constexpr = False,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
         x: float32/bf16/fp16 [M, K] contiguous; gs_ptr: float32 first-pass encode scales, row r's at
-        ``r // GS_DIV``; w_ptr: float32 [K] score weights (HAS_W); NB = K / 16; NSEL = channels selected per row.
+        ``r // GS_DIV``; ROW_GS: instead, the row's own scale ``_gs_from_amax(max |x_row|)`` (=
+        :func:`~verl_quads.nvfp4.per_row_global_scale` bit for bit: no separate amax launches), written to
+        gs_ptr[row] when PACK; w_ptr: float32 [K] score weights (HAS_W); NB = K / 16; NSEL = channels selected per row.
         GS2 (second-pass global scale): 0 = from this row's amax of R_sel (written to gs2_ptr[row] when PACK);
         1 = gs2_ptr[0] (per tensor, computed by the caller); 2 = statistics only: write this row's amax of R_sel
         (float32) to gs2_ptr[row] and nothing else.
@@ -109,10 +114,17 @@ if triton is not None:
         cmask = c < NB
         b = row * NB + c
         x0, x1 = _load_halves(x_ptr, b, cmask)
-        g = tl.load(gs_ptr + row // GS_DIV)
-        gs = tl.zeros([NBP], tl.float32) + g
-        inv = tl.zeros([NBP], tl.float32) + tl.math.div_rn(g * 0.0 + 1.0, g)
-        sval, sbyte, os = _scales_inv(tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1)), gs, inv)
+        bmax = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
+        if ROW_GS:  # padding blocks hold +0.0 and do not move the row's amax
+            gs = _gs_from_amax(tl.zeros([NBP], tl.float32) + tl.max(bmax, axis=0))
+            inv = tl.math.div_rn(tl.full([NBP], 1.0, tl.float32), gs)
+            if PACK:
+                tl.store(gs_ptr + row + c * 0, gs, mask=c == 0)
+        else:
+            g = tl.load(gs_ptr + row // GS_DIV)
+            gs = tl.zeros([NBP], tl.float32) + g
+            inv = tl.zeros([NBP], tl.float32) + tl.math.div_rn(g * 0.0 + 1.0, g)
+        sval, sbyte, os = _scales_inv(bmax, gs, inv)
         factor = tl.math.div_rn(sval, gs)
         v0 = _hold_qdq_half(x0, os, factor, True)
         v1 = _hold_qdq_half(x1, os, factor, True)
@@ -210,9 +222,26 @@ def _check_row(k: int) -> int:
     return nbp
 
 
-def _run(x: torch.Tensor, ratio: float, global_scale, score_weight, check_finite: bool, packed: bool):
+def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_finite: bool, packed: bool):
     num_selected_channels(x.shape[-1] if x.dim() else 0, ratio)  # validates the ratio first
-    gs, xc, w = tk._residual_prepare(x, global_scale, score_weight, check_finite)
+    row_gs = False
+    if amax is not None:
+        if global_scale is not None:
+            raise ValueError("NVFP4: pass global_scale or amax, not both")
+        am, ng = tk._check_amax(amax, x)
+        row_gs = isinstance(am, str)  # "row": derived in the kernel (one launch)
+        if not row_gs:
+            global_scale = tk._gs_of_amax(x, am, ng)
+    if row_gs:  # _residual_prepare's checks without its global scale (here one per row)
+        if x.dim() != 2:
+            raise ValueError(f"residual_quantize: x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
+        tk.check_available(x)
+        tk.validate_input(x, check_finite=check_finite)
+        xc = x.contiguous()
+        w = tk.check_score_weight(score_weight, x.shape[-1], x.device, check_values=check_finite)
+        gs = per_row_global_scale(x) if x.numel() == 0 else None
+    else:
+        gs, xc, w = tk._residual_prepare(x, global_scale, score_weight, check_finite)
     m, k = x.shape
     if m == 0 or k == 0:  # nothing to launch; the reference defines the (empty) result and its shapes
         r = _ref_residual_quantize_channel(x, ratio, gs, score_weight=w, check_finite=False)
@@ -221,10 +250,12 @@ def _run(x: torch.Tensor, ratio: float, global_scale, score_weight, check_finite
     nbp = _check_row(k)
     n_sel = num_selected_channels(k, ratio)
     dev = x.device
+    if row_gs:  # the kernel writes each row's scale here (PACK) or ignores it (QDQ)
+        gs = torch.empty(m, 1, dtype=torch.float32, device=dev)
     g1, div1 = tk._gs_rows(gs, (m,))
     per_row = gs.dim() == 2 and gs.shape[0] == m and m > 1  # the reference's _second_pass_scale rule
     wt = w if w is not None else g1
-    meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, num_warps=_warps(nbp),
+    meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, ROW_GS=row_gs, num_warps=_warps(nbp),
                 enable_fp_fusion=False)
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
@@ -258,15 +289,19 @@ def _run(x: torch.Tensor, ratio: float, global_scale, score_weight, check_finite
     return ChannelResidualNVFP4(first, second, idx_buf[:, :n_sel], ratio)
 
 
-def residual_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, score_weight: torch.Tensor | None = None,
-                      check_finite: bool = True) -> ChannelResidualNVFP4:
+def residual_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, amax=None,
+                      score_weight: torch.Tensor | None = None, check_finite: bool = True) -> ChannelResidualNVFP4:
     """Triton :func:`verl_quads.nvfp4.residual_quantize` with ``granularity="channel"`` (per token): x 2-D
-    ``[M, K]`` float32/bf16/fp16; returns a :class:`ChannelResidualNVFP4` with the reference's bytes."""
-    return _run(x, ratio, global_scale, score_weight, check_finite, packed=True)
+    ``[M, K]`` float32/bf16/fp16; returns a :class:`ChannelResidualNVFP4` with the reference's bytes.
+    ``amax="row"``: the first pass's global scale is each row's :func:`~verl_quads.nvfp4.per_row_global_scale`,
+    derived inside the kernel (returned as ``first.global_scale`` ``[M, 1]``); another ``amax`` tensor: its
+    :func:`~verl_quads.nvfp4.global_scale_from_amax` by torch first."""
+    return _run(x, ratio, global_scale, amax, score_weight, check_finite, packed=True)
 
 
-def residual_fake_quantize(x: torch.Tensor, ratio: float, global_scale=None, *,
+def residual_fake_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, amax=None,
                            score_weight: torch.Tensor | None = None, check_finite: bool = True) -> torch.Tensor:
     """Triton :func:`verl_quads.nvfp4.residual_fake_quantize` with ``granularity="channel"``: ``deq(Q(x)) +
-    deq(Q(R_sel))`` in x's dtype and shape ``[M, K]``, one launch (two with a per-tensor scale and M > 1)."""
-    return _run(x, ratio, global_scale, score_weight, check_finite, packed=False)
+    deq(Q(R_sel))`` in x's dtype and shape ``[M, K]``, one launch (two with a per-tensor scale and M > 1;
+    one with ``amax="row"``, see :func:`residual_quantize`)."""
+    return _run(x, ratio, global_scale, amax, score_weight, check_finite, packed=False)

@@ -1320,16 +1320,17 @@ def quantize_activation(
         raise ValueError(f"nvfp4 GEMM: activation dtype {x.dtype}; allowed: float32, bfloat16, float16")
     if mode == "w4a16":
         return ActOperand(mode, x.dtype, values=x.contiguous()), None
-    gs = nv.per_row_global_scale(x)
+    # amax="row": the per-token scale is derived inside the quantization kernel (the channel rule and the plain
+    # quantize; the block rule computes it by torch first), not by ~6 separate torch launches (decode latency)
     if mode == "quads" and residual_combine == "bf16":
-        xq = nv.residual_fake_quantize(x, residual_ratio, gs, per_token=residual_per_token,
+        xq = nv.residual_fake_quantize(x, residual_ratio, amax="row", per_token=residual_per_token,
                                        granularity=residual_granularity, backend="triton", check_finite=False)
         return ActOperand("w4a16", x.dtype, values=xq), None
     if mode == "quads":
-        r = nv.residual_quantize(x, residual_ratio, gs, per_token=residual_per_token, granularity=residual_granularity,
-                                 backend="triton", check_finite=False)
+        r = nv.residual_quantize(x, residual_ratio, amax="row", per_token=residual_per_token,
+                                 granularity=residual_granularity, backend="triton", check_finite=False)
         return _residual_operand(r, mode, x.dtype), None
-    q = nv.quantize(x, gs, backend="triton", check_finite=False)
+    q = nv.quantize(x, amax="row", backend="triton", check_finite=False)
     record = nv.extract_guidance(q) if (mode == "trace" and capture) else None
     first = NVFP4Tensor(q.packed, q.block_scale, _row_gs(q.global_scale, x.shape[0]).unsqueeze(-1), q.shape, q.dtype)
     return ActOperand(mode, x.dtype, first=first), record
