@@ -253,3 +253,25 @@ def test_grouped_quads_per_expert_selection_and_split_k():
         assert _ulps(y[start:start + cnt], ref, bound)[1]
         start += cnt
     assert not torch.equal(op.block_idx[0], op.block_idx[2])  # the selection is per expert
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_dense_split_k_partials_are_summed_in_one_launch(dtype):
+    """A dense tensor-core GEMM with split_k = 3 (odd; uneven K ranges) and a bias: the float32 partials are summed
+    in the fixed order s = 0, 1, 2 plus the bias by ``_splitk_reduce_kernel`` (one launch) and cast once; the
+    result is within the float32 summation bound of the torch reference, in x's dtype, and the same bits on every
+    call (deterministic)."""
+    m, n, k = 5, 48, 160
+    x = _x(m, k, dtype=dtype, seed=3)
+    q_w = em.quantize_weight(_w((n, k)))
+    bias = _w((n,), seed=4).to(dtype)
+    cfg = tg.GemmConfig(block_m=16, block_n=16, block_k=32, block_k2=32, split_k=3, num_warps=4, num_stages=2)
+    op, _ = tg.quantize_activation(x, "w4a16")
+    y = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, q_w.global_scale, bias, config=cfg)
+    assert y.dtype == dtype and y.shape == (m, n)
+    wf = em.weight_f32(q_w.packed, q_w.block_scale, q_w.global_scale)
+    ref = em.gemm(x.to(torch.float32), wf, bias, dtype)
+    bound = 4 * k * torch.finfo(torch.float32).eps * (x.to(torch.float32).abs() @ wf.abs().t())
+    worst, ok = _ulps(y, ref, bound)
+    assert ok, f"{worst:.2f} ulp"
+    assert torch.equal(y, tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, q_w.global_scale, bias, config=cfg))

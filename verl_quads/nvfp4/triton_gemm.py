@@ -55,7 +55,7 @@ are gathered through ``a_rows`` (e.g. slot -> token for the first expert GEMM) a
 
 Decode (small M): the GEMM is bound by weight bytes; :func:`pick_config` uses small BLOCK_M and
 splits K across programs (``split_k``) until the grid fills the GPU; partial sums go to a float32
-workspace ``[split_k, rows, N]`` and are reduced in a fixed order (deterministic) by torch.
+workspace ``[split_k, rows, N]`` and are summed in a fixed order (deterministic) by one reduction launch.
 
 W4A16 decode, weight streaming (issue #5): ``_w4a16_stream_kernel`` (:class:`StreamConfig`) reads the
 packed weight as int32 words (8 codes; 16-byte vector loads), decodes each code with 3 integer ops
@@ -1582,8 +1582,8 @@ def nvfp4_gemm(
     split = config.split_k
     if rows_out == 0 or n == 0:
         return torch.zeros(rows_out, n, dtype=act.dtype, device=dev)
-    if split > 1:
-        out = torch.zeros(split, rows_out, n, dtype=torch.float32, device=dev)
+    if split > 1:  # float32 partials; grouped: rows of slots routed to no local expert must read as 0
+        out = (torch.zeros if zero_rows else torch.empty)(split, rows_out, n, dtype=torch.float32, device=dev)
         out_arg = out
     else:
         alloc = torch.zeros if zero_rows else torch.empty
@@ -1637,11 +1637,13 @@ def nvfp4_gemm(
         EVEN_K=even_k, SC4=even_k and gk % 4 == 0 and kb % 4 == 0, NAT=config.natural and not a4,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
-    if split > 1:
-        y = out.sum(0)
-        if bias is not None:
-            y = y + bias.to(torch.float32)
-        return y.to(act.dtype)
+    if split > 1:  # one launch (not torch's sum + add + cast: three at decode sizes), fixed order s = 0, 1, ...
+        y = torch.empty(rows_out, n, dtype=act.dtype, device=dev)
+        rn = rows_out * n
+        _splitk_reduce_kernel[(-(-rn // 1024),)](
+            out, bias if bias is not None else dummy, y.view(torch.int16) if act.dtype == torch.bfloat16 else y, rn, n,
+            SPLIT=split, HAS_BIAS=bias is not None, OUT=_OUT_CODES[act.dtype], BLOCK=1024, num_warps=4)
+        return y
     return out
 
 
