@@ -283,3 +283,103 @@ def test_moe_layer_real_shape(mode, per_token, tokens):
     print(f"moe layer T={tokens} {mode} per_token={per_token}: max |diff| / max |ref| = {rel:.2e}, "
           f"{float((y == ref).float().mean()):.2%} bit-equal")
     assert rel <= 2 ** -6
+
+
+# --- issue #5: the MoE layer's decode kernels (moe_align in registers, gate, combine) -------------------
+
+
+def _cuda_us(fn, iters=200):
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / iters
+
+
+@pytest.mark.parametrize("tokens, e, block_m", [(1, 128, 16), (2, 128, 16), (16, 128, 32), (32, 128, 16),
+                                                (32, 256, 16), (5, 100, 16)])
+def test_moe_align_in_registers_real_sizes(monkeypatch, tokens, e, block_m):
+    """Decode routing (top-8, S = 8 * tokens <= MOE_ALIGN_REGISTER_MAX): the register kernel == the torch
+    reference bit for bit; prints its eager launch time next to the one-program global-scratch kernel it
+    replaces (back-to-back launches, not a CUDA graph; informational, not asserted)."""
+    topk = 8
+    g = torch.Generator(device=DEV).manual_seed(tokens + e)
+    ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
+    ids[torch.rand(tokens, topk, device=DEV, generator=g) > 0.9] = -1
+    got, ref = tg.moe_align(ids, e, block_m), tg.moe_align_reference(ids, e, block_m)
+    for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    t_reg = _cuda_us(lambda: tg.moe_align(ids, e, block_m))
+    monkeypatch.setattr(tg, "MOE_ALIGN_REGISTER_MAX", 0)  # the previous path: one program, global scratch
+    old = tg.moe_align(ids, e, block_m)
+    assert torch.equal(old.sorted_slots, ref.sorted_slots)
+    t_old = _cuda_us(lambda: tg.moe_align(ids, e, block_m))
+    print(f"moe_align S={tokens * topk} E={e} bm={block_m}: registers {t_reg:.1f} us, "
+          f"one-program scratch {t_old:.1f} us (eager, launch included)")
+
+
+def _gate_input(s, inter, dtype, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    h = torch.randn(s, 2 * inter, device=DEV, generator=g)
+    h = h * torch.exp2(torch.randint(-12, 12, (s, 2 * inter), device=DEV, generator=g).float())
+    special = [-0.0, 0.0, -100.0, 100.0, -88.5, 88.5, -87.5, 87.5, -20.0, 20.0, 3e4, -3e4, 6e4, -6e4, 1e-6, -1e-6]
+    if dtype == torch.bfloat16:
+        special += [3e38, -3e38, 1e-39, -1e-39, 1e-30, -1e-30]  # bf16 extremes, fp32-subnormal gates
+    h[0, : len(special)] = torch.tensor(special, device=DEV)
+    h[1, inter: inter + len(special)] = torch.tensor(special, device=DEV)  # as the up operand too
+    return h.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("s, inter", [(8, 768), (128, 768), (4096, 768), (3, 100)])
+def test_moe_silu_mul_bit_identical_to_torch_cuda(dtype, s, inter):
+    """The gate kernel (libdevice expf, IEEE division, one cast) == torch's CUDA
+    ``(silu(h[:, :I].float()) * h[:, I:].float()).to(dtype)`` bit for bit (torch.equal; signed zeros,
+    overflowing/underflowing exp, bf16 subnormal gates included). Prints eager launch times."""
+    h = _gate_input(s, inter, dtype, seed=s)
+    a = tg.moe_silu_mul(h)
+    ref = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(dtype)
+    bad = (a != ref) & ~(a.isnan() & ref.isnan())
+    if bad.any():
+        i = bad.nonzero()[:5].tolist()
+        pytest.fail(f"{int(bad.sum())} of {a.numel()} differ, e.g. at {i}: h gate "
+                    f"{[float(h[r, c]) for r, c in i]}, up {[float(h[r, inter + c]) for r, c in i]}, "
+                    f"got {[float(a[r, c]) for r, c in i]}, torch {[float(ref[r, c]) for r, c in i]}")
+    assert torch.equal(torch.signbit(a), torch.signbit(ref))
+    if s == 128 and inter == 768:
+        t_k = _cuda_us(lambda: tg.moe_silu_mul(h))
+        t_t = _cuda_us(lambda: (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(dtype))
+        print(f"gate S={s} I={inter} {dtype}: kernel {t_k:.1f} us, torch expression {t_t:.1f} us (eager)")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("t", [1, 16, 2048])
+def test_moe_combine_cuda(dtype, t):
+    """The combine kernel: the same bits run to run (fixed order j = 0..k-1), within the float32 summation
+    bound of torch's ``(y.reshape(T, k, H).float() * w[..., None]).sum(1)`` plus 1 ulp of the output dtype;
+    a slot of no local expert (zero row) contributes 0. Prints eager launch times."""
+    k, hidden = 8, 2048
+    g = torch.Generator(device=DEV).manual_seed(t)
+    y = (torch.randn(t * k, hidden, device=DEV, generator=g) * 3).to(dtype)
+    y[1] = 0
+    w = torch.softmax(torch.randn(t, k, device=DEV, generator=g), -1)
+    out = tg.moe_combine(y, w)
+    for _ in range(3):
+        assert torch.equal(out, tg.moe_combine(y, w))
+    yf = y.float().reshape(t, k, hidden)
+    ref = (yf * w.unsqueeze(-1)).sum(1)
+    bound = 2 * k * torch.finfo(torch.float32).eps * (yf.abs() * w.unsqueeze(-1)).sum(1)
+    r = ref.to(dtype).float()
+    ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.abs().clamp(min=1e-38))), 0.0) * torch.finfo(dtype).eps
+    d = (out.float() - ref).abs()
+    print(f"combine T={t} {dtype}: {float((out == ref.to(dtype)).float().mean()):.2%} bit-equal to torch's expression")
+    assert bool((d <= ulp + bound).all())
+    if t == 16:
+        t_k = _cuda_us(lambda: tg.moe_combine(y, w))
+        t_t = _cuda_us(lambda: (y.reshape(t, k, hidden).float() * w.unsqueeze(-1)).sum(1).to(dtype))
+        print(f"combine T={t} {dtype}: kernel {t_k:.1f} us, torch expression {t_t:.1f} us (eager)")

@@ -833,6 +833,93 @@ if triton is not None:
         tl.debug_barrier()
         _moe_scatter_kernel(ids_ptr, base_ptr, start_ptr, sorted_ptr, tok_ptr, S, E, TOPK, C, EP)
 
+    # ----------------------------------------------------------------------------------------------
+    # MoE decode tails (issue #5): moe_align in registers, the gate and the router-weighted combine.
+    try:  # triton 3.x: the CUDA libdevice wrappers (accurate expf; not callable under the interpreter)
+        from triton.language.extra.cuda import libdevice as _cuda_libdevice
+    except ImportError:  # pragma: no cover - depends on the triton version
+        from triton.language.extra import libdevice as _cuda_libdevice
+
+    @triton.jit
+    def _moe_align_reg_kernel(ids_ptr, te_ptr, tr0_ptr, tr1_ptr, sorted_ptr, tok_ptr, S, E, TOPK, T_MAX,
+                              SP: tl.constexpr, JC: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
+                              TT: tl.constexpr):
+        """moe_align in ONE program with no global scratch (decode: S <= SP slots, E <= EP experts).
+
+        Slot i has key = expert id (E for an id < 0: not local; E for padding i >= S, which ranks after
+        every real slot because its index is larger). Its sorted row is its stable rank: the number of
+        slots j with ``(key_j, j) < (key_i, i)`` = ``#(key_j*SP + j < key_i*SP + i)``, an ``[SP, JC]``
+        compare-sum per chunk of JC slots (the chunk's ids are re-loaded, nothing is written before).
+        Per-expert counts by an ``[SP, EP]`` compare-sum; tiles = ceil(count / BM); the tile table of
+        the ``T_MAX`` M-tiles (TT at a time) by a ``[TT, EP]`` compare against the tiles' cumulative
+        ends (searchsorted, right) and one-hot sums. Int32 throughout; same outputs as
+        :func:`moe_align_reference`."""
+        ii = tl.arange(0, SP)
+        valid = ii < S
+        e = tl.load(ids_ptr + ii, mask=valid, other=-1).to(tl.int32)
+        key = tl.where(valid & (e >= 0), e, E)
+        c = key * SP + ii
+        rank = tl.zeros([SP], tl.int32)
+        for j0 in tl.static_range(0, SP, JC):
+            jj = j0 + tl.arange(0, JC)
+            vj = jj < S
+            ej = tl.load(ids_ptr + jj, mask=vj, other=-1).to(tl.int32)
+            cj = tl.where(vj & (ej >= 0), ej, E) * SP + jj
+            rank += tl.sum((cj[None, :] < c[:, None]).to(tl.int32), axis=1)
+        tl.store(sorted_ptr + rank, ii, mask=valid)
+        tl.store(tok_ptr + rank, ii // TOPK, mask=valid)
+        ee = tl.arange(0, EP)
+        counts = tl.sum((key[:, None] == ee[None, :]).to(tl.int32), axis=0)
+        cloc = tl.where(ee < E, counts, 0)
+        tiles = (cloc + BM - 1) // BM
+        tend = tl.cumsum(tiles, axis=0)  # tiles of experts <= e
+        cend = tl.cumsum(cloc, axis=0)  # first sorted row of expert e + its count
+        a0 = cend - cloc - (tend - tiles) * BM  # tile t of expert e starts at row a0[e] + t * BM
+        for t0 in range(0, T_MAX, TT):
+            t = t0 + tl.arange(0, TT)
+            ex = tl.sum((tend[None, :] <= t[:, None]).to(tl.int32), axis=1)  # searchsorted(tend, t, right)
+            live = ex < E
+            oh = ee[None, :] == ex[:, None]
+            r0 = tl.sum(tl.where(oh, a0[None, :], 0), axis=1) + t * BM
+            r1 = tl.minimum(tl.sum(tl.where(oh, cend[None, :], 0), axis=1), r0 + BM)
+            tm = t < T_MAX
+            tl.store(te_ptr + t, tl.where(live, ex, -1), mask=tm)
+            tl.store(tr0_ptr + t, tl.where(live, r0, 0), mask=tm)
+            tl.store(tr1_ptr + t, tl.where(live, r1, 0), mask=tm)
+
+    @triton.jit
+    def _moe_silu_mul_kernel(h_ptr, out_ptr, I, H_STRIDE, BLOCK: tl.constexpr, OUT: tl.constexpr,
+                             ACC_EXP: tl.constexpr):
+        """Gate of the routed experts: row ``pid(0)``, columns ``pid(1)*BLOCK ..`` of
+        ``out [S, I] = cast(silu(float32(h[:, :I])) * float32(h[:, I:]))``, silu(g) = ``div_rn(g, 1 + exp(-g))``
+        in float32 (torch's CUDA silu: accurate expf, IEEE division). ACC_EXP: libdevice's expf (GPU);
+        else ``tl.exp`` (the interpreter, which cannot call libdevice: numpy's float32 exp)."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < I
+        g = tl.load(h_ptr + row * H_STRIDE + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(h_ptr + row * H_STRIDE + I + cols, mask=m, other=0.0).to(tl.float32)
+        if ACC_EXP:
+            ex = _cuda_libdevice.exp(-g)
+        else:
+            ex = tl.exp(-g)
+        s = tl.math.div_rn(g, ex + 1.0)
+        _store_out(out_ptr + row * I + cols, s * u, m, OUT)
+
+    @triton.jit
+    def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr, OUT: tl.constexpr):
+        """Router-weighted sum of a token's slots: ``out[t, cols] = cast(sum_j float32(y[t*TOPK + j, cols]) *
+        w[t, j])`` for token ``pid(0)``, columns ``pid(1)*BLOCK ..``; float32 accumulation in the fixed
+        order j = 0 .. TOPK-1 (deterministic; the multiply-add may be one FMA)."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < H
+        acc = tl.zeros([BLOCK], tl.float32)
+        for j in tl.static_range(TOPK):
+            w = tl.load(w_ptr + t * TOPK + j)
+            acc += tl.load(y_ptr + (t * TOPK + j) * H + cols, mask=m, other=0.0).to(tl.float32) * w
+        _store_out(out_ptr + t * H + cols, acc, m, OUT)
+
 # --------------------------------------------------------------------------------------------------
 # host side
 
@@ -1458,12 +1545,15 @@ def moe_align_reference(expert_ids: torch.Tensor, num_experts: int, block_m: int
 
 
 MOE_ALIGN_ONE_PROGRAM_MAX = 1024  # token-slots up to which moe_align is one launch (decode: <= 128 tokens at top-8)
+#: moe_align in registers (one program, no global scratch) up to this many token-slots AND experts
+MOE_ALIGN_REGISTER_MAX = 256
 
 
 def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> GroupedRouting:
     """Sort token-slots by expert (stable) and build the tile table: three small Triton launches on
     the ids' device (chunk histograms; one-program scan + tile table; stable counting-sort scatter;
-    up to :data:`MOE_ALIGN_ONE_PROGRAM_MAX` slots the three run in one program, one launch),
+    up to :data:`MOE_ALIGN_ONE_PROGRAM_MAX` slots the three run in one program, one launch; up to
+    :data:`MOE_ALIGN_REGISTER_MAX` slots and experts one program ranks the slots in registers, no scratch),
     no host synchronization (graph-capturable). ``expert_ids``: int ``[T, top_k]`` local expert ids,
     -1 = not local. Same result as :func:`moe_align_reference` (tested)."""
     flat = expert_ids.reshape(-1).contiguous()
@@ -1476,7 +1566,13 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Group
     sorted_slots = torch.empty(s, **i32)
     sorted_tokens = torch.empty(s, **i32)
     te, tr0, tr1 = torch.empty(t_max, **i32), torch.empty(t_max, **i32), torch.empty(t_max, **i32)
-    if s > 0:
+    if 0 < s <= MOE_ALIGN_REGISTER_MAX and num_experts <= MOE_ALIGN_REGISTER_MAX:  # decode: registers only
+        sp = max(16, triton.next_power_of_2(s))
+        _moe_align_reg_kernel[(1,)](flat, te, tr0, tr1, sorted_slots, sorted_tokens, s, num_experts, top_k, t_max,
+                                    SP=sp, JC=min(sp, 64), EP=max(16, triton.next_power_of_2(num_experts)),
+                                    BM=block_m, TT=min(32, max(16, triton.next_power_of_2(t_max))),
+                                    num_warps=4 if sp <= 64 else 8)
+    elif s > 0:
         ep = triton.next_power_of_2(num_experts + 2)  # keys 0..E-1, E (not local), EP-1 (padding)
         chunk = 128 * max(1, -(-s // (128 * 64)))  # <= 64 chunks
         p = -(-s // chunk)
@@ -1724,7 +1820,7 @@ def moe_forward(
         on_record("mlp.experts.w13", rec)
     token_rows = routing.sorted_tokens
     h = nvfp4_gemm(op1, w13_packed, w13_scale, w13_gs, routing=routing, a_rows=token_rows, out_rows=s)
-    a = (torch.nn.functional.silu(h[:, :inter].to(torch.float32)) * h[:, inter:].to(torch.float32)).to(x.dtype)
+    a = moe_silu_mul(h)  # (silu(h[:, :I].float()) * h[:, I:].float()).to(x.dtype), one launch
     if act_mode == "quads" and not residual_per_token:
         flat = expert_ids.reshape(-1)
         counts = torch.bincount(flat[flat >= 0], minlength=n_exp).tolist()  # host sync
@@ -1742,7 +1838,61 @@ def moe_forward(
             on_record("mlp.experts.w2", rec2)
         a_rows = None
     y = nvfp4_gemm(op2, w2_packed, w2_scale, w2_gs, routing=routing, a_rows=a_rows, out_rows=s)
-    return (y.reshape(t, k, hidden).to(torch.float32) * slot_weights.unsqueeze(-1)).sum(1).to(x.dtype)
+    return moe_combine(y, slot_weights)  # (y.reshape(t, k, H).float() * w[..., None]).sum(1).to(x.dtype)
+
+
+def moe_silu_mul(h: torch.Tensor) -> torch.Tensor:
+    """The routed experts' gate in one launch: ``h`` ``[S, 2I]`` (gate columns then up columns; bf16 / fp16
+    / float32, row stride may exceed 2I) -> ``[S, I]`` in h's dtype, ``cast(silu(float32(gate)) *
+    float32(up))``. On CUDA bit-identical to torch's ``(silu(h[:, :I].float()) * h[:, I:].float()).to(dtype)``
+    (libdevice expf + IEEE division, as torch's CUDA silu; tests/gpu/test_nvfp4_gemm_gpu.py); under the
+    interpreter the exp is numpy's float32 exp (libdevice cannot run there): within an ulp of torch's CPU
+    silu before the product."""
+    check_available(h)
+    if h.dim() != 2 or h.shape[1] % 2 or h.stride(1) != 1 or h.dtype not in _OUT_CODES:
+        raise ValueError(f"moe_silu_mul: h must be [S, 2I] with unit column stride, dtype in "
+                         f"{list(_OUT_CODES)}, got {h.dtype} {tuple(h.shape)} strides {h.stride()}")
+    s, inter = h.shape[0], h.shape[1] // 2
+    out = torch.empty(s, inter, dtype=h.dtype, device=h.device)
+    if s == 0 or inter == 0:
+        return out
+    interp = _interpreting()
+    code = _OUT_CODES[h.dtype]
+    if code == 1 and not interp:
+        code = 3  # the GPU's cvt.rn to bf16 (same bits as the integer rounding of OUT 1)
+    block = min(1024, triton.next_power_of_2(inter))
+    _moe_silu_mul_kernel[(s, -(-inter // block))](
+        h, out.view(torch.int16) if h.dtype == torch.bfloat16 else out, inter, h.stride(0),
+        BLOCK=block, OUT=code, ACC_EXP=not interp, num_warps=4)
+    return out
+
+
+def moe_combine(y: torch.Tensor, slot_weights: torch.Tensor) -> torch.Tensor:
+    """Router-weighted sum over each token's slots in one launch: ``y`` ``[T*k, H]`` in slot order
+    (slot ``t*k + j``; bf16 / fp16 / float32), ``slot_weights`` ``[T, k]`` (float32; other float dtypes are
+    converted, exactly as torch's type promotion would) -> ``[T, H]`` in y's dtype, ``cast(sum_j
+    float32(y[t*k + j]) * w[t, j])`` accumulated in float32 in the fixed order j = 0..k-1 (deterministic,
+    run to run); torch's ``(y.reshape(T, k, H).float() * w[..., None]).sum(1)`` agrees within float32
+    summation error."""
+    check_available(y)
+    if slot_weights.dim() != 2 or y.dim() != 2 or y.shape[0] != slot_weights.numel() or y.dtype not in _OUT_CODES:
+        raise ValueError(f"moe_combine: y must be [T*k, H] ({list(_OUT_CODES)}) and slot_weights [T, k], got y "
+                         f"{y.dtype} {tuple(y.shape)}, slot_weights {tuple(slot_weights.shape)}")
+    t, k = slot_weights.shape
+    hidden = y.shape[1]
+    out = torch.empty(t, hidden, dtype=y.dtype, device=y.device)
+    if t == 0 or hidden == 0:
+        return out
+    y = y.contiguous()
+    w = slot_weights.to(torch.float32).contiguous()
+    code = _OUT_CODES[y.dtype]
+    if code == 1 and not _interpreting():
+        code = 3
+    block = min(1024, triton.next_power_of_2(hidden))
+    _moe_combine_kernel[(t, -(-hidden // block))](
+        y, w, out.view(torch.int16) if y.dtype == torch.bfloat16 else out, hidden,
+        TOPK=k, BLOCK=block, OUT=code, num_warps=4)
+    return out
 
 
 # --- torch custom ops: the same calls as opaque nodes for torch.compile (vLLM compiles the model;

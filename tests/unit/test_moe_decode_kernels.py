@@ -1,0 +1,207 @@
+"""The MoE layer's decode kernels (verl_quads/nvfp4/triton_gemm.py, issue #5): moe_align in registers
+(``_moe_align_reg_kernel``, S <= MOE_ALIGN_REGISTER_MAX slots and experts), the gate ``moe_silu_mul`` and the
+router-weighted combine ``moe_combine``, each one launch.
+
+On CPU under TRITON_INTERPRET=1 at small shapes. The routing is compared with torch.equal against the torch
+reference (``moe_align_reference``). The gate's exp under the interpreter is numpy's float32 exp (libdevice
+cannot run there), so the gate is bit-exact against the same formula in numpy (``g / (1 + exp(-g)) * u`` in
+float32, IEEE division, one cast) and within a stated tolerance of torch's CPU silu (whose vectorized exp
+differs from numpy's by an ulp in ~1/6 of the float32 values). Bit-identity to torch's CUDA silu is tested on
+the H200 (tests/gpu/test_nvfp4_gemm_gpu.py::test_moe_silu_mul_bit_identical_to_torch_cuda).
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from verl_quads.nvfp4 import triton_gemm as tg
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sm90_compile import compile_for_sm90_in_subprocess  # noqa: E402
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it on CPU)",
+)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FIELDS = ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens")
+
+
+class _Spy:
+    """Counts launches of a Triton kernel (``kernel[grid](...)``) and forwards them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+def _ids(tokens, top_k, e, local_frac, seed, one_expert=None):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, e, (tokens, top_k), generator=g)
+    if one_expert is not None:
+        ids.fill_(one_expert)
+    ids[torch.rand(tokens, top_k, generator=g) >= local_frac] = -1
+    return ids.to(DEV)
+
+
+@pytest.mark.parametrize("tokens, top_k, e, block_m, local_frac, one_expert", [
+    (1, 1, 3, 16, 1.0, None),     # S = 1, E not a power of two
+    (1, 8, 128, 16, 1.0, None),   # decode M=1 at Qwen3-30B-A3B routing
+    (3, 2, 5, 16, 0.7, None),     # -1 ids (not local), E = 5
+    (5, 4, 7, 2, 1.0, 6),         # every slot on one expert (the last), 10 tiles of 2 rows
+    (4, 4, 7, 16, 0.0, None),     # no slot local: every tile empty
+    (16, 8, 100, 32, 0.9, None),  # decode M=16, E = 100
+    (32, 8, 256, 16, 0.8, None),  # S = 256 slots and E = 256 experts: the register path's limit
+])
+def test_moe_align_in_registers_equals_torch_reference(monkeypatch, tokens, top_k, e, block_m, local_frac,
+                                                       one_expert):
+    """Decode routing (S, E <= MOE_ALIGN_REGISTER_MAX) is ONE launch of the register kernel and equals the
+    torch reference bit for bit (stable order within an expert, -1 last, same tile table)."""
+    assert tokens * top_k <= tg.MOE_ALIGN_REGISTER_MAX and e <= tg.MOE_ALIGN_REGISTER_MAX
+    spy, old = _Spy(tg._moe_align_reg_kernel), _Spy(tg._moe_align_small_kernel)
+    monkeypatch.setattr(tg, "_moe_align_reg_kernel", spy)
+    monkeypatch.setattr(tg, "_moe_align_small_kernel", old)
+    ids = _ids(tokens, top_k, e, local_frac, seed=tokens * 31 + e, one_expert=one_expert)
+    got, ref = tg.moe_align(ids, e, block_m), tg.moe_align_reference(ids, e, block_m)
+    assert (spy.launches, old.launches) == (1, 0)
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    flat = ids.reshape(-1).long()  # the reference itself: keys ascending, stable
+    key = torch.where(flat < 0, e, flat)[ref.sorted_slots.long()]
+    assert bool((key[1:] >= key[:-1]).all())
+
+
+@pytest.mark.parametrize("tokens, top_k, e", [(33, 8, 128), (2, 8, 257)])
+def test_moe_align_past_the_register_limit_takes_the_one_program_kernel(monkeypatch, tokens, top_k, e):
+    """257+ slots, or 257+ experts: the one-program global-scratch kernel (same result)."""
+    spy, old = _Spy(tg._moe_align_reg_kernel), _Spy(tg._moe_align_small_kernel)
+    monkeypatch.setattr(tg, "_moe_align_reg_kernel", spy)
+    monkeypatch.setattr(tg, "_moe_align_small_kernel", old)
+    ids = _ids(tokens, top_k, e, 0.9, seed=3)
+    got, ref = tg.moe_align(ids, e, 16), tg.moe_align_reference(ids, e, 16)
+    assert (spy.launches, old.launches) == (0, 1)
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+
+
+def _gate_h(s, inter, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(s, 2 * inter, generator=g) * torch.exp2(torch.randint(-10, 10, (s, 2 * inter), generator=g).float())
+    # signed zeros, |h| where exp(-g) overflows / underflows, large magnitudes
+    h[0, :12] = torch.tensor([-0.0, 0.0, -100.0, 100.0, -88.5, 88.5, -87.5, 87.5, -20.0, 20.0, 3e4, -3e4])
+    h[1, inter: inter + 4] = torch.tensor([-0.0, 0.0, -0.0, 6e4])
+    return h.to(dtype).to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_moe_silu_mul_matches_the_formula_and_torch(dtype):
+    """``moe_silu_mul`` == ``(g / (1 + exp(-g)) * u)`` computed in numpy float32 (IEEE division; the
+    interpreter's exp IS numpy's float32 exp) cast once: bit-exact (signed zeros included). Against torch's
+    CPU expression ``(silu(g.float()) * u.float()).to(dtype)``: bf16 / fp16 within 1 ulp of the output dtype
+    and >= 99% bit-equal; float32 within 4 float32 ulps (torch's CPU exp is another 1-ulp implementation)."""
+    s, inter = 7, 80  # 80 columns: two programs of 64, the second masked
+    h = _gate_h(s, inter, dtype)
+    a = tg.moe_silu_mul(h)
+    assert a.dtype == dtype and a.shape == (s, inter)
+    g = h[:, :inter].float().cpu().numpy()
+    u = h[:, inter:].float().cpu().numpy()
+    with np.errstate(over="ignore"):
+        formula = torch.from_numpy(g / (np.float32(1.0) + np.exp(-g)) * u).to(dtype)
+    assert torch.equal(a.cpu(), formula)
+    assert torch.equal(torch.signbit(a.cpu().float()), torch.signbit(formula.float()))
+    ref = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(dtype).cpu()
+    r = ref.float()
+    d = torch.where(a.cpu() == ref, 0.0, (a.cpu().float() - r).abs())  # equal infinities: 0
+    eps = torch.finfo(dtype).eps * (4 if dtype == torch.float32 else 1)
+    ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.abs().clamp(min=1e-38))) * eps,
+                      torch.full_like(r, torch.finfo(dtype).tiny))
+    assert bool((d <= ulp).all()), float((d / ulp).max())
+    equal = float((a.cpu() == ref).float().mean())
+    print(f"moe_silu_mul {dtype}: {equal:.2%} bit-equal to torch's CPU silu expression")
+    if dtype != torch.float32:
+        assert equal >= 0.99
+
+
+def test_moe_silu_mul_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"h must be \[S, 2I\]"):
+        tg.moe_silu_mul(torch.zeros(3, 5, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match="dtype"):
+        tg.moe_silu_mul(torch.zeros(3, 4, dtype=torch.float64, device=DEV))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_moe_combine_fixed_order_and_torch_bound(dtype):
+    """``moe_combine`` sums a token's k slots in float32 in the order j = 0..k-1: under the interpreter
+    (separate multiply and add, no FMA) bit-exact to that loop written in torch, then one cast; within the
+    float32 summation bound of torch's ``(y.reshape(T, k, H).float() * w[..., None]).sum(1)``; the same
+    bits run to run. A slot of no local expert (row of zeros) contributes 0."""
+    t, k, hidden = 3, 8, 72  # 72 columns: two programs of 64, the second masked
+    g = torch.Generator().manual_seed(1)
+    y = (torch.randn(t * k, hidden, generator=g) * 4).to(dtype)
+    y[5] = 0  # token 0, slot 5: not local
+    w = torch.rand(t, k, generator=g)
+    y, w = y.to(DEV), w.to(DEV)
+    out = tg.moe_combine(y, w)
+    assert out.dtype == dtype and out.shape == (t, hidden)
+    assert torch.equal(out, tg.moe_combine(y, w))
+    yf = y.float().reshape(t, k, hidden)
+    if not torch.cuda.is_available():
+        acc = torch.zeros(t, hidden, device=DEV)
+        for j in range(k):
+            acc = acc + yf[:, j] * w[:, j: j + 1]
+        assert torch.equal(out, acc.to(dtype))
+    ref = (yf * w.unsqueeze(-1)).sum(1)
+    bound = 2 * k * torch.finfo(torch.float32).eps * (yf.abs() * w.unsqueeze(-1)).sum(1)
+    r, d = ref.to(dtype).float(), (out.float() - ref).abs()
+    half_ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.abs().clamp(min=1e-38))), 0.0) * (
+        torch.finfo(dtype).eps / 2)
+    assert bool((d <= half_ulp * 2 + bound).all())
+
+
+def test_moe_combine_rejects_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"y must be \[T\*k, H\]"):
+        tg.moe_combine(torch.zeros(5, 8, device=DEV), torch.zeros(2, 2, device=DEV))
+
+
+_SM90_MOE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from verl_quads.nvfp4 import triton_gemm as tg
+
+def comp(fn, sig, const, nw):
+    attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(sig) if sig[nm][0] == "*"}
+    full = dict(sig, **{c: "constexpr" for c in const})
+    return triton.compile(ASTSource(fn=fn, signature=full, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
+
+ptrs = {p: "*i32" for p in ("ids_ptr", "te_ptr", "tr0_ptr", "tr1_ptr", "sorted_ptr", "tok_ptr")}
+ints = {n: "i32" for n in ("S", "E", "TOPK", "T_MAX")}
+for sp, ep in ((16, 128), (256, 256)):  # decode M=1 (8 slots); the limit
+    k = comp(tg._moe_align_reg_kernel, dict(ptrs, **ints), dict(SP=sp, JC=min(sp, 64), EP=ep, BM=16, TT=32),
+             4 if sp <= 64 else 8)
+    assert k.asm["cubin"] and "ld.global" in k.asm["ptx"]
+for dt, code in (("bf16", 3), ("fp16", 2), ("fp32", 0)):
+    out = "*i16" if dt == "bf16" else "*" + dt
+    k = comp(tg._moe_silu_mul_kernel, {"h_ptr": "*" + dt, "out_ptr": out, "I": "i32", "H_STRIDE": "i32"},
+             dict(BLOCK=1024, OUT=code, ACC_EXP=True), 4)
+    # libdevice's expf (range reduction + ex2.approx of the reduced argument) and IEEE division
+    assert k.asm["cubin"] and "div.rn.f32" in k.asm["ptx"] and "ex2.approx" in k.asm["ptx"], dt
+    k = comp(tg._moe_combine_kernel, {"y_ptr": "*" + dt, "w_ptr": "*fp32", "out_ptr": out, "H": "i32"},
+             dict(TOPK=8, BLOCK=1024, OUT=code), 4)
+    assert k.asm["cubin"], dt
+print("compiled")
+"""
+
+
+def test_moe_decode_kernels_compile_for_sm90_without_a_gpu():
+    """The register moe_align, the gate (libdevice expf: GPU only, the interpreter takes tl.exp) and the
+    combine compile for sm_90 with triton's bundled ptxas (subprocess without TRITON_INTERPRET). Compiles only."""
+    compile_for_sm90_in_subprocess(
+        _SM90_MOE, "on a GPU the kernels are compiled and run by tests/gpu/test_nvfp4_gemm_gpu.py")
