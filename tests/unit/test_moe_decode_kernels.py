@@ -184,8 +184,8 @@ def comp(fn, sig, const, nw):
 ptrs = {p: "*i32" for p in ("ids_ptr", "te_ptr", "tr0_ptr", "tr1_ptr", "sorted_ptr", "tok_ptr")}
 ints = {n: "i32" for n in ("S", "E", "TOPK", "T_MAX")}
 for sp, ep in ((16, 128), (256, 256)):  # decode M=1 (8 slots); the limit
-    k = comp(tg._moe_align_reg_kernel, dict(ptrs, **ints), dict(SP=sp, JC=min(sp, 64), EP=ep, BM=16, TT=32),
-             4 if sp <= 64 else 8)
+    k = comp(tg._moe_align_reg_kernel, dict(ptrs, **ints),
+             dict(SP=sp, JC=min(sp, 64), EP=ep, BM=16, MT=max(2, sp // 16), TP=512), 4 if sp <= 64 else 8)
     assert k.asm["cubin"] and "ld.global" in k.asm["ptx"]
 for dt, code in (("bf16", 3), ("fp16", 2), ("fp32", 0)):
     out = "*i16" if dt == "bf16" else "*" + dt

@@ -843,17 +843,18 @@ if triton is not None:
     @triton.jit
     def _moe_align_reg_kernel(ids_ptr, te_ptr, tr0_ptr, tr1_ptr, sorted_ptr, tok_ptr, S, E, TOPK, T_MAX,
                               SP: tl.constexpr, JC: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
-                              TT: tl.constexpr):
+                              MT: tl.constexpr, TP: tl.constexpr):
         """moe_align in ONE program with no global scratch (decode: S <= SP slots, E <= EP experts).
 
         Slot i has key = expert id (E for an id < 0: not local; E for padding i >= S, which ranks after
         every real slot because its index is larger). Its sorted row is its stable rank: the number of
         slots j with ``(key_j, j) < (key_i, i)`` = ``#(key_j*SP + j < key_i*SP + i)``, an ``[SP, JC]``
         compare-sum per chunk of JC slots (the chunk's ids are re-loaded, nothing is written before).
-        Per-expert counts by an ``[SP, EP]`` compare-sum; tiles = ceil(count / BM); the tile table of
-        the ``T_MAX`` M-tiles (TT at a time) by a ``[TT, EP]`` compare against the tiles' cumulative
-        ends (searchsorted, right) and one-hot sums. Int32 throughout; same outputs as
-        :func:`moe_align_reference`."""
+        Per-expert counts by an ``[SP, EP]`` compare-sum; tiles = ceil(count / BM); the tile table is
+        written by scatter, not searched: tile j < tiles[e] of expert e is table entry ``first[e] + j``
+        (``first`` = exclusive cumsum of tiles; an ``[EP, MT]`` store, MT >= ceil(S / BM)), and entries
+        ``total .. T_MAX - 1`` (``TP`` >= T_MAX at once) get expert -1 and an empty range: every entry is
+        written exactly once. Int32 throughout; same outputs as :func:`moe_align_reference`."""
         ii = tl.arange(0, SP)
         valid = ii < S
         e = tl.load(ids_ptr + ii, mask=valid, other=-1).to(tl.int32)
@@ -872,20 +873,21 @@ if triton is not None:
         counts = tl.sum((key[:, None] == ee[None, :]).to(tl.int32), axis=0)
         cloc = tl.where(ee < E, counts, 0)
         tiles = (cloc + BM - 1) // BM
-        tend = tl.cumsum(tiles, axis=0)  # tiles of experts <= e
+        first = tl.cumsum(tiles, axis=0) - tiles  # table entry of the expert's first tile
         cend = tl.cumsum(cloc, axis=0)  # first sorted row of expert e + its count
-        a0 = cend - cloc - (tend - tiles) * BM  # tile t of expert e starts at row a0[e] + t * BM
-        for t0 in range(0, T_MAX, TT):
-            t = t0 + tl.arange(0, TT)
-            ex = tl.sum((tend[None, :] <= t[:, None]).to(tl.int32), axis=1)  # searchsorted(tend, t, right)
-            live = ex < E
-            oh = ee[None, :] == ex[:, None]
-            r0 = tl.sum(tl.where(oh, a0[None, :], 0), axis=1) + t * BM
-            r1 = tl.minimum(tl.sum(tl.where(oh, cend[None, :], 0), axis=1), r0 + BM)
-            tm = t < T_MAX
-            tl.store(te_ptr + t, tl.where(live, ex, -1), mask=tm)
-            tl.store(tr0_ptr + t, tl.where(live, r0, 0), mask=tm)
-            tl.store(tr1_ptr + t, tl.where(live, r1, 0), mask=tm)
+        jt = tl.arange(0, MT)
+        live = jt[None, :] < tiles[:, None]  # [EP, MT]
+        t = first[:, None] + jt[None, :]
+        r0 = (cend - cloc)[:, None] + jt[None, :] * BM
+        tl.store(te_ptr + t, ee[:, None] + jt[None, :] * 0, mask=live)
+        tl.store(tr0_ptr + t, r0, mask=live)
+        tl.store(tr1_ptr + t, tl.minimum(cend[:, None], r0 + BM), mask=live)
+        total = tl.sum(tiles, axis=0)
+        td = tl.arange(0, TP)
+        dead = (td >= total) & (td < T_MAX)
+        tl.store(te_ptr + td, tl.full([TP], -1, tl.int32), mask=dead)
+        tl.store(tr0_ptr + td, tl.zeros([TP], tl.int32), mask=dead)
+        tl.store(tr1_ptr + td, tl.zeros([TP], tl.int32), mask=dead)
 
     @triton.jit
     def _moe_silu_mul_kernel(h_ptr, out_ptr, I, H_STRIDE, BLOCK: tl.constexpr, OUT: tl.constexpr,
@@ -1570,7 +1572,8 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Group
         sp = max(16, triton.next_power_of_2(s))
         _moe_align_reg_kernel[(1,)](flat, te, tr0, tr1, sorted_slots, sorted_tokens, s, num_experts, top_k, t_max,
                                     SP=sp, JC=min(sp, 64), EP=max(16, triton.next_power_of_2(num_experts)),
-                                    BM=block_m, TT=min(32, max(16, triton.next_power_of_2(t_max))),
+                                    BM=block_m, MT=max(2, triton.next_power_of_2(-(-sp // block_m))),
+                                    TP=max(16, triton.next_power_of_2(t_max)),
                                     num_warps=4 if sp <= 64 else 8)
     elif s > 0:
         ep = triton.next_power_of_2(num_experts + 2)  # keys 0..E-1, E (not local), EP-1 (padding)
