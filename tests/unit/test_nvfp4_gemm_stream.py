@@ -262,3 +262,116 @@ def test_stream_gpu_only_decode_forms_compile_for_sm90_without_a_gpu():
     subprocess without TRITON_INTERPRET (dense pipelined, grouped 4-row, tensor-core). Compiles only."""
     compile_for_sm90_in_subprocess(
         _SM90_STREAM, "on a GPU the kernels are compiled and run by tests/gpu/test_nvfp4_gemm_stream_gpu.py")
+
+
+# --- the roofline probes of `verl-quads bench rollout --gemv-roofline` (verl_quads/bench/gemv_probe.py) ------
+
+
+def _probe_expected(w32, ws_u8, wdq, x, e, a, info, bn, bkw, stage):
+    """Each probe program's value by an independent torch computation: stage 0 the int32 sum over its
+    [BN, BKW] lanes of the XOR over its K steps of (word ^ scale byte of the word); stages 1/2 the float sum of
+    E2M1 * block scale (``wdq``: float32 [E, N, K], global scale 1; times the activation for 2) over its rows
+    and K range."""
+    live, n_tiles, split = info["grid"]
+    kw_per = info["kw_per"]
+    n, kwn = w32.shape[-2:]
+    exp = []
+    for pm in range(live):
+        ex = int(e[pm])
+        for pn in range(n_tiles):
+            rows = slice(pn * bn, min(n, (pn + 1) * bn))
+            for pk in range(split):
+                lo, hi = pk * kw_per, min(kwn, (pk + 1) * kw_per)
+                if stage == 0:
+                    lanes = torch.zeros(rows.stop - rows.start, bkw, dtype=torch.int64)
+                    for s0 in range(lo, hi, bkw):
+                        kk = torch.arange(s0, min(hi, s0 + bkw))
+                        v = w32[ex, rows][:, kk].long() ^ ws_u8[ex, rows][:, kk // 2].long()
+                        lanes[:, :kk.numel()] ^= v
+                    tot = int(lanes.sum()) & 0xFFFFFFFF
+                    exp.append(tot - (1 << 32) if tot >= 1 << 31 else tot)
+                else:
+                    v = wdq[ex, rows, lo * 8:hi * 8]
+                    if stage == 2:
+                        v = v * x[int(a[pm]), lo * 8:hi * 8].float()[None, :]
+                    exp.append(float(v.double().sum()))
+    return exp
+
+
+@pytest.mark.parametrize("stage,cfg,unroll,hint", [
+    (0, SC(split_k=2, block_n=32, block_kw=8, decode="f16x2", late_scale=True, fixup=True), 1, {}),
+    (0, SC(split_k=2, block_n=16, block_kw=4, prefetch=False), 2, {"cache": ".cg"}),
+    (0, SC(split_k=2, block_n=16, block_kw=8, prefetch=False, pipe=3), 1, {"evict": "evict_first"}),
+    (1, SC(split_k=2, block_n=32, block_kw=8, decode="f16x2", late_scale=True, fixup=True), 1, {}),
+    (2, SC(split_k=2, block_n=32, block_kw=8, decode="f16x2", late_scale=True, fixup=True), 1, {}),
+    (2, SC(split_k=2, block_n=16, block_kw=4, decode="bits", prefetch=False), 1, {})],
+    ids=lambda v: v.label if isinstance(v, SC) else str(v))
+def test_gemv_probe_reads_every_word_interpreter(stage, cfg, unroll, hint):
+    """The roofline probes (measuring instruments, not product kernels) at small shapes: dense (split_k 2: K
+    ranges of 32 + 16 words) and grouped (3 of 4 experts, one activation row each): each program's
+    folded value equals an independent torch computation (stage 0: XOR of every word and scale byte, so a
+    dropped or misaddressed load changes it; stages 1/2: sum of the decoded values, times the activation)."""
+    from verl_quads.bench import gemv_probe as gp
+
+    for grouped in (False, True):
+        e = 4 if grouped else 1
+        n, k = 48, 384  # 48 rows: a partial last column tile at BN 32; 48 words: K ranges of 32 + 16 words
+        q = em.quantize_weight(_w((e, n, k)))
+        wp, wsc = q.packed, q.block_scale
+        wdq = em.weight_f32(wp, wsc, torch.ones(e, device=wp.device)).cpu()
+        x = _x(3, k)
+        experts = torch.tensor([3, 0, 2] if grouped else [0], dtype=torch.int32, device=DEV)
+        arows = torch.tensor([2, 0, 1] if grouped else [0], dtype=torch.int32, device=DEV)
+        launch, info = gp.make_probe(cfg, stage, wp if grouped else wp[0], wsc if grouped else wsc[0], x, experts,
+                                     arows, unroll=unroll, **hint)
+        got = launch().cpu()
+        exp = _probe_expected(wp.view(torch.int32).cpu(), wsc.view(torch.uint8).cpu(), wdq, x.cpu(), experts.cpu(),
+                              arows.cpu(), info, cfg.block_n, cfg.block_kw, stage)
+        assert info["programs"] == len(exp) and (info["split"] == 2 or grouped), info
+        if stage == 0:
+            assert got.tolist() == exp, (cfg.label, grouped)
+        else:
+            gf = got.view(torch.float32).double()
+            # decode "bits" carries E2M1 * scale * 2**-9 (its epilogue multiplies by 512; _stream_load's docstring)
+            ef = torch.tensor(exp, dtype=torch.float64) * (2.0 ** -9 if cfg.decode == "bits" else 1.0)
+            assert torch.allclose(gf, ef, rtol=1e-5, atol=1e-6 * float(ef.abs().max())), (cfg.label, grouped, gf, ef)
+
+
+def test_gemv_probe_config_errors():
+    from verl_quads.bench import gemv_probe as gp
+
+    with pytest.raises(ValueError, match="tensor-core"):
+        gp.probe_constexprs(SC(block_m=16, mma=1), 0, True)
+    with pytest.raises(ValueError, match="unroll"):
+        gp.probe_constexprs(SC(), 0, True, unroll=2)  # prefetch=True
+    with pytest.raises(ValueError, match="hints"):
+        gp.probe_constexprs(SC(prefetch=False), 1, True, cache=".cg")
+
+
+_SM90_PROBE = r"""
+from verl_quads.bench import gemv_probe as gp
+from verl_quads.nvfp4 import triton_gemm as tg
+entry = tg.DECODE_TABLE[(False, 1, 8192, 8192)]
+cases = [(entry, 0, 1, {}), (entry, 1, 1, {}), (entry, 2, 1, {})]
+for u in (1, 2, 4):
+    cases.append((tg.StreamConfig(block_n=256, block_kw=16, prefetch=False), 0, u, {}))
+cases += [(tg.StreamConfig(block_n=128, block_kw=32, num_warps=8), 0, 1, {"cache": ".cg"}),
+          (tg.StreamConfig(block_n=128, block_kw=32, num_warps=8), 0, 1, {"evict": "evict_first"}),
+          (tg.StreamConfig(block_n=128, block_kw=16, prefetch=False, pipe=3), 0, 1, {})]
+for cfg, stage, u, hint in cases:
+    c = gp.probe_sass_counts(cfg, stage, u, **hint)
+    want = gp.expected_word_vectors(cfg, u)
+    print(cfg.label, stage, u, hint, c, "want", want)
+    if cfg.pipe > 1:  # the pipeliner turns the word loads into asynchronous copies
+        assert c["ldgsts"] >= want, c
+    else:  # every 16-byte word vector of a K step is in the loop (none dropped by the compiler)
+        assert c["loop_ldg128"] == want, (cfg.label, c, want)
+print("compiled")
+"""
+
+
+def test_gemv_probe_keeps_every_load_sm90_without_a_gpu():
+    """The probes compute nothing, so the compiler must be shown to keep their loads: compile them for sm_90
+    offline (triton's ptxas) and count the 16-byte global loads in the K loop's SASS: BN * BKW * unroll / (4 *
+    threads) per iteration (the table entry at stages 0-2, unroll 1/2/4, load hints; LDGSTS for pipe 3)."""
+    compile_for_sm90_in_subprocess(_SM90_PROBE, "on a GPU the probes run in verl-quads bench rollout --gemv-roofline")

@@ -1375,6 +1375,237 @@ def run_sass_count(shapes: list[str], ms: list[int]) -> str:
                        ["shape", "config", "K-loop SASS", "per weight element", "rows", "top opcodes"], rows)
 
 
+# --- --gemv-roofline: where the W4A16 decode GEMV's time goes (issue #5) ------------------------------
+
+ROOF_BLOCK_N = (64, 128, 256, 512)
+ROOF_BLOCK_KW = (8, 16, 32, 64)
+ROOF_WARPS = (2, 4, 8)
+
+
+def _roof_tilings():
+    """The read-only grid's tilings (block_n, block_kw, warps) with 4..64 words per thread per K step (one
+    16-byte vector at least; more would spill or exceed the register file at 1 program/SM)."""
+    return [(bn, bkw, w) for bn in ROOF_BLOCK_N for bkw in ROOF_BLOCK_KW for w in ROOF_WARPS
+            if 4 <= bn * bkw // (32 * w) <= 64]
+
+
+def run_gemv_roofline(budget_s: float = 120.0, points=None, tilings=None) -> str:
+    """``--gemv-roofline``: dense 8192x8192 (M=1, 16) and the MoE layer's grouped w13 (8 experts of [1536, 2048])
+    and w2 (8 of [2048, 768]) at M=1 (8 token-slots, one per expert), cold L2 (each timed replay reads rotating
+    copies: dense weight clones / disjoint groups of 8 of the 128 experts, >= 256 MB; MoE w2's 16 groups are
+    101 MB, ~2x the L2). Rows: (a) device-to-device copy of the packed bytes (codes + scales), the BF16 baseline
+    (cuBLAS / ``torch._grouped_mm``), the default ``nvfp4_gemm`` w4a16 dispatch; (b)-(d) the probes of
+    :mod:`verl_quads.bench.gemv_probe` with the DECODE_TABLE entry's grid and loop (read-only, + decode,
+    + FMA); (e) read-only probes over a grid of tilings (block_n x block_kw x warps at occ 4 with prefetch),
+    then for the fastest few: programs per SM (occ 1, 2, 8), no prefetch with 1, 2, 4 K steps unrolled,
+    Triton's pipeliner (pipe 3), and load hints (.cg / evict_first). Past ``budget_s`` the grid stops (tables
+    are still printed). Per row: us, weight GB/s (NVFP4 bytes the GEMM must read), % of the copy bandwidth of
+    the same run (read + write of 512 MB, the sweep's measure), share of the default kernel's time."""
+    import time
+
+    from verl_quads.bench import gemv_probe as gp
+    from verl_quads.nvfp4 import triton_gemm as tg
+
+    dev = DEVICE
+    t_start = time.perf_counter()
+    out = [f"device: {device_name()}"]
+    print(out[0], flush=True)
+    bw = _copy_bandwidth()
+    out.append(f"device-to-device copy bandwidth: {bw / 1e12:.2f} TB/s (read + write of 512 MB); timings: CUDA graph "
+               f"of one call per weight copy, >= {L2_FLUSH_BYTES >> 20} MB read per replay (cold L2)")
+    print(out[-1], flush=True)
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows = _Rows()
+    grid_rows = _Rows()
+    fastest: dict = {}
+    first_grid: list = []
+
+    def over_budget() -> bool:
+        return time.perf_counter() - t_start > budget_s
+
+    points = points or [("d8192", False, 8192, 8192, 1), ("d8192", False, 8192, 8192, 16),
+                        ("moe w13", True, 1536, 2048, 1), ("moe w2", True, 2048, 768, 1)]  # (name, grouped, N, K, M)
+    for name, grouped, n, k, m in points:
+        tag = f"{name} M={m}"
+        e = NUM_EXPERTS if grouped else 1
+        wp, wsc, wgs, wf, w_bf16 = _gemm_weights(grouped, n, k, dev, g)
+        del wf
+        if grouped:
+            s_slots = m * TOP_K
+            wbytes, bbytes = TOP_K * n * k * 9 // 16, TOP_K * n * k * 2
+            copies = e // TOP_K  # disjoint groups of 8 consecutive experts
+            x = torch.randn(m if name.endswith("w13") else s_slots, k, device=dev, generator=g).to(torch.bfloat16)
+            id_sets = [torch.arange(c * TOP_K, (c + 1) * TOP_K, device=dev).reshape(1, TOP_K) for c in range(copies)]
+            routs = [tg.moe_align(ids, e, tg.pick_block_m(1)) for ids in id_sets]
+            a_rows = [r.sorted_tokens if name.endswith("w13") else r.sorted_slots for r in routs]
+            x_sorted = [x[ar.long()].contiguous() for ar in a_rows]
+            offs = [torch.cumsum(torch.bincount(ids.reshape(-1), minlength=e), 0).to(torch.int32) for ids in id_sets]
+            w_t = w_bf16.transpose(-2, -1)
+            wps = [wp[c * TOP_K:(c + 1) * TOP_K] for c in range(copies)]
+            wscs = [wsc[c * TOP_K:(c + 1) * TOP_K] for c in range(copies)]
+            experts = [ids.reshape(-1).to(torch.int32) for ids in id_sets]
+            arows = torch.arange(TOP_K, device=dev, dtype=torch.int32) if not name.endswith("w13") else \
+                torch.zeros(TOP_K, device=dev, dtype=torch.int32)
+            live = TOP_K
+
+            def base(i):
+                return torch._grouped_mm(x_sorted[i], w_t, offs=offs[i])
+
+            base_label, nb = "bf16 torch._grouped_mm", copies
+            op, _ = tg.quantize_activation(x, "w4a16")
+
+            def full(i, cfg=None):
+                return tg.nvfp4_gemm(op, wp, wsc, wgs, routing=routs[i], a_rows=a_rows[i], out_rows=s_slots, config=cfg)
+
+            def probe_w(i):  # the probes index the full weight with the group's expert ids
+                return wp, wsc, experts[i]
+        else:
+            wbytes, bbytes = n * k * 9 // 16, n * k * 2
+            copies = max(1, min(64, -(-L2_FLUSH_BYTES // wbytes)))
+            nb = max(1, min(64, -(-L2_FLUSH_BYTES // bbytes)))
+            x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
+            wps = [wp] + [wp.clone() for _ in range(copies - 1)]
+            wscs = [wsc] + [wsc.clone() for _ in range(copies - 1)]
+            wbs = [w_bf16[0]] + [w_bf16[0].clone() for _ in range(nb - 1)]
+            zero = torch.zeros(1, device=dev, dtype=torch.int32)
+            arows = zero
+            live = 1
+
+            def base(i):
+                return x @ wbs[i].t()
+
+            base_label = "bf16 torch.matmul (cuBLAS)"
+            op, _ = tg.quantize_activation(x, "w4a16")
+
+            def full(i, cfg=None):
+                return tg.nvfp4_gemm(op, wps[i], wscs[i], wgs, config=cfg)
+
+            def probe_w(i):
+                return wps[i], wscs[i], zero
+        dst_p = torch.empty_like(wps[0])
+        dst_s = torch.empty_like(wscs[0])
+
+        def copy(i):
+            dst_p.copy_(wps[i])
+            dst_s.copy_(wscs[i])
+
+        def row(kind, label, t, t_full, extra=""):
+            rows.append([tag, kind, label, t * 1e6, wbytes / t / 1e9, wbytes / t / bw,
+                         f"{t / t_full:.2f}" if t_full else "-", extra])
+
+        t_copy = _time(_rotating(copy, copies))[0] / copies
+        t_base = _time(_rotating(base, nb))[0] / nb
+        t_def = _time(_rotating(full, copies))[0] / copies
+        cur = tg.decode_config(s_slots if grouped else m, n, k, grouped)
+        row("(a) copy", f"d2d copy of the packed bytes ({2 * wbytes / t_copy / 1e9:.0f} GB/s read+write)", t_copy, t_def)
+        rows.append([tag, "(a) bf16", base_label, t_base * 1e6, bbytes / t_base / 1e9, bbytes / t_base / bw,
+                     f"{t_base / t_def:.2f}", "bf16 bytes"])
+        row("(a) default", f"nvfp4_gemm w4a16 = {cur.label if cur else 'tensor-core kernel (no DECODE_TABLE entry)'}",
+            t_def, t_def, f"{t_base / t_def:.2f}x bf16")
+        pcfg = cur if (cur is not None and cur.mma == 0) else tg.decode_config(1, n, k, grouped)
+
+        def time_probe(cfg, stage, **kw):
+            launch_of = []
+            info = None
+            for i in range(copies):
+                w_i, s_i, e_i = probe_w(i)
+                fn, info = gp.make_probe(cfg, stage, w_i, s_i, x, e_i, arows, **kw)
+                launch_of.append(fn)
+            t = _time(_rotating(lambda i: launch_of[i](), copies))[0] / copies
+            return t, info
+
+        if pcfg is not None:
+            what = "entry" if pcfg == cur else "M=1 entry (reads do not depend on M)"
+            for stage, kind in ((0, "(b) read"), (1, "(c) +decode"), (2, "(d) +FMA")):
+                if m > 1 and stage > 0:
+                    continue
+                try:
+                    t, info = time_probe(pcfg, stage)
+                except Exception as ex:
+                    print(f"  {tag} {kind}: failed {type(ex).__name__}: {str(ex)[:200]}", flush=True)
+                    continue
+                row(kind, f"{gp.STAGES[stage]} probe, {what} {pcfg.label}", t, t_def,
+                    f"grid {info['grid']} = {info['programs'] / _num_sms_dev():.1f}/SM, {info['kw_per']} words/range")
+        if m > 1 or over_budget():
+            del wps, wscs, wp, wsc, w_bf16, op
+            torch.cuda.empty_cache()
+            continue
+        # (e) read-only grid
+        # the first grid point times every tiling; later ones the 8 fastest of it (compiled already: timing only)
+        cands = first_grid or [StreamConfigRO(bn, bkw, w) for bn, bkw, w in (tilings or _roof_tilings())]
+        timed = []
+        for c in cands:
+            if over_budget():
+                print(f"  {tag}: budget {budget_s:.0f} s spent, read-only grid cut", flush=True)
+                break
+            try:
+                t, info = time_probe(c, 0)
+            except Exception as ex:
+                print(f"  {tag} read {c.label}: failed {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+                continue
+            timed.append((t, c))
+            grid_rows.append([tag, f"n{c.block_n} kw{c.block_kw} w{c.num_warps}", "occ4 pf", t * 1e6, wbytes / t / 1e9,
+                              wbytes / t / bw, f"{info['programs'] / _num_sms_dev():.1f}", info['kw_per']])
+        timed.sort(key=lambda r: r[0])
+        first_grid = first_grid or [c for _, c in timed[:8]]
+        top = [c for _, c in timed[:3]]
+        if pcfg is not None:
+            top.append(StreamConfigRO(pcfg.block_n, pcfg.block_kw, pcfg.num_warps))
+        for c in dict.fromkeys(top):
+            variants = [(f"occ{o} pf", replace(c, occ=o), {}) for o in (1, 2, 8)]
+            variants += [(f"occ4 u{u}", replace(c, prefetch=False), dict(unroll=u)) for u in (1, 2, 4)]
+            variants += [("occ4 pipe3", replace(c, prefetch=False, pipe=3), {}),
+                         ("occ4 pf .cg", c, dict(cache=".cg")), ("occ4 pf evict_first", c, dict(evict="evict_first"))]
+            for vlabel, vc, kw in variants:
+                if over_budget():
+                    break
+                try:
+                    t, info = time_probe(vc, 0, **kw)
+                except Exception as ex:
+                    print(f"  {tag} read {vc.label} {vlabel}: failed {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+                    continue
+                grid_rows.append([tag, f"n{c.block_n} kw{c.block_kw} w{c.num_warps}", vlabel, t * 1e6, wbytes / t / 1e9,
+                                  wbytes / t / bw, f"{info['programs'] / _num_sms_dev():.1f}", info['kw_per']])
+                timed.append((t, vc))
+        good = [r for r in grid_rows if r[0] == tag and r[5] >= 0.70]
+        fastest[tag] = (min((r for r in grid_rows if r[0] == tag), key=lambda r: r[3], default=None), len(good),
+                        sum(r[0] == tag for r in grid_rows))
+        del wps, wscs, wp, wsc, w_bf16, op
+        torch.cuda.empty_cache()
+    out.append(print_table(
+        "W4A16 decode GEMV roofline (cold L2): (a) copy / BF16 / default kernel; probes with the DECODE_TABLE entry's "
+        "grid and loop: (b) read-only, (c) read + decode (+ block scale, summed), (d) read + decode + FMA (no epilogue, "
+        "no split-K fixup); 'of copy BW': weight bytes/s over the copy bandwidth; 'share': time / default kernel's",
+        ["shape", "row", "what", "us", "weight GB/s", "of copy BW", "share", "note"], rows))
+    out.append(print_table(
+        "(e) read-only probe over tilings (cold L2): occ = programs-per-SM target of split_k (the kernel's rule), "
+        "pf = prefetch (next step loaded before this one is used), uN = N K steps unrolled without prefetch, pipe3 = "
+        "Triton pipeliner (cp.async), .cg / evict_first = tl.load hints",
+        ["shape", "tiling", "loop", "us", "weight GB/s", "of copy BW", "programs/SM", "words/K range"], grid_rows))
+    for tag, (best, n_good, n_all) in fastest.items():
+        if best:
+            line = (f"{tag}: fastest read-only {best[1]} {best[2]} {best[3]:.1f} us = {best[5]:.0%} of copy BW; "
+                    f"{n_good} of {n_all} read-only rows >= 70% of copy BW")
+            out.append(line)
+            print(line, flush=True)
+    out.append(f"wall time {time.perf_counter() - t_start:.0f} s")
+    print(out[-1], flush=True)
+    return "\n".join(out)
+
+
+def _num_sms_dev() -> int:
+    from verl_quads.nvfp4.triton_gemm import _num_sms
+
+    return _num_sms(torch.device(DEVICE))
+
+
+def StreamConfigRO(block_n: int, block_kw: int, num_warps: int):
+    """A CUDA-core StreamConfig with only the read side set (block_m 1, prefetch, split_k auto at occ 4)."""
+    from verl_quads.nvfp4.triton_gemm import StreamConfig
+
+    return StreamConfig(block_m=1, block_n=block_n, block_kw=block_kw, num_warps=num_warps, prefetch=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="verl-quads bench rollout", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1410,6 +1641,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sass-count", action="store_true",
                    help="no GPU needed: compile the --focus variants of the decode GEMMs (--shapes, --m) for sm_90 and "
                         "count the SASS instructions per weight element in their K loop")
+    p.add_argument("--gemv-roofline", action="store_true",
+                   help="issue #5: where the W4A16 decode GEMV's time goes (dense 8192 M=1/16, MoE w13/w2 M=1, cold L2): "
+                        "copy / BF16 / default kernel vs read-only, +decode, +FMA probes with the DECODE_TABLE entry's "
+                        "grid, and a read-only grid over tilings, programs per SM, unrolling and load hints "
+                        "(--budget-s caps the grid, default 120 s)")
     p.add_argument("--out", default=None, help="also write the tables to this file")
     a = p.parse_args(argv)
     variants = tuple(v for v in a.variants.split(",") if v)
@@ -1431,6 +1667,8 @@ def main(argv: list[str] | None = None) -> None:
         text = run_sass_count(*shapes_and_ms("moe,d8192", "1,16", "--sass-count", ("moe", *SHAPES)))
     elif not torch.cuda.is_available():
         raise SystemExit("verl-quads bench rollout needs a CUDA GPU (CPU numbers are not the point)")
+    elif a.gemv_roofline:
+        text = run_gemv_roofline(a.budget_s if a.budget_s < 1e9 else 120.0)
     elif a.sweep_mid:
         shapes, ms = shapes_and_ms(MID_SHAPES, "256,16,64", "--sweep-mid")
         text = run_sweep_mid(shapes, ms, a.budget_s, profile=not a.no_profile, workers=a.workers)

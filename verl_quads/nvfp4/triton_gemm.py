@@ -1211,6 +1211,27 @@ def _stream_constexprs(cfg: StreamConfig, *, grouped: bool, tm: int, partial: bo
                 XP=cfg.xperm, LATE=cfg.late_scale, ASM=cfg.late_scale and not interpreting)
 
 
+def stream_split(cfg: StreamConfig, kw: int, live: int, n_tiles: int, dev: torch.device) -> tuple[int, int, bool]:
+    """K partition of a stream-kernel launch: ``(split, kw_per_split, even)`` for ``kw`` int32 words per
+    weight row, ``live`` M-tiles (grouped: active experts at most) and ``n_tiles`` column tiles.
+    ``split_k=0``: double the split while the grid stays <= ``occ`` programs per SM and each K range keeps
+    >= 2 steps of ``block_kw``; ranges are rounded up to multiples of 16 words where possible (Triton
+    specializes integer arguments divisible by 16: the word loads stay 16-byte vectors), no empty range.
+    ``even``: every range is full (no K mask). Shared by :func:`_stream_gemm` and the bench's probes
+    (verl_quads/bench/gemv_probe.py), so both launch the same grid."""
+    split = cfg.split_k
+    if split == 0:
+        target = cfg.occ * _num_sms(dev)
+        split = 1
+        while live * n_tiles * split * 2 <= target and kw // (cfg.block_kw * split * 2) >= 2:
+            split *= 2
+    kw_per = -(-kw // split)
+    align = max(cfg.block_kw, 16) if kw % 16 == 0 else cfg.block_kw
+    kw_per = -(-kw_per // align) * align
+    split = -(-kw // kw_per)  # no empty K ranges
+    return split, kw_per, kw % kw_per == 0
+
+
 def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
                  bias: torch.Tensor | None, routing: GroupedRouting | None, a_rows: torch.Tensor | None,
                  rows_out: int, cfg: StreamConfig) -> torch.Tensor:
@@ -1241,20 +1262,8 @@ def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor,
         m_tiles = -(-m // tm)
         arow_t = orow_t = None
     n_tiles = -(-n // cfg.block_n)
-    split = cfg.split_k
-    if split == 0:
-        live = m_tiles if not grouped else min(routing.num_experts, rows_out)  # grouped: active experts at most
-        target = cfg.occ * _num_sms(dev)
-        split = 1
-        while live * n_tiles * split * 2 <= target and kw // (cfg.block_kw * split * 2) >= 2:
-            split *= 2
-    kw_per = -(-kw // split)
-    # K ranges start at multiples of 16 words where possible: Triton specializes integer arguments
-    # divisible by 16, which is what lets the word loads become 16-byte vectors (offline sm_90 compile)
-    align = max(cfg.block_kw, 16) if kw % 16 == 0 else cfg.block_kw
-    kw_per = -(-kw_per // align) * align
-    split = -(-kw // kw_per)  # no empty K ranges
-    even = kw % kw_per == 0
+    live = m_tiles if not grouped else min(routing.num_experts, rows_out)  # grouped: active experts at most
+    split, kw_per, even = stream_split(cfg, kw, live, n_tiles, dev)
     dt = _OUT_CODES[x.dtype]
     if _interpreting():
         dt = 0  # the interpreter's bf16/fp16 tl.dot is wrong (triton 3.9); float32 gives the same exact products
