@@ -288,25 +288,20 @@ def test_moe_layer_real_shape(mode, per_token, tokens):
 # --- issue #5: the MoE layer's decode kernels (moe_align in registers, gate, combine) -------------------
 
 
-def _cuda_us(fn, iters=200):
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        fn()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) * 1e3 / iters
+def _graph_us(fn):
+    """Device time of one call in microseconds, CUDA-graph replays (what vLLM runs; as the bench's rows)."""
+    from verl_quads.bench.timing import graph_time_s
+
+    t = graph_time_s(fn)
+    assert t is not None, "not capturable in a CUDA graph"
+    return t * 1e6
 
 
 @pytest.mark.parametrize("tokens, e, block_m", [(1, 128, 16), (2, 128, 16), (16, 128, 32), (32, 128, 16),
                                                 (32, 256, 16), (5, 100, 16)])
-def test_moe_align_in_registers_real_sizes(monkeypatch, tokens, e, block_m):
+def test_moe_align_in_registers_real_sizes(tokens, e, block_m):
     """Decode routing (top-8, S = 8 * tokens <= MOE_ALIGN_REGISTER_MAX): the register kernel == the torch
-    reference bit for bit; prints its eager launch time next to the one-program global-scratch kernel it
-    replaces (back-to-back launches, not a CUDA graph; informational, not asserted)."""
+    reference bit for bit, also replayed from a CUDA graph with new ids."""
     topk = 8
     g = torch.Generator(device=DEV).manual_seed(tokens + e)
     ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
@@ -314,13 +309,41 @@ def test_moe_align_in_registers_real_sizes(monkeypatch, tokens, e, block_m):
     got, ref = tg.moe_align(ids, e, block_m), tg.moe_align_reference(ids, e, block_m)
     for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
-    t_reg = _cuda_us(lambda: tg.moe_align(ids, e, block_m))
-    monkeypatch.setattr(tg, "MOE_ALIGN_REGISTER_MAX", 0)  # the previous path: one program, global scratch
-    old = tg.moe_align(ids, e, block_m)
-    assert torch.equal(old.sorted_slots, ref.sorted_slots)
-    t_old = _cuda_us(lambda: tg.moe_align(ids, e, block_m))
-    print(f"moe_align S={tokens * topk} E={e} bm={block_m}: registers {t_reg:.1f} us, "
-          f"one-program scratch {t_old:.1f} us (eager, launch included)")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        cap = tg.moe_align(ids, e, block_m)
+    ids.copy_(torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk])
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = tg.moe_align_reference(ids, e, block_m)
+    for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
+        assert torch.equal(getattr(cap, f), getattr(ref, f)), f
+
+
+def test_moe_align_paths_timed(monkeypatch):
+    """Each moe_align path (registers; one program through global scratch; three launches) at S = 8..512
+    slots, 128 experts, top-8 (block_m as moe_forward picks it): == the torch reference, and its CUDA-graph
+    time printed (us; informational: where MOE_ALIGN_REGISTER_MAX / MOE_ALIGN_ONE_PROGRAM_MAX belong). The
+    register kernel is forced past its default limit here (S = 512) to measure it."""
+    e, topk = 128, 8
+    rows = []
+    for tokens in (1, 4, 16, 32, 64):
+        s = tokens * topk
+        bm = tg.grouped_block_m(-(-s // min(e, s)))
+        g = torch.Generator(device=DEV).manual_seed(tokens)
+        ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
+        ref = tg.moe_align_reference(ids, e, bm)
+        times = []
+        for reg_max, one_max in ((512, 1024), (0, 1024), (0, 0)):
+            monkeypatch.setattr(tg, "MOE_ALIGN_REGISTER_MAX", reg_max)
+            monkeypatch.setattr(tg, "MOE_ALIGN_ONE_PROGRAM_MAX", one_max)
+            got = tg.moe_align(ids, e, bm)
+            for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
+                assert torch.equal(getattr(got, f), getattr(ref, f)), (s, reg_max, one_max, f)
+            times.append(_graph_us(lambda: tg.moe_align(ids, e, bm)))
+        rows.append(f"S={s:4d} bm={bm:3d}: registers {times[0]:6.1f} us | one program (scratch) {times[1]:6.1f} us | "
+                    f"three launches {times[2]:6.1f} us")
+    print("moe_align, 128 experts, CUDA-graph replay of one call:\n" + "\n".join(rows))
 
 
 def _gate_input(s, inter, dtype, seed=0):
@@ -340,7 +363,7 @@ def _gate_input(s, inter, dtype, seed=0):
 def test_moe_silu_mul_bit_identical_to_torch_cuda(dtype, s, inter):
     """The gate kernel (libdevice expf, IEEE division, one cast) == torch's CUDA
     ``(silu(h[:, :I].float()) * h[:, I:].float()).to(dtype)`` bit for bit (torch.equal; signed zeros,
-    overflowing/underflowing exp, bf16 subnormal gates included). Prints eager launch times."""
+    overflowing/underflowing exp, bf16 subnormal gates included). Prints CUDA-graph times (bf16)."""
     h = _gate_input(s, inter, dtype, seed=s)
     a = tg.moe_silu_mul(h)
     ref = (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(dtype)
@@ -351,10 +374,10 @@ def test_moe_silu_mul_bit_identical_to_torch_cuda(dtype, s, inter):
                     f"{[float(h[r, c]) for r, c in i]}, up {[float(h[r, inter + c]) for r, c in i]}, "
                     f"got {[float(a[r, c]) for r, c in i]}, torch {[float(ref[r, c]) for r, c in i]}")
     assert torch.equal(torch.signbit(a), torch.signbit(ref))
-    if s == 128 and inter == 768:
-        t_k = _cuda_us(lambda: tg.moe_silu_mul(h))
-        t_t = _cuda_us(lambda: (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(dtype))
-        print(f"gate S={s} I={inter} {dtype}: kernel {t_k:.1f} us, torch expression {t_t:.1f} us (eager)")
+    if inter == 768 and s <= 128 and dtype == torch.bfloat16:
+        t_k = _graph_us(lambda: tg.moe_silu_mul(h))
+        t_t = _graph_us(lambda: (torch.nn.functional.silu(h[:, :inter].float()) * h[:, inter:].float()).to(dtype))
+        print(f"gate S={s} I={inter} {dtype}: kernel {t_k:.1f} us, torch expression {t_t:.1f} us (CUDA graph)")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -362,7 +385,7 @@ def test_moe_silu_mul_bit_identical_to_torch_cuda(dtype, s, inter):
 def test_moe_combine_cuda(dtype, t):
     """The combine kernel: the same bits run to run (fixed order j = 0..k-1), within the float32 summation
     bound of torch's ``(y.reshape(T, k, H).float() * w[..., None]).sum(1)`` plus 1 ulp of the output dtype;
-    a slot of no local expert (zero row) contributes 0. Prints eager launch times."""
+    a slot of no local expert (zero row) contributes 0. Prints CUDA-graph times (bf16, T <= 16)."""
     k, hidden = 8, 2048
     g = torch.Generator(device=DEV).manual_seed(t)
     y = (torch.randn(t * k, hidden, device=DEV, generator=g) * 3).to(dtype)
@@ -379,7 +402,7 @@ def test_moe_combine_cuda(dtype, t):
     d = (out.float() - ref).abs()
     print(f"combine T={t} {dtype}: {float((out == ref.to(dtype)).float().mean()):.2%} bit-equal to torch's expression")
     assert bool((d <= ulp + bound).all())
-    if t == 16:
-        t_k = _cuda_us(lambda: tg.moe_combine(y, w))
-        t_t = _cuda_us(lambda: (y.reshape(t, k, hidden).float() * w.unsqueeze(-1)).sum(1).to(dtype))
-        print(f"combine T={t} {dtype}: kernel {t_k:.1f} us, torch expression {t_t:.1f} us (eager)")
+    if t <= 16 and dtype == torch.bfloat16:
+        t_k = _graph_us(lambda: tg.moe_combine(y, w))
+        t_t = _graph_us(lambda: (y.reshape(t, k, hidden).float() * w.unsqueeze(-1)).sum(1).to(dtype))
+        print(f"combine T={t} {dtype}: kernel {t_k:.1f} us, torch expression {t_t:.1f} us (CUDA graph)")
