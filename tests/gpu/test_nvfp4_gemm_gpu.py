@@ -406,3 +406,31 @@ def test_moe_combine_cuda(dtype, t):
         t_k = _graph_us(lambda: tg.moe_combine(y, w))
         t_t = _graph_us(lambda: (y.reshape(t, k, hidden).float() * w.unsqueeze(-1)).sum(1).to(dtype))
         print(f"combine T={t} {dtype}: kernel {t_k:.1f} us, torch expression {t_t:.1f} us (CUDA graph)")
+
+
+@pytest.mark.parametrize("mode, tokens", [("w4a16", 1), ("w4a16", 16), ("naive", 1), ("naive", 16)])
+def test_moe_forward_unrouted_slots_unset_equals_zero_filled(mode, tokens):
+    """moe_forward leaves the GEMM outputs' rows of slots with no local expert unset (no zero-fill launches;
+    the gate writes them as 0, the combine skips them): == the same steps with zero-filled GEMM outputs and no
+    ids, bit for bit, at Qwen3-30B-A3B width with ~25% of the slots not local (stream and tensor-core GEMMs)."""
+    e, topk, hidden, inter = 128, 8, 2048, 768
+    q13 = em.quantize_weight(_w((e, 2 * inter, hidden)), reduce_dims=(1, 2))
+    q2 = em.quantize_weight(_w((e, hidden, inter), seed=3), reduce_dims=(1, 2))
+    w13 = (q13.packed, q13.block_scale, q13.global_scale.reshape(-1))
+    w2 = (q2.packed, q2.block_scale, q2.global_scale.reshape(-1))
+    x = _x(tokens, hidden)
+    g = torch.Generator(device=DEV).manual_seed(9)
+    ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
+    ids[torch.rand(tokens, topk, device=DEV, generator=g) > 0.75] = -1
+    ids[0, 0] = -1
+    sw = torch.softmax(torch.randn(tokens, topk, device=DEV, generator=g), -1)
+    torch.full((64, 2 * inter * topk), float("nan"), device=DEV)  # leave NaN in the caching allocator's blocks
+    got = tg.moe_forward(x, sw, ids, *w13, *w2, mode)
+    s = tokens * topk
+    routing = tg.moe_align(ids, e, tg.grouped_block_m(-(-s // min(e, s))))
+    op1, _ = tg.quantize_activation(x, mode)
+    h = tg.nvfp4_gemm(op1, *w13, routing=routing, a_rows=routing.sorted_tokens, out_rows=s)
+    op2, _ = tg.quantize_activation(tg.moe_silu_mul(h), mode)
+    y = tg.nvfp4_gemm(op2, *w2, routing=routing, out_rows=s)
+    assert torch.equal(got, tg.moe_combine(y, sw))
+    assert not got.isnan().any()

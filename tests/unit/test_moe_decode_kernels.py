@@ -169,6 +169,53 @@ def test_moe_combine_rejects_mismatched_shapes():
         tg.moe_combine(torch.zeros(5, 8, device=DEV), torch.zeros(2, 2, device=DEV))
 
 
+def test_unrouted_slots_are_not_read():
+    """With ``slot_experts``, rows of slots whose expert id is < 0 are not read (moe_forward leaves them unset:
+    no zero-fill launches): NaN there changes nothing; the result == the one from all-zero rows without ids."""
+    ids = torch.tensor([[0, -1], [2, 1], [-1, -1]], device=DEV)
+    inter, hidden = 40, 24
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(6, 2 * inter, generator=g).to(torch.bfloat16).to(DEV)
+    h[ids.reshape(-1) < 0] = 0
+    h_nan = h.clone()
+    h_nan[ids.reshape(-1) < 0] = float("nan")
+    assert torch.equal(tg.moe_silu_mul(h_nan, ids), tg.moe_silu_mul(h))
+    assert not tg.moe_silu_mul(h_nan, ids)[ids.reshape(-1) < 0].any()
+    y = torch.randn(6, hidden, generator=g).to(torch.bfloat16).to(DEV)
+    y[ids.reshape(-1) < 0] = 0
+    y_nan = y.clone()
+    y_nan[ids.reshape(-1) < 0] = float("nan")
+    w = torch.rand(3, 2, generator=g).to(DEV)
+    assert torch.equal(tg.moe_combine(y_nan, w, ids), tg.moe_combine(y, w))
+    with pytest.raises(ValueError, match="slot_experts"):
+        tg.moe_combine(y, w, ids[:2])
+
+
+@pytest.mark.parametrize("mode", ["w4a16", "naive"])
+def test_moe_forward_equals_its_zero_filled_composition(mode):
+    """moe_forward (GEMM outputs' unrouted rows unset, the gate/combine skip them) == the same steps with
+    zero-filled GEMM outputs and no ids (the previous composition), bit for bit, with slots of no local expert."""
+    from verl_quads.rollout import emulation as em
+
+    t, k, e, hidden, inter = 3, 2, 4, 64, 32
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(t, hidden, generator=g).to(torch.bfloat16).to(DEV)
+    q13 = em.quantize_weight((torch.randn(e, 2 * inter, hidden, generator=g) * 0.05).to(DEV), reduce_dims=(1, 2))
+    q2 = em.quantize_weight((torch.randn(e, hidden, inter, generator=g) * 0.05).to(DEV), reduce_dims=(1, 2))
+    w13 = (q13.packed, q13.block_scale, q13.global_scale.reshape(-1))
+    w2 = (q2.packed, q2.block_scale, q2.global_scale.reshape(-1))
+    ids = torch.tensor([[1, -1], [3, 0], [-1, 1]], device=DEV)
+    sw = torch.rand(t, k, generator=g).to(DEV)
+    got = tg.moe_forward(x, sw, ids, *w13, *w2, mode)
+    routing = tg.moe_align(ids, e, tg.grouped_block_m(-(-t * k // min(e, t * k))))
+    op1, _ = tg.quantize_activation(x, mode)
+    h = tg.nvfp4_gemm(op1, *w13, routing=routing, a_rows=routing.sorted_tokens, out_rows=t * k)
+    assert not h[ids.reshape(-1) < 0].any()  # the default still zero-fills
+    op2, _ = tg.quantize_activation(tg.moe_silu_mul(h), mode)
+    y = tg.nvfp4_gemm(op2, *w2, routing=routing, out_rows=t * k)
+    assert torch.equal(got, tg.moe_combine(y, sw))
+
+
 _SM90_MOE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
@@ -189,12 +236,12 @@ for sp, ep in ((16, 128), (256, 256)):  # decode M=1 (8 slots); the limit
     assert k.asm["cubin"] and "ld.global" in k.asm["ptx"]
 for dt, code in (("bf16", 3), ("fp16", 2), ("fp32", 0)):
     out = "*i16" if dt == "bf16" else "*" + dt
-    k = comp(tg._moe_silu_mul_kernel, {"h_ptr": "*" + dt, "out_ptr": out, "I": "i32", "H_STRIDE": "i32"},
-             dict(BLOCK=1024, OUT=code, ACC_EXP=True), 4)
+    k = comp(tg._moe_silu_mul_kernel, {"h_ptr": "*" + dt, "out_ptr": out, "ids_ptr": "*i64", "I": "i32",
+                                       "H_STRIDE": "i32"}, dict(BLOCK=1024, OUT=code, ACC_EXP=True, IDS=True), 4)
     # libdevice's expf (range reduction + ex2.approx of the reduced argument) and IEEE division
     assert k.asm["cubin"] and "div.rn.f32" in k.asm["ptx"] and "ex2.approx" in k.asm["ptx"], dt
-    k = comp(tg._moe_combine_kernel, {"y_ptr": "*" + dt, "w_ptr": "*fp32", "out_ptr": out, "H": "i32"},
-             dict(TOPK=8, BLOCK=1024, OUT=code), 4)
+    k = comp(tg._moe_combine_kernel, {"y_ptr": "*" + dt, "w_ptr": "*fp32", "out_ptr": out, "ids_ptr": "*i32",
+                                      "H": "i32"}, dict(TOPK=8, BLOCK=1024, OUT=code, IDS=True), 4)
     assert k.asm["cubin"], dt
 print("compiled")
 """

@@ -890,15 +890,19 @@ if triton is not None:
         tl.store(tr1_ptr + td, tl.zeros([TP], tl.int32), mask=dead)
 
     @triton.jit
-    def _moe_silu_mul_kernel(h_ptr, out_ptr, I, H_STRIDE, BLOCK: tl.constexpr, OUT: tl.constexpr,
-                             ACC_EXP: tl.constexpr):
+    def _moe_silu_mul_kernel(h_ptr, out_ptr, ids_ptr, I, H_STRIDE, BLOCK: tl.constexpr, OUT: tl.constexpr,
+                             ACC_EXP: tl.constexpr, IDS: tl.constexpr):
         """Gate of the routed experts: row ``pid(0)``, columns ``pid(1)*BLOCK ..`` of
         ``out [S, I] = cast(silu(float32(h[:, :I])) * float32(h[:, I:]))``, silu(g) = ``div_rn(g, 1 + exp(-g))``
         in float32 (torch's CUDA silu: accurate expf, IEEE division). ACC_EXP: libdevice's expf (GPU);
-        else ``tl.exp`` (the interpreter, which cannot call libdevice: numpy's float32 exp)."""
+        else ``tl.exp`` (the interpreter, which cannot call libdevice: numpy's float32 exp). IDS: a row whose
+        expert id ``ids[row]`` is < 0 is not read: gate = up = 0, so it is written as +0."""
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        m = cols < I
+        if IDS:
+            m = cols < tl.where(tl.load(ids_ptr + row) >= 0, I, 0)
+        else:
+            m = cols < I
         g = tl.load(h_ptr + row * H_STRIDE + cols, mask=m, other=0.0).to(tl.float32)
         u = tl.load(h_ptr + row * H_STRIDE + I + cols, mask=m, other=0.0).to(tl.float32)
         if ACC_EXP:
@@ -906,20 +910,26 @@ if triton is not None:
         else:
             ex = tl.exp(-g)
         s = tl.math.div_rn(g, ex + 1.0)
-        _store_out(out_ptr + row * I + cols, s * u, m, OUT)
+        _store_out(out_ptr + row * I + cols, s * u, cols < I, OUT)
 
     @triton.jit
-    def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr, OUT: tl.constexpr):
+    def _moe_combine_kernel(y_ptr, w_ptr, out_ptr, ids_ptr, H, TOPK: tl.constexpr, BLOCK: tl.constexpr,
+                            OUT: tl.constexpr, IDS: tl.constexpr):
         """Router-weighted sum of a token's slots: ``out[t, cols] = cast(sum_j float32(y[t*TOPK + j, cols]) *
         w[t, j])`` for token ``pid(0)``, columns ``pid(1)*BLOCK ..``; float32 accumulation in the fixed
-        order j = 0 .. TOPK-1 (deterministic; the multiply-add may be one FMA)."""
+        order j = 0 .. TOPK-1 (deterministic; the multiply-add may be one FMA). IDS: a slot whose expert id is
+        < 0 is not read (its y row counts as 0: adds 0 * w)."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < H
         acc = tl.zeros([BLOCK], tl.float32)
         for j in tl.static_range(TOPK):
             w = tl.load(w_ptr + t * TOPK + j)
-            acc += tl.load(y_ptr + (t * TOPK + j) * H + cols, mask=m, other=0.0).to(tl.float32) * w
+            if IDS:
+                mj = cols < tl.where(tl.load(ids_ptr + t * TOPK + j) >= 0, H, 0)
+            else:
+                mj = m
+            acc += tl.load(y_ptr + (t * TOPK + j) * H + cols, mask=mj, other=0.0).to(tl.float32) * w
         _store_out(out_ptr + t * H + cols, acc, m, OUT)
 
 # --------------------------------------------------------------------------------------------------
@@ -1234,7 +1244,7 @@ def stream_split(cfg: StreamConfig, kw: int, live: int, n_tiles: int, dev: torch
 
 def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
                  bias: torch.Tensor | None, routing: GroupedRouting | None, a_rows: torch.Tensor | None,
-                 rows_out: int, cfg: StreamConfig) -> torch.Tensor:
+                 rows_out: int, cfg: StreamConfig, zero_unrouted: bool = True) -> torch.Tensor:
     """:func:`nvfp4_gemm` for a ``w4a16`` operand with the weight-streaming kernel (arguments checked
     by the caller). Weight words: ``w_packed`` viewed as int32 ``[..., N, K/8]`` (K is a multiple of
     16, so rows stay word-aligned)."""
@@ -1271,12 +1281,13 @@ def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor,
     counters = _fixup_counters(dev, m_tiles * n_tiles) if (cfg.fixup and split > 1) else None
     fixup = counters is not None
     # grouped: rows of slots with no local expert belong to no tile and are never written -> zeros
-    y = (torch.zeros if grouped else torch.empty)(rows_out, n, dtype=x.dtype, device=dev)
+    # (zero_unrouted=False: left unset, for callers that never read them: moe_forward)
+    y = (torch.zeros if grouped and zero_unrouted else torch.empty)(rows_out, n, dtype=x.dtype, device=dev)
     y_arg = y.view(torch.int16) if x.dtype == torch.bfloat16 else y
     part = None
     if split > 1:  # the reduction kernel reads every row; the fixup only the rows of its own tile
-        part = (torch.zeros if grouped and not fixup else torch.empty)(split, rows_out, n, dtype=torch.float32,
-                                                                         device=dev)
+        part = (torch.zeros if grouped and zero_unrouted and not fixup else torch.empty)(
+            split, rows_out, n, dtype=torch.float32, device=dev)
     _w4a16_stream_kernel[(m_tiles, n_tiles, split)](
         x_arg, w32, w_scale.view(torch.uint8), w_gs.reshape(-1), bias if bias is not None else dummy, y_arg,
         part if part is not None else dummy, counters if fixup else dummy,
@@ -1638,6 +1649,7 @@ def nvfp4_gemm(
     a_rows: torch.Tensor | None = None,
     out_rows: int | None = None,
     config: GemmConfig | None = None,
+    zero_unrouted: bool = True,
 ) -> torch.Tensor:
     """``act @ dequant(W).T (+ bias)``: float32 accumulation, one cast to ``act.dtype``.
 
@@ -1645,7 +1657,8 @@ def nvfp4_gemm(
     Grouped (``routing`` from :func:`moe_align`): ``w_packed`` ``[E, N, K/2]``, ``w_gs`` ``[E]``; sorted
     row i (expert from the tile table) reads activation row ``a_rows[i]`` (int32 ``[S]``; default
     the sorted row itself) and is written to output row ``routing.sorted_slots[i]`` of a
-    ``[out_rows, N]`` result (default S rows); rows of slots with no local expert are 0.
+    ``[out_rows, N]`` result (default S rows); rows of slots with no local expert are 0
+    (``zero_unrouted=False``: left unset, no zero-fill launch, for callers that never read them).
     ``config``: launch configuration: a :class:`GemmConfig` (default :func:`pick_config`; its block_m
     must equal the routing's) or, for ``w4a16`` operands, a :class:`StreamConfig` (the weight-streaming
     decode kernel). Default for ``w4a16`` on CUDA: the :data:`DECODE_TABLE` entry of the shape if any.
@@ -1668,7 +1681,7 @@ def nvfp4_gemm(
     if isinstance(config, StreamConfig):
         if rows_out == 0 or n == 0:
             return torch.zeros(rows_out, n, dtype=act.dtype, device=dev)
-        return _stream_gemm(act, w_packed, w_scale, w_gs, bias, routing, a_rows, rows_out, config)
+        return _stream_gemm(act, w_packed, w_scale, w_gs, bias, routing, a_rows, rows_out, config, zero_unrouted)
     if grouped:
         t_max = routing.tile_expert.numel()
         if config is None:
@@ -1686,7 +1699,7 @@ def nvfp4_gemm(
     bm, bn, bk, bk2 = config.block_m, config.block_n, config.block_k, config.block_k2
     if bm < 16 or bn < 16 or bk % 16 or bk2 % 16:
         raise ValueError(f"nvfp4 GEMM: bad config {config} (block_m/block_n >= 16, block_k multiple of 16)")
-    zero_rows = grouped  # rows of slots routed to no local expert stay 0
+    zero_rows = grouped and zero_unrouted  # rows of slots routed to no local expert stay 0
     split = config.split_k
     if rows_out == 0 or n == 0:
         return torch.zeros(rows_out, n, dtype=act.dtype, device=dev)
@@ -1831,8 +1844,11 @@ def moe_forward(
     if rec is not None:
         on_record("mlp.experts.w13", rec)
     token_rows = routing.sorted_tokens
-    h = nvfp4_gemm(op1, w13_packed, w13_scale, w13_gs, routing=routing, a_rows=token_rows, out_rows=s)
-    a = moe_silu_mul(h)  # (silu(h[:, :I].float()) * h[:, I:].float()).to(x.dtype), one launch
+    # rows of slots with no local expert: h and y leave them unset (no zero-fill launches); the gate writes
+    # them as 0 without reading h (what it computed from the zero rows before) and the combine skips them
+    h = nvfp4_gemm(op1, w13_packed, w13_scale, w13_gs, routing=routing, a_rows=token_rows, out_rows=s,
+                   zero_unrouted=False)
+    a = moe_silu_mul(h, expert_ids)  # (silu(h[:, :I].float()) * h[:, I:].float()).to(x.dtype), one launch
     if act_mode == "quads" and not residual_per_token:
         flat = expert_ids.reshape(-1)
         counts = torch.bincount(flat[flat >= 0], minlength=n_exp).tolist()  # host sync
@@ -1849,22 +1865,27 @@ def moe_forward(
         if rec2 is not None:
             on_record("mlp.experts.w2", rec2)
         a_rows = None
-    y = nvfp4_gemm(op2, w2_packed, w2_scale, w2_gs, routing=routing, a_rows=a_rows, out_rows=s)
-    return moe_combine(y, slot_weights)  # (y.reshape(t, k, H).float() * w[..., None]).sum(1).to(x.dtype)
+    y = nvfp4_gemm(op2, w2_packed, w2_scale, w2_gs, routing=routing, a_rows=a_rows, out_rows=s, zero_unrouted=False)
+    return moe_combine(y, slot_weights, expert_ids)  # (y.reshape(t, k, H).float() * w[..., None]).sum(1).to(x.dtype)
 
 
-def moe_silu_mul(h: torch.Tensor) -> torch.Tensor:
+def moe_silu_mul(h: torch.Tensor, slot_experts: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts' gate in one launch: ``h`` ``[S, 2I]`` (gate columns then up columns; bf16 / fp16
     / float32, row stride may exceed 2I) -> ``[S, I]`` in h's dtype, ``cast(silu(float32(gate)) *
     float32(up))``. On CUDA bit-identical to torch's ``(silu(h[:, :I].float()) * h[:, I:].float()).to(dtype)``
     (libdevice expf + IEEE division, as torch's CUDA silu; tests/gpu/test_nvfp4_gemm_gpu.py); under the
     interpreter the exp is numpy's float32 exp (libdevice cannot run there): within an ulp of torch's CPU
-    silu before the product."""
+    silu before the product. ``slot_experts`` (optional, int ``[S]`` or ``[T, k]`` = S slot rows): rows whose
+    expert id is < 0 (no local expert) are written as 0 without reading h (the value of an all-zero h row:
+    h may leave them unset)."""
     check_available(h)
     if h.dim() != 2 or h.shape[1] % 2 or h.stride(1) != 1 or h.dtype not in _OUT_CODES:
         raise ValueError(f"moe_silu_mul: h must be [S, 2I] with unit column stride, dtype in "
                          f"{list(_OUT_CODES)}, got {h.dtype} {tuple(h.shape)} strides {h.stride()}")
     s, inter = h.shape[0], h.shape[1] // 2
+    ids = None if slot_experts is None else slot_experts.reshape(-1).contiguous()
+    if ids is not None and ids.numel() != s:
+        raise ValueError(f"moe_silu_mul: slot_experts must have one id per row of h ({s}), got {ids.numel()}")
     out = torch.empty(s, inter, dtype=h.dtype, device=h.device)
     if s == 0 or inter == 0:
         return out
@@ -1874,24 +1895,28 @@ def moe_silu_mul(h: torch.Tensor) -> torch.Tensor:
         code = 3  # the GPU's cvt.rn to bf16 (same bits as the integer rounding of OUT 1)
     block = min(1024, triton.next_power_of_2(inter))
     _moe_silu_mul_kernel[(s, -(-inter // block))](
-        h, out.view(torch.int16) if h.dtype == torch.bfloat16 else out, inter, h.stride(0),
-        BLOCK=block, OUT=code, ACC_EXP=not interp, num_warps=4)
+        h, out.view(torch.int16) if h.dtype == torch.bfloat16 else out, ids if ids is not None else h, inter,
+        h.stride(0), BLOCK=block, OUT=code, ACC_EXP=not interp, IDS=ids is not None, num_warps=4)
     return out
 
 
-def moe_combine(y: torch.Tensor, slot_weights: torch.Tensor) -> torch.Tensor:
+def moe_combine(y: torch.Tensor, slot_weights: torch.Tensor, slot_experts: torch.Tensor | None = None) -> torch.Tensor:
     """Router-weighted sum over each token's slots in one launch: ``y`` ``[T*k, H]`` in slot order
     (slot ``t*k + j``; bf16 / fp16 / float32), ``slot_weights`` ``[T, k]`` (float32; other float dtypes are
     converted, exactly as torch's type promotion would) -> ``[T, H]`` in y's dtype, ``cast(sum_j
     float32(y[t*k + j]) * w[t, j])`` accumulated in float32 in the fixed order j = 0..k-1 (deterministic,
     run to run); torch's ``(y.reshape(T, k, H).float() * w[..., None]).sum(1)`` agrees within float32
-    summation error."""
+    summation error. ``slot_experts`` (optional, int ``[T, k]``): a slot whose expert id is < 0 (no local
+    expert) is not read and adds ``0 * w`` (exactly what its all-zero row added: y may leave it unset)."""
     check_available(y)
     if slot_weights.dim() != 2 or y.dim() != 2 or y.shape[0] != slot_weights.numel() or y.dtype not in _OUT_CODES:
         raise ValueError(f"moe_combine: y must be [T*k, H] ({list(_OUT_CODES)}) and slot_weights [T, k], got y "
                          f"{y.dtype} {tuple(y.shape)}, slot_weights {tuple(slot_weights.shape)}")
     t, k = slot_weights.shape
     hidden = y.shape[1]
+    ids = None if slot_experts is None else slot_experts.reshape(-1).contiguous()
+    if ids is not None and ids.numel() != t * k:
+        raise ValueError(f"moe_combine: slot_experts must be [T, k] = {(t, k)}, got {tuple(slot_experts.shape)}")
     out = torch.empty(t, hidden, dtype=y.dtype, device=y.device)
     if t == 0 or hidden == 0:
         return out
@@ -1902,8 +1927,8 @@ def moe_combine(y: torch.Tensor, slot_weights: torch.Tensor) -> torch.Tensor:
         code = 3
     block = min(1024, triton.next_power_of_2(hidden))
     _moe_combine_kernel[(t, -(-hidden // block))](
-        y, w, out.view(torch.int16) if y.dtype == torch.bfloat16 else out, hidden,
-        TOPK=k, BLOCK=block, OUT=code, num_warps=4)
+        y, w, out.view(torch.int16) if y.dtype == torch.bfloat16 else out, ids if ids is not None else w, hidden,
+        TOPK=k, BLOCK=block, OUT=code, IDS=ids is not None, num_warps=4)
     return out
 
 
