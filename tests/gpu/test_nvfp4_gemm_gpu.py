@@ -346,6 +346,44 @@ def test_moe_align_paths_timed(monkeypatch):
     print("moe_align, 128 experts, CUDA-graph replay of one call:\n" + "\n".join(rows))
 
 
+class _LaunchOverride:
+    """Stands in for a Triton kernel: ``kernel[grid](*args, **kw)`` with some launch keywords replaced."""
+
+    def __init__(self, kernel, fn):
+        self.kernel, self.fn = kernel, fn
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *args, **kw: launch(*args, **self.fn(kw))
+
+
+def test_moe_align_register_launch_sweep(monkeypatch):
+    """The register moe_align kernel's launch options (compare chunk JC, warps) at S = 8..256 slots, 128 experts:
+    each == the torch reference; CUDA-graph times printed (informational: to tune the defaults)."""
+    e, topk = 128, 8
+    kernel = tg._moe_align_reg_kernel
+    lines = []
+    for tokens in (1, 16, 32):
+        s = tokens * topk
+        bm = tg.grouped_block_m(-(-s // min(e, s)))
+        g = torch.Generator(device=DEV).manual_seed(tokens)
+        ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
+        ref = tg.moe_align_reference(ids, e, bm)
+        cells = []
+        for jc in (32, 64, 128):
+            for warps in (4, 8):
+                def over(kw, jc=jc, warps=warps):
+                    return dict(kw, JC=min(jc, kw["SP"]), num_warps=warps)
+
+                monkeypatch.setattr(tg, "_moe_align_reg_kernel", _LaunchOverride(kernel, over))
+                got = tg.moe_align(ids, e, bm)
+                for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
+                    assert torch.equal(getattr(got, f), getattr(ref, f)), (s, jc, warps, f)
+                cells.append(f"jc{jc}/w{warps} {_graph_us(lambda: tg.moe_align(ids, e, bm)):5.1f}")
+        lines.append(f"S={s:4d}: " + " | ".join(cells))
+    print("register moe_align launch sweep (us, CUDA graph):\n" + "\n".join(lines))
+
+
 def _gate_input(s, inter, dtype, seed=0):
     g = torch.Generator(device=DEV).manual_seed(seed)
     h = torch.randn(s, 2 * inter, device=DEV, generator=g)
