@@ -208,16 +208,21 @@ def test_channel_residual_variants_bit_exact(variant):
     """Every speed variant of the channel kernel (triton_channel.CHANNEL_VARIANTS, default warps) gives the
     reference's bytes on the GPU: the rollout shapes (bf16 4096 x 2048, MoE-like 2048 x 768, a long row 256 x 8192)
     at k = 0.5 / 0.125 / 0 / 1, a score weight, a per-tensor scale (two launches), and scores a few ulps apart (score
-    weights 1 + j * 2**-23 on R**2 = 1/16: the radix select's last digit, ties to the lower channel)."""
+    weights 1 + j * 2**-23 on R**2 = 1/16: the radix select's last digit, ties to the lower channel); decode-sized
+    launches (1 / 16 / 64 x 8192, 16 x 2048, 1 x 768: the row counts CHANNEL_CONFIG small_m_rows selects; the
+    variants named after a small-M search force it at every M)."""
     with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
         x = _x(4096, 2048, torch.bfloat16, seed=11)
         for ratio in (0.5, 0.125, 0.0, 1.0):
             _same_channel(x, ratio, nv.per_row_global_scale(x))
         _same_channel(x, 0.5, nv.per_row_global_scale(x), score_weight=torch.rand(2048, device="cuda"))
         _same_channel(x[:512], 0.5, nv.global_scale_from_amax(x[:512].float().abs().amax()))
-        for m, k in ((2048, 768), (256, 8192)):
-            xk = _x(m, k, torch.bfloat16, seed=12)
+        for m, k in ((2048, 768), (256, 8192), (1, 8192), (16, 8192), (64, 8192), (16, 2048), (1, 768)):
+            xk = _x(m, k, torch.bfloat16, seed=12 + m)
             _same_channel(xk, 0.5, nv.per_row_global_scale(xk))
+        xs = _x(16, 8192, torch.bfloat16, seed=13)
+        for ratio in (0.125, 0.0, 1.0):
+            _same_channel(xs, ratio, nv.per_row_global_scale(xs))
         xl = torch.full((64, 256), 1.25, device="cuda")
         xl[:, ::16] = 6.0
         xl[1::2, 1::2] = -1.25

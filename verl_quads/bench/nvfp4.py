@@ -330,8 +330,9 @@ def _outlier_rows_and_plain_times(m: int, k: int, dtype: torch.dtype, device: st
 CHANNEL_BENCH_SHAPES = ((4096, 2048), (8192, 8192), (2048, 768), (256, 2048))
 
 #: (variant of ``triton_channel.CHANNEL_VARIANTS``, elems_per_thread) timed at k = 0.5; at the other ratios only
-#: ``CHANNEL_OTHER_RATIOS``.
-CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16), ("w32", 8))
+#: ``CHANNEL_OTHER_RATIOS``. Session 7: the small-M (decode) searches and warps, forced at every M by their variant.
+CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16), ("r2", 16), ("r3", 16), ("nar", 16), ("e32", 16),
+                         ("r3 e32", 16), ("nar e32", 16))
 CHANNEL_OTHER_RATIOS = (("default", 16),)
 
 
@@ -372,7 +373,7 @@ def run_channel(shapes: list[tuple[int, int]] = CHANNEL_BENCH_SHAPES, dtype: tor
             for variant, ept in configs if ratio == 0.5 else other_ratio_configs:
                 label = f"channel {variant} e/t {ept}"
                 with tc.channel_config(**{**tc.CHANNEL_VARIANTS[variant], "elems_per_thread": ept}):
-                    nw = tc._warps(tc._check_row(k) if k else 1)
+                    nw = tc._warps(tc._check_row(k) if k else 1, m)
                     try:
                         qdq = lambda: nv.residual_fake_quantize(x, ratio, gs_row, granularity="channel",
                                                                 backend="triton", check_finite=False)
@@ -399,7 +400,7 @@ def run_channel(shapes: list[tuple[int, int]] = CHANNEL_BENCH_SHAPES, dtype: tor
                                                            backend="triton", check_finite=False))):
                     ok = torch.equal(qdq().view(torch.uint8), ref_qdq.view(torch.uint8))
                     t = tm(qdq) if ok else None
-                    rows.append([f"{m}x{k}", f"{ratio:g}", label, tc._warps(tc._check_row(k)),
+                    rows.append([f"{m}x{k}", f"{ratio:g}", label, tc._warps(tc._check_row(k), m),
                                  t * 1e6 if ok else "MISMATCH", f"{t / t_qdq:.2f}x" if ok else "-", "-", "-",
                                  "yes" if ok else "no"])
                     print(rows[-1], flush=True)
