@@ -349,7 +349,7 @@ def test_triton_channel_kernel_edge_cases_and_ulp_apart_scores():
     _same_channel_result(x[1:2], 0.25, nv.per_row_global_scale(x[1:2]))
 
 
-_SMALL_M_SEARCHES = ["r2", "r3", "nar"]  # CHANNEL_VARIANTS with a different threshold search (the rest: warps only)
+_SMALL_M_SEARCHES = ["r2", "r3", "nar", "nar2"]  # CHANNEL_VARIANTS with a different threshold search (the rest: warps only)
 
 
 @_needs_interp
@@ -384,7 +384,7 @@ if _tc.triton is not None:
     @_tc.triton.jit
     def _search_kernel(eb_ptr, nsel_ptr, out_ptr, NVALID, N: tl.constexpr, MODE: tl.constexpr):
         """(th, cnt) of a threshold search on row program_id(0) of eb int32 [rows, N]; MODE 0 bits, 1 narrow, 2 / 3
-        radix (test only)."""
+        radix, 4 narrow SPLIT (test only)."""
         row = tl.program_id(0)
         eb = tl.load(eb_ptr + row * N + tl.arange(0, N))
         nsel = tl.load(nsel_ptr + row)
@@ -392,6 +392,8 @@ if _tc.triton is not None:
             th, cnt = _tc._bits_threshold(eb, nsel, NVALID)
         elif MODE == 1:
             th, cnt = _tc._narrow_threshold(eb, nsel, NVALID)
+        elif MODE == 4:
+            th, cnt = _tc._narrow_threshold(eb, nsel, NVALID, True)
         else:
             th, cnt = _tc._radix_threshold(eb, nsel, NVALID, MODE)
         tl.store(out_ptr + row * 2, th)
@@ -434,14 +436,14 @@ def _search_rows(n=64, nvalid=48, seed=0):
 
 def test_triton_channel_threshold_searches_keep_their_contract():
     """Every threshold search of the channel kernel (``_bits_threshold``, ``_radix_threshold`` 2 / 3,
-    ``_narrow_threshold``) on adversarial int32 rows (``_search_rows``) returns (th, cnt) with cnt = #(eb >= th),
+    ``_narrow_threshold`` and its SPLIT form) on adversarial int32 rows (``_search_rows``) returns (th, cnt) with cnt = #(eb >= th),
     and the kernel's selection from it (cnt == NSEL: eb >= th; else eb > th plus NSEL - #(eb > th) entries == th,
     which must exist) holds the NSEL highest values -- checked against a sort in Python."""
     if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1")
     eb, nsel = _search_rows()
     ebd, nseld = eb.to(_DEV), nsel.to(_DEV)
-    for mode in (0, 1, 2, 3):
+    for mode in (0, 1, 2, 3, 4):
         out = torch.empty(eb.shape[0], 2, dtype=torch.int32, device=_DEV)
         _search_kernel[(eb.shape[0],)](ebd, nseld, out, 48, N=64, MODE=mode)
         for r in range(eb.shape[0]):
@@ -462,14 +464,14 @@ def test_triton_channel_small_m_config_selects_per_launch():
     one the default; off by default (small_m_rows 0); a bad setting is an error naming the keys."""
     from verl_quads.nvfp4 import triton_channel as tc
 
-    assert tc.CHANNEL_CONFIG["small_m_rows"] == 0 and tc._search(1) == {"RADIX": 1, "NARROW": False}
+    assert tc.CHANNEL_CONFIG["small_m_rows"] == 0 and tc._search(1) == {"RADIX": 1, "NARROW": 0}
     assert tc._warps(512, 1) == 16
     with tc.channel_config(small_m_rows=16, small_m_radix=3, small_m_elems_per_thread=64):
-        assert tc._search(16) == {"RADIX": 3, "NARROW": False} and tc._warps(512, 16) == 4
-        assert tc._search(17) == {"RADIX": 1, "NARROW": False} and tc._warps(512, 17) == 16
-    with tc.channel_config(small_m_rows=4, small_m_narrow=True):
-        assert tc._search(4) == {"RADIX": 1, "NARROW": True} and tc._warps(512, 4) == 16
-    for bad in ({"small_m_radix": 4}, {"small_m_radix": 2, "small_m_narrow": True}):
+        assert tc._search(16) == {"RADIX": 3, "NARROW": 0} and tc._warps(512, 16) == 4
+        assert tc._search(17) == {"RADIX": 1, "NARROW": 0} and tc._warps(512, 17) == 16
+    with tc.channel_config(small_m_rows=4, small_m_narrow=2):
+        assert tc._search(4) == {"RADIX": 1, "NARROW": 2} and tc._warps(512, 4) == 16
+    for bad in ({"small_m_radix": 4}, {"small_m_radix": 2, "small_m_narrow": 1}, {"small_m_narrow": 3}):
         with tc.channel_config(small_m_rows=4, **bad), pytest.raises(ValueError, match="small_m_radix must be 1, 2 or 3"):
             tc._search(1)
 
@@ -486,19 +488,22 @@ sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
        "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr", "RADIX": "constexpr", "NARROW": "constexpr"}
 for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, radix, narrow in (
-        ("*bf16", "*i16", False, 3, 0, False, 128, 4, 64, False, 1, False),
-        ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64, False, 1, False),
-        ("*fp16", "*fp16", False, 2, 1, True, 1, 1, None, False, 1, False),
-        ("*fp32", "*fp32", False, 0, 2, False, 64, 2, 64, False, 1, False),
-        ("*bf16", "*i64", True, 0, 0, False, 64, 2, None, False, 1, False),
-        ("*bf16", "*i16", False, 3, 0, False, 512, 16, 64, True, 1, False),
-        ("*bf16", "*i64", True, 0, 0, False, 128, 4, None, True, 1, False),
-        # the small-M searches (CHANNEL_CONFIG small_m_*): 2 / 3 bits per step, the bounded search; 16 and 4 warps
-        ("*bf16", "*i16", False, 3, 0, False, 512, 16, 64, True, 2, False),
-        ("*bf16", "*i64", True, 0, 0, True, 512, 4, None, True, 3, False),
-        ("*bf16", "*i16", False, 3, 1, False, 512, 16, 64, False, 3, False),
-        ("*bf16", "*i16", False, 3, 0, False, 512, 4, 64, True, 1, True),
-        ("*bf16", "*i64", True, 0, 0, False, 512, 16, 64, True, 1, True)):
+        ("*bf16", "*i16", False, 3, 0, False, 128, 4, 64, False, 1, 0),
+        ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64, False, 1, 0),
+        ("*fp16", "*fp16", False, 2, 1, True, 1, 1, None, False, 1, 0),
+        ("*fp32", "*fp32", False, 0, 2, False, 64, 2, 64, False, 1, 0),
+        ("*bf16", "*i64", True, 0, 0, False, 64, 2, None, False, 1, 0),
+        ("*bf16", "*i16", False, 3, 0, False, 512, 16, 64, True, 1, 0),
+        ("*bf16", "*i64", True, 0, 0, False, 128, 4, None, True, 1, 0),
+        # the small-M searches (CHANNEL_CONFIG small_m_*): 2 / 3 bits per step, the bounded search (NARROW 1, its
+        # SPLIT form 2); 16, 8 and 4 warps
+        ("*bf16", "*i16", False, 3, 0, False, 512, 16, 64, True, 2, 0),
+        ("*bf16", "*i64", True, 0, 0, True, 512, 4, None, True, 3, 0),
+        ("*bf16", "*i16", False, 3, 1, False, 512, 8, None, False, 3, 0),
+        ("*bf16", "*i16", False, 3, 0, False, 512, 4, 64, True, 1, 1),
+        ("*bf16", "*i64", True, 0, 0, False, 512, 16, 64, True, 1, 1),
+        ("*bf16", "*i16", False, 3, 0, False, 512, 8, None, True, 1, 2),
+        ("*bf16", "*i64", True, 0, 2, True, 64, 2, None, False, 1, 2)):
     s = dict(sig, x_ptr=xt, out_ptr=ot)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={

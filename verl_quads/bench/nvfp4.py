@@ -331,8 +331,8 @@ CHANNEL_BENCH_SHAPES = ((4096, 2048), (8192, 8192), (2048, 768), (256, 2048))
 
 #: (variant of ``triton_channel.CHANNEL_VARIANTS``, elems_per_thread) timed at k = 0.5; at the other ratios only
 #: ``CHANNEL_OTHER_RATIOS``. Session 7: the small-M (decode) searches and warps, forced at every M by their variant.
-CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16), ("r2", 16), ("r3", 16), ("nar", 16), ("e32", 16),
-                         ("r3 e32", 16), ("nar e32", 16))
+CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16), ("r2", 16), ("r3", 16), ("nar", 16), ("nar2", 16),
+                         ("e32", 16), ("r3 e32", 16), ("nar2 e32", 16))
 CHANNEL_OTHER_RATIOS = (("default", 16),)
 
 

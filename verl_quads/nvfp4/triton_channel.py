@@ -70,10 +70,11 @@ tl = tk.tl
 #: Decode-sized launches (few rows, most SMs idle, so one row's latency is the kernel's time): a launch of at most
 #: ``small_m_rows`` rows (0: never) uses ``small_m_radix`` bits per dependent step of the threshold search (1: a bit
 #: per step; 2, 3: ``_radix_threshold``), with radix 1 and ``small_m_narrow`` the bounded search
-#: ``_narrow_threshold`` (else ``_bits_threshold``), and ``small_m_elems_per_thread`` (None: ``elems_per_thread``)
+#: ``_narrow_threshold`` (1: one three-operand reduction per step; 2: its SPLIT form; 0: ``_bits_threshold``),
+#: and ``small_m_elems_per_thread`` (None: ``elems_per_thread``)
 #: for its warps. Same bytes for every setting.
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
-                  "pack_maxnreg_min_warps": 16, "small_m_rows": 0, "small_m_radix": 1, "small_m_narrow": False,
+                  "pack_maxnreg_min_warps": 16, "small_m_rows": 0, "small_m_radix": 1, "small_m_narrow": 0,
                   "small_m_elems_per_thread": None}
 
 _ALL_M = 1 << 62
@@ -81,17 +82,19 @@ _ALL_M = 1 << 62
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps; session 7 (issue #5,
 #: decode latency) the small-M search settings forced at EVERY row count (``small_m_rows`` huge) so the bench shows
-#: where each stops paying: 2 / 3 bits per step (``r2`` ``r3``), the bounded search (``nar``), and 8 warps at
+#: where each stops paying: 2 / 3 bits per step (``r2`` ``r3``), the bounded search (``nar``; ``nar2`` its SPLIT
+#: form), and 8 warps at
 #: K = 8192 (``e32``: 32 channels per thread, without the QDQ register cap, which would spill them), alone and
 #: combined. (Session 7 dropped ``w32``, 32 warps: 18.7 vs 17.5 us at 16x8192 on the H200.)
 _E32 = {"small_m_elems_per_thread": 32, "qdq_maxnreg": None}
 CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnreg": None},
                     "r2": {"small_m_rows": _ALL_M, "small_m_radix": 2},
                     "r3": {"small_m_rows": _ALL_M, "small_m_radix": 3},
-                    "nar": {"small_m_rows": _ALL_M, "small_m_narrow": True},
+                    "nar": {"small_m_rows": _ALL_M, "small_m_narrow": 1},
+                    "nar2": {"small_m_rows": _ALL_M, "small_m_narrow": 2},
                     "e32": {"small_m_rows": _ALL_M, **_E32},
                     "r3 e32": {"small_m_rows": _ALL_M, "small_m_radix": 3, **_E32},
-                    "nar e32": {"small_m_rows": _ALL_M, "small_m_narrow": True, **_E32}}
+                    "nar2 e32": {"small_m_rows": _ALL_M, "small_m_narrow": 2, **_E32}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -148,14 +151,16 @@ if triton is not None:
         return c0 + c1, tl.minimum(a0, a1), tl.maximum(b0, b1)
 
     @triton.jit
-    def _narrow_threshold(eb, NSEL, NVALID):
+    def _narrow_threshold(eb, NSEL, NVALID, SPLIT: tl.constexpr = False):
         """``_bits_threshold`` (same contract) with bounds on the candidates: S = the entries that share th's
         decided bits (T is one of them) lies in [lo_v, hi_v]; bits on which lo_v and hi_v agree are taken without a
         count, and the search ends once lo_v == hi_v (then T = lo_v: every entry of S is that value). The count at
         bit b also gives A = min{eb >= cand} and B = max{eb < cand} in the same (three-operand) reduction: taking
         the bit makes lo_v = A (the least entry of the upper half), else hi_v = B. bf16 rows, whose scores have
-        few distinct low bits and tie at T, end in about half the bit steps; each step does about twice the work
-        per entry. For decode-sized launches (CHANNEL_CONFIG small_m_*)."""
+        few distinct low bits and tie at T, end in about half the bit steps (numpy on the bench's bf16 rows: 14-19
+        instead of 31); each step does about twice the work per entry. SPLIT: the count first (one int32 sum, as a
+        bit step), then only the bound that changes (A on a take, else B): two single-operand reductions instead of
+        one of three operands. For decode-sized launches (CHANNEL_CONFIG small_m_*)."""
         th = tl.full((), 0, tl.int32)
         cnt = th + NVALID
         b = th + 30
@@ -167,13 +172,22 @@ if triton is not None:
             th = (lo_v >> b) >> 1 << b << 1  # lo_v's bits above b (those of every entry of S)
             cand = th | (1 << b)
             ge = eb >= cand
-            c, a, m = tl.reduce((ge.to(tl.int32), tl.where(ge, eb, 0x7FFFFFFF), tl.where(ge, -1, eb)), 0,
-                                _cnt_min_max)
-            take = c >= NSEL
-            th = tl.where(take, cand, th)
-            cnt = tl.where(take, c, cnt)
-            lo_v = tl.where(take, a, lo_v)
-            hi_v = tl.where(take, hi_v, m)
+            if SPLIT:
+                c = tl.sum(ge.to(tl.int32), axis=0)
+                if c >= NSEL:
+                    th = cand
+                    cnt = c
+                    lo_v = tl.min(tl.where(ge, eb, 0x7FFFFFFF), axis=0)
+                else:
+                    hi_v = tl.max(tl.where(ge, -1, eb), axis=0)
+            else:
+                c, a, m = tl.reduce((ge.to(tl.int32), tl.where(ge, eb, 0x7FFFFFFF), tl.where(ge, -1, eb)), 0,
+                                    _cnt_min_max)
+                take = c >= NSEL
+                th = tl.where(take, cand, th)
+                cnt = tl.where(take, c, cnt)
+                lo_v = tl.where(take, a, lo_v)
+                hi_v = tl.where(take, hi_v, m)
             b -= 1
         th = tl.where((cnt != NSEL) & (lo_v == hi_v), lo_v, th)
         return th, cnt
@@ -193,7 +207,7 @@ if triton is not None:
         x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
-        ROW_GS: tl.constexpr = False, RADIX: tl.constexpr = 1, NARROW: tl.constexpr = False,
+        ROW_GS: tl.constexpr = False, RADIX: tl.constexpr = 1, NARROW: tl.constexpr = 0,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -204,7 +218,8 @@ if triton is not None:
         GS2 (second-pass global scale): 0 = from this row's amax of R_sel (written to gs2_ptr[row] when PACK);
         1 = gs2_ptr[0] (per tensor, computed by the caller); 2 = statistics only: write this row's amax of R_sel
         (float32) to gs2_ptr[row] and nothing else. RADIX / NARROW: the threshold search (speed only, same bytes):
-        ``_bits_threshold`` (RADIX 1), ``_narrow_threshold`` (RADIX 1, NARROW) or ``_radix_threshold`` (RADIX 2, 3).
+        ``_bits_threshold`` (RADIX 1), ``_narrow_threshold`` (RADIX 1, NARROW 1; NARROW 2: its SPLIT form) or
+        ``_radix_threshold`` (RADIX 2, 3).
         PACK: packed1/packed2 int64 [M, NB] (one word per 16-block, byte j = code 2j | code 2j+1 << 4),
         scale1/scale2 uint8 [M, NB] (E4M3 bytes), idx int64 [M, NSEL] (ascending channels); else out [M, K] in
         x's dtype (OUT: ``_store_out`` code) = deq(Q(x)) + deq(Q(R_sel))."""
@@ -241,8 +256,8 @@ if triton is not None:
         eb = tl.reshape(tl.join(e0, e1), (NBP * 16,))  # every channel once (not in channel order)
         if RADIX > 1:
             th, cnt = _radix_threshold(eb, NSEL, NB * 16, RADIX)
-        elif NARROW:
-            th, cnt = _narrow_threshold(eb, NSEL, NB * 16)
+        elif NARROW > 0:
+            th, cnt = _narrow_threshold(eb, NSEL, NB * 16, NARROW == 2)
         else:
             th, cnt = _bits_threshold(eb, NSEL, NB * 16)
         if cnt == NSEL:
@@ -319,12 +334,12 @@ def _small_m(m: int) -> bool:
 def _search(m: int) -> dict:
     """The threshold-search constexprs of a launch of ``m`` rows (CHANNEL_CONFIG small_m_*): RADIX, NARROW."""
     if not _small_m(m):
-        return {"RADIX": 1, "NARROW": False}
+        return {"RADIX": 1, "NARROW": 0}
     r, nar = CHANNEL_CONFIG["small_m_radix"], CHANNEL_CONFIG["small_m_narrow"]
-    if r not in (1, 2, 3) or nar not in (False, True) or (nar and r != 1):
-        raise ValueError(f"CHANNEL_CONFIG: small_m_radix must be 1, 2 or 3 and small_m_narrow a bool that needs "
-                         f"small_m_radix 1; got small_m_radix={r!r}, small_m_narrow={nar!r}")
-    return {"RADIX": int(r), "NARROW": bool(nar)}
+    if r not in (1, 2, 3) or nar not in (0, 1, 2) or (nar and r != 1):
+        raise ValueError(f"CHANNEL_CONFIG: small_m_radix must be 1, 2 or 3 and small_m_narrow 0 / False, 1 / True or "
+                         f"2 (needs small_m_radix 1); got small_m_radix={r!r}, small_m_narrow={nar!r}")
+    return {"RADIX": int(r), "NARROW": int(nar)}
 
 
 def _warps(nbp: int, m: int | None = None) -> int:
