@@ -202,16 +202,16 @@ def activation_passes(x: torch.Tensor, mode: str, residual_ratio: float = 0.5, r
     the second operand as it is; or ``block``, whose selected blocks are scattered into that dense form; per-call
     selection, ``residual_per_token=False``, needs ``block``)."""
     m, k = x.shape
-    gs = nvfp4.per_row_global_scale(x)
+    # amax="row": the per-token scale (per_row_global_scale) derived inside the triton kernels where they can
     if mode == "quads" and residual_granularity == "channel":
-        r = nvfp4.residual_quantize(x, residual_ratio, gs, per_token=residual_per_token, backend="auto",
+        r = nvfp4.residual_quantize(x, residual_ratio, amax="row", per_token=residual_per_token, backend="auto",
                                     check_finite=False, granularity="channel")
         passes = [(r.first.packed, r.first.block_scale, _row_vector(r.first.global_scale, m))]
         if r.channel_idx.shape[-1]:
             passes.append((r.second.packed, r.second.block_scale, _row_vector(r.second.global_scale, m)))
         return passes, None
     if mode == "quads":
-        r = nvfp4.residual_quantize(x, residual_ratio, gs, per_token=residual_per_token, backend="auto",
+        r = nvfp4.residual_quantize(x, residual_ratio, amax="row", per_token=residual_per_token, backend="auto",
                                     check_finite=False)
         passes = [(r.first.packed, r.first.block_scale, _row_vector(r.first.global_scale, m))]
         if r.block_idx.shape[-1]:
@@ -220,7 +220,7 @@ def activation_passes(x: torch.Tensor, mode: str, residual_ratio: float = 0.5, r
         return passes, None
     if mode not in ("naive", "trace"):
         raise ValueError(f"quads_nvfp4 native: W4A4 mode must be naive, quads or trace, got {mode!r}")
-    q = nvfp4.quantize(x, gs, backend="auto", check_finite=False)
+    q = nvfp4.quantize(x, amax="row", backend="auto", check_finite=False)
     record = nvfp4.extract_guidance(q) if (mode == "trace" and capture) else None
     return [(q.packed, q.block_scale, _row_vector(q.global_scale, m))], record
 
