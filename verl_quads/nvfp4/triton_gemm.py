@@ -1566,9 +1566,13 @@ def moe_align_reference(expert_ids: torch.Tensor, num_experts: int, block_m: int
     )
 
 
-MOE_ALIGN_ONE_PROGRAM_MAX = 1024  # token-slots up to which moe_align is one launch (decode: <= 128 tokens at top-8)
 #: moe_align in registers (one program, no global scratch) up to this many token-slots AND experts
 MOE_ALIGN_REGISTER_MAX = 256
+#: token-slots up to which moe_align (past the register path: more than 256 experts) runs its three kernels in
+#: one program through global scratch. H200, 128 experts, CUDA graph (tests/gpu test_moe_align_paths_timed,
+#: session 7): registers 5.4 / 7.6 / 12.7 / 40.1 us at S = 8 / 128 / 256 / 512, one program 16.8 / 29.3 / 33.8 /
+#: 48.8 us, three launches 17.6 / 28.7 / 28.3 / 25.9 us: past 256 slots three launches are fastest.
+MOE_ALIGN_ONE_PROGRAM_MAX = 256
 
 
 def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> GroupedRouting:
@@ -1591,10 +1595,10 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Group
     if 0 < s <= MOE_ALIGN_REGISTER_MAX and num_experts <= MOE_ALIGN_REGISTER_MAX:  # decode: registers only
         sp = max(16, triton.next_power_of_2(s))
         _moe_align_reg_kernel[(1,)](flat, te, tr0, tr1, sorted_slots, sorted_tokens, s, num_experts, top_k, t_max,
-                                    SP=sp, JC=min(sp, 64), EP=max(16, triton.next_power_of_2(num_experts)),
+                                    SP=sp, JC=min(sp, 32), EP=max(16, triton.next_power_of_2(num_experts)),
                                     BM=block_m, MT=max(2, triton.next_power_of_2(-(-sp // block_m))),
                                     TP=max(16, triton.next_power_of_2(t_max)),
-                                    num_warps=4 if sp <= 64 else 8)
+                                    num_warps=4 if sp <= 128 else 8)  # H200 sweep: JC 32, 4 warps to S=128
     elif s > 0:
         ep = triton.next_power_of_2(num_experts + 2)  # keys 0..E-1, E (not local), EP-1 (padding)
         chunk = 128 * max(1, -(-s // (128 * 64)))  # <= 64 chunks
@@ -1833,6 +1837,7 @@ def moe_forward(
     k = expert_ids.shape[1]
     if t == 0:
         return torch.zeros(0, hidden, dtype=x.dtype, device=x.device)
+    expert_ids = expert_ids.contiguous()  # flat views for the routing, the gate and the combine (one copy at most)
     n_exp = w13_packed.shape[0]
     inter = w2_packed.shape[-1] * 2
     s = t * k
