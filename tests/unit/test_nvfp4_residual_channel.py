@@ -349,59 +349,25 @@ def test_triton_channel_kernel_edge_cases_and_ulp_apart_scores():
     _same_channel_result(x[1:2], 0.25, nv.per_row_global_scale(x[1:2]))
 
 
-_SMALL_M_SEARCHES = ["r2", "r3", "nar", "nar2"]  # CHANNEL_VARIANTS with a different threshold search (the rest: warps only)
-
-
-@_needs_interp
-@pytest.mark.parametrize("variant", _SMALL_M_SEARCHES)
-def test_triton_channel_small_m_searches_match_reference(variant):
-    """The decode-sized launches' threshold searches (CHANNEL_CONFIG small_m_*: 2 / 3 bits per step, the bounded
-    search; forced at every M by their CHANNEL_VARIANTS entry) give the reference's bytes: ties straddling the
-    threshold (hand row), scores a few ulps apart with a score weight (the last digits), an all-zero row, a
-    non-power-of-two block count with NSEL = 0 / K, K = 16, a per-tensor scale with M > 1 (two launches) and
-    amax="row" (``_same_channel_result`` checks it for per-row scales)."""
-    from verl_quads.nvfp4 import triton_channel as tc
-
-    with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
-        assert tc._search(1)["RADIX"] > 1 or tc._search(1)["NARROW"]  # the variant really takes another search
-        xh = _HAND_X.to(_DEV)
-        assert _same_channel_result(xh, 3 / 32, nv.per_row_global_scale(xh)).channel_idx.tolist() == [[1, 2, 17]]
-        xl, wl = _low_bit_ties()
-        t = _same_channel_result(xl, 0.3, nv.per_row_global_scale(xl), score_weight=wl)
-        assert t.channel_idx.tolist() == [sorted([c for c in range(64) if c % 8 >= 6] + [5, 13, 21])] * 3
-        x = _rows(3, 48, torch.bfloat16, seed=48)  # row 0 all zero, row 2 -0.0 and a subnormal block scale
-        _same_channel_result(x, 0.3, nv.per_row_global_scale(x))
-        _same_channel_result(x, 0.0, nv.global_scale_from_amax(x.float().abs().amax()))  # NSEL = 0, per tensor
-        x16 = _rows(2, 16, torch.float32, seed=16)
-        _same_channel_result(x16, 1.0, nv.per_row_global_scale(x16))  # NSEL = K = 16
-
-
 from verl_quads.nvfp4 import triton_channel as _tc  # noqa: E402
 
 if _tc.triton is not None:
     tl = _tc.tl
 
     @_tc.triton.jit
-    def _search_kernel(eb_ptr, nsel_ptr, out_ptr, NVALID, N: tl.constexpr, MODE: tl.constexpr):
-        """(th, cnt) of a threshold search on row program_id(0) of eb int32 [rows, N]; MODE 0 bits, 1 narrow, 2 / 3
-        radix, 4 narrow SPLIT (test only)."""
+    def _search_kernel(eb_ptr, nsel_ptr, out_ptr, NVALID, N: tl.constexpr):
+        """(th, cnt) of the channel kernel's threshold search ``_bits_threshold`` on row program_id(0) of eb int32
+        [rows, N] (test only)."""
         row = tl.program_id(0)
         eb = tl.load(eb_ptr + row * N + tl.arange(0, N))
         nsel = tl.load(nsel_ptr + row)
-        if MODE == 0:
-            th, cnt = _tc._bits_threshold(eb, nsel, NVALID)
-        elif MODE == 1:
-            th, cnt = _tc._narrow_threshold(eb, nsel, NVALID)
-        elif MODE == 4:
-            th, cnt = _tc._narrow_threshold(eb, nsel, NVALID, True)
-        else:
-            th, cnt = _tc._radix_threshold(eb, nsel, NVALID, MODE)
+        th, cnt = _tc._bits_threshold(eb, nsel, NVALID)
         tl.store(out_ptr + row * 2, th)
         tl.store(out_ptr + row * 2 + 1, cnt)
 
 
 def _search_rows(n=64, nvalid=48, seed=0):
-    """int32 score rows for the threshold searches (entries >= 0, padding -1 after ``nvalid``) and each row's NSEL:
+    """int32 score rows for the threshold search (entries >= 0, padding -1 after ``nvalid``) and each row's NSEL:
     random 31-bit values, a few values with many ties, values a few ulps apart around a random base, values around
     a carry (2**k - 1, 2**k, 2**k + 1), all zero, all one large value, the largest int32; NSEL random in
     [0, nvalid] plus 0, 1 and nvalid."""
@@ -434,46 +400,28 @@ def _search_rows(n=64, nvalid=48, seed=0):
     return eb, nsel
 
 
-def test_triton_channel_threshold_searches_keep_their_contract():
-    """Every threshold search of the channel kernel (``_bits_threshold``, ``_radix_threshold`` 2 / 3,
-    ``_narrow_threshold`` and its SPLIT form) on adversarial int32 rows (``_search_rows``) returns (th, cnt) with cnt = #(eb >= th),
-    and the kernel's selection from it (cnt == NSEL: eb >= th; else eb > th plus NSEL - #(eb > th) entries == th,
-    which must exist) holds the NSEL highest values -- checked against a sort in Python."""
+def test_triton_channel_threshold_search_keeps_its_contract():
+    """The channel kernel's threshold search (``_bits_threshold``, early-stopped MSB-first; shared with the block
+    rule) on adversarial int32 rows (``_search_rows``) returns (th, cnt) with cnt = #(eb >= th), and the kernel's
+    selection from it (cnt == NSEL: eb >= th; else eb > th plus NSEL - #(eb > th) entries == th, which must exist)
+    holds the NSEL highest values -- checked against a sort in Python."""
     if not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("Triton kernels need a GPU or TRITON_INTERPRET=1")
     eb, nsel = _search_rows()
     ebd, nseld = eb.to(_DEV), nsel.to(_DEV)
-    for mode in (0, 1, 2, 3, 4):
-        out = torch.empty(eb.shape[0], 2, dtype=torch.int32, device=_DEV)
-        _search_kernel[(eb.shape[0],)](ebd, nseld, out, 48, N=64, MODE=mode)
-        for r in range(eb.shape[0]):
-            e, n = eb[r].tolist(), int(nsel[r])
-            th, cnt = out[r].tolist()
-            assert cnt == sum(v >= th for v in e), (mode, r, th, cnt)
-            if cnt == n:  # the caller's selection: eb >= th, else eb > th and the lowest `need` entries == th
-                sel = [v for v in e if v >= th]
-            else:
-                need = n - sum(v > th for v in e)
-                assert 0 <= need <= e.count(th), (mode, r, n, th, cnt)
-                sel = [v for v in e if v > th] + [th] * need
-            assert sorted(sel) == sorted(e, reverse=True)[:n][::-1], (mode, r, n, th, cnt)
-
-
-def test_triton_channel_small_m_config_selects_per_launch():
-    """CHANNEL_CONFIG small_m_*: a launch of at most small_m_rows rows takes the small-M search and warps, a larger
-    one the default; off by default (small_m_rows 0); a bad setting is an error naming the keys."""
-    from verl_quads.nvfp4 import triton_channel as tc
-
-    assert tc.CHANNEL_CONFIG["small_m_rows"] == 0 and tc._search(1) == {"RADIX": 1, "NARROW": 0}
-    assert tc._warps(512, 1) == 16
-    with tc.channel_config(small_m_rows=16, small_m_radix=3, small_m_elems_per_thread=64):
-        assert tc._search(16) == {"RADIX": 3, "NARROW": 0} and tc._warps(512, 16) == 4
-        assert tc._search(17) == {"RADIX": 1, "NARROW": 0} and tc._warps(512, 17) == 16
-    with tc.channel_config(small_m_rows=4, small_m_narrow=2):
-        assert tc._search(4) == {"RADIX": 1, "NARROW": 2} and tc._warps(512, 4) == 16
-    for bad in ({"small_m_radix": 4}, {"small_m_radix": 2, "small_m_narrow": 1}, {"small_m_narrow": 3}):
-        with tc.channel_config(small_m_rows=4, **bad), pytest.raises(ValueError, match="small_m_radix must be 1, 2 or 3"):
-            tc._search(1)
+    out = torch.empty(eb.shape[0], 2, dtype=torch.int32, device=_DEV)
+    _search_kernel[(eb.shape[0],)](ebd, nseld, out, 48, N=64)
+    for r in range(eb.shape[0]):
+        e, n = eb[r].tolist(), int(nsel[r])
+        th, cnt = out[r].tolist()
+        assert cnt == sum(v >= th for v in e), (r, th, cnt)
+        if cnt == n:  # the caller's selection: eb >= th, else eb > th and the lowest `need` entries == th
+            sel = [v for v in e if v >= th]
+        else:
+            need = n - sum(v > th for v in e)
+            assert 0 <= need <= e.count(th), (r, n, th, cnt)
+            sel = [v for v in e if v > th] + [th] * need
+        assert sorted(sel) == sorted(e, reverse=True)[:n][::-1], (r, n, th, cnt)
 
 
 _SM90_CHANNEL = r"""
@@ -486,29 +434,20 @@ from verl_quads.nvfp4 import triton_channel as tc
 sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16", "packed1_ptr": "*i64",
        "scale1_ptr": "*u8", "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
-       "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr", "RADIX": "constexpr", "NARROW": "constexpr"}
-for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, radix, narrow in (
-        ("*bf16", "*i16", False, 3, 0, False, 128, 4, 64, False, 1, 0),
-        ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64, False, 1, 0),
-        ("*fp16", "*fp16", False, 2, 1, True, 1, 1, None, False, 1, 0),
-        ("*fp32", "*fp32", False, 0, 2, False, 64, 2, 64, False, 1, 0),
-        ("*bf16", "*i64", True, 0, 0, False, 64, 2, None, False, 1, 0),
-        ("*bf16", "*i16", False, 3, 0, False, 512, 16, 64, True, 1, 0),
-        ("*bf16", "*i64", True, 0, 0, False, 128, 4, None, True, 1, 0),
-        # the small-M searches (CHANNEL_CONFIG small_m_*): 2 / 3 bits per step, the bounded search (NARROW 1, its
-        # SPLIT form 2); 16, 8 and 4 warps
-        ("*bf16", "*i16", False, 3, 0, False, 512, 16, 64, True, 2, 0),
-        ("*bf16", "*i64", True, 0, 0, True, 512, 4, None, True, 3, 0),
-        ("*bf16", "*i16", False, 3, 1, False, 512, 8, None, False, 3, 0),
-        ("*bf16", "*i16", False, 3, 0, False, 512, 4, 64, True, 1, 1),
-        ("*bf16", "*i64", True, 0, 0, False, 512, 16, 64, True, 1, 1),
-        ("*bf16", "*i16", False, 3, 0, False, 512, 8, None, True, 1, 2),
-        ("*bf16", "*i64", True, 0, 2, True, 64, 2, None, False, 1, 2)):
+       "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr", "STOP": "constexpr"}
+for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop in (
+        ("*bf16", "*i16", False, 3, 0, False, 128, 4, 64, False, 0),
+        ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64, False, 0),
+        ("*fp16", "*fp16", False, 2, 1, True, 1, 1, None, False, 0),
+        ("*fp32", "*fp32", False, 0, 2, False, 64, 2, 64, False, 0),
+        ("*bf16", "*i64", True, 0, 0, False, 64, 2, None, False, 0),
+        ("*bf16", "*i16", False, 3, 0, False, 512, 16, 64, True, 0),
+        ("*bf16", "*i64", True, 0, 0, False, 128, 4, None, True, 0),
+        ("*bf16", "*i16", False, 3, 0, False, 512, 16, 64, False, 3)):  # a timing probe (bench --channel-probe)
     s = dict(sig, x_ptr=xt, out_ptr=ot)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
-        "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "ROW_GS": row_gs, "RADIX": radix,
-        "NARROW": narrow}),
+        "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "ROW_GS": row_gs, "STOP": stop}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
     # values and codes carry signs by OR-ing bits: a float negation would be 0.0 - v under triton 3.6 (+0.0 for -0.0)

@@ -19,7 +19,7 @@ kernels write bf16 with the GPU's conversion instruction (``[... int-bf16-store]
 rounding v1 uses). Residual ratios are given against both plain variants.
 The channel rule (``granularity="channel"``, k = 0.5) has its own rows in the table; ``--channel`` times only it
 (each variant of ``triton_channel.CHANNEL_VARIANTS``, bytes checked against the torch reference first, next to plain
-QDQ and the block rule, warps swept).
+QDQ and the block rule, warps swept); ``--channel-probe`` times its kernel's phases (timing probes, not results).
 Each timed call selects its variant and restores ``KERNELS`` afterwards; ``--sweep`` tunes each
 variant's configuration first (and keeps the fastest for the table) and prints it.
 """
@@ -330,9 +330,8 @@ def _outlier_rows_and_plain_times(m: int, k: int, dtype: torch.dtype, device: st
 CHANNEL_BENCH_SHAPES = ((4096, 2048), (8192, 8192), (2048, 768), (256, 2048))
 
 #: (variant of ``triton_channel.CHANNEL_VARIANTS``, elems_per_thread) timed at k = 0.5; at the other ratios only
-#: ``CHANNEL_OTHER_RATIOS``. Session 7: the small-M (decode) searches and warps, forced at every M by their variant.
-CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16), ("r2", 16), ("r3", 16), ("nar", 16), ("nar2", 16),
-                         ("e32", 16), ("r3 e32", 16), ("nar2 e32", 16))
+#: ``CHANNEL_OTHER_RATIOS``.
+CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16))
 CHANNEL_OTHER_RATIOS = (("default", 16),)
 
 
@@ -373,7 +372,7 @@ def run_channel(shapes: list[tuple[int, int]] = CHANNEL_BENCH_SHAPES, dtype: tor
             for variant, ept in configs if ratio == 0.5 else other_ratio_configs:
                 label = f"channel {variant} e/t {ept}"
                 with tc.channel_config(**{**tc.CHANNEL_VARIANTS[variant], "elems_per_thread": ept}):
-                    nw = tc._warps(tc._check_row(k) if k else 1, m)
+                    nw = tc._warps(tc._check_row(k) if k else 1)
                     try:
                         qdq = lambda: nv.residual_fake_quantize(x, ratio, gs_row, granularity="channel",
                                                                 backend="triton", check_finite=False)
@@ -400,13 +399,79 @@ def run_channel(shapes: list[tuple[int, int]] = CHANNEL_BENCH_SHAPES, dtype: tor
                                                            backend="triton", check_finite=False))):
                     ok = torch.equal(qdq().view(torch.uint8), ref_qdq.view(torch.uint8))
                     t = tm(qdq) if ok else None
-                    rows.append([f"{m}x{k}", f"{ratio:g}", label, tc._warps(tc._check_row(k), m),
+                    rows.append([f"{m}x{k}", f"{ratio:g}", label, tc._warps(tc._check_row(k)),
                                  t * 1e6 if ok else "MISMATCH", f"{t / t_qdq:.2f}x" if ok else "-", "-", "-",
                                  "yes" if ok else "no"])
                     print(rows[-1], flush=True)
     return print_table(f"channel-rule residual kernel (granularity='channel'), per-row global scale, input {dtype} "
                        f"({device_name()})", ["shape", "k", "kernel", "warps", "residual QDQ us", "x plain QDQ",
                                              "residual_quantize us", "x plain quantize", "== torch bytes"], rows)
+
+
+CHANNEL_PROBE_SHAPES = ((1, 8192), (16, 8192), (64, 8192), (16, 2048), (1024, 768), (4096, 2048))
+
+#: ``_channel_row_kernel``'s STOP timing probes: (STOP, what the launch does before it stores one row and returns)
+CHANNEL_PROBE_PHASES = ((1, "load + first pass (+ row store)"), (2, "+ threshold search"),
+                        (3, "+ tie ranks, selection, R_sel amax"), (0, "whole kernel (+ second pass)"))
+
+
+def _bits_search_steps(x: torch.Tensor, ratio: float, gs: torch.Tensor) -> torch.Tensor:
+    """Dependent full-row counts the channel kernel's ``_bits_threshold`` takes per row of ``x`` (int64 [M]): the
+    same early-stopped MSB-first search, replayed in torch on the reference's scores R**2 (float32 bit patterns)."""
+    from verl_quads.nvfp4.residual import num_selected_channels
+
+    r = x.float() - nv.dequantize(nv.quantize(x, gs, backend="torch", check_finite=False), torch.float32,
+                                  backend="torch")
+    eb = (r * r).view(torch.int32)
+    n = num_selected_channels(x.shape[-1], ratio)
+    m = x.shape[0]
+    th = torch.zeros(m, 1, dtype=torch.int32, device=x.device)
+    cnt = torch.full((m, 1), x.shape[-1], dtype=torch.int64, device=x.device)
+    steps = torch.zeros(m, dtype=torch.int64, device=x.device)
+    for k in range(31):
+        live = cnt[:, 0] != n
+        steps += live.long()
+        cand = th | (1 << (30 - k))
+        c = (eb >= cand).sum(-1, keepdim=True)
+        take = live[:, None] & (c >= n)
+        th = torch.where(take, cand, th)
+        cnt = torch.where(take, c, cnt)
+    return steps
+
+
+def run_channel_probe(shapes=CHANNEL_PROBE_SHAPES, dtype: torch.dtype = torch.bfloat16, ratios=(0.5, 1.0),
+                      device: str = "cuda") -> str:
+    """Where the channel kernel's time goes (QDQ launch, per-row global scale, bench input as ``--channel``): the
+    kernel's STOP timing probes (``CHANNEL_PROBE_PHASES``: the launch returns after a phase, storing one row that
+    depends on it; NOT results: their bytes are not checked) timed like the whole kernel (CUDA-graph replay), with
+    the rows' search length (``_bits_search_steps``: max / mean over rows; the launch waits for its slowest row).
+    k = 1 selects every channel, so its search takes 0 steps: the k = 0.5 minus k = 1 difference at STOP 2 is the
+    search chain. ``device`` other than "cuda": functional smoke run only."""
+    from verl_quads.nvfp4 import triton_channel as tc
+
+    tm = graph_time_s if device == "cuda" else (lambda f: median_time_s(f, 0, 1, 1))
+    rows = []
+    for m, k in shapes:
+        x, gs_row, t_qdq, _ = _outlier_rows_and_plain_times(m, k, dtype, device, tm)
+        rows.append([f"{m}x{k}", "-", "plain v2 QDQ (baseline)", "-", t_qdq * 1e6, "-"])
+        print(rows[-1], flush=True)
+        for ratio in ratios:
+            st = _bits_search_steps(x, ratio, gs_row)
+            steps = f"{int(st.max())} / {float(st.float().mean()):.1f}"
+            prev = None
+            for stop, what in CHANNEL_PROBE_PHASES:
+                try:
+                    t = tm(lambda: tc._run(x, ratio, gs_row, None, None, False, packed=False, stop=stop)) * 1e6
+                    rows.append([f"{m}x{k}", f"{ratio:g}", f"STOP {stop}: {what}", steps, t,
+                                 f"{t - prev:+.2f}" if prev is not None else "-"])
+                    prev = t
+                except Exception as e:  # a probe the device's triton does not compile: reported, not timed
+                    rows.append([f"{m}x{k}", f"{ratio:g}", f"STOP {stop}: {what}", steps, "ERROR",
+                                 f"{type(e).__name__}: {str(e)[:100]!r}"])
+                print(rows[-1], flush=True)
+    return print_table(f"channel-rule kernel phases (STOP timing probes, QDQ launch, per-row global scale), input "
+                       f"{dtype} ({device_name()})", ["shape", "k", "phase", "search steps max / mean", "us",
+                                                     "+us vs previous phase"], rows)
 
 
 def _variant_call(name: str, fn):
@@ -434,11 +499,19 @@ def main(argv: list[str] | None = None) -> None:
                    help="only time the channel-rule residual kernel (granularity='channel') vs plain QDQ and the block "
                         "rule, every CHANNEL_VARIANTS variant, bytes checked against the torch reference first (default shapes "
                         "4096x2048,8192x8192,2048x768,256x2048)")
+    p.add_argument("--channel-probe", action="store_true",
+                   help="only time the channel-rule kernel's phases (STOP timing probes; default shapes "
+                        "1x8192,16x8192,64x8192,16x2048,1024x768,4096x2048)")
     p.add_argument("--variants", default=None,
                    help="with --residual-variants: comma-separated RESIDUAL_VARIANTS names to time (default: all)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("verl-quads bench nvfp4 needs a CUDA GPU (CPU numbers are not the point)")
+    if a.channel_probe:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes != p.get_default(
+            "shapes") else list(CHANNEL_PROBE_SHAPES)
+        print(run_channel_probe(shapes, getattr(torch, a.dtype)), flush=True)
+        return
     if a.channel:
         shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes != p.get_default(
             "shapes") else list(CHANNEL_BENCH_SHAPES)

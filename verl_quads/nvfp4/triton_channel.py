@@ -32,11 +32,7 @@ the plain kernel took 3.1-5.3 us there across runs); packed ``residual_quantize`
 The block rule costs ~2x. The row's threshold search (~28 dependent full-row counts for bf16 rows, which tie at the
 threshold) is the floor of this design: every measured way to take fewer, longer steps was slower
 (``_bits_threshold``), as were a [NBP, 16] tile layout and other warp counts (uncapped); what helped was this layout
-(one thread per block) and the register caps of ``CHANNEL_CONFIG`` (more rows in flight per SM). Decode-sized launches (session 7, issue #5: 16.8 us at 16x8192 against ~3 us for plain QDQ,
-one row per SM with most SMs idle, so a row's chain of dependent reductions is the kernel's time) can take another
-search by CHANNEL_CONFIG ``small_m_*``: ``_radix_threshold`` (2 or 3 bits per step, one histogram reduction each)
-or ``_narrow_threshold`` (bounds on the candidates: skips bits no candidate differs in, stops at one value), and
-other warps; off by default until the H200 measures them (``CHANNEL_VARIANTS``). Rows longer than
+(one thread per block) and the register caps of ``CHANNEL_CONFIG`` (more rows in flight per SM). Rows longer than
 ``CHANNEL_CONFIG["max_k"]`` channels raise NotImplementedError (no tiled variant yet; never the block rule, never a
 silent switch to torch). Kernels run with ``enable_fp_fusion=False`` and use no float negation (triton 3.6 lowers
 ``-v`` to ``0.0 - v``), as :mod:`.triton_kernels`.
@@ -66,35 +62,16 @@ tl = tk.tl
 #: holds a whole SM's register file and one row is in flight per SM; at 64 it spills 24 B (QDQ) / ~220 B (packed).
 #: QDQ capped at 64: 640 vs 863 us at 8192x8192, 65.4 vs 68.1 at 4096x2048, equal at 2048x768 and 256x2048; packed
 #: capped at 64: 1010 vs 1160 us at 8192x8192 (16 warps) but slower with 1-4 warps (28.4 vs 24.7 us at 2048x768).
-#:
-#: Decode-sized launches (few rows, most SMs idle, so one row's latency is the kernel's time): a launch of at most
-#: ``small_m_rows`` rows (0: never) uses ``small_m_radix`` bits per dependent step of the threshold search (1: a bit
-#: per step; 2, 3: ``_radix_threshold``), with radix 1 and ``small_m_narrow`` the bounded search
-#: ``_narrow_threshold`` (1: one three-operand reduction per step; 2: its SPLIT form; 0: ``_bits_threshold``),
-#: and ``small_m_elems_per_thread`` (None: ``elems_per_thread``)
-#: for its warps. Same bytes for every setting.
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
-                  "pack_maxnreg_min_warps": 16, "small_m_rows": 0, "small_m_radix": 1, "small_m_narrow": 0,
-                  "small_m_elems_per_thread": None}
-
-_ALL_M = 1 << 62
+                  "pack_maxnreg_min_warps": 16}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
-#: the reference by tests/gpu (same bytes): the default and the kernel without register caps; session 7 (issue #5,
-#: decode latency) the small-M search settings forced at EVERY row count (``small_m_rows`` huge) so the bench shows
-#: where each stops paying: 2 / 3 bits per step (``r2`` ``r3``), the bounded search (``nar``; ``nar2`` its SPLIT
-#: form), and 8 warps at
-#: K = 8192 (``e32``: 32 channels per thread, without the QDQ register cap, which would spill them), alone and
-#: combined. (Session 7 dropped ``w32``, 32 warps: 18.7 vs 17.5 us at 16x8192 on the H200.)
-_E32 = {"small_m_elems_per_thread": 32, "qdq_maxnreg": None}
-CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnreg": None},
-                    "r2": {"small_m_rows": _ALL_M, "small_m_radix": 2},
-                    "r3": {"small_m_rows": _ALL_M, "small_m_radix": 3},
-                    "nar": {"small_m_rows": _ALL_M, "small_m_narrow": 1},
-                    "nar2": {"small_m_rows": _ALL_M, "small_m_narrow": 2},
-                    "e32": {"small_m_rows": _ALL_M, **_E32},
-                    "r3 e32": {"small_m_rows": _ALL_M, "small_m_radix": 3, **_E32},
-                    "nar2 e32": {"small_m_rows": _ALL_M, "small_m_narrow": 2, **_E32}}
+#: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
+#: session 7 and removed (H200, docs/bench_nvfp4_h200_channel_s7.txt): 32 warps per row, 8 warps per row, and three
+#: other threshold searches (2 / 3 bits per step by a histogram of 16-bit fields in int64 words, and a search that
+#: tracks min / max bounds of the candidates to skip bits and stop at one value): none was >= 10% faster at
+#: 1-64 x 8192 or 16 x 2048, most were slower (up to 1.5x).
+CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnreg": None}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -104,93 +81,6 @@ if triton is not None:
     _store_halves = tk._store_halves
     _tile_word = tk._tile_word
     _bits_threshold = tk._bits_threshold
-
-    @triton.jit
-    def _sum2(a0, a1, b0, b1):
-        return a0 + b0, a1 + b1
-
-    @triton.jit
-    def _radix_threshold(eb, NSEL, NVALID, RADIX: tl.constexpr):
-        """``_bits_threshold`` (same contract: returns (th, cnt = #(eb >= th)), th = T or a prefix whose count is
-        exactly NSEL) with RADIX (2 or 3) bits per dependent step, digit by digit from the top (the top digit holds
-        the 31 - (steps - 1) * RADIX bits left over). A step takes every entry's digit under the prefix th,
-        ``q = clamp((eb - th) >> lo, 0, 2**RADIX - 1)`` (entries below th: 0; entries above th's prefix: the top
-        digit, as they reach every candidate), counts the digits in ONE reduction (a histogram of 16-bit fields: bin
-        q adds ``1 << 16 (q % 4)`` to int64 word q // 4; RADIX 3: two words in one tuple reduction; a count <= 32768 =
-        CHANNEL_CONFIG max_k fits a field), and keeps the largest digit j whose suffix count #(digit >= j) still
-        reaches NSEL (digits j >= 2**(31 - lo) do not exist). Stops once cnt == NSEL. More work per entry than a bit
-        step, fewer dependent cross-warp reductions: for decode-sized launches (CHANNEL_CONFIG small_m_*)."""
-        tl.static_assert((RADIX == 2) | (RADIX == 3), "_radix_threshold: RADIX must be 2 or 3")
-        th = tl.full((), 0, tl.int32)
-        cnt = th + NVALID
-        lo = th + ((31 + RADIX - 1) // RADIX - 1) * RADIX  # the current digit's lowest bit
-        while (lo >= 0) & (cnt != NSEL):
-            q = tl.minimum(tl.maximum((eb - th) >> lo, 0), (1 << RADIX) - 1)
-            one = tl.full(eb.shape, 1, tl.int64) << ((q & 3) * 16).to(tl.int64)
-            if RADIX == 2:
-                s0 = tl.sum(one, axis=0)
-                s1 = s0
-            else:
-                s0, s1 = tl.reduce((tl.where(q < 4, one, 0), tl.where(q < 4, 0, one)), 0, _sum2)
-            d = th * 0
-            c = th * 0
-            for i in tl.static_range((1 << RADIX) - 1):  # digits j = 2**RADIX - 1 - i from the top: c = #(q >= j)
-                if (1 << RADIX) - 1 - i < 4:
-                    c += ((s0 >> (16 * ((1 << RADIX) - 1 - i))) & 0xFFFF).to(tl.int32)
-                else:
-                    c += ((s1 >> (16 * ((1 << RADIX) - 5 - i))) & 0xFFFF).to(tl.int32)
-                ok = (d == 0) & (c >= NSEL) & ((((1 << RADIX) - 1 - i) >> (31 - lo)) == 0)
-                d = tl.where(ok, (1 << RADIX) - 1 - i, d)
-                cnt = tl.where(ok, c, cnt)
-            th = th | (d << lo)
-            lo -= RADIX
-        return th, cnt
-
-    @triton.jit
-    def _cnt_min_max(c0, a0, b0, c1, a1, b1):
-        return c0 + c1, tl.minimum(a0, a1), tl.maximum(b0, b1)
-
-    @triton.jit
-    def _narrow_threshold(eb, NSEL, NVALID, SPLIT: tl.constexpr = False):
-        """``_bits_threshold`` (same contract) with bounds on the candidates: S = the entries that share th's
-        decided bits (T is one of them) lies in [lo_v, hi_v]; bits on which lo_v and hi_v agree are taken without a
-        count, and the search ends once lo_v == hi_v (then T = lo_v: every entry of S is that value). The count at
-        bit b also gives A = min{eb >= cand} and B = max{eb < cand} in the same (three-operand) reduction: taking
-        the bit makes lo_v = A (the least entry of the upper half), else hi_v = B. bf16 rows, whose scores have
-        few distinct low bits and tie at T, end in about half the bit steps (numpy on the bench's bf16 rows: 14-19
-        instead of 31); each step does about twice the work per entry. SPLIT: the count first (one int32 sum, as a
-        bit step), then only the bound that changes (A on a take, else B): two single-operand reductions instead of
-        one of three operands. For decode-sized launches (CHANNEL_CONFIG small_m_*)."""
-        th = tl.full((), 0, tl.int32)
-        cnt = th + NVALID
-        b = th + 30
-        lo_v = th  # bounds of S: every valid score is in [0, 2**31 - 1]
-        hi_v = th + 0x7FFFFFFF
-        while (b >= 0) & (cnt != NSEL) & (lo_v != hi_v):
-            while (lo_v >> tl.maximum(b, 0)) == (hi_v >> tl.maximum(b, 0)):  # bit b common to all of S
-                b -= 1
-            th = (lo_v >> b) >> 1 << b << 1  # lo_v's bits above b (those of every entry of S)
-            cand = th | (1 << b)
-            ge = eb >= cand
-            if SPLIT:
-                c = tl.sum(ge.to(tl.int32), axis=0)
-                if c >= NSEL:
-                    th = cand
-                    cnt = c
-                    lo_v = tl.min(tl.where(ge, eb, 0x7FFFFFFF), axis=0)
-                else:
-                    hi_v = tl.max(tl.where(ge, -1, eb), axis=0)
-            else:
-                c, a, m = tl.reduce((ge.to(tl.int32), tl.where(ge, eb, 0x7FFFFFFF), tl.where(ge, -1, eb)), 0,
-                                    _cnt_min_max)
-                take = c >= NSEL
-                th = tl.where(take, cand, th)
-                cnt = tl.where(take, c, cnt)
-                lo_v = tl.where(take, a, lo_v)
-                hi_v = tl.where(take, hi_v, m)
-            b -= 1
-        th = tl.where((cnt != NSEL) & (lo_v == hi_v), lo_v, th)
-        return th, cnt
 
     @triton.jit
     def _half_ranks(q0, q1):
@@ -207,7 +97,7 @@ if triton is not None:
         x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
-        ROW_GS: tl.constexpr = False, RADIX: tl.constexpr = 1, NARROW: tl.constexpr = 0,
+        ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -217,12 +107,14 @@ if triton is not None:
         gs_ptr[row] when PACK; w_ptr: float32 [K] score weights (HAS_W); NB = K / 16; NSEL = channels selected per row.
         GS2 (second-pass global scale): 0 = from this row's amax of R_sel (written to gs2_ptr[row] when PACK);
         1 = gs2_ptr[0] (per tensor, computed by the caller); 2 = statistics only: write this row's amax of R_sel
-        (float32) to gs2_ptr[row] and nothing else. RADIX / NARROW: the threshold search (speed only, same bytes):
-        ``_bits_threshold`` (RADIX 1), ``_narrow_threshold`` (RADIX 1, NARROW 1; NARROW 2: its SPLIT form) or
-        ``_radix_threshold`` (RADIX 2, 3).
+        (float32) to gs2_ptr[row] and nothing else.
         PACK: packed1/packed2 int64 [M, NB] (one word per 16-block, byte j = code 2j | code 2j+1 << 4),
         scale1/scale2 uint8 [M, NB] (E4M3 bytes), idx int64 [M, NSEL] (ascending channels); else out [M, K] in
-        x's dtype (OUT: ``_store_out`` code) = deq(Q(x)) + deq(Q(R_sel))."""
+        x's dtype (OUT: ``_store_out`` code) = deq(Q(x)) + deq(Q(R_sel)).
+        STOP (timing probe for ``bench nvfp4 --channel-probe`` only; QDQ launches; 0 = the kernel): return after a
+        phase, storing one full row that depends on it (its bytes mean nothing): 1 = load + first pass (out =
+        deq(Q(x))), 2 = + threshold search (out = deq(Q(x)) where the score >= th, else 0), 3 = + selection with the
+        tie ranks and R_sel's amax (out = deq(Q(x)) where selected, else amax)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
         cmask = c < NB
@@ -242,6 +134,9 @@ if triton is not None:
         factor = tl.math.div_rn(sval, gs)
         v0 = _hold_qdq_half(x0, os, factor, True)
         v1 = _hold_qdq_half(x1, os, factor, True)
+        if STOP == 1:
+            _store_halves(out_ptr, b, v0, v1, cmask, OUT)
+            return
         r0 = x0 - v0
         r1 = x1 - v1
         s0 = r0 * r0
@@ -254,12 +149,10 @@ if triton is not None:
         e0 = tl.where(m2, s0.to(tl.int32, bitcast=True), -1)  # padding: never selected
         e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
         eb = tl.reshape(tl.join(e0, e1), (NBP * 16,))  # every channel once (not in channel order)
-        if RADIX > 1:
-            th, cnt = _radix_threshold(eb, NSEL, NB * 16, RADIX)
-        elif NARROW > 0:
-            th, cnt = _narrow_threshold(eb, NSEL, NB * 16, NARROW == 2)
-        else:
-            th, cnt = _bits_threshold(eb, NSEL, NB * 16)
+        th, cnt = _bits_threshold(eb, NSEL, NB * 16)
+        if STOP == 2:
+            _store_halves(out_ptr, b, tl.where(e0 >= th, v0, 0.0), tl.where(e1 >= th, v1, 0.0), cmask, OUT)
+            return
         if cnt == NSEL:
             sel0 = e0 >= th
             sel1 = e1 >= th
@@ -274,6 +167,9 @@ if triton is not None:
         rs1 = tl.where(sel1, r1, 0.0)
         ra = tl.maximum(tl.max(tl.abs(rs0), axis=1), tl.max(tl.abs(rs1), axis=1))
         amax = tl.zeros([NBP], tl.float32) + tl.max(ra, axis=0)
+        if STOP == 3:
+            _store_halves(out_ptr, b, tl.where(sel0, v0, amax[:, None]), tl.where(sel1, v1, amax[:, None]), cmask, OUT)
+            return
         if GS2 == 2:
             tl.store(gs2_ptr + row + c * 0, amax, mask=c == 0)
         else:
@@ -326,28 +222,8 @@ def _maxnreg(packed: bool, num_warps: int) -> int | None:
     return None if cap is None else int(cap)
 
 
-def _small_m(m: int) -> bool:
-    """Whether a launch of ``m`` rows takes CHANNEL_CONFIG's small-M (decode) settings."""
-    return m <= int(CHANNEL_CONFIG["small_m_rows"])
-
-
-def _search(m: int) -> dict:
-    """The threshold-search constexprs of a launch of ``m`` rows (CHANNEL_CONFIG small_m_*): RADIX, NARROW."""
-    if not _small_m(m):
-        return {"RADIX": 1, "NARROW": 0}
-    r, nar = CHANNEL_CONFIG["small_m_radix"], CHANNEL_CONFIG["small_m_narrow"]
-    if r not in (1, 2, 3) or nar not in (0, 1, 2) or (nar and r != 1):
-        raise ValueError(f"CHANNEL_CONFIG: small_m_radix must be 1, 2 or 3 and small_m_narrow 0 / False, 1 / True or "
-                         f"2 (needs small_m_radix 1); got small_m_radix={r!r}, small_m_narrow={nar!r}")
-    return {"RADIX": int(r), "NARROW": int(nar)}
-
-
-def _warps(nbp: int, m: int | None = None) -> int:
-    """Warps of a launch over rows of ``nbp`` (padded) 16-blocks; ``m`` rows (None: not a small-M launch)."""
-    ept = CHANNEL_CONFIG["elems_per_thread"]
-    if m is not None and _small_m(m) and CHANNEL_CONFIG["small_m_elems_per_thread"] is not None:
-        ept = CHANNEL_CONFIG["small_m_elems_per_thread"]
-    n = nbp * BLOCK_SIZE // (32 * int(ept))
+def _warps(nbp: int) -> int:
+    n = nbp * BLOCK_SIZE // (32 * CHANNEL_CONFIG["elems_per_thread"])
     return int(min(CHANNEL_CONFIG["max_warps"], max(1, tk._pow2(max(1, n)))))
 
 
@@ -361,7 +237,11 @@ def _check_row(k: int) -> int:
     return nbp
 
 
-def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_finite: bool, packed: bool):
+def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_finite: bool, packed: bool,
+         stop: int = 0):
+    """Both entry points; ``stop`` > 0: the kernel's STOP timing probe (QDQ only; the output is not a result)."""
+    if stop and packed:
+        raise ValueError("triton_channel: the STOP timing probe runs the QDQ launch only (packed=False)")
     num_selected_channels(x.shape[-1] if x.dim() else 0, ratio)  # validates the ratio first
     row_gs = False
     if amax is not None:
@@ -394,8 +274,8 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
     g1, div1 = tk._gs_rows(gs, (m,))
     per_row = gs.dim() == 2 and gs.shape[0] == m and m > 1  # the reference's _second_pass_scale rule
     wt = w if w is not None else g1
-    meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, ROW_GS=row_gs,
-                num_warps=_warps(nbp, m), enable_fp_fusion=False, **_search(m))
+    meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, ROW_GS=row_gs, num_warps=_warps(nbp),
+                enable_fp_fusion=False, **({"STOP": int(stop)} if stop else {}))
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
     if not per_row and m > 1:  # per-tensor second-pass scale: amax of R_sel over all rows first
