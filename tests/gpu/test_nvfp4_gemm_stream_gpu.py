@@ -40,6 +40,10 @@ VARIANTS = [
     SC(block_m=4, block_n=64, block_kw=16, num_warps=4, split_k=1, decode="f16x2", late_scale=True),
     SC(block_m=2, block_n=128, block_kw=8, num_warps=4, fixup=True, xperm=True, decode="f16x2", late_scale=True),
     SC(block_m=16, block_n=128, block_kw=16, mma=2, num_warps=4, decode="f16x2"),  # pair decode, tensor cores
+    # block scale per 16-element block (block_scale), whole-row tiles (issue #5 roofline candidates)
+    SC(block_m=1, block_n=256, block_kw=16, num_warps=4, fixup=True, decode="f16x2", late_scale=True, block_scale=True),
+    SC(block_m=1, block_n=16, block_kw=128, num_warps=4, fixup=True, decode="f16x2", late_scale=True),
+    SC(block_m=2, block_n=16, block_kw=64, num_warps=2, decode="f16x2", late_scale=True, block_scale=True),
     # bf16 pair decode + packed bf16 scale multiply (bf16 subnormal codes), tensor cores
     SC(block_m=16, block_n=128, block_kw=16, mma=2, num_warps=4, decode="bf16x2"),
     SC(block_m=16, block_n=128, block_kw=32, mma=1, num_warps=4, num_stages=3, prefetch=False, decode="bf16x2"),

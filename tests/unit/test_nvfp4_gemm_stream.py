@@ -82,6 +82,16 @@ DENSE = [
     (5, 24, 176, torch.float16, True, SC(block_m=4, block_n=32, block_kw=8, split_k=2, decode="f16x2",
                                          late_scale=True, xperm=True)),
     (9, 24, 384, torch.bfloat16, True, SC(block_m=16, block_n=32, block_kw=16, split_k=1, mma=1, decode="f16x2")),
+    # block scale per 16-element block (block_scale: [BN, BKW/2] scale tile), 1/4-row chunks, K tail in every
+    # range (prefetch, pipelined), whole-row tile (block_kw > K/8 of a range)
+    (1, 40, 256, torch.bfloat16, True, SC(block_m=1, block_n=16, block_kw=16, split_k=1, decode="f16x2",
+                                          late_scale=True, block_scale=True, fixup=True)),
+    (5, 24, 176, torch.float16, False, SC(block_m=4, block_n=16, block_kw=8, split_k=3, decode="f16x2",
+                                          late_scale=True, block_scale=True)),
+    (3, 24, 176, torch.bfloat16, True, SC(block_m=2, block_n=16, block_kw=4, split_k=2, decode="f16x2",
+                                          late_scale=True, block_scale=True, prefetch=False, pipe=3, fixup=True)),
+    (1, 24, 256, torch.bfloat16, False, SC(block_m=1, block_n=16, block_kw=64, split_k=1, decode="f16x2",
+                                           late_scale=True, block_scale=True)),
     # bf16 pair decode + packed bf16 scale multiply (tensor-core paths), K tail in every range
     (17, 40, 256, torch.bfloat16, False, SC(block_m=16, block_n=16, block_kw=16, split_k=2, mma=2, decode="bf16x2")),
     (9, 24, 352, torch.float16, True, SC(block_m=16, block_n=32, block_kw=16, split_k=2, mma=1, decode="bf16x2",
@@ -117,6 +127,8 @@ def test_stream_dense_matches_reference(m, n, k, dtype, with_bias, cfg):
                                  SC(block_m=1, block_n=16, block_kw=8, split_k=1, prefetch=False, pipe=3),
                                  SC(block_m=2, block_n=16, block_kw=16, split_k=1, xperm=True),
                                  SC(block_m=4, block_n=16, block_kw=16, split_k=1, decode="f16x2", late_scale=True),
+                                 SC(block_m=1, block_n=16, block_kw=8, split_k=2, decode="f16x2", late_scale=True,
+                                    block_scale=True),
                                  SC(block_m=1, block_n=16, block_kw=8, split_k=1, decode="f16x2"),
                                  SC(block_m=16, block_n=16, block_kw=16, split_k=1, mma=1, decode="bf16x2")],
                          ids=lambda c: c.label)
@@ -150,7 +162,9 @@ def test_stream_decode_exact_one_hot(cfg):
                                  SC(block_m=1, block_n=16, block_kw=8, split_k=2, prefetch=False, pipe=3, fixup=True,
                                     xperm=True),
                                  SC(block_m=2, block_n=16, block_kw=8, split_k=2, decode="f16x2", late_scale=True,
-                                    fixup=True)],
+                                    fixup=True),
+                                 SC(block_m=1, block_n=16, block_kw=8, split_k=2, decode="f16x2", late_scale=True,
+                                    block_scale=True, fixup=True)],
                          ids=lambda c: c.label)
 def test_stream_grouped_matches_per_expert_reference(cfg):
     """One grouped launch (tile table of moe_align, block_m 16 > the FMA chunk: rows looped in chunks)
@@ -240,7 +254,11 @@ ints = ["M", "N", "K", "KW", "KB", "OUT_ROWS", "KW_PER_SPLIT", "SPLIT"]
 for cfg, grouped in ((tg.StreamConfig(block_m=1, block_n=128, block_kw=16, prefetch=False, pipe=3, fixup=True,
                                       decode="f16x2", late_scale=True), False),
                      (tg.StreamConfig(block_m=4, block_n=64, block_kw=16, decode="f16x2", late_scale=True), True),
-                     (tg.StreamConfig(block_m=16, block_n=128, block_kw=16, mma=2, decode="bf16x2"), False)):
+                     (tg.StreamConfig(block_m=16, block_n=128, block_kw=16, mma=2, decode="bf16x2"), False),
+                     (tg.StreamConfig(block_m=1, block_n=256, block_kw=16, fixup=True, decode="f16x2", late_scale=True,
+                                      block_scale=True), False),
+                     (tg.StreamConfig(block_m=1, block_n=16, block_kw=64, num_warps=2, decode="f16x2", late_scale=True,
+                                      block_scale=True), True)):
     const = tg._stream_constexprs(cfg, grouped=grouped, tm=16 if grouped else cfg.block_m, partial=True,
                                   fixup=cfg.fixup, has_bias=False, out_code=1, dt=1, even=True, interpreting=False)
     sig = dict(ptrs, **{i: "i32" for i in ints}, **{c: "constexpr" for c in const})
@@ -259,7 +277,8 @@ def test_stream_gpu_only_decode_forms_compile_for_sm90_without_a_gpu():
     """GPU-only code of the f16x2 / bf16x2 decodes (the interpreter takes the float32 forms): late_scale's
     inline PTX (fp16 -> fp32 conversions of both halves of a register) and bf16x2's packed bf16 scale
     multiply feeding a bf16 tensor-core dot: compile them for sm_90 with triton's bundled ptxas in a
-    subprocess without TRITON_INTERPRET (dense pipelined, grouped 4-row, tensor-core). Compiles only."""
+    subprocess without TRITON_INTERPRET (dense pipelined, grouped 4-row, tensor-core, per-block scale dense and
+    grouped whole-row tile). Compiles only."""
     compile_for_sm90_in_subprocess(
         _SM90_STREAM, "on a GPU the kernels are compiled and run by tests/gpu/test_nvfp4_gemm_stream_gpu.py")
 
@@ -267,7 +286,7 @@ def test_stream_gpu_only_decode_forms_compile_for_sm90_without_a_gpu():
 # --- the roofline probes of `verl-quads bench rollout --gemv-roofline` (verl_quads/bench/gemv_probe.py) ------
 
 
-def _probe_expected(w32, ws_u8, wdq, x, e, a, info, bn, bkw, stage):
+def _probe_expected(w32, ws_u8, wdq, x, e, a, info, bn, bkw, stage, scales=1):
     """Each probe program's value by an independent torch computation: stage 0 the int32 sum over its
     [BN, BKW] lanes of the XOR over its K steps of (word ^ scale byte of the word); stages 1/2 the float sum of
     E2M1 * block scale (``wdq``: float32 [E, N, K], global scale 1; times the activation for 2) over its rows
@@ -286,7 +305,11 @@ def _probe_expected(w32, ws_u8, wdq, x, e, a, info, bn, bkw, stage):
                     lanes = torch.zeros(rows.stop - rows.start, bkw, dtype=torch.int64)
                     for s0 in range(lo, hi, bkw):
                         kk = torch.arange(s0, min(hi, s0 + bkw))
-                        v = w32[ex, rows][:, kk].long() ^ ws_u8[ex, rows][:, kk // 2].long()
+                        v = w32[ex, rows][:, kk].long()
+                        if scales == 1:  # each word's block byte
+                            v = v ^ ws_u8[ex, rows][:, kk // 2].long()
+                        elif scales == 2:  # the row's sum of the step's block bytes, into every word
+                            v = v ^ ws_u8[ex, rows][:, kk[0] // 2:(kk[-1] // 2) + 1].long().sum(1, keepdim=True)
                         lanes[:, :kk.numel()] ^= v
                     tot = int(lanes.sum()) & 0xFFFFFFFF
                     exp.append(tot - (1 << 32) if tot >= 1 << 31 else tot)
@@ -299,6 +322,8 @@ def _probe_expected(w32, ws_u8, wdq, x, e, a, info, bn, bkw, stage):
 
 
 @pytest.mark.parametrize("stage,cfg,unroll,hint", [
+    (0, SC(split_k=2, block_n=16, block_kw=8, prefetch=True), 1, {"scales": 2}),
+    (0, SC(split_k=2, block_n=16, block_kw=16, prefetch=False), 1, {"scales": 0}),
     (0, SC(split_k=2, block_n=32, block_kw=8, decode="f16x2", late_scale=True, fixup=True), 1, {}),
     (0, SC(split_k=2, block_n=16, block_kw=4, prefetch=False), 2, {"cache": ".cg"}),
     (0, SC(split_k=2, block_n=16, block_kw=8, prefetch=False, pipe=3), 1, {"evict": "evict_first"}),
@@ -326,7 +351,7 @@ def test_gemv_probe_reads_every_word_interpreter(stage, cfg, unroll, hint):
                                      arows, unroll=unroll, **hint)
         got = launch().cpu()
         exp = _probe_expected(wp.view(torch.int32).cpu(), wsc.view(torch.uint8).cpu(), wdq, x.cpu(), experts.cpu(),
-                              arows.cpu(), info, cfg.block_n, cfg.block_kw, stage)
+                              arows.cpu(), info, cfg.block_n, cfg.block_kw, stage, hint.get("scales", 1))
         assert info["programs"] == len(exp) and (info["split"] == 2 or grouped), info
         if stage == 0:
             assert got.tolist() == exp, (cfg.label, grouped)
@@ -335,6 +360,28 @@ def test_gemv_probe_reads_every_word_interpreter(stage, cfg, unroll, hint):
             # decode "bits" carries E2M1 * scale * 2**-9 (its epilogue multiplies by 512; _stream_load's docstring)
             ef = torch.tensor(exp, dtype=torch.float64) * (2.0 ** -9 if cfg.decode == "bits" else 1.0)
             assert torch.allclose(gf, ef, rtol=1e-5, atol=1e-6 * float(ef.abs().max())), (cfg.label, grouped, gf, ef)
+
+
+def test_gemv_flat_read_probe_interpreter():
+    """The linear-read probe: each program's value is the int32 sum over lanes of the XOR of its chunk's words
+    (independent torch fold), with a partial last chunk."""
+    from verl_quads.bench import gemv_probe as gp
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randint(-2**31, 2**31 - 1, (1000,), generator=g, dtype=torch.int64).to(torch.int32).to(DEV)
+    for programs, block, unroll in ((3, 64, 2), (4, 128, 1)):
+        launch, wpp = gp.make_flat_read(w, programs, block, unroll)
+        got = launch().cpu().tolist()
+        exp = []
+        for lo in range(0, 1000, wpp):
+            chunk = w.cpu()[lo:lo + wpp].long()
+            lanes = torch.zeros(block, dtype=torch.int64)
+            for o in range(0, chunk.numel(), block):
+                part = chunk[o:o + block]
+                lanes[:part.numel()] ^= part
+            t = int(lanes.sum()) & 0xFFFFFFFF
+            exp.append(t - (1 << 32) if t >= 1 << 31 else t)
+        assert got == exp, (programs, block, unroll)
 
 
 def test_gemv_probe_config_errors():
@@ -346,6 +393,8 @@ def test_gemv_probe_config_errors():
         gp.probe_constexprs(SC(), 0, True, unroll=2)  # prefetch=True
     with pytest.raises(ValueError, match="hints"):
         gp.probe_constexprs(SC(prefetch=False), 1, True, cache=".cg")
+    with pytest.raises(ValueError, match="scales"):
+        gp.probe_constexprs(SC(prefetch=False), 2, True, scales=2)
 
 
 _SM90_PROBE = r"""
@@ -357,7 +406,9 @@ for u in (1, 2, 4):
     cases.append((tg.StreamConfig(block_n=256, block_kw=16, prefetch=False), 0, u, {}))
 cases += [(tg.StreamConfig(block_n=128, block_kw=32, num_warps=8), 0, 1, {"cache": ".cg"}),
           (tg.StreamConfig(block_n=128, block_kw=32, num_warps=8), 0, 1, {"evict": "evict_first"}),
-          (tg.StreamConfig(block_n=128, block_kw=16, prefetch=False, pipe=3), 0, 1, {})]
+          (tg.StreamConfig(block_n=128, block_kw=16, prefetch=False, pipe=3), 0, 1, {}),
+          (tg.StreamConfig(block_n=16, block_kw=128, prefetch=True), 0, 1, {"scales": 0}),
+          (tg.StreamConfig(block_n=16, block_kw=128, prefetch=True), 0, 1, {"scales": 2})]
 for cfg, stage, u, hint in cases:
     c = gp.probe_sass_counts(cfg, stage, u, **hint)
     want = gp.expected_word_vectors(cfg, u)

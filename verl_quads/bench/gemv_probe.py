@@ -36,20 +36,56 @@ if triton is not None:
     from verl_quads.nvfp4.triton_gemm import _e2m1_pair, _e2m1_word, _stream_load, _stream_x
 
     @triton.jit
-    def _probe_words(w_ptr, ws_ptr, wrow, m, kw, KW, KB, CACHE: tl.constexpr, EVICT: tl.constexpr):
-        """Raw words (int32 ``[BN, BKW]``) and block-scale bytes (uint8, byte ``kw // 2`` of each row) at the
-        stream kernel's addresses (``_stream_load`` without the scale conversion), with load hints."""
+    def _probe_words(w_ptr, ws_ptr, wrow, rmask, kw0, kw_hi, KW, KB, BKW: tl.constexpr, EVEN: tl.constexpr,
+                     CACHE: tl.constexpr, EVICT: tl.constexpr, SCALES: tl.constexpr):
+        """Raw words ``kw0 + [0, BKW)`` (int32 ``[BN, BKW]``) of rows ``wrow`` (``rmask``: valid rows; EVEN: no K
+        mask) XOR their block-scale bytes: SCALES 1 byte ``kw // 2`` of each row per word (the stream kernel's
+        addresses, ``_stream_load`` without the scale conversion), 0 no scale loads, 2 one byte per 16-element
+        block (a ``[BN, BKW // 2]`` tile; the row's sum of them XOR-ed into every word), with load hints."""
+        kw = kw0 + tl.arange(0, BKW)
+        if EVEN:
+            m = rmask[:, None]
+        else:
+            m = rmask[:, None] & (kw < kw_hi)[None, :]
         wd = tl.load(w_ptr + wrow[:, None] * KW + kw[None, :], mask=m, other=0, cache_modifier=CACHE,
                      eviction_policy=EVICT)
-        sc = tl.load(ws_ptr + wrow[:, None] * KB + (kw // 2)[None, :], mask=m, other=0, cache_modifier=CACHE,
-                     eviction_policy=EVICT)
-        return wd, sc
+        if SCALES == 1:
+            sc = tl.load(ws_ptr + wrow[:, None] * KB + (kw // 2)[None, :], mask=m, other=0, cache_modifier=CACHE,
+                         eviction_policy=EVICT)
+            wd = wd ^ sc.to(tl.int32)
+        elif SCALES == 2:
+            kb = kw0 // 2 + tl.arange(0, BKW // 2)
+            if EVEN:
+                mb = rmask[:, None]
+            else:
+                mb = rmask[:, None] & (2 * kb < kw_hi)[None, :]
+            sb = tl.load(ws_ptr + wrow[:, None] * KB + kb[None, :], mask=mb, other=0, cache_modifier=CACHE,
+                         eviction_policy=EVICT)
+            wd = wd ^ tl.sum(sb.to(tl.int32), axis=1)[:, None]
+        return wd
+
+    @triton.jit
+    def _flat_read_kernel(w_ptr, out_ptr, NW, WPP, BLOCK: tl.constexpr, UNROLL: tl.constexpr):
+        """Program p reads int32 words ``[p * WPP, min((p + 1) * WPP, NW))`` (``WPP`` a multiple of
+        ``BLOCK * UNROLL``), ``BLOCK`` contiguous words per load (``UNROLL`` loads back to back), XOR-folded;
+        one int32 per program: the Triton floor of reading the same bytes linearly (the copy's pattern)."""
+        p = tl.program_id(0)
+        lo = p.to(tl.int64) * WPP
+        hi = tl.minimum(lo + WPP, NW)
+        i = tl.arange(0, BLOCK)
+        acc = tl.zeros([BLOCK], tl.int32)
+        for o in range(lo, hi, BLOCK * UNROLL):
+            for u in tl.static_range(UNROLL):
+                off = o + u * BLOCK + i
+                acc = acc ^ tl.load(w_ptr + off, mask=off < hi, other=0)
+        tl.store(out_ptr + p, tl.sum(acc, axis=0))
 
     @triton.jit
     def _gemv_probe_kernel(x_ptr, w_ptr, ws_ptr, e_ptr, a_ptr, out_ptr, N, K, KW, KB, KW_PER_SPLIT,
                            BN: tl.constexpr, BKW: tl.constexpr, STAGE: tl.constexpr, DEC: tl.constexpr,
                            LATE: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, PIPE: tl.constexpr,
-                           UNROLL: tl.constexpr, CACHE: tl.constexpr, EVICT: tl.constexpr, EVEN: tl.constexpr):
+                           UNROLL: tl.constexpr, CACHE: tl.constexpr, EVICT: tl.constexpr, EVEN: tl.constexpr,
+                           SCALES: tl.constexpr = 1):
         """Program (expert ``e[pid_m]``, BN weight rows ``pid_n``, K range ``pid_k`` of KW_PER_SPLIT words):
         the stream kernel's K loop at ``STAGE`` 0 / 1 / 2 (module docstring); activation row ``a[pid_m]``
         (stage 2). Writes one int32 per program at ``out[(pid_m * grid_n + pid_n) * grid_k + pid_k]``."""
@@ -68,29 +104,18 @@ if triton is not None:
         if STAGE == 0:
             accw = tl.zeros([BN, BKW], tl.int32)
             if PREFETCH:  # (UNROLL 1) the kernel's manual double buffer
-                if EVEN:  # constant along K: the loads stay 16-byte vectors
-                    m0 = nmask[:, None]
-                else:
-                    m0 = nmask[:, None] & (kw_lo + i < kw_hi)[None, :]
-                wd_n, sc_n = _probe_words(w_ptr, ws_ptr, wrow, m0, kw_lo + i, KW, KB, CACHE, EVICT)
+                wd_n = _probe_words(w_ptr, ws_ptr, wrow, nmask, kw_lo, kw_hi, KW, KB, BKW, EVEN, CACHE, EVICT, SCALES)
             for kw0 in tl.range(kw_lo, kw_hi, BKW * UNROLL, num_stages=PIPE):
                 for u in tl.static_range(UNROLL):
-                    kw = kw0 + u * BKW + i
                     if PREFETCH:
-                        wd, sc = wd_n, sc_n
-                        nxt = nmask & ((kw_hi - kw0 + 0 * cols) > BKW)
-                        if EVEN:
-                            mn = nxt[:, None]
-                        else:
-                            mn = nxt[:, None] & (kw + BKW < kw_hi)[None, :]
-                        wd_n, sc_n = _probe_words(w_ptr, ws_ptr, wrow, mn, kw + BKW, KW, KB, CACHE, EVICT)
+                        wd = wd_n
+                        nxt = nmask & ((kw_hi - kw0 + 0 * cols) > BKW)  # constant along K: 16-byte vectors
+                        wd_n = _probe_words(w_ptr, ws_ptr, wrow, nxt, kw0 + BKW, kw_hi, KW, KB, BKW, EVEN, CACHE,
+                                            EVICT, SCALES)
                     else:
-                        if EVEN:
-                            mk = nmask[:, None]
-                        else:
-                            mk = nmask[:, None] & (kw < kw_hi)[None, :]
-                        wd, sc = _probe_words(w_ptr, ws_ptr, wrow, mk, kw, KW, KB, CACHE, EVICT)
-                    accw = accw ^ wd ^ sc.to(tl.int32)
+                        wd = _probe_words(w_ptr, ws_ptr, wrow, nmask, kw0 + u * BKW, kw_hi, KW, KB, BKW, EVEN, CACHE,
+                                          EVICT, SCALES)
+                    accw = accw ^ wd
             tl.store(out_ptr + lin, tl.sum(tl.sum(accw, axis=1), axis=0))
         else:
             acc = tl.zeros([BN, BKW], tl.float32)
@@ -133,7 +158,7 @@ def _interpreting() -> bool:
 
 
 def probe_constexprs(cfg: "tg.StreamConfig", stage: int, even: bool, unroll: int = 1, cache: str = "",
-                     evict: str = "", interpreting: bool = False) -> dict:
+                     evict: str = "", interpreting: bool = False, scales: int = 1) -> dict:
     """Compile-time arguments of ``_gemv_probe_kernel`` for the tiling / loop of ``cfg`` (a CUDA-core
     StreamConfig, ``mma=0``; its ``block_m`` is ignored: one activation row per program)."""
     if cfg.mma != 0:
@@ -146,15 +171,20 @@ def probe_constexprs(cfg: "tg.StreamConfig", stage: int, even: bool, unroll: int
                          f"prefetch={cfg.prefetch})")
     if (cache or evict) and stage != 0:
         raise ValueError("gemv probe: cache/eviction hints are for stage 0 (read-only) only")
+    if scales not in (0, 1, 2) or (scales != 1 and stage != 0):
+        raise ValueError(f"gemv probe: scales={scales}: 0 (none), 1 (per word, the kernel's) or 2 (per block) and "
+                         "other than 1 for stage 0 (read-only) only")
     dec = ("bits", "f16", "f16x2", "bf16x2").index(cfg.decode) if stage else 0  # stage 0 decodes nothing
     late = cfg.late_scale and stage > 0
     return dict(BN=cfg.block_n, BKW=cfg.block_kw, STAGE=stage, DEC=dec, LATE=late, ASM=late and not interpreting,
                 PREFETCH=cfg.prefetch,
-                PIPE=cfg.pipe if cfg.pipe > 1 else None, UNROLL=unroll, CACHE=cache, EVICT=evict, EVEN=even)
+                PIPE=cfg.pipe if cfg.pipe > 1 else None, UNROLL=unroll, CACHE=cache, EVICT=evict, EVEN=even,
+                SCALES=scales)
 
 
 def make_probe(cfg: "tg.StreamConfig", stage: int, w_packed: torch.Tensor, w_scale: torch.Tensor, x: torch.Tensor,
-               experts: torch.Tensor, a_rows: torch.Tensor, unroll: int = 1, cache: str = "", evict: str = ""):
+               experts: torch.Tensor, a_rows: torch.Tensor, unroll: int = 1, cache: str = "", evict: str = "",
+               scales: int = 1):
     """A zero-argument launcher of the probe over weight ``w_packed`` (uint8 ``[N, K/2]`` or ``[E, N, K/2]``,
     contiguous) / ``w_scale`` (float8_e4m3 or uint8 ``[..., N, K/16]``), activation ``x`` (bf16 ``[rows, K]``),
     one program row per entry of ``experts`` (int32, expert index; 0 for a dense weight) reading activation row
@@ -173,7 +203,7 @@ def make_probe(cfg: "tg.StreamConfig", stage: int, w_packed: torch.Tensor, w_sca
     n_tiles = -(-n // cfg.block_n)
     split, kw_per, even = tg.stream_split(cfg, kw, live, n_tiles, dev)
     even = even and kw_per % (cfg.block_kw * unroll) == 0
-    const = probe_constexprs(cfg, stage, even, unroll, cache, evict, _interpreting())
+    const = probe_constexprs(cfg, stage, even, unroll, cache, evict, _interpreting(), scales)
     grid = (live, n_tiles, split)
     out = torch.empty(live * n_tiles * split, dtype=torch.int32, device=dev)
 
@@ -185,7 +215,8 @@ def make_probe(cfg: "tg.StreamConfig", stage: int, w_packed: torch.Tensor, w_sca
     return launch, dict(grid=grid, programs=live * n_tiles * split, split=split, kw_per=kw_per)
 
 
-def probe_sass_counts(cfg: "tg.StreamConfig", stage: int, unroll: int = 1, cache: str = "", evict: str = "") -> dict:
+def probe_sass_counts(cfg: "tg.StreamConfig", stage: int, unroll: int = 1, cache: str = "", evict: str = "",
+                      scales: int = 1) -> dict:
     """Offline (no GPU): compile the probe for sm_90 with triton's bundled ptxas (aligned sizes as the JIT
     specializes them, full K ranges), disassemble it with the wheel's ``cuobjdump`` and count global loads.
     Returns ``{"ldg": all LDG, "ldg128": 16-byte LDG (the weight words), "ldgsts": asynchronous copies,
@@ -197,7 +228,7 @@ def probe_sass_counts(cfg: "tg.StreamConfig", stage: int, unroll: int = 1, cache
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    const = probe_constexprs(cfg, stage, True, unroll, cache, evict, interpreting=False)
+    const = probe_constexprs(cfg, stage, True, unroll, cache, evict, interpreting=False, scales=scales)
     ptrs = ["x_ptr", "w_ptr", "ws_ptr", "e_ptr", "a_ptr", "out_ptr"]
     types = ["*bf16", "*i32", "*u8", "*i32", "*i32", "*i32"]
     sig = dict(zip(ptrs, types))
@@ -227,6 +258,26 @@ def probe_sass_counts(cfg: "tg.StreamConfig", stage: int, unroll: int = 1, cache
     return dict(ldg=n_ldg(texts), ldg128=n_ldg(texts, True), ldgsts=sum("LDGSTS" in t for t in texts),
                 loop_ldg128=n_ldg(body, True), loop_ldg=n_ldg(body),
                 ptx_ld_global=len(re.findall(r"\bld\.global", kern.asm["ptx"])))
+
+
+def make_flat_read(words: torch.Tensor, programs: int, block: int, unroll: int = 1, num_warps: int = 4):
+    """A zero-argument launcher of ``_flat_read_kernel`` over the int32 view of ``words`` (any contiguous tensor of
+    a multiple of 4 bytes) split into ``programs`` contiguous chunks (multiples of ``block * unroll`` words);
+    returns ``(launch, words per program)``; ``launch()`` returns the int32 ``out`` (one value per program)."""
+    if triton is None:
+        raise RuntimeError("gemv probe: triton is not available")
+    w32 = words.reshape(-1).view(torch.int32)
+    nw = w32.numel()
+    step = block * unroll
+    wpp = -(-(-(-nw // programs)) // step) * step
+    progs = -(-nw // wpp)
+    out = torch.empty(progs, dtype=torch.int32, device=words.device)
+
+    def launch():
+        _flat_read_kernel[(progs,)](w32, out, nw, wpp, BLOCK=block, UNROLL=unroll, num_warps=num_warps)
+        return out
+
+    return launch, wpp
 
 
 def expected_word_vectors(cfg: "tg.StreamConfig", unroll: int = 1) -> int:

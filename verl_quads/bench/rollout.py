@@ -449,7 +449,8 @@ DECODE_SHAPES = "moe,d8192,d4096"  # most important first: a run cut by --budget
 
 
 def _focus_variants(rows: int, grouped: bool, current):
-    """``--focus`` (short sweep, issue #5), at most 6 per GEMM (meant for ``--m 1,16`` at moe,d8192 in
+    """``--focus`` (short sweep, issue #5), at most 6 per GEMM (8 at M=1 with a CUDA-core f16x2 entry: the
+    roofline candidates below; meant for ``--m 1,16`` at moe,d8192 in
     one ~150 s run on the H200), in this order (a budget cut drops the last): the current DECODE_TABLE
     entry (``current``, may be None); its ``f16x2`` + ``late_scale`` twin (CUDA-core entries: pair
     decode, block scale per word: ~1 SASS instruction per weight element fewer in the offline sm_90
@@ -462,6 +463,19 @@ def _focus_variants(rows: int, grouped: bool, current):
 
     bm = 1 if rows <= 1 else (2 if rows <= 2 else 4)
     out = [current] if current is not None else []
+    if bm == 1 and current is not None and current.mma == 0 and current.late_scale:
+        # issue #5 session 7 (--gemv-roofline on the H200, G1): at M=1 reading the weight is 87% of the d8192 entry's
+        # time (read-only probe 32.8 of 37.7 us), 51-58% for the MoE GEMMs; read-only tilings reach 25-28 us at
+        # d8192: fewer longer programs (occ 2: 27.7 vs 32.9 us), n64 kw32 w2 (25.9), n128 kw16 w4 (26.1); plus the
+        # per-block scale (block_scale: ~5% fewer K-loop instructions) and whole-row tiles (block_kw 64-128)
+        late = dict(decode="f16x2", late_scale=True, fixup=True)
+        out += [replace(current, occ=2), replace(current, block_scale=True),
+                StreamConfig(block_m=1, block_n=64, block_kw=32, num_warps=2, **late),
+                StreamConfig(block_m=1, block_n=128, block_kw=16, num_warps=4, **late),
+                StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, **late),
+                StreamConfig(block_m=1, block_n=16, block_kw=64, num_warps=2, block_scale=True, **late),
+                StreamConfig(block_m=1, block_n=64, block_kw=32, num_warps=2, occ=2, block_scale=True, **late)]
+        return list(dict.fromkeys(out))[:8]
     if current is not None and current.mma == 0:
         out.append(replace(current, decode="f16x2", late_scale=True))
     elif current is not None:
@@ -1389,7 +1403,7 @@ def _roof_tilings():
             if 4 <= bn * bkw // (32 * w) <= 64]
 
 
-def run_gemv_roofline(budget_s: float = 120.0, points=None, tilings=None) -> str:
+def run_gemv_roofline(budget_s: float = 120.0, points=None, tilings=None, sections: str = "abcdef") -> str:
     """``--gemv-roofline``: dense 8192x8192 (M=1, 16) and the MoE layer's grouped w13 (8 experts of [1536, 2048])
     and w2 (8 of [2048, 768]) at M=1 (8 token-slots, one per expert), cold L2 (each timed replay reads rotating
     copies: dense weight clones / disjoint groups of 8 of the 128 experts, >= 256 MB; MoE w2's 16 groups are
@@ -1419,6 +1433,7 @@ def run_gemv_roofline(budget_s: float = 120.0, points=None, tilings=None) -> str
     grid_rows = _Rows()
     fastest: dict = {}
     first_grid: list = []
+    acc_rows = _Rows()
 
     def over_budget() -> bool:
         return time.perf_counter() - t_start > budget_s
@@ -1526,50 +1541,91 @@ def run_gemv_roofline(budget_s: float = 120.0, points=None, tilings=None) -> str
                     continue
                 row(kind, f"{gp.STAGES[stage]} probe, {what} {pcfg.label}", t, t_def,
                     f"grid {info['grid']} = {info['programs'] / _num_sms_dev():.1f}/SM, {info['kw_per']} words/range")
-        if m > 1 or over_budget():
+        if m > 1 or over_budget() or not (set(sections) & {"e", "f"}):
             del wps, wscs, wp, wsc, w_bf16, op
             torch.cuda.empty_cache()
             continue
-        # (e) read-only grid
-        # the first grid point times every tiling; later ones the 8 fastest of it (compiled already: timing only)
-        cands = first_grid or [StreamConfigRO(bn, bkw, w) for bn, bkw, w in (tilings or _roof_tilings())]
-        timed = []
-        for c in cands:
-            if over_budget():
-                print(f"  {tag}: budget {budget_s:.0f} s spent, read-only grid cut", flush=True)
-                break
-            try:
-                t, info = time_probe(c, 0)
-            except Exception as ex:
-                print(f"  {tag} read {c.label}: failed {type(ex).__name__}: {str(ex)[:160]}", flush=True)
-                continue
-            timed.append((t, c))
-            grid_rows.append([tag, f"n{c.block_n} kw{c.block_kw} w{c.num_warps}", "occ4 pf", t * 1e6, wbytes / t / 1e9,
-                              wbytes / t / bw, f"{info['programs'] / _num_sms_dev():.1f}", info['kw_per']])
-        timed.sort(key=lambda r: r[0])
-        first_grid = first_grid or [c for _, c in timed[:8]]
-        top = [c for _, c in timed[:3]]
-        if pcfg is not None:
-            top.append(StreamConfigRO(pcfg.block_n, pcfg.block_kw, pcfg.num_warps))
-        for c in dict.fromkeys(top):
-            variants = [(f"occ{o} pf", replace(c, occ=o), {}) for o in (1, 2, 8)]
-            variants += [(f"occ4 u{u}", replace(c, prefetch=False), dict(unroll=u)) for u in (1, 2, 4)]
-            variants += [("occ4 pipe3", replace(c, prefetch=False, pipe=3), {}),
-                         ("occ4 pf .cg", c, dict(cache=".cg")), ("occ4 pf evict_first", c, dict(evict="evict_first"))]
-            for vlabel, vc, kw in variants:
+        if "e" in sections:
+            # (e) read-only grid
+            # the first grid point times every tiling; later ones the 8 fastest of it (compiled already: timing only)
+            cands = first_grid or [StreamConfigRO(bn, bkw, w) for bn, bkw, w in (tilings or _roof_tilings())]
+            timed = []
+            for c in cands:
+                if over_budget():
+                    print(f"  {tag}: budget {budget_s:.0f} s spent, read-only grid cut", flush=True)
+                    break
+                try:
+                    t, info = time_probe(c, 0)
+                except Exception as ex:
+                    print(f"  {tag} read {c.label}: failed {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+                    continue
+                timed.append((t, c))
+                grid_rows.append([tag, f"n{c.block_n} kw{c.block_kw} w{c.num_warps}", "occ4 pf", t * 1e6, wbytes / t / 1e9,
+                                  wbytes / t / bw, f"{info['programs'] / _num_sms_dev():.1f}", info['kw_per']])
+            timed.sort(key=lambda r: r[0])
+            first_grid = first_grid or [c for _, c in timed[:8]]
+            top = [c for _, c in timed[:3]]
+            if pcfg is not None:
+                top.append(StreamConfigRO(pcfg.block_n, pcfg.block_kw, pcfg.num_warps))
+            for c in dict.fromkeys(top):
+                variants = [(f"occ{o} pf", replace(c, occ=o), {}) for o in (1, 2, 8)]
+                variants += [(f"occ4 u{u}", replace(c, prefetch=False), dict(unroll=u)) for u in (1, 2, 4)]
+                variants += [("occ4 pipe3", replace(c, prefetch=False, pipe=3), {}),
+                             ("occ4 pf .cg", c, dict(cache=".cg")), ("occ4 pf evict_first", c, dict(evict="evict_first"))]
+                for vlabel, vc, kw in variants:
+                    if over_budget():
+                        break
+                    try:
+                        t, info = time_probe(vc, 0, **kw)
+                    except Exception as ex:
+                        print(f"  {tag} read {vc.label} {vlabel}: failed {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+                        continue
+                    grid_rows.append([tag, f"n{c.block_n} kw{c.block_kw} w{c.num_warps}", vlabel, t * 1e6, wbytes / t / 1e9,
+                                      wbytes / t / bw, f"{info['programs'] / _num_sms_dev():.1f}", info['kw_per']])
+                    timed.append((t, vc))
+            good = [r for r in grid_rows if r[0] == tag and r[5] >= 0.70]
+            fastest[tag] = (min((r for r in grid_rows if r[0] == tag), key=lambda r: r[3], default=None), len(good),
+                            sum(r[0] == tag for r in grid_rows))
+        if "f" in sections:  # (f) access patterns: linear reads, scale loads, whole-row tiles
+            words_of = [probe_w(i)[0] for i in range(copies)]
+            wbytes_codes = words_of[0].numel() * words_of[0].element_size() if not grouped else TOP_K * n * k // 2
+            if grouped:
+                words_of = wps  # the group's 8 experts are one contiguous slice
+            sms = _num_sms_dev()
+            for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8)):
+                for ppsm in (1, 2, 4, 8):
+                    for unroll in (1, 2):
+                        if over_budget():
+                            break
+                        try:
+                            fl = [gp.make_flat_read(words_of[i], ppsm * sms, block, unroll, warps)[0] for i in range(copies)]
+                            t = _time(_rotating(lambda i: fl[i](), copies))[0] / copies
+                        except Exception as ex:
+                            print(f"  {tag} flat read: failed {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+                            continue
+                        acc_rows.append([tag, "linear read (codes only)", f"block {block} w{warps} {ppsm}/SM u{unroll}",
+                                         t * 1e6, wbytes_codes / t / 1e9, wbytes_codes / t / bw])
+            variants = []
+            tiles = [StreamConfigRO(pcfg.block_n, pcfg.block_kw, pcfg.num_warps)] if pcfg is not None else []
+            tiles += first_grid[:2] or [StreamConfigRO(64, 32, 2), StreamConfigRO(64, 64, 2)]  # H200 G1's fastest two
+            for c in dict.fromkeys(tiles):
+                variants += [(c, "scales per word (kernel)", {}), (c, "no scale loads", dict(scales=0)),
+                             (c, "scales per block tile", dict(scales=2))]
+            for bn, bkw, warps in ((16, 128, 4), (32, 128, 4), (16, 256, 8), (32, 256, 8), (64, 128, 8), (8, 256, 2)):
+                c = StreamConfigRO(bn, bkw, warps)
+                variants += [(c, "whole rows, scales per word", {}), (c, "whole rows, no scale loads", dict(scales=0)),
+                             (c, "whole rows, scales per block", dict(scales=2))]
+            for c, what, kw in variants:
                 if over_budget():
                     break
                 try:
-                    t, info = time_probe(vc, 0, **kw)
+                    t, info = time_probe(c, 0, **kw)
                 except Exception as ex:
-                    print(f"  {tag} read {vc.label} {vlabel}: failed {type(ex).__name__}: {str(ex)[:160]}", flush=True)
+                    print(f"  {tag} read {c.label} {what}: failed {type(ex).__name__}: {str(ex)[:160]}", flush=True)
                     continue
-                grid_rows.append([tag, f"n{c.block_n} kw{c.block_kw} w{c.num_warps}", vlabel, t * 1e6, wbytes / t / 1e9,
-                                  wbytes / t / bw, f"{info['programs'] / _num_sms_dev():.1f}", info['kw_per']])
-                timed.append((t, vc))
-        good = [r for r in grid_rows if r[0] == tag and r[5] >= 0.70]
-        fastest[tag] = (min((r for r in grid_rows if r[0] == tag), key=lambda r: r[3], default=None), len(good),
-                        sum(r[0] == tag for r in grid_rows))
+                b_used = wbytes_codes if kw.get("scales") == 0 else wbytes
+                acc_rows.append([tag, f"read-only n{c.block_n} kw{c.block_kw} w{c.num_warps} pf, grid {info['grid']}",
+                                 what, t * 1e6, b_used / t / 1e9, b_used / t / bw])
         del wps, wscs, wp, wsc, w_bf16, op
         torch.cuda.empty_cache()
     out.append(print_table(
@@ -1582,6 +1638,13 @@ def run_gemv_roofline(budget_s: float = 120.0, points=None, tilings=None) -> str
         "pf = prefetch (next step loaded before this one is used), uN = N K steps unrolled without prefetch, pipe3 = "
         "Triton pipeliner (cp.async), .cg / evict_first = tl.load hints",
         ["shape", "tiling", "loop", "us", "weight GB/s", "of copy BW", "programs/SM", "words/K range"], grid_rows))
+    if acc_rows:
+        out.append(print_table(
+            "(f) access patterns, read-only (cold L2): a linear read of the same code bytes by a Triton kernel (contiguous "
+            "chunk per program, 'block' int32 words per load), the stream tiling's scale loads (per word as the kernel, "
+            "none: codes only, per 16-element block tile), whole-row tiles (block_n rows x block_kw words, split-K auto); "
+            "GB/s of the bytes read (codes only where no scales)",
+            ["shape", "probe", "variant", "us", "GB/s", "of copy BW"], acc_rows))
     for tag, (best, n_good, n_all) in fastest.items():
         if best:
             line = (f"{tag}: fastest read-only {best[1]} {best[2]} {best[3]:.1f} us = {best[5]:.0%} of copy BW; "
@@ -1646,6 +1709,9 @@ def main(argv: list[str] | None = None) -> None:
                         "copy / BF16 / default kernel vs read-only, +decode, +FMA probes with the DECODE_TABLE entry's "
                         "grid, and a read-only grid over tilings, programs per SM, unrolling and load hints "
                         "(--budget-s caps the grid, default 120 s)")
+    p.add_argument("--roof-sections", default="abcdef",
+                   help="--gemv-roofline: sections to run (a-d: baselines + probes of the table entry, always; e: read-only "
+                        "tiling grid; f: access patterns: linear reads, scale loads, whole-row tiles)")
     p.add_argument("--out", default=None, help="also write the tables to this file")
     a = p.parse_args(argv)
     variants = tuple(v for v in a.variants.split(",") if v)
@@ -1668,7 +1734,7 @@ def main(argv: list[str] | None = None) -> None:
     elif not torch.cuda.is_available():
         raise SystemExit("verl-quads bench rollout needs a CUDA GPU (CPU numbers are not the point)")
     elif a.gemv_roofline:
-        text = run_gemv_roofline(a.budget_s if a.budget_s < 1e9 else 120.0)
+        text = run_gemv_roofline(a.budget_s if a.budget_s < 1e9 else 120.0, sections=a.roof_sections)
     elif a.sweep_mid:
         shapes, ms = shapes_and_ms(MID_SHAPES, "256,16,64", "--sweep-mid")
         text = run_sweep_mid(shapes, ms, a.budget_s, profile=not a.no_profile, workers=a.workers)

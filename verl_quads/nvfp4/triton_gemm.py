@@ -550,18 +550,24 @@ if triton is not None:
 
     @triton.jit
     def _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC: tl.constexpr, EVEN: tl.constexpr,
-                     WIDE: tl.constexpr = False):
+                     WIDE: tl.constexpr = False, BS: tl.constexpr = False):
         """Words ``kw`` (int ``[BKW]``) of weight rows ``wrow`` (int64 ``[BN]``, row index into the
         int32 view ``[rows, K/8]``) and each word's block-scale multiplier, float32 ``[BN, BKW]``:
         ``scale * 2**117`` (DEC 0), ``scale * 2**14`` (DEC 1, 2) or bf16 ``scale * 2**118`` (DEC 3), so that ``_e2m1_word * multiplier =
         E2M1 * scale * 2**-9`` resp. ``E2M1 * scale`` (exact; the 2**9 goes into the epilogue). The
-        scale byte of word kw is block ``kw // 2`` (one per 16 elements; L1 hits after the first)."""
+        scale byte of word kw is block ``kw // 2`` (one per 16 elements; L1 hits after the first).
+        BS (``block_scale``): the multipliers per 16-element block instead, ``[BN, BKW // 2]`` (``kw`` starts
+        at an even word): the per-word bytes reduced over each block's 2 words in registers, which keeps the
+        layout of the kernel's per-block sums (a separately loaded ``[BN, BKW // 2]`` byte tile gets a load
+        layout of its own and a shared-memory conversion per K step: offline sm_90 TTGIR)."""
         if EVEN:
             m = nmask[:, None]
         else:
             m = nmask[:, None] & (kw < kw_hi)[None, :]
         wd = tl.load(w_ptr + wrow[:, None] * KW + kw[None, :], mask=m, other=0)
         sc = tl.load(ws_ptr + wrow[:, None] * KB + (kw // 2)[None, :], mask=m, other=0)
+        if BS:  # both words of a block carry its byte: keep one per block, in the layout of the block sums
+            sc = tl.max(tl.reshape(sc, [sc.shape[0], sc.shape[1] // 2, 2]), axis=2).to(tl.uint8)
         s = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         if DEC == 0:
             s = s * 1.6615349947311448e35  # 2**117
@@ -624,7 +630,7 @@ if triton is not None:
         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, DEC: tl.constexpr,
         MMA: tl.constexpr, DT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, FIXUP: tl.constexpr,
         PIPE: tl.constexpr = None, XP: tl.constexpr = False, LATE: tl.constexpr = False,
-        ASM: tl.constexpr = False,
+        ASM: tl.constexpr = False, BS: tl.constexpr = False,
     ):
         """W4A16 weight-streaming GEMM: program (M-tile, BN output columns, K-range ``pid_k``).
 
@@ -640,7 +646,9 @@ if triton is not None:
         :func:`_stream_x`). LATE (MMA 0, DEC 2): the block scale multiplies each word's sum of its 8
         products ``sum_j E2M1_j 2**-14 x_j`` (nibble order 0, 4, 1, 5, 2, 6, 3, 7; one FFMA per word and
         row) instead of each decoded element (one FMUL per element saved; one more rounding per 8
-        products); ASM: :func:`_e2m1_pair`'s inline-PTX conversion (GPU only). MMA 1 (tensor cores, BM >=
+        products); BS (LATE): per 16-element block (the 2 words' sums added, then one multiply by the
+        block's scale; scales and accumulators ``[BN, BKW / 2]``); ASM: :func:`_e2m1_pair`'s inline-PTX
+        conversion (GPU only). MMA 1 (tensor cores, BM >=
         16): per nibble position J ``acc[BN, BM] += W_J[BN, BKW] @ X_J[BM, BKW].T`` (swapped: weight rows
         on the MMA's M side) in the operand type DT (0 float32, 1 bf16, 2 fp16; the decoded values
         E2M1 * scale * 2**-9 are exact in all three). MMA 2: the same, not swapped ``X_J @ W_J.T``.
@@ -683,10 +691,10 @@ if triton is not None:
                 a1, o1, v1 = _stream_rows(arow_ptr, orow_ptr, c0 + 1, r1, GROUPED)
                 a2, o2, v2 = _stream_rows(arow_ptr, orow_ptr, c0 + 2, r1, GROUPED)
                 a3, o3, v3 = _stream_rows(arow_ptr, orow_ptr, c0 + 3, r1, GROUPED)
-                acc0 = tl.zeros([BN, BKW], tl.float32)
-                acc1 = tl.zeros([BN, BKW], tl.float32)
-                acc2 = tl.zeros([BN, BKW], tl.float32)
-                acc3 = tl.zeros([BN, BKW], tl.float32)
+                acc0 = tl.zeros([BN, BKW // 2 if BS else BKW], tl.float32)
+                acc1 = tl.zeros([BN, BKW // 2 if BS else BKW], tl.float32)
+                acc2 = tl.zeros([BN, BKW // 2 if BS else BKW], tl.float32)
+                acc3 = tl.zeros([BN, BKW // 2 if BS else BKW], tl.float32)
             else:
                 rr = c0 + tl.arange(0, BM)
                 rv = rr < r1
@@ -701,7 +709,7 @@ if triton is not None:
                 else:
                     acc = tl.zeros([BM, BN], tl.float32)
             if PREFETCH:
-                wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw_lo + i, kw_hi, KW, KB, DEC, EVEN, DT == 0)
+                wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw_lo + i, kw_hi, KW, KB, DEC, EVEN, DT == 0, BS)
             for kw0 in tl.range(kw_lo, kw_hi, BKW, num_stages=PIPE):
                 kw = kw0 + i
                 if PREFETCH:
@@ -709,9 +717,9 @@ if triton is not None:
                     # next step in range: a mask along N only (constant along K, so the loads stay 16-byte
                     # vectors; the [BN] form also avoids the interpreter's int32 result of bool & 0-d bool)
                     nxt = nmask & ((kw_hi - kw0 + 0 * cols) > BKW)
-                    wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + BKW, kw_hi, KW, KB, DEC, EVEN, DT == 0)
+                    wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + BKW, kw_hi, KW, KB, DEC, EVEN, DT == 0, BS)
                 else:
-                    wd, s = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC, EVEN, DT == 0)
+                    wd, s = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC, EVEN, DT == 0, BS)
                 if LATE:  # MMA 0: per-word sums of unscaled products, then one FFMA with the scale
                     p0 = tl.zeros([BN, BKW], tl.float32)
                     p1 = tl.zeros([BN, BKW], tl.float32)
@@ -729,12 +737,20 @@ if triton is not None:
                             p2 += dh * _stream_x(x_ptr, a2, kw, kw_hi, K, pj + 4, EVEN, XP)[None, :]
                             p3 += dl * _stream_x(x_ptr, a3, kw, kw_hi, K, pj, EVEN, XP)[None, :]
                             p3 += dh * _stream_x(x_ptr, a3, kw, kw_hi, K, pj + 4, EVEN, XP)[None, :]
-                    acc0 += p0 * s
-                    if BM > 1:
-                        acc1 += p1 * s
-                    if BM > 2:
-                        acc2 += p2 * s
-                        acc3 += p3 * s
+                    if BS:  # per 16-element block: the sum of its 2 words' products, then its scale
+                        acc0 += tl.sum(tl.reshape(p0, [BN, BKW // 2, 2]), axis=2) * s
+                        if BM > 1:
+                            acc1 += tl.sum(tl.reshape(p1, [BN, BKW // 2, 2]), axis=2) * s
+                        if BM > 2:
+                            acc2 += tl.sum(tl.reshape(p2, [BN, BKW // 2, 2]), axis=2) * s
+                            acc3 += tl.sum(tl.reshape(p3, [BN, BKW // 2, 2]), axis=2) * s
+                    else:
+                        acc0 += p0 * s
+                        if BM > 1:
+                            acc1 += p1 * s
+                        if BM > 2:
+                            acc2 += p2 * s
+                            acc3 += p3 * s
                 else:
                     for j in tl.static_range(8):
                         v = _e2m1_word(wd, j, DEC, DT == 0) * s
@@ -1120,6 +1136,12 @@ class StreamConfig:
             its decoded values are ~2**-126 (products with x would be float32 subnormals). On a GPU the
             fp16 -> fp32 conversions are inline PTX (the interpreter runs the plain Triton form, same
             values).
+        block_scale: (``late_scale``) the block scale multiplies the sum of a 16-element block's two word
+            sums (one FFMA per block and row instead of per word; one more float32 rounding per 16 products,
+            inside the same bound); the scale bytes are still loaded per word and reduced per block in
+            registers (offline sm_90, d8192 M=1 entry: K loop 1392 -> 1328 SASS instructions, registers
+            249 -> 252; a separate per-block scale tile cut registers to 128 but added a shared-memory layout
+            conversion per K step).
     """
 
     block_m: int = 1
@@ -1136,6 +1158,7 @@ class StreamConfig:
     pipe: int = 1
     xperm: bool = False
     late_scale: bool = False
+    block_scale: bool = False
 
     @property
     def label(self) -> str:
@@ -1143,7 +1166,7 @@ class StreamConfig:
         kind = ("fma", "mma-swap", "mma")[self.mma]
         return (f"{kind} bm{self.block_m} n{self.block_n} kw{self.block_kw} s{self.split_k or 'auto'} "
                 f"w{self.num_warps} st{self.num_stages} {self.decode}{' pf' if self.prefetch else ''}"
-                f"{' fx' if self.fixup else ''}{'' if self.occ == 4 else f' o{self.occ}'}{f' p{self.pipe}' if self.pipe > 1 else ''}{' xp' if self.xperm else ''}{' ls' if self.late_scale else ''}")
+                f"{' fx' if self.fixup else ''}{'' if self.occ == 4 else f' o{self.occ}'}{f' p{self.pipe}' if self.pipe > 1 else ''}{' xp' if self.xperm else ''}{' ls' if self.late_scale else ''}{' bs' if self.block_scale else ''}")
 
     def check(self) -> None:
         def pow2(v):
@@ -1154,6 +1177,7 @@ class StreamConfig:
               and self.occ >= 1 and self.pipe >= 1 and (self.pipe == 1 or not self.prefetch)
               and (not self.xperm or self.mma == 0)
               and (not self.late_scale or (self.mma == 0 and self.decode == "f16x2"))
+              and (not self.block_scale or (self.late_scale and self.block_kw >= 2))
               and (self.decode != "bf16x2" or self.mma != 0))
         if self.mma == 0:
             ok = ok and self.block_m in (1, 2, 4)
@@ -1164,7 +1188,8 @@ class StreamConfig:
                 f"nvfp4 GEMM: bad StreamConfig {self}: mma 0 needs block_m in 1/2/4; mma 1/2 need block_m >= 16 "
                 "and block_kw >= 16; block_n >= 16, block_kw, num_warps powers of 2; decode 'bits', 'f16', "
                 "'f16x2' or 'bf16x2'; occ >= 1; pipe >= 1, pipe > 1 needs prefetch=False; xperm needs mma 0; late_scale needs "
-                "mma 0 and decode 'f16x2'; decode 'bf16x2' needs mma 1 or 2")
+                "mma 0 and decode 'f16x2'; block_scale needs late_scale and block_kw >= 2; decode 'bf16x2' needs mma 1 "
+                "or 2")
 
 
 # Decode dispatch (w4a16, CUDA): (grouped, rows bucket, N, K) -> StreamConfig. Rows = M for a dense GEMM,
@@ -1218,7 +1243,7 @@ def _stream_constexprs(cfg: StreamConfig, *, grouped: bool, tm: int, partial: bo
     return dict(BM=cfg.block_m, TM=tm, BN=cfg.block_n, BKW=cfg.block_kw, PARTIAL=partial, GROUPED=grouped,
                 HAS_BIAS=has_bias, OUT=out_code, DEC=("bits", "f16", "f16x2", "bf16x2").index(cfg.decode), MMA=cfg.mma,
                 DT=dt, EVEN=even, PREFETCH=cfg.prefetch, FIXUP=fixup, PIPE=cfg.pipe if cfg.pipe > 1 else None,
-                XP=cfg.xperm, LATE=cfg.late_scale, ASM=cfg.late_scale and not interpreting)
+                XP=cfg.xperm, LATE=cfg.late_scale, ASM=cfg.late_scale and not interpreting, BS=cfg.block_scale)
 
 
 def stream_split(cfg: StreamConfig, kw: int, live: int, n_tiles: int, dev: torch.device) -> tuple[int, int, bool]:
