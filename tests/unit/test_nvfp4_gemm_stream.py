@@ -92,6 +92,10 @@ DENSE = [
                                           late_scale=True, block_scale=True, prefetch=False, pipe=3, fixup=True)),
     (1, 24, 256, torch.bfloat16, False, SC(block_m=1, block_n=16, block_kw=64, split_k=1, decode="f16x2",
                                            late_scale=True, block_scale=True)),
+    # few rows per program (block_n 4/8 on CUDA cores), whole rows, partial last row tile
+    (1, 20, 256, torch.bfloat16, True, SC(block_m=1, block_n=8, block_kw=32, split_k=1, num_warps=1, decode="f16x2",
+                                          late_scale=True, fixup=True)),
+    (2, 20, 176, torch.bfloat16, False, SC(block_m=2, block_n=4, block_kw=16, split_k=0, num_warps=1)),
     # bf16 pair decode + packed bf16 scale multiply (tensor-core paths), K tail in every range
     (17, 40, 256, torch.bfloat16, False, SC(block_m=16, block_n=16, block_kw=16, split_k=2, mma=2, decode="bf16x2")),
     (9, 24, 352, torch.float16, True, SC(block_m=16, block_n=32, block_kw=16, split_k=2, mma=1, decode="bf16x2",

@@ -449,7 +449,7 @@ DECODE_SHAPES = "moe,d8192,d4096"  # most important first: a run cut by --budget
 
 
 def _focus_variants(rows: int, grouped: bool, current):
-    """``--focus`` (short sweep, issue #5), at most 6 per GEMM (8 at M=1 with a CUDA-core f16x2 entry: the
+    """``--focus`` (short sweep, issue #5), at most 6 per GEMM (10 at M=1 with a CUDA-core f16x2 entry: the
     roofline candidates below; meant for ``--m 1,16`` at moe,d8192 in
     one ~150 s run on the H200), in this order (a budget cut drops the last): the current DECODE_TABLE
     entry (``current``, may be None); its ``f16x2`` + ``late_scale`` twin (CUDA-core entries: pair
@@ -467,15 +467,17 @@ def _focus_variants(rows: int, grouped: bool, current):
         # issue #5 session 7 (--gemv-roofline on the H200, G1): at M=1 reading the weight is 87% of the d8192 entry's
         # time (read-only probe 32.8 of 37.7 us), 51-58% for the MoE GEMMs; read-only tilings reach 25-28 us at
         # d8192: fewer longer programs (occ 2: 27.7 vs 32.9 us), n64 kw32 w2 (25.9), n128 kw16 w4 (26.1); plus the
-        # per-block scale (block_scale: ~5% fewer K-loop instructions) and whole-row tiles (block_kw 64-128)
+        # per-block scale (block_scale: ~5% fewer K-loop instructions) and few rows with long K runs per row
+        # (block_n 4-16, block_kw 64-128: whole rows per program, split-K 1; the lead's note on G1)
         late = dict(decode="f16x2", late_scale=True, fixup=True)
         out += [replace(current, occ=2), replace(current, block_scale=True),
                 StreamConfig(block_m=1, block_n=64, block_kw=32, num_warps=2, **late),
-                StreamConfig(block_m=1, block_n=128, block_kw=16, num_warps=4, **late),
                 StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, **late),
                 StreamConfig(block_m=1, block_n=16, block_kw=64, num_warps=2, block_scale=True, **late),
-                StreamConfig(block_m=1, block_n=64, block_kw=32, num_warps=2, occ=2, block_scale=True, **late)]
-        return list(dict.fromkeys(out))[:8]
+                StreamConfig(block_m=1, block_n=8, block_kw=128, num_warps=2, **late),
+                StreamConfig(block_m=1, block_n=4, block_kw=128, num_warps=1, **late),
+                StreamConfig(block_m=1, block_n=8, block_kw=64, num_warps=1, block_scale=True, **late)]
+        return list(dict.fromkeys(out))[:10]
     if current is not None and current.mma == 0:
         out.append(replace(current, decode="f16x2", late_scale=True))
     elif current is not None:
@@ -1611,10 +1613,15 @@ def run_gemv_roofline(budget_s: float = 120.0, points=None, tilings=None, sectio
             for c in dict.fromkeys(tiles):
                 variants += [(c, "scales per word (kernel)", {}), (c, "no scale loads", dict(scales=0)),
                              (c, "scales per block tile", dict(scales=2))]
-            for bn, bkw, warps in ((16, 128, 4), (32, 128, 4), (16, 256, 8), (32, 256, 8), (64, 128, 8), (8, 256, 2)):
+            # few rows, long K runs per row (split-K 1 at these sizes: whole rows per program), 1-8 warps
+            for bn, bkw, warps in ((4, 128, 1), (4, 256, 2), (8, 64, 1), (8, 128, 1), (8, 128, 2), (8, 256, 2),
+                                   (16, 64, 2), (16, 128, 2), (16, 128, 4), (16, 256, 4), (32, 64, 2), (32, 128, 4),
+                                   (16, 256, 8), (32, 256, 8), (64, 128, 8)):
                 c = StreamConfigRO(bn, bkw, warps)
-                variants += [(c, "whole rows, scales per word", {}), (c, "whole rows, no scale loads", dict(scales=0)),
-                             (c, "whole rows, scales per block", dict(scales=2))]
+                variants += [(c, "whole rows, scales per word", {}), (c, "whole rows, no scale loads", dict(scales=0))]
+                if bn <= 16:
+                    variants += [(replace(c, prefetch=False), "whole rows, u2 (no prefetch)", dict(unroll=2)),
+                                 (replace(c, prefetch=False), "whole rows, u4 (no prefetch)", dict(unroll=4))]
             for c, what, kw in variants:
                 if over_budget():
                     break

@@ -1099,7 +1099,8 @@ class StreamConfig:
         block_m: activation rows per chunk: 1, 2 or 4 on CUDA cores (``mma=0``; a dense GEMM gets one
             program row-tile per chunk, a grouped tile loops over its rows in chunks); >= 16 (power of
             2) on tensor cores (``mma`` 1/2).
-        block_n: output columns (weight rows) per program (power of 2, >= 16).
+        block_n: output columns (weight rows) per program (power of 2, >= 16; >= 4 on CUDA cores, ``mma=0``:
+            few rows with a long ``block_kw`` read long contiguous runs of each row).
         block_kw: int32 words (8 weight elements, 4 packed bytes) per K step and weight row (power of 2;
             >= 16 with ``mma``: one tl.dot per nibble position has K = block_kw).
         split_k: K ranges computed by separate programs (float32 partials, then one reduction launch
@@ -1172,7 +1173,7 @@ class StreamConfig:
         def pow2(v):
             return v > 0 and v & (v - 1) == 0
 
-        ok = (self.mma in (0, 1, 2) and self.decode in ("bits", "f16", "f16x2", "bf16x2") and pow2(self.block_n) and self.block_n >= 16
+        ok = (self.mma in (0, 1, 2) and self.decode in ("bits", "f16", "f16x2", "bf16x2") and pow2(self.block_n) and self.block_n >= (4 if self.mma == 0 else 16)
               and pow2(self.block_kw) and self.split_k >= 0 and pow2(self.num_warps) and self.num_stages >= 1
               and self.occ >= 1 and self.pipe >= 1 and (self.pipe == 1 or not self.prefetch)
               and (not self.xperm or self.mma == 0)
@@ -1186,7 +1187,7 @@ class StreamConfig:
         if not ok:
             raise ValueError(
                 f"nvfp4 GEMM: bad StreamConfig {self}: mma 0 needs block_m in 1/2/4; mma 1/2 need block_m >= 16 "
-                "and block_kw >= 16; block_n >= 16, block_kw, num_warps powers of 2; decode 'bits', 'f16', "
+                "and block_kw >= 16; block_n >= 16 (>= 4 with mma 0), block_kw, num_warps powers of 2; decode 'bits', 'f16', "
                 "'f16x2' or 'bf16x2'; occ >= 1; pipe >= 1, pipe > 1 needs prefetch=False; xperm needs mma 0; late_scale needs "
                 "mma 0 and decode 'f16x2'; block_scale needs late_scale and block_kw >= 2; decode 'bf16x2' needs mma 1 "
                 "or 2")
