@@ -31,9 +31,8 @@ Speed (H200, bf16 k = 0.5, docs/bench_nvfp4_h200_channel_s6.txt, run 3): QDQ 65 
 the plain kernel took 3.1-5.3 us there across runs); packed ``residual_quantize`` 99 us / 1010 us (was 121 / 1330).
 The block rule costs ~2x. Decode (session 7, docs/bench_nvfp4_h200_channel_s7.txt: STOP probes at 16x8192, k = 0.5):
 17.9 us = 5.8 load + first pass (this run's launch floor) + 10.1 search (31 steps, 0.33 us each) + 1.9 tie ranks /
-selection / amax + 0.2 second
-pass; a step's cost grows with the entries per SM (16x2048, 4 warps: 0.07 us), so it is per-entry work, not
-barriers. The row's threshold search (~28 dependent full-row counts for bf16 rows, which tie at the
+selection / amax + 0.2 second pass; a step's cost grows with the entries per SM (16x2048, 4 warps: 0.07 us), so it
+is per-entry work, not barriers. The row's threshold search (~28 dependent full-row counts for bf16 rows, which tie at the
 threshold) is the floor of this design: every measured way to take fewer, longer steps was slower
 (``_bits_threshold``), as were a [NBP, 16] tile layout and other warp counts (uncapped); what helped was this layout
 (one thread per block) and the register caps of ``CHANNEL_CONFIG`` (more rows in flight per SM). Rows longer than
