@@ -464,19 +464,20 @@ def _focus_variants(rows: int, grouped: bool, current):
     bm = 1 if rows <= 1 else (2 if rows <= 2 else 4)
     out = [current] if current is not None else []
     if bm == 1 and current is not None and current.mma == 0 and current.late_scale:
-        # issue #5 session 7 (--gemv-roofline on the H200, G1): at M=1 reading the weight is 87% of the d8192 entry's
-        # time (read-only probe 32.8 of 37.7 us), 51-58% for the MoE GEMMs; read-only tilings reach 25-28 us at
-        # d8192: fewer longer programs (occ 2: 27.7 vs 32.9 us), n64 kw32 w2 (25.9), n128 kw16 w4 (26.1); plus the
-        # per-block scale (block_scale: ~5% fewer K-loop instructions) and few rows with long K runs per row
-        # (block_n 4-16, block_kw 64-128: whole rows per program, split-K 1; the lead's note on G1)
+        # issue #5 session 7, H200 roofline (docs/bench_rollout_h200_gemv_roofline_s7.txt): the per-word block-scale
+        # byte loads bound the reads (old d8192 entry read-only 39.8 us; 13.4 without scale loads; 18.3 with a
+        # per-block scale tile); block_scale loads that tile. Candidates: the entry, with block_scale, tilings that
+        # read fast without per-word scales (n64 kw32 w2, few rows x long K: n16 kw128 w4, n8 kw128 w2, n16 kw64 w2)
         late = dict(decode="f16x2", late_scale=True, fixup=True)
-        out += [replace(current, occ=2), replace(current, block_scale=True),
-                StreamConfig(block_m=1, block_n=64, block_kw=32, num_warps=2, **late),
-                StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, **late),
-                StreamConfig(block_m=1, block_n=16, block_kw=64, num_warps=2, block_scale=True, **late),
-                StreamConfig(block_m=1, block_n=8, block_kw=128, num_warps=2, **late),
-                StreamConfig(block_m=1, block_n=4, block_kw=128, num_warps=1, **late),
-                StreamConfig(block_m=1, block_n=8, block_kw=64, num_warps=1, block_scale=True, **late)]
+        bs = dict(late, block_scale=True)
+        out += [replace(current, block_scale=True), replace(current, occ=2, block_scale=True),
+                StreamConfig(block_m=1, block_n=256, block_kw=16, num_warps=4, **bs),
+                StreamConfig(block_m=1, block_n=128, block_kw=16, num_warps=4, **bs),
+                StreamConfig(block_m=1, block_n=64, block_kw=32, num_warps=2, **bs),
+                StreamConfig(block_m=1, block_n=64, block_kw=32, num_warps=4, **bs),
+                StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, **bs),
+                StreamConfig(block_m=1, block_n=8, block_kw=128, num_warps=2, **bs),
+                StreamConfig(block_m=1, block_n=16, block_kw=64, num_warps=2, **bs)]
         return list(dict.fromkeys(out))[:10]
     if current is not None and current.mma == 0:
         out.append(replace(current, decode="f16x2", late_scale=True))

@@ -550,24 +550,32 @@ if triton is not None:
 
     @triton.jit
     def _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC: tl.constexpr, EVEN: tl.constexpr,
-                     WIDE: tl.constexpr = False, BS: tl.constexpr = False):
+                     WIDE: tl.constexpr = False, BS: tl.constexpr = False, kw0=0):
         """Words ``kw`` (int ``[BKW]``) of weight rows ``wrow`` (int64 ``[BN]``, row index into the
         int32 view ``[rows, K/8]``) and each word's block-scale multiplier, float32 ``[BN, BKW]``:
         ``scale * 2**117`` (DEC 0), ``scale * 2**14`` (DEC 1, 2) or bf16 ``scale * 2**118`` (DEC 3), so that ``_e2m1_word * multiplier =
         E2M1 * scale * 2**-9`` resp. ``E2M1 * scale`` (exact; the 2**9 goes into the epilogue). The
         scale byte of word kw is block ``kw // 2`` (one per 16 elements; L1 hits after the first).
-        BS (``block_scale``): the multipliers per 16-element block instead, ``[BN, BKW // 2]`` (``kw`` starts
-        at an even word): the per-word bytes reduced over each block's 2 words in registers, which keeps the
-        layout of the kernel's per-block sums (a separately loaded ``[BN, BKW // 2]`` byte tile gets a load
-        layout of its own and a shared-memory conversion per K step: offline sm_90 TTGIR)."""
+        BS (``block_scale``): the multipliers per 16-element block instead, ``[BN, BKW // 2]`` for blocks
+        ``kw0 // 2 + [0, BKW // 2)`` (``kw = kw0 + [0, BKW)``, kw0 even), loaded as one byte tile (vector loads
+        of a row's consecutive block bytes; the per-word form is one byte load per 2 words and row, a gather
+        over rows: on the H200 the old d8192 entry's read-only probe took 39.8 us with per-word scale loads,
+        18.3 us with the tile, 13.4 us with none). The tile has a load layout of its own: the kernel's
+        per-block sums are converted to it each K step (shared memory; offline sm_90 TTGIR)."""
         if EVEN:
             m = nmask[:, None]
         else:
             m = nmask[:, None] & (kw < kw_hi)[None, :]
         wd = tl.load(w_ptr + wrow[:, None] * KW + kw[None, :], mask=m, other=0)
-        sc = tl.load(ws_ptr + wrow[:, None] * KB + (kw // 2)[None, :], mask=m, other=0)
-        if BS:  # both words of a block carry its byte: keep one per block, in the layout of the block sums
-            sc = tl.max(tl.reshape(sc, [sc.shape[0], sc.shape[1] // 2, 2]), axis=2).to(tl.uint8)
+        if BS:
+            kb = kw0 // 2 + tl.arange(0, kw.shape[0] // 2)
+            if EVEN:
+                mb = nmask[:, None]
+            else:
+                mb = nmask[:, None] & (2 * kb < kw_hi)[None, :]
+            sc = tl.load(ws_ptr + wrow[:, None] * KB + kb[None, :], mask=mb, other=0)
+        else:
+            sc = tl.load(ws_ptr + wrow[:, None] * KB + (kw // 2)[None, :], mask=m, other=0)
         s = sc.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         if DEC == 0:
             s = s * 1.6615349947311448e35  # 2**117
@@ -709,7 +717,8 @@ if triton is not None:
                 else:
                     acc = tl.zeros([BM, BN], tl.float32)
             if PREFETCH:
-                wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw_lo + i, kw_hi, KW, KB, DEC, EVEN, DT == 0, BS)
+                wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw_lo + i, kw_hi, KW, KB, DEC, EVEN, DT == 0, BS,
+                                         kw_lo)
             for kw0 in tl.range(kw_lo, kw_hi, BKW, num_stages=PIPE):
                 kw = kw0 + i
                 if PREFETCH:
@@ -717,9 +726,10 @@ if triton is not None:
                     # next step in range: a mask along N only (constant along K, so the loads stay 16-byte
                     # vectors; the [BN] form also avoids the interpreter's int32 result of bool & 0-d bool)
                     nxt = nmask & ((kw_hi - kw0 + 0 * cols) > BKW)
-                    wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + BKW, kw_hi, KW, KB, DEC, EVEN, DT == 0, BS)
+                    wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + BKW, kw_hi, KW, KB, DEC, EVEN, DT == 0, BS,
+                                             kw0 + BKW)
                 else:
-                    wd, s = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC, EVEN, DT == 0, BS)
+                    wd, s = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC, EVEN, DT == 0, BS, kw0)
                 if LATE:  # MMA 0: per-word sums of unscaled products, then one FFMA with the scale
                     p0 = tl.zeros([BN, BKW], tl.float32)
                     p1 = tl.zeros([BN, BKW], tl.float32)
@@ -1139,10 +1149,13 @@ class StreamConfig:
             values).
         block_scale: (``late_scale``) the block scale multiplies the sum of a 16-element block's two word
             sums (one FFMA per block and row instead of per word; one more float32 rounding per 16 products,
-            inside the same bound); the scale bytes are still loaded per word and reduced per block in
-            registers (offline sm_90, d8192 M=1 entry: K loop 1392 -> 1328 SASS instructions, registers
-            249 -> 252; a separate per-block scale tile cut registers to 128 but added a shared-memory layout
-            conversion per K step).
+            inside the same bound), the scales loaded as a ``[block_n, block_kw / 2]`` byte tile (vector
+            loads) instead of one byte load per word pair and row. Why (H200 roofline, session 7): the per-word
+            scale byte gathers, not DRAM, bound the reads (old d8192 entry read-only probe 39.8 us, 13.4 us
+            without scale loads, 18.3 us with the tile). Offline sm_90 (triton 3.9), the old d8192 entry with
+            it: 128 instead of 249 registers, K loop 1252 vs 1392 SASS, 42 vs 56 loads, plus a shared-memory
+            conversion of the block sums per K step (4 LDS, 8 BAR). (An earlier form, the per-word bytes reduced
+            per block in registers, measured 1.7x slower on the H200 at a5e6a17 and is gone.)
     """
 
     block_m: int = 1
@@ -1207,12 +1220,18 @@ class StreamConfig:
 # Session 5 (`--sweep-mid`, docs/bench_rollout_h200_mid_sweep_s5.txt): (False, 16, *) and (True, 128, 1536, 2048) removed
 # (the tensor-core kernel's MID_TABLE tiles measured faster: 54.2 vs 76.5 us d8192, 21.7 vs 24.0 d4096, 175 vs 219 MoE
 # w13 M=16); (True, 512, 2048, 768) added (MoE w2 at 129..512 slots, M=64: 100 vs 227 us for the old default).
+# Session 7 (issue #5 roofline, `--sweep-decode --focus --shapes d8192,moe --m 1,16` at a5e6a17, H200, cold L2,
+# docs/bench_rollout_h200_gemv_roofline_s7.txt): (False, 1, 8192, 8192) and (True, 8, 1536, 2048) -> n128 kw16 w4
+# (34.3 vs 37.6 us d8192 = 1.00x cuBLAS; 19.3 vs 23.0 us w13 = 1.57x torch._grouped_mm; both within the reference
+# bound); w2 unchanged (occ 2 9.86 vs 9.89 us: noise). The roofline shows why all tilings stay near 25-27% of
+# copy BW: the per-word block-scale byte loads (read-only probe of the old d8192 entry 39.8 us with them, 13.4 us
+# without; a linear Triton read of the code bytes reaches 80-82% at 4-8 programs/SM).
 DECODE_TABLE: dict[tuple[bool, int, int, int], StreamConfig] = {
     (False, 1, 4096, 4096): StreamConfig(block_m=1, block_n=256, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=True),
-    (False, 1, 8192, 8192): StreamConfig(block_m=1, block_n=256, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True),
+    (False, 1, 8192, 8192): StreamConfig(block_m=1, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True),
     (False, 4, 4096, 4096): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
     (False, 4, 8192, 8192): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
-    (True, 8, 1536, 2048): StreamConfig(block_m=1, block_n=256, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True),
+    (True, 8, 1536, 2048): StreamConfig(block_m=1, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True),
     (True, 8, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=False, late_scale=True),
     (True, 32, 1536, 2048): StreamConfig(block_m=2, block_n=128, block_kw=16, split_k=2, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=False),
     (True, 32, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=False, fixup=False),
