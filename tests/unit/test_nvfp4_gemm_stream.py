@@ -333,7 +333,10 @@ def _probe_expected(w32, ws_u8, wdq, x, e, a, info, bn, bkw, stage, scales=1):
     (0, SC(split_k=2, block_n=16, block_kw=8, prefetch=False, pipe=3), 1, {"evict": "evict_first"}),
     (1, SC(split_k=2, block_n=32, block_kw=8, decode="f16x2", late_scale=True, fixup=True), 1, {}),
     (2, SC(split_k=2, block_n=32, block_kw=8, decode="f16x2", late_scale=True, fixup=True), 1, {}),
-    (2, SC(split_k=2, block_n=16, block_kw=4, decode="bits", prefetch=False), 1, {})],
+    (2, SC(split_k=2, block_n=16, block_kw=4, decode="bits", prefetch=False), 1, {}),
+    (1, SC(split_k=2, block_n=16, block_kw=8, decode="f16x2", late_scale=True, block_scale=True), 1, {}),
+    (2, SC(split_k=2, block_n=16, block_kw=8, decode="f16x2", late_scale=True, block_scale=True), 1, {}),
+    (0, SC(split_k=2, block_n=16, block_kw=8, decode="f16x2", late_scale=True, block_scale=True), 1, {})],
     ids=lambda v: v.label if isinstance(v, SC) else str(v))
 def test_gemv_probe_reads_every_word_interpreter(stage, cfg, unroll, hint):
     """The roofline probes (measuring instruments, not product kernels) at small shapes: dense (split_k 2: K
@@ -355,7 +358,8 @@ def test_gemv_probe_reads_every_word_interpreter(stage, cfg, unroll, hint):
                                      arows, unroll=unroll, **hint)
         got = launch().cpu()
         exp = _probe_expected(wp.view(torch.int32).cpu(), wsc.view(torch.uint8).cpu(), wdq, x.cpu(), experts.cpu(),
-                              arows.cpu(), info, cfg.block_n, cfg.block_kw, stage, hint.get("scales", 1))
+                              arows.cpu(), info, cfg.block_n, cfg.block_kw, stage,
+                              hint.get("scales", 2 if cfg.block_scale else 1))
         assert info["programs"] == len(exp) and (info["split"] == 2 or grouped), info
         if stage == 0:
             assert got.tolist() == exp, (cfg.label, grouped)

@@ -85,7 +85,7 @@ if triton is not None:
                            BN: tl.constexpr, BKW: tl.constexpr, STAGE: tl.constexpr, DEC: tl.constexpr,
                            LATE: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr, PIPE: tl.constexpr,
                            UNROLL: tl.constexpr, CACHE: tl.constexpr, EVICT: tl.constexpr, EVEN: tl.constexpr,
-                           SCALES: tl.constexpr = 1):
+                           SCALES: tl.constexpr = 1, BS: tl.constexpr = False):
         """Program (expert ``e[pid_m]``, BN weight rows ``pid_n``, K range ``pid_k`` of KW_PER_SPLIT words):
         the stream kernel's K loop at ``STAGE`` 0 / 1 / 2 (module docstring); activation row ``a[pid_m]``
         (stage 2). Writes one int32 per program at ``out[(pid_m * grid_n + pid_n) * grid_k + pid_k]``."""
@@ -118,17 +118,18 @@ if triton is not None:
                     accw = accw ^ wd
             tl.store(out_ptr + lin, tl.sum(tl.sum(accw, axis=1), axis=0))
         else:
-            acc = tl.zeros([BN, BKW], tl.float32)
+            acc = tl.zeros([BN, BKW // 2 if BS else BKW], tl.float32)
             if PREFETCH:
-                wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw_lo + i, kw_hi, KW, KB, DEC, EVEN)
+                wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw_lo + i, kw_hi, KW, KB, DEC, EVEN, False, BS, kw_lo)
             for kw0 in tl.range(kw_lo, kw_hi, BKW, num_stages=PIPE):
                 kw = kw0 + i
                 if PREFETCH:
                     wd, s = wd_n, s_n
                     nxt = nmask & ((kw_hi - kw0 + 0 * cols) > BKW)
-                    wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + BKW, kw_hi, KW, KB, DEC, EVEN)
+                    wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + BKW, kw_hi, KW, KB, DEC, EVEN, False, BS,
+                                             kw0 + BKW)
                 else:
-                    wd, s = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC, EVEN)
+                    wd, s = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC, EVEN, False, BS, kw0)
                 if LATE:
                     p = tl.zeros([BN, BKW], tl.float32)
                     for pj in tl.static_range(4):
@@ -138,7 +139,10 @@ if triton is not None:
                         else:
                             p += dl * _stream_x(x_ptr, arow, kw, kw_hi, K, pj, EVEN)[None, :]
                             p += dh * _stream_x(x_ptr, arow, kw, kw_hi, K, pj + 4, EVEN)[None, :]
-                    acc += p * s
+                    if BS:  # the kernel's block_scale: per 16-element block
+                        acc += tl.sum(tl.reshape(p, [BN, BKW // 2, 2]), axis=2) * s
+                    else:
+                        acc += p * s
                 else:
                     for j in tl.static_range(8):
                         v = _e2m1_word(wd, j, DEC) * s
@@ -176,19 +180,21 @@ def probe_constexprs(cfg: "tg.StreamConfig", stage: int, even: bool, unroll: int
                          "other than 1 for stage 0 (read-only) only")
     dec = ("bits", "f16", "f16x2", "bf16x2").index(cfg.decode) if stage else 0  # stage 0 decodes nothing
     late = cfg.late_scale and stage > 0
+    bs = cfg.block_scale and stage > 0
     return dict(BN=cfg.block_n, BKW=cfg.block_kw, STAGE=stage, DEC=dec, LATE=late, ASM=late and not interpreting,
                 PREFETCH=cfg.prefetch,
                 PIPE=cfg.pipe if cfg.pipe > 1 else None, UNROLL=unroll, CACHE=cache, EVICT=evict, EVEN=even,
-                SCALES=scales)
+                SCALES=scales, BS=bs)
 
 
 def make_probe(cfg: "tg.StreamConfig", stage: int, w_packed: torch.Tensor, w_scale: torch.Tensor, x: torch.Tensor,
                experts: torch.Tensor, a_rows: torch.Tensor, unroll: int = 1, cache: str = "", evict: str = "",
-               scales: int = 1):
+               scales: int | None = None):
     """A zero-argument launcher of the probe over weight ``w_packed`` (uint8 ``[N, K/2]`` or ``[E, N, K/2]``,
     contiguous) / ``w_scale`` (float8_e4m3 or uint8 ``[..., N, K/16]``), activation ``x`` (bf16 ``[rows, K]``),
     one program row per entry of ``experts`` (int32, expert index; 0 for a dense weight) reading activation row
-    ``a_rows[i]`` (int32). Grid and K ranges as the stream kernel's launch (:func:`triton_gemm.stream_split` with
+    ``a_rows[i]`` (int32). ``scales`` (stage 0): None = the config's form (2, a per-block tile, with
+    ``block_scale``; else 1, per word). Grid and K ranges as the stream kernel's launch (:func:`triton_gemm.stream_split` with
     ``live = len(experts)``). Returns ``(launch, info)``: ``launch()`` runs it and returns the int32 ``out``
     (one value per program); ``info`` has ``grid``, ``programs``, ``split``, ``kw_per``."""
     if triton is None:
@@ -203,6 +209,8 @@ def make_probe(cfg: "tg.StreamConfig", stage: int, w_packed: torch.Tensor, w_sca
     n_tiles = -(-n // cfg.block_n)
     split, kw_per, even = tg.stream_split(cfg, kw, live, n_tiles, dev)
     even = even and kw_per % (cfg.block_kw * unroll) == 0
+    if scales is None:
+        scales = 2 if (cfg.block_scale and stage == 0) else 1
     const = probe_constexprs(cfg, stage, even, unroll, cache, evict, _interpreting(), scales)
     grid = (live, n_tiles, split)
     out = torch.empty(live * n_tiles * split, dtype=torch.int32, device=dev)

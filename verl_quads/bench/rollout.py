@@ -755,7 +755,8 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
                        f"decode={c.decode!r}, prefetch={c.prefetch}, fixup={c.fixup}"
                        + (f", occ={c.occ}" if c.occ != 4 else "")
                        + (f", pipe={c.pipe}" if c.pipe != 1 else "") + (", xperm=True" if c.xperm else "")
-                       + (", late_scale=True" if c.late_scale else "") + "),")
+                       + (", late_scale=True" if c.late_scale else "")
+                       + (", block_scale=True" if c.block_scale else "") + "),")
     snippet.append("}")
     out.append("\n".join(snippet))
     print("\n".join(snippet), flush=True)

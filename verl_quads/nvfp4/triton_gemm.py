@@ -1225,14 +1225,18 @@ class StreamConfig:
 # (34.3 vs 37.6 us d8192 = 1.00x cuBLAS; 19.3 vs 23.0 us w13 = 1.57x torch._grouped_mm; both within the reference
 # bound); w2 unchanged (occ 2 9.86 vs 9.89 us: noise). The roofline shows why all tilings stay near 25-27% of
 # copy BW: the per-word block-scale byte loads (read-only probe of the old d8192 entry 39.8 us with them, 13.4 us
-# without; a linear Triton read of the code bytes reaches 80-82% at 4-8 programs/SM).
+# without; a linear Triton read of the code bytes reaches 80-82% at 4-8 programs/SM). Then block_scale (the scales as a
+# per-block byte tile) at 74b53d7, same command at --m 1 (G3 in the doc; every variant within the bound): d8192 M=1 ->
+# n16 kw128 w4 bs 19.5 us (n128 kw16 34.3; = 1.79x cuBLAS 34.8 us, 46% of copy BW), MoE w13 M=1 -> n16 kw128 w4 bs
+# 12.2 us (19.2; 2.49x torch._grouped_mm), MoE w2 M=1 -> n64 kw32 w4 bs 8.49 us (9.82; 2.38x); the MoE layer at M=1
+# with them 23.7 us = 3.8x the BF16 layer (warm L2, one routing, as the main bench).
 DECODE_TABLE: dict[tuple[bool, int, int, int], StreamConfig] = {
     (False, 1, 4096, 4096): StreamConfig(block_m=1, block_n=256, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=True),
-    (False, 1, 8192, 8192): StreamConfig(block_m=1, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True),
+    (False, 1, 8192, 8192): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
     (False, 4, 4096, 4096): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
     (False, 4, 8192, 8192): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
-    (True, 8, 1536, 2048): StreamConfig(block_m=1, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True),
-    (True, 8, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=False, late_scale=True),
+    (True, 8, 1536, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
+    (True, 8, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=False, late_scale=True, block_scale=True),
     (True, 32, 1536, 2048): StreamConfig(block_m=2, block_n=128, block_kw=16, split_k=2, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=False),
     (True, 32, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=False, fixup=False),
     (True, 128, 2048, 768): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
