@@ -449,7 +449,8 @@ DECODE_SHAPES = "moe,d8192,d4096"  # most important first: a run cut by --budget
 
 
 def _focus_variants(rows: int, grouped: bool, current):
-    """``--focus`` (short sweep, issue #5), at most 6 per GEMM (10 at M=1 with a CUDA-core f16x2 entry: the
+    """``--focus`` (short sweep, issue #5), at most 6 per GEMM (10 with one activation row per chunk and a
+    CUDA-core entry or none: the
     roofline candidates below; meant for ``--m 1,16`` at moe,d8192 in
     one ~150 s run on the H200), in this order (a budget cut drops the last): the current DECODE_TABLE
     entry (``current``, may be None); its ``f16x2`` + ``late_scale`` twin (CUDA-core entries: pair
@@ -463,15 +464,16 @@ def _focus_variants(rows: int, grouped: bool, current):
 
     bm = 1 if rows <= 1 else (2 if rows <= 2 else 4)
     out = [current] if current is not None else []
-    if bm == 1 and current is not None and current.mma == 0 and current.late_scale:
+    if bm == 1 and (current is None or current.mma == 0):
         # issue #5 session 7, H200 roofline (docs/bench_rollout_h200_gemv_roofline_s7.txt): the per-word block-scale
         # byte loads bound the reads (old d8192 entry read-only 39.8 us; 13.4 without scale loads; 18.3 with a
         # per-block scale tile); block_scale loads that tile. Candidates: the entry, with block_scale, tilings that
         # read fast without per-word scales (n64 kw32 w2, few rows x long K: n16 kw128 w4, n8 kw128 w2, n16 kw64 w2)
         late = dict(decode="f16x2", late_scale=True, fixup=True)
         bs = dict(late, block_scale=True)
-        out += [replace(current, block_scale=True), replace(current, occ=2, block_scale=True),
-                StreamConfig(block_m=1, block_n=256, block_kw=16, num_warps=4, **bs),
+        if current is not None and current.late_scale:
+            out += [replace(current, block_scale=True), replace(current, occ=2, block_scale=True)]
+        out += [StreamConfig(block_m=1, block_n=256, block_kw=16, num_warps=4, **bs),
                 StreamConfig(block_m=1, block_n=128, block_kw=16, num_warps=4, **bs),
                 StreamConfig(block_m=1, block_n=64, block_kw=32, num_warps=2, **bs),
                 StreamConfig(block_m=1, block_n=64, block_kw=32, num_warps=4, **bs),
