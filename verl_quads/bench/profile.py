@@ -58,7 +58,7 @@ def _moe_case(m: int, dev: str, g: torch.Generator, weights: dict):
 
 def run(shapes: list[str], ms: list[int], modes: list[str], ratio: float, calls: int) -> str:
     from verl_quads import nvfp4 as nv
-    from verl_quads.bench.rollout import NUM_EXPERTS, SHAPES
+    from verl_quads.bench.rollout import moe_nvfp4_weights
     from verl_quads.nvfp4 import triton_gemm as tg
 
     dev = "cuda"
@@ -66,13 +66,7 @@ def run(shapes: list[str], ms: list[int], modes: list[str], ratio: float, calls:
     out = [f"device: {device_name()}; torch.profiler, {calls} eager calls per case, device kernels only"]
     for shape in shapes:
         if shape == "moe":
-            hidden, inter = SHAPES["w13"][2], SHAPES["w13"][1] // 2
-            weights = {}
-            for name, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
-                w = torch.randn(NUM_EXPERTS, n, k, device=dev, generator=g) * 0.02
-                q = nv.quantize(w, nv.global_scale_from_amax(w.abs().amax(dim=(1, 2), keepdim=True)), backend="triton")
-                weights[name] = (q.packed, q.block_scale, q.global_scale.reshape(-1))
-                del w
+            weights = moe_nvfp4_weights(dev, g)
         elif shape.startswith("d"):
             n = k = int(shape[1:])
             wq = nv.quantize(torch.randn(n, k, device=dev, generator=g) * 0.02, backend="triton")

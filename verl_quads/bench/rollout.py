@@ -881,23 +881,34 @@ def _cfg_label(cfg) -> str:
             f"k{cfg.block_k} s{cfg.split_k} w{cfg.num_warps} st{cfg.num_stages}")
 
 
+def moe_nvfp4_weights(dev: str, g: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Random routed-expert weights at Qwen3-30B-A3B width (``NUM_EXPERTS`` experts, w13 ``[E, 2I, H]``, w2
+    ``[E, H, I]``), NVFP4 with one global scale per expert: ``{"w13": (packed, block_scale, global_scale [E]),
+    "w2": (...)}`` as :func:`triton_gemm.moe_forward` takes them."""
+    from verl_quads import nvfp4 as nv
+
+    hidden, inter = SHAPES["w13"][2], SHAPES["w13"][1] // 2
+    qs = {}
+    for name, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
+        w = torch.randn(NUM_EXPERTS, n, k, device=dev, generator=g) * 0.02
+        q = nv.quantize(w, nv.global_scale_from_amax(w.abs().amax(dim=(1, 2), keepdim=True)), backend="triton")
+        qs[name] = (q.packed, q.block_scale, q.global_scale.reshape(-1))
+        del w
+    return qs
+
+
 def _profile_moe_layer(m: int, modes: tuple[str, ...], calls: int = 5) -> str:
     """Where the time of :func:`triton_gemm.moe_forward` goes at ``m`` tokens (Qwen3-30B-A3B width,
     random top-8 routing, default configs): a torch.profiler trace of ``calls`` eager calls per mode,
     the top 10 device kernels by total time (per layer call: microseconds, launches, share), with the
     block_m / GemmConfig / StreamConfig each GEMM resolves to."""
-    from verl_quads import nvfp4 as nv
+    from verl_quads.bench.profile import kernel_table
     from verl_quads.nvfp4 import triton_gemm as tg
 
     dev = DEVICE
     g = torch.Generator(device=dev).manual_seed(1)
     e, hidden, inter = NUM_EXPERTS, SHAPES["w13"][2], SHAPES["w13"][1] // 2
-    qs = {}
-    for name, (n, k) in (("w13", (2 * inter, hidden)), ("w2", (hidden, inter))):
-        w = torch.randn(e, n, k, device=dev, generator=g) * 0.02
-        q = nv.quantize(w, nv.global_scale_from_amax(w.abs().amax(dim=(1, 2), keepdim=True)), backend="triton")
-        qs[name] = (q.packed, q.block_scale, q.global_scale.reshape(-1))
-        del w
+    qs = moe_nvfp4_weights(dev, g)
     x = torch.randn(m, hidden, device=dev, generator=g).to(torch.bfloat16)
     ids = torch.rand(m, e, device=dev, generator=g).argsort(-1)[:, :TOP_K]
     sw = torch.softmax(torch.randn(m, TOP_K, device=dev, generator=g), -1)
@@ -917,26 +928,8 @@ def _profile_moe_layer(m: int, modes: tuple[str, ...], calls: int = 5) -> str:
         def fn(mode=mode):
             return tg.moe_forward(x, sw, ids, *qs["w13"], *qs["w2"], mode)
 
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-            for _ in range(calls):
-                fn()
-            torch.cuda.synchronize()
-        agg: dict = {}
-        for ev in prof.events():
-            if ev.device_type != torch.autograd.DeviceType.CUDA:
-                continue
-            us = ev.time_range.elapsed_us()
-            tot, cnt = agg.get(ev.name, (0.0, 0))
-            agg[ev.name] = (tot + us, cnt + 1)
-        if not agg:  # pragma: no cover - a profiler build without device events in events()
-            text.append(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=10))
-            continue
-        total = sum(v[0] for v in agg.values()) / calls
-        rows = [[name[:70], f"{tot / calls:.1f}", f"{cnt / calls:g}", f"{tot / calls / max(total, 1e-9):.0%}"]
-                for name, (tot, cnt) in sorted(agg.items(), key=lambda kv: -kv[1][0])[:10]]
+        total, _, kernels = kernel_table(fn, calls)
+        rows = [[name[:70], f"{us:.1f}", f"{cnt:g}", f"{us / max(total, 1e-9):.0%}"] for name, us, cnt in kernels[:10]]
         text.append(print_table(f"moe_forward {mode} M={m}: top device kernels, {total:.1f} us of kernel time per "
                                 "layer call", ["kernel", "us per call", "launches per call", "share"], rows))
     del qs
