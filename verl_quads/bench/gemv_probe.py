@@ -230,11 +230,8 @@ def probe_sass_counts(cfg: "tg.StreamConfig", stage: int, unroll: int = 1, cache
     Returns ``{"ldg": all LDG, "ldg128": 16-byte LDG (the weight words), "ldgsts": asynchronous copies,
     "loop_ldg128": 16-byte LDG in the longest backward-branch loop, "ptx_ld_global": ld.global in the PTX}``."""
     import re
-    import subprocess
-    import tempfile
 
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from verl_quads.bench.sass import compile_sm90, sass_and_loop
 
     const = probe_constexprs(cfg, stage, True, unroll, cache, evict, interpreting=False, scales=scales)
     ptrs = ["x_ptr", "w_ptr", "ws_ptr", "e_ptr", "a_ptr", "out_ptr"]
@@ -242,23 +239,9 @@ def probe_sass_counts(cfg: "tg.StreamConfig", stage: int, unroll: int = 1, cache
     sig = dict(zip(ptrs, types))
     sig.update({nm: "i32" for nm in ("N", "K", "KW", "KB", "KW_PER_SPLIT")})
     sig.update({c: "constexpr" for c in const})
-    attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(sig) if sig[nm][0] == "*" or sig[nm] == "i32"}
-    kern = triton.compile(ASTSource(fn=_gemv_probe_kernel, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kern.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    body: list[str] = []
-    for addr, text in ins:
-        hit = re.search(r"BRA.*0x([0-9a-f]+)", text)
-        if hit and int(hit.group(1), 16) < addr:
-            loop = [t for a, t in ins if int(hit.group(1), 16) <= a <= addr]
-            body = loop if len(loop) > len(body) else body
-    texts = [t for _, t in ins]
+    kern = compile_sm90(_gemv_probe_kernel, sig, const, ("N", "K", "KW", "KB", "KW_PER_SPLIT"), cfg.num_warps,
+                        cfg.num_stages)
+    texts, body = sass_and_loop(kern)
 
     def n_ldg(ts, wide=False):
         return sum(1 for t in ts if re.search(r"\bLDG\.", t) and (not wide or ".128" in t))

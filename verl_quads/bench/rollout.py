@@ -1320,15 +1320,9 @@ def stream_sass_count(cfg, grouped: bool = False) -> tuple[int, float, dict]:
     histogram). Thread-instructions per weight element is what bounds a weight-streaming kernel by
     instruction issue (H200: ~3.3e13 thread-instructions/s)."""
     import collections
-    import os
     import re
-    import subprocess
-    import tempfile
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    from verl_quads.bench.sass import compile_sm90, sass_and_loop
     from verl_quads.nvfp4 import triton_gemm as tg
 
     const = tg._stream_constexprs(cfg, grouped=grouped, tm=16 if grouped else cfg.block_m, partial=True, fixup=cfg.fixup,
@@ -1339,23 +1333,9 @@ def stream_sass_count(cfg, grouped: bool = False) -> tuple[int, float, dict]:
     sig = dict(zip(ptrs, types))
     sig.update({n: "i32" for n in ("M", "N", "K", "KW", "KB", "OUT_ROWS", "KW_PER_SPLIT", "SPLIT")})
     sig.update({c: "constexpr" for c in const})
-    aligned = ("N", "K", "KW", "KB", "KW_PER_SPLIT")
-    attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(sig) if sig[nm][0] == "*" or nm in aligned}
-    kern = triton.compile(ASTSource(fn=tg._w4a16_stream_kernel, signature=sig, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(kern.asm["cubin"])
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    ins = [(int(a, 16), t.strip()) for a, t in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    body: list[str] = []
-    for addr, text in ins:
-        hit = re.search(r"BRA.*0x([0-9a-f]+)", text)
-        if hit and int(hit.group(1), 16) < addr:
-            loop = [t for a, t in ins if int(hit.group(1), 16) <= a <= addr]
-            body = loop if len(loop) > len(body) else body
+    kern = compile_sm90(tg._w4a16_stream_kernel, sig, const, ("N", "K", "KW", "KB", "KW_PER_SPLIT"), cfg.num_warps,
+                        cfg.num_stages)
+    _, body = sass_and_loop(kern)
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
     per_thread = cfg.block_n * cfg.block_kw * 8 / (32 * cfg.num_warps)
     return len(body), len(body) / per_thread, dict(ops.most_common())
