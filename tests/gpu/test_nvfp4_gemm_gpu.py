@@ -259,6 +259,15 @@ def _moe_reference(x, sw, ids, q13, q2, mode, per_token):
     return out.to(x.dtype)
 
 
+def _qwen3_moe_weights(e, hidden, inter):
+    """Routed-expert weights (w13 ``[E, 2I, H]``, w2 ``[E, H, I]``, one global scale per expert) as moe_forward's
+    ``(packed, block_scale, global_scale [E])`` triples."""
+    q13 = em.quantize_weight(_w((e, 2 * inter, hidden)), reduce_dims=(1, 2))
+    q2 = em.quantize_weight(_w((e, hidden, inter), seed=3), reduce_dims=(1, 2))
+    return ((q13.packed, q13.block_scale, q13.global_scale.reshape(-1)),
+            (q2.packed, q2.block_scale, q2.global_scale.reshape(-1)))
+
+
 @pytest.mark.parametrize("mode, per_token, tokens", [
     ("w4a16", True, 1), ("naive", True, 1), ("quads", True, 1), ("quads", False, 1),
     ("w4a16", True, 64), ("naive", True, 64), ("quads", True, 64), ("quads", True, 1024),
@@ -269,10 +278,7 @@ def test_moe_layer_real_shape(mode, per_token, tokens):
     GEMM1 outputs that round differently can flip a GEMM2 activation code, so the bound is relative:
     max |diff| <= 2**-6 max |ref| (the fraction of bit-equal outputs is printed)."""
     e, topk, hidden, inter = 128, 8, 2048, 768
-    q13 = em.quantize_weight(_w((e, 2 * inter, hidden)), reduce_dims=(1, 2))
-    q2 = em.quantize_weight(_w((e, hidden, inter), seed=3), reduce_dims=(1, 2))
-    q13 = (q13.packed, q13.block_scale, q13.global_scale.reshape(-1))
-    q2 = (q2.packed, q2.block_scale, q2.global_scale.reshape(-1))
+    q13, q2 = _qwen3_moe_weights(e, hidden, inter)
     x = _x(tokens, hidden)
     g = torch.Generator(device=DEV).manual_seed(4)
     ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
@@ -452,10 +458,7 @@ def test_moe_forward_unrouted_slots_unset_equals_zero_filled(mode, tokens):
     the gate writes them as 0, the combine skips them): == the same steps with zero-filled GEMM outputs and no
     ids, bit for bit, at Qwen3-30B-A3B width with ~25% of the slots not local (stream and tensor-core GEMMs)."""
     e, topk, hidden, inter = 128, 8, 2048, 768
-    q13 = em.quantize_weight(_w((e, 2 * inter, hidden)), reduce_dims=(1, 2))
-    q2 = em.quantize_weight(_w((e, hidden, inter), seed=3), reduce_dims=(1, 2))
-    w13 = (q13.packed, q13.block_scale, q13.global_scale.reshape(-1))
-    w2 = (q2.packed, q2.block_scale, q2.global_scale.reshape(-1))
+    w13, w2 = _qwen3_moe_weights(e, hidden, inter)
     x = _x(tokens, hidden)
     g = torch.Generator(device=DEV).manual_seed(9)
     ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]

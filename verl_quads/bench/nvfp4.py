@@ -507,24 +507,24 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("verl-quads bench nvfp4 needs a CUDA GPU (CPU numbers are not the point)")
+
+    def shapes_or(default):
+        """--shapes as (M, K) pairs, or the mode's own default shapes when --shapes was not given."""
+        if default is not None and a.shapes == p.get_default("shapes"):
+            return list(default)
+        return [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+
     if a.channel_probe:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes != p.get_default(
-            "shapes") else list(CHANNEL_PROBE_SHAPES)
-        print(run_channel_probe(shapes, getattr(torch, a.dtype)), flush=True)
+        print(run_channel_probe(shapes_or(CHANNEL_PROBE_SHAPES), getattr(torch, a.dtype)), flush=True)
         return
     if a.channel:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes != p.get_default(
-            "shapes") else list(CHANNEL_BENCH_SHAPES)
-        print(run_channel(shapes, getattr(torch, a.dtype)), flush=True)
+        print(run_channel(shapes_or(CHANNEL_BENCH_SHAPES), getattr(torch, a.dtype)), flush=True)
         return
     if a.residual_variants:
-        shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")] if a.shapes != p.get_default(
-            "shapes") else [(8192, 8192), (4096, 2048)]
-        print(run_residual_variants(shapes, getattr(torch, a.dtype),
+        print(run_residual_variants(shapes_or([(8192, 8192), (4096, 2048)]), getattr(torch, a.dtype),
                                     variants=a.variants.split(",") if a.variants else None), flush=True)
         return
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    run(shapes, getattr(torch, a.dtype), not a.no_torch, a.sweep, a.row_sweep, sweep_new=a.sweep_new)
+    run(shapes_or(None), getattr(torch, a.dtype), not a.no_torch, a.sweep, a.row_sweep, sweep_new=a.sweep_new)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ import contextlib
 import torch
 
 from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
-from verl_quads.nvfp4.reference import global_scale_from_amax, per_row_global_scale
+from verl_quads.nvfp4.reference import global_scale_from_amax
 from verl_quads.nvfp4.residual import ChannelResidualNVFP4, num_selected_channels
 from verl_quads.nvfp4.residual import residual_quantize_channel as _ref_residual_quantize_channel
 from verl_quads.nvfp4 import triton_kernels as tk
@@ -254,16 +254,7 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
         row_gs = isinstance(am, str)  # "row": derived in the kernel (one launch)
         if not row_gs:
             global_scale = tk._gs_of_amax(x, am, ng)
-    if row_gs:  # _residual_prepare's checks without its global scale (here one per row)
-        if x.dim() != 2:
-            raise ValueError(f"residual_quantize: x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
-        tk.check_available(x)
-        tk.validate_input(x, check_finite=check_finite)
-        xc = x.contiguous()
-        w = tk.check_score_weight(score_weight, x.shape[-1], x.device, check_values=check_finite)
-        gs = per_row_global_scale(x) if x.numel() == 0 else None
-    else:
-        gs, xc, w = tk._residual_prepare(x, global_scale, score_weight, check_finite)
+    gs, xc, w = tk._residual_prepare(x, global_scale, score_weight, check_finite, row_scale=row_gs)
     m, k = x.shape
     if m == 0 or k == 0:  # nothing to launch; the reference defines the (empty) result and its shapes
         r = _ref_residual_quantize_channel(x, ratio, gs, score_weight=w, check_finite=False)

@@ -1245,10 +1245,15 @@ def _launch(kernel, grid, *args, **meta):
                  SPLIT=TILE_CONFIG["split"], **meta)
 
 
-def _prepare(x: torch.Tensor, global_scale, check_finite: bool):
+def _prepare(x: torch.Tensor, global_scale, check_finite: bool, row_scale: bool = False):
+    """Checks of x (and of ``global_scale``), x contiguous, and the global scale: ``global_scale`` itself, the
+    tensor's from its amax (None), or with ``row_scale`` None: each row's scale is derived inside the kernel
+    (``per_row_global_scale(x)`` for an empty x, where nothing launches)."""
     check_available(x)
     validate_input(x, check_finite=check_finite)
-    if global_scale is None:
+    if row_scale:
+        gs = per_row_global_scale(x) if x.numel() == 0 else None
+    elif global_scale is None:
         gs = global_scale_from_amax(x.abs().amax() if x.numel() else torch.tensor(0.0)).to(x.device)
     elif check_finite:
         gs = _check_global_scale(global_scale, x)
@@ -1493,10 +1498,10 @@ def _residual_first_pass(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ra
                 mask=mask, gs2=gs2, gs2_rows=gs2_rows, m=m, k=k, nb=nb, n_sel=n_sel)
 
 
-def _residual_prepare(x: torch.Tensor, global_scale, score_weight, check_finite: bool):
+def _residual_prepare(x: torch.Tensor, global_scale, score_weight, check_finite: bool, row_scale: bool = False):
     if x.dim() != 2:
         raise ValueError(f"residual_quantize: x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
-    gs, xc = _prepare(x, global_scale, check_finite)
+    gs, xc = _prepare(x, global_scale, check_finite, row_scale)
     return gs, xc, check_score_weight(score_weight, x.shape[-1], x.device, check_values=check_finite)
 
 
