@@ -448,8 +448,8 @@ L2_FLUSH_BYTES = 256 * 2**20  # > 2x the H200's 50 MB L2: each timed call reads 
 DECODE_SHAPES = "moe,d8192,d4096"  # most important first: a run cut by --budget-s keeps these
 
 
-def _focus_variants(rows: int, grouped: bool, current):
-    """``--focus`` (short sweep, issue #5), at most 6 per GEMM (10 with one activation row per chunk and a
+def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
+    """``--focus`` (short sweep, issue #5), at most 9 per GEMM (12 with one activation row per chunk and a
     CUDA-core entry or none: the
     roofline candidates below; meant for ``--m 1,16`` at moe,d8192 in
     one ~150 s run on the H200), in this order (a budget cut drops the last): the current DECODE_TABLE
@@ -480,7 +480,12 @@ def _focus_variants(rows: int, grouped: bool, current):
                 StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, **bs),
                 StreamConfig(block_m=1, block_n=8, block_kw=128, num_warps=2, **bs),
                 StreamConfig(block_m=1, block_n=16, block_kw=64, num_warps=2, **bs)]
-        return list(dict.fromkeys(out))[:10]
+        if grouped and tokens >= 4:
+            # session 8: decode at 16+ tokens (~1-2 slots per active expert): 2 rows per chunk, so an expert with
+            # two slots streams its weights once (the grouped tile loops over its rows in chunks of block_m)
+            out += [StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=4, **bs),
+                    StreamConfig(block_m=2, block_n=64, block_kw=32, num_warps=4, **bs)]
+        return list(dict.fromkeys(out))[:12]
     if current is not None and current.mma == 0:
         out.append(replace(current, decode="f16x2", late_scale=True))
     elif current is not None:
@@ -490,7 +495,12 @@ def _focus_variants(rows: int, grouped: bool, current):
             StreamConfig(block_m=bm, block_n=128, block_kw=16, prefetch=False, pipe=3, occ=8, **late),
             StreamConfig(block_m=bm, block_n=256 if bm == 1 else 64, block_kw=16, **late),  # bm4 n256 spills
             StreamConfig(block_m=bm, block_n=64, block_kw=32, **late)]
-    return list(dict.fromkeys(out))[:6]  # a twin may repeat one of the grid
+    # session 8: the per-block scale tile (block_scale, the M=1 entries' win) with 2/4-row chunks
+    bs = dict(late, block_scale=True)
+    out += [StreamConfig(block_m=bm, block_n=16, block_kw=128, **bs),
+            StreamConfig(block_m=bm, block_n=64, block_kw=32, **bs),
+            StreamConfig(block_m=bm, block_n=32, block_kw=64, **bs)]
+    return list(dict.fromkeys(out))[:9]  # a twin may repeat one of the grid
 
 
 def _decode_variants(rows: int, grouped: bool, tokens: int):
@@ -700,7 +710,7 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
             r_def = measure("tensor-core kernel (pick_config, before #5 decode)", default)
             first, second = _decode_variants(per, grouped, m)
             if focus:
-                first = _focus_variants(per, grouped, tg.decode_config(s_slots if grouped else m, n, k, grouped))
+                first = _focus_variants(per, grouped, tg.decode_config(s_slots if grouped else m, n, k, grouped), m)
             timed = []
             for i_cfg, cfg in enumerate(first):
                 if i_cfg and over_budget():
@@ -1356,7 +1366,7 @@ def run_sass_count(shapes: list[str], ms: list[int]) -> str:
             slots = m * TOP_K if grouped else m
             per = -(-slots // min(NUM_EXPERTS, slots)) if grouped else m
             cur = tg.decode_config(slots, n, k, grouped)
-            for cfg in _focus_variants(per, grouped, cur):
+            for cfg in _focus_variants(per, grouped, cur, m):
                 key = (cfg, grouped)
                 if key not in seen:
                     seen[key] = stream_sass_count(cfg, grouped)
