@@ -1230,16 +1230,26 @@ class StreamConfig:
 # n16 kw128 w4 bs 19.5 us (n128 kw16 34.3; = 1.79x cuBLAS 34.8 us, 46% of copy BW), MoE w13 M=1 -> n16 kw128 w4 bs
 # 12.2 us (19.2; 2.49x torch._grouped_mm), MoE w2 M=1 -> n64 kw32 w4 bs 8.49 us (9.82; 2.38x); the MoE layer at M=1
 # with them 23.7 us = 3.8x the BF16 layer (warm L2, one routing, as the main bench).
+# Session 8 (`--sweep-decode --focus --shapes moe,d8192 --m 16,4,64` and `--shapes qkv,o_proj,d4096 --m 1` at d088976,
+# H200, cold L2, every variant within the reference bound; docs/bench_rollout_h200_session8.txt): the block_scale tiling
+# at more points. MoE w13 M=4 (32 slots) n16 kw128 33.2 us (tensor-core 50.9; old stream entry 113), w2 M=4 n64 kw32
+# 19.6 (35.7); w13 M=16 (128 slots) n16 kw128 109 (tensor-core MID_TABLE tile 125), w2 M=16 n64 kw32 57.3 (old entry
+# 64.8); the MoE layer with them 59.7 us = 2.91x BF16 at M=4, 175 us = 1.97x at M=16 (warm L2). Dense M=1: d4096 n8
+# kw128 w2 8.29 us (old entry 17.1; cuBLAS 13.4), qkv 5120x2048 n16 kw128 5.96 (cuBLAS 8.14; tensor-core 13.7),
+# o_proj 2048x4096 n8 kw128 w2 6.21 (cuBLAS 9.28). (False, 4, 8192, 8192) removed: 65.7 us vs 38.2 for the
+# tensor-core kernel's pick_config (the best CUDA-core variant at M=4: 54.5).
 DECODE_TABLE: dict[tuple[bool, int, int, int], StreamConfig] = {
-    (False, 1, 4096, 4096): StreamConfig(block_m=1, block_n=256, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=True),
+    (False, 1, 2048, 4096): StreamConfig(block_m=1, block_n=8, block_kw=128, split_k=0, num_warps=2, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
+    (False, 1, 4096, 4096): StreamConfig(block_m=1, block_n=8, block_kw=128, split_k=0, num_warps=2, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
+    (False, 1, 5120, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
     (False, 1, 8192, 8192): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
     (False, 4, 4096, 4096): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
-    (False, 4, 8192, 8192): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
     (True, 8, 1536, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
     (True, 8, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=False, late_scale=True, block_scale=True),
-    (True, 32, 1536, 2048): StreamConfig(block_m=2, block_n=128, block_kw=16, split_k=2, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=True, fixup=False),
-    (True, 32, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='bits', prefetch=False, fixup=False),
-    (True, 128, 2048, 768): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
+    (True, 32, 1536, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
+    (True, 32, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
+    (True, 128, 1536, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
+    (True, 128, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
     (True, 512, 2048, 768): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
 }
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
