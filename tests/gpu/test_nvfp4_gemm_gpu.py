@@ -75,7 +75,7 @@ def test_dense_mid_table_shapes(mode, per_token, n, m):
 
 @pytest.mark.parametrize("mode, per_token", [("w4a16", False), ("naive", False), ("quads", True)])
 @pytest.mark.parametrize("gemm", ["w13", "w2"])
-@pytest.mark.parametrize("tokens", [1, 16, 64, 256, 512])
+@pytest.mark.parametrize("tokens", [1, 4, 16, 64, 256, 512])
 def test_grouped_experts_real_shapes(mode, per_token, gemm, tokens):
     """The default dispatch (MID_TABLE / DECODE_TABLE / heuristic) of one expert GEMM at Qwen3-30B-A3B width,
     routing built as moe_forward builds it (grouped_block_m: block_m 32 at 16 slots per expert)."""
@@ -272,6 +272,7 @@ def _qwen3_moe_weights(e, hidden, inter):
     ("w4a16", True, 1), ("naive", True, 1), ("quads", True, 1), ("quads", False, 1),
     ("w4a16", True, 64), ("naive", True, 64), ("quads", True, 64), ("quads", True, 1024),
     ("w4a16", True, 16), ("w4a16", True, 256), ("naive", True, 256), ("quads", True, 256),  # MID_TABLE points
+    ("w4a16", True, 4),  # DECODE_TABLE (True, 32, *) entries (session 8)
 ])
 def test_moe_layer_real_shape(mode, per_token, tokens):
     """moe_forward (two grouped launches) == the per-expert torch reference, Qwen3-30B-A3B experts.
