@@ -480,6 +480,11 @@ for pack, ct, ntp, nw in ((False, 32, 4, 1), (True, 128, 4, 4)):
     comp(tk._residual_tiled_kernel, dict(rv, FAST="constexpr") if pack else dict(rv, idx_ptr="*i32", FAST="constexpr"),
          {"NTP": ntp, "CT": ct, "HAS_W": False, "PACK": pack, "OUT": 0 if pack else 3, "GATHER": True, "RADIX": 1,
           "EARLY": True, "STAGES": None, "FAST": True}, nw)
+# the STOP timing probes of `bench nvfp4 --residual-probe` (gather QDQ launch of the 8192-wide default tile)
+for stop in (1, 2, 3):
+    comp(tk._residual_tiled_kernel, dict(rv, idx_ptr="*i32", FAST="constexpr", STOP="constexpr"),
+         {"NTP": 4, "CT": 128, "HAS_W": False, "PACK": False, "OUT": 3, "GATHER": True, "RADIX": 1, "EARLY": True,
+          "STAGES": None, "FAST": True, "STOP": stop}, 4)
 # the one-walk kernel (RESIDUAL_VARIANTS "hold-*"): packed / bf16 QDQ / fp16 QDQ with weights, early stop on and off
 h = dict(list(r.items())[:13], NBP="constexpr", HAS_W="constexpr", PACK="constexpr", OUT="constexpr", EARLY="constexpr",
          FAST="constexpr")
@@ -519,3 +524,18 @@ def test_new_kernels_compile_for_sm90_without_a_gpu():
     # accepted there and rejected by the compiler): compile the v2 / tiled / gather kernels for sm_90 with the
     # ptxas bundled with triton, in a subprocess without TRITON_INTERPRET. Compiles only; nothing runs.
     compile_for_sm90_in_subprocess(_SM90_COMPILE, "on a GPU the kernels are compiled and run by the other tests")
+
+
+def test_residual_probe_runs_and_refuses_non_gather_or_packed(tk):
+    """``bench nvfp4 --residual-probe`` (issue #2 timing probes): every phase launches (interpreter smoke run, timings
+    not checked); a STOP on the packed launch or another variant is an error, not a silent full run."""
+    from verl_quads.bench import nvfp4 as bn
+
+    table = bn.run_residual_probe(((2, 64),), ratios=(0.5,), device="cpu")
+    assert all(f"STOP {s}:" in table for s in (1, 2, 3, 0)) and "ERROR" not in table
+    x = torch.randn(2, 64)
+    gs = nv.global_scale_from_amax(x.abs().amax(-1, keepdim=True))
+    with pytest.raises(ValueError, match="STOP timing probe"):
+        tk._residual_rows(x, gs, x, 0.5, None, packed=True, stop=2)
+    with tk.residual_variant("tiled"), pytest.raises(ValueError, match="STOP timing probe"):
+        tk._residual_rows(x, gs, x, 0.5, None, packed=False, stop=2)

@@ -474,6 +474,48 @@ def run_channel_probe(shapes=CHANNEL_PROBE_SHAPES, dtype: torch.dtype = torch.bf
                                                      "+us vs previous phase"], rows)
 
 
+RESIDUAL_PROBE_SHAPES = ((8192, 8192), (4096, 2048), (32768, 2048))
+
+#: ``_residual_tiled_kernel``'s STOP timing probes (gather, QDQ launch): (STOP, what the launch does first)
+RESIDUAL_PROBE_PHASES = ((1, "walk 1: first pass (Q(x) stored), scores"), (2, "+ threshold search"),
+                         (3, "+ selection, R_sel amax, index store"), (0, "whole kernel (+ gather walk)"))
+
+
+def run_residual_probe(shapes=RESIDUAL_PROBE_SHAPES, dtype: torch.dtype = torch.bfloat16, ratios=(0.5, 0.25),
+                       device: str = "cuda") -> str:
+    """Where the default per-token block-rule residual QDQ kernel's time goes (issue #2: k = 0.5 <= 1.5x plain QDQ;
+    the ``auto`` RESIDUAL_BY_BLOCKS variant of each row length, per-row global scale, bench input as
+    ``--residual-variants``): its STOP timing probes (``RESIDUAL_PROBE_PHASES``: the launch returns after a phase,
+    storing one value per row that depends on it; NOT results, their bytes are not checked) timed like the whole
+    kernel (CUDA-graph replay), next to plain v2 QDQ of the same input. ``device`` other than "cuda": functional
+    smoke run only."""
+    from verl_quads.nvfp4 import triton_kernels as tk
+
+    tm = graph_time_s if device == "cuda" else (lambda f: median_time_s(f, 0, 1, 1))
+    rows = []
+    for m, k in shapes:
+        x, gs_row, t_qdq, _ = _outlier_rows_and_plain_times(m, k, dtype, device, tm)
+        variant = tk._auto_residual_variant(1 << max(0, (k // 16 - 1).bit_length()))  # padded 16-blocks per row
+        rows.append([f"{m}x{k}", "-", variant, "plain v2 QDQ (baseline)", t_qdq * 1e6, 1.0, "-"])
+        print(rows[-1], flush=True)
+        xc = x.contiguous()
+        for ratio in ratios:
+            prev = None
+            for stop, what in RESIDUAL_PROBE_PHASES:
+                try:
+                    with tk.residual_variant(variant):
+                        t = tm(lambda: tk._residual_rows(x, gs_row, xc, ratio, None, packed=False, stop=stop)) * 1e6
+                    rows.append([f"{m}x{k}", f"{ratio:g}", variant, f"STOP {stop}: {what}", t, t / (t_qdq * 1e6),
+                                 f"{t - prev:+.1f}" if prev is not None else "-"])
+                    prev = t
+                except Exception as e:  # a probe the device's triton does not compile: reported, not timed
+                    rows.append([f"{m}x{k}", f"{ratio:g}", variant, f"STOP {stop}: {what}", "ERROR",
+                                 f"{type(e).__name__}: {str(e)[:100]!r}", "-"])
+                print(rows[-1], flush=True)
+    return print_table(f"per-token residual QDQ kernel phases (STOP timing probes), input {dtype} ({device_name()})",
+                       ["shape", "k", "variant", "phase", "us", "x plain QDQ", "+us vs previous phase"], rows)
+
+
 def _variant_call(name: str, fn):
     from verl_quads.nvfp4 import triton_kernels as tk
 
@@ -499,6 +541,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="only time the channel-rule residual kernel (granularity='channel') vs plain QDQ and the block "
                         "rule, every CHANNEL_VARIANTS variant, bytes checked against the torch reference first (default shapes "
                         "4096x2048,8192x8192,2048x768,256x2048)")
+    p.add_argument("--residual-probe", action="store_true",
+                   help="only time the per-token block-rule residual kernel's phases (STOP timing probes, issue #2) at "
+                        "8192x8192, 4096x2048, 32768x2048 (or --shapes), k = 0.5 and 0.25")
     p.add_argument("--channel-probe", action="store_true",
                    help="only time the channel-rule kernel's phases (STOP timing probes; default shapes "
                         "1x8192,16x8192,64x8192,16x2048,1024x768,4096x2048)")
@@ -516,6 +561,9 @@ def main(argv: list[str] | None = None) -> None:
 
     if a.channel_probe:
         print(run_channel_probe(shapes_or(CHANNEL_PROBE_SHAPES), getattr(torch, a.dtype)), flush=True)
+        return
+    if a.residual_probe:
+        print(run_residual_probe(shapes_or(RESIDUAL_PROBE_SHAPES), getattr(torch, a.dtype)), flush=True)
         return
     if a.channel:
         print(run_channel(shapes_or(CHANNEL_BENCH_SHAPES), getattr(torch, a.dtype)), flush=True)

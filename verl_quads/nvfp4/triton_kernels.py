@@ -864,7 +864,7 @@ if triton is not None:
         NB, NSEL, GS_DIV,
         NTP: tl.constexpr, CT: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr,
         GATHER: tl.constexpr, RADIX: tl.constexpr = 1, STAGES: tl.constexpr = None, EARLY: tl.constexpr = False,
-        FAST: tl.constexpr = False,
+        FAST: tl.constexpr = False, STOP: tl.constexpr = 0,
     ):
         """Per-token QUADS residual compensation, one program per row of x [M, K] (NB = K / 16
         blocks) walking the row in tiles of CT blocks twice, so only a tile's data is in registers:
@@ -891,7 +891,11 @@ if triton is not None:
         once the count is exact (``_topn_threshold``). STAGES: None = plain loops; an int =
         ``tl.range(num_stages=STAGES)`` for the tile walks (software-pipelined loads). FAST: the E2M1
         magic of ``_hold_qdq_half`` and, with EARLY, the tie scan only when the stopped threshold does not
-        count exactly NSEL blocks (as ``_residual_hold_kernel``)."""
+        count exactly NSEL blocks (as ``_residual_hold_kernel``).
+
+        STOP (timing probe of ``bench nvfp4 --residual-probe`` only; GATHER QDQ launches; 0 = the kernel): return after
+        step 1 (1), the threshold search (2), or the selection and its index store (3), storing one value per row that
+        depends on the phase (``idx_ptr``'s row: NOT a result)."""
         row = tl.program_id(0).to(tl.int64)
         ci = tl.arange(0, CT)
         ti = tl.arange(0, NTP)
@@ -905,7 +909,13 @@ if triton is not None:
             ebits, ram = _tiled_first(x_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, row, t, NB, gs, inv, ebits, ram,
                                       CT, NTP, HAS_W, PACK, OUT, GATHER, FAST)
         eb = tl.reshape(ebits, (NTP * CT,))
+        if STOP == 1:
+            tl.store(idx_ptr + row * NSEL, tl.max(eb, axis=0) + tl.max(tl.reshape(ram, (NTP * CT,)), axis=0).to(tl.int32))
+            return
         th = _topn_threshold(eb, NSEL, RADIX, EARLY)
+        if STOP == 2:
+            tl.store(idx_ptr + row * NSEL, th)
+            return
         # padding: bits -1, never selected
         sel = _select_top(eb, th, NSEL, FAST, EARLY)
         amax = tl.max(tl.where(sel, tl.reshape(ram, (NTP * CT,)), 0.0), axis=0)
@@ -921,6 +931,9 @@ if triton is not None:
             tl.store(idx_ptr + row * NSEL + slot, fi, mask=sel)  # cast to idx_ptr's int64 / int32
         if PACK:
             tl.store(gs2_ptr + row, g2)
+        if STOP == 3:
+            tl.store(idx_ptr + row * NSEL, tl.sum(sel.to(tl.int32), axis=0) + g2.to(tl.int32))
+            return
         if GATHER:
             tl.debug_barrier()
             for s0 in tl.range(0, NSEL, CT, num_stages=STAGES):
@@ -1391,9 +1404,11 @@ def _fused_rows_ok(gs: torch.Tensor, m: int, nb: int) -> bool:
     return (per_row or m == 1) and m > 0 and nb > 0 and triton.next_power_of_2(nb) <= cfg["max_blocks"]
 
 
-def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: float, w, packed: bool):
+def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: float, w, packed: bool,
+                   stop: int = 0):
     """Fused per-token path (``_residual_row_kernel`` or ``_residual_tiled_kernel``, see KERNELS):
-    ResidualNVFP4 if ``packed`` else the QDQ tensor. Both kernels take the same arguments."""
+    ResidualNVFP4 if ``packed`` else the QDQ tensor. Both kernels take the same arguments. ``stop`` > 0: the
+    gather kernel's STOP timing probe (``bench nvfp4 --residual-probe``; QDQ only, the output is not a result)."""
     m, k = x.shape
     nb = k // BLOCK_SIZE
     n_sel = num_selected_blocks(k, ratio)
@@ -1424,10 +1439,15 @@ def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: f
                     enable_fp_fusion=False, num_warps=cfg["num_warps"])
         if choice == "gather" and not packed:  # selected block indices, read back by the same program
             scratch = torch.empty(m, max(n_sel, 1), dtype=torch.int32, device=dev)
+        if stop:
+            meta["STOP"] = int(stop)
     else:
         kernel = _residual_row_kernel
         meta = dict(NBP=nbp, HAS_W=w is not None, SPLIT=TILE_CONFIG["split"], enable_fp_fusion=False,
                     num_warps=_row_warps(nbp))
+    if stop and (packed or choice != "gather"):
+        raise ValueError(f"triton_kernels: the STOP timing probe runs the gather kernel's QDQ launch only (packed=False, "
+                         f"variant 'gather'); got variant {choice!r}, packed={packed}")
     if not packed:
         out = torch.empty_like(xc)
         o = _out_arg(out)
