@@ -209,8 +209,9 @@ def test_channel_residual_variants_bit_exact(variant):
     reference's bytes on the GPU: the rollout shapes (bf16 4096 x 2048, MoE-like 2048 x 768, a long row 256 x 8192)
     at k = 0.5 / 0.125 / 0 / 1, a score weight, a per-tensor scale (two launches), and scores a few ulps apart (score
     weights 1 + j * 2**-23 on R**2 = 1/16: the radix select's last digit, ties to the lower channel); decode-sized
-    launches (1 / 16 / 64 x 8192, 16 x 2048, 1 x 768: the row counts CHANNEL_CONFIG small_m_rows selects; the
-    variants named after a small-M search force it at every M)."""
+    launches (1 / 16 / 64 x 8192, 16 x 2048, 1 x 768: the row counts the compacted search (CHANNEL_CONFIG
+    compact_*) is meant for; the "compact ..." variants force it at every M, "compact fallback" takes its full-row
+    continuation on nearly every row)."""
     with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
         x = _x(4096, 2048, torch.bfloat16, seed=11)
         for ratio in (0.5, 0.125, 0.0, 1.0):

@@ -349,6 +349,54 @@ def test_triton_channel_kernel_edge_cases_and_ulp_apart_scores():
     _same_channel_result(x[1:2], 0.25, nv.per_row_global_scale(x[1:2]))
 
 
+@_needs_interp
+@pytest.mark.parametrize("bits, cap", [(10, 64), (2, 16)])
+def test_triton_channel_compacted_search_matches_reference(bits, cap):
+    """The compacted threshold search (``CHANNEL_CONFIG`` compact_*: ``bits`` full-row steps, then the candidates in a
+    ``cap``-entry tile; forced here at K >= 16) gives the reference's bytes. (10, 64): the tile (hand ties cut inside
+    it, scores a few ulps apart: the last bits, an early stop inside it) and the full-row continuation (an all-zero
+    row: every score is a candidate), a per-tensor scale (two launches); (2, 16): the continuation on nearly every
+    row, ratios 0 / 1, a score weight with zeros. amax='row' too (K <= 256)."""
+    from verl_quads.nvfp4 import triton_channel as tc
+
+    with tc.channel_config(compact_max_rows=1 << 30, compact_min_k=16, compact_bits=bits, compact_cap=cap):
+        xh = _HAND_X.to(_DEV)
+        assert _same_channel_result(xh, 3 / 32, nv.per_row_global_scale(xh)).channel_idx.tolist() == [[1, 2, 17]]
+        if bits == 10:
+            # torch replay of the search on these rows (k = 0.25): row 0 (all zero) has 256 candidates (the
+            # continuation), row 1 ends in the tile with ties (14 candidates), row 2 stops early in the tile
+            x = _rows(3, 256, torch.bfloat16, seed=3)
+            _same_channel_result(x, 0.25, nv.per_row_global_scale(x))
+            _same_channel_result(x, 0.5, nv.global_scale_from_amax(x.float().abs().amax()))
+            xl, wl = _low_bit_ties()
+            t = _same_channel_result(xl, 0.3, nv.per_row_global_scale(xl), score_weight=wl)
+            assert t.channel_idx.tolist() == [sorted([c for c in range(64) if c % 8 >= 6] + [5, 13, 21])] * 3
+        else:
+            x = _rows(2, 16, torch.bfloat16, seed=16)
+            for ratio in (0.0, 0.5, 1.0):
+                _same_channel_result(x, ratio, nv.per_row_global_scale(x))
+            x = _rows(2, 96, torch.float16, seed=7)
+            w = torch.rand(96).to(_DEV)
+            w[::3] = 0.0
+            _same_channel_result(x, 0.4, nv.per_row_global_scale(x), score_weight=w)
+
+
+def test_triton_channel_compact_dispatch():
+    """CHANNEL_CONFIG chooses the compacted search per launch: rows <= compact_max_rows and K >= compact_min_k;
+    its tile is a power of two no longer than the padded row; a bad bit count is refused, naming the key."""
+    from verl_quads.nvfp4 import triton_channel as tc
+
+    with tc.channel_config(compact_max_rows=64, compact_min_k=1024, compact_bits=10, compact_cap=1000):
+        assert tc._compact_args(64, 8192, 512) == (10, 1024)
+        assert tc._compact_args(65, 8192, 512) is None and tc._compact_args(16, 768, 64) is None
+        assert tc._compact_args(1, 1024, 64) == (10, 1024)
+    with tc.channel_config(compact_max_rows=64, compact_min_k=16, compact_cap=4096):
+        assert tc._compact_args(2, 48, 4) == (10, 64)  # 4 padded blocks: 64 channels
+    with tc.channel_config(compact_max_rows=64, compact_bits=31):
+        with pytest.raises(ValueError, match=r"CHANNEL_CONFIG\['compact_bits'\] must be in \[1, 30\], got 31"):
+            tc._compact_args(1, 8192, 512)
+
+
 from verl_quads.nvfp4 import triton_channel as _tc  # noqa: E402
 
 if _tc.triton is not None:
@@ -434,22 +482,31 @@ from verl_quads.nvfp4 import triton_channel as tc
 sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16", "packed1_ptr": "*i64",
        "scale1_ptr": "*u8", "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
-       "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr", "STOP": "constexpr"}
-for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop in (
-        ("*bf16", "*i16", False, 3, 0, False, 128, 4, 64, False, 0),
-        ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64, False, 0),
-        ("*fp16", "*fp16", False, 2, 1, True, 1, 1, None, False, 0),
-        ("*fp32", "*fp32", False, 0, 2, False, 64, 2, 64, False, 0),
-        ("*bf16", "*i64", True, 0, 0, False, 64, 2, None, False, 0),
-        ("*bf16", "*i16", False, 3, 0, False, 512, 16, 64, True, 0),
-        ("*bf16", "*i64", True, 0, 0, False, 128, 4, None, True, 0),
-        ("*bf16", "*i16", False, 3, 0, False, 512, 16, 64, False, 3)):  # a timing probe (bench --channel-probe)
+       "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr", "STOP": "constexpr", "scr_ptr": "*i32",
+       "COMPACT": "constexpr", "CAP": "constexpr"}
+# the last fields: (COMPACT bits, CAP) of the compacted search (0, 1: the full-row search)
+for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in (
+        ("*bf16", "*i16", False, 3, 0, False, 128, 4, 64, False, 0, 0, 1),
+        ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64, False, 0, 0, 1),
+        ("*fp16", "*fp16", False, 2, 1, True, 1, 1, None, False, 0, 0, 1),
+        ("*fp32", "*fp32", False, 0, 2, False, 64, 2, 64, False, 0, 0, 1),
+        ("*bf16", "*i64", True, 0, 0, False, 64, 2, None, False, 0, 0, 1),
+        ("*bf16", "*i16", False, 3, 0, False, 512, 16, 64, True, 0, 0, 1),
+        ("*bf16", "*i64", True, 0, 0, False, 128, 4, None, True, 0, 0, 1),
+        ("*bf16", "*i16", False, 3, 0, False, 512, 16, 64, False, 3, 0, 1),  # a timing probe (bench --channel-probe)
+        ("*bf16", "*i16", False, 3, 0, False, 512, 16, None, True, 0, 10, 1024),  # the compacted search (decode)
+        ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64, True, 0, 8, 1024),
+        ("*fp32", "*fp32", False, 0, 2, False, 128, 4, None, False, 0, 12, 512),
+        ("*bf16", "*i16", False, 3, 0, False, 512, 16, None, True, 2, 10, 1024)):
     s = dict(sig, x_ptr=xt, out_ptr=ot)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
-        "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "ROW_GS": row_gs, "STOP": stop}),
+        "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "ROW_GS": row_gs, "STOP": stop,
+        "COMPACT": comp, "CAP": cap}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
+    # the compacted search's tile round trip: scratch stores, a barrier, scratch loads
+    assert not comp or ("bar.sync" in k.asm["ptx"] and "st.global.b32" in k.asm["ptx"]), (comp, cap)
     # values and codes carry signs by OR-ing bits: a float negation would be 0.0 - v under triton 3.6 (+0.0 for -0.0)
     neg = re.findall(r"fneg|fsub (?:<\d+ x )?float>? (?:zeroinitializer|-?0\.000000e\+00)", k.asm["llir"])
     assert not neg, (xt, pack, maxnreg, neg[:3])

@@ -331,7 +331,8 @@ CHANNEL_BENCH_SHAPES = ((4096, 2048), (8192, 8192), (2048, 768), (256, 2048))
 
 #: (variant of ``triton_channel.CHANNEL_VARIANTS``, elems_per_thread) timed at k = 0.5; at the other ratios only
 #: ``CHANNEL_OTHER_RATIOS``.
-CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16))
+CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16), ("full", 16), ("compact", 16), ("compact b8", 16),
+                         ("compact b12", 16), ("compact cap64", 16))
 CHANNEL_OTHER_RATIOS = (("default", 16),)
 
 
@@ -390,15 +391,18 @@ def run_channel(shapes: list[tuple[int, int]] = CHANNEL_BENCH_SHAPES, dtype: tor
                                      f"{type(e).__name__}: {str(e)[:120]!r}", "-", "-", "no"])
                 print(rows[-1], flush=True)
             if ratio == 0.5:  # the rollout's call: per-token scale by torch's ops first, or derived in the kernel
-                for label, qdq in (
+                row_qdq = lambda: nv.residual_fake_quantize(x, ratio, amax="row", granularity="channel",
+                                                            backend="triton", check_finite=False)
+                for label, qdq, variant in (
                         ("channel default, per_row_global_scale + kernel",
                          lambda: nv.residual_fake_quantize(x, ratio, nv.per_row_global_scale(x), granularity="channel",
-                                                           backend="triton", check_finite=False)),
-                        ("channel default, amax='row' (scale in kernel)",
-                         lambda: nv.residual_fake_quantize(x, ratio, amax="row", granularity="channel",
-                                                           backend="triton", check_finite=False))):
-                    ok = torch.equal(qdq().view(torch.uint8), ref_qdq.view(torch.uint8))
-                    t = tm(qdq) if ok else None
+                                                           backend="triton", check_finite=False), "default"),
+                        ("channel default, amax='row' (scale in kernel)", row_qdq, "default"),
+                        ("channel full, amax='row' (scale in kernel)", row_qdq, "full"),
+                        ("channel compact, amax='row' (scale in kernel)", row_qdq, "compact")):
+                    with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
+                        ok = torch.equal(qdq().view(torch.uint8), ref_qdq.view(torch.uint8))
+                        t = tm(qdq) if ok else None
                     rows.append([f"{m}x{k}", f"{ratio:g}", label, tc._warps(tc._check_row(k)),
                                  t * 1e6 if ok else "MISMATCH", f"{t / t_qdq:.2f}x" if ok else "-", "-", "-",
                                  "yes" if ok else "no"])
@@ -439,38 +443,81 @@ def _bits_search_steps(x: torch.Tensor, ratio: float, gs: torch.Tensor) -> torch
     return steps
 
 
+def _compact_search_stats(x: torch.Tensor, ratio: float, gs: torch.Tensor, bits: int, cap: int) -> str:
+    """How the compacted search (``triton_channel._compact_threshold`` with ``bits`` full-row steps and a ``cap``-entry
+    tile) goes on the rows of ``x``, replayed in torch on the reference's scores R**2: "rows early / tile /
+    continuation, candidates max / mean over the tile rows, steps over the tile max"."""
+    from verl_quads.nvfp4.residual import num_selected_channels
+
+    r = x.float() - nv.dequantize(nv.quantize(x, gs, backend="torch", check_finite=False), torch.float32,
+                                  backend="torch")
+    eb = (r * r).view(torch.int32).long()
+    n = num_selected_channels(x.shape[-1], ratio)
+    m = x.shape[0]
+    th = torch.zeros(m, 1, dtype=torch.int64, device=x.device)
+    cnt = torch.full((m, 1), x.shape[-1], dtype=torch.int64, device=x.device)
+    for k in range(bits):
+        cand = th | (1 << (30 - k))
+        c = (eb >= cand).sum(-1, keepdim=True)
+        take = (cnt != n) & (c >= n)
+        th, cnt = torch.where(take, cand, th), torch.where(take, c, cnt)
+    early = cnt[:, 0] == n
+    ncand = ((eb >> (31 - bits)) == (th >> (31 - bits))).sum(-1)
+    tile = ~early & (ncand <= cap)
+    steps = torch.zeros(m, dtype=torch.int64, device=x.device)
+    for k in range(bits, 31):
+        live = cnt[:, 0] != n
+        steps += (live & tile).long()
+        cand = th | (1 << (30 - k))
+        c = (eb >= cand).sum(-1, keepdim=True)
+        take = live[:, None] & (c >= n)
+        th, cnt = torch.where(take, cand, th), torch.where(take, c, cnt)
+    nc = ncand[tile].float()
+    return (f"{int(early.sum())}/{int(tile.sum())}/{int((~early & ~tile).sum())} rows, cands "
+            f"{int(nc.max()) if nc.numel() else 0}/{float(nc.mean()) if nc.numel() else 0:.0f}, tile steps "
+            f"{int(steps.max())}")
+
+
 def run_channel_probe(shapes=CHANNEL_PROBE_SHAPES, dtype: torch.dtype = torch.bfloat16, ratios=(0.5, 1.0),
-                      device: str = "cuda") -> str:
+                      device: str = "cuda", variants: tuple[str, ...] = ("default",)) -> str:
     """Where the channel kernel's time goes (QDQ launch, per-row global scale, bench input as ``--channel``): the
     kernel's STOP timing probes (``CHANNEL_PROBE_PHASES``: the launch returns after a phase, storing one row that
     depends on it; NOT results: their bytes are not checked) timed like the whole kernel (CUDA-graph replay), with
     the rows' search length (``_bits_search_steps``: max / mean over rows; the launch waits for its slowest row).
     k = 1 selects every channel, so its search takes 0 steps: the k = 0.5 minus k = 1 difference at STOP 2 is the
-    search chain. ``device`` other than "cuda": functional smoke run only."""
+    search chain. ``variants``: ``CHANNEL_VARIANTS`` names, each probed (a compacted-search variant's search column:
+    ``_compact_search_stats``). ``device`` other than "cuda": functional smoke run only."""
     from verl_quads.nvfp4 import triton_channel as tc
 
     tm = graph_time_s if device == "cuda" else (lambda f: median_time_s(f, 0, 1, 1))
     rows = []
     for m, k in shapes:
         x, gs_row, t_qdq, _ = _outlier_rows_and_plain_times(m, k, dtype, device, tm)
-        rows.append([f"{m}x{k}", "-", "plain v2 QDQ (baseline)", "-", t_qdq * 1e6, "-"])
+        rows.append([f"{m}x{k}", "-", "-", "plain v2 QDQ (baseline)", "-", t_qdq * 1e6, "-"])
         print(rows[-1], flush=True)
         for ratio in ratios:
             st = _bits_search_steps(x, ratio, gs_row)
-            steps = f"{int(st.max())} / {float(st.float().mean()):.1f}"
-            prev = None
-            for stop, what in CHANNEL_PROBE_PHASES:
-                try:
-                    t = tm(lambda: tc._run(x, ratio, gs_row, None, None, False, packed=False, stop=stop)) * 1e6
-                    rows.append([f"{m}x{k}", f"{ratio:g}", f"STOP {stop}: {what}", steps, t,
-                                 f"{t - prev:+.2f}" if prev is not None else "-"])
-                    prev = t
-                except Exception as e:  # a probe the device's triton does not compile: reported, not timed
-                    rows.append([f"{m}x{k}", f"{ratio:g}", f"STOP {stop}: {what}", steps, "ERROR",
-                                 f"{type(e).__name__}: {str(e)[:100]!r}"])
-                print(rows[-1], flush=True)
+            for variant in variants:
+                with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
+                    comp = tc._compact_args(m, k, tc._check_row(k))
+                    if comp is None:
+                        steps = f"{int(st.max())} / {float(st.float().mean()):.1f}"
+                    else:
+                        steps = _compact_search_stats(x, ratio, gs_row, *comp)
+                    prev = None
+                    for stop, what in CHANNEL_PROBE_PHASES:
+                        try:
+                            t = tm(lambda: tc._run(x, ratio, gs_row, None, None, False, packed=False, stop=stop)) * 1e6
+                            rows.append([f"{m}x{k}", f"{ratio:g}", variant, f"STOP {stop}: {what}", steps, t,
+                                         f"{t - prev:+.2f}" if prev is not None else "-"])
+                            prev = t
+                        except Exception as e:  # a probe the device's triton does not compile: reported, not timed
+                            rows.append([f"{m}x{k}", f"{ratio:g}", variant, f"STOP {stop}: {what}", steps, "ERROR",
+                                         f"{type(e).__name__}: {str(e)[:100]!r}"])
+                        print(rows[-1], flush=True)
     return print_table(f"channel-rule kernel phases (STOP timing probes, QDQ launch, per-row global scale), input "
-                       f"{dtype} ({device_name()})", ["shape", "k", "phase", "search steps max / mean", "us",
+                       f"{dtype} ({device_name()})", ["shape", "k", "variant", "phase",
+                                                     "search steps max / mean (compact: early/tile/cont rows)", "us",
                                                      "+us vs previous phase"], rows)
 
 
@@ -547,6 +594,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--channel-probe", action="store_true",
                    help="only time the channel-rule kernel's phases (STOP timing probes; default shapes "
                         "1x8192,16x8192,64x8192,16x2048,1024x768,4096x2048)")
+    p.add_argument("--channel-ratios", default=None,
+                   help="with --channel: comma-separated ratios (default 0.5,0.25)")
+    p.add_argument("--channel-variants", default=None,
+                   help="with --channel: comma-separated CHANNEL_VARIANTS names timed at k = 0.5 (default: "
+                        "CHANNEL_BENCH_CONFIGS); with --channel-probe: the variants probed (default: default)")
     p.add_argument("--variants", default=None,
                    help="with --residual-variants: comma-separated RESIDUAL_VARIANTS names to time (default: all)")
     a = p.parse_args(argv)
@@ -559,14 +611,18 @@ def main(argv: list[str] | None = None) -> None:
             return list(default)
         return [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
 
+    cvars = tuple(a.channel_variants.split(",")) if a.channel_variants else None
     if a.channel_probe:
-        print(run_channel_probe(shapes_or(CHANNEL_PROBE_SHAPES), getattr(torch, a.dtype)), flush=True)
+        print(run_channel_probe(shapes_or(CHANNEL_PROBE_SHAPES), getattr(torch, a.dtype),
+                                variants=cvars or ("default",)), flush=True)
         return
     if a.residual_probe:
         print(run_residual_probe(shapes_or(RESIDUAL_PROBE_SHAPES), getattr(torch, a.dtype)), flush=True)
         return
     if a.channel:
-        print(run_channel(shapes_or(CHANNEL_BENCH_SHAPES), getattr(torch, a.dtype)), flush=True)
+        ratios = tuple(float(r) for r in a.channel_ratios.split(",")) if a.channel_ratios else (0.5, 0.25)
+        print(run_channel(shapes_or(CHANNEL_BENCH_SHAPES), getattr(torch, a.dtype), ratios=ratios,
+                          configs=tuple((v, 16) for v in cvars) if cvars else CHANNEL_BENCH_CONFIGS), flush=True)
         return
     if a.residual_variants:
         print(run_residual_variants(shapes_or([(8192, 8192), (4096, 2048)]), getattr(torch, a.dtype),

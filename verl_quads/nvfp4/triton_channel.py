@@ -15,7 +15,11 @@ words and QDQ stay in the thread:
    (MSB-first over the 31 value bits, one full-row count per bit, stopped once the count is exact). When exactly
    NSEL scores are >= the threshold they are the selection; else ties at the threshold T go to the lowest channel
    indices, ranked in channel order by ``_half_ranks`` (per-thread counts + one cumulative sum over the NBP blocks)
-   -- the reference's stable descending sort, without a sort;
+   -- the reference's stable descending sort, without a sort. Decode launches (``CHANNEL_CONFIG`` compact_*, session
+   8) may take ``_compact_threshold`` instead: ``compact_bits`` full-row steps, then the row's candidates (scores
+   sharing the accepted prefix; at most ``compact_cap``, else the full-row search continues) copied in channel
+   order to a scratch row and read back as one short tile, which takes the remaining bits and the tie cut (the
+   channel of the need-th tie) -- same selection;
 3. ``R_sel`` = R on the selected channels, ``+0.0`` elsewhere; its row amax gives the second-pass global scale
    (``_gs_from_amax`` = :func:`~verl_quads.nvfp4.global_scale_from_amax` bit for bit) when the first pass's is per
    row (``[M, 1]``) or M == 1; with a per-tensor first-pass scale and M > 1 the amax is over the whole tensor:
@@ -65,16 +69,34 @@ tl = tk.tl
 #: holds a whole SM's register file and one row is in flight per SM; at 64 it spills 24 B (QDQ) / ~220 B (packed).
 #: QDQ capped at 64: 640 vs 863 us at 8192x8192, 65.4 vs 68.1 at 4096x2048, equal at 2048x768 and 256x2048; packed
 #: capped at 64: 1010 vs 1160 us at 8192x8192 (16 warps) but slower with 1-4 warps (28.4 vs 24.7 us at 2048x768).
+#: Compacted threshold search (``compact_*``, session 8, issue #5: decode rows): launches of at most
+#: ``compact_max_rows`` rows with at least ``compact_min_k`` channels run ``_compact_threshold`` instead of the 31-step
+#: full-row ``_bits_threshold``: ``compact_bits`` MSB-first steps over the full row, then the row's candidates (scores
+#: whose top ``compact_bits`` bits equal the accepted prefix, in channel order, at most ``compact_cap``) are copied
+#: to a scratch row and the remaining bits and the tie ranks are searched over that short tile only (a row with
+#: more candidates continues over the full row: same bytes, old speed). 0 rows = off. ``compact_maxnreg``: the register
+#: cap of those launches (None: uncapped; sm_90 then gives 128 registers to a 16-warp program, spills outside the
+#: search loops; with a decode launch's few rows one program per SM is in flight anyway).
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
-                  "pack_maxnreg_min_warps": 16}
+                  "pack_maxnreg_min_warps": 16, "compact_max_rows": 0, "compact_min_k": 1024, "compact_bits": 10,
+                  "compact_cap": 1024, "compact_maxnreg": None}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
 #: session 7 and removed (H200, docs/bench_nvfp4_h200_channel_s7.txt): 32 warps per row, 8 warps per row, and three
 #: other threshold searches (2 / 3 bits per step by a histogram of 16-bit fields in int64 words, and a search that
 #: tracks min / max bounds of the candidates to skip bits and stop at one value): none was >= 10% faster at
-#: 1-64 x 8192 or 16 x 2048, most were slower (up to 1.5x).
-CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnreg": None}}
+#: 1-64 x 8192 or 16 x 2048, most were slower (up to 1.5x). Session 8: the compacted search (``compact_*`` above) at
+#: every M, with 8 / 10 / 12 full-row bits, with the 64-register cap, and "compact fallback" (2 bits, 16-entry tile:
+#: nearly every row takes the full-row continuation; for the bytes tests, not a speed candidate); "full" = the
+#: 31-step full-row search at every M.
+CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnreg": None},
+                    "compact": {"compact_max_rows": 1 << 30}, "full": {"compact_max_rows": 0},
+                    "compact b8": {"compact_max_rows": 1 << 30, "compact_bits": 8},
+                    "compact b12": {"compact_max_rows": 1 << 30, "compact_bits": 12, "compact_cap": 512},
+                    "compact cap64": {"compact_max_rows": 1 << 30, "compact_maxnreg": 64},
+                    "compact fallback": {"compact_max_rows": 1 << 30, "compact_min_k": 16, "compact_bits": 2,
+                                         "compact_cap": 16}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -96,11 +118,100 @@ if triton is not None:
         return before[:, None] + tl.cumsum(q0, axis=1), (before + n0)[:, None] + tl.cumsum(q1, axis=1)
 
     @triton.jit
+    def _below(e, cand):
+        """1 where e < cand else 0 (int32), for e in [-1, 2**31) and cand in [1, 2**31): the sign bit of e - cand."""
+        return ((e - cand).to(tl.uint32, bitcast=True) >> 31).to(tl.int32, bitcast=True)
+
+    @triton.jit
+    def _count_ge(e0, e1, cand, NBP: tl.constexpr):
+        """#(entries >= cand) of the score bits e0, e1 (int32 [NBP, 8], real entries in [0, 2**31), padding -1;
+        cand in [1, 2**31)): e - cand cannot overflow and its sign bit (1 where e < cand, a logical shift) is summed
+        per thread first, then over the row (sm_90: a subtract and a shift-accumulate per entry; a sum of compare
+        flags compiles to predicate bits + popc, ~5 instructions per entry)."""
+        return NBP * 16 - tl.sum(tl.sum(_below(e0, cand) + _below(e1, cand), axis=1), axis=0)
+
+    @triton.jit
+    def _compact_threshold(e0, e1, c, NSEL, NVALID, scr, NBP: tl.constexpr, J: tl.constexpr, CAP: tl.constexpr):
+        """Threshold of the row's NSEL highest scores and its tie cut: returns (th, cstar) int32 scalars such that
+        the selection is ``e > th | (e == th & channel <= cstar)`` -- the NSEL highest scores, ties to the lower
+        channels (the reference's stable descending sort), the same set as ``_bits_threshold`` + ``_half_ranks``.
+
+        e0, e1: int32 [NBP, 8] score bits (``_load_halves`` layout: channel 16 b + j / 16 b + 8 + j of block b = c[b]),
+        padding -1; scr: this row's int32 scratch, 2 * CAP entries (candidate scores, then their channels).
+        1. MSB-first bitwise steps over the full row for bits 30 .. 31 - J (stop once #(e >= th) == NSEL: then every
+           entry >= th is selected, cstar = 2**31 - 1);
+        2. the candidates (entries whose top J bits equal th's: the threshold lies among them; #(above) = the count
+           of th minus theirs) in channel order (``_half_ranks`` of their flags) are stored to scr, and after a
+           barrier read back as one [CAP] tile (padding -1); the remaining 31 - J bits are searched over the tile
+           (counts: above + the tile's), with the same early stop;
+        3. ties at the final T (count > NSEL): need = NSEL - #(> T); the tile's cumulative count of entries == T
+           (channel order) gives cstar = the channel of the need-th tie.
+        More than CAP candidates: steps 2-3 over the full row instead (the full-row ranks of ``_half_ranks``)."""
+        th = tl.full((), 0, tl.int32)
+        cnt = th + NVALID
+        k = th
+        while (k < J) & (cnt != NSEL):
+            cand = th | (1 << (30 - k))
+            n = _count_ge(e0, e1, cand, NBP)
+            take = n >= NSEL
+            th = tl.where(take, cand, th)
+            cnt = tl.where(take, n, cnt)
+            k += 1
+        cstar = th * 0 + 0x7FFFFFFF
+        if cnt != NSEL:
+            f0 = ((e0 >> (31 - J)) == (th >> (31 - J))).to(tl.int32)  # padding -1 >> s = -1 never equals th's
+            f1 = ((e1 >> (31 - J)) == (th >> (31 - J))).to(tl.int32)
+            ncand = tl.sum(tl.sum(f0, axis=1) + tl.sum(f1, axis=1), axis=0)
+            ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
+            ch1 = ch0 + 8
+            if ncand <= CAP:
+                p0, p1 = _half_ranks(f0, f1)
+                tl.store(scr + p0 - 1, e0, mask=f0 != 0)
+                tl.store(scr + p1 - 1, e1, mask=f1 != 0)
+                tl.store(scr + CAP + p0 - 1, ch0, mask=f0 != 0)
+                tl.store(scr + CAP + p1 - 1, ch1, mask=f1 != 0)
+                tl.debug_barrier()  # the row's stores are visible to the whole program
+                i = tl.arange(0, CAP)
+                tv = tl.load(scr + i, mask=i < ncand, other=-1)
+                tch = tl.load(scr + CAP + i, mask=i < ncand, other=0)
+                above = cnt - ncand
+                while (k < 31) & (cnt != NSEL):
+                    cand = th | (1 << (30 - k))
+                    n = above + CAP - tl.sum(_below(tv, cand), axis=0)
+                    take = n >= NSEL
+                    th = tl.where(take, cand, th)
+                    cnt = tl.where(take, n, cnt)
+                    k += 1
+                if cnt != NSEL:
+                    tie = tv == th
+                    need = NSEL - above - tl.sum((tv > th).to(tl.int32), axis=0)
+                    rk = tl.cumsum(tie.to(tl.int32), axis=0)
+                    cstar = tl.max(tl.where(tie & (rk <= need), tch, -1), axis=0)
+            else:
+                while (k < 31) & (cnt != NSEL):
+                    cand = th | (1 << (30 - k))
+                    n = _count_ge(e0, e1, cand, NBP)
+                    take = n >= NSEL
+                    th = tl.where(take, cand, th)
+                    cnt = tl.where(take, n, cnt)
+                    k += 1
+                if cnt != NSEL:
+                    eq0 = e0 == th
+                    eq1 = e1 == th
+                    need = NSEL - tl.sum(tl.sum((e0 > th).to(tl.int32), axis=1) + tl.sum((e1 > th).to(tl.int32), axis=1),
+                                         axis=0)
+                    q0, q1 = _half_ranks(eq0.to(tl.int32), eq1.to(tl.int32))
+                    cstar = tl.maximum(tl.max(tl.max(tl.where(eq0 & (q0 <= need), ch0, -1), axis=1), axis=0),
+                                       tl.max(tl.max(tl.where(eq1 & (q1 <= need), ch1, -1), axis=1), axis=0))
+        return th, cstar
+
+    @triton.jit
     def _channel_row_kernel(
         x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
-        ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0,
+        ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0, scr_ptr=None, COMPACT: tl.constexpr = 0,
+        CAP: tl.constexpr = 1,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -117,7 +228,9 @@ if triton is not None:
         STOP (timing probe for ``bench nvfp4 --channel-probe`` only; QDQ launches; 0 = the kernel): return after a
         phase, storing one full row that depends on it (its bytes mean nothing): 1 = load + first pass (out =
         deq(Q(x))), 2 = + threshold search (out = deq(Q(x)) where the score >= th, else 0), 3 = + selection with the
-        tie ranks and R_sel's amax (out = deq(Q(x)) where selected, else amax)."""
+        tie ranks and R_sel's amax (out = deq(Q(x)) where selected, else amax).
+        COMPACT = J > 0: the selection by ``_compact_threshold`` (J full-row bits, then a [CAP] candidate tile in
+        scr_ptr: int32 [M, 2 * CAP] scratch, row r's at r * 2 * CAP); 0: ``_bits_threshold`` + ``_half_ranks``."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
         cmask = c < NB
@@ -151,21 +264,30 @@ if triton is not None:
         m2 = cmask[:, None]
         e0 = tl.where(m2, s0.to(tl.int32, bitcast=True), -1)  # padding: never selected
         e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
-        eb = tl.reshape(tl.join(e0, e1), (NBP * 16,))  # every channel once (not in channel order)
-        th, cnt = _bits_threshold(eb, NSEL, NB * 16)
-        if STOP == 2:
-            _store_halves(out_ptr, b, tl.where(e0 >= th, v0, 0.0), tl.where(e1 >= th, v1, 0.0), cmask, OUT)
-            return
-        if cnt == NSEL:
-            sel0 = e0 >= th
-            sel1 = e1 >= th
+        if COMPACT > 0:
+            th, cstar = _compact_threshold(e0, e1, c, NSEL, NB * 16, scr_ptr + row * (2 * CAP), NBP, COMPACT, CAP)
+            if STOP == 2:
+                _store_halves(out_ptr, b, tl.where(e0 >= th, v0, 0.0), tl.where(e1 >= th, v1, 0.0), cmask, OUT)
+                return
+            ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
+            sel0 = (e0 > th) | ((e0 == th) & (ch0 <= cstar))
+            sel1 = (e1 > th) | ((e1 == th) & (ch0 + 8 <= cstar))
         else:
-            eq0 = e0 == th
-            eq1 = e1 == th
-            need = NSEL - tl.sum((eb > th).to(tl.int32), axis=0)
-            k0, k1 = _half_ranks(eq0.to(tl.int32), eq1.to(tl.int32))
-            sel0 = (e0 > th) | (eq0 & (k0 <= need))
-            sel1 = (e1 > th) | (eq1 & (k1 <= need))
+            eb = tl.reshape(tl.join(e0, e1), (NBP * 16,))  # every channel once (not in channel order)
+            th, cnt = _bits_threshold(eb, NSEL, NB * 16)
+            if STOP == 2:
+                _store_halves(out_ptr, b, tl.where(e0 >= th, v0, 0.0), tl.where(e1 >= th, v1, 0.0), cmask, OUT)
+                return
+            if cnt == NSEL:
+                sel0 = e0 >= th
+                sel1 = e1 >= th
+            else:
+                eq0 = e0 == th
+                eq1 = e1 == th
+                need = NSEL - tl.sum((eb > th).to(tl.int32), axis=0)
+                k0, k1 = _half_ranks(eq0.to(tl.int32), eq1.to(tl.int32))
+                sel0 = (e0 > th) | (eq0 & (k0 <= need))
+                sel1 = (e1 > th) | (eq1 & (k1 <= need))
         rs0 = tl.where(sel0, r0, 0.0)
         rs1 = tl.where(sel1, r1, 0.0)
         ra = tl.maximum(tl.max(tl.abs(rs0), axis=1), tl.max(tl.abs(rs1), axis=1))
@@ -215,10 +337,12 @@ def channel_config(**overrides):
         CHANNEL_CONFIG.update(old)
 
 
-def _maxnreg(packed: bool, num_warps: int) -> int | None:
-    """The register cap of a launch (``CHANNEL_CONFIG``): qdq_maxnreg, or pack_maxnreg from pack_maxnreg_min_warps
-    warps on; None = uncapped."""
-    if not packed:
+def _maxnreg(packed: bool, num_warps: int, compact: bool = False) -> int | None:
+    """The register cap of a launch (``CHANNEL_CONFIG``): compact_maxnreg for the compacted search, else
+    qdq_maxnreg, or pack_maxnreg from pack_maxnreg_min_warps warps on; None = uncapped."""
+    if compact:
+        cap = CHANNEL_CONFIG["compact_maxnreg"]
+    elif not packed:
         cap = CHANNEL_CONFIG["qdq_maxnreg"]
     else:
         cap = CHANNEL_CONFIG["pack_maxnreg"] if num_warps >= CHANNEL_CONFIG["pack_maxnreg_min_warps"] else None
@@ -238,6 +362,18 @@ def _check_row(k: int) -> int:
             f"{nbp * BLOCK_SIZE}) exceeds CHANNEL_CONFIG['max_k'] = {CHANNEL_CONFIG['max_k']}; use backend='torch'"
         )
     return nbp
+
+
+def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int] | None:
+    """(COMPACT bits J, CAP) of the compacted search for a launch of ``m`` rows of ``k`` channels (``CHANNEL_CONFIG``
+    compact_*), or None for the full-row search. J in [1, 30]; CAP a power of two <= the padded row."""
+    c = CHANNEL_CONFIG
+    if m > c["compact_max_rows"] or k < c["compact_min_k"]:
+        return None
+    bits = int(c["compact_bits"])
+    if not 1 <= bits <= 30:
+        raise ValueError(f"CHANNEL_CONFIG['compact_bits'] must be in [1, 30], got {bits}")
+    return bits, int(min(tk._pow2(max(1, int(c["compact_cap"]))), nbp * BLOCK_SIZE))
 
 
 def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_finite: bool, packed: bool,
@@ -270,13 +406,17 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
     wt = w if w is not None else g1
     meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, ROW_GS=row_gs, num_warps=_warps(nbp),
                 enable_fp_fusion=False, **({"STOP": int(stop)} if stop else {}))
+    comp = _compact_args(m, k, nbp)
+    if comp is not None:
+        bits, cap = comp
+        meta.update(COMPACT=bits, CAP=cap, scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
     if not per_row and m > 1:  # per-tensor second-pass scale: amax of R_sel over all rows first
         amax_rows = torch.empty(m, dtype=torch.float32, device=dev)
         kern[(m,)](xc, g1, wt, xc, xc, xc, xc, xc, xc, amax_rows, PACK=False, OUT=0, GS2=2, **meta)
         gs2_mode, gs2_arg = 1, global_scale_from_amax(amax_rows.amax())
-    cap = _maxnreg(packed, meta["num_warps"])
+    cap = _maxnreg(packed, meta["num_warps"], compact=comp is not None)
     if cap is not None and xc.is_cuda:  # the interpreter has no registers
         meta["maxnreg"] = cap
     if not packed:
