@@ -92,6 +92,12 @@ DENSE = [
                                           late_scale=True, block_scale=True, prefetch=False, pipe=3, fixup=True)),
     (1, 24, 256, torch.bfloat16, False, SC(block_m=1, block_n=16, block_kw=64, split_k=1, decode="f16x2",
                                            late_scale=True, block_scale=True)),
+    # row_skip: a chunk's invalid rows skip their FMAs at run time (M=5 in 4-row chunks: the second chunk has one
+    # valid row; M=3 in 2-row chunks), K tail in every range
+    (5, 24, 176, torch.bfloat16, True, SC(block_m=4, block_n=16, block_kw=8, split_k=3, decode="f16x2",
+                                          late_scale=True, block_scale=True, row_skip=1)),
+    (3, 24, 176, torch.float16, False, SC(block_m=2, block_n=32, block_kw=8, split_k=2, decode="f16x2",
+                                          late_scale=True, row_skip=1, fixup=True)),
     # few rows per program (block_n 4/8 on CUDA cores), whole rows, partial last row tile
     (1, 20, 256, torch.bfloat16, True, SC(block_m=1, block_n=8, block_kw=32, split_k=1, num_warps=1, decode="f16x2",
                                           late_scale=True, fixup=True)),
@@ -168,7 +174,11 @@ def test_stream_decode_exact_one_hot(cfg):
                                  SC(block_m=2, block_n=16, block_kw=8, split_k=2, decode="f16x2", late_scale=True,
                                     fixup=True),
                                  SC(block_m=1, block_n=16, block_kw=8, split_k=2, decode="f16x2", late_scale=True,
-                                    block_scale=True, fixup=True)],
+                                    block_scale=True, fixup=True),
+                                 SC(block_m=2, block_n=16, block_kw=8, split_k=2, decode="f16x2", late_scale=True,
+                                    block_scale=True, fixup=True, row_skip=1),
+                                 SC(block_m=4, block_n=16, block_kw=16, split_k=1, decode="f16x2", late_scale=True,
+                                    block_scale=True, row_skip=1)],
                          ids=lambda c: c.label)
 def test_stream_grouped_matches_per_expert_reference(cfg):
     """One grouped launch (tile table of moe_align, block_m 16 > the FMA chunk: rows looped in chunks)
@@ -203,7 +213,9 @@ def test_stream_config_errors_and_dispatch_table(monkeypatch):
     for bad in (SC(block_m=3), SC(block_m=8, mma=1), SC(block_m=16, mma=1, block_kw=8), SC(decode="lut"),
                 SC(pipe=3), SC(prefetch=False, pipe=0), SC(occ=0), SC(block_m=16, mma=1, xperm=True),
                 SC(late_scale=True), SC(decode="f16", late_scale=True),  # late_scale needs the f16x2 decode
-                SC(block_m=16, mma=1, decode="f16x2", late_scale=True), SC(decode="bf16x2")):  # bf16x2: mma only  # pipe > 1 with the manual prefetch: refused
+                SC(block_m=16, mma=1, decode="f16x2", late_scale=True), SC(decode="bf16x2"),  # bf16x2: mma only  # pipe > 1 with the manual prefetch: refused
+                SC(decode="f16x2", late_scale=True, row_skip=1),  # row_skip: block_m 2/4 with late_scale, value 0/1
+                SC(block_m=2, row_skip=1), SC(block_m=2, decode="f16x2", late_scale=True, row_skip=2)):
         with pytest.raises(ValueError, match="bad StreamConfig"):
             tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16", config=bad)
     # the table: (grouped, power-of-two rows bucket, N, K); the smallest bucket >= rows that has an entry
@@ -216,6 +228,32 @@ def test_stream_config_errors_and_dispatch_table(monkeypatch):
     assert tg.decode_config(3, 16, 64, True) is None and tg.decode_config(3, 32, 64, False) is None
     assert tg.decode_bucket(1) == 1 and tg.decode_bucket(24) == 32 and tg.decode_bucket(129) == 256
     assert tg.decode_bucket(513) is None
+
+
+def test_stream_row_skip_is_bit_identical_to_full_chunks():
+    """row_skip=1 (a chunk's invalid rows skip their products at run time) changes no valid row's products or
+    summation order: the same bits as row_skip=0, grouped (experts with 1, 2, 3 and 5 slots in 2- and 4-row chunks)
+    and dense (M=3 in 2-row chunks)."""
+    t, topk, e, n, k = 7, 2, 4, 24, 128
+    q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
+    gs = q_w.global_scale.reshape(-1)
+    # slots per expert: 0 -> 3, 1 -> 2, 2 -> 1, 3 -> 5; slots 10 and 13 routed to no local expert
+    ids = torch.tensor([[0, 3], [3, 1], [3, 2], [0, 3], [1, 3], [-1, 0], [3, -1]], device=DEV)
+    routing = tg.moe_align(ids, e, 16)
+    rows = torch.div(routing.sorted_slots, topk, rounding_mode="floor")
+    op, _ = tg.quantize_activation(_x(t, k), "w4a16")
+    for bm in (2, 4):
+        cfg = SC(block_m=bm, block_n=16, block_kw=8, split_k=2, decode="f16x2", late_scale=True, block_scale=True)
+        ys = [tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing, a_rows=rows, out_rows=t * topk,
+                            config=c) for c in (cfg, tg.replace(cfg, row_skip=1))]
+        assert torch.equal(ys[0], ys[1]) and bool(ys[1][:10].ne(0).any(dim=1).all()), bm
+        assert not ys[1][10].any() and not ys[1][13].any()
+    x = _x(3, 176)
+    q_d = em.quantize_weight(_w((24, 176)))
+    cfg = SC(block_m=2, block_n=16, block_kw=8, split_k=1, decode="f16x2", late_scale=True)
+    y0, y1 = (tg.nvfp4_linear(x, q_d.packed, q_d.block_scale, q_d.global_scale.reshape(()), None, "w4a16", config=c)
+              for c in (cfg, tg.replace(cfg, row_skip=1)))
+    assert torch.equal(y0, y1)
 
 
 def test_stream_split_k_fixup_is_bit_identical_to_reduction_launch():
@@ -262,7 +300,9 @@ for cfg, grouped in ((tg.StreamConfig(block_m=1, block_n=128, block_kw=16, prefe
                      (tg.StreamConfig(block_m=1, block_n=256, block_kw=16, fixup=True, decode="f16x2", late_scale=True,
                                       block_scale=True), False),
                      (tg.StreamConfig(block_m=1, block_n=16, block_kw=64, num_warps=2, decode="f16x2", late_scale=True,
-                                      block_scale=True), True)):
+                                      block_scale=True), True),
+                     (tg.StreamConfig(block_m=4, block_n=16, block_kw=64, decode="f16x2", late_scale=True,
+                                      block_scale=True, row_skip=1), True)):
     const = tg._stream_constexprs(cfg, grouped=grouped, tm=16 if grouped else cfg.block_m, partial=True,
                                   fixup=cfg.fixup, has_bias=False, out_code=1, dt=1, even=True, interpreting=False)
     sig = dict(ptrs, **{i: "i32" for i in ints}, **{c: "constexpr" for c in const})
@@ -282,7 +322,7 @@ def test_stream_gpu_only_decode_forms_compile_for_sm90_without_a_gpu():
     inline PTX (fp16 -> fp32 conversions of both halves of a register) and bf16x2's packed bf16 scale
     multiply feeding a bf16 tensor-core dot: compile them for sm_90 with triton's bundled ptxas in a
     subprocess without TRITON_INTERPRET (dense pipelined, grouped 4-row, tensor-core, per-block scale dense and
-    grouped whole-row tile). Compiles only."""
+    grouped whole-row tile, grouped 4-row chunks with row_skip's runtime branches). Compiles only."""
     compile_for_sm90_in_subprocess(
         _SM90_STREAM, "on a GPU the kernels are compiled and run by tests/gpu/test_nvfp4_gemm_stream_gpu.py")
 

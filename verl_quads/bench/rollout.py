@@ -452,7 +452,8 @@ def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
     """``--focus`` (short sweep, issue #5), at most 9 per GEMM (12 with one activation row per chunk and a
     CUDA-core entry or none: the
     roofline candidates below; meant for ``--m 1,16`` at moe,d8192 in
-    one ~150 s run on the H200), in this order (a budget cut drops the last): the current DECODE_TABLE
+    one ~150 s run on the H200; grouped GEMMs at >= 4 tokens: the entry and the ``row_skip`` multi-row chunks, at
+    most 10), in this order (a budget cut drops the last): the current DECODE_TABLE
     entry (``current``, may be None); its ``f16x2`` + ``late_scale`` twin (CUDA-core entries: pair
     decode, block scale per word: ~1 SASS instruction per weight element fewer in the offline sm_90
     count) or its ``bf16x2`` twin (tensor-core entries: bf16 pair decode + packed bf16 scale multiply,
@@ -464,6 +465,31 @@ def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
 
     bm = 1 if rows <= 1 else (2 if rows <= 2 else 4)
     out = [current] if current is not None else []
+    if grouped and tokens >= 4:
+        # session 8, issue #5 phase 1 (MoE at 16-64 tokens, ~1.6-4 slots per active expert): multi-row chunks with
+        # row_skip (a chunk's invalid rows skip their FMAs at run time, so a one-slot expert costs a one-row chunk and a
+        # multi-slot one decodes its weight tile once). The plain bm2 chunks lost at M=4/16 (w13 153 vs 109 us; the
+        # bm1 tilings at M=16 are in docs/bench_rollout_h200_session8.txt: not repeated). 8 warps keep the bm2 tiles
+        # at <= 128 registers (offline sm_90: bm2 n16 kw128 w4 168, w8 123; bm4 n64 kw32 w8 213).
+        rs = dict(decode="f16x2", late_scale=True, block_scale=True, fixup=True, row_skip=1)
+        if bm <= 2:
+            out += [StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=8, **rs),
+                    StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=4, **rs),
+                    StreamConfig(block_m=2, block_n=16, block_kw=64, num_warps=4, **rs),
+                    StreamConfig(block_m=2, block_n=64, block_kw=32, num_warps=8, **rs),
+                    StreamConfig(block_m=4, block_n=16, block_kw=128, num_warps=8, **rs),
+                    StreamConfig(block_m=4, block_n=64, block_kw=32, num_warps=8, **rs),
+                    # control: one row per chunk at 8 warps (block_kw < threads: the activation loads are issued in
+                    # the FMA layout, no shared-memory conversion per nibble; offline sm_90 K loop 20 -> 2 BAR)
+                    StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=8,
+                                 **{k: v for k, v in rs.items() if k != "row_skip"})]
+        else:
+            out += [StreamConfig(block_m=4, block_n=64, block_kw=32, num_warps=8, **rs),
+                    StreamConfig(block_m=4, block_n=16, block_kw=128, num_warps=8, **rs),
+                    StreamConfig(block_m=4, block_n=16, block_kw=64, num_warps=4, **rs),
+                    StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=8, **rs),
+                    StreamConfig(block_m=2, block_n=64, block_kw=32, num_warps=8, **rs)]
+        return list(dict.fromkeys(out))[:10]
     if bm == 1 and (current is None or current.mma == 0):
         # issue #5 session 7, H200 roofline (docs/bench_rollout_h200_gemv_roofline_s7.txt): the per-word block-scale
         # byte loads bound the reads (old d8192 entry read-only 39.8 us; 13.4 without scale loads; 18.3 with a
@@ -768,7 +794,8 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
                        + (f", occ={c.occ}" if c.occ != 4 else "")
                        + (f", pipe={c.pipe}" if c.pipe != 1 else "") + (", xperm=True" if c.xperm else "")
                        + (", late_scale=True" if c.late_scale else "")
-                       + (", block_scale=True" if c.block_scale else "") + "),")
+                       + (", block_scale=True" if c.block_scale else "")
+                       + (f", row_skip={c.row_skip}" if c.row_skip else "") + "),")
     snippet.append("}")
     out.append("\n".join(snippet))
     print("\n".join(snippet), flush=True)

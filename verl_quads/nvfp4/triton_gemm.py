@@ -603,6 +603,15 @@ if triton is not None:
             return tl.load(x_ptr + off, mask=kw < kw_hi, other=0.0).to(tl.float32)
 
     @triton.jit
+    def _stream_late_row(p, dl, dh, x_ptr, arow, kw, kw_hi, K, PJ: tl.constexpr, EVEN: tl.constexpr,
+                         XP: tl.constexpr):
+        """``p + dl * x[8 kw + PJ] + dh * x[8 kw + PJ + 4]`` for activation row ``arow``: one row's late-scale
+        products of nibbles PJ, PJ + 4 (``dl, dh``: :func:`_e2m1_pair`, float32 ``[BN, BKW]``)."""
+        p += dl * _stream_x(x_ptr, arow, kw, kw_hi, K, PJ, EVEN, XP)[None, :]
+        p += dh * _stream_x(x_ptr, arow, kw, kw_hi, K, PJ + 4, EVEN, XP)[None, :]
+        return p
+
+    @triton.jit
     def _stream_rows(arow_ptr, orow_ptr, r, r1, GROUPED: tl.constexpr):
         """(activation row int64, output row int64, valid) of sorted/tile row ``r`` (valid: r < r1; an
         invalid row gets activation row 0, so its loads need no mask; its output is not stored)."""
@@ -638,7 +647,7 @@ if triton is not None:
         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, DEC: tl.constexpr,
         MMA: tl.constexpr, DT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, FIXUP: tl.constexpr,
         PIPE: tl.constexpr = None, XP: tl.constexpr = False, LATE: tl.constexpr = False,
-        ASM: tl.constexpr = False, BS: tl.constexpr = False,
+        ASM: tl.constexpr = False, BS: tl.constexpr = False, RS: tl.constexpr = 0,
     ):
         """W4A16 weight-streaming GEMM: program (M-tile, BN output columns, K-range ``pid_k``).
 
@@ -656,7 +665,10 @@ if triton is not None:
         row) instead of each decoded element (one FMUL per element saved; one more rounding per 8
         products); BS (LATE): per 16-element block (the 2 words' sums added, then one multiply by the
         block's scale; scales and accumulators ``[BN, BKW / 2]``); ASM: :func:`_e2m1_pair`'s inline-PTX
-        conversion (GPU only). MMA 1 (tensor cores, BM >=
+        conversion (GPU only). RS (``row_skip``, LATE, BM 2/4): 1 = the FMAs of a chunk's rows past the
+        first run under a runtime branch on the row being valid (uniform per program), so a chunk with
+        one valid row costs a one-row chunk plus the branches, and a chunk of 2-4 valid rows decodes the
+        weight tile once for all of them. MMA 1 (tensor cores, BM >=
         16): per nibble position J ``acc[BN, BM] += W_J[BN, BKW] @ X_J[BM, BKW].T`` (swapped: weight rows
         on the MMA's M side) in the operand type DT (0 float32, 1 bf16, 2 fp16; the decoded values
         E2M1 * scale * 2**-9 are exact in all three). MMA 2: the same, not swapped ``X_J @ W_J.T``.
@@ -737,16 +749,22 @@ if triton is not None:
                     p3 = tl.zeros([BN, BKW], tl.float32)
                     for pj in tl.static_range(4):
                         dl, dh = _e2m1_pair(wd, pj, ASM)
-                        p0 += dl * _stream_x(x_ptr, a0, kw, kw_hi, K, pj, EVEN, XP)[None, :]
-                        p0 += dh * _stream_x(x_ptr, a0, kw, kw_hi, K, pj + 4, EVEN, XP)[None, :]
+                        p0 = _stream_late_row(p0, dl, dh, x_ptr, a0, kw, kw_hi, K, pj, EVEN, XP)
                         if BM > 1:
-                            p1 += dl * _stream_x(x_ptr, a1, kw, kw_hi, K, pj, EVEN, XP)[None, :]
-                            p1 += dh * _stream_x(x_ptr, a1, kw, kw_hi, K, pj + 4, EVEN, XP)[None, :]
+                            if RS == 1:
+                                if v1:  # runtime, uniform per program: skip an invalid row's FMAs
+                                    p1 = _stream_late_row(p1, dl, dh, x_ptr, a1, kw, kw_hi, K, pj, EVEN, XP)
+                            else:
+                                p1 = _stream_late_row(p1, dl, dh, x_ptr, a1, kw, kw_hi, K, pj, EVEN, XP)
                         if BM > 2:
-                            p2 += dl * _stream_x(x_ptr, a2, kw, kw_hi, K, pj, EVEN, XP)[None, :]
-                            p2 += dh * _stream_x(x_ptr, a2, kw, kw_hi, K, pj + 4, EVEN, XP)[None, :]
-                            p3 += dl * _stream_x(x_ptr, a3, kw, kw_hi, K, pj, EVEN, XP)[None, :]
-                            p3 += dh * _stream_x(x_ptr, a3, kw, kw_hi, K, pj + 4, EVEN, XP)[None, :]
+                            if RS == 1:
+                                if v2:
+                                    p2 = _stream_late_row(p2, dl, dh, x_ptr, a2, kw, kw_hi, K, pj, EVEN, XP)
+                                if v3:
+                                    p3 = _stream_late_row(p3, dl, dh, x_ptr, a3, kw, kw_hi, K, pj, EVEN, XP)
+                            else:
+                                p2 = _stream_late_row(p2, dl, dh, x_ptr, a2, kw, kw_hi, K, pj, EVEN, XP)
+                                p3 = _stream_late_row(p3, dl, dh, x_ptr, a3, kw, kw_hi, K, pj, EVEN, XP)
                     if BS:  # per 16-element block: the sum of its 2 words' products, then its scale
                         acc0 += tl.sum(tl.reshape(p0, [BN, BKW // 2, 2]), axis=2) * s
                         if BM > 1:
@@ -1156,6 +1174,12 @@ class StreamConfig:
             it: 128 instead of 249 registers, K loop 1252 vs 1392 SASS, 42 vs 56 loads, plus a shared-memory
             conversion of the block sums per K step (4 LDS, 8 BAR). (An earlier form, the per-word bytes reduced
             per block in registers, measured 1.7x slower on the H200 at a5e6a17 and is gone.)
+        row_skip: (``late_scale``, ``block_m`` 2/4) 1 = the products of a chunk's rows past the first are
+            computed under a runtime branch on that row being valid (uniform per program): a grouped tile
+            whose expert has one slot (most experts at 16 decode tokens: ~1.6 slots per active expert)
+            costs a one-row chunk, one with 2-4 slots decodes each weight word once for all of them
+            (block_m 1 re-reads and re-decodes the weight tile for every slot). Same products and
+            summation order as without it (bit-identical). 0 = every row of a chunk computed.
     """
 
     block_m: int = 1
@@ -1173,6 +1197,7 @@ class StreamConfig:
     xperm: bool = False
     late_scale: bool = False
     block_scale: bool = False
+    row_skip: int = 0
 
     @property
     def label(self) -> str:
@@ -1180,7 +1205,7 @@ class StreamConfig:
         kind = ("fma", "mma-swap", "mma")[self.mma]
         return (f"{kind} bm{self.block_m} n{self.block_n} kw{self.block_kw} s{self.split_k or 'auto'} "
                 f"w{self.num_warps} st{self.num_stages} {self.decode}{' pf' if self.prefetch else ''}"
-                f"{' fx' if self.fixup else ''}{'' if self.occ == 4 else f' o{self.occ}'}{f' p{self.pipe}' if self.pipe > 1 else ''}{' xp' if self.xperm else ''}{' ls' if self.late_scale else ''}{' bs' if self.block_scale else ''}")
+                f"{' fx' if self.fixup else ''}{'' if self.occ == 4 else f' o{self.occ}'}{f' p{self.pipe}' if self.pipe > 1 else ''}{' xp' if self.xperm else ''}{' ls' if self.late_scale else ''}{' bs' if self.block_scale else ''}{f' rs{self.row_skip}' if self.row_skip else ''}")
 
     def check(self) -> None:
         def pow2(v):
@@ -1192,6 +1217,7 @@ class StreamConfig:
               and (not self.xperm or self.mma == 0)
               and (not self.late_scale or (self.mma == 0 and self.decode == "f16x2"))
               and (not self.block_scale or (self.late_scale and self.block_kw >= 2))
+              and (self.row_skip == 0 or (self.row_skip == 1 and self.late_scale and self.block_m in (2, 4)))
               and (self.decode != "bf16x2" or self.mma != 0))
         if self.mma == 0:
             ok = ok and self.block_m in (1, 2, 4)
@@ -1202,8 +1228,8 @@ class StreamConfig:
                 f"nvfp4 GEMM: bad StreamConfig {self}: mma 0 needs block_m in 1/2/4; mma 1/2 need block_m >= 16 "
                 "and block_kw >= 16; block_n >= 16 (>= 4 with mma 0), block_kw, num_warps powers of 2; decode 'bits', 'f16', "
                 "'f16x2' or 'bf16x2'; occ >= 1; pipe >= 1, pipe > 1 needs prefetch=False; xperm needs mma 0; late_scale needs "
-                "mma 0 and decode 'f16x2'; block_scale needs late_scale and block_kw >= 2; decode 'bf16x2' needs mma 1 "
-                "or 2")
+                "mma 0 and decode 'f16x2'; block_scale needs late_scale and block_kw >= 2; row_skip 0 or 1, 1 needs "
+                "late_scale and block_m 2 or 4; decode 'bf16x2' needs mma 1 or 2")
 
 
 # Decode dispatch (w4a16, CUDA): (grouped, rows bucket, N, K) -> StreamConfig. Rows = M for a dense GEMM,
@@ -1277,7 +1303,8 @@ def _stream_constexprs(cfg: StreamConfig, *, grouped: bool, tm: int, partial: bo
     return dict(BM=cfg.block_m, TM=tm, BN=cfg.block_n, BKW=cfg.block_kw, PARTIAL=partial, GROUPED=grouped,
                 HAS_BIAS=has_bias, OUT=out_code, DEC=("bits", "f16", "f16x2", "bf16x2").index(cfg.decode), MMA=cfg.mma,
                 DT=dt, EVEN=even, PREFETCH=cfg.prefetch, FIXUP=fixup, PIPE=cfg.pipe if cfg.pipe > 1 else None,
-                XP=cfg.xperm, LATE=cfg.late_scale, ASM=cfg.late_scale and not interpreting, BS=cfg.block_scale)
+                XP=cfg.xperm, LATE=cfg.late_scale, ASM=cfg.late_scale and not interpreting, BS=cfg.block_scale,
+                RS=cfg.row_skip)
 
 
 def stream_split(cfg: StreamConfig, kw: int, live: int, n_tiles: int, dev: torch.device) -> tuple[int, int, bool]:
