@@ -865,7 +865,7 @@ if triton is not None:
         NB, NSEL, GS_DIV,
         NTP: tl.constexpr, CT: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr,
         GATHER: tl.constexpr, RADIX: tl.constexpr = 1, STAGES: tl.constexpr = None, EARLY: tl.constexpr = False,
-        FAST: tl.constexpr = False, STOP: tl.constexpr = 0, L2: tl.constexpr = False,
+        FAST: tl.constexpr = False, STOP: tl.constexpr = 0, L2: tl.constexpr = False, REUSE: tl.constexpr = False,
     ):
         """Per-token QUADS residual compensation, one program per row of x [M, K] (NB = K / 16
         blocks) walking the row in tiles of CT blocks twice, so only a tile's data is in registers:
@@ -895,7 +895,10 @@ if triton is not None:
         count exactly NSEL blocks (as ``_residual_hold_kernel``). L2 (GATHER): step 1 loads x with
         ``evict_last`` and the gather walk with ``evict_first``, so the row stays in L2 for its second read (the
         session-8 phase probe: the gather walk at k = 0.5 took as long as a QDQ of half the matrix, i.e. it re-read
-        x from DRAM); a cache hint only, same bytes.
+        x from DRAM); a cache hint only, same bytes. REUSE (EARLY + FAST, RADIX 1): two reductions fewer, same
+        selection: the search starts from NB valid entries without counting them (no score weights: every real
+        score is a sum of squares, bits >= 0) and the exact-count test takes the search's own count of the threshold
+        instead of recounting it.
 
         STOP (timing probe of ``bench nvfp4 --residual-probe`` only; GATHER QDQ launches; 0 = the kernel): return after
         step 1 (1), the threshold search (2), or the selection and its index store (3), storing one value per row that
@@ -916,12 +919,25 @@ if triton is not None:
         if STOP == 1:
             tl.store(idx_ptr + row * NSEL, tl.max(eb, axis=0) + tl.max(tl.reshape(ram, (NTP * CT,)), axis=0).to(tl.int32))
             return
-        th = _topn_threshold(eb, NSEL, RADIX, EARLY)
+        if REUSE:
+            if HAS_W:
+                nvalid = tl.sum((eb >= 0).to(tl.int32), axis=0)
+            else:
+                nvalid = NB
+            th, cnt = _bits_threshold(eb, NSEL, nvalid)  # cnt = #(eb >= th)
+        else:
+            th = _topn_threshold(eb, NSEL, RADIX, EARLY)
         if STOP == 2:
             tl.store(idx_ptr + row * NSEL, th)
             return
         # padding: bits -1, never selected
-        sel = _select_top(eb, th, NSEL, FAST, EARLY)
+        if REUSE:
+            if cnt == NSEL:
+                sel = eb >= th
+            else:
+                sel = _tie_select(eb, th, NSEL)
+        else:
+            sel = _select_top(eb, th, NSEL, FAST, EARLY)
         amax = tl.max(tl.where(sel, tl.reshape(ram, (NTP * CT,)), 0.0), axis=0)
         a = tl.maximum(amax, 1.1754943508222875e-38)
         g2 = tl.math.div_rn(a * 0.0 + 1.0, a) * 2688.0
@@ -1152,6 +1168,13 @@ RESIDUAL_VARIANTS = {
     "gather-early-t32w1-fast-l2": ("gather", {"early": True, "tile_blocks": 32, "num_warps": 1, "fast": True, "l2": True}),
     "gather-early-t128w4-fast-l2": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 4, "fast": True,
                                                "l2": True}),
+    # + REUSE (session 8): the search's own counts (no recount of the valid entries / of the threshold's count)
+    "gather-early-t32w1-fast-reuse": ("gather", {"early": True, "tile_blocks": 32, "num_warps": 1, "fast": True,
+                                                 "reuse": True}),
+    "gather-early-t128w4-fast-reuse": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 4, "fast": True,
+                                                  "reuse": True}),
+    "gather-early-t128w4-fast-l2-reuse": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 4, "fast": True,
+                                                     "l2": True, "reuse": True}),
     "tiled": ("tiled", {}),
     "tiled-early-stages2": ("tiled", {"early": True, "stages": 2}),
     # one walk, the row held in registers (``_residual_hold_kernel``): 1 / 2 / 4 blocks (16 / 32 / 64 elements)
@@ -1449,6 +1472,10 @@ def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: f
                     enable_fp_fusion=False, num_warps=cfg["num_warps"])
         if cfg.get("l2"):
             meta["L2"] = True
+        if cfg.get("reuse"):
+            if not (meta["EARLY"] and meta["FAST"] and meta["RADIX"] == 1):
+                raise ValueError(f"residual variant option reuse needs early, fast and radix 1; got {cfg}")
+            meta["REUSE"] = True
         if choice == "gather" and not packed:  # selected block indices, read back by the same program
             scratch = torch.empty(m, max(n_sel, 1), dtype=torch.int32, device=dev)
         if stop:
