@@ -203,15 +203,43 @@ def test_channel_residual_bit_exact(dtype):
         _same_channel(t, ratio, nv.per_row_global_scale(t))
 
 
-@pytest.mark.parametrize("variant", list(tc.CHANNEL_VARIANTS))
+@pytest.mark.parametrize("variant", [v for v in tc.CHANNEL_VARIANTS if v.startswith("compact")] + ["default"])
+def test_channel_compact_search_variants_bit_exact_at_decode(variant):
+    """The compacted threshold search (CHANNEL_CONFIG compact_*; the default at <= 256 rows, K >= 2048) and its speed
+    variants give the reference's bytes at decode sizes: 1 / 16 / 64 / 256 x 8192 and 16 x 2048 at k = 0.5, 16 x 8192
+    at k = 0.25 / 0.125 / 0 / 1 (bf16 rows end their search in the tile with ties at the threshold), fp16 / fp32 rows,
+    a score weight, a per-tensor scale (two launches), amax='row' (in _same_channel), a row of ulp-apart ties with
+    more candidates than the tile (the full-row continuation; "compact fallback" takes it on every row)."""
+    with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
+        for m, k in ((1, 8192), (16, 8192), (64, 8192), (256, 8192), (16, 2048)):
+            xk = _x(m, k, torch.bfloat16, seed=20 + m + k)
+            assert tc._compact_args(m, k, tc._check_row(k)) is not None, (variant, m, k)
+            _same_channel(xk, 0.5, nv.per_row_global_scale(xk))
+        xs = _x(16, 8192, torch.bfloat16, seed=21)
+        for ratio in (0.25, 0.125, 0.0, 1.0):
+            _same_channel(xs, ratio, nv.per_row_global_scale(xs))
+        for dt in (torch.float16, torch.float32):
+            xd = _x(16, 4096, dt, seed=22)
+            _same_channel(xd, 0.5, nv.per_row_global_scale(xd))
+        _same_channel(xs, 0.5, nv.per_row_global_scale(xs), score_weight=torch.rand(8192, device="cuda"))
+        _same_channel(xs, 0.5, nv.global_scale_from_amax(xs.float().abs().amax()))
+        xl = torch.full((4, 4096), 1.25, device="cuda")
+        xl[:, ::16] = 6.0
+        xl[1::2, 1::2] = -1.25
+        wl = 1.0 + (torch.arange(4096, device="cuda") % 8).float() * 2.0**-23
+        for ratio in (3 / 4096, 0.3, 0.5):
+            _same_channel(xl, ratio, nv.per_row_global_scale(xl), score_weight=wl)
+
+
+@pytest.mark.parametrize("variant", ["default", "uncapped", "full", "compact"])
 def test_channel_residual_variants_bit_exact(variant):
     """Every speed variant of the channel kernel (triton_channel.CHANNEL_VARIANTS, default warps) gives the
     reference's bytes on the GPU: the rollout shapes (bf16 4096 x 2048, MoE-like 2048 x 768, a long row 256 x 8192)
     at k = 0.5 / 0.125 / 0 / 1, a score weight, a per-tensor scale (two launches), and scores a few ulps apart (score
     weights 1 + j * 2**-23 on R**2 = 1/16: the radix select's last digit, ties to the lower channel); decode-sized
     launches (1 / 16 / 64 x 8192, 16 x 2048, 1 x 768: the row counts the compacted search (CHANNEL_CONFIG
-    compact_*) is meant for; the "compact ..." variants force it at every M, "compact fallback" takes its full-row
-    continuation on nearly every row)."""
+    compact_*) is meant for; "compact" forces it at every M, "full" turns it off). The other "compact ..." variants
+    differ only at decode sizes: test_channel_compact_search_variants_bit_exact_at_decode."""
     with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
         x = _x(4096, 2048, torch.bfloat16, seed=11)
         for ratio in (0.5, 0.125, 0.0, 1.0):

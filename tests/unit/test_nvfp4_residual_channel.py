@@ -350,8 +350,8 @@ def test_triton_channel_kernel_edge_cases_and_ulp_apart_scores():
 
 
 @_needs_interp
-@pytest.mark.parametrize("bits, cap", [(10, 64), (2, 16)])
-def test_triton_channel_compacted_search_matches_reference(bits, cap):
+@pytest.mark.parametrize("bits, cap, tr", [(10, 64, 1), (2, 16, 1), (10, 64, 2)])
+def test_triton_channel_compacted_search_matches_reference(bits, cap, tr):
     """The compacted threshold search (``CHANNEL_CONFIG`` compact_*: ``bits`` full-row steps, then the candidates in a
     ``cap``-entry tile; forced here at K >= 16) gives the reference's bytes. (10, 64): the tile (hand ties cut inside
     it, scores a few ulps apart: the last bits, an early stop inside it) and the full-row continuation (an all-zero
@@ -359,7 +359,8 @@ def test_triton_channel_compacted_search_matches_reference(bits, cap):
     row, ratios 0 / 1, a score weight with zeros. amax='row' too (K <= 256)."""
     from verl_quads.nvfp4 import triton_channel as tc
 
-    with tc.channel_config(compact_max_rows=1 << 30, compact_min_k=16, compact_bits=bits, compact_cap=cap):
+    with tc.channel_config(compact_max_rows=1 << 30, compact_min_k=16, compact_bits=bits, compact_cap=cap,
+                           compact_tile_bits=tr):
         xh = _HAND_X.to(_DEV)
         assert _same_channel_result(xh, 3 / 32, nv.per_row_global_scale(xh)).channel_idx.tolist() == [[1, 2, 17]]
         if bits == 10:
@@ -382,19 +383,26 @@ def test_triton_channel_compacted_search_matches_reference(bits, cap):
 
 
 def test_triton_channel_compact_dispatch():
-    """CHANNEL_CONFIG chooses the compacted search per launch: rows <= compact_max_rows and K >= compact_min_k;
-    its tile is a power of two no longer than the padded row; a bad bit count is refused, naming the key."""
+    """CHANNEL_CONFIG chooses the compacted search per launch: rows <= compact_max_rows and K >= compact_min_k (the
+    default: the H200-measured 1-256 rows, K >= 2048); its tile is a power of two no longer than the padded row; bad
+    bit counts are refused, naming the key."""
     from verl_quads.nvfp4 import triton_channel as tc
 
+    assert tc._compact_args(16, 8192, 512) == (10, 1024, 1) and tc._compact_args(256, 2048, 128) == (10, 1024, 1)
+    assert tc._compact_args(257, 8192, 512) is None and tc._compact_args(16, 1536, 128) is None
     with tc.channel_config(compact_max_rows=64, compact_min_k=1024, compact_bits=10, compact_cap=1000):
-        assert tc._compact_args(64, 8192, 512) == (10, 1024)
+        assert tc._compact_args(64, 8192, 512) == (10, 1024, 1)
         assert tc._compact_args(65, 8192, 512) is None and tc._compact_args(16, 768, 64) is None
-        assert tc._compact_args(1, 1024, 64) == (10, 1024)
-    with tc.channel_config(compact_max_rows=64, compact_min_k=16, compact_cap=4096):
-        assert tc._compact_args(2, 48, 4) == (10, 64)  # 4 padded blocks: 64 channels
-    with tc.channel_config(compact_max_rows=64, compact_bits=31):
+    with tc.channel_config(compact_max_rows=64, compact_min_k=16, compact_cap=4096, compact_tile_bits=2):
+        assert tc._compact_args(2, 48, 4) == (10, 64, 2)  # 4 padded blocks: 64 channels
+    with tc.channel_config(compact_bits=31):
         with pytest.raises(ValueError, match=r"CHANNEL_CONFIG\['compact_bits'\] must be in \[1, 30\], got 31"):
             tc._compact_args(1, 8192, 512)
+    with tc.channel_config(compact_tile_bits=3):
+        with pytest.raises(ValueError, match=r"CHANNEL_CONFIG\['compact_tile_bits'\] must be 1 or 2, got 3"):
+            tc._compact_args(1, 8192, 512)
+    with tc.channel_config(compact_max_rows=0):
+        assert tc._compact_args(1, 8192, 512) is None
 
 
 from verl_quads.nvfp4 import triton_channel as _tc  # noqa: E402
@@ -484,7 +492,8 @@ sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
        "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr", "STOP": "constexpr", "scr_ptr": "*i32",
        "COMPACT": "constexpr", "CAP": "constexpr"}
-# the last fields: (COMPACT bits, CAP) of the compacted search (0, 1: the full-row search)
+# the last fields: (COMPACT bits, CAP) of the compacted search (0, 1: the full-row search; 8 bits: with 2 tile bits per
+# step, TR = 2)
 for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in (
         ("*bf16", "*i16", False, 3, 0, False, 128, 4, 64, False, 0, 0, 1),
         ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64, False, 0, 0, 1),
@@ -502,7 +511,7 @@ for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in 
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
         "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "ROW_GS": row_gs, "STOP": stop,
-        "COMPACT": comp, "CAP": cap}),
+        "COMPACT": comp, "CAP": cap, "TR": 2 if comp == 8 else 1}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
     # the compacted search's tile round trip: scratch stores, a barrier, scratch loads

@@ -331,8 +331,14 @@ CHANNEL_BENCH_SHAPES = ((4096, 2048), (8192, 8192), (2048, 768), (256, 2048))
 
 #: (variant of ``triton_channel.CHANNEL_VARIANTS``, elems_per_thread) timed at k = 0.5; at the other ratios only
 #: ``CHANNEL_OTHER_RATIOS``.
-CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16), ("full", 16), ("compact", 16), ("compact b8", 16),
-                         ("compact b12", 16), ("compact cap64", 16))
+CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16), ("full", 16), ("compact r2", 16), ("compact e32", 32))
+
+
+def _variant_ept(name: str) -> int:
+    """elems_per_thread of a ``triton_channel.CHANNEL_VARIANTS`` entry (its own, else the default 16)."""
+    from verl_quads.nvfp4 import triton_channel as tc
+
+    return int(tc.CHANNEL_VARIANTS[name].get("elems_per_thread", 16))
 CHANNEL_OTHER_RATIOS = (("default", 16),)
 
 
@@ -398,8 +404,7 @@ def run_channel(shapes: list[tuple[int, int]] = CHANNEL_BENCH_SHAPES, dtype: tor
                          lambda: nv.residual_fake_quantize(x, ratio, nv.per_row_global_scale(x), granularity="channel",
                                                            backend="triton", check_finite=False), "default"),
                         ("channel default, amax='row' (scale in kernel)", row_qdq, "default"),
-                        ("channel full, amax='row' (scale in kernel)", row_qdq, "full"),
-                        ("channel compact, amax='row' (scale in kernel)", row_qdq, "compact")):
+                        ("channel full, amax='row' (scale in kernel)", row_qdq, "full")):
                     with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
                         ok = torch.equal(qdq().view(torch.uint8), ref_qdq.view(torch.uint8))
                         t = tm(qdq) if ok else None
@@ -417,6 +422,10 @@ CHANNEL_PROBE_SHAPES = ((1, 8192), (16, 8192), (64, 8192), (16, 2048), (1024, 76
 #: ``_channel_row_kernel``'s STOP timing probes: (STOP, what the launch does before it stores one row and returns)
 CHANNEL_PROBE_PHASES = ((1, "load + first pass (+ row store)"), (2, "+ threshold search"),
                         (3, "+ tie ranks, selection, R_sel amax"), (0, "whole kernel (+ second pass)"))
+#: the same for a compacted-search launch (``triton_channel._compact_threshold``): its search in three parts
+CHANNEL_PROBE_PHASES_COMPACT = ((1, "load + first pass (+ row store)"), (4, "+ J full-row bits"),
+                                (5, "+ candidate tile stored, read back"), (2, "+ tile search (threshold)"),
+                                (3, "+ tie cut, selection, R_sel amax"), (0, "whole kernel (+ second pass)"))
 
 
 def _bits_search_steps(x: torch.Tensor, ratio: float, gs: torch.Tensor) -> torch.Tensor:
@@ -503,9 +512,9 @@ def run_channel_probe(shapes=CHANNEL_PROBE_SHAPES, dtype: torch.dtype = torch.bf
                     if comp is None:
                         steps = f"{int(st.max())} / {float(st.float().mean()):.1f}"
                     else:
-                        steps = _compact_search_stats(x, ratio, gs_row, *comp)
+                        steps = _compact_search_stats(x, ratio, gs_row, *comp[:2])
                     prev = None
-                    for stop, what in CHANNEL_PROBE_PHASES:
+                    for stop, what in CHANNEL_PROBE_PHASES if comp is None else CHANNEL_PROBE_PHASES_COMPACT:
                         try:
                             t = tm(lambda: tc._run(x, ratio, gs_row, None, None, False, packed=False, stop=stop)) * 1e6
                             rows.append([f"{m}x{k}", f"{ratio:g}", variant, f"STOP {stop}: {what}", steps, t,
@@ -622,7 +631,8 @@ def main(argv: list[str] | None = None) -> None:
     if a.channel:
         ratios = tuple(float(r) for r in a.channel_ratios.split(",")) if a.channel_ratios else (0.5, 0.25)
         print(run_channel(shapes_or(CHANNEL_BENCH_SHAPES), getattr(torch, a.dtype), ratios=ratios,
-                          configs=tuple((v, 16) for v in cvars) if cvars else CHANNEL_BENCH_CONFIGS), flush=True)
+                          configs=tuple((v, _variant_ept(v)) for v in cvars) if cvars else CHANNEL_BENCH_CONFIGS),
+              flush=True)
         return
     if a.residual_variants:
         print(run_residual_variants(shapes_or([(8192, 8192), (4096, 2048)]), getattr(torch, a.dtype),

@@ -39,7 +39,10 @@ selection / amax + 0.2 second pass; a step's cost grows with the entries per SM 
 is per-entry work, not barriers. The row's threshold search (~28 dependent full-row counts for bf16 rows, which tie at the
 threshold) is the floor of this design: every measured way to take fewer, longer steps was slower
 (``_bits_threshold``), as were a [NBP, 16] tile layout and other warp counts (uncapped); what helped was this layout
-(one thread per block) and the register caps of ``CHANNEL_CONFIG`` (more rows in flight per SM). Rows longer than
+(one thread per block) and the register caps of ``CHANNEL_CONFIG`` (more rows in flight per SM). Session 8
+(docs/bench_nvfp4_h200_channel_s8.txt): fewer full-row steps by the compacted search (``_compact_threshold``, the
+default at <= 256 rows, K >= 2048): 16x8192 14.0 us (search +8.8 us: 10 full-row steps, the compaction, 21 tile
+steps), 1x8192 13.8, 64x8192 14.2, 16x2048 8.9, 256x8192 26.6. Rows longer than
 ``CHANNEL_CONFIG["max_k"]`` channels raise NotImplementedError (no tiled variant yet; never the block rule, never a
 silent switch to torch). Kernels run with ``enable_fp_fusion=False`` and use no float negation (triton 3.6 lowers
 ``-v`` to ``0.0 - v``), as :mod:`.triton_kernels`.
@@ -76,25 +79,34 @@ tl = tk.tl
 #: to a scratch row and the remaining bits and the tie ranks are searched over that short tile only (a row with
 #: more candidates continues over the full row: same bytes, old speed). 0 rows = off. ``compact_maxnreg``: the register
 #: cap of those launches (None: uncapped; sm_90 then gives 128 registers to a 16-warp program, spills outside the
-#: search loops; with a decode launch's few rows one program per SM is in flight anyway).
+#: search loops; with a decode launch's few rows one program per SM is in flight anyway). ``compact_tile_bits``: bits
+#: per tile step (2: three candidate counts in one reduction, rows with < 1024 candidates).
+#: Why these values (H200, bf16, k = 0.5, QDQ us, docs/bench_nvfp4_h200_channel_s8.txt run 1, full-row search ->
+#: compact): 1x8192 17.5 -> 13.8, 16x8192 17.7 -> 14.0, 64x8192 17.9 -> 14.2, 16x2048 9.7 -> 8.9, 256x8192 27.3 -> 26.6
+#: (packed residual_quantize 23.4 -> 19.1 at 16x8192, 43.3 -> 39.3 at 256x8192); rows and K outside the measured
+#: 1-256 rows / K >= 2048 keep the full-row search. 8 bits (tile 1024) 15.1-15.4 us and the 64-register cap 16.5-17.1
+#: were slower than 10 bits uncapped; 12 bits (tile 512) equal.
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
-                  "pack_maxnreg_min_warps": 16, "compact_max_rows": 0, "compact_min_k": 1024, "compact_bits": 10,
-                  "compact_cap": 1024, "compact_maxnreg": None}
+                  "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 10,
+                  "compact_cap": 1024, "compact_maxnreg": None, "compact_tile_bits": 1}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
 #: session 7 and removed (H200, docs/bench_nvfp4_h200_channel_s7.txt): 32 warps per row, 8 warps per row, and three
 #: other threshold searches (2 / 3 bits per step by a histogram of 16-bit fields in int64 words, and a search that
 #: tracks min / max bounds of the candidates to skip bits and stop at one value): none was >= 10% faster at
-#: 1-64 x 8192 or 16 x 2048, most were slower (up to 1.5x). Session 8: the compacted search (``compact_*`` above) at
-#: every M, with 8 / 10 / 12 full-row bits, with the 64-register cap, and "compact fallback" (2 bits, 16-entry tile:
-#: nearly every row takes the full-row continuation; for the bytes tests, not a speed candidate); "full" = the
-#: 31-step full-row search at every M.
+#: 1-64 x 8192 or 16 x 2048, most were slower (up to 1.5x). Session 8 (the compacted search, ``compact_*`` above):
+#: "full" = the 31-step full-row search at every M, "compact" = the compacted one at every M, 12 full-row bits and a
+#: 512 tile, two bits per tile step (r2), 8 warps at K = 8192 (e32, 32 channels per thread), and "compact fallback"
+#: (2 bits, 16-entry tile: nearly every row takes the full-row continuation; for the bytes tests, not a speed
+#: candidate). Removed after run 1: 8 full-row bits, the 64-register cap (both slower).
 CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnreg": None},
-                    "compact": {"compact_max_rows": 1 << 30}, "full": {"compact_max_rows": 0},
-                    "compact b8": {"compact_max_rows": 1 << 30, "compact_bits": 8},
+                    "full": {"compact_max_rows": 0}, "compact": {"compact_max_rows": 1 << 30},
                     "compact b12": {"compact_max_rows": 1 << 30, "compact_bits": 12, "compact_cap": 512},
-                    "compact cap64": {"compact_max_rows": 1 << 30, "compact_maxnreg": 64},
+                    "compact r2": {"compact_tile_bits": 2},
+                    "compact e32": {"elems_per_thread": 32},
+                    "compact r2 e32": {"compact_tile_bits": 2, "elems_per_thread": 32},
+                    "compact b12 r2": {"compact_bits": 12, "compact_cap": 512, "compact_tile_bits": 2},
                     "compact fallback": {"compact_max_rows": 1 << 30, "compact_min_k": 16, "compact_bits": 2,
                                          "compact_cap": 16}}
 
@@ -123,6 +135,12 @@ if triton is not None:
         return ((e - cand).to(tl.uint32, bitcast=True) >> 31).to(tl.int32, bitcast=True)
 
     @triton.jit
+    def _at_least(e, cand):
+        """1 where e >= cand else 0 (int32), for e in [-1, 2**31) and cand in [1, 2**31): the sign bit of
+        cand - 1 - e (no overflow)."""
+        return ((cand - 1 - e).to(tl.uint32, bitcast=True) >> 31).to(tl.int32, bitcast=True)
+
+    @triton.jit
     def _count_ge(e0, e1, cand, NBP: tl.constexpr):
         """#(entries >= cand) of the score bits e0, e1 (int32 [NBP, 8], real entries in [0, 2**31), padding -1;
         cand in [1, 2**31)): e - cand cannot overflow and its sign bit (1 where e < cand, a logical shift) is summed
@@ -131,7 +149,8 @@ if triton is not None:
         return NBP * 16 - tl.sum(tl.sum(_below(e0, cand) + _below(e1, cand), axis=1), axis=0)
 
     @triton.jit
-    def _compact_threshold(e0, e1, c, NSEL, NVALID, scr, NBP: tl.constexpr, J: tl.constexpr, CAP: tl.constexpr):
+    def _compact_threshold(e0, e1, c, NSEL, NVALID, scr, NBP: tl.constexpr, J: tl.constexpr, CAP: tl.constexpr,
+                           TR: tl.constexpr = 1, PHASE: tl.constexpr = 0):
         """Threshold of the row's NSEL highest scores and its tie cut: returns (th, cstar) int32 scalars such that
         the selection is ``e > th | (e == th & channel <= cstar)`` -- the NSEL highest scores, ties to the lower
         channels (the reference's stable descending sort), the same set as ``_bits_threshold`` + ``_half_ranks``.
@@ -143,10 +162,13 @@ if triton is not None:
         2. the candidates (entries whose top J bits equal th's: the threshold lies among them; #(above) = the count
            of th minus theirs) in channel order (``_half_ranks`` of their flags) are stored to scr, and after a
            barrier read back as one [CAP] tile (padding -1); the remaining 31 - J bits are searched over the tile
-           (counts: above + the tile's), with the same early stop;
+           (counts: above + the tile's), with the same early stop; TR = 2: two bits per step while two remain
+           (3 candidate counts packed as 10-bit fields in one reduction; needs < 1024 candidates);
         3. ties at the final T (count > NSEL): need = NSEL - #(> T); the tile's cumulative count of entries == T
            (channel order) gives cstar = the channel of the need-th tie.
-        More than CAP candidates: steps 2-3 over the full row instead (the full-row ranks of ``_half_ranks``)."""
+        More than CAP candidates: steps 2-3 over the full row instead (the full-row ranks of ``_half_ranks``).
+        PHASE (the kernel's STOP 4 / 5 timing probes; 0 = all): 1 returns after step 1's full-row bits, 2 after the
+        tile is stored and read back (cstar = the tile's largest channel, to keep the load); not a selection."""
         th = tl.full((), 0, tl.int32)
         cnt = th + NVALID
         k = th
@@ -158,13 +180,13 @@ if triton is not None:
             cnt = tl.where(take, n, cnt)
             k += 1
         cstar = th * 0 + 0x7FFFFFFF
-        if cnt != NSEL:
+        if (cnt != NSEL) & (PHASE != 1):
             f0 = ((e0 >> (31 - J)) == (th >> (31 - J))).to(tl.int32)  # padding -1 >> s = -1 never equals th's
             f1 = ((e1 >> (31 - J)) == (th >> (31 - J))).to(tl.int32)
             ncand = tl.sum(tl.sum(f0, axis=1) + tl.sum(f1, axis=1), axis=0)
             ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
             ch1 = ch0 + 8
-            if ncand <= CAP:
+            if (ncand <= CAP) & ((TR == 1) | (ncand < 1024)):  # TR 2: a count must fit 10 bits
                 p0, p1 = _half_ranks(f0, f1)
                 tl.store(scr + p0 - 1, e0, mask=f0 != 0)
                 tl.store(scr + p1 - 1, e1, mask=f1 != 0)
@@ -175,14 +197,29 @@ if triton is not None:
                 tv = tl.load(scr + i, mask=i < ncand, other=-1)
                 tch = tl.load(scr + CAP + i, mask=i < ncand, other=0)
                 above = cnt - ncand
+                if PHASE == 2:
+                    cstar = tl.max(tch, axis=0)
+                    k = k + 31  # no tile search
                 while (k < 31) & (cnt != NSEL):
-                    cand = th | (1 << (30 - k))
-                    n = above + CAP - tl.sum(_below(tv, cand), axis=0)
-                    take = n >= NSEL
-                    th = tl.where(take, cand, th)
-                    cnt = tl.where(take, n, cnt)
-                    k += 1
-                if cnt != NSEL:
+                    if (TR == 2) & (k < 30):  # two bits: the 3 candidates' tile counts as 10-bit fields of one sum
+                        c1 = th | (1 << (29 - k))
+                        c2 = th | (2 << (29 - k))
+                        c3 = th | (3 << (29 - k))
+                        sp = tl.sum(_at_least(tv, c1) + (_at_least(tv, c2) << 10) + (_at_least(tv, c3) << 20), axis=0)
+                        n1 = above + (sp & 1023)
+                        n2 = above + ((sp >> 10) & 1023)
+                        n3 = above + (sp >> 20)  # n1 >= n2 >= n3: the largest digit whose count reaches NSEL
+                        th = tl.where(n3 >= NSEL, c3, tl.where(n2 >= NSEL, c2, tl.where(n1 >= NSEL, c1, th)))
+                        cnt = tl.where(n3 >= NSEL, n3, tl.where(n2 >= NSEL, n2, tl.where(n1 >= NSEL, n1, cnt)))
+                        k += 2
+                    else:
+                        cand = th | (1 << (30 - k))
+                        n = above + CAP - tl.sum(_below(tv, cand), axis=0)
+                        take = n >= NSEL
+                        th = tl.where(take, cand, th)
+                        cnt = tl.where(take, n, cnt)
+                        k += 1
+                if (cnt != NSEL) & (PHASE == 0):
                     tie = tv == th
                     need = NSEL - above - tl.sum((tv > th).to(tl.int32), axis=0)
                     rk = tl.cumsum(tie.to(tl.int32), axis=0)
@@ -211,7 +248,7 @@ if triton is not None:
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
         ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0, scr_ptr=None, COMPACT: tl.constexpr = 0,
-        CAP: tl.constexpr = 1,
+        CAP: tl.constexpr = 1, TR: tl.constexpr = 1,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -228,9 +265,11 @@ if triton is not None:
         STOP (timing probe for ``bench nvfp4 --channel-probe`` only; QDQ launches; 0 = the kernel): return after a
         phase, storing one full row that depends on it (its bytes mean nothing): 1 = load + first pass (out =
         deq(Q(x))), 2 = + threshold search (out = deq(Q(x)) where the score >= th, else 0), 3 = + selection with the
-        tie ranks and R_sel's amax (out = deq(Q(x)) where selected, else amax).
+        tie ranks and R_sel's amax (out = deq(Q(x)) where selected, else amax); COMPACT > 0 only: 4 = load, first
+        pass, the J full-row bits, 5 = + the candidate tile stored and read back (``_compact_threshold`` PHASE).
         COMPACT = J > 0: the selection by ``_compact_threshold`` (J full-row bits, then a [CAP] candidate tile in
-        scr_ptr: int32 [M, 2 * CAP] scratch, row r's at r * 2 * CAP); 0: ``_bits_threshold`` + ``_half_ranks``."""
+        scr_ptr: int32 [M, 2 * CAP] scratch, row r's at r * 2 * CAP; TR: bits per tile step, 1 or 2); 0:
+        ``_bits_threshold`` + ``_half_ranks``."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
         cmask = c < NB
@@ -265,11 +304,13 @@ if triton is not None:
         e0 = tl.where(m2, s0.to(tl.int32, bitcast=True), -1)  # padding: never selected
         e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
         if COMPACT > 0:
-            th, cstar = _compact_threshold(e0, e1, c, NSEL, NB * 16, scr_ptr + row * (2 * CAP), NBP, COMPACT, CAP)
-            if STOP == 2:
-                _store_halves(out_ptr, b, tl.where(e0 >= th, v0, 0.0), tl.where(e1 >= th, v1, 0.0), cmask, OUT)
-                return
+            th, cstar = _compact_threshold(e0, e1, c, NSEL, NB * 16, scr_ptr + row * (2 * CAP), NBP, COMPACT, CAP,
+                                           TR, 1 if STOP == 4 else (2 if STOP == 5 else 0))
             ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
+            if (STOP == 2) | (STOP == 4) | (STOP == 5):
+                _store_halves(out_ptr, b, tl.where((e0 >= th) | (ch0 <= cstar), v0, 0.0),
+                              tl.where((e1 >= th) | (ch0 + 8 <= cstar), v1, 0.0), cmask, OUT)
+                return
             sel0 = (e0 > th) | ((e0 == th) & (ch0 <= cstar))
             sel1 = (e1 > th) | ((e1 == th) & (ch0 + 8 <= cstar))
         else:
@@ -364,8 +405,8 @@ def _check_row(k: int) -> int:
     return nbp
 
 
-def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int] | None:
-    """(COMPACT bits J, CAP) of the compacted search for a launch of ``m`` rows of ``k`` channels (``CHANNEL_CONFIG``
+def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int, int] | None:
+    """(COMPACT bits J, CAP, TR tile bits per step) of the compacted search for a launch of ``m`` rows of ``k`` channels (``CHANNEL_CONFIG``
     compact_*), or None for the full-row search. J in [1, 30]; CAP a power of two <= the padded row."""
     c = CHANNEL_CONFIG
     if m > c["compact_max_rows"] or k < c["compact_min_k"]:
@@ -373,7 +414,9 @@ def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int] | None:
     bits = int(c["compact_bits"])
     if not 1 <= bits <= 30:
         raise ValueError(f"CHANNEL_CONFIG['compact_bits'] must be in [1, 30], got {bits}")
-    return bits, int(min(tk._pow2(max(1, int(c["compact_cap"]))), nbp * BLOCK_SIZE))
+    if c["compact_tile_bits"] not in (1, 2):
+        raise ValueError(f"CHANNEL_CONFIG['compact_tile_bits'] must be 1 or 2, got {c['compact_tile_bits']!r}")
+    return bits, int(min(tk._pow2(max(1, int(c["compact_cap"]))), nbp * BLOCK_SIZE)), int(c["compact_tile_bits"])
 
 
 def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_finite: bool, packed: bool,
@@ -408,8 +451,8 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
                 enable_fp_fusion=False, **({"STOP": int(stop)} if stop else {}))
     comp = _compact_args(m, k, nbp)
     if comp is not None:
-        bits, cap = comp
-        meta.update(COMPACT=bits, CAP=cap, scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
+        bits, cap, tr = comp
+        meta.update(COMPACT=bits, CAP=cap, TR=tr, scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
     if not per_row and m > 1:  # per-tensor second-pass scale: amax of R_sel over all rows first
