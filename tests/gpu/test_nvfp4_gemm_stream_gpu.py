@@ -52,10 +52,20 @@ VARIANTS = [
        row_skip=1),
     SC(block_m=4, block_n=64, block_kw=32, num_warps=8, fixup=True, decode="f16x2", late_scale=True, block_scale=True,
        row_skip=1),
+    # int32 activation pairs (x_pairs), weights two K steps ahead (prefetch2), pipelined 8-warp tile (issue #5 phase 2)
+    SC(block_m=1, block_n=16, block_kw=128, num_warps=4, fixup=True, decode="f16x2", late_scale=True, block_scale=True,
+       x_pairs=True, prefetch2=True),
+    SC(block_m=2, block_n=32, block_kw=64, num_warps=4, fixup=True, decode="f16x2", late_scale=True, block_scale=True,
+       prefetch2=True, row_skip=1),
+    SC(block_m=2, block_n=16, block_kw=128, num_warps=4, fixup=True, decode="f16x2", late_scale=True, block_scale=True,
+       x_pairs=True, prefetch=False, pipe=3),
+    SC(block_m=1, block_n=64, block_kw=32, num_warps=4, decode="f16x2", late_scale=True, block_scale=True,
+       x_pairs=True, prefetch=False, pipe=3),
 ]
 LATE = [c for c in VARIANTS if c.late_scale]
 BF = [c for c in VARIANTS if c.decode == "bf16x2"]
 RS = [c for c in VARIANTS if c.row_skip]
+X2 = [c for c in VARIANTS if c.x_pairs or c.prefetch2]
 
 
 def _x(m, k, seed=0, dtype=torch.bfloat16):
@@ -124,7 +134,7 @@ def test_stream_one_hot_exact(cfg, dtype):
     assert bool((wq[:, ks] != 0).any()) and bool((wq[:, ks] < 0).any())
 
 
-@pytest.mark.parametrize("cfg", [VARIANTS[0], VARIANTS[2], VARIANTS[4], LATE[0], LATE[1], BF[1], *RS],
+@pytest.mark.parametrize("cfg", [VARIANTS[0], VARIANTS[2], VARIANTS[4], LATE[0], LATE[1], BF[1], *RS, *X2],
                          ids=lambda c: c.label)
 @pytest.mark.parametrize("gemm", ["w13", "w2"])
 @pytest.mark.parametrize("tokens", [1, 16])

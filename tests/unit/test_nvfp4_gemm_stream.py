@@ -98,6 +98,14 @@ DENSE = [
                                           late_scale=True, block_scale=True, row_skip=1)),
     (3, 24, 176, torch.float16, False, SC(block_m=2, block_n=32, block_kw=8, split_k=2, decode="f16x2",
                                           late_scale=True, row_skip=1, fixup=True)),
+    # activation pairs as int32 loads (x_pairs: bf16 bit placement, fp16 conversion), weights two K steps ahead
+    # (prefetch2), K tail in every range
+    (5, 24, 176, torch.bfloat16, True, SC(block_m=4, block_n=16, block_kw=8, split_k=3, decode="f16x2",
+                                          late_scale=True, block_scale=True, x_pairs=True, prefetch2=True)),
+    (3, 24, 176, torch.float16, False, SC(block_m=2, block_n=16, block_kw=4, split_k=2, decode="f16x2",
+                                          late_scale=True, row_skip=1, x_pairs=True, fixup=True)),
+    (3, 24, 176, torch.bfloat16, True, SC(block_m=2, block_n=16, block_kw=8, split_k=2, decode="f16x2",
+                                          late_scale=True, block_scale=True, x_pairs=True, prefetch=False, pipe=3)),
     # few rows per program (block_n 4/8 on CUDA cores), whole rows, partial last row tile
     (1, 20, 256, torch.bfloat16, True, SC(block_m=1, block_n=8, block_kw=32, split_k=1, num_warps=1, decode="f16x2",
                                           late_scale=True, fixup=True)),
@@ -178,7 +186,7 @@ def test_stream_decode_exact_one_hot(cfg):
                                  SC(block_m=2, block_n=16, block_kw=8, split_k=2, decode="f16x2", late_scale=True,
                                     block_scale=True, fixup=True, row_skip=1),
                                  SC(block_m=4, block_n=16, block_kw=16, split_k=1, decode="f16x2", late_scale=True,
-                                    block_scale=True, row_skip=1)],
+                                    block_scale=True, row_skip=1, x_pairs=True, prefetch2=True)],
                          ids=lambda c: c.label)
 def test_stream_grouped_matches_per_expert_reference(cfg):
     """One grouped launch (tile table of moe_align, block_m 16 > the FMA chunk: rows looped in chunks)
@@ -215,9 +223,14 @@ def test_stream_config_errors_and_dispatch_table(monkeypatch):
                 SC(late_scale=True), SC(decode="f16", late_scale=True),  # late_scale needs the f16x2 decode
                 SC(block_m=16, mma=1, decode="f16x2", late_scale=True), SC(decode="bf16x2"),  # bf16x2: mma only  # pipe > 1 with the manual prefetch: refused
                 SC(decode="f16x2", late_scale=True, row_skip=1),  # row_skip: block_m 2/4 with late_scale, value 0/1
-                SC(block_m=2, row_skip=1), SC(block_m=2, decode="f16x2", late_scale=True, row_skip=2)):
+                SC(block_m=2, row_skip=1), SC(block_m=2, decode="f16x2", late_scale=True, row_skip=2),
+                SC(x_pairs=True), SC(decode="f16x2", late_scale=True, x_pairs=True, xperm=True),  # x_pairs: late, no xperm
+                SC(prefetch=False, prefetch2=True), SC(block_m=16, mma=1, prefetch2=True)):  # prefetch2: prefetch, mma 0
         with pytest.raises(ValueError, match="bad StreamConfig"):
             tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16", config=bad)
+    with pytest.raises(ValueError, match="x_pairs=True reads 16-bit activation pairs.*float32"):
+        tg.nvfp4_linear(x.float(), q_w.packed, q_w.block_scale, gs, None, "w4a16",
+                        config=SC(decode="f16x2", late_scale=True, x_pairs=True))
     # the table: (grouped, power-of-two rows bucket, N, K); the smallest bucket >= rows that has an entry
     c4, c16 = SC(block_m=2, block_n=32), SC(block_m=4)
     monkeypatch.setitem(tg.DECODE_TABLE, (False, 4, 16, 64), c4)
@@ -254,6 +267,20 @@ def test_stream_row_skip_is_bit_identical_to_full_chunks():
     y0, y1 = (tg.nvfp4_linear(x, q_d.packed, q_d.block_scale, q_d.global_scale.reshape(()), None, "w4a16", config=c)
               for c in (cfg, tg.replace(cfg, row_skip=1)))
     assert torch.equal(y0, y1)
+
+
+def test_stream_x_pairs_and_prefetch2_are_bit_identical():
+    """x_pairs (activation values loaded as int32 pairs and split exactly) and prefetch2 (weights two K steps
+    ahead) change no value, product or summation order: the same bits as without them (bf16 and fp16 activations,
+    K tail in every range, dense M=3 in 2-row chunks)."""
+    q_d = em.quantize_weight(_w((24, 176)))
+    gs = q_d.global_scale.reshape(())
+    cfg = SC(block_m=2, block_n=16, block_kw=4, split_k=2, decode="f16x2", late_scale=True, block_scale=True)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = _x(3, 176, dtype)
+        y0, y1, y2 = (tg.nvfp4_linear(x, q_d.packed, q_d.block_scale, gs, None, "w4a16", config=c)
+                      for c in (cfg, tg.replace(cfg, x_pairs=True), tg.replace(cfg, prefetch2=True)))
+        assert torch.equal(y0, y1) and torch.equal(y0, y2) and bool(y0.ne(0).all()), dtype
 
 
 def test_stream_split_k_fixup_is_bit_identical_to_reduction_launch():
@@ -302,7 +329,9 @@ for cfg, grouped in ((tg.StreamConfig(block_m=1, block_n=128, block_kw=16, prefe
                      (tg.StreamConfig(block_m=1, block_n=16, block_kw=64, num_warps=2, decode="f16x2", late_scale=True,
                                       block_scale=True), True),
                      (tg.StreamConfig(block_m=4, block_n=16, block_kw=64, decode="f16x2", late_scale=True,
-                                      block_scale=True, row_skip=1), True)):
+                                      block_scale=True, row_skip=1), True),
+                     (tg.StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=8, decode="f16x2", late_scale=True,
+                                      block_scale=True, row_skip=1, x_pairs=True, prefetch2=True), False)):
     const = tg._stream_constexprs(cfg, grouped=grouped, tm=16 if grouped else cfg.block_m, partial=True,
                                   fixup=cfg.fixup, has_bias=False, out_code=1, dt=1, even=True, interpreting=False)
     sig = dict(ptrs, **{i: "i32" for i in ints}, **{c: "constexpr" for c in const})
@@ -322,7 +351,8 @@ def test_stream_gpu_only_decode_forms_compile_for_sm90_without_a_gpu():
     inline PTX (fp16 -> fp32 conversions of both halves of a register) and bf16x2's packed bf16 scale
     multiply feeding a bf16 tensor-core dot: compile them for sm_90 with triton's bundled ptxas in a
     subprocess without TRITON_INTERPRET (dense pipelined, grouped 4-row, tensor-core, per-block scale dense and
-    grouped whole-row tile, grouped 4-row chunks with row_skip's runtime branches). Compiles only."""
+    grouped whole-row tile, grouped 4-row chunks with row_skip's runtime branches, dense x_pairs' int32 activation
+    loads + prefetch2). Compiles only."""
     compile_for_sm90_in_subprocess(
         _SM90_STREAM, "on a GPU the kernels are compiled and run by tests/gpu/test_nvfp4_gemm_stream_gpu.py")
 

@@ -452,8 +452,9 @@ def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
     """``--focus`` (short sweep, issue #5), at most 9 per GEMM (12 with one activation row per chunk and a
     CUDA-core entry or none: the
     roofline candidates below; meant for ``--m 1,16`` at moe,d8192 in
-    one ~150 s run on the H200; grouped GEMMs at >= 4 tokens: the entry and the ``row_skip`` multi-row chunks, at
-    most 10), in this order (a budget cut drops the last): the current DECODE_TABLE
+    one ~150 s run on the H200; grouped GEMMs at >= 4 tokens: the entry, its ``x_pairs`` / pipelined twins and
+    pipelined 2/4-row chunks, at most 10; one row per chunk (M=1): the entry, its ``x_pairs`` / ``prefetch2`` / pipelined twins and a few
+    block-scale tiles with them, at most 12), in this order (a budget cut drops the last): the current DECODE_TABLE
     entry (``current``, may be None); its ``f16x2`` + ``late_scale`` twin (CUDA-core entries: pair
     decode, block scale per word: ~1 SASS instruction per weight element fewer in the offline sm_90
     count) or its ``bf16x2`` twin (tensor-core entries: bf16 pair decode + packed bf16 scale multiply,
@@ -467,50 +468,52 @@ def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
     out = [current] if current is not None else []
     if grouped and tokens >= 4:
         # session 8, issue #5 phase 1 (MoE at 16-64 tokens, ~1.6-4 slots per active expert): multi-row chunks with
-        # row_skip (a chunk's invalid rows skip their FMAs at run time, so a one-slot expert costs a one-row chunk and a
-        # multi-slot one decodes its weight tile once). The plain bm2 chunks lost at M=4/16 (w13 153 vs 109 us; the
-        # bm1 tilings at M=16 are in docs/bench_rollout_h200_session8.txt: not repeated). 8 warps keep the bm2 tiles
-        # at <= 128 registers (offline sm_90: bm2 n16 kw128 w4 168, w8 123; bm4 n64 kw32 w8 213).
-        rs = dict(decode="f16x2", late_scale=True, block_scale=True, fixup=True, row_skip=1)
+        # row_skip (a chunk's invalid rows skip their FMAs at run time) lost on the H200 (G1 at cd62c4a, cold L2, us):
+        # w13 M=16 bm1 n16 kw128 w4 (entry) 109, bm2 rs1 same tile 136 (bm2 without rs1: 153), bm2 rs1 n64 kw32 w8 161,
+        # bm4 rs1 n64 kw32 w8 235; w2 M=16 entry 58.9, bm2 rs1 n64 kw32 w8 86.2; at M=64 every CUDA-core variant >= 2.8x
+        # the tensor-core kernel. Why (offline sm_90): each activation row of a chunk adds 8 gathers + 8 shared-memory
+        # conversions (16 BAR) per K step, and 8-warp tiles (block_kw < threads) issue the gathers in the FMA layout
+        # instead (w13 M=16 bm1 n16 kw128 w8: 467 us). Now: the entry's x_pairs / pipelined (p3: the activation via
+        # cp.async, read back in the FMA layout, no conversion) twins and 2-row p3 chunks (bm2 p3 x2: 128 registers,
+        # 13 BAR per step for both rows).
+        p3 = dict(decode="f16x2", late_scale=True, block_scale=True, fixup=True, x_pairs=True, prefetch=False, pipe=3)
+        if current is not None and current.late_scale and current.mma == 0:
+            out += [replace(current, x_pairs=True), replace(current, x_pairs=True, prefetch=False, pipe=3)]
         if bm <= 2:
-            out += [StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=8, **rs),
-                    StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=4, **rs),
-                    StreamConfig(block_m=2, block_n=16, block_kw=64, num_warps=4, **rs),
-                    StreamConfig(block_m=2, block_n=64, block_kw=32, num_warps=8, **rs),
-                    StreamConfig(block_m=4, block_n=16, block_kw=128, num_warps=8, **rs),
-                    StreamConfig(block_m=4, block_n=64, block_kw=32, num_warps=8, **rs),
-                    # control: one row per chunk at 8 warps (block_kw < threads: the activation loads are issued in
-                    # the FMA layout, no shared-memory conversion per nibble; offline sm_90 K loop 20 -> 2 BAR)
-                    StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=8,
-                                 **{k: v for k, v in rs.items() if k != "row_skip"})]
+            out += [StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=4, **p3),
+                    StreamConfig(block_m=2, block_n=64, block_kw=32, num_warps=4, **p3)]
         else:
-            out += [StreamConfig(block_m=4, block_n=64, block_kw=32, num_warps=8, **rs),
-                    StreamConfig(block_m=4, block_n=16, block_kw=128, num_warps=8, **rs),
-                    StreamConfig(block_m=4, block_n=16, block_kw=64, num_warps=4, **rs),
-                    StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=8, **rs),
-                    StreamConfig(block_m=2, block_n=64, block_kw=32, num_warps=8, **rs)]
+            out += [StreamConfig(block_m=4, block_n=16, block_kw=128, num_warps=4, **p3),
+                    StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=4, **p3)]
         return list(dict.fromkeys(out))[:10]
     if bm == 1 and (current is None or current.mma == 0):
         # issue #5 session 7, H200 roofline (docs/bench_rollout_h200_gemv_roofline_s7.txt): the per-word block-scale
         # byte loads bound the reads (old d8192 entry read-only 39.8 us; 13.4 without scale loads; 18.3 with a
-        # per-block scale tile); block_scale loads that tile. Candidates: the entry, with block_scale, tilings that
-        # read fast without per-word scales (n64 kw32 w2, few rows x long K: n16 kw128 w4, n8 kw128 w2, n16 kw64 w2)
+        # per-block scale tile); block_scale loads that tile. Its candidates then (n256/n128 kw16 w4, n64 kw32 w2/w4, n16
+        # kw128 w4, n8 kw128 w2, n16 kw64 w2, all bs) are measured (docs/bench_rollout_h200_session8.txt) and the
+        # winners are in DECODE_TABLE.
         late = dict(decode="f16x2", late_scale=True, fixup=True)
         bs = dict(late, block_scale=True)
-        if current is not None and current.late_scale:
-            out += [replace(current, block_scale=True), replace(current, occ=2, block_scale=True)]
-        out += [StreamConfig(block_m=1, block_n=256, block_kw=16, num_warps=4, **bs),
-                StreamConfig(block_m=1, block_n=128, block_kw=16, num_warps=4, **bs),
-                StreamConfig(block_m=1, block_n=64, block_kw=32, num_warps=2, **bs),
-                StreamConfig(block_m=1, block_n=64, block_kw=32, num_warps=4, **bs),
-                StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, **bs),
-                StreamConfig(block_m=1, block_n=8, block_kw=128, num_warps=2, **bs),
-                StreamConfig(block_m=1, block_n=16, block_kw=64, num_warps=2, **bs)]
-        if grouped and tokens >= 4:
-            # session 8: decode at 16+ tokens (~1-2 slots per active expert): 2 rows per chunk, so an expert with
-            # two slots streams its weights once (the grouped tile loops over its rows in chunks of block_m)
-            out += [StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=4, **bs),
-                    StreamConfig(block_m=2, block_n=64, block_kw=32, num_warps=4, **bs)]
+        # session 8, issue #5 phase 2 (the bs tiling reads at 46% of copy BW at d8192). Offline sm_90 of the d8192 entry
+        # (n16 kw128 w4): per K step 8 two-byte activation gathers (1 per thread, lanes 16 bytes apart), each converted
+        # through shared memory to the FMA layout (20 BAR per step). With block_kw < threads Triton instead issues the
+        # gathers in the FMA layout (lanes 64 bytes apart, 32 per thread): H200 G1 (cd62c4a) n16 kw128 w8 467 us vs w4
+        # 109 at MoE w13 M=16, so those tiles are out. Candidates: x_pairs (int32 activation pairs: half the gathers),
+        # prefetch2 (two K steps of weight loads in flight), Triton's pipeliner (p3, cp.async), n16 kw256 w8 (same
+        # per-thread tile, 2x threads per program). Offline, p3 also drops the conversions: the activation goes to shared
+        # memory by cp.async and is read back in the FMA layout (n16 kw128 w4 p3 x2: 4 BAR per step, 95 registers).
+        if current is not None and current.late_scale and current.mma == 0:
+            out += [replace(current, x_pairs=True), replace(current, prefetch2=True),
+                    replace(current, x_pairs=True, prefetch2=True), replace(current, prefetch=False, pipe=3),
+                    replace(current, x_pairs=True, prefetch=False, pipe=3)]
+        p3 = dict(bs, x_pairs=True, prefetch=False)
+        out += [StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, x_pairs=True, prefetch2=True, **bs),
+                StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, pipe=3, **p3),
+                StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, pipe=4, **p3),
+                StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=8, pipe=3, **p3),
+                StreamConfig(block_m=1, block_n=16, block_kw=256, num_warps=8, x_pairs=True, **bs),
+                StreamConfig(block_m=1, block_n=16, block_kw=256, num_warps=8, pipe=3, **p3),
+                StreamConfig(block_m=1, block_n=8, block_kw=128, num_warps=2, pipe=3, **p3)]
         return list(dict.fromkeys(out))[:12]
     if current is not None and current.mma == 0:
         out.append(replace(current, decode="f16x2", late_scale=True))
@@ -795,7 +798,8 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
                        + (f", pipe={c.pipe}" if c.pipe != 1 else "") + (", xperm=True" if c.xperm else "")
                        + (", late_scale=True" if c.late_scale else "")
                        + (", block_scale=True" if c.block_scale else "")
-                       + (f", row_skip={c.row_skip}" if c.row_skip else "") + "),")
+                       + (f", row_skip={c.row_skip}" if c.row_skip else "") + (", x_pairs=True" if c.x_pairs else "")
+                       + (", prefetch2=True" if c.prefetch2 else "") + "),")
     snippet.append("}")
     out.append("\n".join(snippet))
     print("\n".join(snippet), flush=True)

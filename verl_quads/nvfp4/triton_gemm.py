@@ -612,6 +612,59 @@ if triton is not None:
         return p
 
     @triton.jit
+    def _stream_xq(x_ptr, arow, kw, kw_hi, K, Q: tl.constexpr, EVEN: tl.constexpr):
+        """x_pairs: int32 word ``Q`` (0..3) of each weight word's 8 activation values of row ``arow`` (int64
+        scalar), i.e. the 16-bit elements ``8 kw + 2Q`` (low half) and ``8 kw + 2Q + 1`` (high half), ``[BKW]``
+        int32: one 4-byte load per 2 activation values instead of one 2-byte load each."""
+        off = arow * (K // 2) + kw * 4 + Q
+        xq_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+        if EVEN:
+            q = tl.load(xq_ptr + off)
+        else:
+            q = tl.load(xq_ptr + off, mask=kw < kw_hi, other=0)
+        return q
+
+    @triton.jit
+    def _xq_half(q, HI: tl.constexpr, XD: tl.constexpr):
+        """The low (HI 0) or high (HI 1) 16-bit half of int32 ``q`` as float32, exactly: bf16 (XD 1) by
+        placing its bits in the top half of a float32, fp16 (XD 2) by an fp16 -> fp32 conversion."""
+        if XD == 1:
+            if HI:
+                v = (q & -65536).to(tl.float32, bitcast=True)
+            else:
+                v = (q << 16).to(tl.float32, bitcast=True)
+        else:
+            if HI:
+                v = (q >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            else:
+                v = q.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        return v
+
+    @triton.jit
+    def _stream_late_row_q(p, dl, dh, qa, qb, qc, qd, PJ: tl.constexpr, XD: tl.constexpr):
+        """:func:`_stream_late_row` from the row's x_pairs words ``qa..qd`` (:func:`_stream_xq` Q 0..3): element
+        PJ is in word PJ // 2, element PJ + 4 in word 2 + PJ // 2, both in half PJ % 2."""
+        if PJ < 2:
+            xl = _xq_half(qa, PJ % 2, XD)
+            xh = _xq_half(qc, PJ % 2, XD)
+        else:
+            xl = _xq_half(qb, PJ % 2, XD)
+            xh = _xq_half(qd, PJ % 2, XD)
+        p += dl * xl[None, :]
+        p += dh * xh[None, :]
+        return p
+
+    @triton.jit
+    def _stream_late_row_q1(p, dl, dh, x_ptr, arow, kw, kw_hi, K, PJ: tl.constexpr, EVEN: tl.constexpr,
+                            XD: tl.constexpr):
+        """:func:`_stream_late_row_q` loading only the two x_pairs words it needs (rows under row_skip's branch)."""
+        ql = _stream_xq(x_ptr, arow, kw, kw_hi, K, PJ // 2, EVEN)
+        qh = _stream_xq(x_ptr, arow, kw, kw_hi, K, 2 + PJ // 2, EVEN)
+        p += dl * _xq_half(ql, PJ % 2, XD)[None, :]
+        p += dh * _xq_half(qh, PJ % 2, XD)[None, :]
+        return p
+
+    @triton.jit
     def _stream_rows(arow_ptr, orow_ptr, r, r1, GROUPED: tl.constexpr):
         """(activation row int64, output row int64, valid) of sorted/tile row ``r`` (valid: r < r1; an
         invalid row gets activation row 0, so its loads need no mask; its output is not stored)."""
@@ -647,14 +700,16 @@ if triton is not None:
         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, DEC: tl.constexpr,
         MMA: tl.constexpr, DT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, FIXUP: tl.constexpr,
         PIPE: tl.constexpr = None, XP: tl.constexpr = False, LATE: tl.constexpr = False,
-        ASM: tl.constexpr = False, BS: tl.constexpr = False, RS: tl.constexpr = 0,
+        ASM: tl.constexpr = False, BS: tl.constexpr = False, RS: tl.constexpr = 0, XQ: tl.constexpr = False,
+        PF2: tl.constexpr = False,
     ):
         """W4A16 weight-streaming GEMM: program (M-tile, BN output columns, K-range ``pid_k``).
 
         Rows of the M-tile (dense: ``TM`` rows from ``pid_m * TM``; grouped: the tile table's row range
         of one expert) are processed in chunks of BM rows; for each chunk the program streams its BN
         weight rows over its K range, BKW int32 words (8 * BKW elements) per step, PREFETCH: the next
-        step's words and scales are loaded before this step's arithmetic (manual double buffering).
+        step's words and scales are loaded before this step's arithmetic (manual double buffering); PF2: the
+        step after next too (two steps of loads in flight during the arithmetic).
 
         MMA 0 (CUDA cores, BM in 1, 2, 4): float32 accumulators ``[BN, BKW]`` per row, one FMA per
         weight element and row; summed over the word axis once at the end. PIPE (None or > 1): the K loop is
@@ -668,7 +723,8 @@ if triton is not None:
         conversion (GPU only). RS (``row_skip``, LATE, BM 2/4): 1 = the FMAs of a chunk's rows past the
         first run under a runtime branch on the row being valid (uniform per program), so a chunk with
         one valid row costs a one-row chunk plus the branches, and a chunk of 2-4 valid rows decodes the
-        weight tile once for all of them. MMA 1 (tensor cores, BM >=
+        weight tile once for all of them. XQ (``x_pairs``, LATE, 16-bit activations: OUT 1 bf16 / 2 fp16): the
+        activation values are loaded as int32 words of 2 (:func:`_stream_xq`) and split exactly. MMA 1 (tensor cores, BM >=
         16): per nibble position J ``acc[BN, BM] += W_J[BN, BKW] @ X_J[BM, BKW].T`` (swapped: weight rows
         on the MMA's M side) in the operand type DT (0 float32, 1 bf16, 2 fp16; the decoded values
         E2M1 * scale * 2**-9 are exact in all three). MMA 2: the same, not swapped ``X_J @ W_J.T``.
@@ -731,15 +787,25 @@ if triton is not None:
             if PREFETCH:
                 wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw_lo + i, kw_hi, KW, KB, DEC, EVEN, DT == 0, BS,
                                          kw_lo)
+                if PF2:
+                    nx2 = nmask & ((kw_hi - kw_lo + 0 * cols) > BKW)
+                    wd_nn, s_nn = _stream_load(w_ptr, ws_ptr, wrow, nx2, kw_lo + BKW + i, kw_hi, KW, KB, DEC, EVEN,
+                                               DT == 0, BS, kw_lo + BKW)
             for kw0 in tl.range(kw_lo, kw_hi, BKW, num_stages=PIPE):
                 kw = kw0 + i
                 if PREFETCH:
                     wd, s = wd_n, s_n
-                    # next step in range: a mask along N only (constant along K, so the loads stay 16-byte
-                    # vectors; the [BN] form also avoids the interpreter's int32 result of bool & 0-d bool)
-                    nxt = nmask & ((kw_hi - kw0 + 0 * cols) > BKW)
-                    wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + BKW, kw_hi, KW, KB, DEC, EVEN, DT == 0, BS,
-                                             kw0 + BKW)
+                    if PF2:  # the step after next: two steps of loads in flight
+                        wd_n, s_n = wd_nn, s_nn
+                        nxt = nmask & ((kw_hi - kw0 + 0 * cols) > 2 * BKW)
+                        wd_nn, s_nn = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + 2 * BKW, kw_hi, KW, KB, DEC, EVEN,
+                                                   DT == 0, BS, kw0 + 2 * BKW)
+                    else:
+                        # next step in range: a mask along N only (constant along K, so the loads stay 16-byte
+                        # vectors; the [BN] form also avoids the interpreter's int32 result of bool & 0-d bool)
+                        nxt = nmask & ((kw_hi - kw0 + 0 * cols) > BKW)
+                        wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + BKW, kw_hi, KW, KB, DEC, EVEN, DT == 0,
+                                                 BS, kw0 + BKW)
                 else:
                     wd, s = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC, EVEN, DT == 0, BS, kw0)
                 if LATE:  # MMA 0: per-word sums of unscaled products, then one FFMA with the scale
@@ -747,21 +813,57 @@ if triton is not None:
                     p1 = tl.zeros([BN, BKW], tl.float32)
                     p2 = tl.zeros([BN, BKW], tl.float32)
                     p3 = tl.zeros([BN, BKW], tl.float32)
+                    if XQ:  # x_pairs: each row's 8 activation values per word as 4 int32 loads, once per step
+                        q0a = _stream_xq(x_ptr, a0, kw, kw_hi, K, 0, EVEN)
+                        q0b = _stream_xq(x_ptr, a0, kw, kw_hi, K, 1, EVEN)
+                        q0c = _stream_xq(x_ptr, a0, kw, kw_hi, K, 2, EVEN)
+                        q0d = _stream_xq(x_ptr, a0, kw, kw_hi, K, 3, EVEN)
+                        if BM > 1 and RS == 0:
+                            q1a = _stream_xq(x_ptr, a1, kw, kw_hi, K, 0, EVEN)
+                            q1b = _stream_xq(x_ptr, a1, kw, kw_hi, K, 1, EVEN)
+                            q1c = _stream_xq(x_ptr, a1, kw, kw_hi, K, 2, EVEN)
+                            q1d = _stream_xq(x_ptr, a1, kw, kw_hi, K, 3, EVEN)
+                        if BM > 2 and RS == 0:
+                            q2a = _stream_xq(x_ptr, a2, kw, kw_hi, K, 0, EVEN)
+                            q2b = _stream_xq(x_ptr, a2, kw, kw_hi, K, 1, EVEN)
+                            q2c = _stream_xq(x_ptr, a2, kw, kw_hi, K, 2, EVEN)
+                            q2d = _stream_xq(x_ptr, a2, kw, kw_hi, K, 3, EVEN)
+                            q3a = _stream_xq(x_ptr, a3, kw, kw_hi, K, 0, EVEN)
+                            q3b = _stream_xq(x_ptr, a3, kw, kw_hi, K, 1, EVEN)
+                            q3c = _stream_xq(x_ptr, a3, kw, kw_hi, K, 2, EVEN)
+                            q3d = _stream_xq(x_ptr, a3, kw, kw_hi, K, 3, EVEN)
                     for pj in tl.static_range(4):
                         dl, dh = _e2m1_pair(wd, pj, ASM)
-                        p0 = _stream_late_row(p0, dl, dh, x_ptr, a0, kw, kw_hi, K, pj, EVEN, XP)
+                        if XQ:
+                            p0 = _stream_late_row_q(p0, dl, dh, q0a, q0b, q0c, q0d, pj, OUT)
+                        else:
+                            p0 = _stream_late_row(p0, dl, dh, x_ptr, a0, kw, kw_hi, K, pj, EVEN, XP)
                         if BM > 1:
                             if RS == 1:
                                 if v1:  # runtime, uniform per program: skip an invalid row's FMAs
-                                    p1 = _stream_late_row(p1, dl, dh, x_ptr, a1, kw, kw_hi, K, pj, EVEN, XP)
+                                    if XQ:
+                                        p1 = _stream_late_row_q1(p1, dl, dh, x_ptr, a1, kw, kw_hi, K, pj, EVEN, OUT)
+                                    else:
+                                        p1 = _stream_late_row(p1, dl, dh, x_ptr, a1, kw, kw_hi, K, pj, EVEN, XP)
+                            elif XQ:
+                                p1 = _stream_late_row_q(p1, dl, dh, q1a, q1b, q1c, q1d, pj, OUT)
                             else:
                                 p1 = _stream_late_row(p1, dl, dh, x_ptr, a1, kw, kw_hi, K, pj, EVEN, XP)
                         if BM > 2:
                             if RS == 1:
                                 if v2:
-                                    p2 = _stream_late_row(p2, dl, dh, x_ptr, a2, kw, kw_hi, K, pj, EVEN, XP)
+                                    if XQ:
+                                        p2 = _stream_late_row_q1(p2, dl, dh, x_ptr, a2, kw, kw_hi, K, pj, EVEN, OUT)
+                                    else:
+                                        p2 = _stream_late_row(p2, dl, dh, x_ptr, a2, kw, kw_hi, K, pj, EVEN, XP)
                                 if v3:
-                                    p3 = _stream_late_row(p3, dl, dh, x_ptr, a3, kw, kw_hi, K, pj, EVEN, XP)
+                                    if XQ:
+                                        p3 = _stream_late_row_q1(p3, dl, dh, x_ptr, a3, kw, kw_hi, K, pj, EVEN, OUT)
+                                    else:
+                                        p3 = _stream_late_row(p3, dl, dh, x_ptr, a3, kw, kw_hi, K, pj, EVEN, XP)
+                            elif XQ:
+                                p2 = _stream_late_row_q(p2, dl, dh, q2a, q2b, q2c, q2d, pj, OUT)
+                                p3 = _stream_late_row_q(p3, dl, dh, q3a, q3b, q3c, q3d, pj, OUT)
                             else:
                                 p2 = _stream_late_row(p2, dl, dh, x_ptr, a2, kw, kw_hi, K, pj, EVEN, XP)
                                 p3 = _stream_late_row(p3, dl, dh, x_ptr, a3, kw, kw_hi, K, pj, EVEN, XP)
@@ -1180,6 +1282,16 @@ class StreamConfig:
             costs a one-row chunk, one with 2-4 slots decodes each weight word once for all of them
             (block_m 1 re-reads and re-decodes the weight tile for every slot). Same products and
             summation order as without it (bit-identical). 0 = every row of a chunk computed.
+        x_pairs: (``late_scale``, not ``xperm``; bf16 / fp16 activations only) the activation values are loaded
+            as int32 words of two 16-bit values (4 loads per weight word and row instead of 8 two-byte loads)
+            and split exactly (bf16: bit placement; fp16: conversion). Same values, products and order as
+            without it (bit-identical). Why: the offline sm_90 K loop of the d8192 M=1 entry issues 8
+            two-byte activation gathers per step and converts each through shared memory (20 BAR per step);
+            with pairs there are half as many loads and conversions.
+        prefetch2: (``prefetch``, ``mma=0``) load the words and scales two K steps ahead instead of one (a third
+            register buffer): twice the weight bytes in flight per thread during a step's arithmetic. Why: the H200
+            roofline (session 7) reads the codes alone at 78-81% of copy BW with few-row long-K tiles, the kernel's
+            tiling at 46%; a bandwidth-bound read needs more bytes in flight per SM. Same results (bit-identical).
     """
 
     block_m: int = 1
@@ -1198,6 +1310,8 @@ class StreamConfig:
     late_scale: bool = False
     block_scale: bool = False
     row_skip: int = 0
+    x_pairs: bool = False
+    prefetch2: bool = False
 
     @property
     def label(self) -> str:
@@ -1205,7 +1319,7 @@ class StreamConfig:
         kind = ("fma", "mma-swap", "mma")[self.mma]
         return (f"{kind} bm{self.block_m} n{self.block_n} kw{self.block_kw} s{self.split_k or 'auto'} "
                 f"w{self.num_warps} st{self.num_stages} {self.decode}{' pf' if self.prefetch else ''}"
-                f"{' fx' if self.fixup else ''}{'' if self.occ == 4 else f' o{self.occ}'}{f' p{self.pipe}' if self.pipe > 1 else ''}{' xp' if self.xperm else ''}{' ls' if self.late_scale else ''}{' bs' if self.block_scale else ''}{f' rs{self.row_skip}' if self.row_skip else ''}")
+                f"{' fx' if self.fixup else ''}{'' if self.occ == 4 else f' o{self.occ}'}{f' p{self.pipe}' if self.pipe > 1 else ''}{' xp' if self.xperm else ''}{' ls' if self.late_scale else ''}{' bs' if self.block_scale else ''}{f' rs{self.row_skip}' if self.row_skip else ''}{' x2' if self.x_pairs else ''}{' pf2' if self.prefetch2 else ''}")
 
     def check(self) -> None:
         def pow2(v):
@@ -1218,6 +1332,8 @@ class StreamConfig:
               and (not self.late_scale or (self.mma == 0 and self.decode == "f16x2"))
               and (not self.block_scale or (self.late_scale and self.block_kw >= 2))
               and (self.row_skip == 0 or (self.row_skip == 1 and self.late_scale and self.block_m in (2, 4)))
+              and (not self.x_pairs or (self.late_scale and not self.xperm))
+              and (not self.prefetch2 or (self.prefetch and self.mma == 0))
               and (self.decode != "bf16x2" or self.mma != 0))
         if self.mma == 0:
             ok = ok and self.block_m in (1, 2, 4)
@@ -1229,7 +1345,8 @@ class StreamConfig:
                 "and block_kw >= 16; block_n >= 16 (>= 4 with mma 0), block_kw, num_warps powers of 2; decode 'bits', 'f16', "
                 "'f16x2' or 'bf16x2'; occ >= 1; pipe >= 1, pipe > 1 needs prefetch=False; xperm needs mma 0; late_scale needs "
                 "mma 0 and decode 'f16x2'; block_scale needs late_scale and block_kw >= 2; row_skip 0 or 1, 1 needs "
-                "late_scale and block_m 2 or 4; decode 'bf16x2' needs mma 1 or 2")
+                "late_scale and block_m 2 or 4; x_pairs needs late_scale and not xperm; prefetch2 needs "
+                "prefetch and mma 0; decode 'bf16x2' needs mma 1 or 2")
 
 
 # Decode dispatch (w4a16, CUDA): (grouped, rows bucket, N, K) -> StreamConfig. Rows = M for a dense GEMM,
@@ -1304,7 +1421,7 @@ def _stream_constexprs(cfg: StreamConfig, *, grouped: bool, tm: int, partial: bo
                 HAS_BIAS=has_bias, OUT=out_code, DEC=("bits", "f16", "f16x2", "bf16x2").index(cfg.decode), MMA=cfg.mma,
                 DT=dt, EVEN=even, PREFETCH=cfg.prefetch, FIXUP=fixup, PIPE=cfg.pipe if cfg.pipe > 1 else None,
                 XP=cfg.xperm, LATE=cfg.late_scale, ASM=cfg.late_scale and not interpreting, BS=cfg.block_scale,
-                RS=cfg.row_skip)
+                RS=cfg.row_skip, XQ=cfg.x_pairs, PF2=cfg.prefetch2)
 
 
 def stream_split(cfg: StreamConfig, kw: int, live: int, n_tiles: int, dev: torch.device) -> tuple[int, int, bool]:
@@ -1343,6 +1460,9 @@ def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor,
     n = w_packed.shape[-2]
     dev = w_packed.device
     grouped = routing is not None
+    if cfg.x_pairs and x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"nvfp4 GEMM: StreamConfig x_pairs=True reads 16-bit activation pairs; the activation is "
+                         f"{x.dtype} (allowed: torch.bfloat16, torch.float16): use x_pairs=False")
     if w_packed.storage_offset() % 4 or not w_packed.is_contiguous():
         raise ValueError("nvfp4 GEMM: streaming kernel needs a contiguous w_packed starting at a 4-byte boundary")
     w32 = w_packed.view(torch.int32)
