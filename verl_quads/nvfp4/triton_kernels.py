@@ -608,16 +608,24 @@ if triton is not None:
         return a + b
 
     @triton.jit
-    def _load_halves(ptr, b, bmask, EV: tl.constexpr = ""):
+    def _load_halves(ptr, b, bmask, EV: tl.constexpr = 0):
         """Elements 0..7 and 8..15 of 16-blocks ``b`` as two float32 [BLK, 8] tiles: each block half is
         one 16-byte vector for 16-bit inputs, so a thread holds whole blocks and the per-block
-        reductions and scale math stay in registers. EV: the loads' L2 eviction policy ("" default,
-        "evict_last" / "evict_first"; a cache hint only, same values)."""
+        reductions and scale math stay in registers. EV: the loads' L2 eviction policy (0 default, 1
+        ``evict_last``, 2 ``evict_first``; a cache hint only, same values). An int, not the policy string:
+        triton 3.6 rejects a string constexpr default at calls that leave it out."""
         h = tl.arange(0, 8)
         off = b[:, None] * 16 + h[None, :]
-        x0 = tl.load(ptr + off, mask=bmask[:, None], other=0.0, eviction_policy=EV).to(tl.float32)
-        x1 = tl.load(ptr + off + 8, mask=bmask[:, None], other=0.0, eviction_policy=EV).to(tl.float32)
-        return x0, x1
+        if EV == 1:
+            x0 = tl.load(ptr + off, mask=bmask[:, None], other=0.0, eviction_policy="evict_last")
+            x1 = tl.load(ptr + off + 8, mask=bmask[:, None], other=0.0, eviction_policy="evict_last")
+        elif EV == 2:
+            x0 = tl.load(ptr + off, mask=bmask[:, None], other=0.0, eviction_policy="evict_first")
+            x1 = tl.load(ptr + off + 8, mask=bmask[:, None], other=0.0, eviction_policy="evict_first")
+        else:
+            x0 = tl.load(ptr + off, mask=bmask[:, None], other=0.0)
+            x1 = tl.load(ptr + off + 8, mask=bmask[:, None], other=0.0)
+        return x0.to(tl.float32), x1.to(tl.float32)
 
     @triton.jit
     def _store_halves(ptr, b, v0, v1, bmask, OUT: tl.constexpr):
@@ -797,7 +805,7 @@ if triton is not None:
         return th
 
     @triton.jit
-    def _tile_qdq(x_ptr, b, m, gs, inv, FAST: tl.constexpr = False, EV: tl.constexpr = ""):
+    def _tile_qdq(x_ptr, b, m, gs, inv, FAST: tl.constexpr = False, EV: tl.constexpr = 0):
         """First pass of 16-blocks ``b`` ([CT] int64 indices in the block layout, mask ``m``) under the
         row's global scale ``gs`` [CT] and its reciprocal ``inv``: returns x's halves (float32 [CT, 8]),
         E4M3 scale bytes (int32 [CT]), output scales [CT] and the QDQ halves (float32 [CT, 8]).
@@ -817,7 +825,7 @@ if triton is not None:
         return (w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)
 
     @triton.jit
-    def _tile_second(x_ptr, b, m, gs, inv, gs2, inv2, FAST: tl.constexpr = False, EV: tl.constexpr = ""):
+    def _tile_second(x_ptr, b, m, gs, inv, gs2, inv2, FAST: tl.constexpr = False, EV: tl.constexpr = 0):
         """First pass, residual and second-pass scales of 16-blocks ``b`` (see ``_tile_qdq``): returns the
         QDQ halves v0, v1, residual halves r0, r1 (float32 [CT, 8]) and the residual's E4M3 scale value,
         byte and output scale [CT] under the row's second-pass global scale gs2 (reciprocal inv2)."""
@@ -831,7 +839,7 @@ if triton is not None:
     @triton.jit
     def _tiled_first(x_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, row, t, NB, gs, inv, ebits, ram,
                      CT: tl.constexpr, NTP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr,
-                     OUT: tl.constexpr, GATHER: tl.constexpr, FAST: tl.constexpr = False, EV: tl.constexpr = ""):
+                     OUT: tl.constexpr, GATHER: tl.constexpr, FAST: tl.constexpr = False, EV: tl.constexpr = 0):
         """Step 1 of ``_residual_tiled_kernel`` for tile ``t`` of the row: returns ``ebits`` / ``ram``
         ([NTP, CT] int32 score bits / float32 residual amax) with row ``t`` filled in."""
         ci = tl.arange(0, CT)
@@ -914,7 +922,7 @@ if triton is not None:
         nt = tl.cdiv(NB, CT)
         for t in tl.range(0, nt, num_stages=STAGES):
             ebits, ram = _tiled_first(x_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, row, t, NB, gs, inv, ebits, ram,
-                                      CT, NTP, HAS_W, PACK, OUT, GATHER, FAST, "evict_last" if L2 else "")
+                                      CT, NTP, HAS_W, PACK, OUT, GATHER, FAST, 1 if L2 else 0)
         eb = tl.reshape(ebits, (NTP * CT,))
         if STOP == 1:
             tl.store(idx_ptr + row * NSEL, tl.max(eb, axis=0) + tl.max(tl.reshape(ram, (NTP * CT,)), axis=0).to(tl.int32))
@@ -961,8 +969,7 @@ if triton is not None:
                 smask = sl < NSEL
                 blk = tl.load(idx_ptr + row * NSEL + sl, mask=smask, other=0)
                 b = row * NB + blk
-                v0, v1, r0, r1, s2, sb2, os2 = _tile_second(x_ptr, b, smask, gs, inv, gs2, inv2, FAST,
-                                                            "evict_first" if L2 else "")
+                v0, v1, r0, r1, s2, sb2, os2 = _tile_second(x_ptr, b, smask, gs, inv, gs2, inv2, FAST, 2 if L2 else 0)
                 if PACK:
                     tl.store(packed2_ptr + row * NSEL + sl, _tile_word(r0, r1, os2), mask=smask)
                     tl.store(scale2_ptr + row * NSEL + sl, sb2.to(tl.uint8), mask=smask)
