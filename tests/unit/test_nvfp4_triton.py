@@ -324,11 +324,7 @@ TILED_VARIANTS = {"tiled": ("tiled", {}), "gather": ("gather", {}),
                   # warp with 1 block / thread (16 padded blocks), and the early stop switched off
                   "hold-late": ("hold", {"early": False}), "gather-fast": ("gather", {"early": True, "fast": True}),
                   # FAST: the random rows take the exact-count branch, the tie / zero rows the tie scan
-                  "hold-fast": ("hold", {"fast": True}),
-                  # L2 eviction hints (evict_last first walk, evict_first gather walk): cache hints only
-                  "gather-fast-l2": ("gather", {"early": True, "fast": True, "l2": True}),
-                  # REUSE: the search's own counts (random rows: exact-count branch; tie / zero rows: tie scan)
-                  "gather-fast-reuse": ("gather", {"early": True, "fast": True, "reuse": True})}
+                  "hold-fast": ("hold", {"fast": True})}
 
 
 @pytest.mark.parametrize("variant", list(TILED_VARIANTS))
@@ -484,15 +480,6 @@ for pack, ct, ntp, nw in ((False, 32, 4, 1), (True, 128, 4, 4)):
     comp(tk._residual_tiled_kernel, dict(rv, FAST="constexpr") if pack else dict(rv, idx_ptr="*i32", FAST="constexpr"),
          {"NTP": ntp, "CT": ct, "HAS_W": False, "PACK": pack, "OUT": 0 if pack else 3, "GATHER": True, "RADIX": 1,
           "EARLY": True, "STAGES": None, "FAST": True}, nw)
-# L2 eviction hints (RESIDUAL_VARIANTS "*-l2"), QDQ and packed launches
-for pack in (False, True):
-    comp(tk._residual_tiled_kernel, dict(rv, idx_ptr="*i64" if pack else "*i32", FAST="constexpr", L2="constexpr"),
-         {"NTP": 4, "CT": 128, "HAS_W": False, "PACK": pack, "OUT": 0 if pack else 3, "GATHER": True, "RADIX": 1,
-          "EARLY": True, "STAGES": None, "FAST": True, "L2": True}, 4)
-    comp(tk._residual_tiled_kernel, dict(rv, idx_ptr="*i64" if pack else "*i32", FAST="constexpr", L2="constexpr",
-                                         REUSE="constexpr"),
-         {"NTP": 4, "CT": 128, "HAS_W": pack, "PACK": pack, "OUT": 0 if pack else 3, "GATHER": True, "RADIX": 1,
-          "EARLY": True, "STAGES": None, "FAST": True, "L2": True, "REUSE": True}, 4)
 # the STOP timing probes of `bench nvfp4 --residual-probe` (gather QDQ launch of the 8192-wide default tile)
 for stop in (1, 2, 3):
     comp(tk._residual_tiled_kernel, dict(rv, idx_ptr="*i32", FAST="constexpr", STOP="constexpr"),

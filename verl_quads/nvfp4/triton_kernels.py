@@ -608,24 +608,15 @@ if triton is not None:
         return a + b
 
     @triton.jit
-    def _load_halves(ptr, b, bmask, EV: tl.constexpr = 0):
+    def _load_halves(ptr, b, bmask):
         """Elements 0..7 and 8..15 of 16-blocks ``b`` as two float32 [BLK, 8] tiles: each block half is
         one 16-byte vector for 16-bit inputs, so a thread holds whole blocks and the per-block
-        reductions and scale math stay in registers. EV: the loads' L2 eviction policy (0 default, 1
-        ``evict_last``, 2 ``evict_first``; a cache hint only, same values). An int, not the policy string:
-        triton 3.6 rejects a string constexpr default at calls that leave it out."""
+        reductions and scale math stay in registers."""
         h = tl.arange(0, 8)
         off = b[:, None] * 16 + h[None, :]
-        if EV == 1:
-            x0 = tl.load(ptr + off, mask=bmask[:, None], other=0.0, eviction_policy="evict_last")
-            x1 = tl.load(ptr + off + 8, mask=bmask[:, None], other=0.0, eviction_policy="evict_last")
-        elif EV == 2:
-            x0 = tl.load(ptr + off, mask=bmask[:, None], other=0.0, eviction_policy="evict_first")
-            x1 = tl.load(ptr + off + 8, mask=bmask[:, None], other=0.0, eviction_policy="evict_first")
-        else:
-            x0 = tl.load(ptr + off, mask=bmask[:, None], other=0.0)
-            x1 = tl.load(ptr + off + 8, mask=bmask[:, None], other=0.0)
-        return x0.to(tl.float32), x1.to(tl.float32)
+        x0 = tl.load(ptr + off, mask=bmask[:, None], other=0.0).to(tl.float32)
+        x1 = tl.load(ptr + off + 8, mask=bmask[:, None], other=0.0).to(tl.float32)
+        return x0, x1
 
     @triton.jit
     def _store_halves(ptr, b, v0, v1, bmask, OUT: tl.constexpr):
@@ -805,12 +796,12 @@ if triton is not None:
         return th
 
     @triton.jit
-    def _tile_qdq(x_ptr, b, m, gs, inv, FAST: tl.constexpr = False, EV: tl.constexpr = 0):
+    def _tile_qdq(x_ptr, b, m, gs, inv, FAST: tl.constexpr = False):
         """First pass of 16-blocks ``b`` ([CT] int64 indices in the block layout, mask ``m``) under the
         row's global scale ``gs`` [CT] and its reciprocal ``inv``: returns x's halves (float32 [CT, 8]),
         E4M3 scale bytes (int32 [CT]), output scales [CT] and the QDQ halves (float32 [CT, 8]).
         FAST: ``_hold_qdq_half``'s fused E2M1 magic (same values)."""
-        x0, x1 = _load_halves(x_ptr, b, m, EV)
+        x0, x1 = _load_halves(x_ptr, b, m)
         vec_max = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
         sval, sbyte, os = _scales_inv(vec_max, gs, inv)
         factor = tl.math.div_rn(sval, gs)
@@ -825,11 +816,11 @@ if triton is not None:
         return (w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)
 
     @triton.jit
-    def _tile_second(x_ptr, b, m, gs, inv, gs2, inv2, FAST: tl.constexpr = False, EV: tl.constexpr = 0):
+    def _tile_second(x_ptr, b, m, gs, inv, gs2, inv2, FAST: tl.constexpr = False):
         """First pass, residual and second-pass scales of 16-blocks ``b`` (see ``_tile_qdq``): returns the
         QDQ halves v0, v1, residual halves r0, r1 (float32 [CT, 8]) and the residual's E4M3 scale value,
         byte and output scale [CT] under the row's second-pass global scale gs2 (reciprocal inv2)."""
-        x0, x1, _, os, v0, v1 = _tile_qdq(x_ptr, b, m, gs, inv, FAST, EV)
+        x0, x1, _, os, v0, v1 = _tile_qdq(x_ptr, b, m, gs, inv, FAST)
         r0 = x0 - v0
         r1 = x1 - v1
         ra = tl.maximum(tl.max(tl.abs(r0), axis=1), tl.max(tl.abs(r1), axis=1))
@@ -839,14 +830,14 @@ if triton is not None:
     @triton.jit
     def _tiled_first(x_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, row, t, NB, gs, inv, ebits, ram,
                      CT: tl.constexpr, NTP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr,
-                     OUT: tl.constexpr, GATHER: tl.constexpr, FAST: tl.constexpr = False, EV: tl.constexpr = 0):
+                     OUT: tl.constexpr, GATHER: tl.constexpr, FAST: tl.constexpr = False):
         """Step 1 of ``_residual_tiled_kernel`` for tile ``t`` of the row: returns ``ebits`` / ``ram``
         ([NTP, CT] int32 score bits / float32 residual amax) with row ``t`` filled in."""
         ci = tl.arange(0, CT)
         c = t * CT + ci
         cmask = c < NB
         b = row * NB + c
-        x0, x1, sbyte, os, v0, v1 = _tile_qdq(x_ptr, b, cmask, gs, inv, FAST, EV)
+        x0, x1, sbyte, os, v0, v1 = _tile_qdq(x_ptr, b, cmask, gs, inv, FAST)
         if PACK:
             tl.store(packed1_ptr + b, _tile_word(x0, x1, os), mask=cmask)
             tl.store(scale1_ptr + b, sbyte.to(tl.uint8), mask=cmask)
@@ -873,7 +864,7 @@ if triton is not None:
         NB, NSEL, GS_DIV,
         NTP: tl.constexpr, CT: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr,
         GATHER: tl.constexpr, RADIX: tl.constexpr = 1, STAGES: tl.constexpr = None, EARLY: tl.constexpr = False,
-        FAST: tl.constexpr = False, STOP: tl.constexpr = 0, L2: tl.constexpr = False, REUSE: tl.constexpr = False,
+        FAST: tl.constexpr = False, STOP: tl.constexpr = 0,
     ):
         """Per-token QUADS residual compensation, one program per row of x [M, K] (NB = K / 16
         blocks) walking the row in tiles of CT blocks twice, so only a tile's data is in registers:
@@ -900,13 +891,7 @@ if triton is not None:
         once the count is exact (``_topn_threshold``). STAGES: None = plain loops; an int =
         ``tl.range(num_stages=STAGES)`` for the tile walks (software-pipelined loads). FAST: the E2M1
         magic of ``_hold_qdq_half`` and, with EARLY, the tie scan only when the stopped threshold does not
-        count exactly NSEL blocks (as ``_residual_hold_kernel``). L2 (GATHER): step 1 loads x with
-        ``evict_last`` and the gather walk with ``evict_first``, so the row stays in L2 for its second read (the
-        session-8 phase probe: the gather walk at k = 0.5 took as long as a QDQ of half the matrix, i.e. it re-read
-        x from DRAM); a cache hint only, same bytes. REUSE (EARLY + FAST, RADIX 1): two reductions fewer, same
-        selection: the search starts from NB valid entries without counting them (no score weights: every real
-        score is a sum of squares, bits >= 0) and the exact-count test takes the search's own count of the threshold
-        instead of recounting it.
+        count exactly NSEL blocks (as ``_residual_hold_kernel``).
 
         STOP (timing probe of ``bench nvfp4 --residual-probe`` only; GATHER QDQ launches; 0 = the kernel): return after
         step 1 (1), the threshold search (2), or the selection and its index store (3), storing one value per row that
@@ -922,30 +907,17 @@ if triton is not None:
         nt = tl.cdiv(NB, CT)
         for t in tl.range(0, nt, num_stages=STAGES):
             ebits, ram = _tiled_first(x_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, row, t, NB, gs, inv, ebits, ram,
-                                      CT, NTP, HAS_W, PACK, OUT, GATHER, FAST, 1 if L2 else 0)
+                                      CT, NTP, HAS_W, PACK, OUT, GATHER, FAST)
         eb = tl.reshape(ebits, (NTP * CT,))
         if STOP == 1:
             tl.store(idx_ptr + row * NSEL, tl.max(eb, axis=0) + tl.max(tl.reshape(ram, (NTP * CT,)), axis=0).to(tl.int32))
             return
-        if REUSE:
-            if HAS_W:
-                nvalid = tl.sum((eb >= 0).to(tl.int32), axis=0)
-            else:
-                nvalid = NB
-            th, cnt = _bits_threshold(eb, NSEL, nvalid)  # cnt = #(eb >= th)
-        else:
-            th = _topn_threshold(eb, NSEL, RADIX, EARLY)
+        th = _topn_threshold(eb, NSEL, RADIX, EARLY)
         if STOP == 2:
             tl.store(idx_ptr + row * NSEL, th)
             return
         # padding: bits -1, never selected
-        if REUSE:
-            if cnt == NSEL:
-                sel = eb >= th
-            else:
-                sel = _tie_select(eb, th, NSEL)
-        else:
-            sel = _select_top(eb, th, NSEL, FAST, EARLY)
+        sel = _select_top(eb, th, NSEL, FAST, EARLY)
         amax = tl.max(tl.where(sel, tl.reshape(ram, (NTP * CT,)), 0.0), axis=0)
         a = tl.maximum(amax, 1.1754943508222875e-38)
         g2 = tl.math.div_rn(a * 0.0 + 1.0, a) * 2688.0
@@ -969,7 +941,7 @@ if triton is not None:
                 smask = sl < NSEL
                 blk = tl.load(idx_ptr + row * NSEL + sl, mask=smask, other=0)
                 b = row * NB + blk
-                v0, v1, r0, r1, s2, sb2, os2 = _tile_second(x_ptr, b, smask, gs, inv, gs2, inv2, FAST, 2 if L2 else 0)
+                v0, v1, r0, r1, s2, sb2, os2 = _tile_second(x_ptr, b, smask, gs, inv, gs2, inv2, FAST)
                 if PACK:
                     tl.store(packed2_ptr + row * NSEL + sl, _tile_word(r0, r1, os2), mask=smask)
                     tl.store(scale2_ptr + row * NSEL + sl, sb2.to(tl.uint8), mask=smask)
@@ -1170,18 +1142,6 @@ RESIDUAL_VARIANTS = {
     "gather-early-fast": ("gather", {"early": True, "fast": True}),
     "gather-early-t32w1-fast": ("gather", {"early": True, "tile_blocks": 32, "num_warps": 1, "fast": True}),
     "gather-early-t128w4-fast": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 4, "fast": True}),
-    # + L2 (session 8): x loaded evict_last in the first walk, evict_first in the gather walk (keep the row in L2)
-    "gather-early-fast-l2": ("gather", {"early": True, "fast": True, "l2": True}),
-    "gather-early-t32w1-fast-l2": ("gather", {"early": True, "tile_blocks": 32, "num_warps": 1, "fast": True, "l2": True}),
-    "gather-early-t128w4-fast-l2": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 4, "fast": True,
-                                               "l2": True}),
-    # + REUSE (session 8): the search's own counts (no recount of the valid entries / of the threshold's count)
-    "gather-early-t32w1-fast-reuse": ("gather", {"early": True, "tile_blocks": 32, "num_warps": 1, "fast": True,
-                                                 "reuse": True}),
-    "gather-early-t128w4-fast-reuse": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 4, "fast": True,
-                                                  "reuse": True}),
-    "gather-early-t128w4-fast-l2-reuse": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 4, "fast": True,
-                                                     "l2": True, "reuse": True}),
     "tiled": ("tiled", {}),
     "tiled-early-stages2": ("tiled", {"early": True, "stages": 2}),
     # one walk, the row held in registers (``_residual_hold_kernel``): 1 / 2 / 4 blocks (16 / 32 / 64 elements)
@@ -1189,6 +1149,9 @@ RESIDUAL_VARIANTS = {
     # + FAST: fused E2M1 magic, tie scan only when the early-stopped count is not exact. Measured SLOWER than
     # gather on the H200 (session 5, k=0.5 bf16: 229-239 us vs 148 at 8192^2, 21.8 vs 20.3 at 4096x2048, 135 vs
     # 125 at 32768x2048; hold-b1/b2/b4 without FAST were slower still and are gone): kept as a measured option
+    # Tried and removed (session 8, H200, docs/bench_nvfp4_h200_residual_probe_s8.txt, bytes == default): L2 eviction
+    # hints (x evict_last in the first walk, evict_first in the gather walk) 142 -> 140 us at 8192x8192 k=0.5, 32.2 ->
+    # 32.2 / 19.5 -> 19.5 at 4096x2048; reusing the search's counts (two reductions fewer) 142 -> 146 / 19.5 -> 19.0
     "hold-b2-fast": ("hold", {"blocks_per_thread": 2, "fast": True}),
     "hold-b4-fast": ("hold", {"blocks_per_thread": 4, "fast": True}),
 }
@@ -1477,12 +1440,6 @@ def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: f
                     GATHER=choice == "gather", RADIX=cfg.get("radix", 1), STAGES=cfg.get("stages"),
                     EARLY=cfg.get("early", False), FAST=cfg.get("fast", False),
                     enable_fp_fusion=False, num_warps=cfg["num_warps"])
-        if cfg.get("l2"):
-            meta["L2"] = True
-        if cfg.get("reuse"):
-            if not (meta["EARLY"] and meta["FAST"] and meta["RADIX"] == 1):
-                raise ValueError(f"residual variant option reuse needs early, fast and radix 1; got {cfg}")
-            meta["REUSE"] = True
         if choice == "gather" and not packed:  # selected block indices, read back by the same program
             scratch = torch.empty(m, max(n_sel, 1), dtype=torch.int32, device=dev)
         if stop:
