@@ -61,11 +61,16 @@ VARIANTS = [
        x_pairs=True, prefetch=False, pipe=3),
     SC(block_m=1, block_n=64, block_kw=32, num_warps=4, decode="f16x2", late_scale=True, block_scale=True,
        x_pairs=True, prefetch=False, pipe=3),
+    # one word per thread and row (word_lanes: 4-byte weight loads in the activation gathers' layout)
+    SC(block_m=1, block_n=16, block_kw=128, num_warps=4, fixup=True, decode="f16x2", late_scale=True, block_scale=True,
+       x_pairs=True, word_lanes=True),
+    SC(block_m=2, block_n=64, block_kw=32, num_warps=4, fixup=True, decode="f16x2", late_scale=True, block_scale=True,
+       word_lanes=True, prefetch=False, pipe=3),
 ]
 LATE = [c for c in VARIANTS if c.late_scale]
 BF = [c for c in VARIANTS if c.decode == "bf16x2"]
 RS = [c for c in VARIANTS if c.row_skip]
-X2 = [c for c in VARIANTS if c.x_pairs or c.prefetch2]
+X2 = [c for c in VARIANTS if c.x_pairs or c.prefetch2 or c.word_lanes]
 
 
 def _x(m, k, seed=0, dtype=torch.bfloat16):

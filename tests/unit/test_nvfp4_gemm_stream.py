@@ -106,6 +106,9 @@ DENSE = [
                                           late_scale=True, row_skip=1, x_pairs=True, fixup=True)),
     (3, 24, 176, torch.bfloat16, True, SC(block_m=2, block_n=16, block_kw=8, split_k=2, decode="f16x2",
                                           late_scale=True, block_scale=True, x_pairs=True, prefetch=False, pipe=3)),
+    # one word per thread and row (word_lanes: a layout hint, a no-op in the interpreter; compiled for sm_90 below)
+    (1, 40, 256, torch.bfloat16, False, SC(block_m=1, block_n=16, block_kw=16, split_k=2, decode="f16x2",
+                                           late_scale=True, block_scale=True, x_pairs=True, word_lanes=True, fixup=True)),
     # few rows per program (block_n 4/8 on CUDA cores), whole rows, partial last row tile
     (1, 20, 256, torch.bfloat16, True, SC(block_m=1, block_n=8, block_kw=32, split_k=1, num_warps=1, decode="f16x2",
                                           late_scale=True, fixup=True)),
@@ -225,7 +228,8 @@ def test_stream_config_errors_and_dispatch_table(monkeypatch):
                 SC(decode="f16x2", late_scale=True, row_skip=1),  # row_skip: block_m 2/4 with late_scale, value 0/1
                 SC(block_m=2, row_skip=1), SC(block_m=2, decode="f16x2", late_scale=True, row_skip=2),
                 SC(x_pairs=True), SC(decode="f16x2", late_scale=True, x_pairs=True, xperm=True),  # x_pairs: late, no xperm
-                SC(prefetch=False, prefetch2=True), SC(block_m=16, mma=1, prefetch2=True)):  # prefetch2: prefetch, mma 0
+                SC(prefetch=False, prefetch2=True), SC(block_m=16, mma=1, prefetch2=True),  # prefetch2: prefetch, mma 0
+                SC(block_m=16, mma=1, word_lanes=True)):  # word_lanes: mma 0
         with pytest.raises(ValueError, match="bad StreamConfig"):
             tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16", config=bad)
     with pytest.raises(ValueError, match="x_pairs=True reads 16-bit activation pairs.*float32"):
@@ -331,7 +335,9 @@ for cfg, grouped in ((tg.StreamConfig(block_m=1, block_n=128, block_kw=16, prefe
                      (tg.StreamConfig(block_m=4, block_n=16, block_kw=64, decode="f16x2", late_scale=True,
                                       block_scale=True, row_skip=1), True),
                      (tg.StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=8, decode="f16x2", late_scale=True,
-                                      block_scale=True, row_skip=1, x_pairs=True, prefetch2=True), False)):
+                                      block_scale=True, row_skip=1, x_pairs=True, prefetch2=True), False),
+                     (tg.StreamConfig(block_m=1, block_n=16, block_kw=128, decode="f16x2", late_scale=True,
+                                      block_scale=True, x_pairs=True, word_lanes=True, fixup=True), True)):
     const = tg._stream_constexprs(cfg, grouped=grouped, tm=16 if grouped else cfg.block_m, partial=True,
                                   fixup=cfg.fixup, has_bias=False, out_code=1, dt=1, even=True, interpreting=False)
     sig = dict(ptrs, **{i: "i32" for i in ints}, **{c: "constexpr" for c in const})
@@ -352,7 +358,7 @@ def test_stream_gpu_only_decode_forms_compile_for_sm90_without_a_gpu():
     multiply feeding a bf16 tensor-core dot: compile them for sm_90 with triton's bundled ptxas in a
     subprocess without TRITON_INTERPRET (dense pipelined, grouped 4-row, tensor-core, per-block scale dense and
     grouped whole-row tile, grouped 4-row chunks with row_skip's runtime branches, dense x_pairs' int32 activation
-    loads + prefetch2). Compiles only."""
+    loads + prefetch2, grouped word_lanes). Compiles only."""
     compile_for_sm90_in_subprocess(
         _SM90_STREAM, "on a GPU the kernels are compiled and run by tests/gpu/test_nvfp4_gemm_stream_gpu.py")
 

@@ -478,7 +478,8 @@ def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
         # 13 BAR per step for both rows).
         p3 = dict(decode="f16x2", late_scale=True, block_scale=True, fixup=True, x_pairs=True, prefetch=False, pipe=3)
         if current is not None and current.late_scale and current.mma == 0:
-            out += [replace(current, x_pairs=True), replace(current, x_pairs=True, prefetch=False, pipe=3)]
+            out += [replace(current, x_pairs=True), replace(current, x_pairs=True, prefetch=False, pipe=3),
+                    replace(current, x_pairs=True, word_lanes=True)]
         if bm <= 2:
             out += [StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=4, **p3),
                     StreamConfig(block_m=2, block_n=64, block_kw=32, num_warps=4, **p3)]
@@ -502,18 +503,19 @@ def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
         # prefetch2 (two K steps of weight loads in flight), Triton's pipeliner (p3, cp.async), n16 kw256 w8 (same
         # per-thread tile, 2x threads per program). Offline, p3 also drops the conversions: the activation goes to shared
         # memory by cp.async and is read back in the FMA layout (n16 kw128 w4 p3 x2: 4 BAR per step, 95 registers).
+        # word_lanes (wl): one word per thread and row, the gathers' own layout (offline: 2 BAR per step, 128 registers).
         if current is not None and current.late_scale and current.mma == 0:
-            out += [replace(current, x_pairs=True), replace(current, prefetch2=True),
-                    replace(current, x_pairs=True, prefetch2=True), replace(current, prefetch=False, pipe=3),
-                    replace(current, x_pairs=True, prefetch=False, pipe=3)]
+            out += [replace(current, x_pairs=True), replace(current, word_lanes=True),
+                    replace(current, word_lanes=True, x_pairs=True), replace(current, prefetch2=True),
+                    replace(current, x_pairs=True, prefetch=False, pipe=3),
+                    replace(current, word_lanes=True, x_pairs=True, prefetch=False, pipe=3)]
         p3 = dict(bs, x_pairs=True, prefetch=False)
-        out += [StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, x_pairs=True, prefetch2=True, **bs),
-                StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, pipe=3, **p3),
+        out += [StreamConfig(block_m=1, block_n=8, block_kw=128, num_warps=4, x_pairs=True, word_lanes=True, **bs),
+                StreamConfig(block_m=1, block_n=8, block_kw=256, num_warps=8, x_pairs=True, word_lanes=True, **bs),
+                StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, x_pairs=True, prefetch2=True, **bs),
                 StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, pipe=4, **p3),
-                StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=8, pipe=3, **p3),
-                StreamConfig(block_m=1, block_n=16, block_kw=256, num_warps=8, x_pairs=True, **bs),
                 StreamConfig(block_m=1, block_n=16, block_kw=256, num_warps=8, pipe=3, **p3),
-                StreamConfig(block_m=1, block_n=8, block_kw=128, num_warps=2, pipe=3, **p3)]
+                StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, pipe=3, **p3)]
         return list(dict.fromkeys(out))[:12]
     if current is not None and current.mma == 0:
         out.append(replace(current, decode="f16x2", late_scale=True))
@@ -799,7 +801,8 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
                        + (", late_scale=True" if c.late_scale else "")
                        + (", block_scale=True" if c.block_scale else "")
                        + (f", row_skip={c.row_skip}" if c.row_skip else "") + (", x_pairs=True" if c.x_pairs else "")
-                       + (", prefetch2=True" if c.prefetch2 else "") + "),")
+                       + (", prefetch2=True" if c.prefetch2 else "") + (", word_lanes=True" if c.word_lanes else "")
+                       + "),")
     snippet.append("}")
     out.append("\n".join(snippet))
     print("\n".join(snippet), flush=True)

@@ -701,7 +701,7 @@ if triton is not None:
         MMA: tl.constexpr, DT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, FIXUP: tl.constexpr,
         PIPE: tl.constexpr = None, XP: tl.constexpr = False, LATE: tl.constexpr = False,
         ASM: tl.constexpr = False, BS: tl.constexpr = False, RS: tl.constexpr = 0, XQ: tl.constexpr = False,
-        PF2: tl.constexpr = False,
+        PF2: tl.constexpr = False, WL: tl.constexpr = False,
     ):
         """W4A16 weight-streaming GEMM: program (M-tile, BN output columns, K-range ``pid_k``).
 
@@ -709,7 +709,11 @@ if triton is not None:
         of one expert) are processed in chunks of BM rows; for each chunk the program streams its BN
         weight rows over its K range, BKW int32 words (8 * BKW elements) per step, PREFETCH: the next
         step's words and scales are loaded before this step's arithmetic (manual double buffering); PF2: the
-        step after next too (two steps of loads in flight during the arithmetic).
+        step after next too (two steps of loads in flight during the arithmetic). WL (``word_lanes``, MMA 0):
+        the word index carries no contiguity (``tl.max_contiguous(i, 1)``), so Triton lays the weight tile out
+        as one int32 word per thread and row (consecutive words on consecutive threads; 4-byte loads, 128 bytes
+        per warp and row), the layout its activation gathers already have: no shared-memory conversion of the
+        activation per nibble position.
 
         MMA 0 (CUDA cores, BM in 1, 2, 4): float32 accumulators ``[BN, BKW]`` per row, one FMA per
         weight element and row; summed over the word axis once at the end. PIPE (None or > 1): the K loop is
@@ -761,6 +765,8 @@ if triton is not None:
         elif DEC == 3:
             post = post * 256.0  # undo the 2**-8 (bf16 pair decode times scale * 2**118)
         i = tl.arange(0, BKW)
+        if WL:  # no contiguity along K: one word per thread and row, the activation gathers' own layout
+            i = tl.max_contiguous(i, 1)
         for c0 in range(r0, r1, BM):
             if MMA == 0:
                 a0, o0, v0 = _stream_rows(arow_ptr, orow_ptr, c0, r1, GROUPED)
@@ -1292,6 +1298,13 @@ class StreamConfig:
             register buffer): twice the weight bytes in flight per thread during a step's arithmetic. Why: the H200
             roofline (session 7) reads the codes alone at 78-81% of copy BW with few-row long-K tiles, the kernel's
             tiling at 46%; a bandwidth-bound read needs more bytes in flight per SM. Same results (bit-identical).
+        word_lanes: (``mma=0``) one int32 weight word per thread and row, consecutive words on consecutive threads
+            (4-byte loads, each warp reads 128 contiguous bytes of a row) instead of 16-byte vectors of 4 words:
+            the activation gathers (one value per thread and nibble position) then already have the FMA layout.
+            Offline sm_90 of the d8192 M=1 entry with it: 2 instead of 20 BAR per K step (no shared-memory
+            conversion of the 8 activation vectors), 16 LDG.32 instead of 4 LDG.128, 128 registers, K loop 678
+            vs 639 SASS. Same products and per-thread order; the final cross-thread sum of a row's partials runs
+            over another thread layout (last-bit differences, within the bound).
     """
 
     block_m: int = 1
@@ -1312,6 +1325,7 @@ class StreamConfig:
     row_skip: int = 0
     x_pairs: bool = False
     prefetch2: bool = False
+    word_lanes: bool = False
 
     @property
     def label(self) -> str:
@@ -1319,7 +1333,7 @@ class StreamConfig:
         kind = ("fma", "mma-swap", "mma")[self.mma]
         return (f"{kind} bm{self.block_m} n{self.block_n} kw{self.block_kw} s{self.split_k or 'auto'} "
                 f"w{self.num_warps} st{self.num_stages} {self.decode}{' pf' if self.prefetch else ''}"
-                f"{' fx' if self.fixup else ''}{'' if self.occ == 4 else f' o{self.occ}'}{f' p{self.pipe}' if self.pipe > 1 else ''}{' xp' if self.xperm else ''}{' ls' if self.late_scale else ''}{' bs' if self.block_scale else ''}{f' rs{self.row_skip}' if self.row_skip else ''}{' x2' if self.x_pairs else ''}{' pf2' if self.prefetch2 else ''}")
+                f"{' fx' if self.fixup else ''}{'' if self.occ == 4 else f' o{self.occ}'}{f' p{self.pipe}' if self.pipe > 1 else ''}{' xp' if self.xperm else ''}{' ls' if self.late_scale else ''}{' bs' if self.block_scale else ''}{f' rs{self.row_skip}' if self.row_skip else ''}{' x2' if self.x_pairs else ''}{' pf2' if self.prefetch2 else ''}{' wl' if self.word_lanes else ''}")
 
     def check(self) -> None:
         def pow2(v):
@@ -1334,6 +1348,7 @@ class StreamConfig:
               and (self.row_skip == 0 or (self.row_skip == 1 and self.late_scale and self.block_m in (2, 4)))
               and (not self.x_pairs or (self.late_scale and not self.xperm))
               and (not self.prefetch2 or (self.prefetch and self.mma == 0))
+              and (not self.word_lanes or self.mma == 0)
               and (self.decode != "bf16x2" or self.mma != 0))
         if self.mma == 0:
             ok = ok and self.block_m in (1, 2, 4)
@@ -1346,7 +1361,7 @@ class StreamConfig:
                 "'f16x2' or 'bf16x2'; occ >= 1; pipe >= 1, pipe > 1 needs prefetch=False; xperm needs mma 0; late_scale needs "
                 "mma 0 and decode 'f16x2'; block_scale needs late_scale and block_kw >= 2; row_skip 0 or 1, 1 needs "
                 "late_scale and block_m 2 or 4; x_pairs needs late_scale and not xperm; prefetch2 needs "
-                "prefetch and mma 0; decode 'bf16x2' needs mma 1 or 2")
+                "prefetch and mma 0; word_lanes needs mma 0; decode 'bf16x2' needs mma 1 or 2")
 
 
 # Decode dispatch (w4a16, CUDA): (grouped, rows bucket, N, K) -> StreamConfig. Rows = M for a dense GEMM,
@@ -1421,7 +1436,7 @@ def _stream_constexprs(cfg: StreamConfig, *, grouped: bool, tm: int, partial: bo
                 HAS_BIAS=has_bias, OUT=out_code, DEC=("bits", "f16", "f16x2", "bf16x2").index(cfg.decode), MMA=cfg.mma,
                 DT=dt, EVEN=even, PREFETCH=cfg.prefetch, FIXUP=fixup, PIPE=cfg.pipe if cfg.pipe > 1 else None,
                 XP=cfg.xperm, LATE=cfg.late_scale, ASM=cfg.late_scale and not interpreting, BS=cfg.block_scale,
-                RS=cfg.row_skip, XQ=cfg.x_pairs, PF2=cfg.prefetch2)
+                RS=cfg.row_skip, XQ=cfg.x_pairs, PF2=cfg.prefetch2, WL=cfg.word_lanes)
 
 
 def stream_split(cfg: StreamConfig, kw: int, live: int, n_tiles: int, dev: torch.device) -> tuple[int, int, bool]:
