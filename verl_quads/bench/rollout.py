@@ -481,8 +481,13 @@ def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
             out += [replace(current, x_pairs=True), replace(current, x_pairs=True, prefetch=False, pipe=3),
                     replace(current, x_pairs=True, word_lanes=True)]
         if bm <= 2:
+            # + 2-row chunks in the word_lanes layout (each row's activation gathers need no conversion; offline sm_90:
+            # bm2 n8 kw128 wl x2 96 registers, with row_skip 118)
+            wl = dict(p3, prefetch=True, pipe=1, word_lanes=True)
             out += [StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=4, **p3),
-                    StreamConfig(block_m=2, block_n=64, block_kw=32, num_warps=4, **p3)]
+                    StreamConfig(block_m=2, block_n=64, block_kw=32, num_warps=4, **p3),
+                    StreamConfig(block_m=2, block_n=8, block_kw=128, num_warps=4, **wl),
+                    StreamConfig(block_m=2, block_n=8, block_kw=128, num_warps=4, row_skip=1, **wl)]
         else:
             out += [StreamConfig(block_m=4, block_n=16, block_kw=128, num_warps=4, **p3),
                     StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=4, **p3)]
