@@ -388,9 +388,13 @@ def test_triton_channel_compact_dispatch():
     bit counts are refused, naming the key."""
     from verl_quads.nvfp4 import triton_channel as tc
 
-    assert tc._compact_args(16, 8192, 512) == (10, 1024, 1) and tc._compact_args(256, 2048, 128) == (10, 1024, 1)
+    assert tc._compact_args(16, 8192, 512) == (10, 1024, 2) and tc._compact_args(256, 2048, 128) == (10, 1024, 2)
     assert tc._compact_args(257, 8192, 512) is None and tc._compact_args(16, 1536, 128) is None
-    with tc.channel_config(compact_max_rows=64, compact_min_k=1024, compact_bits=10, compact_cap=1000):
+    # 8 warps for a compacted launch at K = 8192 (measured), the elems_per_thread warps elsewhere
+    assert tc._launch_warps(16, 8192, 512) == 8 and tc._launch_warps(257, 8192, 512) == 16
+    assert tc._launch_warps(16, 2048, 128) == 4 and tc._launch_warps(16, 16384, 1024) == 16
+    with tc.channel_config(compact_max_rows=64, compact_min_k=1024, compact_bits=10, compact_cap=1000,
+                           compact_tile_bits=1):
         assert tc._compact_args(64, 8192, 512) == (10, 1024, 1)
         assert tc._compact_args(65, 8192, 512) is None and tc._compact_args(16, 768, 64) is None
     with tc.channel_config(compact_max_rows=64, compact_min_k=16, compact_cap=4096, compact_tile_bits=2):

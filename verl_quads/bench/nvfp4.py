@@ -331,7 +331,7 @@ CHANNEL_BENCH_SHAPES = ((4096, 2048), (8192, 8192), (2048, 768), (256, 2048))
 
 #: (variant of ``triton_channel.CHANNEL_VARIANTS``, elems_per_thread) timed at k = 0.5; at the other ratios only
 #: ``CHANNEL_OTHER_RATIOS``.
-CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16), ("full", 16), ("compact r2", 16), ("compact e32", 32))
+CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16), ("full", 16), ("compact r1 w16", 16))
 
 
 def _variant_ept(name: str) -> int:
@@ -379,7 +379,7 @@ def run_channel(shapes: list[tuple[int, int]] = CHANNEL_BENCH_SHAPES, dtype: tor
             for variant, ept in configs if ratio == 0.5 else other_ratio_configs:
                 label = f"channel {variant} e/t {ept}"
                 with tc.channel_config(**{**tc.CHANNEL_VARIANTS[variant], "elems_per_thread": ept}):
-                    nw = tc._warps(tc._check_row(k) if k else 1)
+                    nw = tc._launch_warps(m, k, tc._check_row(k)) if k else 1
                     try:
                         qdq = lambda: nv.residual_fake_quantize(x, ratio, gs_row, granularity="channel",
                                                                 backend="triton", check_finite=False)
@@ -408,9 +408,9 @@ def run_channel(shapes: list[tuple[int, int]] = CHANNEL_BENCH_SHAPES, dtype: tor
                     with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
                         ok = torch.equal(qdq().view(torch.uint8), ref_qdq.view(torch.uint8))
                         t = tm(qdq) if ok else None
-                    rows.append([f"{m}x{k}", f"{ratio:g}", label, tc._warps(tc._check_row(k)),
-                                 t * 1e6 if ok else "MISMATCH", f"{t / t_qdq:.2f}x" if ok else "-", "-", "-",
-                                 "yes" if ok else "no"])
+                        nw = tc._launch_warps(m, k, tc._check_row(k))
+                    rows.append([f"{m}x{k}", f"{ratio:g}", label, nw, t * 1e6 if ok else "MISMATCH",
+                                 f"{t / t_qdq:.2f}x" if ok else "-", "-", "-", "yes" if ok else "no"])
                     print(rows[-1], flush=True)
     return print_table(f"channel-rule residual kernel (granularity='channel'), per-row global scale, input {dtype} "
                        f"({device_name()})", ["shape", "k", "kernel", "warps", "residual QDQ us", "x plain QDQ",

@@ -41,8 +41,8 @@ threshold) is the floor of this design: every measured way to take fewer, longer
 (``_bits_threshold``), as were a [NBP, 16] tile layout and other warp counts (uncapped); what helped was this layout
 (one thread per block) and the register caps of ``CHANNEL_CONFIG`` (more rows in flight per SM). Session 8
 (docs/bench_nvfp4_h200_channel_s8.txt): fewer full-row steps by the compacted search (``_compact_threshold``, the
-default at <= 256 rows, K >= 2048): 16x8192 14.0 us (search +8.8 us: 10 full-row steps, the compaction, 21 tile
-steps), 1x8192 13.8, 64x8192 14.2, 16x2048 8.9, 256x8192 26.6. Rows longer than
+default at <= 256 rows, K >= 2048; two bits per tile step, 8 warps at K = 8192): 16x8192 12.0 us (full-row search
+17.8), 1x8192 11.9, 64x8192 12.3, 16x2048 8.35, 256x8192 22.8. Rows longer than
 ``CHANNEL_CONFIG["max_k"]`` channels raise NotImplementedError (no tiled variant yet; never the block rule, never a
 silent switch to torch). Kernels run with ``enable_fp_fusion=False`` and use no float negation (triton 3.6 lowers
 ``-v`` to ``0.0 - v``), as :mod:`.triton_kernels`.
@@ -80,15 +80,21 @@ tl = tk.tl
 #: more candidates continues over the full row: same bytes, old speed). 0 rows = off. ``compact_maxnreg``: the register
 #: cap of those launches (None: uncapped; sm_90 then gives 128 registers to a 16-warp program, spills outside the
 #: search loops; with a decode launch's few rows one program per SM is in flight anyway). ``compact_tile_bits``: bits
-#: per tile step (2: three candidate counts in one reduction, rows with < 1024 candidates).
+#: per tile step (2: three candidate counts in one reduction, rows with < 1024 candidates). ``compact_warps``: warps of
+#: a compacted launch by padded block count NBP (others: ``elems_per_thread``): 8 at K = 8192 (32 channels per thread).
 #: Why these values (H200, bf16, k = 0.5, QDQ us, docs/bench_nvfp4_h200_channel_s8.txt run 1, full-row search ->
 #: compact): 1x8192 17.5 -> 13.8, 16x8192 17.7 -> 14.0, 64x8192 17.9 -> 14.2, 16x2048 9.7 -> 8.9, 256x8192 27.3 -> 26.6
 #: (packed residual_quantize 23.4 -> 19.1 at 16x8192, 43.3 -> 39.3 at 256x8192); rows and K outside the measured
 #: 1-256 rows / K >= 2048 keep the full-row search. 8 bits (tile 1024) 15.1-15.4 us and the 64-register cap 16.5-17.1
-#: were slower than 10 bits uncapped; 12 bits (tile 512) equal.
+#: were slower than 10 bits uncapped; 12 bits (tile 512) equal. Run 2 (same doc; bytes == torch reference in the
+#: bench): two bits per tile step and 8 warps at K = 8192 together 16x8192 14.2 -> 12.0 us (full-row search 17.8),
+#: 1x8192 13.8 -> 11.9, 64x8192 14.6 -> 12.3, 256x8192 27.0 -> 22.8 (packed 39.4 -> 35.0); at 16x2048 two bits 8.92 ->
+#: 8.35 but 2 warps instead of 4 slower (9.9), hence 8 warps only at K = 8192 (NBP 512; other K keep their warps).
+#: Phases (STOP probes, 16x8192, two bits): first pass 3.8 us, 10 full-row bits +3.0, compaction (scan, scratch
+#: stores, barrier, tile loads) +2.1, tile search +3.6 (11 reductions: CTA barrier latency), tie cut +0.5.
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 10,
-                  "compact_cap": 1024, "compact_maxnreg": None, "compact_tile_bits": 1}
+                  "compact_cap": 1024, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8}}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -96,17 +102,15 @@ CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_
 #: other threshold searches (2 / 3 bits per step by a histogram of 16-bit fields in int64 words, and a search that
 #: tracks min / max bounds of the candidates to skip bits and stop at one value): none was >= 10% faster at
 #: 1-64 x 8192 or 16 x 2048, most were slower (up to 1.5x). Session 8 (the compacted search, ``compact_*`` above):
-#: "full" = the 31-step full-row search at every M, "compact" = the compacted one at every M, 12 full-row bits and a
-#: 512 tile, two bits per tile step (r2), 8 warps at K = 8192 (e32, 32 channels per thread), and "compact fallback"
+#: "full" = the 31-step full-row search at every M, "compact" = the compacted one at every M, "compact r1 w16" = run
+#: 1's default (one bit per tile step, 16 warps at K = 8192), 12 full-row bits with a 512 tile, and "compact fallback"
 #: (2 bits, 16-entry tile: nearly every row takes the full-row continuation; for the bytes tests, not a speed
-#: candidate). Removed after run 1: 8 full-row bits, the 64-register cap (both slower).
+#: candidate). Removed after run 1: 8 full-row bits, the 64-register cap (both slower); after run 2 (adopted in the
+#: default): two bits per tile step, 8 warps at K = 8192.
 CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnreg": None},
                     "full": {"compact_max_rows": 0}, "compact": {"compact_max_rows": 1 << 30},
-                    "compact b12": {"compact_max_rows": 1 << 30, "compact_bits": 12, "compact_cap": 512},
-                    "compact r2": {"compact_tile_bits": 2},
-                    "compact e32": {"elems_per_thread": 32},
-                    "compact r2 e32": {"compact_tile_bits": 2, "elems_per_thread": 32},
-                    "compact b12 r2": {"compact_bits": 12, "compact_cap": 512, "compact_tile_bits": 2},
+                    "compact r1 w16": {"compact_tile_bits": 1, "compact_warps": {}},
+                    "compact b12": {"compact_bits": 12, "compact_cap": 512},
                     "compact fallback": {"compact_max_rows": 1 << 30, "compact_min_k": 16, "compact_bits": 2,
                                          "compact_cap": 16}}
 
@@ -395,6 +399,14 @@ def _warps(nbp: int) -> int:
     return int(min(CHANNEL_CONFIG["max_warps"], max(1, tk._pow2(max(1, n)))))
 
 
+def _launch_warps(m: int, k: int, nbp: int) -> int:
+    """Warps of a launch of ``m`` rows of ``k`` channels: ``compact_warps[nbp]`` for a compacted-search launch that
+    has an entry, else ``_warps``."""
+    if _compact_args(m, k, nbp) is not None and nbp in CHANNEL_CONFIG["compact_warps"]:
+        return int(CHANNEL_CONFIG["compact_warps"][nbp])
+    return _warps(nbp)
+
+
 def _check_row(k: int) -> int:
     nbp = tk._pow2(max(1, k // BLOCK_SIZE))
     if nbp * BLOCK_SIZE > CHANNEL_CONFIG["max_k"]:
@@ -447,7 +459,7 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
     g1, div1 = tk._gs_rows(gs, (m,))
     per_row = gs.dim() == 2 and gs.shape[0] == m and m > 1  # the reference's _second_pass_scale rule
     wt = w if w is not None else g1
-    meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, ROW_GS=row_gs, num_warps=_warps(nbp),
+    meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, ROW_GS=row_gs, num_warps=_launch_warps(m, k, nbp),
                 enable_fp_fusion=False, **({"STOP": int(stop)} if stop else {}))
     comp = _compact_args(m, k, nbp)
     if comp is not None:
