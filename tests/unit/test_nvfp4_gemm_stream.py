@@ -245,6 +245,11 @@ def test_stream_config_errors_and_dispatch_table(monkeypatch):
     assert tg.decode_config(3, 16, 64, True) is None and tg.decode_config(3, 32, 64, False) is None
     assert tg.decode_bucket(1) == 1 and tg.decode_bucket(24) == 32 and tg.decode_bucket(129) == 256
     assert tg.decode_bucket(513) is None
+    # an entry measured with x_pairs (16-bit activation pairs): the same tiling without it for float32 activations
+    cx = SC(block_m=1, block_n=16, decode="f16x2", late_scale=True, x_pairs=True)
+    monkeypatch.setitem(tg.DECODE_TABLE, (True, 8, 16, 64), cx)
+    assert tg.decode_config(8, 16, 64, True, torch.bfloat16) is cx and tg.decode_config(8, 16, 64, True) is cx
+    assert tg.decode_config(8, 16, 64, True, torch.float32) == tg.replace(cx, x_pairs=False)
 
 
 def test_stream_row_skip_is_bit_identical_to_full_chunks():

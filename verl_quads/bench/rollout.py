@@ -479,15 +479,12 @@ def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
         p3 = dict(decode="f16x2", late_scale=True, block_scale=True, fixup=True, x_pairs=True, prefetch=False, pipe=3)
         if current is not None and current.late_scale and current.mma == 0:
             out += [replace(current, x_pairs=True), replace(current, x_pairs=True, prefetch=False, pipe=3),
-                    replace(current, x_pairs=True, word_lanes=True)]
+                    replace(current, x_pairs=True, prefetch=True, pipe=1)]
         if bm <= 2:
-            # + 2-row chunks in the word_lanes layout (each row's activation gathers need no conversion; offline sm_90:
-            # bm2 n8 kw128 wl x2 96 registers, with row_skip 118)
-            wl = dict(p3, prefetch=True, pipe=1, word_lanes=True)
+            # H200 G2 at 7f3745b, M=16 (us): w13 entry 109, x2 112, p3 x2 107 (now the entry), bm2 p3 x2 113 / n64 kw32
+            # 112, bm2 n8 kw128 wl x2 176 (rs1 185), bm1 wl x2 199; w2 entry 57.4, x2 53.5 (now the entry), p3 x2 61.3.
             out += [StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=4, **p3),
-                    StreamConfig(block_m=2, block_n=64, block_kw=32, num_warps=4, **p3),
-                    StreamConfig(block_m=2, block_n=8, block_kw=128, num_warps=4, **wl),
-                    StreamConfig(block_m=2, block_n=8, block_kw=128, num_warps=4, row_skip=1, **wl)]
+                    StreamConfig(block_m=2, block_n=64, block_kw=32, num_warps=4, **p3)]
         else:
             out += [StreamConfig(block_m=4, block_n=16, block_kw=128, num_warps=4, **p3),
                     StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=4, **p3)]
@@ -509,18 +506,18 @@ def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
         # per-thread tile, 2x threads per program). Offline, p3 also drops the conversions: the activation goes to shared
         # memory by cp.async and is read back in the FMA layout (n16 kw128 w4 p3 x2: 4 BAR per step, 95 registers).
         # word_lanes (wl): one word per thread and row, the gathers' own layout (offline: 2 BAR per step, 128 registers).
+        # H200 G2 at 7f3745b (cold L2, us): d8192 entry 19.6, x2 18.0, p3 x2 17.3 (now the entry), p4 x2 17.9, n16 kw256 w8
+        # p3 x2 18.9, wl 30.0, wl x2 40.2, pf2 24.7, x2 pf2 21.4, n8 kw128 wl x2 29.0; w13 M=1 entry 12.2, x2 / p3 x2 11.2;
+        # w2 M=1 entry 8.61, x2 7.36, p3 x2 8.49, wl 28.3. The losers (wl, pf2) are no longer candidates.
         if current is not None and current.late_scale and current.mma == 0:
-            out += [replace(current, x_pairs=True), replace(current, word_lanes=True),
-                    replace(current, word_lanes=True, x_pairs=True), replace(current, prefetch2=True),
-                    replace(current, x_pairs=True, prefetch=False, pipe=3),
-                    replace(current, word_lanes=True, x_pairs=True, prefetch=False, pipe=3)]
+            out += [replace(current, x_pairs=True), replace(current, x_pairs=True, prefetch=False, pipe=3),
+                    replace(current, x_pairs=True, prefetch=False, pipe=4)]
         p3 = dict(bs, x_pairs=True, prefetch=False)
-        out += [StreamConfig(block_m=1, block_n=8, block_kw=128, num_warps=4, x_pairs=True, word_lanes=True, **bs),
-                StreamConfig(block_m=1, block_n=8, block_kw=256, num_warps=8, x_pairs=True, word_lanes=True, **bs),
-                StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, x_pairs=True, prefetch2=True, **bs),
-                StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, pipe=4, **p3),
-                StreamConfig(block_m=1, block_n=16, block_kw=256, num_warps=8, pipe=3, **p3),
-                StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, pipe=3, **p3)]
+        out += [StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, pipe=3, **p3),
+                StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, x_pairs=True, **bs),
+                StreamConfig(block_m=1, block_n=8, block_kw=128, num_warps=2, pipe=3, **p3),
+                StreamConfig(block_m=1, block_n=8, block_kw=128, num_warps=2, x_pairs=True, **bs),
+                StreamConfig(block_m=1, block_n=16, block_kw=256, num_warps=8, pipe=3, **p3)]
         return list(dict.fromkeys(out))[:12]
     if current is not None and current.mma == 0:
         out.append(replace(current, decode="f16x2", late_scale=True))

@@ -1396,18 +1396,27 @@ class StreamConfig:
 # kw128 w2 8.29 us (old entry 17.1; cuBLAS 13.4), qkv 5120x2048 n16 kw128 5.96 (cuBLAS 8.14; tensor-core 13.7),
 # o_proj 2048x4096 n8 kw128 w2 6.21 (cuBLAS 9.28). (False, 4, 8192, 8192) removed: 65.7 us vs 38.2 for the
 # tensor-core kernel's pick_config (the best CUDA-core variant at M=4: 54.5).
+# Session 8 phase 2 (helper G, H200 at 7f3745b, `--sweep-decode --focus --shapes d8192 --m 1` and `--shapes moe --m 1,16`,
+# cold L2, every variant within the reference bound; GPU stream tests of the new options 54 passed): x_pairs (int32
+# activation pairs) and the pipelined loop with them (p3 x2: cp.async, no shared-memory conversion of the activation
+# per nibble) win; word_lanes (4-byte weight loads: d8192 30.0 us, w2 M=16 390) and prefetch2 (d8192 24.7) lose, as
+# do session 8 phase 1's row_skip multi-row chunks (G1 at cd62c4a: w13 M=16 bm2 rs1 136 vs 109 us). d8192 M=1 n16 kw128
+# p3 x2 17.3 us (entry 19.6; x2 alone 18.0; = 2.00x cuBLAS 34.6, 52% of copy BW); MoE w13 M=1 p3 x2 11.2 (12.2; x2
+# 11.2), w2 M=1 x2 7.36 (8.61); w13 M=16 p3 x2 107 (109), w2 M=16 x2 53.5 (57.4); MoE layer with them 22.4 us = 3.83x
+# BF16 at M=1, 169 us = 2.02x at M=16 (warm L2). The M=4 (32-slot) MoE entries and dense d4096 / qkv / o_proj are not
+# measured with x2 yet: unchanged.
 DECODE_TABLE: dict[tuple[bool, int, int, int], StreamConfig] = {
     (False, 1, 2048, 4096): StreamConfig(block_m=1, block_n=8, block_kw=128, split_k=0, num_warps=2, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
     (False, 1, 4096, 4096): StreamConfig(block_m=1, block_n=8, block_kw=128, split_k=0, num_warps=2, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
     (False, 1, 5120, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
-    (False, 1, 8192, 8192): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
+    (False, 1, 8192, 8192): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=False, fixup=True, pipe=3, late_scale=True, block_scale=True, x_pairs=True),
     (False, 4, 4096, 4096): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
-    (True, 8, 1536, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
-    (True, 8, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=False, late_scale=True, block_scale=True),
+    (True, 8, 1536, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=False, fixup=True, pipe=3, late_scale=True, block_scale=True, x_pairs=True),
+    (True, 8, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=False, late_scale=True, block_scale=True, x_pairs=True),
     (True, 32, 1536, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
     (True, 32, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
-    (True, 128, 1536, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
-    (True, 128, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
+    (True, 128, 1536, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=False, fixup=True, pipe=3, late_scale=True, block_scale=True, x_pairs=True),
+    (True, 128, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True, x_pairs=True),
     (True, 512, 2048, 768): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
 }
 DECODE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -1418,12 +1427,17 @@ def decode_bucket(rows: int) -> int | None:
     return next((b for b in DECODE_BUCKETS if rows <= b), None)
 
 
-def decode_config(rows: int, n: int, k: int, grouped: bool) -> StreamConfig | None:
+def decode_config(rows: int, n: int, k: int, grouped: bool, x_dtype: torch.dtype | None = None) -> StreamConfig | None:
     """The :data:`DECODE_TABLE` entry for a w4a16 GEMM of ``rows`` rows (dense: M; grouped: token-slots),
-    or None (use the tensor-core kernel)."""
+    or None (use the tensor-core kernel). ``x_dtype`` (the activation dtype, when known): an entry measured with
+    ``x_pairs`` (16-bit activation pairs) is returned with ``x_pairs=False`` for float32 activations (the same
+    tiling and values; x_pairs reads 16-bit pairs only)."""
     for b in DECODE_BUCKETS:
         if rows <= b and (grouped, b, n, k) in DECODE_TABLE:
-            return DECODE_TABLE[(grouped, b, n, k)]
+            cfg = DECODE_TABLE[(grouped, b, n, k)]
+            if cfg.x_pairs and x_dtype is not None and x_dtype not in (torch.bfloat16, torch.float16):
+                cfg = replace(cfg, x_pairs=False)
+            return cfg
     return None
 
 
@@ -1902,7 +1916,7 @@ def nvfp4_gemm(
     else:
         rows_out = m
     if config is None and act.mode == "w4a16" and dev.type == "cuda" and rows_out and n:
-        config = decode_config(s if grouped else m, n, k, grouped)
+        config = decode_config(s if grouped else m, n, k, grouped, act.values.dtype)
     if isinstance(config, StreamConfig):
         if rows_out == 0 or n == 0:
             return torch.zeros(rows_out, n, dtype=act.dtype, device=dev)
