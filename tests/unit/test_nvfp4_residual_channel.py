@@ -350,17 +350,28 @@ def test_triton_channel_kernel_edge_cases_and_ulp_apart_scores():
 
 
 @_needs_interp
-@pytest.mark.parametrize("bits, cap, tr", [(10, 64, 1), (2, 16, 1), (10, 64, 2)])
-def test_triton_channel_compacted_search_matches_reference(bits, cap, tr):
+@pytest.mark.parametrize("bits, cap, tr, wt", [(10, 64, 1, False), (2, 16, 2, False), (10, 64, 2, False),
+                                              (11, 256, 2, True)])
+def test_triton_channel_compacted_search_matches_reference(bits, cap, tr, wt):
     """The compacted threshold search (``CHANNEL_CONFIG`` compact_*: ``bits`` full-row steps, then the candidates in a
-    ``cap``-entry tile; forced here at K >= 16) gives the reference's bytes. (10, 64): the tile (hand ties cut inside
-    it, scores a few ulps apart: the last bits, an early stop inside it) and the full-row continuation (an all-zero
-    row: every score is a candidate), a per-tensor scale (two launches); (2, 16): the continuation on nearly every
-    row, ratios 0 / 1, a score weight with zeros. amax='row' too (K <= 256)."""
+    ``cap``-entry tile, ``tr`` bits per tile step; forced here at K >= 16) gives the reference's bytes. (10, 64): the
+    tile (hand ties cut inside it, scores a few ulps apart: the last bits, an early stop inside it) and the full-row
+    continuation (an all-zero row: every score is a candidate), a per-tensor scale (two launches); (2, 16): the
+    continuation on nearly every row, ratios 0 / 1, a score weight with zeros; wt: the warp tile (256 entries in
+    every warp, K >= 256 rows: the hand ties repeated 8 times, the K = 256 rows). amax='row' too (K <= 256)."""
     from verl_quads.nvfp4 import triton_channel as tc
 
     with tc.channel_config(compact_max_rows=1 << 30, compact_min_k=16, compact_bits=bits, compact_cap=cap,
-                           compact_tile_bits=tr):
+                           compact_tile_bits=tr, compact_warp_tile=wt):
+        if wt:
+            xh = _HAND_X.repeat(1, 8).to(_DEV)  # [1, 256]: 16 scores .25, 48 .0625, 16 .015625, the rest 0
+            assert tc._compact_args(1, 256, 16) == (bits, 256, 2, True)
+            t = _same_channel_result(xh, 24 / 256, nv.per_row_global_scale(xh))  # 16 of .25 + the first 8 of .0625
+            assert t.channel_idx[0, :9].tolist() == [1, 2, 3, 5, 17, 18, 19, 21, 33]
+            x = _rows(3, 256, torch.bfloat16, seed=3)
+            _same_channel_result(x, 0.25, nv.per_row_global_scale(x))
+            _same_channel_result(x, 0.5, nv.global_scale_from_amax(x.float().abs().amax()))
+            return
         xh = _HAND_X.to(_DEV)
         assert _same_channel_result(xh, 3 / 32, nv.per_row_global_scale(xh)).channel_idx.tolist() == [[1, 2, 17]]
         if bits == 10:
@@ -368,10 +379,11 @@ def test_triton_channel_compacted_search_matches_reference(bits, cap, tr):
             # continuation), row 1 ends in the tile with ties (14 candidates), row 2 stops early in the tile
             x = _rows(3, 256, torch.bfloat16, seed=3)
             _same_channel_result(x, 0.25, nv.per_row_global_scale(x))
-            _same_channel_result(x, 0.5, nv.global_scale_from_amax(x.float().abs().amax()))
             xl, wl = _low_bit_ties()
             t = _same_channel_result(xl, 0.3, nv.per_row_global_scale(xl), score_weight=wl)
             assert t.channel_idx.tolist() == [sorted([c for c in range(64) if c % 8 >= 6] + [5, 13, 21])] * 3
+            if tr == 1:
+                _same_channel_result(x, 0.5, nv.global_scale_from_amax(x.float().abs().amax()))
         else:
             x = _rows(2, 16, torch.bfloat16, seed=16)
             for ratio in (0.0, 0.5, 1.0):
@@ -388,17 +400,17 @@ def test_triton_channel_compact_dispatch():
     bit counts are refused, naming the key."""
     from verl_quads.nvfp4 import triton_channel as tc
 
-    assert tc._compact_args(16, 8192, 512) == (10, 1024, 2) and tc._compact_args(256, 2048, 128) == (10, 1024, 2)
+    assert tc._compact_args(16, 8192, 512) == (10, 1024, 2, False) and tc._compact_args(256, 2048, 128) == (10, 1024, 2, False)
     assert tc._compact_args(257, 8192, 512) is None and tc._compact_args(16, 1536, 128) is None
     # 8 warps for a compacted launch at K = 8192 (measured), the elems_per_thread warps elsewhere
     assert tc._launch_warps(16, 8192, 512) == 8 and tc._launch_warps(257, 8192, 512) == 16
     assert tc._launch_warps(16, 2048, 128) == 4 and tc._launch_warps(16, 16384, 1024) == 16
     with tc.channel_config(compact_max_rows=64, compact_min_k=1024, compact_bits=10, compact_cap=1000,
                            compact_tile_bits=1):
-        assert tc._compact_args(64, 8192, 512) == (10, 1024, 1)
+        assert tc._compact_args(64, 8192, 512) == (10, 1024, 1, False)
         assert tc._compact_args(65, 8192, 512) is None and tc._compact_args(16, 768, 64) is None
     with tc.channel_config(compact_max_rows=64, compact_min_k=16, compact_cap=4096, compact_tile_bits=2):
-        assert tc._compact_args(2, 48, 4) == (10, 64, 2)  # 4 padded blocks: 64 channels
+        assert tc._compact_args(2, 48, 4) == (10, 64, 2, False)  # 4 padded blocks: 64 channels
     with tc.channel_config(compact_bits=31):
         with pytest.raises(ValueError, match=r"CHANNEL_CONFIG\['compact_bits'\] must be in \[1, 30\], got 31"):
             tc._compact_args(1, 8192, 512)
@@ -407,6 +419,12 @@ def test_triton_channel_compact_dispatch():
             tc._compact_args(1, 8192, 512)
     with tc.channel_config(compact_max_rows=0):
         assert tc._compact_args(1, 8192, 512) is None
+    with tc.channel_config(compact_warp_tile=True, compact_cap=256):
+        assert tc._compact_args(16, 8192, 512) == (10, 256, 2, True)
+        assert tc._compact_args(16, 128, 8) is None  # shorter than the warp tile: the full-row search
+    with tc.channel_config(compact_warp_tile=True):
+        with pytest.raises(ValueError, match="compact_warp_tile'\\] needs compact_cap = 256"):
+            tc._compact_args(16, 8192, 512)
 
 
 from verl_quads.nvfp4 import triton_channel as _tc  # noqa: E402
@@ -495,9 +513,9 @@ sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16",
        "scale1_ptr": "*u8", "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
        "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr", "STOP": "constexpr", "scr_ptr": "*i32",
-       "COMPACT": "constexpr", "CAP": "constexpr"}
+       "COMPACT": "constexpr", "CAP": "constexpr", "TR": "constexpr", "WT": "constexpr"}
 # the last fields: (COMPACT bits, CAP) of the compacted search (0, 1: the full-row search; 8 bits: with 2 tile bits per
-# step, TR = 2)
+# step, TR = 2; 11 bits: the warp tile, WT)
 for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in (
         ("*bf16", "*i16", False, 3, 0, False, 128, 4, 64, False, 0, 0, 1),
         ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64, False, 0, 0, 1),
@@ -510,12 +528,14 @@ for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in 
         ("*bf16", "*i16", False, 3, 0, False, 512, 16, None, True, 0, 10, 1024),  # the compacted search (decode)
         ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64, True, 0, 8, 1024),
         ("*fp32", "*fp32", False, 0, 2, False, 128, 4, None, False, 0, 12, 512),
+        ("*bf16", "*i16", False, 3, 0, False, 512, 8, None, True, 5, 11, 256),  # the warp tile (WT), a probe
+        ("*bf16", "*i64", True, 0, 0, True, 512, 8, None, True, 0, 11, 256),
         ("*bf16", "*i16", False, 3, 0, False, 512, 16, None, True, 2, 10, 1024)):
     s = dict(sig, x_ptr=xt, out_ptr=ot)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
         "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "ROW_GS": row_gs, "STOP": stop,
-        "COMPACT": comp, "CAP": cap, "TR": 2 if comp == 8 else 1}),
+        "COMPACT": comp, "CAP": cap, "TR": 2 if comp in (8, 11) else 1, "WT": comp == 11}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
     # the compacted search's tile round trip: scratch stores, a barrier, scratch loads

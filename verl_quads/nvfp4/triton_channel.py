@@ -82,6 +82,7 @@ tl = tk.tl
 #: search loops; with a decode launch's few rows one program per SM is in flight anyway). ``compact_tile_bits``: bits
 #: per tile step (2: three candidate counts in one reduction, rows with < 1024 candidates). ``compact_warps``: warps of
 #: a compacted launch by padded block count NBP (others: ``elems_per_thread``): 8 at K = 8192 (32 channels per thread).
+#: ``compact_warp_tile``: the tile steps in every warp (``_warp_tile_search``; needs compact_cap 256, two tile bits).
 #: Why these values (H200, bf16, k = 0.5, QDQ us, docs/bench_nvfp4_h200_channel_s8.txt run 1, full-row search ->
 #: compact): 1x8192 17.5 -> 13.8, 16x8192 17.7 -> 14.0, 64x8192 17.9 -> 14.2, 16x2048 9.7 -> 8.9, 256x8192 27.3 -> 26.6
 #: (packed residual_quantize 23.4 -> 19.1 at 16x8192, 43.3 -> 39.3 at 256x8192); rows and K outside the measured
@@ -94,7 +95,8 @@ tl = tk.tl
 #: stores, barrier, tile loads) +2.1, tile search +3.6 (11 reductions: CTA barrier latency), tie cut +0.5.
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 10,
-                  "compact_cap": 1024, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8}}
+                  "compact_cap": 1024, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
+                  "compact_warp_tile": False}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -111,6 +113,8 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     "full": {"compact_max_rows": 0}, "compact": {"compact_max_rows": 1 << 30},
                     "compact r1 w16": {"compact_tile_bits": 1, "compact_warps": {}},
                     "compact b12": {"compact_bits": 12, "compact_cap": 512},
+                    "compact wt b11": {"compact_bits": 11, "compact_cap": 256, "compact_warp_tile": True},
+                    "compact wt b12": {"compact_bits": 12, "compact_cap": 256, "compact_warp_tile": True},
                     "compact fallback": {"compact_max_rows": 1 << 30, "compact_min_k": 16, "compact_bits": 2,
                                          "compact_cap": 16}}
 
@@ -153,8 +157,90 @@ if triton is not None:
         return NBP * 16 - tl.sum(tl.sum(_below(e0, cand) + _below(e1, cand), axis=1), axis=0)
 
     @triton.jit
+    def _wt_load(scr, j: tl.constexpr, ncand, CAP: tl.constexpr):
+        """Chunk j of the candidate tile as [32] tensors (scores, padding -1; channels): a [32] tensor is one warp's
+        (every warp holds a copy), so its reductions need no barrier."""
+        i = j * 32 + tl.arange(0, 32)
+        return tl.load(scr + i, mask=i < ncand, other=-1), tl.load(scr + CAP + i, mask=i < ncand, other=0)
+
+    @triton.jit
+    def _wt3(t, c1, c2, c3):
+        """#(t >= c1) | #(t >= c2) << 10 | #(t >= c3) << 20 per element (summed: three counts < 1024)."""
+        return _at_least(t, c1) + (_at_least(t, c2) << 10) + (_at_least(t, c3) << 20)
+
+    @triton.jit
+    def _wt_tie(t, tch, th, need, base, cstar):
+        """Tie cut over one [32] chunk (channel order): ties before it ``base``; returns (base + its ties, cstar
+        raised to the channel of its last tie ranked <= need)."""
+        tie = (t == th).to(tl.int32)
+        r = tl.cumsum(tie, axis=0) + base
+        cstar = tl.maximum(cstar, tl.max(tl.where((tie != 0) & (r <= need), tch, -1), axis=0))
+        return base + tl.sum(tie, axis=0), cstar
+
+    @triton.jit
+    def _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP: tl.constexpr, PHASE: tl.constexpr):
+        """``_compact_threshold``'s tile steps (two bits per step, then the tie cut) over a 256-entry tile held by
+        EVERY warp as eight [32] chunks: each warp counts the whole tile itself (redundant, barrier-free warp
+        reductions) instead of one CTA-wide reduction per step. Returns (th, cnt, k, cstar)."""
+        t0, h0 = _wt_load(scr, 0, ncand, CAP)
+        t1, h1 = _wt_load(scr, 1, ncand, CAP)
+        t2, h2 = _wt_load(scr, 2, ncand, CAP)
+        t3, h3 = _wt_load(scr, 3, ncand, CAP)
+        t4, h4 = _wt_load(scr, 4, ncand, CAP)
+        t5, h5 = _wt_load(scr, 5, ncand, CAP)
+        t6, h6 = _wt_load(scr, 6, ncand, CAP)
+        t7, h7 = _wt_load(scr, 7, ncand, CAP)
+        cstar = th * 0 + 0x7FFFFFFF
+        if PHASE == 2:
+            hm = tl.maximum(tl.maximum(tl.maximum(h0, h1), tl.maximum(h2, h3)),
+                            tl.maximum(tl.maximum(h4, h5), tl.maximum(h6, h7)))
+            tm_ = tl.maximum(tl.maximum(tl.maximum(t0, t1), tl.maximum(t2, t3)),
+                             tl.maximum(tl.maximum(t4, t5), tl.maximum(t6, t7)))
+            cstar = tl.max(tl.maximum(hm, tm_), axis=0)
+            k = k + 31  # no tile search
+        while (k < 31) & (cnt != NSEL):
+            if k < 30:
+                c1 = th | (1 << (29 - k))
+                c2 = th | (2 << (29 - k))
+                c3 = th | (3 << (29 - k))
+                sp = tl.sum(_wt3(t0, c1, c2, c3) + _wt3(t1, c1, c2, c3) + _wt3(t2, c1, c2, c3)
+                            + _wt3(t3, c1, c2, c3) + _wt3(t4, c1, c2, c3) + _wt3(t5, c1, c2, c3)
+                            + _wt3(t6, c1, c2, c3) + _wt3(t7, c1, c2, c3), axis=0)
+                n1 = above + (sp & 1023)
+                n2 = above + ((sp >> 10) & 1023)
+                n3 = above + (sp >> 20)
+                th = tl.where(n3 >= NSEL, c3, tl.where(n2 >= NSEL, c2, tl.where(n1 >= NSEL, c1, th)))
+                cnt = tl.where(n3 >= NSEL, n3, tl.where(n2 >= NSEL, n2, tl.where(n1 >= NSEL, n1, cnt)))
+                k += 2
+            else:
+                cand = th | 1
+                n = above + tl.sum(_at_least(t0, cand) + _at_least(t1, cand) + _at_least(t2, cand)
+                                   + _at_least(t3, cand) + _at_least(t4, cand) + _at_least(t5, cand)
+                                   + _at_least(t6, cand) + _at_least(t7, cand), axis=0)
+                take = n >= NSEL
+                th = tl.where(take, cand, th)
+                cnt = tl.where(take, n, cnt)
+                k += 1
+        if (cnt != NSEL) & (PHASE == 0):
+            gt = ((t0 > th).to(tl.int32) + (t1 > th).to(tl.int32) + (t2 > th).to(tl.int32) + (t3 > th).to(tl.int32)
+                  + (t4 > th).to(tl.int32) + (t5 > th).to(tl.int32) + (t6 > th).to(tl.int32) + (t7 > th).to(tl.int32))
+            need = NSEL - above - tl.sum(gt, axis=0)
+            base = th * 0
+            cs = base - 1
+            base, cs = _wt_tie(t0, h0, th, need, base, cs)
+            base, cs = _wt_tie(t1, h1, th, need, base, cs)
+            base, cs = _wt_tie(t2, h2, th, need, base, cs)
+            base, cs = _wt_tie(t3, h3, th, need, base, cs)
+            base, cs = _wt_tie(t4, h4, th, need, base, cs)
+            base, cs = _wt_tie(t5, h5, th, need, base, cs)
+            base, cs = _wt_tie(t6, h6, th, need, base, cs)
+            base, cs = _wt_tie(t7, h7, th, need, base, cs)
+            cstar = cs
+        return th, cnt, k, cstar
+
+    @triton.jit
     def _compact_threshold(e0, e1, c, NSEL, NVALID, scr, NBP: tl.constexpr, J: tl.constexpr, CAP: tl.constexpr,
-                           TR: tl.constexpr = 1, PHASE: tl.constexpr = 0):
+                           TR: tl.constexpr = 1, PHASE: tl.constexpr = 0, WT: tl.constexpr = False):
         """Threshold of the row's NSEL highest scores and its tie cut: returns (th, cstar) int32 scalars such that
         the selection is ``e > th | (e == th & channel <= cstar)`` -- the NSEL highest scores, ties to the lower
         channels (the reference's stable descending sort), the same set as ``_bits_threshold`` + ``_half_ranks``.
@@ -171,6 +257,7 @@ if triton is not None:
         3. ties at the final T (count > NSEL): need = NSEL - #(> T); the tile's cumulative count of entries == T
            (channel order) gives cstar = the channel of the need-th tie.
         More than CAP candidates: steps 2-3 over the full row instead (the full-row ranks of ``_half_ranks``).
+        WT (CAP = 256): steps 2-3 by ``_warp_tile_search`` (every warp holds the whole tile; two bits per step).
         PHASE (the kernel's STOP 4 / 5 timing probes; 0 = all): 1 returns after step 1's full-row bits, 2 after the
         tile is stored and read back (cstar = the tile's largest channel, to keep the load); not a selection."""
         th = tl.full((), 0, tl.int32)
@@ -197,37 +284,41 @@ if triton is not None:
                 tl.store(scr + CAP + p0 - 1, ch0, mask=f0 != 0)
                 tl.store(scr + CAP + p1 - 1, ch1, mask=f1 != 0)
                 tl.debug_barrier()  # the row's stores are visible to the whole program
-                i = tl.arange(0, CAP)
-                tv = tl.load(scr + i, mask=i < ncand, other=-1)
-                tch = tl.load(scr + CAP + i, mask=i < ncand, other=0)
                 above = cnt - ncand
-                if PHASE == 2:
-                    cstar = tl.max(tch, axis=0)
-                    k = k + 31  # no tile search
-                while (k < 31) & (cnt != NSEL):
-                    if (TR == 2) & (k < 30):  # two bits: the 3 candidates' tile counts as 10-bit fields of one sum
-                        c1 = th | (1 << (29 - k))
-                        c2 = th | (2 << (29 - k))
-                        c3 = th | (3 << (29 - k))
-                        sp = tl.sum(_at_least(tv, c1) + (_at_least(tv, c2) << 10) + (_at_least(tv, c3) << 20), axis=0)
-                        n1 = above + (sp & 1023)
-                        n2 = above + ((sp >> 10) & 1023)
-                        n3 = above + (sp >> 20)  # n1 >= n2 >= n3: the largest digit whose count reaches NSEL
-                        th = tl.where(n3 >= NSEL, c3, tl.where(n2 >= NSEL, c2, tl.where(n1 >= NSEL, c1, th)))
-                        cnt = tl.where(n3 >= NSEL, n3, tl.where(n2 >= NSEL, n2, tl.where(n1 >= NSEL, n1, cnt)))
-                        k += 2
-                    else:
-                        cand = th | (1 << (30 - k))
-                        n = above + CAP - tl.sum(_below(tv, cand), axis=0)
-                        take = n >= NSEL
-                        th = tl.where(take, cand, th)
-                        cnt = tl.where(take, n, cnt)
-                        k += 1
-                if (cnt != NSEL) & (PHASE == 0):
-                    tie = tv == th
-                    need = NSEL - above - tl.sum((tv > th).to(tl.int32), axis=0)
-                    rk = tl.cumsum(tie.to(tl.int32), axis=0)
-                    cstar = tl.max(tl.where(tie & (rk <= need), tch, -1), axis=0)
+                if WT:  # the tile in every warp (CAP = 256): barrier-free counts
+                    th, cnt, k, cstar = _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP, PHASE)
+                else:
+                    i = tl.arange(0, CAP)
+                    tv = tl.load(scr + i, mask=i < ncand, other=-1)
+                    tch = tl.load(scr + CAP + i, mask=i < ncand, other=0)
+                    if PHASE == 2:
+                        cstar = tl.max(tch, axis=0)
+                        k = k + 31  # no tile search
+                    while (k < 31) & (cnt != NSEL):
+                        if (TR == 2) & (k < 30):  # two bits: 3 candidates' tile counts, 10-bit fields of one sum
+                            c1 = th | (1 << (29 - k))
+                            c2 = th | (2 << (29 - k))
+                            c3 = th | (3 << (29 - k))
+                            sp = tl.sum(_at_least(tv, c1) + (_at_least(tv, c2) << 10) + (_at_least(tv, c3) << 20),
+                                        axis=0)
+                            n1 = above + (sp & 1023)
+                            n2 = above + ((sp >> 10) & 1023)
+                            n3 = above + (sp >> 20)  # n1 >= n2 >= n3: the largest digit whose count reaches NSEL
+                            th = tl.where(n3 >= NSEL, c3, tl.where(n2 >= NSEL, c2, tl.where(n1 >= NSEL, c1, th)))
+                            cnt = tl.where(n3 >= NSEL, n3, tl.where(n2 >= NSEL, n2, tl.where(n1 >= NSEL, n1, cnt)))
+                            k += 2
+                        else:
+                            cand = th | (1 << (30 - k))
+                            n = above + CAP - tl.sum(_below(tv, cand), axis=0)
+                            take = n >= NSEL
+                            th = tl.where(take, cand, th)
+                            cnt = tl.where(take, n, cnt)
+                            k += 1
+                    if (cnt != NSEL) & (PHASE == 0):
+                        tie = tv == th
+                        need = NSEL - above - tl.sum((tv > th).to(tl.int32), axis=0)
+                        rk = tl.cumsum(tie.to(tl.int32), axis=0)
+                        cstar = tl.max(tl.where(tie & (rk <= need), tch, -1), axis=0)
             else:
                 while (k < 31) & (cnt != NSEL):
                     cand = th | (1 << (30 - k))
@@ -252,7 +343,7 @@ if triton is not None:
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
         ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0, scr_ptr=None, COMPACT: tl.constexpr = 0,
-        CAP: tl.constexpr = 1, TR: tl.constexpr = 1,
+        CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -272,7 +363,8 @@ if triton is not None:
         tie ranks and R_sel's amax (out = deq(Q(x)) where selected, else amax); COMPACT > 0 only: 4 = load, first
         pass, the J full-row bits, 5 = + the candidate tile stored and read back (``_compact_threshold`` PHASE).
         COMPACT = J > 0: the selection by ``_compact_threshold`` (J full-row bits, then a [CAP] candidate tile in
-        scr_ptr: int32 [M, 2 * CAP] scratch, row r's at r * 2 * CAP; TR: bits per tile step, 1 or 2); 0:
+        scr_ptr: int32 [M, 2 * CAP] scratch, row r's at r * 2 * CAP; TR: bits per tile step, 1 or 2; WT: the tile
+        in every warp, CAP = 256); 0:
         ``_bits_threshold`` + ``_half_ranks``."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
@@ -309,7 +401,7 @@ if triton is not None:
         e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
         if COMPACT > 0:
             th, cstar = _compact_threshold(e0, e1, c, NSEL, NB * 16, scr_ptr + row * (2 * CAP), NBP, COMPACT, CAP,
-                                           TR, 1 if STOP == 4 else (2 if STOP == 5 else 0))
+                                           TR, 1 if STOP == 4 else (2 if STOP == 5 else 0), WT)
             ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
             if (STOP == 2) | (STOP == 4) | (STOP == 5):
                 _store_halves(out_ptr, b, tl.where((e0 >= th) | (ch0 <= cstar), v0, 0.0),
@@ -417,8 +509,8 @@ def _check_row(k: int) -> int:
     return nbp
 
 
-def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int, int] | None:
-    """(COMPACT bits J, CAP, TR tile bits per step) of the compacted search for a launch of ``m`` rows of ``k`` channels (``CHANNEL_CONFIG``
+def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int, int, bool] | None:
+    """(COMPACT bits J, CAP, TR tile bits per step, WT warp tile) of the compacted search for a launch of ``m`` rows of ``k`` channels (``CHANNEL_CONFIG``
     compact_*), or None for the full-row search. J in [1, 30]; CAP a power of two <= the padded row."""
     c = CHANNEL_CONFIG
     if m > c["compact_max_rows"] or k < c["compact_min_k"]:
@@ -428,7 +520,14 @@ def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int, int] | None:
         raise ValueError(f"CHANNEL_CONFIG['compact_bits'] must be in [1, 30], got {bits}")
     if c["compact_tile_bits"] not in (1, 2):
         raise ValueError(f"CHANNEL_CONFIG['compact_tile_bits'] must be 1 or 2, got {c['compact_tile_bits']!r}")
-    return bits, int(min(tk._pow2(max(1, int(c["compact_cap"]))), nbp * BLOCK_SIZE)), int(c["compact_tile_bits"])
+    cap = int(min(tk._pow2(max(1, int(c["compact_cap"]))), nbp * BLOCK_SIZE))
+    wt = bool(c["compact_warp_tile"])
+    if wt and (int(c["compact_cap"]) != 256 or c["compact_tile_bits"] != 2):
+        raise ValueError("CHANNEL_CONFIG['compact_warp_tile'] needs compact_cap = 256 and compact_tile_bits = 2, got "
+                         f"{c['compact_cap']!r} / {c['compact_tile_bits']!r}")
+    if wt and cap != 256:  # a row shorter than the warp tile: the full-row search (same bytes)
+        return None
+    return bits, cap, int(c["compact_tile_bits"]), wt
 
 
 def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_finite: bool, packed: bool,
@@ -463,8 +562,9 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
                 enable_fp_fusion=False, **({"STOP": int(stop)} if stop else {}))
     comp = _compact_args(m, k, nbp)
     if comp is not None:
-        bits, cap, tr = comp
-        meta.update(COMPACT=bits, CAP=cap, TR=tr, scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
+        bits, cap, tr, warp_tile = comp
+        meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile,
+                    scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
     if not per_row and m > 1:  # per-tensor second-pass scale: amax of R_sel over all rows first
