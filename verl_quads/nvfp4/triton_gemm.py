@@ -1287,24 +1287,29 @@ class StreamConfig:
             whose expert has one slot (most experts at 16 decode tokens: ~1.6 slots per active expert)
             costs a one-row chunk, one with 2-4 slots decodes each weight word once for all of them
             (block_m 1 re-reads and re-decodes the weight tile for every slot). Same products and
-            summation order as without it (bit-identical). 0 = every row of a chunk computed.
+            summation order as without it (bit-identical). 0 = every row of a chunk computed. Measured slower
+            than one-row chunks on the H200 (session 8, MoE w13 M=16: bm2 rs1 136 us vs bm1 109): each row of a
+            chunk adds its own activation gathers and shared-memory conversions.
         x_pairs: (``late_scale``, not ``xperm``; bf16 / fp16 activations only) the activation values are loaded
             as int32 words of two 16-bit values (4 loads per weight word and row instead of 8 two-byte loads)
             and split exactly (bf16: bit placement; fp16: conversion). Same values, products and order as
             without it (bit-identical). Why: the offline sm_90 K loop of the d8192 M=1 entry issues 8
             two-byte activation gathers per step and converts each through shared memory (20 BAR per step);
-            with pairs there are half as many loads and conversions.
+            with pairs there are half as many loads and conversions. H200 (session 8): d8192 M=1 19.6 -> 18.0 us,
+            17.3 with the pipelined loop (``pipe=3``: the activation via cp.async, no conversion); in DECODE_TABLE.
         prefetch2: (``prefetch``, ``mma=0``) load the words and scales two K steps ahead instead of one (a third
             register buffer): twice the weight bytes in flight per thread during a step's arithmetic. Why: the H200
             roofline (session 7) reads the codes alone at 78-81% of copy BW with few-row long-K tiles, the kernel's
             tiling at 46%; a bandwidth-bound read needs more bytes in flight per SM. Same results (bit-identical).
+            Measured slower on the H200 (session 8, d8192 M=1: 24.7 us vs 19.6; 163 instead of 128 registers).
         word_lanes: (``mma=0``) one int32 weight word per thread and row, consecutive words on consecutive threads
             (4-byte loads, each warp reads 128 contiguous bytes of a row) instead of 16-byte vectors of 4 words:
             the activation gathers (one value per thread and nibble position) then already have the FMA layout.
             Offline sm_90 of the d8192 M=1 entry with it: 2 instead of 20 BAR per K step (no shared-memory
             conversion of the 8 activation vectors), 16 LDG.32 instead of 4 LDG.128, 128 registers, K loop 678
             vs 639 SASS. Same products and per-thread order; the final cross-thread sum of a row's partials runs
-            over another thread layout (last-bit differences, within the bound).
+            over another thread layout (last-bit differences, within the bound). Measured much slower on the H200
+            (session 8: d8192 M=1 30.0 us vs 19.6, MoE w2 M=1 28.3 vs 8.61).
     """
 
     block_m: int = 1
