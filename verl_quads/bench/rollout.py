@@ -509,15 +509,20 @@ def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
         # H200 G2 at 7f3745b (cold L2, us): d8192 entry 19.6, x2 18.0, p3 x2 17.3 (now the entry), p4 x2 17.9, n16 kw256 w8
         # p3 x2 18.9, wl 30.0, wl x2 40.2, pf2 24.7, x2 pf2 21.4, n8 kw128 wl x2 29.0; w13 M=1 entry 12.2, x2 / p3 x2 11.2;
         # w2 M=1 entry 8.61, x2 7.36, p3 x2 8.49, wl 28.3. The losers (wl, pf2) are no longer candidates.
+        # G3 at 0cd88e7: qkv x2 5.45 (entry 5.96), o_proj n16 kw256 w8 p3 x2 5.33 (6.21), d4096 n8 kw128 w2 p3 x2 6.95
+        # (8.34): now the entries. Next: the pipelined x2 entries' split-K target (occ 8), 2 stages, and tiles around them.
         if current is not None and current.late_scale and current.mma == 0:
-            out += [replace(current, x_pairs=True), replace(current, x_pairs=True, prefetch=False, pipe=3),
-                    replace(current, x_pairs=True, prefetch=False, pipe=4)]
+            out += [replace(current, x_pairs=True), replace(current, x_pairs=True, prefetch=False, pipe=3)]
+            if current.pipe > 1:
+                out += [replace(current, occ=8), replace(current, pipe=2)]
         p3 = dict(bs, x_pairs=True, prefetch=False)
         out += [StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, pipe=3, **p3),
                 StreamConfig(block_m=1, block_n=16, block_kw=128, num_warps=4, x_pairs=True, **bs),
                 StreamConfig(block_m=1, block_n=8, block_kw=128, num_warps=2, pipe=3, **p3),
-                StreamConfig(block_m=1, block_n=8, block_kw=128, num_warps=2, x_pairs=True, **bs),
-                StreamConfig(block_m=1, block_n=16, block_kw=256, num_warps=8, pipe=3, **p3)]
+                StreamConfig(block_m=1, block_n=16, block_kw=256, num_warps=8, pipe=3, **p3),
+                StreamConfig(block_m=1, block_n=32, block_kw=128, num_warps=8, pipe=3, **p3),
+                StreamConfig(block_m=1, block_n=8, block_kw=256, num_warps=4, pipe=3, **p3),
+                StreamConfig(block_m=1, block_n=16, block_kw=64, num_warps=2, pipe=3, **p3)]
         return list(dict.fromkeys(out))[:12]
     if current is not None and current.mma == 0:
         out.append(replace(current, decode="f16x2", late_scale=True))

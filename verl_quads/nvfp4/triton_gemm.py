@@ -1408,18 +1408,20 @@ class StreamConfig:
 # do session 8 phase 1's row_skip multi-row chunks (G1 at cd62c4a: w13 M=16 bm2 rs1 136 vs 109 us). d8192 M=1 n16 kw128
 # p3 x2 17.3 us (entry 19.6; x2 alone 18.0; = 2.00x cuBLAS 34.6, 52% of copy BW); MoE w13 M=1 p3 x2 11.2 (12.2; x2
 # 11.2), w2 M=1 x2 7.36 (8.61); w13 M=16 p3 x2 107 (109), w2 M=16 x2 53.5 (57.4); MoE layer with them 22.4 us = 3.83x
-# BF16 at M=1, 169 us = 2.02x at M=16 (warm L2). The M=4 (32-slot) MoE entries and dense d4096 / qkv / o_proj are not
-# measured with x2 yet: unchanged.
+# BF16 at M=1, 169 us = 2.02x at M=16 (warm L2). Then G3 at 0cd88e7 (same commands, `--shapes qkv,o_proj,d4096 --m 1`
+# and `--shapes moe --m 4`; all within the bound; GPU default-dispatch tests of the MoE entries 17 passed): qkv 5120x2048
+# x2 5.45 us (5.96; cuBLAS 8.05), o_proj 2048x4096 n16 kw256 w8 p3 x2 5.33 (6.21; cuBLAS 9.22), d4096 n8 kw128 w2 p3 x2
+# 6.95 (8.34; cuBLAS 13.5), MoE w13 M=4 p3 x2 31.6 (32.8), w2 M=4 x2 18.6 (19.8); MoE layer M=4 58.5 us = 2.89x BF16.
 DECODE_TABLE: dict[tuple[bool, int, int, int], StreamConfig] = {
-    (False, 1, 2048, 4096): StreamConfig(block_m=1, block_n=8, block_kw=128, split_k=0, num_warps=2, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
-    (False, 1, 4096, 4096): StreamConfig(block_m=1, block_n=8, block_kw=128, split_k=0, num_warps=2, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
-    (False, 1, 5120, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
+    (False, 1, 2048, 4096): StreamConfig(block_m=1, block_n=16, block_kw=256, split_k=0, num_warps=8, num_stages=1, mma=0, decode='f16x2', prefetch=False, fixup=True, pipe=3, late_scale=True, block_scale=True, x_pairs=True),
+    (False, 1, 4096, 4096): StreamConfig(block_m=1, block_n=8, block_kw=128, split_k=0, num_warps=2, num_stages=1, mma=0, decode='f16x2', prefetch=False, fixup=True, pipe=3, late_scale=True, block_scale=True, x_pairs=True),
+    (False, 1, 5120, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True, x_pairs=True),
     (False, 1, 8192, 8192): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=False, fixup=True, pipe=3, late_scale=True, block_scale=True, x_pairs=True),
     (False, 4, 4096, 4096): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
     (True, 8, 1536, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=False, fixup=True, pipe=3, late_scale=True, block_scale=True, x_pairs=True),
     (True, 8, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=False, late_scale=True, block_scale=True, x_pairs=True),
-    (True, 32, 1536, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
-    (True, 32, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),
+    (True, 32, 1536, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=False, fixup=True, pipe=3, late_scale=True, block_scale=True, x_pairs=True),
+    (True, 32, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True, x_pairs=True),
     (True, 128, 1536, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=False, fixup=True, pipe=3, late_scale=True, block_scale=True, x_pairs=True),
     (True, 128, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True, x_pairs=True),
     (True, 512, 2048, 768): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
