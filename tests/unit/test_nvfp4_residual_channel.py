@@ -400,16 +400,17 @@ def test_triton_channel_compact_dispatch():
     bit counts are refused, naming the key."""
     from verl_quads.nvfp4 import triton_channel as tc
 
-    assert tc._compact_args(16, 8192, 512) == (10, 1024, 2, False) and tc._compact_args(256, 2048, 128) == (10, 1024, 2, False)
+    assert tc._compact_args(16, 8192, 512) == (12, 256, 2, True) == tc._compact_args(256, 2048, 128)
     assert tc._compact_args(257, 8192, 512) is None and tc._compact_args(16, 1536, 128) is None
     # 8 warps for a compacted launch at K = 8192 (measured), the elems_per_thread warps elsewhere
     assert tc._launch_warps(16, 8192, 512) == 8 and tc._launch_warps(257, 8192, 512) == 16
     assert tc._launch_warps(16, 2048, 128) == 4 and tc._launch_warps(16, 16384, 1024) == 16
     with tc.channel_config(compact_max_rows=64, compact_min_k=1024, compact_bits=10, compact_cap=1000,
-                           compact_tile_bits=1):
+                           compact_tile_bits=1, compact_warp_tile=False):
         assert tc._compact_args(64, 8192, 512) == (10, 1024, 1, False)
         assert tc._compact_args(65, 8192, 512) is None and tc._compact_args(16, 768, 64) is None
-    with tc.channel_config(compact_max_rows=64, compact_min_k=16, compact_cap=4096, compact_tile_bits=2):
+    with tc.channel_config(compact_max_rows=64, compact_min_k=16, compact_cap=4096, compact_tile_bits=2,
+                           compact_warp_tile=False, compact_bits=10):
         assert tc._compact_args(2, 48, 4) == (10, 64, 2, False)  # 4 padded blocks: 64 channels
     with tc.channel_config(compact_bits=31):
         with pytest.raises(ValueError, match=r"CHANNEL_CONFIG\['compact_bits'\] must be in \[1, 30\], got 31"):
@@ -419,10 +420,9 @@ def test_triton_channel_compact_dispatch():
             tc._compact_args(1, 8192, 512)
     with tc.channel_config(compact_max_rows=0):
         assert tc._compact_args(1, 8192, 512) is None
-    with tc.channel_config(compact_warp_tile=True, compact_cap=256):
-        assert tc._compact_args(16, 8192, 512) == (10, 256, 2, True)
+    with tc.channel_config(compact_min_k=16):
         assert tc._compact_args(16, 128, 8) is None  # shorter than the warp tile: the full-row search
-    with tc.channel_config(compact_warp_tile=True):
+    with tc.channel_config(compact_cap=1024):
         with pytest.raises(ValueError, match="compact_warp_tile'\\] needs compact_cap = 256"):
             tc._compact_args(16, 8192, 512)
 

@@ -331,7 +331,7 @@ CHANNEL_BENCH_SHAPES = ((4096, 2048), (8192, 8192), (2048, 768), (256, 2048))
 
 #: (variant of ``triton_channel.CHANNEL_VARIANTS``, elems_per_thread) timed at k = 0.5; at the other ratios only
 #: ``CHANNEL_OTHER_RATIOS``.
-CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16), ("full", 16), ("compact r1 w16", 16))
+CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16), ("full", 16), ("compact cta", 16))
 
 
 def _variant_ept(name: str) -> int:

@@ -41,8 +41,8 @@ threshold) is the floor of this design: every measured way to take fewer, longer
 (``_bits_threshold``), as were a [NBP, 16] tile layout and other warp counts (uncapped); what helped was this layout
 (one thread per block) and the register caps of ``CHANNEL_CONFIG`` (more rows in flight per SM). Session 8
 (docs/bench_nvfp4_h200_channel_s8.txt): fewer full-row steps by the compacted search (``_compact_threshold``, the
-default at <= 256 rows, K >= 2048; two bits per tile step, 8 warps at K = 8192): 16x8192 12.0 us (full-row search
-17.8), 1x8192 11.9, 64x8192 12.3, 16x2048 8.35, 256x8192 22.8. Rows longer than
+default at <= 256 rows, K >= 2048; 12 full-row bits, a 256-entry tile in every warp, two bits per tile step, 8
+warps at K = 8192): 16x8192 11.3 us (full-row search 17.7), 64x8192 11.5, 16x2048 7.41, 256x8192 21.7. Rows longer than
 ``CHANNEL_CONFIG["max_k"]`` channels raise NotImplementedError (no tiled variant yet; never the block rule, never a
 silent switch to torch). Kernels run with ``enable_fp_fusion=False`` and use no float negation (triton 3.6 lowers
 ``-v`` to ``0.0 - v``), as :mod:`.triton_kernels`.
@@ -93,10 +93,15 @@ tl = tk.tl
 #: 8.35 but 2 warps instead of 4 slower (9.9), hence 8 warps only at K = 8192 (NBP 512; other K keep their warps).
 #: Phases (STOP probes, 16x8192, two bits): first pass 3.8 us, 10 full-row bits +3.0, compaction (scan, scratch
 #: stores, barrier, tile loads) +2.1, tile search +3.6 (11 reductions: CTA barrier latency), tie cut +0.5.
+#: Run 3 (same doc): the warp tile (``compact_warp_tile``: a 256-entry tile in every warp, barrier-free counts) with 12
+#: full-row bits, vs run 2's default (10 bits, 1024-entry CTA tile): 16x8192 11.8 -> 11.3 us, 64x8192 12.2 -> 11.5,
+#: 16x2048 8.16 -> 7.41, 256x8192 22.9 -> 21.7, 1x8192 9.54 -> 9.33 (packed equal); 11 bits was slower at 256x8192.
+#: 16x8192 phases: 12 full-row bits +2.8 us, compaction +1.8, tile search +2.0 (10 warp steps), tie cut +0.7; the
+#: candidates per row 75 mean / 93 max (the tile holds 256; more -> the full-row continuation).
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
-                  "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 10,
-                  "compact_cap": 1024, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
-                  "compact_warp_tile": False}
+                  "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 12,
+                  "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
+                  "compact_warp_tile": True}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -104,17 +109,17 @@ CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_
 #: other threshold searches (2 / 3 bits per step by a histogram of 16-bit fields in int64 words, and a search that
 #: tracks min / max bounds of the candidates to skip bits and stop at one value): none was >= 10% faster at
 #: 1-64 x 8192 or 16 x 2048, most were slower (up to 1.5x). Session 8 (the compacted search, ``compact_*`` above):
-#: "full" = the 31-step full-row search at every M, "compact" = the compacted one at every M, "compact r1 w16" = run
-#: 1's default (one bit per tile step, 16 warps at K = 8192), 12 full-row bits with a 512 tile, and "compact fallback"
+#: "full" = the 31-step full-row search at every M, "compact" = the compacted one at every M, "compact cta" = run 2's
+#: default (10 full-row bits, a 1024-entry tile counted by CTA-wide reductions), "compact r1 w16" = run 1's default
+#: (the same with one bit per tile step and 16 warps at K = 8192), and "compact fallback"
 #: (2 bits, 16-entry tile: nearly every row takes the full-row continuation; for the bytes tests, not a speed
 #: candidate). Removed after run 1: 8 full-row bits, the 64-register cap (both slower); after run 2 (adopted in the
-#: default): two bits per tile step, 8 warps at K = 8192.
+#: default): two bits per tile step, 8 warps at K = 8192; after run 3: the warp tile with 11 / 12 bits (12 adopted).
 CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnreg": None},
                     "full": {"compact_max_rows": 0}, "compact": {"compact_max_rows": 1 << 30},
-                    "compact r1 w16": {"compact_tile_bits": 1, "compact_warps": {}},
-                    "compact b12": {"compact_bits": 12, "compact_cap": 512},
-                    "compact wt b11": {"compact_bits": 11, "compact_cap": 256, "compact_warp_tile": True},
-                    "compact wt b12": {"compact_bits": 12, "compact_cap": 256, "compact_warp_tile": True},
+                    "compact cta": {"compact_bits": 10, "compact_cap": 1024, "compact_warp_tile": False},
+                    "compact r1 w16": {"compact_bits": 10, "compact_cap": 1024, "compact_warp_tile": False,
+                                       "compact_tile_bits": 1, "compact_warps": {}},
                     "compact fallback": {"compact_max_rows": 1 << 30, "compact_min_k": 16, "compact_bits": 2,
                                          "compact_cap": 16}}
 
