@@ -254,8 +254,8 @@ def test_stream_config_errors_and_dispatch_table(monkeypatch):
 
 def test_stream_row_skip_is_bit_identical_to_full_chunks():
     """row_skip=1 (a chunk's invalid rows skip their products at run time) changes no valid row's products or
-    summation order: the same bits as row_skip=0, grouped (experts with 1, 2, 3 and 5 slots in 2- and 4-row chunks)
-    and dense (M=3 in 2-row chunks)."""
+    summation order: the same bits as row_skip=0, grouped (experts with 1, 2, 3 and 5 slots in 4-row chunks) and
+    dense (M=3 in 2-row chunks)."""
     t, topk, e, n, k = 7, 2, 4, 24, 128
     q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
     gs = q_w.global_scale.reshape(-1)
@@ -264,8 +264,8 @@ def test_stream_row_skip_is_bit_identical_to_full_chunks():
     routing = tg.moe_align(ids, e, 16)
     rows = torch.div(routing.sorted_slots, topk, rounding_mode="floor")
     op, _ = tg.quantize_activation(_x(t, k), "w4a16")
-    for bm in (2, 4):
-        cfg = SC(block_m=bm, block_n=16, block_kw=8, split_k=2, decode="f16x2", late_scale=True, block_scale=True)
+    for bm in (4,):  # 4-row chunks with 1, 2, 3 and 4 valid rows (the dense case below: 2-row chunks)
+        cfg = SC(block_m=bm, block_n=16, block_kw=8, split_k=1, decode="f16x2", late_scale=True, block_scale=True)
         ys = [tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing, a_rows=rows, out_rows=t * topk,
                             config=c) for c in (cfg, tg.replace(cfg, row_skip=1))]
         assert torch.equal(ys[0], ys[1]) and bool(ys[1][:10].ne(0).any(dim=1).all()), bm
@@ -284,7 +284,7 @@ def test_stream_x_pairs_and_prefetch2_are_bit_identical():
     K tail in every range, dense M=3 in 2-row chunks)."""
     q_d = em.quantize_weight(_w((24, 176)))
     gs = q_d.global_scale.reshape(())
-    cfg = SC(block_m=2, block_n=16, block_kw=4, split_k=2, decode="f16x2", late_scale=True, block_scale=True)
+    cfg = SC(block_m=2, block_n=16, block_kw=8, split_k=1, decode="f16x2", late_scale=True, block_scale=True)
     for dtype in (torch.bfloat16, torch.float16):
         x = _x(3, 176, dtype)
         y0, y1, y2 = (tg.nvfp4_linear(x, q_d.packed, q_d.block_scale, gs, None, "w4a16", config=c)
