@@ -1412,6 +1412,9 @@ class StreamConfig:
 # and `--shapes moe --m 4`; all within the bound; GPU default-dispatch tests of the MoE entries 17 passed): qkv 5120x2048
 # x2 5.45 us (5.96; cuBLAS 8.05), o_proj 2048x4096 n16 kw256 w8 p3 x2 5.33 (6.21; cuBLAS 9.22), d4096 n8 kw128 w2 p3 x2
 # 6.95 (8.34; cuBLAS 13.5), MoE w13 M=4 p3 x2 31.6 (32.8), w2 M=4 x2 18.6 (19.8); MoE layer M=4 58.5 us = 2.89x BF16.
+# G4 at 0fd1859 (`--shapes d8192,moe --m 1`, twins of the M=1 entries; GPU default-dispatch qkv / o_proj tests 8 passed):
+# no change -- d8192 entry 17.3 us again (occ 8 18.4, 2 stages 18.6, n8 kw128 w2 p3 x2 17.3 tie, n32 kw128 w8 22.1),
+# w13 M=1 entry 11.2 (pf x2 11.1: noise), w2 M=1 entry 7.95 (7.36 in G2: run-to-run spread); MoE layer M=1 22.1 us = 4.0x.
 DECODE_TABLE: dict[tuple[bool, int, int, int], StreamConfig] = {
     (False, 1, 2048, 4096): StreamConfig(block_m=1, block_n=16, block_kw=256, split_k=0, num_warps=8, num_stages=1, mma=0, decode='f16x2', prefetch=False, fixup=True, pipe=3, late_scale=True, block_scale=True, x_pairs=True),
     (False, 1, 4096, 4096): StreamConfig(block_m=1, block_n=8, block_kw=128, split_k=0, num_warps=2, num_stages=1, mma=0, decode='f16x2', prefetch=False, fixup=True, pipe=3, late_scale=True, block_scale=True, x_pairs=True),
