@@ -121,7 +121,7 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     "compact r1 w16": {"compact_bits": 10, "compact_cap": 1024, "compact_warp_tile": False,
                                        "compact_tile_bits": 1, "compact_warps": {}},
                     "compact fallback": {"compact_max_rows": 1 << 30, "compact_min_k": 16, "compact_bits": 2,
-                                         "compact_cap": 16}}
+                                         "compact_cap": 16, "compact_warp_tile": False}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
