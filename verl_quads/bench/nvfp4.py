@@ -332,6 +332,7 @@ CHANNEL_BENCH_SHAPES = ((4096, 2048), (8192, 8192), (2048, 768), (256, 2048))
 #: (variant of ``triton_channel.CHANNEL_VARIANTS``, elems_per_thread) timed at k = 0.5; at the other ratios only
 #: ``CHANNEL_OTHER_RATIOS``.
 CHANNEL_BENCH_CONFIGS = (("default", 16), ("uncapped", 16), ("full", 16), ("compact cta", 16))
+CHANNEL_OTHER_RATIOS = (("default", 16),)
 
 
 def _variant_ept(name: str) -> int:
@@ -339,7 +340,6 @@ def _variant_ept(name: str) -> int:
     from verl_quads.nvfp4 import triton_channel as tc
 
     return int(tc.CHANNEL_VARIANTS[name].get("elems_per_thread", 16))
-CHANNEL_OTHER_RATIOS = (("default", 16),)
 
 
 def run_channel(shapes: list[tuple[int, int]] = CHANNEL_BENCH_SHAPES, dtype: torch.dtype = torch.bfloat16,
@@ -428,34 +428,11 @@ CHANNEL_PROBE_PHASES_COMPACT = ((1, "load + first pass (+ row store)"), (4, "+ J
                                 (3, "+ tie cut, selection, R_sel amax"), (0, "whole kernel (+ second pass)"))
 
 
-def _bits_search_steps(x: torch.Tensor, ratio: float, gs: torch.Tensor) -> torch.Tensor:
-    """Dependent full-row counts the channel kernel's ``_bits_threshold`` takes per row of ``x`` (int64 [M]): the
-    same early-stopped MSB-first search, replayed in torch on the reference's scores R**2 (float32 bit patterns)."""
-    from verl_quads.nvfp4.residual import num_selected_channels
-
-    r = x.float() - nv.dequantize(nv.quantize(x, gs, backend="torch", check_finite=False), torch.float32,
-                                  backend="torch")
-    eb = (r * r).view(torch.int32)
-    n = num_selected_channels(x.shape[-1], ratio)
-    m = x.shape[0]
-    th = torch.zeros(m, 1, dtype=torch.int32, device=x.device)
-    cnt = torch.full((m, 1), x.shape[-1], dtype=torch.int64, device=x.device)
-    steps = torch.zeros(m, dtype=torch.int64, device=x.device)
-    for k in range(31):
-        live = cnt[:, 0] != n
-        steps += live.long()
-        cand = th | (1 << (30 - k))
-        c = (eb >= cand).sum(-1, keepdim=True)
-        take = live[:, None] & (c >= n)
-        th = torch.where(take, cand, th)
-        cnt = torch.where(take, c, cnt)
-    return steps
-
-
-def _compact_search_stats(x: torch.Tensor, ratio: float, gs: torch.Tensor, bits: int, cap: int) -> str:
-    """How the compacted search (``triton_channel._compact_threshold`` with ``bits`` full-row steps and a ``cap``-entry
-    tile) goes on the rows of ``x``, replayed in torch on the reference's scores R**2: "rows early / tile /
-    continuation, candidates max / mean over the tile rows, steps over the tile max"."""
+def _replay_search(x: torch.Tensor, ratio: float, gs: torch.Tensor, bits: int = 31):
+    """The channel kernel's early-stopped MSB-first threshold search over its first ``bits`` bits, replayed in torch
+    on the reference's scores R**2 (float32 bit patterns as int64 [M, K]): returns ``(eb, n, th, cnt, steps)``, the
+    scores, the selection size, each row's accepted prefix and its count ([M, 1]) and the dependent full-row counts
+    each row took (int64 [M]). Continue with :func:`_replay_steps`."""
     from verl_quads.nvfp4.residual import num_selected_channels
 
     r = x.float() - nv.dequantize(nv.quantize(x, gs, backend="torch", check_finite=False), torch.float32,
@@ -465,26 +442,58 @@ def _compact_search_stats(x: torch.Tensor, ratio: float, gs: torch.Tensor, bits:
     m = x.shape[0]
     th = torch.zeros(m, 1, dtype=torch.int64, device=x.device)
     cnt = torch.full((m, 1), x.shape[-1], dtype=torch.int64, device=x.device)
-    for k in range(bits):
-        cand = th | (1 << (30 - k))
-        c = (eb >= cand).sum(-1, keepdim=True)
-        take = (cnt != n) & (c >= n)
-        th, cnt = torch.where(take, cand, th), torch.where(take, c, cnt)
-    early = cnt[:, 0] == n
-    ncand = ((eb >> (31 - bits)) == (th >> (31 - bits))).sum(-1)
-    tile = ~early & (ncand <= cap)
-    steps = torch.zeros(m, dtype=torch.int64, device=x.device)
-    for k in range(bits, 31):
+    th, cnt, steps = _replay_steps(eb, n, th, cnt, 0, bits)
+    return eb, n, th, cnt, steps
+
+
+def _replay_steps(eb: torch.Tensor, n: int, th: torch.Tensor, cnt: torch.Tensor, k0: int, k1: int):
+    """Bits ``k0 .. k1 - 1`` of the replayed search (see :func:`_replay_search`): ``(th, cnt, steps)``, steps = the
+    counts each row still needed (a row stops once its count is exactly ``n``)."""
+    steps = torch.zeros(eb.shape[0], dtype=torch.int64, device=eb.device)
+    for k in range(k0, k1):
         live = cnt[:, 0] != n
-        steps += (live & tile).long()
+        steps += live.long()
         cand = th | (1 << (30 - k))
         c = (eb >= cand).sum(-1, keepdim=True)
         take = live[:, None] & (c >= n)
         th, cnt = torch.where(take, cand, th), torch.where(take, c, cnt)
+    return th, cnt, steps
+
+
+def _bits_search_steps(x: torch.Tensor, ratio: float, gs: torch.Tensor) -> torch.Tensor:
+    """Dependent full-row counts the channel kernel's ``_bits_threshold`` takes per row of ``x`` (int64 [M]): the
+    same early-stopped MSB-first search, replayed in torch on the reference's scores R**2 (float32 bit patterns)."""
+    return _replay_search(x, ratio, gs)[4]
+
+
+def _compact_search_stats(x: torch.Tensor, ratio: float, gs: torch.Tensor, bits: int, cap: int) -> str:
+    """How the compacted search (``triton_channel._compact_threshold`` with ``bits`` full-row steps and a ``cap``-entry
+    tile) goes on the rows of ``x``, replayed in torch on the reference's scores R**2: "rows early / tile /
+    continuation, candidates max / mean over the tile rows, steps over the tile max"."""
+    eb, n, th, cnt, _ = _replay_search(x, ratio, gs, bits)
+    early = cnt[:, 0] == n
+    ncand = ((eb >> (31 - bits)) == (th >> (31 - bits))).sum(-1)
+    tile = ~early & (ncand <= cap)
+    steps = _replay_steps(eb, n, th, cnt, bits, 31)[2] * tile
     nc = ncand[tile].float()
     return (f"{int(early.sum())}/{int(tile.sum())}/{int((~early & ~tile).sum())} rows, cands "
             f"{int(nc.max()) if nc.numel() else 0}/{float(nc.mean()) if nc.numel() else 0:.0f}, tile steps "
             f"{int(steps.max())}")
+
+
+def _phase_times(phases, launch, tm):
+    """Time each STOP probe of ``phases`` ((stop, what) pairs) with ``tm`` (seconds) as ``launch(stop)``:
+    ``[(stop, what, us or None, previous phase's us or None, error text or None)]``; a probe the device's triton does
+    not compile is reported, not timed."""
+    out, prev = [], None
+    for stop, what in phases:
+        try:
+            t = tm(lambda: launch(stop)) * 1e6
+            out.append((stop, what, t, prev, None))
+            prev = t
+        except Exception as e:
+            out.append((stop, what, None, prev, f"{type(e).__name__}: {str(e)[:100]!r}"))
+    return out
 
 
 def run_channel_probe(shapes=CHANNEL_PROBE_SHAPES, dtype: torch.dtype = torch.bfloat16, ratios=(0.5, 1.0),
@@ -513,16 +522,12 @@ def run_channel_probe(shapes=CHANNEL_PROBE_SHAPES, dtype: torch.dtype = torch.bf
                         steps = f"{int(st.max())} / {float(st.float().mean()):.1f}"
                     else:
                         steps = _compact_search_stats(x, ratio, gs_row, *comp[:2])
-                    prev = None
-                    for stop, what in CHANNEL_PROBE_PHASES if comp is None else CHANNEL_PROBE_PHASES_COMPACT:
-                        try:
-                            t = tm(lambda: tc._run(x, ratio, gs_row, None, None, False, packed=False, stop=stop)) * 1e6
-                            rows.append([f"{m}x{k}", f"{ratio:g}", variant, f"STOP {stop}: {what}", steps, t,
-                                         f"{t - prev:+.2f}" if prev is not None else "-"])
-                            prev = t
-                        except Exception as e:  # a probe the device's triton does not compile: reported, not timed
-                            rows.append([f"{m}x{k}", f"{ratio:g}", variant, f"STOP {stop}: {what}", steps, "ERROR",
-                                         f"{type(e).__name__}: {str(e)[:100]!r}"])
+                    phases = CHANNEL_PROBE_PHASES if comp is None else CHANNEL_PROBE_PHASES_COMPACT
+                    launch = lambda stop: tc._run(x, ratio, gs_row, None, None, False, packed=False, stop=stop)  # noqa: E731
+                    for stop, what, t, prev, err in _phase_times(phases, launch, tm):
+                        rows.append([f"{m}x{k}", f"{ratio:g}", variant, f"STOP {stop}: {what}", steps,
+                                     "ERROR" if err else t,
+                                     err or (f"{t - prev:+.2f}" if prev is not None else "-")])
                         print(rows[-1], flush=True)
     return print_table(f"channel-rule kernel phases (STOP timing probes, QDQ launch, per-row global scale), input "
                        f"{dtype} ({device_name()})", ["shape", "k", "variant", "phase",
@@ -556,17 +561,15 @@ def run_residual_probe(shapes=RESIDUAL_PROBE_SHAPES, dtype: torch.dtype = torch.
         print(rows[-1], flush=True)
         xc = x.contiguous()
         for ratio in ratios:
-            prev = None
-            for stop, what in RESIDUAL_PROBE_PHASES:
-                try:
-                    with tk.residual_variant(variant):
-                        t = tm(lambda: tk._residual_rows(x, gs_row, xc, ratio, None, packed=False, stop=stop)) * 1e6
+            with tk.residual_variant(variant):
+                times = _phase_times(RESIDUAL_PROBE_PHASES, lambda stop: tk._residual_rows(
+                    x, gs_row, xc, ratio, None, packed=False, stop=stop), tm)
+            for stop, what, t, prev, err in times:
+                if err:
+                    rows.append([f"{m}x{k}", f"{ratio:g}", variant, f"STOP {stop}: {what}", "ERROR", err, "-"])
+                else:
                     rows.append([f"{m}x{k}", f"{ratio:g}", variant, f"STOP {stop}: {what}", t, t / (t_qdq * 1e6),
                                  f"{t - prev:+.1f}" if prev is not None else "-"])
-                    prev = t
-                except Exception as e:  # a probe the device's triton does not compile: reported, not timed
-                    rows.append([f"{m}x{k}", f"{ratio:g}", variant, f"STOP {stop}: {what}", "ERROR",
-                                 f"{type(e).__name__}: {str(e)[:100]!r}", "-"])
                 print(rows[-1], flush=True)
     return print_table(f"per-token residual QDQ kernel phases (STOP timing probes), input {dtype} ({device_name()})",
                        ["shape", "k", "variant", "phase", "us", "x plain QDQ", "+us vs previous phase"], rows)
