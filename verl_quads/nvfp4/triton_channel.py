@@ -162,6 +162,33 @@ if triton is not None:
         return NBP * 16 - tl.sum(tl.sum(_below(e0, cand) + _below(e1, cand), axis=1), axis=0)
 
     @triton.jit
+    def _row_bits(e0, e1, th, cnt, k, KEND: tl.constexpr, NSEL, NBP: tl.constexpr):
+        """MSB-first full-row steps of the threshold search over the score bits e0, e1 (``_count_ge``): from step k
+        (bit 30 - k) while k < KEND and #(e >= th) != NSEL, accept bit 30 - k when the count of th | bit reaches NSEL.
+        Returns (th, cnt = #(e >= th), k). ``_compact_threshold``'s first J bits (KEND = J) and its full-row
+        continuation (KEND = 31)."""
+        while (k < KEND) & (cnt != NSEL):
+            cand = th | (1 << (30 - k))
+            n = _count_ge(e0, e1, cand, NBP)
+            take = n >= NSEL
+            th = tl.where(take, cand, th)
+            cnt = tl.where(take, n, cnt)
+            k += 1
+        return th, cnt, k
+
+    @triton.jit
+    def _row_ties(e0, e1, th, NSEL):
+        """Full-row tie cut at the threshold th (#(e >= th) > NSEL): flags (int1 [NBP, 8], ``_load_halves`` layout)
+        of the entries == th ranked <= need = NSEL - #(e > th) in channel order (``_half_ranks``), i.e. the ties the
+        reference's stable descending sort takes. The full-row search's selection and ``_compact_threshold``'s
+        full-row continuation."""
+        eq0 = e0 == th
+        eq1 = e1 == th
+        need = NSEL - tl.sum(tl.sum((e0 > th).to(tl.int32), axis=1) + tl.sum((e1 > th).to(tl.int32), axis=1), axis=0)
+        q0, q1 = _half_ranks(eq0.to(tl.int32), eq1.to(tl.int32))
+        return eq0 & (q0 <= need), eq1 & (q1 <= need)
+
+    @triton.jit
     def _wt_load(scr, j: tl.constexpr, ncand, CAP: tl.constexpr):
         """Chunk j of the candidate tile as [32] tensors (scores, padding -1; channels): a [32] tensor is one warp's
         (every warp holds a copy), so its reductions need no barrier."""
@@ -266,15 +293,7 @@ if triton is not None:
         PHASE (the kernel's STOP 4 / 5 timing probes; 0 = all): 1 returns after step 1's full-row bits, 2 after the
         tile is stored and read back (cstar = the tile's largest channel, to keep the load); not a selection."""
         th = tl.full((), 0, tl.int32)
-        cnt = th + NVALID
-        k = th
-        while (k < J) & (cnt != NSEL):
-            cand = th | (1 << (30 - k))
-            n = _count_ge(e0, e1, cand, NBP)
-            take = n >= NSEL
-            th = tl.where(take, cand, th)
-            cnt = tl.where(take, n, cnt)
-            k += 1
+        th, cnt, k = _row_bits(e0, e1, th, th + NVALID, th, J, NSEL, NBP)
         cstar = th * 0 + 0x7FFFFFFF
         if (cnt != NSEL) & (PHASE != 1):
             f0 = ((e0 >> (31 - J)) == (th >> (31 - J))).to(tl.int32)  # padding -1 >> s = -1 never equals th's
@@ -325,21 +344,11 @@ if triton is not None:
                         rk = tl.cumsum(tie.to(tl.int32), axis=0)
                         cstar = tl.max(tl.where(tie & (rk <= need), tch, -1), axis=0)
             else:
-                while (k < 31) & (cnt != NSEL):
-                    cand = th | (1 << (30 - k))
-                    n = _count_ge(e0, e1, cand, NBP)
-                    take = n >= NSEL
-                    th = tl.where(take, cand, th)
-                    cnt = tl.where(take, n, cnt)
-                    k += 1
+                th, cnt, k = _row_bits(e0, e1, th, cnt, k, 31, NSEL, NBP)
                 if cnt != NSEL:
-                    eq0 = e0 == th
-                    eq1 = e1 == th
-                    need = NSEL - tl.sum(tl.sum((e0 > th).to(tl.int32), axis=1) + tl.sum((e1 > th).to(tl.int32), axis=1),
-                                         axis=0)
-                    q0, q1 = _half_ranks(eq0.to(tl.int32), eq1.to(tl.int32))
-                    cstar = tl.maximum(tl.max(tl.max(tl.where(eq0 & (q0 <= need), ch0, -1), axis=1), axis=0),
-                                       tl.max(tl.max(tl.where(eq1 & (q1 <= need), ch1, -1), axis=1), axis=0))
+                    t0, t1 = _row_ties(e0, e1, th, NSEL)
+                    cstar = tl.maximum(tl.max(tl.max(tl.where(t0, ch0, -1), axis=1), axis=0),
+                                       tl.max(tl.max(tl.where(t1, ch1, -1), axis=1), axis=0))
         return th, cstar
 
     @triton.jit
@@ -370,7 +379,7 @@ if triton is not None:
         COMPACT = J > 0: the selection by ``_compact_threshold`` (J full-row bits, then a [CAP] candidate tile in
         scr_ptr: int32 [M, 2 * CAP] scratch, row r's at r * 2 * CAP; TR: bits per tile step, 1 or 2; WT: the tile
         in every warp, CAP = 256); 0:
-        ``_bits_threshold`` + ``_half_ranks``."""
+        ``_bits_threshold`` + ``_row_ties``."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
         cmask = c < NB
@@ -424,12 +433,9 @@ if triton is not None:
                 sel0 = e0 >= th
                 sel1 = e1 >= th
             else:
-                eq0 = e0 == th
-                eq1 = e1 == th
-                need = NSEL - tl.sum((eb > th).to(tl.int32), axis=0)
-                k0, k1 = _half_ranks(eq0.to(tl.int32), eq1.to(tl.int32))
-                sel0 = (e0 > th) | (eq0 & (k0 <= need))
-                sel1 = (e1 > th) | (eq1 & (k1 <= need))
+                t0, t1 = _row_ties(e0, e1, th, NSEL)
+                sel0 = (e0 > th) | t0
+                sel1 = (e1 > th) | t1
         rs0 = tl.where(sel0, r0, 0.0)
         rs1 = tl.where(sel1, r1, 0.0)
         ra = tl.maximum(tl.max(tl.abs(rs0), axis=1), tl.max(tl.abs(rs1), axis=1))
