@@ -60,10 +60,11 @@ def test_dense_real_shapes(mode, per_token, name, n, k, m):
 
 @pytest.mark.parametrize("mode, per_token", [("w4a16", False), ("naive", False)])
 @pytest.mark.parametrize("n", [4096, 8192])
-@pytest.mark.parametrize("m", [8, 16, 64, 100, 256])
+@pytest.mark.parametrize("m", [2, 3, 4, 8, 16, 64, 100, 256])
 def test_dense_mid_table_shapes(mode, per_token, n, m):
-    """Square d4096 / d8192 linears at the MID_TABLE's rows (16, 64, 256) and between buckets (8, 100: the
-    next bucket's entry) by the default dispatch, against the torch reference."""
+    """Square d4096 / d8192 linears at the MID_TABLE's rows (4, 16, 64, 256), between buckets (3, 8, 100: the
+    next bucket's entry) and at the d8192 M=2 DECODE_TABLE entry by the default dispatch, against the torch
+    reference."""
     x = _x(m, n)
     q_w = em.quantize_weight(_w((n, n)))
     xf, _ = em.quantize_activation(x, em.ActQuant(mode, 0.5, per_token, residual_granularity="block"))

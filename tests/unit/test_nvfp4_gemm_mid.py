@@ -185,8 +185,16 @@ def test_mid_table_dispatch_and_grouped_block_m():
         assert b in tg.MID_BUCKETS[grouped] and br._mid_smem_ok(c, a4)
         if grouped:
             assert c.block_m == tg.MID_GROUPED_BLOCK_M[b], (b, n, k, a4)
-    for gone in ((False, 16, 8192, 8192), (False, 16, 4096, 4096), (False, 4, 8192, 8192)):
+    for gone in ((False, 16, 8192, 8192), (False, 16, 4096, 4096), (False, 4, 8192, 8192), (False, 4, 4096, 4096)):
         assert gone not in tg.DECODE_TABLE
+    # session 9: dense M <= 4 d4096 takes the bucket-4 tile (13.2 us vs 21.4 for the removed stream entry); d8192 has
+    # no bucket-4 entry and keeps its bucket-16 one; d8192 M=2 takes the block_m=2 stream entry, M=3 does not
+    d4 = tg.MID_TABLE[(False, 4, 4096, 4096, False)]
+    assert tg.pick_config(4, 1, 4096, 4096, cpu) is d4 and tg.pick_config(2, 1, 4096, 4096, cpu) is d4
+    assert tg.pick_config(5, 1, 4096, 4096, cpu) is tg.MID_TABLE[(False, 16, 4096, 4096, False)]
+    assert tg.pick_config(4, 1, 8192, 8192, cpu) is tg.MID_TABLE[(False, 16, 8192, 8192, False)]
+    assert tg.decode_config(4, 4096, 4096, False) is None and tg.decode_config(3, 8192, 8192, False) is None
+    assert tg.decode_config(2, 8192, 8192, False) is tg.DECODE_TABLE[(False, 2, 8192, 8192)]
     assert tg.decode_config(512, 2048, 768, True) is tg.DECODE_TABLE[(True, 512, 2048, 768)]
     # session 8: the block_scale stream entry beat the MID_TABLE tile for MoE w13 at 128 slots (109 vs 125 us)
     assert tg.decode_config(128, 1536, 2048, True) is tg.DECODE_TABLE[(True, 128, 1536, 2048)]

@@ -1180,7 +1180,11 @@ def pick_config(rows_per_group: int, m_tiles: int, n: int, k: int, device: torch
 # same command; us: natural tile vs the entry it replaces). Not taken from sweep2: d8192 M=64 w4a16 (54.0 vs 54.7, a
 # tie), MoE w2 M=16/64 w4a16 (the DECODE_TABLE stream entries: 66.2 = best, 97.8 vs 97.6 a tie) and the naive
 # entries (within 3.4% of the current dispatch).
-MID_BUCKETS = {True: (1, 4, 16), False: (16, 64, 256)}
+# Session 9 (docs/bench_rollout_h200_session9.txt, call 1 at 3769736, `--sweep-mid --shapes d8192,d4096 --m 4`, cold
+# L2): dense bucket 4 added; d4096 M=4 w4a16 natural swapped tile k256 s4 13.2 us vs 21.4 for the DECODE_TABLE
+# stream entry it replaces (removed) and 13.2 for cuBLAS BF16; d8192 M=4 keeps the bucket-16 entry (the sweep's best,
+# 38.2 us), naive at M=4 keeps the heuristic (best at both shapes).
+MID_BUCKETS = {True: (1, 4, 16), False: (4, 16, 64, 256)}
 MID_GROUPED_BLOCK_M = {1: 16, 4: 16, 16: 32}  # grouped bucket -> the routing's block_m (moe_forward)
 MID_TABLE: dict[tuple[bool, int, int, int, bool], GemmConfig] = {
     # MoE M=256 (16 slots per expert): block_m 32 (one tile for most experts) for both GEMMs and both modes
@@ -1195,6 +1199,7 @@ MID_TABLE: dict[tuple[bool, int, int, int, bool], GemmConfig] = {
     (True, 1, 1536, 2048, False): GemmConfig(block_m=16, block_n=64, block_k=128, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=True, natural=True),  # sweep2: 127 vs 178 (stream 219)
     (True, 1, 2048, 768, True): GemmConfig(block_m=16, block_n=128, block_k=64, block_k2=64, split_k=1, num_warps=4, num_stages=3, swap=False),  # 73.7 vs 78.4
     # dense w4a16 (W4A4 dense: the heuristic was fastest or within 3%)
+    (False, 4, 4096, 4096, False): GemmConfig(block_m=16, block_n=64, block_k=256, block_k2=64, split_k=4, num_warps=4, num_stages=3, swap=True, natural=True),  # session 9: 13.2 vs 21.4 (stream entry)
     (False, 16, 8192, 8192, False): GemmConfig(block_m=16, block_n=64, block_k=128, block_k2=64, split_k=8, num_warps=4, num_stages=3, swap=True, natural=True),  # sweep2: 43.3 vs 54.2 (stream 76.5)
     (False, 16, 4096, 4096, False): GemmConfig(block_m=16, block_n=64, block_k=64, block_k2=64, split_k=8, num_warps=8, num_stages=3, swap=False),  # 21.7 vs stream 24.0
     (False, 64, 8192, 8192, False): GemmConfig(block_m=64, block_n=128, block_k=128, block_k2=64, split_k=4, num_warps=4, num_stages=3, swap=False),  # 55.1 vs 60.6
@@ -1420,7 +1425,7 @@ DECODE_TABLE: dict[tuple[bool, int, int, int], StreamConfig] = {
     (False, 1, 4096, 4096): StreamConfig(block_m=1, block_n=8, block_kw=128, split_k=0, num_warps=2, num_stages=1, mma=0, decode='f16x2', prefetch=False, fixup=True, pipe=3, late_scale=True, block_scale=True, x_pairs=True),
     (False, 1, 5120, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True, x_pairs=True),
     (False, 1, 8192, 8192): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=False, fixup=True, pipe=3, late_scale=True, block_scale=True, x_pairs=True),
-    (False, 4, 4096, 4096): StreamConfig(block_m=16, block_n=128, block_kw=16, split_k=0, num_warps=4, num_stages=1, mma=2, decode='bits', prefetch=False, fixup=False),
+    (False, 2, 8192, 8192): StreamConfig(block_m=2, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=True, late_scale=True, block_scale=True),  # session 9: 33.6 vs 37.9 us (tensor-core)
     (True, 8, 1536, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=False, fixup=True, pipe=3, late_scale=True, block_scale=True, x_pairs=True),
     (True, 8, 2048, 768): StreamConfig(block_m=1, block_n=64, block_kw=32, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=True, fixup=False, late_scale=True, block_scale=True, x_pairs=True),
     (True, 32, 1536, 2048): StreamConfig(block_m=1, block_n=16, block_kw=128, split_k=0, num_warps=4, num_stages=1, mma=0, decode='f16x2', prefetch=False, fixup=True, pipe=3, late_scale=True, block_scale=True, x_pairs=True),
