@@ -92,23 +92,16 @@ DENSE = [
                                           late_scale=True, block_scale=True, prefetch=False, pipe=3, fixup=True)),
     (1, 24, 256, torch.bfloat16, False, SC(block_m=1, block_n=16, block_kw=64, split_k=1, decode="f16x2",
                                            late_scale=True, block_scale=True)),
-    # row_skip: a chunk's invalid rows skip their FMAs at run time (M=5 in 4-row chunks: the second chunk has one
-    # valid row; M=3 in 2-row chunks), K tail in every range
+    # activation pairs as int32 loads (x_pairs: bf16 bit placement, fp16 conversion), 1/2/4-row chunks (M=5 in 4-row
+    # chunks: the second chunk has one valid row), K tail in every range
     (5, 24, 176, torch.bfloat16, True, SC(block_m=4, block_n=16, block_kw=8, split_k=3, decode="f16x2",
-                                          late_scale=True, block_scale=True, row_skip=1)),
-    (3, 24, 176, torch.float16, False, SC(block_m=2, block_n=32, block_kw=8, split_k=2, decode="f16x2",
-                                          late_scale=True, row_skip=1, fixup=True)),
-    # activation pairs as int32 loads (x_pairs: bf16 bit placement, fp16 conversion), weights two K steps ahead
-    # (prefetch2), K tail in every range
-    (5, 24, 176, torch.bfloat16, True, SC(block_m=4, block_n=16, block_kw=8, split_k=3, decode="f16x2",
-                                          late_scale=True, block_scale=True, x_pairs=True, prefetch2=True)),
+                                          late_scale=True, block_scale=True, x_pairs=True)),
     (3, 24, 176, torch.float16, False, SC(block_m=2, block_n=16, block_kw=4, split_k=2, decode="f16x2",
-                                          late_scale=True, row_skip=1, x_pairs=True, fixup=True)),
+                                          late_scale=True, x_pairs=True, fixup=True)),
     (3, 24, 176, torch.bfloat16, True, SC(block_m=2, block_n=16, block_kw=8, split_k=2, decode="f16x2",
                                           late_scale=True, block_scale=True, x_pairs=True, prefetch=False, pipe=3)),
-    # one word per thread and row (word_lanes: a layout hint, a no-op in the interpreter; compiled for sm_90 below)
     (1, 40, 256, torch.bfloat16, False, SC(block_m=1, block_n=16, block_kw=16, split_k=2, decode="f16x2",
-                                           late_scale=True, block_scale=True, x_pairs=True, word_lanes=True, fixup=True)),
+                                           late_scale=True, block_scale=True, x_pairs=True, fixup=True)),
     # few rows per program (block_n 4/8 on CUDA cores), whole rows, partial last row tile
     (1, 20, 256, torch.bfloat16, True, SC(block_m=1, block_n=8, block_kw=32, split_k=1, num_warps=1, decode="f16x2",
                                           late_scale=True, fixup=True)),
@@ -186,10 +179,8 @@ def test_stream_decode_exact_one_hot(cfg):
                                     fixup=True),
                                  SC(block_m=1, block_n=16, block_kw=8, split_k=2, decode="f16x2", late_scale=True,
                                     block_scale=True, fixup=True),
-                                 SC(block_m=2, block_n=16, block_kw=8, split_k=2, decode="f16x2", late_scale=True,
-                                    block_scale=True, fixup=True, row_skip=1),
                                  SC(block_m=4, block_n=16, block_kw=16, split_k=1, decode="f16x2", late_scale=True,
-                                    block_scale=True, row_skip=1, x_pairs=True, prefetch2=True)],
+                                    block_scale=True, x_pairs=True)],
                          ids=lambda c: c.label)
 def test_stream_grouped_matches_per_expert_reference(cfg):
     """One grouped launch (tile table of moe_align, block_m 16 > the FMA chunk: rows looped in chunks)
@@ -225,11 +216,7 @@ def test_stream_config_errors_and_dispatch_table(monkeypatch):
                 SC(pipe=3), SC(prefetch=False, pipe=0), SC(occ=0), SC(block_m=16, mma=1, xperm=True),
                 SC(late_scale=True), SC(decode="f16", late_scale=True),  # late_scale needs the f16x2 decode
                 SC(block_m=16, mma=1, decode="f16x2", late_scale=True), SC(decode="bf16x2"),  # bf16x2: mma only  # pipe > 1 with the manual prefetch: refused
-                SC(decode="f16x2", late_scale=True, row_skip=1),  # row_skip: block_m 2/4 with late_scale, value 0/1
-                SC(block_m=2, row_skip=1), SC(block_m=2, decode="f16x2", late_scale=True, row_skip=2),
-                SC(x_pairs=True), SC(decode="f16x2", late_scale=True, x_pairs=True, xperm=True),  # x_pairs: late, no xperm
-                SC(prefetch=False, prefetch2=True), SC(block_m=16, mma=1, prefetch2=True),  # prefetch2: prefetch, mma 0
-                SC(block_m=16, mma=1, word_lanes=True)):  # word_lanes: mma 0
+                SC(x_pairs=True), SC(decode="f16x2", late_scale=True, x_pairs=True, xperm=True)):  # x_pairs: late, no xperm
         with pytest.raises(ValueError, match="bad StreamConfig"):
             tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16", config=bad)
     with pytest.raises(ValueError, match="x_pairs=True reads 16-bit activation pairs.*float32"):
@@ -252,44 +239,19 @@ def test_stream_config_errors_and_dispatch_table(monkeypatch):
     assert tg.decode_config(8, 16, 64, True, torch.float32) == tg.replace(cx, x_pairs=False)
 
 
-def test_stream_row_skip_is_bit_identical_to_full_chunks():
-    """row_skip=1 (a chunk's invalid rows skip their products at run time) changes no valid row's products or
-    summation order: the same bits as row_skip=0, grouped (experts with 1, 2, 3 and 5 slots in 4-row chunks) and
-    dense (M=3 in 2-row chunks)."""
-    t, topk, e, n, k = 7, 2, 4, 24, 128
-    q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
-    gs = q_w.global_scale.reshape(-1)
-    # slots per expert: 0 -> 3, 1 -> 2, 2 -> 1, 3 -> 5; slots 10 and 13 routed to no local expert
-    ids = torch.tensor([[0, 3], [3, 1], [3, 2], [0, 3], [1, 3], [-1, 0], [3, -1]], device=DEV)
-    routing = tg.moe_align(ids, e, 16)
-    rows = torch.div(routing.sorted_slots, topk, rounding_mode="floor")
-    op, _ = tg.quantize_activation(_x(t, k), "w4a16")
-    for bm in (4,):  # 4-row chunks with 1, 2, 3 and 4 valid rows (the dense case below: 2-row chunks)
-        cfg = SC(block_m=bm, block_n=16, block_kw=8, split_k=1, decode="f16x2", late_scale=True, block_scale=True)
-        ys = [tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing, a_rows=rows, out_rows=t * topk,
-                            config=c) for c in (cfg, tg.replace(cfg, row_skip=1))]
-        assert torch.equal(ys[0], ys[1]) and bool(ys[1][:10].ne(0).any(dim=1).all()), bm
-        assert not ys[1][10].any() and not ys[1][13].any()
-    x = _x(3, 176)
-    q_d = em.quantize_weight(_w((24, 176)))
-    cfg = SC(block_m=2, block_n=16, block_kw=8, split_k=1, decode="f16x2", late_scale=True)
-    y0, y1 = (tg.nvfp4_linear(x, q_d.packed, q_d.block_scale, q_d.global_scale.reshape(()), None, "w4a16", config=c)
-              for c in (cfg, tg.replace(cfg, row_skip=1)))
-    assert torch.equal(y0, y1)
-
-
-def test_stream_x_pairs_and_prefetch2_are_bit_identical():
-    """x_pairs (activation values loaded as int32 pairs and split exactly) and prefetch2 (weights two K steps
-    ahead) change no value, product or summation order: the same bits as without them (bf16 and fp16 activations,
-    K tail in every range, dense M=3 in 2-row chunks)."""
+def test_stream_x_pairs_is_bit_identical():
+    """x_pairs (activation values loaded as int32 pairs and split exactly) changes no value, product or summation
+    order: the same bits as without it (bf16 and fp16 activations, K tail in every range, dense M=5 in 1-, 2- and
+    4-row chunks: every chunk row's pair loads, incl. chunks with invalid rows)."""
     q_d = em.quantize_weight(_w((24, 176)))
     gs = q_d.global_scale.reshape(())
-    cfg = SC(block_m=2, block_n=16, block_kw=8, split_k=1, decode="f16x2", late_scale=True, block_scale=True)
-    for dtype in (torch.bfloat16, torch.float16):
-        x = _x(3, 176, dtype)
-        y0, y1, y2 = (tg.nvfp4_linear(x, q_d.packed, q_d.block_scale, gs, None, "w4a16", config=c)
-                      for c in (cfg, tg.replace(cfg, x_pairs=True), tg.replace(cfg, prefetch2=True)))
-        assert torch.equal(y0, y1) and torch.equal(y0, y2) and bool(y0.ne(0).all()), dtype
+    for bm in (1, 2, 4):
+        cfg = SC(block_m=bm, block_n=16, block_kw=8, split_k=1, decode="f16x2", late_scale=True, block_scale=True)
+        for dtype in (torch.bfloat16, torch.float16):
+            x = _x(5, 176, dtype)
+            y0, y1 = (tg.nvfp4_linear(x, q_d.packed, q_d.block_scale, gs, None, "w4a16", config=c)
+                      for c in (cfg, tg.replace(cfg, x_pairs=True)))
+            assert torch.equal(y0, y1) and bool(y0.ne(0).all()), (bm, dtype)
 
 
 def test_stream_split_k_fixup_is_bit_identical_to_reduction_launch():
@@ -338,11 +300,11 @@ for cfg, grouped in ((tg.StreamConfig(block_m=1, block_n=128, block_kw=16, prefe
                      (tg.StreamConfig(block_m=1, block_n=16, block_kw=64, num_warps=2, decode="f16x2", late_scale=True,
                                       block_scale=True), True),
                      (tg.StreamConfig(block_m=4, block_n=16, block_kw=64, decode="f16x2", late_scale=True,
-                                      block_scale=True, row_skip=1), True),
+                                      block_scale=True, x_pairs=True), True),
                      (tg.StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=8, decode="f16x2", late_scale=True,
-                                      block_scale=True, row_skip=1, x_pairs=True, prefetch2=True), False),
+                                      block_scale=True, x_pairs=True), False),
                      (tg.StreamConfig(block_m=1, block_n=16, block_kw=128, decode="f16x2", late_scale=True,
-                                      block_scale=True, x_pairs=True, word_lanes=True, fixup=True), True)):
+                                      block_scale=True, x_pairs=True, prefetch=False, pipe=3, fixup=True), True)):
     const = tg._stream_constexprs(cfg, grouped=grouped, tm=16 if grouped else cfg.block_m, partial=True,
                                   fixup=cfg.fixup, has_bias=False, out_code=1, dt=1, even=True, interpreting=False)
     sig = dict(ptrs, **{i: "i32" for i in ints}, **{c: "constexpr" for c in const})
@@ -362,8 +324,8 @@ def test_stream_gpu_only_decode_forms_compile_for_sm90_without_a_gpu():
     inline PTX (fp16 -> fp32 conversions of both halves of a register) and bf16x2's packed bf16 scale
     multiply feeding a bf16 tensor-core dot: compile them for sm_90 with triton's bundled ptxas in a
     subprocess without TRITON_INTERPRET (dense pipelined, grouped 4-row, tensor-core, per-block scale dense and
-    grouped whole-row tile, grouped 4-row chunks with row_skip's runtime branches, dense x_pairs' int32 activation
-    loads + prefetch2, grouped word_lanes). Compiles only."""
+    grouped whole-row tile, x_pairs' int32 activation loads: grouped 4-row chunks, dense 2-row chunks of an 8-warp
+    tile, grouped pipelined as the DECODE_TABLE entries). Compiles only."""
     compile_for_sm90_in_subprocess(
         _SM90_STREAM, "on a GPU the kernels are compiled and run by tests/gpu/test_nvfp4_gemm_stream_gpu.py")
 

@@ -453,8 +453,8 @@ def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
     CUDA-core entry or none: the
     roofline candidates below; meant for ``--m 1,16`` at moe,d8192 in
     one ~150 s run on the H200; grouped GEMMs at >= 4 tokens: the entry, its ``x_pairs`` / pipelined twins and
-    pipelined 2/4-row chunks, at most 10; one row per chunk (M=1): the entry, its ``x_pairs`` / ``prefetch2`` / pipelined twins and a few
-    block-scale tiles with them, at most 12), in this order (a budget cut drops the last): the current DECODE_TABLE
+    pipelined 2/4-row chunks, at most 10; one row per chunk (M=1): the entry, its ``x_pairs`` / pipelined twins and a
+    few block-scale tiles with them, at most 12), in this order (a budget cut drops the last): the current DECODE_TABLE
     entry (``current``, may be None); its ``f16x2`` + ``late_scale`` twin (CUDA-core entries: pair
     decode, block scale per word: ~1 SASS instruction per weight element fewer in the offline sm_90
     count) or its ``bf16x2`` twin (tensor-core entries: bf16 pair decode + packed bf16 scale multiply,
@@ -468,7 +468,8 @@ def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
     out = [current] if current is not None else []
     if grouped and tokens >= 4:
         # session 8, issue #5 phase 1 (MoE at 16-64 tokens, ~1.6-4 slots per active expert): multi-row chunks with
-        # row_skip (a chunk's invalid rows skip their FMAs at run time) lost on the H200 (G1 at cd62c4a, cold L2, us):
+        # row skipping (rs1: a chunk's invalid rows skip their FMAs at run time; removed from StreamConfig in session
+        # 9) lost on the H200 (G1 at cd62c4a, cold L2, us):
         # w13 M=16 bm1 n16 kw128 w4 (entry) 109, bm2 rs1 same tile 136 (bm2 without rs1: 153), bm2 rs1 n64 kw32 w8 161,
         # bm4 rs1 n64 kw32 w8 235; w2 M=16 entry 58.9, bm2 rs1 n64 kw32 w8 86.2; at M=64 every CUDA-core variant >= 2.8x
         # the tensor-core kernel. Why (offline sm_90): each activation row of a chunk adds 8 gathers + 8 shared-memory
@@ -482,7 +483,8 @@ def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
                     replace(current, x_pairs=True, prefetch=True, pipe=1)]
         if bm <= 2:
             # H200 G2 at 7f3745b, M=16 (us): w13 entry 109, x2 112, p3 x2 107 (now the entry), bm2 p3 x2 113 / n64 kw32
-            # 112, bm2 n8 kw128 wl x2 176 (rs1 185), bm1 wl x2 199; w2 entry 57.4, x2 53.5 (now the entry), p3 x2 61.3.
+            # 112, bm2 n8 kw128 wl x2 176 (rs1 185), bm1 wl x2 199 (wl: one word per thread, removed); w2 entry 57.4,
+            # x2 53.5 (now the entry), p3 x2 61.3.
             out += [StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=4, **p3),
                     StreamConfig(block_m=2, block_n=64, block_kw=32, num_warps=4, **p3)]
         else:
@@ -502,13 +504,14 @@ def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
         # through shared memory to the FMA layout (20 BAR per step). With block_kw < threads Triton instead issues the
         # gathers in the FMA layout (lanes 64 bytes apart, 32 per thread): H200 G1 (cd62c4a) n16 kw128 w8 467 us vs w4
         # 109 at MoE w13 M=16, so those tiles are out. Candidates: x_pairs (int32 activation pairs: half the gathers),
-        # prefetch2 (two K steps of weight loads in flight), Triton's pipeliner (p3, cp.async), n16 kw256 w8 (same
+        # pf2 (two K steps of weight loads in flight), Triton's pipeliner (p3, cp.async), n16 kw256 w8 (same
         # per-thread tile, 2x threads per program). Offline, p3 also drops the conversions: the activation goes to shared
         # memory by cp.async and is read back in the FMA layout (n16 kw128 w4 p3 x2: 4 BAR per step, 95 registers).
-        # word_lanes (wl): one word per thread and row, the gathers' own layout (offline: 2 BAR per step, 128 registers).
+        # wl: one word per thread and row, the gathers' own layout (offline: 2 BAR per step, 128 registers).
         # H200 G2 at 7f3745b (cold L2, us): d8192 entry 19.6, x2 18.0, p3 x2 17.3 (now the entry), p4 x2 17.9, n16 kw256 w8
         # p3 x2 18.9, wl 30.0, wl x2 40.2, pf2 24.7, x2 pf2 21.4, n8 kw128 wl x2 29.0; w13 M=1 entry 12.2, x2 / p3 x2 11.2;
-        # w2 M=1 entry 8.61, x2 7.36, p3 x2 8.49, wl 28.3. The losers (wl, pf2) are no longer candidates.
+        # w2 M=1 entry 8.61, x2 7.36, p3 x2 8.49, wl 28.3. The losers (wl, pf2) were removed from StreamConfig
+        # (session 9).
         # G3 at 0cd88e7: qkv x2 5.45 (entry 5.96), o_proj n16 kw256 w8 p3 x2 5.33 (6.21), d4096 n8 kw128 w2 p3 x2 6.95
         # (8.34): now the entries. Next: the pipelined x2 entries' split-K target (occ 8), 2 stages, and tiles around them.
         if current is not None and current.late_scale and current.mma == 0:
@@ -807,8 +810,7 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
                        + (f", pipe={c.pipe}" if c.pipe != 1 else "") + (", xperm=True" if c.xperm else "")
                        + (", late_scale=True" if c.late_scale else "")
                        + (", block_scale=True" if c.block_scale else "")
-                       + (f", row_skip={c.row_skip}" if c.row_skip else "") + (", x_pairs=True" if c.x_pairs else "")
-                       + (", prefetch2=True" if c.prefetch2 else "") + (", word_lanes=True" if c.word_lanes else "")
+                       + (", x_pairs=True" if c.x_pairs else "")
                        + "),")
     snippet.append("}")
     out.append("\n".join(snippet))

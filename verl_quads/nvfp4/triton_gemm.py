@@ -625,6 +625,16 @@ if triton is not None:
         return q
 
     @triton.jit
+    def _stream_xq4(x_ptr, arow, kw, kw_hi, K, EVEN: tl.constexpr):
+        """x_pairs: the 4 int32 words (:func:`_stream_xq` Q 0..3) of row ``arow``'s 8 activation values per weight
+        word, loaded once per K step for :func:`_stream_late_row_q`."""
+        qa = _stream_xq(x_ptr, arow, kw, kw_hi, K, 0, EVEN)
+        qb = _stream_xq(x_ptr, arow, kw, kw_hi, K, 1, EVEN)
+        qc = _stream_xq(x_ptr, arow, kw, kw_hi, K, 2, EVEN)
+        qd = _stream_xq(x_ptr, arow, kw, kw_hi, K, 3, EVEN)
+        return qa, qb, qc, qd
+
+    @triton.jit
     def _xq_half(q, HI: tl.constexpr, XD: tl.constexpr):
         """The low (HI 0) or high (HI 1) 16-bit half of int32 ``q`` as float32, exactly: bf16 (XD 1) by
         placing its bits in the top half of a float32, fp16 (XD 2) by an fp16 -> fp32 conversion."""
@@ -652,16 +662,6 @@ if triton is not None:
             xh = _xq_half(qd, PJ % 2, XD)
         p += dl * xl[None, :]
         p += dh * xh[None, :]
-        return p
-
-    @triton.jit
-    def _stream_late_row_q1(p, dl, dh, x_ptr, arow, kw, kw_hi, K, PJ: tl.constexpr, EVEN: tl.constexpr,
-                            XD: tl.constexpr):
-        """:func:`_stream_late_row_q` loading only the two x_pairs words it needs (rows under row_skip's branch)."""
-        ql = _stream_xq(x_ptr, arow, kw, kw_hi, K, PJ // 2, EVEN)
-        qh = _stream_xq(x_ptr, arow, kw, kw_hi, K, 2 + PJ // 2, EVEN)
-        p += dl * _xq_half(ql, PJ % 2, XD)[None, :]
-        p += dh * _xq_half(qh, PJ % 2, XD)[None, :]
         return p
 
     @triton.jit
@@ -700,20 +700,14 @@ if triton is not None:
         GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, OUT: tl.constexpr, DEC: tl.constexpr,
         MMA: tl.constexpr, DT: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, FIXUP: tl.constexpr,
         PIPE: tl.constexpr = None, XP: tl.constexpr = False, LATE: tl.constexpr = False,
-        ASM: tl.constexpr = False, BS: tl.constexpr = False, RS: tl.constexpr = 0, XQ: tl.constexpr = False,
-        PF2: tl.constexpr = False, WL: tl.constexpr = False,
+        ASM: tl.constexpr = False, BS: tl.constexpr = False, XQ: tl.constexpr = False,
     ):
         """W4A16 weight-streaming GEMM: program (M-tile, BN output columns, K-range ``pid_k``).
 
         Rows of the M-tile (dense: ``TM`` rows from ``pid_m * TM``; grouped: the tile table's row range
         of one expert) are processed in chunks of BM rows; for each chunk the program streams its BN
         weight rows over its K range, BKW int32 words (8 * BKW elements) per step, PREFETCH: the next
-        step's words and scales are loaded before this step's arithmetic (manual double buffering); PF2: the
-        step after next too (two steps of loads in flight during the arithmetic). WL (``word_lanes``, MMA 0):
-        the word index carries no contiguity (``tl.max_contiguous(i, 1)``), so Triton lays the weight tile out
-        as one int32 word per thread and row (consecutive words on consecutive threads; 4-byte loads, 128 bytes
-        per warp and row), the layout its activation gathers already have: no shared-memory conversion of the
-        activation per nibble position.
+        step's words and scales are loaded before this step's arithmetic (manual double buffering).
 
         MMA 0 (CUDA cores, BM in 1, 2, 4): float32 accumulators ``[BN, BKW]`` per row, one FMA per
         weight element and row; summed over the word axis once at the end. PIPE (None or > 1): the K loop is
@@ -724,12 +718,9 @@ if triton is not None:
         row) instead of each decoded element (one FMUL per element saved; one more rounding per 8
         products); BS (LATE): per 16-element block (the 2 words' sums added, then one multiply by the
         block's scale; scales and accumulators ``[BN, BKW / 2]``); ASM: :func:`_e2m1_pair`'s inline-PTX
-        conversion (GPU only). RS (``row_skip``, LATE, BM 2/4): 1 = the FMAs of a chunk's rows past the
-        first run under a runtime branch on the row being valid (uniform per program), so a chunk with
-        one valid row costs a one-row chunk plus the branches, and a chunk of 2-4 valid rows decodes the
-        weight tile once for all of them. XQ (``x_pairs``, LATE, 16-bit activations: OUT 1 bf16 / 2 fp16): the
-        activation values are loaded as int32 words of 2 (:func:`_stream_xq`) and split exactly. MMA 1 (tensor cores, BM >=
-        16): per nibble position J ``acc[BN, BM] += W_J[BN, BKW] @ X_J[BM, BKW].T`` (swapped: weight rows
+        conversion (GPU only). XQ (``x_pairs``, LATE, 16-bit activations: OUT 1 bf16 / 2 fp16): the
+        activation values are loaded as int32 words of 2 (:func:`_stream_xq4`) and split exactly. MMA 1 (tensor
+        cores, BM >= 16): per nibble position J ``acc[BN, BM] += W_J[BN, BKW] @ X_J[BM, BKW].T`` (swapped: weight rows
         on the MMA's M side) in the operand type DT (0 float32, 1 bf16, 2 fp16; the decoded values
         E2M1 * scale * 2**-9 are exact in all three). MMA 2: the same, not swapped ``X_J @ W_J.T``.
         PARTIAL (split-K): write float32 partials ``part[pid_k, row, col]`` (no bias); then either the
@@ -765,8 +756,6 @@ if triton is not None:
         elif DEC == 3:
             post = post * 256.0  # undo the 2**-8 (bf16 pair decode times scale * 2**118)
         i = tl.arange(0, BKW)
-        if WL:  # no contiguity along K: one word per thread and row, the activation gathers' own layout
-            i = tl.max_contiguous(i, 1)
         for c0 in range(r0, r1, BM):
             if MMA == 0:
                 a0, o0, v0 = _stream_rows(arow_ptr, orow_ptr, c0, r1, GROUPED)
@@ -793,25 +782,15 @@ if triton is not None:
             if PREFETCH:
                 wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw_lo + i, kw_hi, KW, KB, DEC, EVEN, DT == 0, BS,
                                          kw_lo)
-                if PF2:
-                    nx2 = nmask & ((kw_hi - kw_lo + 0 * cols) > BKW)
-                    wd_nn, s_nn = _stream_load(w_ptr, ws_ptr, wrow, nx2, kw_lo + BKW + i, kw_hi, KW, KB, DEC, EVEN,
-                                               DT == 0, BS, kw_lo + BKW)
             for kw0 in tl.range(kw_lo, kw_hi, BKW, num_stages=PIPE):
                 kw = kw0 + i
                 if PREFETCH:
                     wd, s = wd_n, s_n
-                    if PF2:  # the step after next: two steps of loads in flight
-                        wd_n, s_n = wd_nn, s_nn
-                        nxt = nmask & ((kw_hi - kw0 + 0 * cols) > 2 * BKW)
-                        wd_nn, s_nn = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + 2 * BKW, kw_hi, KW, KB, DEC, EVEN,
-                                                   DT == 0, BS, kw0 + 2 * BKW)
-                    else:
-                        # next step in range: a mask along N only (constant along K, so the loads stay 16-byte
-                        # vectors; the [BN] form also avoids the interpreter's int32 result of bool & 0-d bool)
-                        nxt = nmask & ((kw_hi - kw0 + 0 * cols) > BKW)
-                        wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + BKW, kw_hi, KW, KB, DEC, EVEN, DT == 0,
-                                                 BS, kw0 + BKW)
+                    # next step in range: a mask along N only (constant along K, so the loads stay 16-byte
+                    # vectors; the [BN] form also avoids the interpreter's int32 result of bool & 0-d bool)
+                    nxt = nmask & ((kw_hi - kw0 + 0 * cols) > BKW)
+                    wd_n, s_n = _stream_load(w_ptr, ws_ptr, wrow, nxt, kw + BKW, kw_hi, KW, KB, DEC, EVEN, DT == 0,
+                                             BS, kw0 + BKW)
                 else:
                     wd, s = _stream_load(w_ptr, ws_ptr, wrow, nmask, kw, kw_hi, KW, KB, DEC, EVEN, DT == 0, BS, kw0)
                 if LATE:  # MMA 0: per-word sums of unscaled products, then one FFMA with the scale
@@ -820,57 +799,26 @@ if triton is not None:
                     p2 = tl.zeros([BN, BKW], tl.float32)
                     p3 = tl.zeros([BN, BKW], tl.float32)
                     if XQ:  # x_pairs: each row's 8 activation values per word as 4 int32 loads, once per step
-                        q0a = _stream_xq(x_ptr, a0, kw, kw_hi, K, 0, EVEN)
-                        q0b = _stream_xq(x_ptr, a0, kw, kw_hi, K, 1, EVEN)
-                        q0c = _stream_xq(x_ptr, a0, kw, kw_hi, K, 2, EVEN)
-                        q0d = _stream_xq(x_ptr, a0, kw, kw_hi, K, 3, EVEN)
-                        if BM > 1 and RS == 0:
-                            q1a = _stream_xq(x_ptr, a1, kw, kw_hi, K, 0, EVEN)
-                            q1b = _stream_xq(x_ptr, a1, kw, kw_hi, K, 1, EVEN)
-                            q1c = _stream_xq(x_ptr, a1, kw, kw_hi, K, 2, EVEN)
-                            q1d = _stream_xq(x_ptr, a1, kw, kw_hi, K, 3, EVEN)
-                        if BM > 2 and RS == 0:
-                            q2a = _stream_xq(x_ptr, a2, kw, kw_hi, K, 0, EVEN)
-                            q2b = _stream_xq(x_ptr, a2, kw, kw_hi, K, 1, EVEN)
-                            q2c = _stream_xq(x_ptr, a2, kw, kw_hi, K, 2, EVEN)
-                            q2d = _stream_xq(x_ptr, a2, kw, kw_hi, K, 3, EVEN)
-                            q3a = _stream_xq(x_ptr, a3, kw, kw_hi, K, 0, EVEN)
-                            q3b = _stream_xq(x_ptr, a3, kw, kw_hi, K, 1, EVEN)
-                            q3c = _stream_xq(x_ptr, a3, kw, kw_hi, K, 2, EVEN)
-                            q3d = _stream_xq(x_ptr, a3, kw, kw_hi, K, 3, EVEN)
+                        q0a, q0b, q0c, q0d = _stream_xq4(x_ptr, a0, kw, kw_hi, K, EVEN)
+                        if BM > 1:
+                            q1a, q1b, q1c, q1d = _stream_xq4(x_ptr, a1, kw, kw_hi, K, EVEN)
+                        if BM > 2:
+                            q2a, q2b, q2c, q2d = _stream_xq4(x_ptr, a2, kw, kw_hi, K, EVEN)
+                            q3a, q3b, q3c, q3d = _stream_xq4(x_ptr, a3, kw, kw_hi, K, EVEN)
                     for pj in tl.static_range(4):
                         dl, dh = _e2m1_pair(wd, pj, ASM)
                         if XQ:
                             p0 = _stream_late_row_q(p0, dl, dh, q0a, q0b, q0c, q0d, pj, OUT)
-                        else:
-                            p0 = _stream_late_row(p0, dl, dh, x_ptr, a0, kw, kw_hi, K, pj, EVEN, XP)
-                        if BM > 1:
-                            if RS == 1:
-                                if v1:  # runtime, uniform per program: skip an invalid row's FMAs
-                                    if XQ:
-                                        p1 = _stream_late_row_q1(p1, dl, dh, x_ptr, a1, kw, kw_hi, K, pj, EVEN, OUT)
-                                    else:
-                                        p1 = _stream_late_row(p1, dl, dh, x_ptr, a1, kw, kw_hi, K, pj, EVEN, XP)
-                            elif XQ:
+                            if BM > 1:
                                 p1 = _stream_late_row_q(p1, dl, dh, q1a, q1b, q1c, q1d, pj, OUT)
-                            else:
-                                p1 = _stream_late_row(p1, dl, dh, x_ptr, a1, kw, kw_hi, K, pj, EVEN, XP)
-                        if BM > 2:
-                            if RS == 1:
-                                if v2:
-                                    if XQ:
-                                        p2 = _stream_late_row_q1(p2, dl, dh, x_ptr, a2, kw, kw_hi, K, pj, EVEN, OUT)
-                                    else:
-                                        p2 = _stream_late_row(p2, dl, dh, x_ptr, a2, kw, kw_hi, K, pj, EVEN, XP)
-                                if v3:
-                                    if XQ:
-                                        p3 = _stream_late_row_q1(p3, dl, dh, x_ptr, a3, kw, kw_hi, K, pj, EVEN, OUT)
-                                    else:
-                                        p3 = _stream_late_row(p3, dl, dh, x_ptr, a3, kw, kw_hi, K, pj, EVEN, XP)
-                            elif XQ:
+                            if BM > 2:
                                 p2 = _stream_late_row_q(p2, dl, dh, q2a, q2b, q2c, q2d, pj, OUT)
                                 p3 = _stream_late_row_q(p3, dl, dh, q3a, q3b, q3c, q3d, pj, OUT)
-                            else:
+                        else:
+                            p0 = _stream_late_row(p0, dl, dh, x_ptr, a0, kw, kw_hi, K, pj, EVEN, XP)
+                            if BM > 1:
+                                p1 = _stream_late_row(p1, dl, dh, x_ptr, a1, kw, kw_hi, K, pj, EVEN, XP)
+                            if BM > 2:
                                 p2 = _stream_late_row(p2, dl, dh, x_ptr, a2, kw, kw_hi, K, pj, EVEN, XP)
                                 p3 = _stream_late_row(p3, dl, dh, x_ptr, a3, kw, kw_hi, K, pj, EVEN, XP)
                     if BS:  # per 16-element block: the sum of its 2 words' products, then its scale
@@ -1287,14 +1235,6 @@ class StreamConfig:
             it: 128 instead of 249 registers, K loop 1252 vs 1392 SASS, 42 vs 56 loads, plus a shared-memory
             conversion of the block sums per K step (4 LDS, 8 BAR). (An earlier form, the per-word bytes reduced
             per block in registers, measured 1.7x slower on the H200 at a5e6a17 and is gone.)
-        row_skip: (``late_scale``, ``block_m`` 2/4) 1 = the products of a chunk's rows past the first are
-            computed under a runtime branch on that row being valid (uniform per program): a grouped tile
-            whose expert has one slot (most experts at 16 decode tokens: ~1.6 slots per active expert)
-            costs a one-row chunk, one with 2-4 slots decodes each weight word once for all of them
-            (block_m 1 re-reads and re-decodes the weight tile for every slot). Same products and
-            summation order as without it (bit-identical). 0 = every row of a chunk computed. Measured slower
-            than one-row chunks on the H200 (session 8, MoE w13 M=16: bm2 rs1 136 us vs bm1 109): each row of a
-            chunk adds its own activation gathers and shared-memory conversions.
         x_pairs: (``late_scale``, not ``xperm``; bf16 / fp16 activations only) the activation values are loaded
             as int32 words of two 16-bit values (4 loads per weight word and row instead of 8 two-byte loads)
             and split exactly (bf16: bit placement; fp16: conversion). Same values, products and order as
@@ -1302,19 +1242,11 @@ class StreamConfig:
             two-byte activation gathers per step and converts each through shared memory (20 BAR per step);
             with pairs there are half as many loads and conversions. H200 (session 8): d8192 M=1 19.6 -> 18.0 us,
             17.3 with the pipelined loop (``pipe=3``: the activation via cp.async, no conversion); in DECODE_TABLE.
-        prefetch2: (``prefetch``, ``mma=0``) load the words and scales two K steps ahead instead of one (a third
-            register buffer): twice the weight bytes in flight per thread during a step's arithmetic. Why: the H200
-            roofline (session 7) reads the codes alone at 78-81% of copy BW with few-row long-K tiles, the kernel's
-            tiling at 46%; a bandwidth-bound read needs more bytes in flight per SM. Same results (bit-identical).
-            Measured slower on the H200 (session 8, d8192 M=1: 24.7 us vs 19.6; 163 instead of 128 registers).
-        word_lanes: (``mma=0``) one int32 weight word per thread and row, consecutive words on consecutive threads
-            (4-byte loads, each warp reads 128 contiguous bytes of a row) instead of 16-byte vectors of 4 words:
-            the activation gathers (one value per thread and nibble position) then already have the FMA layout.
-            Offline sm_90 of the d8192 M=1 entry with it: 2 instead of 20 BAR per K step (no shared-memory
-            conversion of the 8 activation vectors), 16 LDG.32 instead of 4 LDG.128, 128 registers, K loop 678
-            vs 639 SASS. Same products and per-thread order; the final cross-thread sum of a row's partials runs
-            over another thread layout (last-bit differences, within the bound). Measured much slower on the H200
-            (session 8: d8192 M=1 30.0 us vs 19.6, MoE w2 M=1 28.3 vs 8.61).
+
+    Removed after measuring slower on the H200 (session 8, cold L2): multi-row chunks whose invalid rows skipped their
+    products by a runtime branch (``row_skip``; MoE w13 M=16 bm2 136 us vs bm1 109), weight loads two K steps ahead
+    (``prefetch2``; d8192 M=1 24.7 us vs 19.6) and one int32 weight word per thread and row (``word_lanes``; d8192 M=1
+    30.0 us vs 19.6, MoE w2 M=1 28.3 vs 8.61).
     """
 
     block_m: int = 1
@@ -1332,10 +1264,7 @@ class StreamConfig:
     xperm: bool = False
     late_scale: bool = False
     block_scale: bool = False
-    row_skip: int = 0
     x_pairs: bool = False
-    prefetch2: bool = False
-    word_lanes: bool = False
 
     @property
     def label(self) -> str:
@@ -1343,7 +1272,7 @@ class StreamConfig:
         kind = ("fma", "mma-swap", "mma")[self.mma]
         return (f"{kind} bm{self.block_m} n{self.block_n} kw{self.block_kw} s{self.split_k or 'auto'} "
                 f"w{self.num_warps} st{self.num_stages} {self.decode}{' pf' if self.prefetch else ''}"
-                f"{' fx' if self.fixup else ''}{'' if self.occ == 4 else f' o{self.occ}'}{f' p{self.pipe}' if self.pipe > 1 else ''}{' xp' if self.xperm else ''}{' ls' if self.late_scale else ''}{' bs' if self.block_scale else ''}{f' rs{self.row_skip}' if self.row_skip else ''}{' x2' if self.x_pairs else ''}{' pf2' if self.prefetch2 else ''}{' wl' if self.word_lanes else ''}")
+                f"{' fx' if self.fixup else ''}{'' if self.occ == 4 else f' o{self.occ}'}{f' p{self.pipe}' if self.pipe > 1 else ''}{' xp' if self.xperm else ''}{' ls' if self.late_scale else ''}{' bs' if self.block_scale else ''}{' x2' if self.x_pairs else ''}")
 
     def check(self) -> None:
         def pow2(v):
@@ -1355,10 +1284,7 @@ class StreamConfig:
               and (not self.xperm or self.mma == 0)
               and (not self.late_scale or (self.mma == 0 and self.decode == "f16x2"))
               and (not self.block_scale or (self.late_scale and self.block_kw >= 2))
-              and (self.row_skip == 0 or (self.row_skip == 1 and self.late_scale and self.block_m in (2, 4)))
               and (not self.x_pairs or (self.late_scale and not self.xperm))
-              and (not self.prefetch2 or (self.prefetch and self.mma == 0))
-              and (not self.word_lanes or self.mma == 0)
               and (self.decode != "bf16x2" or self.mma != 0))
         if self.mma == 0:
             ok = ok and self.block_m in (1, 2, 4)
@@ -1369,9 +1295,8 @@ class StreamConfig:
                 f"nvfp4 GEMM: bad StreamConfig {self}: mma 0 needs block_m in 1/2/4; mma 1/2 need block_m >= 16 "
                 "and block_kw >= 16; block_n >= 16 (>= 4 with mma 0), block_kw, num_warps powers of 2; decode 'bits', 'f16', "
                 "'f16x2' or 'bf16x2'; occ >= 1; pipe >= 1, pipe > 1 needs prefetch=False; xperm needs mma 0; late_scale needs "
-                "mma 0 and decode 'f16x2'; block_scale needs late_scale and block_kw >= 2; row_skip 0 or 1, 1 needs "
-                "late_scale and block_m 2 or 4; x_pairs needs late_scale and not xperm; prefetch2 needs "
-                "prefetch and mma 0; word_lanes needs mma 0; decode 'bf16x2' needs mma 1 or 2")
+                "mma 0 and decode 'f16x2'; block_scale needs late_scale and block_kw >= 2; x_pairs needs late_scale "
+                "and not xperm; decode 'bf16x2' needs mma 1 or 2")
 
 
 # Decode dispatch (w4a16, CUDA): (grouped, rows bucket, N, K) -> StreamConfig. Rows = M for a dense GEMM,
@@ -1409,8 +1334,9 @@ class StreamConfig:
 # Session 8 phase 2 (helper G, H200 at 7f3745b, `--sweep-decode --focus --shapes d8192 --m 1` and `--shapes moe --m 1,16`,
 # cold L2, every variant within the reference bound; GPU stream tests of the new options 54 passed): x_pairs (int32
 # activation pairs) and the pipelined loop with them (p3 x2: cp.async, no shared-memory conversion of the activation
-# per nibble) win; word_lanes (4-byte weight loads: d8192 30.0 us, w2 M=16 390) and prefetch2 (d8192 24.7) lose, as
-# do session 8 phase 1's row_skip multi-row chunks (G1 at cd62c4a: w13 M=16 bm2 rs1 136 vs 109 us). d8192 M=1 n16 kw128
+# per nibble) win; one weight word per thread (4-byte weight loads: d8192 30.0 us, w2 M=16 390) and weight loads two
+# K steps ahead (d8192 24.7) lose, as do session 8 phase 1's multi-row chunks with runtime row skipping (G1 at cd62c4a:
+# w13 M=16 bm2 136 vs 109 us); those three options were removed in session 9. d8192 M=1 n16 kw128
 # p3 x2 17.3 us (entry 19.6; x2 alone 18.0; = 2.00x cuBLAS 34.6, 52% of copy BW); MoE w13 M=1 p3 x2 11.2 (12.2; x2
 # 11.2), w2 M=1 x2 7.36 (8.61); w13 M=16 p3 x2 107 (109), w2 M=16 x2 53.5 (57.4); MoE layer with them 22.4 us = 3.83x
 # BF16 at M=1, 169 us = 2.02x at M=16 (warm L2). Then G3 at 0cd88e7 (same commands, `--shapes qkv,o_proj,d4096 --m 1`
@@ -1465,7 +1391,7 @@ def _stream_constexprs(cfg: StreamConfig, *, grouped: bool, tm: int, partial: bo
                 HAS_BIAS=has_bias, OUT=out_code, DEC=("bits", "f16", "f16x2", "bf16x2").index(cfg.decode), MMA=cfg.mma,
                 DT=dt, EVEN=even, PREFETCH=cfg.prefetch, FIXUP=fixup, PIPE=cfg.pipe if cfg.pipe > 1 else None,
                 XP=cfg.xperm, LATE=cfg.late_scale, ASM=cfg.late_scale and not interpreting, BS=cfg.block_scale,
-                RS=cfg.row_skip, XQ=cfg.x_pairs, PF2=cfg.prefetch2, WL=cfg.word_lanes)
+                XQ=cfg.x_pairs)
 
 
 def stream_split(cfg: StreamConfig, kw: int, live: int, n_tiles: int, dev: torch.device) -> tuple[int, int, bool]:
