@@ -101,7 +101,7 @@ tl = tk.tl
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
-                  "compact_warp_tile": True}
+                  "compact_warp_tile": True, "compact_row_bits": 1}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -115,13 +115,27 @@ CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_
 #: (2 bits, 16-entry tile: nearly every row takes the full-row continuation; for the bytes tests, not a speed
 #: candidate). Removed after run 1: 8 full-row bits, the 64-register cap (both slower); after run 2 (adopted in the
 #: default): two bits per tile step, 8 warps at K = 8192; after run 3: the warp tile with 11 / 12 bits (12 adopted).
+#: Session 9 (fewer dependent reductions in the compacted search; not the default until the H200 measures them):
+#: "s8" = session 8's default pinned (1 bit per full-row step, 2 per warp-tile step); "rb3" / "rb2 ..." = 3 / 2 bits
+#: per full-row step (``_row_digits``: all digit counts in one reduction; the candidate count from the tracked count
+#: above the prefix instead of one more full-row reduction); "tb3" = 3 bits per warp-tile step (7 digit counts in
+#: three int32 warp sums); "... w4" = 4 warps at K = 4096; "... b15" = 15 full-row bits (fewer candidates, 16 tile
+#: bits); "rb3 fallback" = "compact fallback" with 3-bit full-row steps (the digits in the continuation; bytes only).
 CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnreg": None},
                     "full": {"compact_max_rows": 0}, "compact": {"compact_max_rows": 1 << 30},
                     "compact cta": {"compact_bits": 10, "compact_cap": 1024, "compact_warp_tile": False},
                     "compact r1 w16": {"compact_bits": 10, "compact_cap": 1024, "compact_warp_tile": False,
                                        "compact_tile_bits": 1, "compact_warps": {}},
                     "compact fallback": {"compact_max_rows": 1 << 30, "compact_min_k": 16, "compact_bits": 2,
-                                         "compact_cap": 16, "compact_warp_tile": False}}
+                                         "compact_cap": 16, "compact_warp_tile": False},
+                    "s8": {"compact_bits": 12, "compact_row_bits": 1, "compact_tile_bits": 2, "compact_warps": {512: 8}},
+                    "rb3": {"compact_row_bits": 3}, "tb3": {"compact_tile_bits": 3},
+                    "rb3 tb3": {"compact_row_bits": 3, "compact_tile_bits": 3},
+                    "rb2 tb3": {"compact_row_bits": 2, "compact_tile_bits": 3},
+                    "rb3 tb3 w4": {"compact_row_bits": 3, "compact_tile_bits": 3, "compact_warps": {512: 8, 256: 4}},
+                    "rb3 tb3 b15": {"compact_row_bits": 3, "compact_tile_bits": 3, "compact_bits": 15},
+                    "rb3 fallback": {"compact_max_rows": 1 << 30, "compact_min_k": 16, "compact_bits": 2,
+                                     "compact_cap": 16, "compact_warp_tile": False, "compact_row_bits": 3}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -162,10 +176,12 @@ if triton is not None:
         return NBP * 16 - tl.sum(tl.sum(_below(e0, cand) + _below(e1, cand), axis=1), axis=0)
 
     @triton.jit
-    def _row_bits(e0, e1, th, cnt, k, KEND: tl.constexpr, NSEL, NBP: tl.constexpr):
+    def _row_bits(e0, e1, th, cnt, k, ab, KEND: tl.constexpr, NSEL, NBP: tl.constexpr):
         """MSB-first full-row steps of the threshold search over the score bits e0, e1 (``_count_ge``): from step k
         (bit 30 - k) while k < KEND and #(e >= th) != NSEL, accept bit 30 - k when the count of th | bit reaches NSEL.
-        Returns (th, cnt = #(e >= th), k). ``_compact_threshold``'s first J bits (KEND = J) and its full-row
+        Returns (th, cnt = #(e >= th), k, ab): ab = #(e >= th + 2**(31 - k)), the entries above the accepted prefix's
+        range (the count of the last rejected candidate: a rejected bit b is th + 2**(31 - k) once the bits below it
+        were all taken; 0 before any rejection). ``_compact_threshold``'s first J bits (KEND = J) and its full-row
         continuation (KEND = 31)."""
         while (k < KEND) & (cnt != NSEL):
             cand = th | (1 << (30 - k))
@@ -173,8 +189,63 @@ if triton is not None:
             take = n >= NSEL
             th = tl.where(take, cand, th)
             cnt = tl.where(take, n, cnt)
+            ab = tl.where(take, ab, n)
             k += 1
-        return th, cnt, k
+        return th, cnt, k, ab
+
+    @triton.jit
+    def _therm8(e, lo, p, DMAX: tl.constexpr):
+        """Thermometer code of the digit of e below the prefix p: d = clamp((e >> lo) - p, 0, DMAX) (entries above
+        the prefix's range count as DMAX, below it and padding -1 as 0), returned as int64 with 1 in byte fields
+        1 .. d (field i at bits 8 (i - 1)): summed over entries, field i = #(e >= (p << lo) | i << lo)."""
+        d = tl.minimum(tl.maximum((e >> lo) - p, 0), DMAX)
+        return 0x01010101010101 >> (56 - 8 * d).to(tl.int64)
+
+    @triton.jit
+    def _add2(a0, b0, a1, b1):
+        return a0 + a1, b0 + b1
+
+    @triton.jit
+    def _row_digits(e0, e1, th, cnt, k, ab, KEND: tl.constexpr, NSEL, NBP: tl.constexpr, FR: tl.constexpr):
+        """``_row_bits`` FR (2 or 3) bits per full-row step while k + FR <= KEND: one reduction gives the counts of
+        all 2**FR - 1 candidate digits (``_therm8`` byte fields summed per 16-block, then widened to 16-bit fields,
+        S1..S4 in one int64 and S5..S7 in another, and summed over the row in one two-operand reduction; counts up
+        to 32768); the largest digit whose count reaches NSEL is taken (counts fall with the digit). Same (th, cnt)
+        as the bitwise steps up to the early stop (any th with cnt == NSEL selects the same entries), same ab."""
+        while (k + FR <= KEND) & (cnt != NSEL):
+            lo = 31 - FR - k
+            p = th >> lo
+            t = tl.sum(_therm8(e0, lo, p, (1 << FR) - 1) + _therm8(e1, lo, p, (1 << FR) - 1), axis=1)
+            a = (t & 0xFF) | ((t & 0xFF00) << 8) | ((t & 0xFF0000) << 16) | ((t & 0xFF000000) << 24)
+            if FR == 3:
+                u = t >> 32
+                b = (u & 0xFF) | ((u & 0xFF00) << 8) | ((u & 0xFF0000) << 16)
+                sa, sb = tl.reduce((a, b), 0, _add2)
+            else:
+                sa = tl.sum(a, axis=0)
+                sb = sa
+            d = th * 0
+            for i in tl.static_range(1, 1 << FR):  # d = #(digits whose count reaches NSEL) = the largest such
+                if i <= 4:
+                    ni = ((sa >> (16 * (i - 1))) & 0xFFFF).to(tl.int32)
+                else:
+                    ni = ((sb >> (16 * (i - 5))) & 0xFFFF).to(tl.int32)
+                d += (ni >= NSEL).to(tl.int32)
+            d = tl.minimum(d, (1 << FR) - 1)  # NSEL = 0: every count reaches it
+            nc = cnt
+            na = ab
+            for i in tl.static_range(1, 1 << FR):
+                if i <= 4:
+                    ni = ((sa >> (16 * (i - 1))) & 0xFFFF).to(tl.int32)
+                else:
+                    ni = ((sb >> (16 * (i - 5))) & 0xFFFF).to(tl.int32)
+                nc = tl.where(d == i, ni, nc)
+                na = tl.where(d + 1 == i, ni, na)
+            th = th | (d << lo)
+            cnt = nc
+            ab = na
+            k += FR
+        return th, cnt, k, ab
 
     @triton.jit
     def _row_ties(e0, e1, th, NSEL):
@@ -201,6 +272,13 @@ if triton is not None:
         return _at_least(t, c1) + (_at_least(t, c2) << 10) + (_at_least(t, c3) << 20)
 
     @triton.jit
+    def _wt_therm(t, lo, p, dmax):
+        """``_therm8`` for a [32] tile chunk in int32 nibble fields (field i at bits 4 (i - 1), i = 1 .. 7; a lane's
+        8 chunks sum to <= 8 per field)."""
+        d = tl.minimum(tl.maximum((t >> lo) - p, 0), dmax)
+        return 0x1111111 >> (28 - 4 * d)
+
+    @triton.jit
     def _wt_tie(t, tch, th, need, base, cstar):
         """Tie cut over one [32] chunk (channel order): ties before it ``base``; returns (base + its ties, cstar
         raised to the channel of its last tie ranked <= need)."""
@@ -210,10 +288,13 @@ if triton is not None:
         return base + tl.sum(tie, axis=0), cstar
 
     @triton.jit
-    def _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP: tl.constexpr, PHASE: tl.constexpr):
-        """``_compact_threshold``'s tile steps (two bits per step, then the tie cut) over a 256-entry tile held by
-        EVERY warp as eight [32] chunks: each warp counts the whole tile itself (redundant, barrier-free warp
-        reductions) instead of one CTA-wide reduction per step. Returns (th, cnt, k, cstar)."""
+    def _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP: tl.constexpr, PHASE: tl.constexpr,
+                          TR: tl.constexpr = 2):
+        """``_compact_threshold``'s tile steps (TR = 2: two bits per step by three packed counts; TR = 3: three bits
+        per step, the 7 digit counts by ``_wt_therm`` nibble fields widened to 10-bit fields of three int32 sums), then
+        the tie cut, over a 256-entry tile held by EVERY warp as eight [32] chunks: each warp counts the whole tile
+        itself (redundant, barrier-free warp reductions) instead of one CTA-wide reduction per step. Returns (th,
+        cnt, k, cstar)."""
         t0, h0 = _wt_load(scr, 0, ncand, CAP)
         t1, h1 = _wt_load(scr, 1, ncand, CAP)
         t2, h2 = _wt_load(scr, 2, ncand, CAP)
@@ -230,29 +311,66 @@ if triton is not None:
                              tl.maximum(tl.maximum(t4, t5), tl.maximum(t6, t7)))
             cstar = tl.max(tl.maximum(hm, tm_), axis=0)
             k = k + 31  # no tile search
-        while (k < 31) & (cnt != NSEL):
-            if k < 30:
-                c1 = th | (1 << (29 - k))
-                c2 = th | (2 << (29 - k))
-                c3 = th | (3 << (29 - k))
-                sp = tl.sum(_wt3(t0, c1, c2, c3) + _wt3(t1, c1, c2, c3) + _wt3(t2, c1, c2, c3)
-                            + _wt3(t3, c1, c2, c3) + _wt3(t4, c1, c2, c3) + _wt3(t5, c1, c2, c3)
-                            + _wt3(t6, c1, c2, c3) + _wt3(t7, c1, c2, c3), axis=0)
-                n1 = above + (sp & 1023)
-                n2 = above + ((sp >> 10) & 1023)
-                n3 = above + (sp >> 20)
-                th = tl.where(n3 >= NSEL, c3, tl.where(n2 >= NSEL, c2, tl.where(n1 >= NSEL, c1, th)))
-                cnt = tl.where(n3 >= NSEL, n3, tl.where(n2 >= NSEL, n2, tl.where(n1 >= NSEL, n1, cnt)))
-                k += 2
-            else:
-                cand = th | 1
-                n = above + tl.sum(_at_least(t0, cand) + _at_least(t1, cand) + _at_least(t2, cand)
-                                   + _at_least(t3, cand) + _at_least(t4, cand) + _at_least(t5, cand)
-                                   + _at_least(t6, cand) + _at_least(t7, cand), axis=0)
-                take = n >= NSEL
-                th = tl.where(take, cand, th)
-                cnt = tl.where(take, n, cnt)
-                k += 1
+        if TR == 3:
+            while (k < 31) & (cnt != NSEL):  # three bits per step (the last step 31 - k < 3 bits)
+                w = tl.minimum(31 - k, 3)
+                lo = 31 - k - w
+                p = th >> lo
+                dm = (1 << w) - 1
+                x = (_wt_therm(t0, lo, p, dm) + _wt_therm(t1, lo, p, dm) + _wt_therm(t2, lo, p, dm)
+                     + _wt_therm(t3, lo, p, dm) + _wt_therm(t4, lo, p, dm) + _wt_therm(t5, lo, p, dm)
+                     + _wt_therm(t6, lo, p, dm) + _wt_therm(t7, lo, p, dm))
+                # the tile's #(t >= th | i << lo) <= 256 in 10-bit fields of three int32 warp sums (sm_90: one
+                # redux.sync each): S1 | S2 << 10 | S3 << 20, S4 | S5 << 10 | S6 << 20, S7
+                sa = tl.sum((x & 0xF) | ((x & 0xF0) << 6) | ((x & 0xF00) << 12), axis=0)
+                sb = tl.sum(((x >> 12) & 0xF) | ((x >> 6) & 0x3C00) | (x & 0xF00000), axis=0)
+                sc = tl.sum(x >> 24, axis=0)
+                d = th * 0
+                nd = cnt
+                for i in tl.static_range(1, 8):
+                    if i <= 3:
+                        ni = above + ((sa >> (10 * (i - 1))) & 1023)
+                    elif i <= 6:
+                        ni = above + ((sb >> (10 * (i - 4))) & 1023)
+                    else:
+                        ni = above + sc
+                    d += (ni >= NSEL).to(tl.int32)
+                d = tl.minimum(d, dm)  # fields above dm are 0 (above < NSEL), NSEL = 0 reaches every field
+                for i in tl.static_range(1, 8):
+                    if i <= 3:
+                        ni = above + ((sa >> (10 * (i - 1))) & 1023)
+                    elif i <= 6:
+                        ni = above + ((sb >> (10 * (i - 4))) & 1023)
+                    else:
+                        ni = above + sc
+                    nd = tl.where(d == i, ni, nd)
+                cnt = nd
+                th = th | (d << lo)
+                k += w
+        else:
+            while (k < 31) & (cnt != NSEL):
+                if k < 30:
+                    c1 = th | (1 << (29 - k))
+                    c2 = th | (2 << (29 - k))
+                    c3 = th | (3 << (29 - k))
+                    sp = tl.sum(_wt3(t0, c1, c2, c3) + _wt3(t1, c1, c2, c3) + _wt3(t2, c1, c2, c3)
+                                + _wt3(t3, c1, c2, c3) + _wt3(t4, c1, c2, c3) + _wt3(t5, c1, c2, c3)
+                                + _wt3(t6, c1, c2, c3) + _wt3(t7, c1, c2, c3), axis=0)
+                    n1 = above + (sp & 1023)
+                    n2 = above + ((sp >> 10) & 1023)
+                    n3 = above + (sp >> 20)
+                    th = tl.where(n3 >= NSEL, c3, tl.where(n2 >= NSEL, c2, tl.where(n1 >= NSEL, c1, th)))
+                    cnt = tl.where(n3 >= NSEL, n3, tl.where(n2 >= NSEL, n2, tl.where(n1 >= NSEL, n1, cnt)))
+                    k += 2
+                else:
+                    cand = th | 1
+                    n = above + tl.sum(_at_least(t0, cand) + _at_least(t1, cand) + _at_least(t2, cand)
+                                       + _at_least(t3, cand) + _at_least(t4, cand) + _at_least(t5, cand)
+                                       + _at_least(t6, cand) + _at_least(t7, cand), axis=0)
+                    take = n >= NSEL
+                    th = tl.where(take, cand, th)
+                    cnt = tl.where(take, n, cnt)
+                    k += 1
         if (cnt != NSEL) & (PHASE == 0):
             gt = ((t0 > th).to(tl.int32) + (t1 > th).to(tl.int32) + (t2 > th).to(tl.int32) + (t3 > th).to(tl.int32)
                   + (t4 > th).to(tl.int32) + (t5 > th).to(tl.int32) + (t6 > th).to(tl.int32) + (t7 > th).to(tl.int32))
@@ -272,7 +390,8 @@ if triton is not None:
 
     @triton.jit
     def _compact_threshold(e0, e1, c, NSEL, NVALID, scr, NBP: tl.constexpr, J: tl.constexpr, CAP: tl.constexpr,
-                           TR: tl.constexpr = 1, PHASE: tl.constexpr = 0, WT: tl.constexpr = False):
+                           TR: tl.constexpr = 1, PHASE: tl.constexpr = 0, WT: tl.constexpr = False,
+                           ROWB: tl.constexpr = 1):
         """Threshold of the row's NSEL highest scores and its tie cut: returns (th, cstar) int32 scalars such that
         the selection is ``e > th | (e == th & channel <= cstar)`` -- the NSEL highest scores, ties to the lower
         channels (the reference's stable descending sort), the same set as ``_bits_threshold`` + ``_half_ranks``.
@@ -289,19 +408,30 @@ if triton is not None:
         3. ties at the final T (count > NSEL): need = NSEL - #(> T); the tile's cumulative count of entries == T
            (channel order) gives cstar = the channel of the need-th tie.
         More than CAP candidates: steps 2-3 over the full row instead (the full-row ranks of ``_half_ranks``).
-        WT (CAP = 256): steps 2-3 by ``_warp_tile_search`` (every warp holds the whole tile; two bits per step).
+        WT (CAP = 256): steps 2-3 by ``_warp_tile_search`` (every warp holds the whole tile; TR = 2 or 3 bits per
+        step). ROWB > 1: the full-row steps take ROWB bits each (``_row_digits``; the bits left over one at a time),
+        and the candidate count is #(e >= th) minus the tracked count above the prefix's range (``ab``), not one more
+        full-row reduction.
         PHASE (the kernel's STOP 4 / 5 timing probes; 0 = all): 1 returns after step 1's full-row bits, 2 after the
         tile is stored and read back (cstar = the tile's largest channel, to keep the load); not a selection."""
         th = tl.full((), 0, tl.int32)
-        th, cnt, k = _row_bits(e0, e1, th, th + NVALID, th, J, NSEL, NBP)
+        cnt = th + NVALID
+        k = th
+        ab = th
+        if ROWB > 1:
+            th, cnt, k, ab = _row_digits(e0, e1, th, cnt, k, ab, J, NSEL, NBP, ROWB)
+        th, cnt, k, ab = _row_bits(e0, e1, th, cnt, k, ab, J, NSEL, NBP)
         cstar = th * 0 + 0x7FFFFFFF
         if (cnt != NSEL) & (PHASE != 1):
             f0 = ((e0 >> (31 - J)) == (th >> (31 - J))).to(tl.int32)  # padding -1 >> s = -1 never equals th's
             f1 = ((e1 >> (31 - J)) == (th >> (31 - J))).to(tl.int32)
-            ncand = tl.sum(tl.sum(f0, axis=1) + tl.sum(f1, axis=1), axis=0)
+            if ROWB > 1:
+                ncand = cnt - ab  # the entries sharing th's top J bits
+            else:
+                ncand = tl.sum(tl.sum(f0, axis=1) + tl.sum(f1, axis=1), axis=0)
             ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
             ch1 = ch0 + 8
-            if (ncand <= CAP) & ((TR == 1) | (ncand < 1024)):  # TR 2: a count must fit 10 bits
+            if (ncand <= CAP) & ((TR == 1) | (ncand < 1024)):  # TR 2: a count must fit 10 bits (TR 3: WT, 256)
                 p0, p1 = _half_ranks(f0, f1)
                 tl.store(scr + p0 - 1, e0, mask=f0 != 0)
                 tl.store(scr + p1 - 1, e1, mask=f1 != 0)
@@ -310,7 +440,7 @@ if triton is not None:
                 tl.debug_barrier()  # the row's stores are visible to the whole program
                 above = cnt - ncand
                 if WT:  # the tile in every warp (CAP = 256): barrier-free counts
-                    th, cnt, k, cstar = _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP, PHASE)
+                    th, cnt, k, cstar = _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP, PHASE, TR)
                 else:
                     i = tl.arange(0, CAP)
                     tv = tl.load(scr + i, mask=i < ncand, other=-1)
@@ -344,7 +474,9 @@ if triton is not None:
                         rk = tl.cumsum(tie.to(tl.int32), axis=0)
                         cstar = tl.max(tl.where(tie & (rk <= need), tch, -1), axis=0)
             else:
-                th, cnt, k = _row_bits(e0, e1, th, cnt, k, 31, NSEL, NBP)
+                if ROWB > 1:
+                    th, cnt, k, ab = _row_digits(e0, e1, th, cnt, k, ab, 31, NSEL, NBP, ROWB)
+                th, cnt, k, ab = _row_bits(e0, e1, th, cnt, k, ab, 31, NSEL, NBP)
                 if cnt != NSEL:
                     t0, t1 = _row_ties(e0, e1, th, NSEL)
                     cstar = tl.maximum(tl.max(tl.max(tl.where(t0, ch0, -1), axis=1), axis=0),
@@ -357,7 +489,7 @@ if triton is not None:
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
         ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0, scr_ptr=None, COMPACT: tl.constexpr = 0,
-        CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False,
+        CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False, ROWB: tl.constexpr = 1,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -377,8 +509,8 @@ if triton is not None:
         tie ranks and R_sel's amax (out = deq(Q(x)) where selected, else amax); COMPACT > 0 only: 4 = load, first
         pass, the J full-row bits, 5 = + the candidate tile stored and read back (``_compact_threshold`` PHASE).
         COMPACT = J > 0: the selection by ``_compact_threshold`` (J full-row bits, then a [CAP] candidate tile in
-        scr_ptr: int32 [M, 2 * CAP] scratch, row r's at r * 2 * CAP; TR: bits per tile step, 1 or 2; WT: the tile
-        in every warp, CAP = 256); 0:
+        scr_ptr: int32 [M, 2 * CAP] scratch, row r's at r * 2 * CAP; TR: bits per tile step, 1 or 2 (3 with WT);
+        WT: the tile in every warp, CAP = 256; ROWB: bits per full-row step, 1 .. 3); 0:
         ``_bits_threshold`` + ``_row_ties``."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
@@ -415,7 +547,7 @@ if triton is not None:
         e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
         if COMPACT > 0:
             th, cstar = _compact_threshold(e0, e1, c, NSEL, NB * 16, scr_ptr + row * (2 * CAP), NBP, COMPACT, CAP,
-                                           TR, 1 if STOP == 4 else (2 if STOP == 5 else 0), WT)
+                                           TR, 1 if STOP == 4 else (2 if STOP == 5 else 0), WT, ROWB)
             ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
             if (STOP == 2) | (STOP == 4) | (STOP == 5):
                 _store_halves(out_ptr, b, tl.where((e0 >= th) | (ch0 <= cstar), v0, 0.0),
@@ -520,25 +652,28 @@ def _check_row(k: int) -> int:
     return nbp
 
 
-def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int, int, bool] | None:
-    """(COMPACT bits J, CAP, TR tile bits per step, WT warp tile) of the compacted search for a launch of ``m`` rows of ``k`` channels (``CHANNEL_CONFIG``
-    compact_*), or None for the full-row search. J in [1, 30]; CAP a power of two <= the padded row."""
+def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int, int, bool, int] | None:
+    """(COMPACT bits J, CAP, TR tile bits per step, WT warp tile, ROWB full-row bits per step) of the compacted search
+    for a launch of ``m`` rows of ``k`` channels (``CHANNEL_CONFIG`` compact_*), or None for the full-row search. J in
+    [1, 30]; CAP a power of two <= the padded row; TR 3 only with WT; ROWB in 1 .. 3."""
     c = CHANNEL_CONFIG
     if m > c["compact_max_rows"] or k < c["compact_min_k"]:
         return None
     bits = int(c["compact_bits"])
     if not 1 <= bits <= 30:
         raise ValueError(f"CHANNEL_CONFIG['compact_bits'] must be in [1, 30], got {bits}")
-    if c["compact_tile_bits"] not in (1, 2):
-        raise ValueError(f"CHANNEL_CONFIG['compact_tile_bits'] must be 1 or 2, got {c['compact_tile_bits']!r}")
-    cap = int(min(tk._pow2(max(1, int(c["compact_cap"]))), nbp * BLOCK_SIZE))
     wt = bool(c["compact_warp_tile"])
-    if wt and (int(c["compact_cap"]) != 256 or c["compact_tile_bits"] != 2):
-        raise ValueError("CHANNEL_CONFIG['compact_warp_tile'] needs compact_cap = 256 and compact_tile_bits = 2, got "
-                         f"{c['compact_cap']!r} / {c['compact_tile_bits']!r}")
+    if c["compact_tile_bits"] not in ((1, 2) if not wt else (2, 3)):
+        raise ValueError(f"CHANNEL_CONFIG['compact_tile_bits'] must be 1 or 2 (2 or 3 with compact_warp_tile), got "
+                         f"{c['compact_tile_bits']!r}")
+    if c["compact_row_bits"] not in (1, 2, 3):
+        raise ValueError(f"CHANNEL_CONFIG['compact_row_bits'] must be 1, 2 or 3, got {c['compact_row_bits']!r}")
+    cap = int(min(tk._pow2(max(1, int(c["compact_cap"]))), nbp * BLOCK_SIZE))
+    if wt and int(c["compact_cap"]) != 256:
+        raise ValueError(f"CHANNEL_CONFIG['compact_warp_tile'] needs compact_cap = 256, got {c['compact_cap']!r}")
     if wt and cap != 256:  # a row shorter than the warp tile: the full-row search (same bytes)
         return None
-    return bits, cap, int(c["compact_tile_bits"]), wt
+    return bits, cap, int(c["compact_tile_bits"]), wt, int(c["compact_row_bits"])
 
 
 def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_finite: bool, packed: bool,
@@ -573,8 +708,8 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
                 enable_fp_fusion=False, **({"STOP": int(stop)} if stop else {}))
     comp = _compact_args(m, k, nbp)
     if comp is not None:
-        bits, cap, tr, warp_tile = comp
-        meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile,
+        bits, cap, tr, warp_tile, rowb = comp
+        meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile, ROWB=rowb,
                     scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
