@@ -1,0 +1,123 @@
+"""Gluon W4A16 prototype (verl_quads/nvfp4/gluon_gemm.py) on a CUDA GPU (sm_80+, triton >= 3.6 with Gluon): dense
+decode shapes M = 1..16 (+ odd N / K: padded row groups and chunks, masked tails) against the rollout's torch
+reference (verl_quads/rollout/emulation.py). Per element |y - ref| <= 1 bf16 ulp(ref) + 4 K eps_f32 (|x| @ |w|.T)
+(the bound of tests/gpu/test_nvfp4_gemm_stream_gpu.py); one-hot rows bit for bit against the dequantized weight
+(codes 0/1: bf16 subnormal inputs of the packed multiply; E4M3-subnormal and zero scales; every nibble position);
+the split-K fixup deterministic over many launches; CUDA-graph replay."""
+
+import pytest
+import torch
+
+from verl_quads.nvfp4 import gluon_gemm as gg
+from verl_quads.rollout import emulation as em
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+G = gg.GluonConfig
+
+if gg.gluon is None:
+    pytest.skip("triton.experimental.gluon not available", allow_module_level=True)
+
+CFGS = [G(4, 2, 0, 4), G(8, 4, 0, 2), G(4, 2, 1, 4), G(2, 1, 3, 4, prefetch=False), G(4, 2, 0, 4, asm=False)]
+
+
+def _x(m, k, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, k, device=DEV, generator=g)
+    x[:, ::293] *= 30.0
+    return x.to(torch.bfloat16)
+
+
+def _w(shape, seed=1):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, device=DEV, generator=g) * 0.02
+
+
+def _check(y, ref, xf, wf, what):
+    r = ref.float()
+    d = (y.float() - r).abs()
+    ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.abs().clamp(min=1e-30))) * torch.finfo(y.dtype).eps,
+                      torch.full_like(r, torch.finfo(y.dtype).tiny))
+    bound = ulp + 4 * xf.shape[1] * torch.finfo(torch.float32).eps * (xf.abs() @ wf.abs().t())
+    worst = float((d / ulp).max())
+    print(f"{what}: max |diff| {worst:.2f} ulp, {float((y == ref).float().mean()):.2%} bit-equal, "
+          f"max err / max |ref| {float(d.max() / r.abs().max()):.2e}")
+    assert bool((d <= bound).all()), f"{what}: {worst:.2f} ulp"
+
+
+def _case(m, n, k, cfg, seed=0):
+    q = em.quantize_weight(_w((n, k), seed=seed + 1))
+    gs = q.global_scale.reshape(())
+    w = gg.permute_weight(q.packed, q.block_scale, gs)
+    x = _x(m, k, seed)
+    xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
+    wf = em.weight_f32(q.packed, q.block_scale, gs)
+    ref = em.gemm(xf, wf, None, x.dtype)
+    y = gg.gluon_w4a16(x, w, cfg)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    _check(y, ref, xf, wf, f"{cfg.label} M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("n, k", [(8192, 8192), (4096, 4096)])
+def test_dense_decode(m, n, k):
+    _case(m, n, k, CFGS[0])
+
+
+@pytest.mark.parametrize("cfg", CFGS, ids=lambda c: c.label)
+@pytest.mark.parametrize("m, n, k", [(3, 4096, 4096), (16, 8192, 8192), (5, 1000, 2064), (11, 4104, 1040),
+                                     (1, 24, 16)])
+def test_configs_and_odd_shapes(cfg, m, n, k):
+    _case(m, n, k, cfg, seed=m)
+
+
+@pytest.mark.parametrize("cfg", [CFGS[0], CFGS[1], CFGS[4]], ids=lambda c: c.label)
+def test_one_hot_exact(cfg):
+    """Each output is one product: it must equal bf16(E2M1 * block_scale * fl(1 / gs) * 3) bit for bit -- codes
+    0/1 (bf16 subnormal 2**-127 before the packed scale multiply), -0, zero and E4M3-subnormal block scales,
+    every nibble position (16 columns, k mod 64 covering t, s, kb3, e)."""
+    n, k = 256, 1024
+    q = em.quantize_weight(_w((n, k)))
+    packed = torch.arange(256, dtype=torch.uint8, device=DEV).repeat(n, k // 2 // 256).roll(1, 1).contiguous()
+    scale = q.block_scale.view(torch.uint8).clone()
+    scale[:, ::7] = 0
+    scale[:, 1::7] = 1
+    scale[:, 2::7] = 7
+    scale = scale.view(torch.float8_e4m3fn)
+    gs = q.global_scale.reshape(())
+    w = gg.permute_weight(packed, scale, gs)
+    ks = (torch.arange(0, 16, device=DEV) * 37 + 5) % k
+    x = torch.zeros(16, k, dtype=torch.bfloat16, device=DEV)
+    x[torch.arange(16, device=DEV), ks] = 3.0
+    y = gg.gluon_w4a16(x, w, cfg)
+    wq = gg.reference_weight(packed, scale)  # E2M1 * scale, exact float32
+    want = ((wq[:, ks] * 3.0).t() * torch.reciprocal(gs.float())).to(torch.bfloat16)
+    assert torch.equal(y, want), f"{cfg.label}: {int((y != want).sum())} outputs differ"
+    assert bool((wq[:, ks] != 0).any()) and bool((wq[:, ks] < 0).any())
+    assert bool(((wq[:, ks].abs() > 0) & (wq[:, ks].abs() < 2.0**-8)).any())  # subnormal-scale products present
+
+
+def test_split_fixup_deterministic_and_graph():
+    """Split-K partials summed by the last program of each tile: the same bits as the unsplit kernel is not
+    required (float32 order differs), but the same bits over 100 launches is; captured in a CUDA graph and
+    replayed with new inputs it gives the eager result."""
+    n, k = 8192, 8192
+    q = em.quantize_weight(_w((n, k)))
+    gs = q.global_scale.reshape(())
+    w = gg.permute_weight(q.packed, q.block_scale, gs)
+    x = _x(4, k)
+    cfg = G(4, 2, 0, 8)
+    assert gg.plan(w, cfg)[1] > 1
+    ref = gg.gluon_w4a16(x, w, cfg)
+    bad = sum(not torch.equal(gg.gluon_w4a16(x, w, cfg), ref) for _ in range(100))
+    assert bad == 0, f"{bad} of 100 runs differ"
+    xs = torch.zeros_like(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gg.gluon_w4a16(xs, w, cfg)
+    for seed in (5, 6):
+        x2 = _x(4, k, seed)
+        xs.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gg.gluon_w4a16(x2, w, cfg))

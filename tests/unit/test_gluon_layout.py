@@ -1,0 +1,113 @@
+"""Permuted NVFP4 weight layout of the Gluon W4A16 prototype (verl_quads/nvfp4/gluon_gemm.py), CPU / torch only:
+the round trip packed -> permuted -> packed is the identity (incl. padding of N to 16 and K to 64), the
+permuted layout's bit positions are the documented ones (checked element by element against an independent
+index formula), and the kernel's decode arithmetic on the permuted words (:func:`decode_permuted`) gives
+exactly E2M1(code) * block_scale for every code, including zero / E4M3-subnormal / maximal scales."""
+
+import pytest
+import torch
+
+from verl_quads.nvfp4 import gluon_gemm as gg
+from verl_quads.rollout import emulation as em
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def _weight(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = em.quantize_weight(torch.randn(n, k, generator=g) * 0.02)
+    return q.packed, q.block_scale, q.global_scale.reshape(())
+
+
+def _all_codes_weight(n, k, seed=1):
+    """Random bytes (every code at every nibble position) and random scale bytes incl. 0, E4M3 subnormals and
+    448 (no NaN 0x7F / 0xFF)."""
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    sb = torch.randint(0, 0x7F, (n, k // 16), generator=g, dtype=torch.uint8)
+    sb[:, ::5] = 0
+    sb[:, 1::5] = 1
+    sb[:, 2::5] = 7
+    sb[:, 3::5] = 0x7E  # 448
+    sb[::3] |= 0x80  # negative scales: the format never makes them, the decode is sign-exact anyway
+    return packed, sb.view(torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("n, k", [(64, 256), (48, 128), (37, 80), (16, 16), (129, 400)])
+def test_round_trip(n, k):
+    packed, scale = _all_codes_weight(n, k)
+    w = gg.permute_weight(packed, scale, torch.tensor(3.0))
+    assert w.wq.dtype == torch.int32 and tuple(w.wq.shape) == (-(-n // 16), -(-k // 64), 32, 4)
+    assert w.sq.dtype == torch.uint8 and tuple(w.sq.shape) == (-(-n // 16), -(-k // 64), 8, 4, 2)
+    p2, s2 = gg.unpermute_weight(w)
+    assert torch.equal(p2, packed)
+    assert torch.equal(s2.view(torch.uint8), scale.view(torch.uint8))
+
+
+@pytest.mark.parametrize("n, k", [(32, 128), (37, 80)])
+def test_bit_positions(n, k):
+    """Every code lands at the documented (row group, chunk, lane, word, nibble) and every scale byte at its
+    (row group, chunk, g, t, rb3): checked by direct indexing, one element at a time (independent of the
+    vectorized permutes of permute_weight)."""
+    packed, scale = _all_codes_weight(n, k, seed=2)
+    w = gg.permute_weight(packed, scale, torch.tensor(1.0))
+    wq = w.wq.view(torch.uint8).view(*w.wq.shape[:3], 16)  # little-endian bytes of each lane's 4 words
+    sq = w.sq
+    sb = scale.view(torch.uint8)
+    for row in range(n):
+        rg, rem = divmod(row, 16)
+        rb3, gi = divmod(rem, 8)
+        for col in range(k):
+            c, kk = divmod(col, 64)
+            t, r2 = divmod(kk, 16)
+            s, r3 = divmod(r2, 4)
+            kb3, e = divmod(r3, 2)
+            j = rb3 + 2 * kb3 + 4 * e
+            byte = int(wq[rg, c, gi * 4 + t, s * 4 + j // 2])
+            got = (byte >> (4 * (j % 2))) & 15
+            want = (int(packed[row, col // 2]) >> (4 * (col % 2))) & 15
+            assert got == want, (row, col)
+            if col % 16 == 0:
+                assert int(sq[rg, c, gi, t, rb3]) == int(sb[row, col // 16]), (row, col)
+    # the padding is zero codes and zero scales
+    full = torch.zeros(w.nr * 16, w.chunks * 64, dtype=torch.bool)
+    full[:n, :k] = True
+    dec = gg.decode_permuted(gg.GluonWeight(w.wq, w.sq, w.gs, w.nr * 16, w.chunks * 64))
+    assert bool((dec[~full] == 0).all())
+
+
+@pytest.mark.parametrize("n, k", [(64, 256), (37, 80)])
+def test_decode_exact_all_codes(n, k):
+    packed, scale = _all_codes_weight(n, k, seed=3)
+    w = gg.permute_weight(packed, scale, torch.tensor(1.0))
+    got = gg.decode_permuted(w)
+    tab = torch.tensor(E2M1 + tuple(-v for v in E2M1))
+    lo, hi = packed & 15, packed >> 4
+    codes = torch.stack([lo, hi], -1).flatten(-2).long()
+    want = tab[codes] * scale.to(torch.float32).repeat_interleave(16, dim=1)  # exact products in float32
+    assert torch.equal(got, want)
+    assert torch.equal(gg.reference_weight(packed, scale), want)
+    # the codes 8 (-0) keep their sign bit: -0.0 * positive scale
+    neg0 = (codes == 8) & (scale.to(torch.float32).repeat_interleave(16, dim=1) > 0)
+    assert bool(torch.signbit(got[neg0]).all())
+
+
+def test_decode_matches_reference_dequant():
+    """Times the rounded reciprocal of the global scale the decoded weight is em.weight_f32's value up to
+    float32 rounding (the reference multiplies by fl(scale / gs) first): relative <= 2 eps_f32."""
+    packed, scale, gs = _weight(48, 192)
+    w = gg.permute_weight(packed, scale, gs)
+    ref = em.weight_f32(packed, scale, gs)
+    got = gg.decode_permuted(w) * (1.0 / gs)
+    assert bool(((got - ref).abs() <= 2 * torch.finfo(torch.float32).eps * ref.abs()).all())
+
+
+def test_plan_covers_all_chunks():
+    packed, scale, gs = _weight(16 * 9, 64 * 13)
+    w = gg.permute_weight(packed, scale, gs)
+    for cfg in [gg.GluonConfig(num_warps=4, kc=2), gg.GluonConfig(num_warps=8, kc=4, occ=2),
+                gg.GluonConfig(num_warps=2, kc=1, split=3)]:
+        grid_n, split, cps, even = gg.plan(w, cfg, sms=132)
+        assert grid_n * cfg.num_warps >= w.nr and (grid_n - 1) * cfg.num_warps < w.nr
+        assert cps % cfg.kc == 0 and split * cps >= w.chunks and (split - 1) * cps < w.chunks
+        assert even == (w.chunks % cps == 0 and w.k == 64 * w.chunks)

@@ -1,0 +1,133 @@
+"""Issue #5 probe: the Gluon W4A16 prototype (:mod:`verl_quads.nvfp4.gluon_gemm`) vs cuBLAS BF16 and the current
+default W4A16 dispatch (``triton_gemm.nvfp4_linear(..., "w4a16")``) at dense decode shapes, cold L2.
+
+Timing as ``verl-quads bench rollout --sweep-decode``: one CUDA graph replays one call per weight copy (copies so
+that >= 256 MB are read per replay: every call reads a weight no other call left in L2), time / copies, median
+of :func:`verl_quads.bench.timing.graph_time_s`. Every Gluon config is checked against the torch reference
+(:mod:`verl_quads.rollout.emulation`: x_f32 @ w_f32.T, one cast) with the tests' bound (1 bf16 ulp + 4 K eps_f32
+|x| @ |w|.T per element); max |err| / max |ref| is printed.
+
+    python -m verl_quads.bench.gluon_probe [--shapes 8192x8192,4096x4096] [--ms 1,2,4,8,16] [--configs all|quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+L2_FLUSH_BYTES = 256 * 2**20
+
+
+def _configs(which: str):
+    from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
+
+    quick = [G(4, 2, 0, 4), G(4, 4, 0, 4), G(8, 2, 0, 2)]
+    if which == "quick":
+        return quick
+    return quick + [G(4, 2, 0, 8), G(8, 4, 0, 4), G(4, 2, 0, 2), G(4, 2, 0, 4, prefetch=False), G(4, 2, 1, 4)]
+
+
+def _err(y, ref, bound):
+    r = ref.float()
+    d = (y.float() - r).abs()
+    ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.abs().clamp(min=1e-30))) * torch.finfo(y.dtype).eps,
+                      torch.full_like(r, torch.finfo(y.dtype).tiny))
+    return float(d.max() / r.abs().max().clamp(min=1e-30)), bool((d <= ulp + bound).all())
+
+
+def _time_rot(fn_of_copy, copies: int) -> float:
+    from verl_quads.bench.timing import graph_time_s, median_time_s
+
+    def fn():
+        for i in range(copies):
+            fn_of_copy(i)
+
+    t = graph_time_s(fn)
+    if t is None:
+        t = median_time_s(fn, 3, 10, 3)
+    return t / copies
+
+
+def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all") -> str:
+    from verl_quads.bench.timing import device_name, print_table
+    from verl_quads.nvfp4 import gluon_gemm as gg
+    from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.rollout import emulation as em
+
+    dev = "cuda"
+    print(device_name(), flush=True)
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows, summary = [], []
+    cfgs = _configs(which)
+    for n, k in shapes:
+        w = torch.randn(n, k, device=dev, generator=g) * 0.02
+        q = em.quantize_weight(w)
+        wp, wsc, wgs = q.packed, q.block_scale, q.global_scale.reshape(())
+        wf = em.weight_f32(wp, wsc, wgs)
+        wbf = w.to(torch.bfloat16)
+        del w
+        wbytes, bbytes = n * k * 9 // 16, n * k * 2
+        copies = max(1, min(64, -(-L2_FLUSH_BYTES // wbytes)))
+        bcopies = max(1, min(64, -(-L2_FLUSH_BYTES // bbytes)))
+        wps = [wp] + [wp.clone() for _ in range(copies - 1)]
+        wscs = [wsc] + [wsc.clone() for _ in range(copies - 1)]
+        gws = [gg.permute_weight(wps[i], wscs[i], wgs) for i in range(copies)]
+        wbs = [wbf] + [wbf.clone() for _ in range(bcopies - 1)]
+        for m in ms:
+            tag = f"N={n} K={k} M={m}"
+            x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
+            x[:, ::293] *= 30.0
+            xr = x.float()
+            ref = (xr @ wf.t()).to(torch.bfloat16)
+            bound = 4 * k * torch.finfo(torch.float32).eps * (xr.abs() @ wf.abs().t())
+            t_cub = _time_rot(lambda i: x @ wbs[i].t(), bcopies)
+            rows.append([tag, "cuBLAS bf16 torch.matmul", "-", t_cub * 1e6, 1.0, "-"])
+            y = tg.nvfp4_linear(x, wp, wsc, wgs, None, "w4a16")
+            rel, ok = _err(y, ref, bound)
+            t_def = _time_rot(lambda i: tg.nvfp4_linear(x, wps[i], wscs[i], wgs, None, "w4a16"), copies)
+            rows.append([tag, "default dispatch (nvfp4_linear w4a16)", "ok" if ok else "WRONG", t_def * 1e6,
+                         t_cub / t_def, f"{rel:.2e}"])
+            best = None
+            for cfg in cfgs:
+                try:
+                    t0 = time.time()
+                    y = gg.gluon_w4a16(x, gws[0], cfg)
+                    rel, ok = _err(y, ref, bound)
+                    t = _time_rot(lambda i: gg.gluon_w4a16(x, gws[i], cfg), copies)
+                except Exception as ex:  # reported, skipped
+                    print(f"  {tag} gluon {cfg.label}: failed {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+                    continue
+                gn, split, cps, even = gg.plan(gws[0], cfg, gg._num_sms(x.device))
+                rows.append([tag, f"gluon {cfg.label} (grid {gn}x{split}, {cps} chunks{' even' if even else ''})",
+                             "ok" if ok else "WRONG", t * 1e6, t_cub / t, f"{rel:.2e}"])
+                print(f"  {tag} gluon {cfg.label}: {t * 1e6:.1f} us ({'ok' if ok else 'WRONG'}, rel {rel:.1e}, "
+                      f"{time.time() - t0:.1f} s)", flush=True)
+                if ok and (best is None or t < best[0]):
+                    best = (t, cfg)
+            line = (f"{tag}: cuBLAS {t_cub * 1e6:.1f} us, default {t_def * 1e6:.1f} us ({t_cub / t_def:.2f}x)"
+                    + (f", best gluon {best[1].label} {best[0] * 1e6:.1f} us ({t_cub / best[0]:.2f}x cuBLAS, "
+                       f"{wbytes / best[0] / 1e12:.2f} TB/s of NVFP4 weight)" if best else ", no correct gluon config"))
+            summary.append(line)
+            print(line, flush=True)
+        del wps, wscs, gws, wbs, wf
+        torch.cuda.empty_cache()
+    out = print_table("W4A16 dense decode, cold L2 (us; x = cuBLAS time / time; check: 1 bf16 ulp + fp32 bound)",
+                      ["shape", "kernel", "check", "us", "x cuBLAS", "max err/max|ref|"], rows)
+    print("\n".join(summary), flush=True)
+    return out + "\n" + "\n".join(summary)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="8192x8192,4096x4096", help="NxK list")
+    ap.add_argument("--ms", default="1,2,4,8,16")
+    ap.add_argument("--configs", default="all", choices=["all", "quick"])
+    a = ap.parse_args(argv)
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    run(shapes, [int(v) for v in a.ms.split(",")], a.configs)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,420 @@
+"""Prototype (issue #5): a Gluon (explicit-layout Triton) W4A16 GEMM for dense decode, M = 1..16, Hopper.
+
+Marlin-style: the NVFP4 weight is stored PRE-PERMUTED (:func:`permute_weight`) so that ONE 16-byte vector load
+gives each thread exactly the 32 nibbles of its ``mma.sync m16n8k16`` A fragments for a 64-element K chunk
+(weights on the MMA's M side, the few activation rows padded to n = 8 or 16 on its N side). The decoded tile
+reaches the MMA with no layout conversion (``convert_layout(..., assert_trivial=True)``: the compile fails
+if Triton would move data), and no split-K reduction is needed inside a program.
+
+Permuted layout (16-row groups ``R``, 64-element K chunks ``c``; ``N`` padded to 16, ``K`` to 64 with zero
+codes and zero scales):
+
+- ``wq`` int32 ``[NR, C, 32, 4]``: lane ``l = 4 g + t`` (g 0..7, t 0..3), word ``s`` (0..3); nibble
+  ``j = rb3 + 2 kb3 + 4 e`` (bits 4j..4j+3) is the code of ``W[16 R + 8 rb3 + g, 64 c + 16 t + 4 s + 2 kb3 + e]``.
+  In MMA terms, K-step ``s`` of the chunk (16 "mma-k" positions ``mk = 8 kb3 + 2 t + e``) holds the weights
+  of the actual columns ``pi(s, mk) = 16 t + 4 s + 2 kb3 + e``: the activation operand uses the same
+  permutation, so the sum is unchanged, and each thread's activation elements (row g, columns
+  ``64 c + 16 t + [0, 16)``) are 32 contiguous bytes (two 16-byte loads), and its 32 weights of a chunk
+  share ONE 16-block (block ``4 c + t``) per row: two scale bytes per thread and chunk.
+- ``sq`` uint8 ``[NR, C, 8, 4, 2]``: ``sq[R, c, g, t, rb3] = block_scale[16 R + 8 rb3 + g, 4 c + t]`` (E4M3 bits).
+
+Decode (per int32 word, 4 pairs): nibbles ``j`` and ``j + 4`` are 16 bits apart, so 2 shifts + 2 masks + 1 or
+build both as the two bf16 halves of one register (magnitude bits -> 6..8 / 22..24, sign -> 15 / 31): bf16
+``E2M1 * 2**-126`` (code 1 is the bf16 subnormal 2**-127), which is the MMA's register pair (k, k + 1); times
+the block-scale multiplier ``bf16(scale * 2**118)`` (exact: E4M3 has 4 significant bits) gives
+``E2M1 * scale * 2**-8`` exactly (<= 6 significant bits, >= 2**-18). The float32 accumulator is multiplied by
+``256 / global_scale`` (``div_rn(1, gs) * 256``, like the weight-streaming kernel's ``bf16x2`` decode) and
+rounded once to bf16. Same bound vs the torch reference (:mod:`verl_quads.rollout.emulation`) as the
+other kernels: exact products, float32 summation order (<= 1 bf16 ulp + 4 K eps_f32 |x| |w|).
+
+Split-K across programs (``split``): float32 partials ``[split, M, N]``; the last program of each N tile
+(per-tile counter, acq_rel atomic) sums them in the fixed order 0, 1, ... (deterministic).
+
+Needs triton >= 3.6 with Gluon (``triton.experimental.gluon``) and an sm_80+ GPU (mma.sync); not wired into
+the dispatch. ``verl_quads.bench.gluon_probe`` times it; tests/gpu/test_gluon_gemm_gpu.py checks it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verl_quads.nvfp4.format import BLOCK_SIZE, E2M1_VALUES
+
+ROWS = 16  # weight rows per row group (the MMA's M)
+CHUNK = 64  # K elements per chunk (4 MMA K-steps of 16)
+
+try:  # triton >= 3.6 with Gluon; the torch layout functions below work without it
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except Exception:  # pragma: no cover - old triton / no triton
+    gluon = None
+
+
+# ----------------------------------------------------------------------------------------------- layout (torch)
+
+
+@dataclass(frozen=True)
+class GluonWeight:
+    """An NVFP4 weight ``[n, k]`` in the kernel's permuted layout (module docstring)."""
+
+    wq: torch.Tensor  # int32 [NR, C, 32, 4]
+    sq: torch.Tensor  # uint8 [NR, C, 8, 4, 2]
+    gs: torch.Tensor  # float32 [1] (encode global scale)
+    n: int
+    k: int
+
+    @property
+    def nr(self) -> int:
+        return self.wq.shape[0]
+
+    @property
+    def chunks(self) -> int:
+        return self.wq.shape[1]
+
+
+def _codes(packed: torch.Tensor) -> torch.Tensor:
+    lo = packed & 0x0F
+    hi = packed >> 4
+    return torch.stack([lo, hi], dim=-1).flatten(-2)
+
+
+def permute_weight(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> GluonWeight:
+    """NVFP4 weight (``packed`` uint8 ``[N, K/2]``, low nibble = even element; ``block_scale`` e4m3
+    ``[N, K/16]``; ``global_scale`` float32, one element) -> :class:`GluonWeight` (padded with zero codes and
+    zero scales to ``N % 16 == 0``, ``K % 64 == 0``)."""
+    n, kh = packed.shape
+    k = 2 * kh
+    if packed.dtype != torch.uint8 or block_scale.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"permute_weight: uint8 codes and e4m3 scales, got {packed.dtype} / {block_scale.dtype}")
+    if k % BLOCK_SIZE or tuple(block_scale.shape) != (n, k // BLOCK_SIZE) or global_scale.numel() != 1:
+        raise ValueError(f"permute_weight: shapes {tuple(packed.shape)} / {tuple(block_scale.shape)} / "
+                         f"{tuple(global_scale.shape)}")
+    nr, c = -(-n // ROWS), -(-k // CHUNK)
+    codes = torch.zeros(nr * ROWS, c * CHUNK, dtype=torch.uint8, device=packed.device)
+    codes[:n, :k] = _codes(packed)
+    # [R, rb3, g, c, t, s, kb3, e] -> [R, c, g, t, s, e, kb3, rb3] (nibble j = rb3 + 2 kb3 + 4 e: rb3 fastest)
+    v = codes.view(nr, 2, 8, c, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1).reshape(nr, c, 8, 4, 4, 8)
+    byts = v[..., 0::2] | (v[..., 1::2] << 4)  # byte b = nibbles 2b (low), 2b + 1 (high)
+    wq = byts.contiguous().view(torch.int32).reshape(nr, c, 32, 4)
+    sc = torch.zeros(nr * ROWS, c * 4, dtype=torch.uint8, device=packed.device)
+    sc[:n, : k // BLOCK_SIZE] = block_scale.view(torch.uint8)
+    sq = sc.view(nr, 2, 8, c, 4).permute(0, 3, 2, 4, 1).contiguous()
+    return GluonWeight(wq.contiguous(), sq, global_scale.reshape(1).to(torch.float32).contiguous(), n, k)
+
+
+def unpermute_weight(w: GluonWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`permute_weight`: ``(packed uint8 [n, k/2], block_scale e4m3 [n, k/16])``."""
+    nr, c = w.nr, w.chunks
+    byts = w.wq.contiguous().view(torch.uint8).view(nr, c, 8, 4, 4, 4)
+    v = torch.stack([byts & 0x0F, byts >> 4], dim=-1).reshape(nr, c, 8, 4, 4, 2, 2, 2)  # [.., s, e, kb3, rb3]
+    codes = v.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(nr * ROWS, c * CHUNK)[: w.n, : w.k]
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    sc = w.sq.permute(0, 4, 2, 1, 3).reshape(nr * ROWS, c * 4)[: w.n, : w.k // BLOCK_SIZE]
+    return packed.contiguous(), sc.contiguous().view(torch.float8_e4m3fn)
+
+
+def decode_permuted(w: GluonWeight) -> torch.Tensor:
+    """The kernel's decode of the permuted layout, in torch (CPU or GPU): float32 ``[n, k]`` holding the bf16
+    values ``E2M1 * block_scale * 2**-8`` the kernel feeds the MMA, times 2**8 (exact): the weight without the
+    global scale. Follows the kernel's per-thread arithmetic: per int32 word and pair p (0..3), the bf16 pair
+    built by shifts and masks, times ``bf16(scale * 2**118)`` of its row."""
+    nr, c = w.nr, w.chunks
+    wd = w.wq.to(torch.int64) & 0xFFFFFFFF  # [R, c, l, s], unsigned
+    sh = {0: (6, 12), 1: (2, 8), 2: (-2, 4), 3: (-6, 0)}
+    pairs = []
+    for p in range(4):
+        a, b = sh[p]
+        mag = (wd << a) if a >= 0 else (wd >> -a)
+        sgn = wd << b
+        h = (mag & 0x01C001C0) | (sgn & 0x80008000)
+        pairs.append(torch.stack([h & 0xFFFF, (h >> 16) & 0xFFFF], dim=-1))  # [R, c, l, s, e]
+    bits = torch.stack(pairs, dim=-1)  # [R, c, l, s, e, p]; p = rb3 + 2 kb3
+    vals = (bits.to(torch.int32) << 16).view(torch.float32)  # the bf16 values, exactly, as float32
+    sc = w.sq.view(torch.float8_e4m3fn).to(torch.float32) * 2.0**118  # [R, c, g, t, rb3]
+    mult = sc.to(torch.bfloat16).to(torch.float32).view(nr, c, 32, 1, 1, 1, 2)  # exact (<= 4 significant bits)
+    vals = vals.view(nr, c, 32, 4, 2, 2, 2)  # [.., s, e, kb3, rb3]
+    prod = (vals * mult).to(torch.bfloat16).to(torch.float32)  # exact in bf16 (the kernel's bf16 multiply)
+    full = prod.view(nr, c, 8, 4, 4, 2, 2, 2).permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(nr * ROWS, c * CHUNK)
+    return full[: w.n, : w.k] * 256.0
+
+
+def reference_weight(packed: torch.Tensor, block_scale: torch.Tensor) -> torch.Tensor:
+    """``E2M1(code) * float(block_scale)`` in float32 ``[N, K]`` from the plain NVFP4 layout (exact; no global
+    scale): what :func:`decode_permuted` must equal."""
+    tab = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    tab = torch.cat([tab, -tab])
+    codes = _codes(packed).long()
+    s = block_scale.to(torch.float32).repeat_interleave(BLOCK_SIZE, dim=-1)
+    return tab[codes] * s
+
+
+# ----------------------------------------------------------------------------------------------- kernel (Gluon)
+
+if gluon is not None:
+
+    @gluon.constexpr_function
+    def _axis_layout(layout, rank, d):
+        """The 1-D layout of dimension ``d`` of a rank-``rank`` distributed layout (all other dims sliced)."""
+        s = layout
+        for i in reversed(range(rank)):
+            if i != d:
+                s = gl.SliceLayout(i, s)
+        return s
+
+    @gluon.jit
+    def _iota(n: gl.constexpr, D: gl.constexpr, RANK: gl.constexpr, L: gl.constexpr):
+        """``arange(n)`` along dimension D of a rank-RANK tensor in layout L (size 1 elsewhere)."""
+        v = gl.arange(0, n, layout=_axis_layout(L, RANK, D))
+        for i in gl.static_range(RANK):
+            if i != D:
+                v = gl.expand_dims(v, i)
+        return v
+
+    @gluon.jit
+    def _pair(wd, m, P: gl.constexpr):
+        """Nibbles P and P + 4 of int32 words ``wd`` as bf16 ``E2M1 * 2**-126`` (two halves of one register),
+        each times the bf16 multiplier ``m`` (``scale * 2**118``): ``(lo, hi)`` bf16, exact."""
+        if P == 0:
+            h = ((wd << 6) & 29360576) | ((wd << 12) & -2147450880)  # 0x01C001C0 magnitudes, 0x80008000 signs
+        elif P == 1:
+            h = ((wd << 2) & 29360576) | ((wd << 8) & -2147450880)
+        elif P == 2:
+            h = ((wd >> 2) & 29360576) | ((wd << 4) & -2147450880)
+        else:
+            h = ((wd >> 6) & 29360576) | (wd & -2147450880)
+        lo = h.to(gl.int16).to(gl.bfloat16, bitcast=True)
+        hi = (h >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True)
+        return lo * m, hi * m
+
+    @gluon.jit
+    def _pair_asm(wd2, m2, P: gl.constexpr):
+        """:func:`_pair` as ONE inline-PTX block per register pair: ``wd2`` the int32 words joined with
+        themselves (``[.., 2]``: element e of the pair), ``m2`` the bf16 multiplier likewise; returns bf16
+        ``[.., 2]`` (e = 0: nibble P, e = 1: nibble P + 4), each register the MMA's packed pair, scaled by one
+        ``mul.rn.bf16x2`` (no flush-to-zero form: code 1's bf16 subnormal is kept)."""
+        if P == 0:
+            sh: gl.constexpr = "shl.b32 t, $1, 6; shl.b32 u, $1, 12;"
+        elif P == 1:
+            sh: gl.constexpr = "shl.b32 t, $1, 2; shl.b32 u, $1, 8;"
+        elif P == 2:
+            sh: gl.constexpr = "shr.u32 t, $1, 2; shl.b32 u, $1, 4;"
+        else:
+            sh: gl.constexpr = "shr.u32 t, $1, 6; mov.b32 u, $1;"
+        return gl.inline_asm_elementwise(
+            "{ .reg .b32 t, u; " + sh + " and.b32 t, t, 0x01C001C0; and.b32 u, u, 0x80008000; or.b32 t, t, u; "
+            "mul.rn.bf16x2 $0, t, $3; }",
+            "=r,r,r,r", [wd2, m2], dtype=gl.bfloat16, is_pure=True, pack=2)
+
+    @gluon.jit
+    def _w4a16_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
+                      M, N, K, NR, C, CPS,
+                      NW: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
+                      EVEN: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr):
+        """``out[M, N] = bf16(x[M, K] @ W^T)``; program (pid_n, pid_k): row groups ``pid_n * NW + [0, NW)`` (one
+        per warp), chunks ``[pid_k * CPS, min(C, (pid_k + 1) * CPS))``, KC chunks (KC 16-byte loads per thread)
+        per iteration; NT n-tiles of 8 activation rows (M <= 8 NT). EVEN: the chunk range of every program
+        is a multiple of KC and K == 64 C (no K masks). PREFETCH: the next iteration's weight words and scales
+        are loaded before the current ones are used (register double buffer)."""
+        LW: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 8, 4, 1, 1], [NW, 1, 1, 1, 1], [4, 3, 2, 1, 0])
+        LS: gl.constexpr = gl.SliceLayout(4, LW)
+        LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 16], [1, 8, 4, 1, 1], [1, 1, 1, 1, NW], [4, 3, 2, 1, 0])
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        BN: gl.constexpr = NW * 16
+        BK: gl.constexpr = KC * 64
+
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        c_lo = pid_k * CPS
+        c_hi = gl.minimum(c_lo + CPS, C)
+
+        # weight words [NW, 8 g, 4 t, KC, 4 s]: 16 contiguous bytes per thread and chunk
+        rg = pid_n * NW + _iota(NW, 0, 5, LW)
+        lane = _iota(8, 1, 5, LW) * 4 + _iota(4, 2, 5, LW)
+        kcw = _iota(KC, 3, 5, LW)
+        woff = (rg * C + kcw) * 128 + lane * 4 + _iota(4, 4, 5, LW)
+        wmask = (rg < NR) & (kcw < KC)
+        # scale bytes [NW, 8, 4, KC] (rb3 = 0; rb3 = 1 at + 1)
+        rgs = pid_n * NW + _iota(NW, 0, 4, LS)
+        kcs = _iota(KC, 3, 4, LS)
+        soff = (rgs * C + kcs) * 64 + (_iota(8, 1, 4, LS) * 4 + _iota(4, 2, 4, LS)) * 2
+        smask = (rgs < NR) & (kcs < KC)
+        # activation [NT, 8 g, 4 t, KC, 16 j]: row n = 8 nt + g, column 64 (c + kc) + 16 t + j
+        xn = _iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX)
+        kx = _iota(KC, 3, 5, LX) * 64 + _iota(4, 2, 5, LX) * 16 + _iota(16, 4, 5, LX)
+        xoff = xn * K + kx
+        xmask = (xn < M) & (kx < BK)
+
+        acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
+        c0 = c_lo
+        if PREFETCH:
+            if EVEN:
+                wd_n = gl.load(w_ptr + woff + c0 * 128, mask=wmask, other=0)
+                s0_n = gl.load(s_ptr + soff + c0 * 64, mask=smask, other=0)
+                s1_n = gl.load(s_ptr + soff + c0 * 64 + 1, mask=smask, other=0)
+            else:
+                wd_n = gl.load(w_ptr + woff + c0 * 128, mask=wmask & (c0 + kcw < c_hi), other=0)
+                s0_n = gl.load(s_ptr + soff + c0 * 64, mask=smask & (c0 + kcs < c_hi), other=0)
+                s1_n = gl.load(s_ptr + soff + c0 * 64 + 1, mask=smask & (c0 + kcs < c_hi), other=0)
+        for c0 in range(c_lo, c_hi, KC):
+            if PREFETCH:
+                wd = wd_n
+                s0 = s0_n
+                s1 = s1_n
+                c1 = c0 + KC
+                if EVEN:
+                    nxt = c1 < c_hi
+                    wd_n = gl.load(w_ptr + woff + c1 * 128, mask=wmask & nxt, other=0)
+                    s0_n = gl.load(s_ptr + soff + c1 * 64, mask=smask & nxt, other=0)
+                    s1_n = gl.load(s_ptr + soff + c1 * 64 + 1, mask=smask & nxt, other=0)
+                else:
+                    wd_n = gl.load(w_ptr + woff + c1 * 128, mask=wmask & (c1 + kcw < c_hi), other=0)
+                    s0_n = gl.load(s_ptr + soff + c1 * 64, mask=smask & (c1 + kcs < c_hi), other=0)
+                    s1_n = gl.load(s_ptr + soff + c1 * 64 + 1, mask=smask & (c1 + kcs < c_hi), other=0)
+            else:
+                if EVEN:
+                    wd = gl.load(w_ptr + woff + c0 * 128, mask=wmask, other=0)
+                    s0 = gl.load(s_ptr + soff + c0 * 64, mask=smask, other=0)
+                    s1 = gl.load(s_ptr + soff + c0 * 64 + 1, mask=smask, other=0)
+                else:
+                    wd = gl.load(w_ptr + woff + c0 * 128, mask=wmask & (c0 + kcw < c_hi), other=0)
+                    s0 = gl.load(s_ptr + soff + c0 * 64, mask=smask & (c0 + kcs < c_hi), other=0)
+                    s1 = gl.load(s_ptr + soff + c0 * 64 + 1, mask=smask & (c0 + kcs < c_hi), other=0)
+            if EVEN:
+                xv = gl.load(x_ptr + xoff + c0 * 64, mask=xmask, other=0.0)
+            else:
+                xv = gl.load(x_ptr + xoff + c0 * 64, mask=xmask & (c0 * 64 + kx < gl.minimum(c_hi * 64, K)),
+                             other=0.0)
+            m0 = gl.expand_dims((s0.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622896e35)
+                                .to(gl.bfloat16), 4)  # scale * 2**118 (exact)
+            m1 = gl.expand_dims((s1.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622896e35)
+                                .to(gl.bfloat16), 4)
+            if ASM:
+                wd2 = gl.join(wd, wd)
+                m02 = gl.join(m0, m0)
+                m12 = gl.join(m1, m1)
+                q0 = gl.join(_pair_asm(wd2, m02, 0), _pair_asm(wd2, m12, 1))  # [.., s, e, rb3]
+                q1 = gl.join(_pair_asm(wd2, m02, 2), _pair_asm(wd2, m12, 3))
+            else:
+                l0, h0 = _pair(wd, m0, 0)  # rb3 0, kb3 0
+                l1, h1 = _pair(wd, m1, 1)  # rb3 1, kb3 0
+                l2, h2 = _pair(wd, m0, 2)  # rb3 0, kb3 1
+                l3, h3 = _pair(wd, m1, 3)  # rb3 1, kb3 1
+                q0 = gl.join(gl.join(l0, h0), gl.join(l1, h1))  # [.., s, e, rb3]
+                q1 = gl.join(gl.join(l2, h2), gl.join(l3, h3))
+            a = gl.join(q0, q1)  # [NW, g, t, KC, s, e, rb3, kb3]
+            a = gl.reshape(gl.permute(a, (0, 6, 1, 3, 4, 7, 2, 5)), (BN, BK))  # rows (w, rb3, g), mma-k (kc, s, kb3, t, e)
+            a = gl.convert_layout(a, DA, assert_trivial=True)
+            b = gl.reshape(xv, (NT, 8, 4, KC, 4, 2, 2))  # [nt, g, t, kc, s, kb3, e]
+            b = gl.reshape(gl.permute(b, (3, 4, 5, 2, 6, 0, 1)), (BK, NT * 8))
+            b = gl.convert_layout(b, DB, assert_trivial=True)
+            acc = mma_v2(a, b, acc)
+
+        # epilogue: acc [BN rows of W, NT*8 activation rows] -> out[n, row]
+        LR: gl.constexpr = gl.SliceLayout(1, MMA)
+        LC: gl.constexpr = gl.SliceLayout(0, MMA)
+        gw = gl.load(gs_ptr + gl.arange(0, BN, layout=LR) * 0)
+        post = gl.div_rn(gl.full([BN], 1.0, gl.float32, LR), gw) * 256.0
+        y = acc * gl.expand_dims(post, 1)
+        rows = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=LR), 1)
+        xr = gl.expand_dims(gl.arange(0, NT * 8, layout=LC), 0)
+        om = (rows < N) & (xr < M)
+        if SPLIT == 1:
+            gl.store(out_ptr + xr * N + rows, y.to(gl.bfloat16), mask=om)
+        else:
+            gl.store(part_ptr + (pid_k * M + xr) * N + rows, y, mask=om)
+            gl.thread_barrier()  # every thread's partial stores precede the release below
+            done = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT - 1:  # the last K range of this tile: sum the partials in the fixed order
+                z = gl.load(part_ptr + xr * N + rows, mask=om, other=0.0, cache_modifier=".cg")
+                for sk in range(1, SPLIT):
+                    z += gl.load(part_ptr + (sk * M + xr) * N + rows, mask=om, other=0.0, cache_modifier=".cg")
+                gl.store(out_ptr + xr * N + rows, z.to(gl.bfloat16), mask=om)
+                gl.store(cnt_ptr + pid_n, 0)  # ready for the next launch (stream order)
+
+
+# ----------------------------------------------------------------------------------------------- host
+
+
+@dataclass(frozen=True)
+class GluonConfig:
+    """``num_warps`` (row groups per program: BN = 16 num_warps weight rows), ``kc`` (64-element chunks per
+    iteration), ``split`` (programs along K; 0 = auto: fill ``occ`` programs per SM), ``prefetch``."""
+
+    num_warps: int = 4
+    kc: int = 2
+    split: int = 0
+    occ: int = 4
+    prefetch: bool = True
+    asm: bool = True  # decode + scale of a register pair as one inline-PTX block (else Triton ops: LLVM re-pairs halves)
+
+    @property
+    def label(self) -> str:
+        return (f"w{self.num_warps} kc{self.kc} s{self.split or 'a'}{self.occ}{' pf' if self.prefetch else ''}"
+                f"{'' if self.asm else ' noasm'}")
+
+
+_COUNTERS: dict = {}
+_SMS: dict = {}
+
+
+def _num_sms(dev: torch.device) -> int:
+    if dev.type != "cuda":
+        return 132
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
+    return _SMS[key]
+
+
+def plan(w: GluonWeight, cfg: GluonConfig, sms: int = 132) -> tuple[int, int, int, bool]:
+    """(grid_n, split, chunks per split, even) of a launch."""
+    grid_n = -(-w.nr // cfg.num_warps)
+    c = w.chunks
+    if cfg.split:
+        split = cfg.split
+    else:  # >= occ programs per SM, preferring a split that divides the iterations evenly (no K masks)
+        target = max(1, min(c // cfg.kc, -(-(sms * cfg.occ) // grid_n)))
+        its = c // cfg.kc if c % cfg.kc == 0 else 0
+        even = [d for d in range(target, min(2 * target, its) + 1) if its % d == 0]
+        split = even[0] if even else target
+    cps = -(-c // split)
+    cps = -(-cps // cfg.kc) * cfg.kc
+    split = -(-c // cps)
+    even = c % cps == 0 and w.k == c * CHUNK
+    return grid_n, split, cps, even
+
+
+def gluon_w4a16(x: torch.Tensor, w: GluonWeight, cfg: GluonConfig = GluonConfig()) -> torch.Tensor:
+    """``x`` bf16 ``[M, K]`` (M <= 16) times the permuted NVFP4 weight: bf16 ``[M, N]``."""
+    if gluon is None:
+        raise RuntimeError("gluon_w4a16 needs triton >= 3.6 (triton.experimental.gluon)")
+    m, k = x.shape
+    if k != w.k or x.dtype != torch.bfloat16 or not 1 <= m <= 16:
+        raise ValueError(f"gluon_w4a16: x bf16 [M <= 16, {w.k}], got {x.dtype} {tuple(x.shape)}")
+    x = x.contiguous()
+    nt = 1 if m <= 8 else 2
+    grid_n, split, cps, even = plan(w, cfg, _num_sms(x.device))
+    out = torch.empty(m, w.n, dtype=torch.bfloat16, device=x.device)
+    if split > 1:
+        part = torch.empty(split, m, w.n, dtype=torch.float32, device=x.device)
+        key = str(x.device)
+        cnt = _COUNTERS.get(key)
+        if cnt is None or cnt.numel() < grid_n:
+            cnt = torch.zeros(max(grid_n, 4096), dtype=torch.int32, device=x.device)
+            _COUNTERS[key] = cnt
+    else:
+        part, cnt = out, out
+    _w4a16_kernel[(grid_n, split)](
+        x, w.wq, w.sq, w.gs, out, part, cnt, m, w.n, k, w.nr, w.chunks, cps,
+        NW=cfg.num_warps, KC=cfg.kc, NT=nt, SPLIT=split, EVEN=even, PREFETCH=cfg.prefetch, ASM=cfg.asm,
+        num_warps=cfg.num_warps)
+    return out
+
+
+__all__ = ["GluonWeight", "GluonConfig", "permute_weight", "unpermute_weight", "decode_permuted",
+           "reference_weight", "plan", "gluon_w4a16"]
