@@ -45,34 +45,36 @@ def _check(y, ref, xf, wf, what):
     assert bool((d <= bound).all()), f"{what}: {worst:.2f} ulp"
 
 
-def _case(m, n, k, cfg, seed=0):
+def _case(m, n, k, cfg, seed=0, fmt=1):
     q = em.quantize_weight(_w((n, k), seed=seed + 1))
     gs = q.global_scale.reshape(())
-    w = gg.permute_weight(q.packed, q.block_scale, gs)
+    w = gg.permute_weight(q.packed, q.block_scale, gs, fmt=fmt)
     x = _x(m, k, seed)
     xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
     wf = em.weight_f32(q.packed, q.block_scale, gs)
     ref = em.gemm(xf, wf, None, x.dtype)
     y = gg.gluon_w4a16(x, w, cfg)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
-    _check(y, ref, xf, wf, f"{cfg.label} M={m} N={n} K={k}")
+    _check(y, ref, xf, wf, f"{cfg.label} fmt {fmt} M={m} N={n} K={k}")
 
 
+@pytest.mark.parametrize("fmt", [1, 2])
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
 @pytest.mark.parametrize("n, k", [(8192, 8192), (4096, 4096)])
-def test_dense_decode(m, n, k):
-    _case(m, n, k, CFGS[0])
+def test_dense_decode(m, n, k, fmt):
+    _case(m, n, k, CFGS[0], fmt=fmt)
 
 
 @pytest.mark.parametrize("cfg", CFGS, ids=lambda c: c.label)
 @pytest.mark.parametrize("m, n, k", [(3, 4096, 4096), (16, 8192, 8192), (5, 1000, 2064), (11, 4104, 1040),
                                      (1, 24, 16)])
 def test_configs_and_odd_shapes(cfg, m, n, k):
-    _case(m, n, k, cfg, seed=m)
+    _case(m, n, k, cfg, seed=m, fmt=2 if cfg.asm and m % 2 else 1)
 
 
-@pytest.mark.parametrize("cfg", [CFGS[0], CFGS[1], CFGS[4]], ids=lambda c: c.label)
-def test_one_hot_exact(cfg):
+@pytest.mark.parametrize("cfg, fmt", [(CFGS[0], 1), (CFGS[1], 1), (CFGS[4], 1), (CFGS[0], 2), (CFGS[1], 2)],
+                         ids=lambda v: v.label if isinstance(v, G) else f"fmt{v}")
+def test_one_hot_exact(cfg, fmt):
     """Each output is one product: it must equal bf16(E2M1 * block_scale * fl(1 / gs) * 3) bit for bit -- codes
     0/1 (bf16 subnormal 2**-127 before the packed scale multiply), -0, zero and E4M3-subnormal block scales,
     every nibble position (16 columns, k mod 64 covering t, s, kb3, e)."""
@@ -85,7 +87,7 @@ def test_one_hot_exact(cfg):
     scale[:, 2::7] = 7
     scale = scale.view(torch.float8_e4m3fn)
     gs = q.global_scale.reshape(())
-    w = gg.permute_weight(packed, scale, gs)
+    w = gg.permute_weight(packed, scale, gs, fmt=fmt)
     ks = (torch.arange(0, 16, device=DEV) * 37 + 5) % k
     x = torch.zeros(16, k, dtype=torch.bfloat16, device=DEV)
     x[torch.arange(16, device=DEV), ks] = 3.0

@@ -33,10 +33,12 @@ def _all_codes_weight(n, k, seed=1):
     return packed, sb.view(torch.float8_e4m3fn)
 
 
+@pytest.mark.parametrize("fmt", gg.FORMATS)
 @pytest.mark.parametrize("n, k", [(64, 256), (48, 128), (37, 80), (16, 16), (129, 400)])
-def test_round_trip(n, k):
+def test_round_trip(n, k, fmt):
     packed, scale = _all_codes_weight(n, k)
-    w = gg.permute_weight(packed, scale, torch.tensor(3.0))
+    w = gg.permute_weight(packed, scale, torch.tensor(3.0), fmt=fmt)
+    assert w.fmt == fmt
     assert w.wq.dtype == torch.int32 and tuple(w.wq.shape) == (-(-n // 16), -(-k // 64), 32, 4)
     assert w.sq.dtype == torch.uint8 and tuple(w.sq.shape) == (-(-n // 16), -(-k // 64), 8, 4, 2)
     p2, s2 = gg.unpermute_weight(w)
@@ -76,10 +78,14 @@ def test_bit_positions(n, k):
     assert bool((dec[~full] == 0).all())
 
 
+@pytest.mark.parametrize("fmt", gg.FORMATS)
 @pytest.mark.parametrize("n, k", [(64, 256), (37, 80)])
-def test_decode_exact_all_codes(n, k):
+def test_decode_exact_all_codes(n, k, fmt):
+    """The kernel's integer decode (per format: shifts / rotations and masks) of the permuted words, times the
+    bf16 scale multiplier, is E2M1(code) * block_scale exactly for every element (reference: a table lookup on
+    the plain packed codes)."""
     packed, scale = _all_codes_weight(n, k, seed=3)
-    w = gg.permute_weight(packed, scale, torch.tensor(1.0))
+    w = gg.permute_weight(packed, scale, torch.tensor(1.0), fmt=fmt)
     got = gg.decode_permuted(w)
     tab = torch.tensor(E2M1 + tuple(-v for v in E2M1))
     lo, hi = packed & 15, packed >> 4
@@ -90,6 +96,15 @@ def test_decode_exact_all_codes(n, k):
     # the codes 8 (-0) keep their sign bit: -0.0 * positive scale
     neg0 = (codes == 8) & (scale.to(torch.float32).repeat_interleave(16, dim=1) > 0)
     assert bool(torch.signbit(got[neg0]).all())
+
+
+def test_formats_differ_only_in_bits():
+    """Format 2 holds the same codes as format 1 (same round trip), in other bit positions of the same words."""
+    packed, scale = _all_codes_weight(32, 128, seed=4)
+    w1, w2 = (gg.permute_weight(packed, scale, torch.tensor(1.0), fmt=f) for f in (1, 2))
+    assert torch.equal(w1.sq, w2.sq) and not torch.equal(w1.wq, w2.wq)
+    ones = lambda t: int(sum(((t.to(torch.int64) & 0xFFFFFFFF) >> b & 1).sum() for b in range(32)))
+    assert ones(w1.wq) == ones(w2.wq)  # a bit permutation of each word
 
 
 def test_decode_matches_reference_dequant():

@@ -58,13 +58,15 @@ except Exception:  # pragma: no cover - old triton / no triton
 
 @dataclass(frozen=True)
 class GluonWeight:
-    """An NVFP4 weight ``[n, k]`` in the kernel's permuted layout (module docstring)."""
+    """An NVFP4 weight ``[n, k]`` in the kernel's permuted layout (module docstring); ``fmt`` the bit format of
+    a word (:data:`FORMATS`)."""
 
     wq: torch.Tensor  # int32 [NR, C, 32, 4]
     sq: torch.Tensor  # uint8 [NR, C, 8, 4, 2]
     gs: torch.Tensor  # float32 [1] (encode global scale)
     n: int
     k: int
+    fmt: int = 1
 
     @property
     def nr(self) -> int:
@@ -75,16 +77,50 @@ class GluonWeight:
         return self.wq.shape[1]
 
 
+#: Word bit formats. A word holds 4 register pairs P = rb3 + 2 kb3, elements e = 0, 1 (code j = P + 4 e).
+#: 1 ("nibbles"): code j in bits 4j..4j+3. Decode of pair P: 2 shifts + 2 logic ops (magnitudes and signs
+#:   moved by different amounts).
+#: 2 ("spread"): the 32 code bits pre-placed so that a pair's bf16x2 pattern (magnitude bits 6..8 / 22..24,
+#:   signs 15 / 31: mask 0x81C081C0) is ONE rotation away: pair 0 in place (AND), pairs 1, 2 rotated left by
+#:   4 / 10 (rotate + AND), pair 3 from two rotations (6: bits 6, 22; 14: bits 7, 8, 15, 23, 24, 31; 4 ops):
+#:   9 integer ops per word instead of ~15.
+FORMATS = (1, 2)
+_PAIR_ROT = {0: ((0, 0x81C081C0),), 1: ((4, 0x81C081C0),), 2: ((10, 0x81C081C0),),
+             3: ((6, 0x00400040), (14, 0x81808180))}
+
+
+def _target_bit(e: int, b: int) -> int:
+    """Bit of a bf16x2 pair register that code bit b (0..2 magnitude, 3 sign) of element e decodes to."""
+    return 16 * e + (6 + b if b < 3 else 15)
+
+
+def _bit_map(fmt: int) -> list[int]:
+    """``src[j * 4 + b]``: the word bit holding bit b of code j (j = P + 4 e)."""
+    src = []
+    for j in range(8):
+        p, e = j % 4, j // 4
+        for b in range(4):
+            if fmt == 1:
+                src.append(4 * j + b)
+            else:
+                tau = _target_bit(e, b)
+                rot = next(r for r, m in _PAIR_ROT[p] if (m >> tau) & 1)
+                src.append((tau - rot) % 32)
+    assert sorted(src) == list(range(32))
+    return src
+
+
 def _codes(packed: torch.Tensor) -> torch.Tensor:
     lo = packed & 0x0F
     hi = packed >> 4
     return torch.stack([lo, hi], dim=-1).flatten(-2)
 
 
-def permute_weight(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor) -> GluonWeight:
+def permute_weight(packed: torch.Tensor, block_scale: torch.Tensor, global_scale: torch.Tensor,
+                   fmt: int = 1) -> GluonWeight:
     """NVFP4 weight (``packed`` uint8 ``[N, K/2]``, low nibble = even element; ``block_scale`` e4m3
     ``[N, K/16]``; ``global_scale`` float32, one element) -> :class:`GluonWeight` (padded with zero codes and
-    zero scales to ``N % 16 == 0``, ``K % 64 == 0``)."""
+    zero scales to ``N % 16 == 0``, ``K % 64 == 0``), word bit format ``fmt`` (:data:`FORMATS`)."""
     n, kh = packed.shape
     k = 2 * kh
     if packed.dtype != torch.uint8 or block_scale.dtype != torch.float8_e4m3fn:
@@ -92,44 +128,62 @@ def permute_weight(packed: torch.Tensor, block_scale: torch.Tensor, global_scale
     if k % BLOCK_SIZE or tuple(block_scale.shape) != (n, k // BLOCK_SIZE) or global_scale.numel() != 1:
         raise ValueError(f"permute_weight: shapes {tuple(packed.shape)} / {tuple(block_scale.shape)} / "
                          f"{tuple(global_scale.shape)}")
+    if fmt not in FORMATS:
+        raise ValueError(f"permute_weight: fmt must be one of {FORMATS}, got {fmt}")
     nr, c = -(-n // ROWS), -(-k // CHUNK)
     codes = torch.zeros(nr * ROWS, c * CHUNK, dtype=torch.uint8, device=packed.device)
     codes[:n, :k] = _codes(packed)
-    # [R, rb3, g, c, t, s, kb3, e] -> [R, c, g, t, s, e, kb3, rb3] (nibble j = rb3 + 2 kb3 + 4 e: rb3 fastest)
-    v = codes.view(nr, 2, 8, c, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1).reshape(nr, c, 8, 4, 4, 8)
-    byts = v[..., 0::2] | (v[..., 1::2] << 4)  # byte b = nibbles 2b (low), 2b + 1 (high)
-    wq = byts.contiguous().view(torch.int32).reshape(nr, c, 32, 4)
+    # [R, rb3, g, c, t, s, kb3, e] -> [R, c, g, t, s, e, kb3, rb3] (code j = rb3 + 2 kb3 + 4 e: rb3 fastest)
+    v = codes.view(nr, 2, 8, c, 4, 4, 2, 2).permute(0, 3, 2, 4, 5, 7, 6, 1).reshape(nr, c, 8, 4, 4, 8).long()
+    word = torch.zeros(nr, c, 8, 4, 4, dtype=torch.int64, device=packed.device)
+    for i, sb in enumerate(_bit_map(fmt)):
+        word |= ((v[..., i // 4] >> (i % 4)) & 1) << sb
+    wq = (word - ((word >> 31) << 32)).to(torch.int32).reshape(nr, c, 32, 4)  # two's complement of the 32 bits
     sc = torch.zeros(nr * ROWS, c * 4, dtype=torch.uint8, device=packed.device)
     sc[:n, : k // BLOCK_SIZE] = block_scale.view(torch.uint8)
     sq = sc.view(nr, 2, 8, c, 4).permute(0, 3, 2, 4, 1).contiguous()
-    return GluonWeight(wq.contiguous(), sq, global_scale.reshape(1).to(torch.float32).contiguous(), n, k)
+    return GluonWeight(wq.contiguous(), sq, global_scale.reshape(1).to(torch.float32).contiguous(), n, k, fmt)
+
+
+def _words(w: GluonWeight) -> torch.Tensor:
+    return w.wq.to(torch.int64) & 0xFFFFFFFF  # [R, c, l, s], the 32 bits unsigned
 
 
 def unpermute_weight(w: GluonWeight) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of :func:`permute_weight`: ``(packed uint8 [n, k/2], block_scale e4m3 [n, k/16])``."""
     nr, c = w.nr, w.chunks
-    byts = w.wq.contiguous().view(torch.uint8).view(nr, c, 8, 4, 4, 4)
-    v = torch.stack([byts & 0x0F, byts >> 4], dim=-1).reshape(nr, c, 8, 4, 4, 2, 2, 2)  # [.., s, e, kb3, rb3]
+    wd = _words(w)
+    src = _bit_map(w.fmt)
+    v = torch.stack([sum(((wd >> src[4 * j + b]) & 1) << b for b in range(4)) for j in range(8)], dim=-1)
+    v = v.to(torch.uint8).view(nr, c, 8, 4, 4, 2, 2, 2)  # [R, c, g, t, s, e, kb3, rb3]
     codes = v.permute(0, 7, 2, 1, 3, 4, 6, 5).reshape(nr * ROWS, c * CHUNK)[: w.n, : w.k]
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
     sc = w.sq.permute(0, 4, 2, 1, 3).reshape(nr * ROWS, c * 4)[: w.n, : w.k // BLOCK_SIZE]
     return packed.contiguous(), sc.contiguous().view(torch.float8_e4m3fn)
 
 
+def _pair_bits(wd: torch.Tensor, p: int, fmt: int) -> torch.Tensor:
+    """The kernel's integer decode of pair p (int64 holding 32 unsigned bits): the bf16x2 pair register."""
+    if fmt == 1:
+        a, b = {0: (6, 12), 1: (2, 8), 2: (-2, 4), 3: (-6, 0)}[p]
+        mag = (wd << a) if a >= 0 else (wd >> -a)
+        return ((mag & 0x01C001C0) | ((wd << b) & 0x80008000)) & 0xFFFFFFFF
+    h = torch.zeros_like(wd)
+    for rot, mask in _PAIR_ROT[p]:
+        h |= (((wd << rot) | (wd >> (32 - rot))) & 0xFFFFFFFF) & mask
+    return h
+
+
 def decode_permuted(w: GluonWeight) -> torch.Tensor:
     """The kernel's decode of the permuted layout, in torch (CPU or GPU): float32 ``[n, k]`` holding the bf16
     values ``E2M1 * block_scale * 2**-8`` the kernel feeds the MMA, times 2**8 (exact): the weight without the
     global scale. Follows the kernel's per-thread arithmetic: per int32 word and pair p (0..3), the bf16 pair
-    built by shifts and masks, times ``bf16(scale * 2**118)`` of its row."""
+    built by shifts / rotations and masks (per ``fmt``), times ``bf16(scale * 2**118)`` of its row."""
     nr, c = w.nr, w.chunks
-    wd = w.wq.to(torch.int64) & 0xFFFFFFFF  # [R, c, l, s], unsigned
-    sh = {0: (6, 12), 1: (2, 8), 2: (-2, 4), 3: (-6, 0)}
+    wd = _words(w)
     pairs = []
     for p in range(4):
-        a, b = sh[p]
-        mag = (wd << a) if a >= 0 else (wd >> -a)
-        sgn = wd << b
-        h = (mag & 0x01C001C0) | (sgn & 0x80008000)
+        h = _pair_bits(wd, p, w.fmt)
         pairs.append(torch.stack([h & 0xFFFF, (h >> 16) & 0xFFFF], dim=-1))  # [R, c, l, s, e]
     bits = torch.stack(pairs, dim=-1)  # [R, c, l, s, e, p]; p = rb3 + 2 kb3
     vals = (bits.to(torch.int32) << 16).view(torch.float32)  # the bf16 values, exactly, as float32
@@ -190,29 +244,41 @@ if gluon is not None:
         return lo * m, hi * m
 
     @gluon.jit
-    def _pair_asm(wd2, m2, P: gl.constexpr):
+    def _pair_asm(wd2, m2, P: gl.constexpr, FMT: gl.constexpr):
         """:func:`_pair` as ONE inline-PTX block per register pair: ``wd2`` the int32 words joined with
         themselves (``[.., 2]``: element e of the pair), ``m2`` the bf16 multiplier likewise; returns bf16
         ``[.., 2]`` (e = 0: nibble P, e = 1: nibble P + 4), each register the MMA's packed pair, scaled by one
         ``mul.rn.bf16x2`` (no flush-to-zero form: code 1's bf16 subnormal is kept)."""
-        if P == 0:
-            sh: gl.constexpr = "shl.b32 t, $1, 6; shl.b32 u, $1, 12;"
-        elif P == 1:
-            sh: gl.constexpr = "shl.b32 t, $1, 2; shl.b32 u, $1, 8;"
-        elif P == 2:
-            sh: gl.constexpr = "shr.u32 t, $1, 2; shl.b32 u, $1, 4;"
+        if FMT == 2:  # spread format: rotations (see _PAIR_ROT)
+            if P == 0:
+                op: gl.constexpr = "and.b32 t, $1, 0x81C081C0;"
+            elif P == 1:
+                op: gl.constexpr = "shf.l.wrap.b32 t, $1, $1, 4; and.b32 t, t, 0x81C081C0;"
+            elif P == 2:
+                op: gl.constexpr = "shf.l.wrap.b32 t, $1, $1, 10; and.b32 t, t, 0x81C081C0;"
+            else:
+                op: gl.constexpr = ("shf.l.wrap.b32 t, $1, $1, 6; shf.l.wrap.b32 u, $1, $1, 14; "
+                                    "and.b32 t, t, 0x00400040; and.b32 u, u, 0x81808180; or.b32 t, t, u;")
         else:
-            sh: gl.constexpr = "shr.u32 t, $1, 6; mov.b32 u, $1;"
+            if P == 0:
+                sh: gl.constexpr = "shl.b32 t, $1, 6; shl.b32 u, $1, 12;"
+            elif P == 1:
+                sh: gl.constexpr = "shl.b32 t, $1, 2; shl.b32 u, $1, 8;"
+            elif P == 2:
+                sh: gl.constexpr = "shr.u32 t, $1, 2; shl.b32 u, $1, 4;"
+            else:
+                sh: gl.constexpr = "shr.u32 t, $1, 6; mov.b32 u, $1;"
+            op: gl.constexpr = sh + " and.b32 t, t, 0x01C001C0; and.b32 u, u, 0x80008000; or.b32 t, t, u;"
         return gl.inline_asm_elementwise(
-            "{ .reg .b32 t, u; " + sh + " and.b32 t, t, 0x01C001C0; and.b32 u, u, 0x80008000; or.b32 t, t, u; "
-            "mul.rn.bf16x2 $0, t, $3; }",
+            "{ .reg .b32 t, u; " + op + " mul.rn.bf16x2 $0, t, $3; }",
             "=r,r,r,r", [wd2, m2], dtype=gl.bfloat16, is_pure=True, pack=2)
 
     @gluon.jit
     def _w4a16_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
                       M, N, K, NR, C, CPS,
                       NW: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
-                      EVEN: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr):
+                      EVEN: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
+                      FMT: gl.constexpr = 1):
         """``out[M, N] = bf16(x[M, K] @ W^T)``; program (pid_n, pid_k): row groups ``pid_n * NW + [0, NW)`` (one
         per warp), chunks ``[pid_k * CPS, min(C, (pid_k + 1) * CPS))``, KC chunks (KC 16-byte loads per thread)
         per iteration; NT n-tiles of 8 activation rows (M <= 8 NT). EVEN: the chunk range of every program
@@ -297,9 +363,10 @@ if gluon is not None:
                 wd2 = gl.join(wd, wd)
                 m02 = gl.join(m0, m0)
                 m12 = gl.join(m1, m1)
-                q0 = gl.join(_pair_asm(wd2, m02, 0), _pair_asm(wd2, m12, 1))  # [.., s, e, rb3]
-                q1 = gl.join(_pair_asm(wd2, m02, 2), _pair_asm(wd2, m12, 3))
+                q0 = gl.join(_pair_asm(wd2, m02, 0, FMT), _pair_asm(wd2, m12, 1, FMT))  # [.., s, e, rb3]
+                q1 = gl.join(_pair_asm(wd2, m02, 2, FMT), _pair_asm(wd2, m12, 3, FMT))
             else:
+                gl.static_assert(FMT == 1, "the Triton-op decode reads format 1 only")
                 l0, h0 = _pair(wd, m0, 0)  # rb3 0, kb3 0
                 l1, h1 = _pair(wd, m1, 1)  # rb3 1, kb3 0
                 l2, h2 = _pair(wd, m0, 2)  # rb3 0, kb3 1
@@ -396,6 +463,8 @@ def gluon_w4a16(x: torch.Tensor, w: GluonWeight, cfg: GluonConfig = GluonConfig(
     m, k = x.shape
     if k != w.k or x.dtype != torch.bfloat16 or not 1 <= m <= 16:
         raise ValueError(f"gluon_w4a16: x bf16 [M <= 16, {w.k}], got {x.dtype} {tuple(x.shape)}")
+    if w.fmt != 1 and not cfg.asm:
+        raise ValueError("gluon_w4a16: format 2 needs the inline-PTX decode (asm=True)")
     x = x.contiguous()
     nt = 1 if m <= 8 else 2
     grid_n, split, cps, even = plan(w, cfg, _num_sms(x.device))
@@ -411,7 +480,7 @@ def gluon_w4a16(x: torch.Tensor, w: GluonWeight, cfg: GluonConfig = GluonConfig(
         part, cnt = out, out
     _w4a16_kernel[(grid_n, split)](
         x, w.wq, w.sq, w.gs, out, part, cnt, m, w.n, k, w.nr, w.chunks, cps,
-        NW=cfg.num_warps, KC=cfg.kc, NT=nt, SPLIT=split, EVEN=even, PREFETCH=cfg.prefetch, ASM=cfg.asm,
+        NW=cfg.num_warps, KC=cfg.kc, NT=nt, SPLIT=split, EVEN=even, PREFETCH=cfg.prefetch, ASM=cfg.asm, FMT=w.fmt,
         num_warps=cfg.num_warps)
     return out
 
