@@ -18,7 +18,7 @@ G = gg.GluonConfig
 if gg.gluon is None:
     pytest.skip("triton.experimental.gluon not available", allow_module_level=True)
 
-CFGS = [G(4, 2, 0, 4), G(8, 4, 0, 2), G(4, 2, 1, 4), G(2, 1, 3, 4, prefetch=False), G(4, 2, 0, 4, asm=False)]
+CFGS = [G(4, 2, 0, 4), G(8, 4, 0, 2), G(4, 2, 1, 4), G(2, 1, 3, 4, prefetch=0), G(4, 2, 0, 4, asm=False), G(4, 2, 0, 4, prefetch=2)]
 
 
 def _x(m, k, seed=0):

@@ -26,7 +26,7 @@ def _configs(which: str):
     """(config, weight format) pairs: format 2 (spread bits, fewer decode ops) for every config, format 1 for
     the first two (the comparison)."""
     quick = [G(4, 2, 0, 4), G(4, 4, 0, 4), G(8, 2, 0, 2)]
-    more = [G(4, 2, 0, 8), G(8, 4, 0, 4), G(4, 2, 0, 2), G(4, 2, 0, 4, prefetch=False), G(4, 2, 1, 4)]
+    more = [G(4, 2, 0, 8), G(4, 2, 0, 4, prefetch=2), G(4, 2, 0, 2), G(4, 2, 0, 4, prefetch=0), G(4, 2, 1, 4)]
     cfgs = quick if which == "quick" else quick + more
     return [(c, 2) for c in cfgs] + [(c, 1) for c in cfgs[:2]]
 

@@ -274,112 +274,128 @@ if gluon is not None:
             "=r,r,r,r", [wd2, m2], dtype=gl.bfloat16, is_pure=True, pack=2)
 
     @gluon.jit
+    def _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c, c_hi, K, EVEN: gl.constexpr):
+        """Weight words ``[NW, 8, 4, KC, 4]``, scale bytes of rows rb3 = 0 / 1 ``[NW, 8, 4, KC]`` and activation
+        bf16 pairs as int32 ``[NT, 8, 4, KC, 8]`` of the KC chunks from chunk ``c``. EVEN: no masks (row groups and activation rows
+        are clamped in the offsets; ``c`` is a valid iteration start). Else chunks ``>= c_hi`` and columns
+        ``>= K`` read zeros."""
+        if EVEN:
+            wd = gl.load(w_ptr + woff + c * 128)
+            s0 = gl.load(s_ptr + soff + c * 64)
+            s1 = gl.load(s_ptr + soff + c * 64 + 1)
+            xv = gl.load(x_ptr + xoff + c * 64)
+        else:
+            wd = gl.load(w_ptr + woff + c * 128, mask=c + kcw < c_hi, other=0)
+            s0 = gl.load(s_ptr + soff + c * 64, mask=c + kcs < c_hi, other=0)
+            s1 = gl.load(s_ptr + soff + c * 64 + 1, mask=c + kcs < c_hi, other=0)
+            # kx: the first pair of each thread's 16 columns (K % 16 == 0: all 16 in or out; vector loads)
+            xv = gl.load(x_ptr + xoff + c * 32, mask=c * 64 + 2 * kx < gl.minimum(c_hi * 64, K), other=0)
+        return wd, s0, s1, xv
+
+    @gluon.jit
+    def _chunk_mma(acc, wd, s0, s1, xv, DA: gl.constexpr, DB: gl.constexpr, NW: gl.constexpr, KC: gl.constexpr,
+                   NT: gl.constexpr, ASM: gl.constexpr, FMT: gl.constexpr):
+        """Decode the weight words (times the block-scale multipliers) and ``acc += W_tile @ x_tile^T`` on
+        mma.sync: A ``[16 NW, 64 KC]`` (rows (w, rb3, g), mma-k (kc, s, kb3, t, e)), B ``[64 KC, 8 NT]`` with the
+        same mma-k order (activation column 64 kc + 16 t + 4 s + 2 kb3 + e); both conversions are trivial."""
+        m0 = gl.expand_dims((s0.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622896e35)
+                            .to(gl.bfloat16), 4)  # scale * 2**118 (exact)
+        m1 = gl.expand_dims((s1.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622896e35)
+                            .to(gl.bfloat16), 4)
+        if ASM:
+            wd2 = gl.join(wd, wd)
+            m02 = gl.join(m0, m0)
+            m12 = gl.join(m1, m1)
+            q0 = gl.join(_pair_asm(wd2, m02, 0, FMT), _pair_asm(wd2, m12, 1, FMT))  # [.., s, e, rb3]
+            q1 = gl.join(_pair_asm(wd2, m02, 2, FMT), _pair_asm(wd2, m12, 3, FMT))
+        else:
+            gl.static_assert(FMT == 1, "the Triton-op decode reads format 1 only")
+            l0, h0 = _pair(wd, m0, 0)  # rb3 0, kb3 0
+            l1, h1 = _pair(wd, m1, 1)  # rb3 1, kb3 0
+            l2, h2 = _pair(wd, m0, 2)  # rb3 0, kb3 1
+            l3, h3 = _pair(wd, m1, 3)  # rb3 1, kb3 1
+            q0 = gl.join(gl.join(l0, h0), gl.join(l1, h1))  # [.., s, e, rb3]
+            q1 = gl.join(gl.join(l2, h2), gl.join(l3, h3))
+        a = gl.join(q0, q1)  # [NW, g, t, KC, s, e, rb3, kb3]
+        a = gl.reshape(gl.permute(a, (0, 6, 1, 3, 4, 7, 2, 5)), (NW * 16, KC * 64))
+        a = gl.convert_layout(a, DA, assert_trivial=True)
+        xlo, xhi = gl.inline_asm_elementwise("mov.b32 {$0, $1}, $2;", "=h,=h,r", [xv],
+                                             dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)
+        b = gl.reshape(gl.join(xlo, xhi), (NT, 8, 4, KC, 4, 2, 2))  # [nt, g, t, kc, s, kb3, e]
+        b = gl.reshape(gl.permute(b, (3, 4, 5, 2, 6, 0, 1)), (KC * 64, NT * 8))
+        b = gl.convert_layout(b, DB, assert_trivial=True)
+        return mma_v2(a, b, acc)
+
+    @gluon.jit
     def _w4a16_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
                       M, N, K, NR, C, CPS,
                       NW: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
-                      EVEN: gl.constexpr, PREFETCH: gl.constexpr, ASM: gl.constexpr,
-                      FMT: gl.constexpr = 1):
+                      EVEN: gl.constexpr, PF: gl.constexpr, ASM: gl.constexpr, FMT: gl.constexpr = 1):
         """``out[M, N] = bf16(x[M, K] @ W^T)``; program (pid_n, pid_k): row groups ``pid_n * NW + [0, NW)`` (one
         per warp), chunks ``[pid_k * CPS, min(C, (pid_k + 1) * CPS))``, KC chunks (KC 16-byte loads per thread)
         per iteration; NT n-tiles of 8 activation rows (M <= 8 NT). EVEN: the chunk range of every program
-        is a multiple of KC and K == 64 C (no K masks). PREFETCH: the next iteration's weight words and scales
-        are loaded before the current ones are used (register double buffer)."""
+        is a multiple of KC and K == 64 C (no masks at all: row groups / activation rows clamped, their
+        outputs not stored). PF (0, 1, 2): the weight words, scales and activation of the next PF iterations
+        are loaded before the current ones are used (register prefetch; EVEN: the prefetch past the last
+        iteration re-reads the last one)."""
         LW: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 8, 4, 1, 1], [NW, 1, 1, 1, 1], [4, 3, 2, 1, 0])
         LS: gl.constexpr = gl.SliceLayout(4, LW)
-        LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 16], [1, 8, 4, 1, 1], [1, 1, 1, 1, NW], [4, 3, 2, 1, 0])
+        LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 8], [1, 8, 4, 1, 1], [1, 1, 1, 1, NW], [4, 3, 2, 1, 0])
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
         BN: gl.constexpr = NW * 16
-        BK: gl.constexpr = KC * 64
 
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         c_lo = pid_k * CPS
         c_hi = gl.minimum(c_lo + CPS, C)
 
-        # weight words [NW, 8 g, 4 t, KC, 4 s]: 16 contiguous bytes per thread and chunk
-        rg = pid_n * NW + _iota(NW, 0, 5, LW)
+        # weight words [NW, 8 g, 4 t, KC, 4 s]: 16 contiguous bytes per thread and chunk; a row group past the
+        # last reads the last one (its outputs are not stored)
+        rg = gl.minimum(pid_n * NW + _iota(NW, 0, 5, LW), NR - 1)
         lane = _iota(8, 1, 5, LW) * 4 + _iota(4, 2, 5, LW)
         kcw = _iota(KC, 3, 5, LW)
         woff = (rg * C + kcw) * 128 + lane * 4 + _iota(4, 4, 5, LW)
-        wmask = (rg < NR) & (kcw < KC)
         # scale bytes [NW, 8, 4, KC] (rb3 = 0; rb3 = 1 at + 1)
-        rgs = pid_n * NW + _iota(NW, 0, 4, LS)
+        rgs = gl.minimum(pid_n * NW + _iota(NW, 0, 4, LS), NR - 1)
         kcs = _iota(KC, 3, 4, LS)
         soff = (rgs * C + kcs) * 64 + (_iota(8, 1, 4, LS) * 4 + _iota(4, 2, 4, LS)) * 2
-        smask = (rgs < NR) & (kcs < KC)
-        # activation [NT, 8 g, 4 t, KC, 16 j]: row n = 8 nt + g, column 64 (c + kc) + 16 t + j
-        xn = _iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX)
-        kx = _iota(KC, 3, 5, LX) * 64 + _iota(4, 2, 5, LX) * 16 + _iota(16, 4, 5, LX)
-        xoff = xn * K + kx
-        xmask = (xn < M) & (kx < BK)
+        # activation bf16 pairs [NT, 8 g, 4 t, KC, 8 j2] (int32 view of x): row n = 8 nt + g (rows >= M read row
+        # M - 1, not stored), columns 64 (c + kc) + 16 t + 2 j2 + (0, 1)
+        xn = gl.minimum(_iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX), M - 1)
+        kx = _iota(KC, 3, 5, LX) * 32 + _iota(4, 2, 5, LX) * 8  # int32 (bf16 pair) index of a thread's first pair
+        xoff = xn * (K // 2) + kx + _iota(8, 4, 5, LX)
 
         acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
-        c0 = c_lo
-        if PREFETCH:
+        c_last = c_hi - KC  # EVEN: the last iteration's start
+        if PF >= 1:
+            c1 = c_lo
+            wd1, s01, s11, xv1 = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c1, c_hi, K, EVEN)
+        if PF >= 2:
+            c2 = c_lo + KC
             if EVEN:
-                wd_n = gl.load(w_ptr + woff + c0 * 128, mask=wmask, other=0)
-                s0_n = gl.load(s_ptr + soff + c0 * 64, mask=smask, other=0)
-                s1_n = gl.load(s_ptr + soff + c0 * 64 + 1, mask=smask, other=0)
-            else:
-                wd_n = gl.load(w_ptr + woff + c0 * 128, mask=wmask & (c0 + kcw < c_hi), other=0)
-                s0_n = gl.load(s_ptr + soff + c0 * 64, mask=smask & (c0 + kcs < c_hi), other=0)
-                s1_n = gl.load(s_ptr + soff + c0 * 64 + 1, mask=smask & (c0 + kcs < c_hi), other=0)
+                c2 = gl.minimum(c2, c_last)
+            wd2, s02, s12, xv2 = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c2, c_hi, K, EVEN)
         for c0 in range(c_lo, c_hi, KC):
-            if PREFETCH:
-                wd = wd_n
-                s0 = s0_n
-                s1 = s1_n
-                c1 = c0 + KC
+            if PF == 0:
+                wd, s0, s1, xv = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c0, c_hi, K, EVEN)
+            elif PF == 1:
+                wd, s0, s1, xv = wd1, s01, s11, xv1
+                cn = c0 + KC
                 if EVEN:
-                    nxt = c1 < c_hi
-                    wd_n = gl.load(w_ptr + woff + c1 * 128, mask=wmask & nxt, other=0)
-                    s0_n = gl.load(s_ptr + soff + c1 * 64, mask=smask & nxt, other=0)
-                    s1_n = gl.load(s_ptr + soff + c1 * 64 + 1, mask=smask & nxt, other=0)
-                else:
-                    wd_n = gl.load(w_ptr + woff + c1 * 128, mask=wmask & (c1 + kcw < c_hi), other=0)
-                    s0_n = gl.load(s_ptr + soff + c1 * 64, mask=smask & (c1 + kcs < c_hi), other=0)
-                    s1_n = gl.load(s_ptr + soff + c1 * 64 + 1, mask=smask & (c1 + kcs < c_hi), other=0)
+                    cn = gl.minimum(cn, c_last)
+                wd1, s01, s11, xv1 = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, cn, c_hi, K,
+                                                  EVEN)
             else:
+                wd, s0, s1, xv = wd1, s01, s11, xv1
+                wd1, s01, s11, xv1 = wd2, s02, s12, xv2
+                cn = c0 + 2 * KC
                 if EVEN:
-                    wd = gl.load(w_ptr + woff + c0 * 128, mask=wmask, other=0)
-                    s0 = gl.load(s_ptr + soff + c0 * 64, mask=smask, other=0)
-                    s1 = gl.load(s_ptr + soff + c0 * 64 + 1, mask=smask, other=0)
-                else:
-                    wd = gl.load(w_ptr + woff + c0 * 128, mask=wmask & (c0 + kcw < c_hi), other=0)
-                    s0 = gl.load(s_ptr + soff + c0 * 64, mask=smask & (c0 + kcs < c_hi), other=0)
-                    s1 = gl.load(s_ptr + soff + c0 * 64 + 1, mask=smask & (c0 + kcs < c_hi), other=0)
-            if EVEN:
-                xv = gl.load(x_ptr + xoff + c0 * 64, mask=xmask, other=0.0)
-            else:
-                xv = gl.load(x_ptr + xoff + c0 * 64, mask=xmask & (c0 * 64 + kx < gl.minimum(c_hi * 64, K)),
-                             other=0.0)
-            m0 = gl.expand_dims((s0.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622896e35)
-                                .to(gl.bfloat16), 4)  # scale * 2**118 (exact)
-            m1 = gl.expand_dims((s1.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622896e35)
-                                .to(gl.bfloat16), 4)
-            if ASM:
-                wd2 = gl.join(wd, wd)
-                m02 = gl.join(m0, m0)
-                m12 = gl.join(m1, m1)
-                q0 = gl.join(_pair_asm(wd2, m02, 0, FMT), _pair_asm(wd2, m12, 1, FMT))  # [.., s, e, rb3]
-                q1 = gl.join(_pair_asm(wd2, m02, 2, FMT), _pair_asm(wd2, m12, 3, FMT))
-            else:
-                gl.static_assert(FMT == 1, "the Triton-op decode reads format 1 only")
-                l0, h0 = _pair(wd, m0, 0)  # rb3 0, kb3 0
-                l1, h1 = _pair(wd, m1, 1)  # rb3 1, kb3 0
-                l2, h2 = _pair(wd, m0, 2)  # rb3 0, kb3 1
-                l3, h3 = _pair(wd, m1, 3)  # rb3 1, kb3 1
-                q0 = gl.join(gl.join(l0, h0), gl.join(l1, h1))  # [.., s, e, rb3]
-                q1 = gl.join(gl.join(l2, h2), gl.join(l3, h3))
-            a = gl.join(q0, q1)  # [NW, g, t, KC, s, e, rb3, kb3]
-            a = gl.reshape(gl.permute(a, (0, 6, 1, 3, 4, 7, 2, 5)), (BN, BK))  # rows (w, rb3, g), mma-k (kc, s, kb3, t, e)
-            a = gl.convert_layout(a, DA, assert_trivial=True)
-            b = gl.reshape(xv, (NT, 8, 4, KC, 4, 2, 2))  # [nt, g, t, kc, s, kb3, e]
-            b = gl.reshape(gl.permute(b, (3, 4, 5, 2, 6, 0, 1)), (BK, NT * 8))
-            b = gl.convert_layout(b, DB, assert_trivial=True)
-            acc = mma_v2(a, b, acc)
+                    cn = gl.minimum(cn, c_last)
+                wd2, s02, s12, xv2 = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, cn, c_hi, K,
+                                                  EVEN)
+            acc = _chunk_mma(acc, wd, s0, s1, xv, DA, DB, NW, KC, NT, ASM, FMT)
 
         # epilogue: acc [BN rows of W, NT*8 activation rows] -> out[n, row]
         LR: gl.constexpr = gl.SliceLayout(1, MMA)
@@ -410,18 +426,19 @@ if gluon is not None:
 @dataclass(frozen=True)
 class GluonConfig:
     """``num_warps`` (row groups per program: BN = 16 num_warps weight rows), ``kc`` (64-element chunks per
-    iteration), ``split`` (programs along K; 0 = auto: fill ``occ`` programs per SM), ``prefetch``."""
+    iteration), ``split`` (programs along K; 0 = auto: fill ``occ`` programs per SM), ``prefetch`` (register
+    prefetch depth, iterations), ``asm`` (inline-PTX pair decode)."""
 
     num_warps: int = 4
     kc: int = 2
     split: int = 0
     occ: int = 4
-    prefetch: bool = True
+    prefetch: int = 1  # register prefetch depth in iterations (0, 1, 2)
     asm: bool = True  # decode + scale of a register pair as one inline-PTX block (else Triton ops: LLVM re-pairs halves)
 
     @property
     def label(self) -> str:
-        return (f"w{self.num_warps} kc{self.kc} s{self.split or 'a'}{self.occ}{' pf' if self.prefetch else ''}"
+        return (f"w{self.num_warps} kc{self.kc} s{self.split or 'a'}{self.occ} pf{self.prefetch}"
                 f"{'' if self.asm else ' noasm'}")
 
 
@@ -479,8 +496,8 @@ def gluon_w4a16(x: torch.Tensor, w: GluonWeight, cfg: GluonConfig = GluonConfig(
     else:
         part, cnt = out, out
     _w4a16_kernel[(grid_n, split)](
-        x, w.wq, w.sq, w.gs, out, part, cnt, m, w.n, k, w.nr, w.chunks, cps,
-        NW=cfg.num_warps, KC=cfg.kc, NT=nt, SPLIT=split, EVEN=even, PREFETCH=cfg.prefetch, ASM=cfg.asm, FMT=w.fmt,
+        x.view(torch.int32), w.wq, w.sq, w.gs, out, part, cnt, m, w.n, k, w.nr, w.chunks, cps,
+        NW=cfg.num_warps, KC=cfg.kc, NT=nt, SPLIT=split, EVEN=even, PF=int(cfg.prefetch), ASM=cfg.asm, FMT=w.fmt,
         num_warps=cfg.num_warps)
     return out
 
