@@ -8,6 +8,7 @@ of :func:`verl_quads.bench.timing.graph_time_s`. Every Gluon config is checked a
 |x| @ |w|.T per element); max |err| / max |ref| is printed.
 
     python -m verl_quads.bench.gluon_probe [--shapes 8192x8192,4096x4096] [--ms 1,2,4,8,16] [--configs all|quick]
+    python -m verl_quads.bench.gluon_probe --sass   # offline sm_90 compile, K-loop SASS counts (no GPU)
 """
 
 from __future__ import annotations
@@ -124,12 +125,62 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all") -> str
     return out + "\n" + "\n".join(summary)
 
 
+def sass_counts(variants=None) -> str:
+    """Offline sm_90 compile (no GPU) of kernel variants ``(num_warps, kc, nt, split, even, pf, asm, fmt)``: SASS
+    instructions in the K loop per weight element per thread, registers, the loop's most frequent opcodes."""
+    import collections
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    from verl_quads.bench.sass import sass_and_loop
+    from verl_quads.nvfp4 import gluon_gemm as gg
+
+    variants = variants or [(4, 2, 1, 8, 1, 1, 1, 2), (4, 2, 1, 8, 1, 0, 1, 2), (4, 2, 1, 8, 1, 2, 1, 2),
+                            (4, 4, 1, 8, 1, 1, 1, 2), (4, 2, 2, 8, 1, 1, 1, 2), (4, 2, 1, 8, 1, 1, 1, 1),
+                            (4, 2, 1, 8, 1, 1, 0, 1), (4, 2, 1, 8, 0, 1, 1, 2)]
+    sig = {"x_ptr": "*i32", "w_ptr": "*i32", "s_ptr": "*u8", "gs_ptr": "*fp32", "out_ptr": "*bf16",
+           "part_ptr": "*fp32", "cnt_ptr": "*i32", "M": "i32", "N": "i32", "K": "i32", "NR": "i32", "C": "i32",
+           "CPS": "i32", "NW": "constexpr", "KC": "constexpr", "NT": "constexpr", "SPLIT": "constexpr",
+           "EVEN": "constexpr", "PF": "constexpr", "ASM": "constexpr", "FMT": "constexpr"}
+    names = list(sig)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(names)
+             if sig[nm][0] == "*" or nm in ("N", "K", "C", "CPS")}
+    lines = []
+    for v in variants:
+        ce = dict(zip(("NW", "KC", "NT", "SPLIT", "EVEN", "PF", "ASM", "FMT"), v))
+        src = GluonASTSource(fn=gg._w4a16_kernel, signature=sig,
+                             constexprs={(names.index(k),): val for k, val in ce.items()}, attrs=attrs)
+        kern = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": ce["NW"], "num_stages": 1})
+        _, loop = sass_and_loop(kern)
+        tool = f"{triton.__path__[0]}/backends/nvidia/bin/cuobjdump"
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(kern.asm["cubin"])
+            f.flush()
+            res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        regs = res.split("REG:")[1].split()[0] if "REG:" in res else "?"
+        ops = collections.Counter(t.split()[1] if t.startswith("@") else t.split()[0] for t in loop)
+        per = len(loop) / (ce["KC"] * 32)
+        lines.append(f"{ce}: K loop {len(loop)} SASS = {per:.2f} per weight element per thread, {regs} registers; "
+                     f"{dict(ops.most_common(8))}")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="8192x8192,4096x4096", help="NxK list")
     ap.add_argument("--ms", default="1,2,4,8,16")
     ap.add_argument("--configs", default="all", choices=["all", "quick"])
+    ap.add_argument("--sass", action="store_true", help="offline sm_90 compile (no GPU): K-loop SASS counts")
     a = ap.parse_args(argv)
+    if a.sass:
+        sass_counts()
+        return
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     run(shapes, [int(v) for v in a.ms.split(",")], a.configs)
 

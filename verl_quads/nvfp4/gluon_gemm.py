@@ -49,6 +49,9 @@ try:  # triton >= 3.6 with Gluon; the torch layout functions below work without 
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+    # CTA barrier: gl.thread_barrier in triton 3.6 (the H200's), gl.barrier in later versions (offline compiles)
+    _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 except Exception:  # pragma: no cover - old triton / no triton
     gluon = None
 
@@ -410,7 +413,7 @@ if gluon is not None:
             gl.store(out_ptr + xr * N + rows, y.to(gl.bfloat16), mask=om)
         else:
             gl.store(part_ptr + (pid_k * M + xr) * N + rows, y, mask=om)
-            gl.thread_barrier()  # every thread's partial stores precede the release below
+            _cta_barrier()  # every thread's partial stores precede the release below
             done = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if done == SPLIT - 1:  # the last K range of this tile: sum the partials in the fixed order
                 z = gl.load(part_ptr + xr * N + rows, mask=om, other=0.0, cache_modifier=".cg")
