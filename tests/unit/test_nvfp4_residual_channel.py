@@ -352,7 +352,7 @@ def test_triton_channel_kernel_edge_cases_and_ulp_apart_scores():
 @_needs_interp
 @pytest.mark.parametrize("bits, cap, tr, wt, rowb", [(10, 64, 1, False, 1), (2, 16, 2, False, 1), (10, 64, 2, False, 1),
                                                     (11, 256, 2, True, 1), (2, 16, 2, False, 3), (12, 256, 3, True, 3),
-                                                    (13, 256, 3, True, 2)])
+                                                    (13, 256, 3, True, 2), (12, 256, 2, True, -3)])
 def test_triton_channel_compacted_search_matches_reference(bits, cap, tr, wt, rowb):
     """The compacted threshold search (``CHANNEL_CONFIG`` compact_*: ``bits`` full-row steps, then the candidates in a
     ``cap``-entry tile, ``tr`` bits per tile step; forced here at K >= 16) gives the reference's bytes. (10, 64): the
@@ -364,20 +364,23 @@ def test_triton_channel_compacted_search_matches_reference(bits, cap, tr, wt, ro
     (``_row_digits``; (2, 16, rowb 3): the digits in the full-row continuation, 2 bits left over one at a time;
     (13, 256, 2 bits): one bit left over after the digits); tr = 3: three bits per warp-tile step (the last one
     1 bit: 31 - 12 = 6 * 3 + 1; ulp-apart ties, the hand ties, an early stop, ratios 0 / 1 (NSEL = 0: every digit
-    count reaches it), K = 512 / 1024 rows whose all-zero row takes the continuation)."""
+    count reaches it), K = 512 / 1024 rows whose all-zero row takes the continuation). rowb -3: 3-bit full-row steps
+    with the tile as int64 words (compact_pack64)."""
     from verl_quads.nvfp4 import triton_channel as tc
 
     with tc.channel_config(compact_max_rows=1 << 30, compact_min_k=16, compact_bits=bits, compact_cap=cap,
-                           compact_tile_bits=tr, compact_warp_tile=wt, compact_row_bits=rowb):
+                           compact_tile_bits=tr, compact_warp_tile=wt, compact_row_bits=abs(rowb),
+                           compact_pack64=rowb < 0):
+        rowb = abs(rowb)
         if wt:
             xh = _HAND_X.repeat(1, 8).to(_DEV)  # [1, 256]: 16 scores .25, 48 .0625, 16 .015625, the rest 0
-            assert tc._compact_args(1, 256, 16) == (bits, 256, tr, True, rowb)
+            assert tc._compact_args(1, 256, 16) == (bits, 256, tr, True, rowb, tc.CHANNEL_CONFIG["compact_pack64"])
             t = _same_channel_result(xh, 24 / 256, nv.per_row_global_scale(xh))  # 16 of .25 + the first 8 of .0625
             assert t.channel_idx[0, :9].tolist() == [1, 2, 3, 5, 17, 18, 19, 21, 33]
             x = _rows(3, 256, torch.bfloat16, seed=3)
             _same_channel_result(x, 0.25, nv.per_row_global_scale(x))
             _same_channel_result(x, 0.5, nv.global_scale_from_amax(x.float().abs().amax()))
-            if tr == 3:
+            if tr == 3 or tc.CHANNEL_CONFIG["compact_pack64"]:
                 for ratio in (0.0, 3 / 256, 1.0):
                     _same_channel_result(xh, ratio, nv.per_row_global_scale(xh))
                 _same_channel_result(x, 0.125, nv.per_row_global_scale(x))
@@ -419,18 +422,18 @@ def test_triton_channel_compact_dispatch():
     bit counts are refused, naming the key."""
     from verl_quads.nvfp4 import triton_channel as tc
 
-    assert tc._compact_args(16, 8192, 512) == (12, 256, 2, True, 1) == tc._compact_args(256, 2048, 128)
+    assert tc._compact_args(16, 8192, 512) == (12, 256, 2, True, 1, False) == tc._compact_args(256, 2048, 128)
     assert tc._compact_args(257, 8192, 512) is None and tc._compact_args(16, 1536, 128) is None
     # 8 warps for a compacted launch at K = 8192 (measured), the elems_per_thread warps elsewhere
     assert tc._launch_warps(16, 8192, 512) == 8 and tc._launch_warps(257, 8192, 512) == 16
     assert tc._launch_warps(16, 2048, 128) == 4 and tc._launch_warps(16, 16384, 1024) == 16
     with tc.channel_config(compact_max_rows=64, compact_min_k=1024, compact_bits=10, compact_cap=1000,
                            compact_tile_bits=1, compact_warp_tile=False):
-        assert tc._compact_args(64, 8192, 512) == (10, 1024, 1, False, 1)
+        assert tc._compact_args(64, 8192, 512) == (10, 1024, 1, False, 1, False)
         assert tc._compact_args(65, 8192, 512) is None and tc._compact_args(16, 768, 64) is None
     with tc.channel_config(compact_max_rows=64, compact_min_k=16, compact_cap=4096, compact_tile_bits=2,
                            compact_warp_tile=False, compact_bits=10):
-        assert tc._compact_args(2, 48, 4) == (10, 64, 2, False, 1)  # 4 padded blocks: 64 channels
+        assert tc._compact_args(2, 48, 4) == (10, 64, 2, False, 1, False)  # 4 padded blocks: 64 channels
     with tc.channel_config(compact_bits=31):
         with pytest.raises(ValueError, match=r"CHANNEL_CONFIG\['compact_bits'\] must be in \[1, 30\], got 31"):
             tc._compact_args(1, 8192, 512)
@@ -442,10 +445,20 @@ def test_triton_channel_compact_dispatch():
         with pytest.raises(ValueError, match=r"CHANNEL_CONFIG\['compact_tile_bits'\] must be 1 or 2 \(2 or 3"):
             tc._compact_args(1, 8192, 512)
     with tc.channel_config(compact_tile_bits=3, compact_row_bits=3):
-        assert tc._compact_args(4, 4096, 256) == (12, 256, 3, True, 3)
+        assert tc._compact_args(4, 4096, 256) == (12, 256, 3, True, 3, False)
     with tc.channel_config(compact_row_bits=4):
         with pytest.raises(ValueError, match=r"CHANNEL_CONFIG\['compact_row_bits'\] must be 1, 2 or 3, got 4"):
             tc._compact_args(1, 8192, 512)
+    # more rows than compact_many_rows (the SMs): the compact_many_* overrides (warps, register cap, row bits)
+    with tc.channel_config(**tc.CHANNEL_VARIANTS["many rb3 w4"]):
+        assert tc._launch_warps(133, 4096, 256) == 4 and tc._launch_warps(132, 4096, 256) == 8
+        assert tc._launch_warps(256, 8192, 512) == 8 and tc._launch_warps(257, 4096, 256) == 8  # 257: full-row
+        assert tc._compact_args(133, 4096, 256)[4] == 3 and tc._compact_args(132, 4096, 256)[4] == 1
+    with tc.channel_config(**tc.CHANNEL_VARIANTS["many cap128"]):
+        assert tc._maxnreg(False, 8, compact=True, m=133, nbp=256) == 128 == tc._maxnreg(True, 8, True, 256, 512)
+        assert tc._maxnreg(False, 8, compact=True, m=132, nbp=256) is None
+        assert tc._maxnreg(False, 8, compact=True, m=200, nbp=128) is None  # no entry for NBP 128
+    assert tc._launch_warps(200, 4096, 256) == 8 and tc._maxnreg(False, 8, True, 200, 256) is None  # off by default
     with tc.channel_config(compact_max_rows=0):
         assert tc._compact_args(1, 8192, 512) is None
     with tc.channel_config(compact_min_k=16):
@@ -541,7 +554,8 @@ sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16",
        "scale1_ptr": "*u8", "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
        "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr", "STOP": "constexpr", "scr_ptr": "*i32",
-       "COMPACT": "constexpr", "CAP": "constexpr", "TR": "constexpr", "WT": "constexpr", "ROWB": "constexpr"}
+       "COMPACT": "constexpr", "CAP": "constexpr", "TR": "constexpr", "WT": "constexpr", "ROWB": "constexpr",
+       "PK": "constexpr"}
 # the last fields: (COMPACT bits, CAP) of the compacted search (0, 1: the full-row search; 8 bits: with 2 tile bits per
 # step, TR = 2; 11 bits: the warp tile, WT; 13 bits: the warp tile with 3-bit tile steps and 3-bit full-row steps)
 for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in (
@@ -566,7 +580,7 @@ for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in 
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
         "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "ROW_GS": row_gs, "STOP": stop,
         "COMPACT": comp, "CAP": cap, "TR": 2 if comp in (8, 11) else (3 if comp == 13 else 1),
-        "WT": comp in (11, 13), "ROWB": 3 if comp == 13 else 1}),
+        "WT": comp in (11, 13), "ROWB": 3 if comp == 13 else 1, "PK": comp == 13 and pack}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
     # the compacted search's tile round trip: scratch stores, a barrier, scratch loads

@@ -98,10 +98,16 @@ tl = tk.tl
 #: 16x2048 8.16 -> 7.41, 256x8192 22.9 -> 21.7, 1x8192 9.54 -> 9.33 (packed equal); 11 bits was slower at 256x8192.
 #: 16x8192 phases: 12 full-row bits +2.8 us, compaction +1.8, tile search +2.0 (10 warp steps), tie cut +0.7; the
 #: candidates per row 75 mean / 93 max (the tile holds 256; more -> the full-row continuation).
+#: ``compact_many_rows`` (None = off): compacted launches of more rows than this (the SMs: 132 on the H200) take
+#: ``compact_many_warps`` / ``compact_many_maxnreg`` (by NBP) and ``compact_many_row_bits`` (None: compact_row_bits)
+#: instead -- with more rows than SMs the registers per program decide how many rows an SM holds at once
+#: (session 9, docs/bench_nvfp4_h200_channel_s9.txt).
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
-                  "compact_warp_tile": True, "compact_row_bits": 1}
+                  "compact_warp_tile": True, "compact_row_bits": 1, "compact_pack64": False,
+                  "compact_many_rows": None, "compact_many_warps": {}, "compact_many_maxnreg": {},
+                  "compact_many_row_bits": None}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -120,7 +126,8 @@ CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_
 #: per full-row step (``_row_digits``: all digit counts in one reduction; the candidate count from the tracked count
 #: above the prefix instead of one more full-row reduction); "tb3" = 3 bits per warp-tile step (7 digit counts in
 #: three int32 warp sums); "... w4" = 4 warps at K = 4096; "... b15" = 15 full-row bits (fewer candidates, 16 tile
-#: bits); "rb3 fallback" = "compact fallback" with 3-bit full-row steps (the digits in the continuation; bytes only).
+#: bits); "rb3 fallback" = "compact fallback" with 3-bit full-row steps (the digits in the continuation; bytes only);
+#: "... pk" = the candidate tile as int64 words score << 32 | channel (``compact_pack64``).
 CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnreg": None},
                     "full": {"compact_max_rows": 0}, "compact": {"compact_max_rows": 1 << 30},
                     "compact cta": {"compact_bits": 10, "compact_cap": 1024, "compact_warp_tile": False},
@@ -133,6 +140,13 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     "rb3 tb3": {"compact_row_bits": 3, "compact_tile_bits": 3},
                     "rb2 tb3": {"compact_row_bits": 2, "compact_tile_bits": 3},
                     "rb3 tb3 w4": {"compact_row_bits": 3, "compact_tile_bits": 3, "compact_warps": {512: 8, 256: 4}},
+                    "many w4": {"compact_many_rows": 132, "compact_many_warps": {256: 4}},
+                    "many rb3 w4": {"compact_many_rows": 132, "compact_many_warps": {256: 4}, "compact_many_row_bits": 3},
+                    "many cap128": {"compact_many_rows": 132, "compact_many_maxnreg": {256: 128, 512: 128}},
+                    "many w4 k8": {"compact_many_rows": 132, "compact_many_warps": {256: 4, 512: 4}},
+                    "many w16 cap64": {"compact_many_rows": 132, "compact_many_warps": {256: 4, 512: 16},
+                                       "compact_many_maxnreg": {512: 64}},
+                    "rb3 tb3 pk": {"compact_row_bits": 3, "compact_tile_bits": 3, "compact_pack64": True},
                     "rb3 tb3 b15": {"compact_row_bits": 3, "compact_tile_bits": 3, "compact_bits": 15},
                     "rb3 fallback": {"compact_max_rows": 1 << 30, "compact_min_k": 16, "compact_bits": 2,
                                      "compact_cap": 16, "compact_warp_tile": False, "compact_row_bits": 3}}
@@ -260,10 +274,14 @@ if triton is not None:
         return eq0 & (q0 <= need), eq1 & (q1 <= need)
 
     @triton.jit
-    def _wt_load(scr, j: tl.constexpr, ncand, CAP: tl.constexpr):
+    def _wt_load(scr, j: tl.constexpr, ncand, CAP: tl.constexpr, PK: tl.constexpr = False):
         """Chunk j of the candidate tile as [32] tensors (scores, padding -1; channels): a [32] tensor is one warp's
-        (every warp holds a copy), so its reductions need no barrier."""
+        (every warp holds a copy), so its reductions need no barrier. PK: the tile is int64 words score << 32 |
+        channel (one load per entry)."""
         i = j * 32 + tl.arange(0, 32)
+        if PK:
+            v = tl.load(scr.to(tl.pointer_type(tl.int64)) + i, mask=i < ncand, other=-4294967296)  # -1 << 32
+            return (v >> 32).to(tl.int32), v.to(tl.int32)
         return tl.load(scr + i, mask=i < ncand, other=-1), tl.load(scr + CAP + i, mask=i < ncand, other=0)
 
     @triton.jit
@@ -289,20 +307,20 @@ if triton is not None:
 
     @triton.jit
     def _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP: tl.constexpr, PHASE: tl.constexpr,
-                          TR: tl.constexpr = 2):
+                          TR: tl.constexpr = 2, PK: tl.constexpr = False):
         """``_compact_threshold``'s tile steps (TR = 2: two bits per step by three packed counts; TR = 3: three bits
         per step, the 7 digit counts by ``_wt_therm`` nibble fields widened to 10-bit fields of three int32 sums), then
         the tie cut, over a 256-entry tile held by EVERY warp as eight [32] chunks: each warp counts the whole tile
         itself (redundant, barrier-free warp reductions) instead of one CTA-wide reduction per step. Returns (th,
         cnt, k, cstar)."""
-        t0, h0 = _wt_load(scr, 0, ncand, CAP)
-        t1, h1 = _wt_load(scr, 1, ncand, CAP)
-        t2, h2 = _wt_load(scr, 2, ncand, CAP)
-        t3, h3 = _wt_load(scr, 3, ncand, CAP)
-        t4, h4 = _wt_load(scr, 4, ncand, CAP)
-        t5, h5 = _wt_load(scr, 5, ncand, CAP)
-        t6, h6 = _wt_load(scr, 6, ncand, CAP)
-        t7, h7 = _wt_load(scr, 7, ncand, CAP)
+        t0, h0 = _wt_load(scr, 0, ncand, CAP, PK)
+        t1, h1 = _wt_load(scr, 1, ncand, CAP, PK)
+        t2, h2 = _wt_load(scr, 2, ncand, CAP, PK)
+        t3, h3 = _wt_load(scr, 3, ncand, CAP, PK)
+        t4, h4 = _wt_load(scr, 4, ncand, CAP, PK)
+        t5, h5 = _wt_load(scr, 5, ncand, CAP, PK)
+        t6, h6 = _wt_load(scr, 6, ncand, CAP, PK)
+        t7, h7 = _wt_load(scr, 7, ncand, CAP, PK)
         cstar = th * 0 + 0x7FFFFFFF
         if PHASE == 2:
             hm = tl.maximum(tl.maximum(tl.maximum(h0, h1), tl.maximum(h2, h3)),
@@ -391,7 +409,7 @@ if triton is not None:
     @triton.jit
     def _compact_threshold(e0, e1, c, NSEL, NVALID, scr, NBP: tl.constexpr, J: tl.constexpr, CAP: tl.constexpr,
                            TR: tl.constexpr = 1, PHASE: tl.constexpr = 0, WT: tl.constexpr = False,
-                           ROWB: tl.constexpr = 1):
+                           ROWB: tl.constexpr = 1, PK: tl.constexpr = False):
         """Threshold of the row's NSEL highest scores and its tie cut: returns (th, cstar) int32 scalars such that
         the selection is ``e > th | (e == th & channel <= cstar)`` -- the NSEL highest scores, ties to the lower
         channels (the reference's stable descending sort), the same set as ``_bits_threshold`` + ``_half_ranks``.
@@ -411,7 +429,8 @@ if triton is not None:
         WT (CAP = 256): steps 2-3 by ``_warp_tile_search`` (every warp holds the whole tile; TR = 2 or 3 bits per
         step). ROWB > 1: the full-row steps take ROWB bits each (``_row_digits``; the bits left over one at a time),
         and the candidate count is #(e >= th) minus the tracked count above the prefix's range (``ab``), not one more
-        full-row reduction.
+        full-row reduction. PK (WT only): the tile as int64 words score << 32 | channel (half the scratch stores and
+        tile loads).
         PHASE (the kernel's STOP 4 / 5 timing probes; 0 = all): 1 returns after step 1's full-row bits, 2 after the
         tile is stored and read back (cstar = the tile's largest channel, to keep the load); not a selection."""
         th = tl.full((), 0, tl.int32)
@@ -433,14 +452,19 @@ if triton is not None:
             ch1 = ch0 + 8
             if (ncand <= CAP) & ((TR == 1) | (ncand < 1024)):  # TR 2: a count must fit 10 bits (TR 3: WT, 256)
                 p0, p1 = _half_ranks(f0, f1)
-                tl.store(scr + p0 - 1, e0, mask=f0 != 0)
-                tl.store(scr + p1 - 1, e1, mask=f1 != 0)
-                tl.store(scr + CAP + p0 - 1, ch0, mask=f0 != 0)
-                tl.store(scr + CAP + p1 - 1, ch1, mask=f1 != 0)
+                if PK & WT:  # one int64 word per candidate: score << 32 | channel
+                    s64 = scr.to(tl.pointer_type(tl.int64))
+                    tl.store(s64 + p0 - 1, (e0.to(tl.int64) << 32) | ch0.to(tl.int64), mask=f0 != 0)
+                    tl.store(s64 + p1 - 1, (e1.to(tl.int64) << 32) | ch1.to(tl.int64), mask=f1 != 0)
+                else:
+                    tl.store(scr + p0 - 1, e0, mask=f0 != 0)
+                    tl.store(scr + p1 - 1, e1, mask=f1 != 0)
+                    tl.store(scr + CAP + p0 - 1, ch0, mask=f0 != 0)
+                    tl.store(scr + CAP + p1 - 1, ch1, mask=f1 != 0)
                 tl.debug_barrier()  # the row's stores are visible to the whole program
                 above = cnt - ncand
                 if WT:  # the tile in every warp (CAP = 256): barrier-free counts
-                    th, cnt, k, cstar = _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP, PHASE, TR)
+                    th, cnt, k, cstar = _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP, PHASE, TR, PK)
                 else:
                     i = tl.arange(0, CAP)
                     tv = tl.load(scr + i, mask=i < ncand, other=-1)
@@ -490,6 +514,7 @@ if triton is not None:
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
         ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0, scr_ptr=None, COMPACT: tl.constexpr = 0,
         CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False, ROWB: tl.constexpr = 1,
+        PK: tl.constexpr = False,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -510,7 +535,7 @@ if triton is not None:
         pass, the J full-row bits, 5 = + the candidate tile stored and read back (``_compact_threshold`` PHASE).
         COMPACT = J > 0: the selection by ``_compact_threshold`` (J full-row bits, then a [CAP] candidate tile in
         scr_ptr: int32 [M, 2 * CAP] scratch, row r's at r * 2 * CAP; TR: bits per tile step, 1 or 2 (3 with WT);
-        WT: the tile in every warp, CAP = 256; ROWB: bits per full-row step, 1 .. 3); 0:
+        WT: the tile in every warp, CAP = 256; ROWB: bits per full-row step, 1 .. 3; PK: int64 tile words); 0:
         ``_bits_threshold`` + ``_row_ties``."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
@@ -547,7 +572,7 @@ if triton is not None:
         e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
         if COMPACT > 0:
             th, cstar = _compact_threshold(e0, e1, c, NSEL, NB * 16, scr_ptr + row * (2 * CAP), NBP, COMPACT, CAP,
-                                           TR, 1 if STOP == 4 else (2 if STOP == 5 else 0), WT, ROWB)
+                                           TR, 1 if STOP == 4 else (2 if STOP == 5 else 0), WT, ROWB, PK)
             ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
             if (STOP == 2) | (STOP == 4) | (STOP == 5):
                 _store_halves(out_ptr, b, tl.where((e0 >= th) | (ch0 <= cstar), v0, 0.0),
@@ -617,10 +642,20 @@ def channel_config(**overrides):
         CHANNEL_CONFIG.update(old)
 
 
-def _maxnreg(packed: bool, num_warps: int, compact: bool = False) -> int | None:
-    """The register cap of a launch (``CHANNEL_CONFIG``): compact_maxnreg for the compacted search, else
-    qdq_maxnreg, or pack_maxnreg from pack_maxnreg_min_warps warps on; None = uncapped."""
-    if compact:
+def _many(m: int) -> bool:
+    """A compacted-search launch of ``m`` rows takes the ``compact_many_*`` overrides (more rows than
+    ``compact_many_rows``, e.g. the SMs: then more than one row per SM must be in flight)."""
+    r = CHANNEL_CONFIG["compact_many_rows"]
+    return r is not None and m > int(r)
+
+
+def _maxnreg(packed: bool, num_warps: int, compact: bool = False, m: int = 1, nbp: int = 0) -> int | None:
+    """The register cap of a launch (``CHANNEL_CONFIG``): compact_maxnreg for the compacted search (its
+    ``compact_many_maxnreg[nbp]`` for a launch of more than compact_many_rows rows ``m``), else qdq_maxnreg, or
+    pack_maxnreg from pack_maxnreg_min_warps warps on; None = uncapped."""
+    if compact and _many(m) and nbp in CHANNEL_CONFIG["compact_many_maxnreg"]:
+        cap = CHANNEL_CONFIG["compact_many_maxnreg"][nbp]
+    elif compact:
         cap = CHANNEL_CONFIG["compact_maxnreg"]
     elif not packed:
         cap = CHANNEL_CONFIG["qdq_maxnreg"]
@@ -635,10 +670,13 @@ def _warps(nbp: int) -> int:
 
 
 def _launch_warps(m: int, k: int, nbp: int) -> int:
-    """Warps of a launch of ``m`` rows of ``k`` channels: ``compact_warps[nbp]`` for a compacted-search launch that
-    has an entry, else ``_warps``."""
-    if _compact_args(m, k, nbp) is not None and nbp in CHANNEL_CONFIG["compact_warps"]:
-        return int(CHANNEL_CONFIG["compact_warps"][nbp])
+    """Warps of a launch of ``m`` rows of ``k`` channels: for a compacted-search launch ``compact_many_warps[nbp]``
+    (more than compact_many_rows rows) or ``compact_warps[nbp]`` where they have an entry, else ``_warps``."""
+    if _compact_args(m, k, nbp) is not None:
+        if _many(m) and nbp in CHANNEL_CONFIG["compact_many_warps"]:
+            return int(CHANNEL_CONFIG["compact_many_warps"][nbp])
+        if nbp in CHANNEL_CONFIG["compact_warps"]:
+            return int(CHANNEL_CONFIG["compact_warps"][nbp])
     return _warps(nbp)
 
 
@@ -652,10 +690,10 @@ def _check_row(k: int) -> int:
     return nbp
 
 
-def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int, int, bool, int] | None:
-    """(COMPACT bits J, CAP, TR tile bits per step, WT warp tile, ROWB full-row bits per step) of the compacted search
-    for a launch of ``m`` rows of ``k`` channels (``CHANNEL_CONFIG`` compact_*), or None for the full-row search. J in
-    [1, 30]; CAP a power of two <= the padded row; TR 3 only with WT; ROWB in 1 .. 3."""
+def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int, int, bool, int, bool] | None:
+    """(COMPACT bits J, CAP, TR tile bits per step, WT warp tile, ROWB full-row bits per step, PK int64 tile words) of
+    the compacted search for a launch of ``m`` rows of ``k`` channels (``CHANNEL_CONFIG`` compact_*), or None for the
+    full-row search. J in [1, 30]; CAP a power of two <= the padded row; TR 3 and PK only with WT; ROWB in 1 .. 3."""
     c = CHANNEL_CONFIG
     if m > c["compact_max_rows"] or k < c["compact_min_k"]:
         return None
@@ -666,14 +704,15 @@ def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int, int, bool, int] |
     if c["compact_tile_bits"] not in ((1, 2) if not wt else (2, 3)):
         raise ValueError(f"CHANNEL_CONFIG['compact_tile_bits'] must be 1 or 2 (2 or 3 with compact_warp_tile), got "
                          f"{c['compact_tile_bits']!r}")
-    if c["compact_row_bits"] not in (1, 2, 3):
-        raise ValueError(f"CHANNEL_CONFIG['compact_row_bits'] must be 1, 2 or 3, got {c['compact_row_bits']!r}")
+    rowb = c["compact_many_row_bits"] if _many(m) and c["compact_many_row_bits"] is not None else c["compact_row_bits"]
+    if rowb not in (1, 2, 3):
+        raise ValueError(f"CHANNEL_CONFIG['compact_row_bits'] must be 1, 2 or 3, got {rowb!r}")
     cap = int(min(tk._pow2(max(1, int(c["compact_cap"]))), nbp * BLOCK_SIZE))
     if wt and int(c["compact_cap"]) != 256:
         raise ValueError(f"CHANNEL_CONFIG['compact_warp_tile'] needs compact_cap = 256, got {c['compact_cap']!r}")
     if wt and cap != 256:  # a row shorter than the warp tile: the full-row search (same bytes)
         return None
-    return bits, cap, int(c["compact_tile_bits"]), wt, int(c["compact_row_bits"])
+    return bits, cap, int(c["compact_tile_bits"]), wt, int(rowb), wt and bool(c["compact_pack64"])
 
 
 def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_finite: bool, packed: bool,
@@ -708,8 +747,8 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
                 enable_fp_fusion=False, **({"STOP": int(stop)} if stop else {}))
     comp = _compact_args(m, k, nbp)
     if comp is not None:
-        bits, cap, tr, warp_tile, rowb = comp
-        meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile, ROWB=rowb,
+        bits, cap, tr, warp_tile, rowb, pk = comp
+        meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile, ROWB=rowb, PK=pk,
                     scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
@@ -717,7 +756,7 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
         amax_rows = torch.empty(m, dtype=torch.float32, device=dev)
         kern[(m,)](xc, g1, wt, xc, xc, xc, xc, xc, xc, amax_rows, PACK=False, OUT=0, GS2=2, **meta)
         gs2_mode, gs2_arg = 1, global_scale_from_amax(amax_rows.amax())
-    cap = _maxnreg(packed, meta["num_warps"], compact=comp is not None)
+    cap = _maxnreg(packed, meta["num_warps"], compact=comp is not None, m=m, nbp=nbp)
     if cap is not None and xc.is_cuda:  # the interpreter has no registers
         meta["maxnreg"] = cap
     if not packed:
