@@ -146,6 +146,7 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     "many w4 k8": {"compact_many_rows": 132, "compact_many_warps": {256: 4, 512: 4}},
                     "many w16 cap64": {"compact_many_rows": 132, "compact_many_warps": {256: 4, 512: 16},
                                        "compact_many_maxnreg": {512: 64}},
+                    "pk": {"compact_pack64": True},
                     "rb3 tb3 pk": {"compact_row_bits": 3, "compact_tile_bits": 3, "compact_pack64": True},
                     "rb3 tb3 b15": {"compact_row_bits": 3, "compact_tile_bits": 3, "compact_bits": 15},
                     "rb3 fallback": {"compact_max_rows": 1 << 30, "compact_min_k": 16, "compact_bits": 2,
