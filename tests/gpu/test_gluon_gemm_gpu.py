@@ -19,6 +19,7 @@ if gg.gluon is None:
     pytest.skip("triton.experimental.gluon not available", allow_module_level=True)
 
 CFGS = [G(4, 2, 0, 4), G(8, 4, 0, 2), G(4, 2, 1, 4), G(2, 1, 3, 4, prefetch=0), G(4, 2, 0, 4, asm=False), G(4, 2, 0, 4, prefetch=2)]
+QUICK = [CFGS[0], CFGS[3], CFGS[5]]  # odd shapes: permuted layout (the standard layout's tests below cover more)
 
 
 def _x(m, k, seed=0):
@@ -59,17 +60,25 @@ def _case(m, n, k, cfg, seed=0, fmt=1):
 
 
 @pytest.mark.parametrize("fmt", [1, 2])
-@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("m", [1, 4, 16])
 @pytest.mark.parametrize("n, k", [(8192, 8192), (4096, 4096)])
 def test_dense_decode(m, n, k, fmt):
     _case(m, n, k, CFGS[0], fmt=fmt)
 
 
-@pytest.mark.parametrize("cfg", CFGS, ids=lambda c: c.label)
-@pytest.mark.parametrize("m, n, k", [(3, 4096, 4096), (16, 8192, 8192), (5, 1000, 2064), (11, 4104, 1040),
-                                     (1, 24, 16)])
+@pytest.mark.parametrize("cfg", QUICK, ids=lambda c: c.label)
+@pytest.mark.parametrize("m, n, k", [(3, 4096, 4096), (5, 1000, 2064), (11, 4104, 1040), (1, 24, 16)])
 def test_configs_and_odd_shapes(cfg, m, n, k):
     _case(m, n, k, cfg, seed=m, fmt=2 if cfg.asm and m % 2 else 1)
+
+
+def _one_hot_columns():
+    """16 columns of a K = 1024 weight: blocks with every scale residue mod 7 of the one-hot tests (0: zero scale,
+    1 / 2: E4M3 subnormals 2**-9 / 7 * 2**-9, others: the quantizer's), at varied positions in the 64 / 128 chunks."""
+    blocks = torch.tensor([0, 1, 2, 3, 4, 5, 6, 8, 9, 15, 16, 22, 23, 29, 36, 43])
+    ks = blocks * 16 + (torch.arange(16) * 5 + 3) % 16
+    assert {int(b) % 7 for b in blocks} >= {0, 1, 2} and len({int(c) % 64 for c in ks}) == 16
+    return ks.to(DEV)
 
 
 @pytest.mark.parametrize("cfg, fmt", [(CFGS[0], 1), (CFGS[1], 1), (CFGS[4], 1), (CFGS[0], 2), (CFGS[1], 2)],
@@ -88,7 +97,7 @@ def test_one_hot_exact(cfg, fmt):
     scale = scale.view(torch.float8_e4m3fn)
     gs = q.global_scale.reshape(())
     w = gg.permute_weight(packed, scale, gs, fmt=fmt)
-    ks = (torch.arange(0, 16, device=DEV) * 37 + 5) % k
+    ks = _one_hot_columns()
     x = torch.zeros(16, k, dtype=torch.bfloat16, device=DEV)
     x[torch.arange(16, device=DEV), ks] = 3.0
     y = gg.gluon_w4a16(x, w, cfg)
@@ -96,7 +105,7 @@ def test_one_hot_exact(cfg, fmt):
     want = ((wq[:, ks] * 3.0).t() * torch.reciprocal(gs.float())).to(torch.bfloat16)
     assert torch.equal(y, want), f"{cfg.label}: {int((y != want).sum())} outputs differ"
     assert bool((wq[:, ks] != 0).any()) and bool((wq[:, ks] < 0).any())
-    assert bool(((wq[:, ks].abs() > 0) & (wq[:, ks].abs() < 2.0**-8)).any())  # subnormal-scale products present
+    assert bool(((wq[:, ks].abs() > 0) & (wq[:, ks].abs() < 2.0**-8)).any())  # E4M3-subnormal scale 2**-9 products
 
 
 def test_split_fixup_deterministic_and_graph():
@@ -123,3 +132,91 @@ def test_split_fixup_deterministic_and_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, gg.gluon_w4a16(x2, w, cfg))
+
+
+# --------------------------------------------------------------------------- standard layout (gluon_w4a16_std)
+
+STD_CFGS = [G(4, 1, 0, 4), G(4, 1, 0, 4, prefetch=0), G(4, 1, 0, 4, prefetch=2), G(8, 2, 0, 2), G(4, 1, 1, 4)]
+
+
+def _std_case(m, n, k, cfg, seed=0, bias=False):
+    q = em.quantize_weight(_w((n, k), seed=seed + 1))
+    gs = q.global_scale.reshape(())
+    x = _x(m, k, seed)
+    b = (_w((n,), seed=seed + 7) * 10).to(torch.bfloat16) if bias else None
+    xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
+    wf = em.weight_f32(q.packed, q.block_scale, gs)
+    ref = em.gemm(xf, wf, b, x.dtype)
+    y = gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, b, cfg)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    _check(y, ref, xf, wf, f"std {cfg.label} M={m} N={n} K={k}{' bias' if bias else ''}")
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
+@pytest.mark.parametrize("n, k", [(8192, 8192), (4096, 4096)])
+def test_std_dense_decode(m, n, k):
+    _std_case(m, n, k, STD_CFGS[0], seed=m)
+
+
+@pytest.mark.parametrize("cfg", STD_CFGS, ids=lambda c: c.label)
+@pytest.mark.parametrize("m, n, k, bias", [(3, 4096, 4096, True), (16, 8192, 8192, False), (5, 1000, 2176, True),
+                                           (11, 4104, 1152, False), (1, 24, 128, True), (9, 2048, 768, True)])
+def test_std_configs_and_odd_shapes(cfg, m, n, k, bias):
+    _std_case(m, n, k, cfg, seed=m, bias=bias)
+
+
+@pytest.mark.parametrize("cfg", STD_CFGS[:3], ids=lambda c: c.label)
+def test_std_one_hot_exact(cfg):
+    """Standard layout, one-hot rows: each output is bf16(E2M1 * block_scale * fl(1 / gs) * 3) bit for bit (codes
+    0/1, -0, zero and E4M3-subnormal scales, 16 columns at different positions of the 128-element chunk)."""
+    n, k = 256, 1024
+    q = em.quantize_weight(_w((n, k)))
+    packed = torch.arange(256, dtype=torch.uint8, device=DEV).repeat(n, k // 2 // 256).roll(1, 1).contiguous()
+    scale = q.block_scale.view(torch.uint8).clone()
+    scale[:, ::7] = 0
+    scale[:, 1::7] = 1
+    scale[:, 2::7] = 7
+    scale = scale.view(torch.float8_e4m3fn)
+    gs = q.global_scale.reshape(())
+    ks = _one_hot_columns()
+    x = torch.zeros(16, k, dtype=torch.bfloat16, device=DEV)
+    x[torch.arange(16, device=DEV), ks] = 3.0
+    y = gg.gluon_w4a16_std(x, packed, scale, gs, None, cfg)
+    wq = gg.reference_weight(packed, scale)
+    want = ((wq[:, ks] * 3.0).t() * torch.reciprocal(gs.float())).to(torch.bfloat16)
+    assert torch.equal(y, want), f"{cfg.label}: {int((y != want).sum())} outputs differ"
+    assert bool(((wq[:, ks].abs() > 0) & (wq[:, ks].abs() < 2.0**-8)).any())
+
+
+def test_std_rejects_unsupported():
+    q = em.quantize_weight(_w((256, 1040)))
+    gs = q.global_scale.reshape(())
+    with pytest.raises(ValueError):  # K % 128 != 0
+        gg.gluon_w4a16_std(_x(2, 1040), q.packed, q.block_scale, gs)
+    q = em.quantize_weight(_w((256, 1024)))
+    with pytest.raises(ValueError):  # float32 activation
+        gg.gluon_w4a16_std(_x(2, 1024).float(), q.packed, q.block_scale, q.global_scale.reshape(()))
+    with pytest.raises(ValueError):  # M > 16
+        gg.gluon_w4a16_std(_x(17, 1024), q.packed, q.block_scale, q.global_scale.reshape(()))
+
+
+def test_std_split_deterministic_and_graph():
+    n, k = 8192, 8192
+    q = em.quantize_weight(_w((n, k)))
+    gs = q.global_scale.reshape(())
+    x = _x(4, k)
+    cfg = G(4, 1, 0, 8)
+    assert gg.std_plan(n, k, cfg)[1] > 1
+    ref = gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, None, cfg)
+    bad = sum(not torch.equal(gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, None, cfg), ref) for _ in range(100))
+    assert bad == 0, f"{bad} of 100 runs differ"
+    xs = torch.zeros_like(x)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gg.gluon_w4a16_std(xs, q.packed, q.block_scale, gs, None, cfg)
+    for seed in (5, 6):
+        x2 = _x(4, k, seed)
+        xs.copy_(x2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, gg.gluon_w4a16_std(x2, q.packed, q.block_scale, gs, None, cfg))

@@ -126,3 +126,19 @@ def test_plan_covers_all_chunks():
         assert grid_n * cfg.num_warps >= w.nr and (grid_n - 1) * cfg.num_warps < w.nr
         assert cps % cfg.kc == 0 and split * cps >= w.chunks and (split - 1) * cps < w.chunks
         assert even == (w.chunks % cps == 0 and w.k == 64 * w.chunks)
+
+
+def test_dispatch_never_picks_gluon_on_cpu_or_interpreter():
+    """GLUON_TABLE (dense bf16 w4a16, M <= 16, sm_90 only): on CPU / under the interpreter the default dispatch
+    does not choose it; an explicit GluonConfig there raises (no silent fallback)."""
+    from verl_quads.nvfp4 import triton_gemm as tg
+
+    assert tg.GLUON_TABLE and all(isinstance(c, gg.GluonConfig) for c in tg.GLUON_TABLE.values())
+    assert all(b <= 16 for b, _, _ in tg.GLUON_TABLE)
+    packed, scale, gs = _weight(4096, 4096)
+    x = torch.randn(4, 4096).to(torch.bfloat16)
+    assert tg.gluon_dense_config(x, packed) is None  # CPU tensor
+    assert not gg.std_supported(x, packed)
+    act, _ = tg.quantize_activation(x[:, :128], "w4a16")
+    with pytest.raises((ValueError, RuntimeError)):
+        tg.nvfp4_gemm(act, packed[:16, :64], scale[:16, :8], gs, config=gg.GluonConfig())

@@ -22,14 +22,16 @@ L2_FLUSH_BYTES = 256 * 2**20
 
 
 def _configs(which: str):
+    """(kind, config, weight format) triples: ``std`` = the standard-layout kernel (gluon_w4a16_std, the one the
+    dispatch uses), ``perm`` = the permuted-layout prototype (format 2; format 1 once, for comparison)."""
     from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
 
-    """(config, weight format) pairs: format 2 (spread bits, fewer decode ops) for every config, format 1 for
-    the first two (the comparison)."""
-    quick = [G(4, 2, 0, 4), G(4, 4, 0, 4), G(8, 2, 0, 2)]
-    more = [G(4, 2, 0, 8), G(4, 2, 0, 4, prefetch=2), G(4, 2, 0, 2), G(4, 2, 0, 4, prefetch=0), G(4, 2, 1, 4)]
-    cfgs = quick if which == "quick" else quick + more
-    return [(c, 2) for c in cfgs] + [(c, 1) for c in cfgs[:2]]
+    std = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=0), G(4, 1, 0, 2, prefetch=2), G(4, 1, 0, 4), G(4, 2, 0, 2),
+           G(8, 1, 0, 2)]
+    perm = [(G(4, 2, 0, 2, prefetch=2), 2), (G(4, 2, 0, 2), 1), (G(4, 2, 0, 2), 2), (G(4, 4, 0, 4), 2)]
+    if which == "quick":
+        return [("std", c, 0) for c in std[:4]] + [("perm", c, f) for c, f in perm[:2]]
+    return [("std", c, 0) for c in std] + [("perm", c, f) for c, f in perm]
 
 
 def _err(y, ref, bound):
@@ -77,7 +79,7 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all") -> str
         wps = [wp] + [wp.clone() for _ in range(copies - 1)]
         wscs = [wsc] + [wsc.clone() for _ in range(copies - 1)]
         gws = {f: [gg.permute_weight(wps[i], wscs[i], wgs, fmt=f) for i in range(copies)]
-               for f in sorted({f for _, f in cfgs})}
+               for f in sorted({f for kind, _, f in cfgs if kind == "perm"})}
         wbs = [wbf] + [wbf.clone() for _ in range(bcopies - 1)]
         for m in ms:
             tag = f"N={n} K={k} M={m}"
@@ -88,24 +90,44 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all") -> str
             bound = 4 * k * torch.finfo(torch.float32).eps * (xr.abs() @ wf.abs().t())
             t_cub = _time_rot(lambda i: x @ wbs[i].t(), bcopies)
             rows.append([tag, "cuBLAS bf16 torch.matmul", "-", t_cub * 1e6, 1.0, "-"])
-            y = tg.nvfp4_linear(x, wp, wsc, wgs, None, "w4a16")
-            rel, ok = _err(y, ref, bound)
-            t_def = _time_rot(lambda i: tg.nvfp4_linear(x, wps[i], wscs[i], wgs, None, "w4a16"), copies)
-            rows.append([tag, "default dispatch (nvfp4_linear w4a16)", "ok" if ok else "WRONG", t_def * 1e6,
-                         t_cub / t_def, f"{rel:.2e}"])
+            saved = dict(tg.GLUON_TABLE)
+            for label_d, table in (("default dispatch without GLUON_TABLE", {}), ("default dispatch", saved)):
+                tg.GLUON_TABLE.clear()
+                tg.GLUON_TABLE.update(table)
+                try:
+                    y = tg.nvfp4_linear(x, wp, wsc, wgs, None, "w4a16")
+                    rel, ok = _err(y, ref, bound)
+                    t_def = _time_rot(lambda i: tg.nvfp4_linear(x, wps[i], wscs[i], wgs, None, "w4a16"), copies)
+                finally:
+                    tg.GLUON_TABLE.clear()
+                    tg.GLUON_TABLE.update(saved)
+                gcfg = tg.gluon_dense_config(x, wp) if table else None
+                rows.append([tag, f"{label_d} (nvfp4_linear w4a16{', gluon ' + gcfg.label if gcfg else ''})",
+                             "ok" if ok else "WRONG", t_def * 1e6, t_cub / t_def, f"{rel:.2e}"])
             best = None
-            for cfg, fmt in cfgs:
-                gw = gws[fmt]
-                label = f"{cfg.label} f{fmt}"
+            for kind, cfg, fmt in cfgs:
+                if kind == "std":
+                    label = f"std {cfg.label}"
+
+                    def call(i, cfg=cfg):
+                        return gg.gluon_w4a16_std(x, wps[i], wscs[i], wgs, None, cfg)
+
+                    gn, split, cps, even = gg.std_plan(n, k, cfg, gg._num_sms(x.device))
+                else:
+                    gw = gws[fmt]
+                    label = f"perm {cfg.label} f{fmt}"
+
+                    def call(i, cfg=cfg, gw=gw):
+                        return gg.gluon_w4a16(x, gw[i], cfg)
+
+                    gn, split, cps, even = gg.plan(gw[0], cfg, gg._num_sms(x.device))
                 try:
                     t0 = time.time()
-                    y = gg.gluon_w4a16(x, gw[0], cfg)
-                    rel, ok = _err(y, ref, bound)
-                    t = _time_rot(lambda i: gg.gluon_w4a16(x, gw[i], cfg), copies)
+                    rel, ok = _err(call(0), ref, bound)
+                    t = _time_rot(call, copies)
                 except Exception as ex:  # reported, skipped
                     print(f"  {tag} gluon {label}: failed {type(ex).__name__}: {str(ex)[:300]}", flush=True)
                     continue
-                gn, split, cps, even = gg.plan(gw[0], cfg, gg._num_sms(x.device))
                 rows.append([tag, f"gluon {label} (grid {gn}x{split}, {cps} chunks{' even' if even else ''})",
                              "ok" if ok else "WRONG", t * 1e6, t_cub / t, f"{rel:.2e}"])
                 print(f"  {tag} gluon {label}: {t * 1e6:.1f} us ({'ok' if ok else 'WRONG'}, rel {rel:.1e}, "

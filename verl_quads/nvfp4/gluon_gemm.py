@@ -400,16 +400,63 @@ if gluon is not None:
                                                   EVEN)
             acc = _chunk_mma(acc, wd, s0, s1, xv, DA, DB, NW, KC, NT, ASM, FMT)
 
-        # epilogue: acc [BN rows of W, NT*8 activation rows] -> out[n, row]
+        _epilogue(acc, gs_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, False)
+
+
+    @gluon.jit
+    def _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c, c_hi, EVEN: gl.constexpr):
+        """Standard layout: weight words ``[NW, 2, 8, 4, KC, 2, 2]`` (rows g / g + 8, 16 contiguous bytes per
+        thread, row and 128-element chunk), scale bytes ``[NW, 2, 8, 4, KC, 2]`` and activation bf16
+        ``[NT, 8, 4, KC, 32]`` of the KC chunks from chunk ``c``. Not EVEN: chunks >= c_hi read zeros."""
+        if EVEN:
+            wd = gl.load(w_ptr + woff + c * 16)
+            sc = gl.load(s_ptr + soff + c * 8)
+            xv = gl.load(x_ptr + xoff + c * 128)
+        else:
+            wd = gl.load(w_ptr + woff + c * 16, mask=c + kcw < c_hi, other=0)
+            sc = gl.load(s_ptr + soff + c * 8, mask=c + kcs < c_hi, other=0)
+            xv = gl.load(x_ptr + xoff + c * 128, mask=c + kcx < c_hi, other=0.0)
+        return wd, sc, xv
+
+    @gluon.jit
+    def _std_chunk_mma(acc, wd, sc, xv, DA: gl.constexpr, DB: gl.constexpr, NW: gl.constexpr, KC: gl.constexpr,
+                       NT: gl.constexpr):
+        """Standard layout: word i = 2 ib + il of a thread's 16 bytes of row g (or g + 8) holds elements
+        ``32 t + 8 i + [0, 8)``; its pair P (nibbles P, P + 4: the format-1 decode) feeds MMA k-step ``2 i + P // 2``,
+        slots ``8 (P % 2) + 2 t + e`` (e = 0: element 8 i + P, e = 1: element 8 i + P + 4); scale block ``2 t + ib``.
+        The activation operand takes the same k order (its registers pair columns j and j + 4: byte permutes)."""
+        m = gl.expand_dims((sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622896e35)
+                           .to(gl.bfloat16), 6)  # scale * 2**118 (exact), broadcast over il
+        wd2 = gl.join(wd, wd)
+        m2 = gl.join(m, m)
+        q0 = gl.join(_pair_asm(wd2, m2, 0, 1), _pair_asm(wd2, m2, 1, 1))  # [.., e, kb3] (sh 0)
+        q1 = gl.join(_pair_asm(wd2, m2, 2, 1), _pair_asm(wd2, m2, 3, 1))  # sh 1
+        a = gl.join(q0, q1)  # [NW, rb3, g, t, KC, ib, il, e, kb3, sh]
+        a = gl.reshape(gl.permute(a, (0, 1, 2, 4, 5, 6, 9, 8, 3, 7)), (NW * 16, KC * 128))
+        a = gl.convert_layout(a, DA, assert_trivial=True)
+        b = gl.reshape(xv, (NT, 8, 4, KC, 2, 2, 2, 2, 2))  # [nt, g, t, kc, ib, il, e, sh, kb3]
+        b = gl.reshape(gl.permute(b, (3, 4, 5, 7, 8, 2, 6, 0, 1)), (KC * 128, NT * 8))
+        b = gl.convert_layout(b, DB, assert_trivial=True)
+        return mma_v2(a, b, acc)
+
+    @gluon.jit
+    def _epilogue(acc, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k,
+                  MMA: gl.constexpr, BN: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
+                  HAS_BIAS: gl.constexpr):
+        """acc [BN weight rows, 8 NT activation rows] times ``256 / gs`` (+ bias) -> out[row, n] in bf16; SPLIT > 1:
+        float32 partials, the last program of the N tile sums them in the fixed order 0, 1, ... (+ bias)."""
         LR: gl.constexpr = gl.SliceLayout(1, MMA)
         LC: gl.constexpr = gl.SliceLayout(0, MMA)
         gw = gl.load(gs_ptr + gl.arange(0, BN, layout=LR) * 0)
         post = gl.div_rn(gl.full([BN], 1.0, gl.float32, LR), gw) * 256.0
         y = acc * gl.expand_dims(post, 1)
-        rows = gl.expand_dims(pid_n * BN + gl.arange(0, BN, layout=LR), 1)
+        cols = pid_n * BN + gl.arange(0, BN, layout=LR)
+        rows = gl.expand_dims(cols, 1)
         xr = gl.expand_dims(gl.arange(0, NT * 8, layout=LC), 0)
         om = (rows < N) & (xr < M)
         if SPLIT == 1:
+            if HAS_BIAS:
+                y += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 1)
             gl.store(out_ptr + xr * N + rows, y.to(gl.bfloat16), mask=om)
         else:
             gl.store(part_ptr + (pid_k * M + xr) * N + rows, y, mask=om)
@@ -419,8 +466,77 @@ if gluon is not None:
                 z = gl.load(part_ptr + xr * N + rows, mask=om, other=0.0, cache_modifier=".cg")
                 for sk in range(1, SPLIT):
                     z += gl.load(part_ptr + (sk * M + xr) * N + rows, mask=om, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    z += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 1)
                 gl.store(out_ptr + xr * N + rows, z.to(gl.bfloat16), mask=om)
                 gl.store(cnt_ptr + pid_n, 0)  # ready for the next launch (stream order)
+
+    @gluon.jit
+    def _w4a16_std_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+                          M, N, K, KW, KB, C, CPS,
+                          NW: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
+                          EVEN: gl.constexpr, PF: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """The STANDARD NVFP4 layout (``w_ptr``: the packed codes as int32 ``[N, K/8]`` = KW words per row,
+        ``s_ptr``: e4m3 bytes ``[N, K/16]`` = KB per row; K % 128 == 0, C = K / 128 chunks): warp w owns rows
+        ``16 (pid_n NW + w) + [0, 16)``, thread (g, t) loads 16 bytes of rows g and g + 8 per chunk (elements
+        ``32 t + [0, 32)``); the K order inside a chunk is permuted identically on both MMA operands
+        (:func:`_std_chunk_mma`). Grid, split-K, EVEN, PF as :func:`_w4a16_kernel`."""
+        L6: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, 4], [1, 1, 8, 4, 1, 1], [NW, 1, 1, 1, 1, 1],
+                                            [5, 4, 3, 2, 1, 0])  # words: 4 contiguous per thread (16-byte loads)
+        L7: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, 2, 2], [1, 1, 8, 4, 1, 1, 1], [NW, 1, 1, 1, 1, 1, 1],
+                                            [6, 5, 4, 3, 2, 1, 0])  # the same words as (ib, il)
+        LS: gl.constexpr = gl.SliceLayout(6, L7)
+        LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 32], [1, 8, 4, 1, 1], [1, 1, 1, 1, NW], [4, 3, 2, 1, 0])
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        BN: gl.constexpr = NW * 16
+
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        c_lo = pid_k * CPS
+        c_hi = gl.minimum(c_lo + CPS, C)
+
+        # rows past N read row N - 1 (not stored)
+        roww = gl.minimum(pid_n * BN + _iota(NW, 0, 6, L6) * 16 + _iota(2, 1, 6, L6) * 8 + _iota(8, 2, 6, L6), N - 1)
+        kcw = _iota(KC, 4, 6, L6)
+        woff = roww * KW + kcw * 16 + _iota(4, 3, 6, L6) * 4 + _iota(4, 5, 6, L6)
+        rows_s = gl.minimum(pid_n * BN + _iota(NW, 0, 6, LS) * 16 + _iota(2, 1, 6, LS) * 8 + _iota(8, 2, 6, LS),
+                            N - 1)
+        kcs = _iota(KC, 4, 6, LS)
+        soff = rows_s * KB + kcs * 8 + _iota(4, 3, 6, LS) * 2 + _iota(2, 5, 6, LS)
+        xn = gl.minimum(_iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX), M - 1)
+        kcx = _iota(KC, 3, 5, LX)
+        xoff = xn * K + kcx * 128 + _iota(4, 2, 5, LX) * 32 + _iota(32, 4, 5, LX)
+
+        acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
+        c_last = c_hi - KC
+        if PF >= 1:
+            wd1, sc1, xv1 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, EVEN)
+        if PF >= 2:
+            c2 = c_lo + KC
+            if EVEN:
+                c2 = gl.minimum(c2, c_last)
+            wd2, sc2, xv2 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c2, c_hi, EVEN)
+        for c0 in range(c_lo, c_hi, KC):
+            if PF == 0:
+                wd, sc, xv = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c0, c_hi, EVEN)
+            elif PF == 1:
+                wd, sc, xv = wd1, sc1, xv1
+                cn = c0 + KC
+                if EVEN:
+                    cn = gl.minimum(cn, c_last)
+                wd1, sc1, xv1 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, cn, c_hi, EVEN)
+            else:
+                wd, sc, xv = wd1, sc1, xv1
+                wd1, sc1, xv1 = wd2, sc2, xv2
+                cn = c0 + 2 * KC
+                if EVEN:
+                    cn = gl.minimum(cn, c_last)
+                wd2, sc2, xv2 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, cn, c_hi, EVEN)
+            wd = gl.convert_layout(gl.reshape(wd, (NW, 2, 8, 4, KC, 2, 2)), L7, assert_trivial=True)
+            acc = _std_chunk_mma(acc, wd, sc, xv, DA, DB, NW, KC, NT)
+        _epilogue(acc, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, HAS_BIAS)
 
 
 # ----------------------------------------------------------------------------------------------- host
@@ -460,8 +576,13 @@ def _num_sms(dev: torch.device) -> int:
 
 def plan(w: GluonWeight, cfg: GluonConfig, sms: int = 132) -> tuple[int, int, int, bool]:
     """(grid_n, split, chunks per split, even) of a launch."""
-    grid_n = -(-w.nr // cfg.num_warps)
-    c = w.chunks
+    grid_n, split, cps, even = _plan(w.nr, w.chunks, cfg, sms)
+    return grid_n, split, cps, even and w.k == w.chunks * CHUNK
+
+
+def _plan(nr: int, c: int, cfg: GluonConfig, sms: int) -> tuple[int, int, int, bool]:
+    """(grid_n, split, chunks per split, every split full) for ``nr`` row groups and ``c`` chunks."""
+    grid_n = -(-nr // cfg.num_warps)
     if cfg.split:
         split = cfg.split
     else:  # >= occ programs per SM, preferring a split that divides the iterations evenly (no K masks)
@@ -472,8 +593,7 @@ def plan(w: GluonWeight, cfg: GluonConfig, sms: int = 132) -> tuple[int, int, in
     cps = -(-c // split)
     cps = -(-cps // cfg.kc) * cfg.kc
     split = -(-c // cps)
-    even = c % cps == 0 and w.k == c * CHUNK
-    return grid_n, split, cps, even
+    return grid_n, split, cps, c % cps == 0
 
 
 def gluon_w4a16(x: torch.Tensor, w: GluonWeight, cfg: GluonConfig = GluonConfig()) -> torch.Tensor:
@@ -505,5 +625,62 @@ def gluon_w4a16(x: torch.Tensor, w: GluonWeight, cfg: GluonConfig = GluonConfig(
     return out
 
 
+STD_CHUNK = 128  # K elements per chunk of the standard-layout kernel
+
+
+def std_supported(x: torch.Tensor, w_packed: torch.Tensor) -> bool:
+    """Whether :func:`gluon_w4a16_std` takes this dense GEMM: Gluon importable, bf16 activation of 1..16 rows on a
+    CUDA device of compute capability 8.0+ (mma.sync), not under the Triton interpreter, K % 128 == 0."""
+    import os
+
+    return (gluon is not None and os.environ.get("TRITON_INTERPRET") != "1" and x.is_cuda
+            and x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.shape[0] <= 16 and w_packed.dim() == 2
+            and x.shape[1] % STD_CHUNK == 0 and torch.cuda.get_device_capability(x.device)[0] >= 8)
+
+
+def std_plan(n: int, k: int, cfg: GluonConfig, sms: int = 132) -> tuple[int, int, int, bool]:
+    """(grid_n, split, chunks per split, even) of a standard-layout launch for an ``[n, k]`` weight."""
+    return _plan(-(-n // ROWS), k // STD_CHUNK, cfg, sms)
+
+
+def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
+                    bias: torch.Tensor | None = None, cfg: GluonConfig = GluonConfig(kc=1)) -> torch.Tensor:
+    """``x`` bf16 ``[M, K]`` (M <= 16, K % 128 == 0) times the NVFP4 weight in the STANDARD layout (``w_packed``
+    uint8 ``[N, K/2]``, ``w_scale`` e4m3 ``[N, K/16]``, ``w_gs`` float32 one element), plus ``bias`` ``[N]``:
+    bf16 ``[M, N]``. Raises if Gluon / the shape is not supported (no fallback here)."""
+    if gluon is None:
+        raise RuntimeError("gluon_w4a16_std needs triton >= 3.6 (triton.experimental.gluon)")
+    m, k = x.shape
+    n = w_packed.shape[0]
+    if not std_supported(x, w_packed) or tuple(w_packed.shape) != (n, k // 2) or tuple(w_scale.shape) != (
+            n, k // BLOCK_SIZE) or w_gs.numel() != 1 or w_packed.dtype != torch.uint8:
+        raise ValueError(f"gluon_w4a16_std: needs bf16 x [1..16, K % 128 == 0] on CUDA (no interpreter) and a "
+                         f"[N, K/2] uint8 weight; got x {x.dtype} {tuple(x.shape)}, w {tuple(w_packed.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"gluon_w4a16_std: bias must be [{n}], got {tuple(bias.shape)}")
+    x = x.contiguous()
+    nt = 1 if m <= 8 else 2
+    grid_n, split, cps, even = std_plan(n, k, cfg, _num_sms(x.device))
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
+    if split > 1:
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        key = str(x.device)
+        cnt = _COUNTERS.get(key)
+        if cnt is None or cnt.numel() < grid_n:
+            if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("gluon_w4a16_std: first use of a larger grid inside CUDA-graph capture")
+            cnt = torch.zeros(max(grid_n, 4096), dtype=torch.int32, device=x.device)
+            _COUNTERS[key] = cnt
+    else:
+        part, cnt = out, out
+    gs = w_gs.reshape(1)
+    _w4a16_std_kernel[(grid_n, split)](
+        x, w_packed.view(torch.int32), w_scale.view(torch.uint8), gs, bias if bias is not None else gs, out, part,
+        cnt, m, n, k, k // 8, k // BLOCK_SIZE, k // STD_CHUNK, cps,
+        NW=cfg.num_warps, KC=cfg.kc, NT=nt, SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
+        HAS_BIAS=bias is not None, num_warps=cfg.num_warps)
+    return out
+
+
 __all__ = ["GluonWeight", "GluonConfig", "permute_weight", "unpermute_weight", "decode_permuted",
-           "reference_weight", "plan", "gluon_w4a16"]
+           "reference_weight", "plan", "gluon_w4a16", "std_supported", "std_plan", "gluon_w4a16_std", "STD_CHUNK"]

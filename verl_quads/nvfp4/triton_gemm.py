@@ -79,6 +79,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
+from verl_quads.nvfp4.gluon_gemm import GluonConfig
 from verl_quads.nvfp4.guidance import GuidanceRecord
 from verl_quads.nvfp4.triton_kernels import check_available, triton
 
@@ -1368,6 +1369,33 @@ def decode_bucket(rows: int) -> int | None:
     return next((b for b in DECODE_BUCKETS if rows <= b), None)
 
 
+#: Dense bf16 W4A16 decode GEMMs on sm_90 taken by the Gluon standard-layout kernel
+#: (:func:`verl_quads.nvfp4.gluon_gemm.gluon_w4a16_std`: mma.sync tiles decoded from the plain packed layout):
+#: ``(bucket, n, k) -> GluonConfig`` for M <= bucket (:data:`DECODE_BUCKETS`), checked before DECODE_TABLE /
+#: MID_TABLE. Provisional entries from the H200 probe of the permuted-layout prototype (session 9 call 2, cold L2,
+#: us, best gluon vs default dispatch): d8192 M=2/4/8/16 17.5/17.8/18.4/21.0 vs 33.6/38.0/38.2/38.3; d4096 M=2/4/8/16
+#: 7.2/7.2/7.6/9.6 vs 13.2/13.3/17.5/17.7 (M=1: on par with the stream kernel, not taken).
+GLUON_TABLE: dict[tuple[int, int, int], GluonConfig] = {
+    (b, n, k): GluonConfig(num_warps=4, kc=1, split=0, occ=2, prefetch=1)
+    for b in (2, 4, 8, 16) for (n, k) in ((8192, 8192), (4096, 4096))
+}
+
+
+def gluon_dense_config(x: torch.Tensor, w_packed: torch.Tensor) -> GluonConfig | None:
+    """The :data:`GLUON_TABLE` entry for a dense w4a16 GEMM of activation ``x`` [M, K] and weight ``w_packed``
+    [N, K/2], or None: only on a CUDA device of compute capability 9.0 (where it was measured), bf16 ``x`` with
+    M <= 16 and K % 128 == 0, not under the Triton interpreter. An entry on such a device with Gluon missing from
+    the installed triton raises (in :func:`~verl_quads.nvfp4.gluon_gemm.gluon_w4a16_std`), no silent fallback."""
+    if _interpreting() or x.device.type != "cuda" or x.dtype != torch.bfloat16 or w_packed.dim() != 2:
+        return None
+    m, k = x.shape
+    bucket = decode_bucket(m)
+    cfg = GLUON_TABLE.get((bucket, w_packed.shape[0], k)) if bucket is not None else None
+    if cfg is None or m > 16 or k % 128 or torch.cuda.get_device_capability(x.device) != (9, 0):
+        return None
+    return cfg
+
+
 def decode_config(rows: int, n: int, k: int, grouped: bool, x_dtype: torch.dtype | None = None) -> StreamConfig | None:
     """The :data:`DECODE_TABLE` entry for a w4a16 GEMM of ``rows`` rows (dense: M; grouped: token-slots),
     or None (use the tensor-core kernel). ``x_dtype`` (the activation dtype, when known): an entry measured with
@@ -1841,7 +1869,9 @@ def nvfp4_gemm(
     (``zero_unrouted=False``: left unset, no zero-fill launch, for callers that never read them).
     ``config``: launch configuration: a :class:`GemmConfig` (default :func:`pick_config`; its block_m
     must equal the routing's) or, for ``w4a16`` operands, a :class:`StreamConfig` (the weight-streaming
-    decode kernel). Default for ``w4a16`` on CUDA: the :data:`DECODE_TABLE` entry of the shape if any.
+    decode kernel) or, dense bf16 only, a :class:`~verl_quads.nvfp4.gluon_gemm.GluonConfig` (the Gluon
+    mma.sync kernel). Default for ``w4a16`` on CUDA: the :data:`GLUON_TABLE` entry (dense, sm_90), else the
+    :data:`DECODE_TABLE` entry of the shape if any.
     """
     m, k = act.shape
     grouped = routing is not None
@@ -1857,7 +1887,16 @@ def nvfp4_gemm(
     else:
         rows_out = m
     if config is None and act.mode == "w4a16" and dev.type == "cuda" and rows_out and n:
-        config = decode_config(s if grouped else m, n, k, grouped, act.values.dtype)
+        if not grouped:
+            config = gluon_dense_config(act.values, w_packed)
+        if config is None:
+            config = decode_config(s if grouped else m, n, k, grouped, act.values.dtype)
+    if isinstance(config, GluonConfig):  # raises where the Gluon kernel cannot run this GEMM (no fallback)
+        if grouped or act.mode != "w4a16":
+            raise ValueError("nvfp4 GEMM: a GluonConfig runs dense w4a16 GEMMs only")
+        from verl_quads.nvfp4.gluon_gemm import gluon_w4a16_std
+
+        return gluon_w4a16_std(act.values, w_packed, w_scale, w_gs, bias, config)
     if isinstance(config, StreamConfig):
         if rows_out == 0 or n == 0:
             return torch.zeros(rows_out, n, dtype=act.dtype, device=dev)
