@@ -142,3 +142,52 @@ def test_dispatch_never_picks_gluon_on_cpu_or_interpreter():
     act, _ = tg.quantize_activation(x[:, :128], "w4a16")
     with pytest.raises((ValueError, RuntimeError)):
         tg.nvfp4_gemm(act, packed[:16, :64], scale[:16, :8], gs, config=gg.GluonConfig())
+
+
+def _nib(w: torch.Tensor, j: int) -> torch.Tensor:
+    return ((w.to(torch.int64) & 0xFFFFFFFF) >> (4 * j)) & 15
+
+
+@pytest.mark.parametrize("wpt", [4, 8])
+@pytest.mark.parametrize("nw, kc, nt", [(1, 1, 1), (2, 2, 2)])
+def test_std_kernel_operand_index_math(wpt, nw, kc, nt):
+    """The standard-layout kernel's operand construction (gluon_gemm._std_chunk_loads / _std_chunk_mma), replayed
+    in torch with the same offsets, joins (stack on a new last dim), permutes and row-major reshapes, with the
+    nibble values as weights and small integers as activations: the MMA operands A [16 NW, KC chunk] and
+    B [KC chunk, 8 NT] of one iteration must multiply to W[rows, cols] @ x[:, cols].T exactly (A and B share one
+    K permutation). A layout mismatch with the MMA fragments is excluded at compile time (assert_trivial)."""
+    ce = 32 * wpt  # chunk elements
+    n, k, c = 16 * nw + 5, ce * kc * 3, 1  # iteration starting at chunk c (of KC chunks)
+    g = torch.Generator().manual_seed(wpt + nw)
+    packed = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8)
+    m = 8 * nt
+    x = torch.randint(-8, 9, (m, k), generator=g).to(torch.bfloat16)
+    kw, ib_n = k // 8, wpt // 2
+    words = packed.view(torch.int32).reshape(-1)
+    ar = torch.arange
+    # weight words [NW, 2, 8, 4, KC, WPT] (woff of the kernel)
+    row = (ar(nw).view(-1, 1, 1, 1, 1, 1) * 16 + ar(2).view(1, -1, 1, 1, 1, 1) * 8 + ar(8).view(1, 1, -1, 1, 1, 1))
+    woff = (row * kw + ar(kc).view(1, 1, 1, 1, -1, 1) * (4 * wpt) + ar(4).view(1, 1, 1, -1, 1, 1) * wpt
+            + ar(wpt).view(1, 1, 1, 1, 1, -1)) + c * (4 * wpt)
+    wd = words[woff].reshape(nw, 2, 8, 4, kc, ib_n, 2)
+    pairs = [torch.stack([_nib(wd, p), _nib(wd, p + 4)], -1).float() for p in range(4)]
+    a = torch.stack([torch.stack([pairs[0], pairs[1]], -1), torch.stack([pairs[2], pairs[3]], -1)], -1)
+    a = a.permute(0, 1, 2, 4, 5, 6, 9, 8, 3, 7).reshape(nw * 16, kc * ce)
+    # activation words [NT, 8, 4, KC, 4 WPT] (xoff of the kernel, int32 view of x)
+    xwords = x.view(torch.int32).reshape(-1)
+    xoff = ((ar(nt).view(-1, 1, 1, 1, 1) * 8 + ar(8).view(1, -1, 1, 1, 1)) * (k // 2)
+            + ar(kc).view(1, 1, 1, -1, 1) * (16 * wpt) + ar(4).view(1, 1, -1, 1, 1) * (4 * wpt)
+            + ar(4 * wpt).view(1, 1, 1, 1, -1)) + c * (16 * wpt)
+    xw = xwords[xoff].reshape(nt, 8, 4, kc, ib_n, 2, 2, 2).permute(0, 1, 2, 3, 4, 5, 7, 6)
+    w0, w1 = xw[..., 0], xw[..., 1]
+    half = lambda w, h: (w.view(torch.int16).view(*w.shape, 2)[..., h]).view(torch.bfloat16).float()  # noqa: E731
+    b = torch.stack([torch.stack([half(w0, 0), half(w1, 0)], -1), torch.stack([half(w0, 1), half(w1, 1)], -1)], -1)
+    b = b.permute(3, 4, 5, 6, 8, 2, 7, 0, 1).reshape(kc * ce, nt * 8)
+    codes = torch.stack([packed & 15, packed >> 4], -1).flatten(-2).float()
+    cols = slice(c * ce, (c + kc) * ce)
+    want = codes[: nw * 16, cols] @ x[:, cols].float().t()
+    assert torch.equal(a @ b, want)
+    # and it is not trivially equal: a wrong pairing of the activation (e swapped) gives another result
+    b_bad = torch.stack([torch.stack([half(w1, 0), half(w0, 0)], -1), torch.stack([half(w1, 1), half(w0, 1)], -1)], -1)
+    b_bad = b_bad.permute(3, 4, 5, 6, 8, 2, 7, 0, 1).reshape(kc * ce, nt * 8)
+    assert not torch.equal(a @ b_bad, want)

@@ -404,26 +404,28 @@ if gluon is not None:
 
 
     @gluon.jit
-    def _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c, c_hi, EVEN: gl.constexpr):
-        """Standard layout: weight words ``[NW, 2, 8, 4, KC, 2, 2]`` (rows g / g + 8, 16 contiguous bytes per
-        thread, row and 128-element chunk), scale bytes ``[NW, 2, 8, 4, KC, 2]`` and activation bf16
-        ``[NT, 8, 4, KC, 32]`` of the KC chunks from chunk ``c``. Not EVEN: chunks >= c_hi read zeros."""
+    def _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c, c_hi, EVEN: gl.constexpr,
+                         WPT: gl.constexpr):
+        """Standard layout: weight words ``[NW, 2, 8, 4, KC, WPT]`` (rows g / g + 8, 4 WPT contiguous bytes per
+        thread, row and 32 WPT-element chunk), scale bytes ``[NW, 2, 8, 4, KC, WPT / 2]`` and activation bf16
+        pairs as int32 ``[NT, 8, 4, KC, 4 WPT]`` of the KC chunks from chunk ``c``. Not EVEN: chunks >= c_hi read zeros."""
         if EVEN:
-            wd = gl.load(w_ptr + woff + c * 16)
-            sc = gl.load(s_ptr + soff + c * 8)
-            xv = gl.load(x_ptr + xoff + c * 128)
+            wd = gl.load(w_ptr + woff + c * (4 * WPT))
+            sc = gl.load(s_ptr + soff + c * (2 * WPT))
+            xv = gl.load(x_ptr + xoff + c * (16 * WPT))
         else:
-            wd = gl.load(w_ptr + woff + c * 16, mask=c + kcw < c_hi, other=0)
-            sc = gl.load(s_ptr + soff + c * 8, mask=c + kcs < c_hi, other=0)
-            xv = gl.load(x_ptr + xoff + c * 128, mask=c + kcx < c_hi, other=0.0)
+            wd = gl.load(w_ptr + woff + c * (4 * WPT), mask=c + kcw < c_hi, other=0)
+            sc = gl.load(s_ptr + soff + c * (2 * WPT), mask=c + kcs < c_hi, other=0)
+            xv = gl.load(x_ptr + xoff + c * (16 * WPT), mask=c + kcx < c_hi, other=0)
         return wd, sc, xv
 
     @gluon.jit
     def _std_chunk_mma(acc, wd, sc, xv, DA: gl.constexpr, DB: gl.constexpr, NW: gl.constexpr, KC: gl.constexpr,
-                       NT: gl.constexpr):
-        """Standard layout: word i = 2 ib + il of a thread's 16 bytes of row g (or g + 8) holds elements
-        ``32 t + 8 i + [0, 8)``; its pair P (nibbles P, P + 4: the format-1 decode) feeds MMA k-step ``2 i + P // 2``,
-        slots ``8 (P % 2) + 2 t + e`` (e = 0: element 8 i + P, e = 1: element 8 i + P + 4); scale block ``2 t + ib``.
+                       NT: gl.constexpr, WPT: gl.constexpr):
+        """Standard layout: word i = 2 ib + il of a thread's 4 WPT bytes of row g (or g + 8) holds elements
+        ``8 WPT t + 8 i + [0, 8)``; its pair P (nibbles P, P + 4: the format-1 decode) feeds MMA k-step ``2 i + P // 2``,
+        slots ``8 (P % 2) + 2 t + e`` (e = 0: element 8 i + P, e = 1: element 8 i + P + 4); scale block
+        ``WPT / 2 t + ib``.
         The activation operand takes the same k order (its registers pair columns j and j + 4: byte permutes)."""
         m = gl.expand_dims((sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622896e35)
                            .to(gl.bfloat16), 6)  # scale * 2**118 (exact), broadcast over il
@@ -432,10 +434,16 @@ if gluon is not None:
         q0 = gl.join(_pair_asm(wd2, m2, 0, 1), _pair_asm(wd2, m2, 1, 1))  # [.., e, kb3] (sh 0)
         q1 = gl.join(_pair_asm(wd2, m2, 2, 1), _pair_asm(wd2, m2, 3, 1))  # sh 1
         a = gl.join(q0, q1)  # [NW, rb3, g, t, KC, ib, il, e, kb3, sh]
-        a = gl.reshape(gl.permute(a, (0, 1, 2, 4, 5, 6, 9, 8, 3, 7)), (NW * 16, KC * 128))
+        a = gl.reshape(gl.permute(a, (0, 1, 2, 4, 5, 6, 9, 8, 3, 7)), (NW * 16, KC * 32 * WPT))
         a = gl.convert_layout(a, DA, assert_trivial=True)
-        b = gl.reshape(xv, (NT, 8, 4, KC, 2, 2, 2, 2, 2))  # [nt, g, t, kc, ib, il, e, sh, kb3]
-        b = gl.reshape(gl.permute(b, (3, 4, 5, 7, 8, 2, 6, 0, 1)), (KC * 128, NT * 8))
+        # activation word a = 8 ib + 4 il + 2 e + sh holds columns (2a, 2a + 1) = (kb3 0, kb3 1) of pair element e
+        xw = gl.permute(gl.reshape(xv, (NT, 8, 4, KC, WPT // 2, 2, 2, 2)), (0, 1, 2, 3, 4, 5, 7, 6))
+        w0, w1 = gl.split(xw)  # e = 0 / 1: [nt, g, t, kc, ib, il, sh]
+        b00, b01, b10, b11 = gl.inline_asm_elementwise(
+            "mov.b32 {$0, $1}, $4; mov.b32 {$2, $3}, $5;", "=h,=h,=h,=h,r,r", [w0, w1],
+            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)  # b{e}{kb3}
+        b = gl.join(gl.join(b00, b10), gl.join(b01, b11))  # [nt, g, t, kc, ib, il, sh, e, kb3]
+        b = gl.reshape(gl.permute(b, (3, 4, 5, 6, 8, 2, 7, 0, 1)), (KC * 32 * WPT, NT * 8))
         b = gl.convert_layout(b, DB, assert_trivial=True)
         return mma_v2(a, b, acc)
 
@@ -475,18 +483,20 @@ if gluon is not None:
     def _w4a16_std_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
                           M, N, K, KW, KB, C, CPS,
                           NW: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
-                          EVEN: gl.constexpr, PF: gl.constexpr, HAS_BIAS: gl.constexpr):
+                          EVEN: gl.constexpr, PF: gl.constexpr, HAS_BIAS: gl.constexpr, WPT: gl.constexpr = 4):
         """The STANDARD NVFP4 layout (``w_ptr``: the packed codes as int32 ``[N, K/8]`` = KW words per row,
-        ``s_ptr``: e4m3 bytes ``[N, K/16]`` = KB per row; K % 128 == 0, C = K / 128 chunks): warp w owns rows
-        ``16 (pid_n NW + w) + [0, 16)``, thread (g, t) loads 16 bytes of rows g and g + 8 per chunk (elements
-        ``32 t + [0, 32)``); the K order inside a chunk is permuted identically on both MMA operands
+        ``s_ptr``: e4m3 bytes ``[N, K/16]`` = KB per row; chunks of 32 WPT elements, K % (32 WPT) == 0, C chunks):
+        warp w owns rows ``16 (pid_n NW + w) + [0, 16)``, thread (g, t) loads 4 WPT bytes of rows g and g + 8 per
+        chunk (elements ``8 WPT t + [0, 8 WPT)``: 16 or 32 bytes); the K order inside a chunk is permuted identically on both MMA operands
         (:func:`_std_chunk_mma`). Grid, split-K, EVEN, PF as :func:`_w4a16_kernel`."""
-        L6: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, 4], [1, 1, 8, 4, 1, 1], [NW, 1, 1, 1, 1, 1],
-                                            [5, 4, 3, 2, 1, 0])  # words: 4 contiguous per thread (16-byte loads)
-        L7: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, 2, 2], [1, 1, 8, 4, 1, 1, 1], [NW, 1, 1, 1, 1, 1, 1],
+        IB: gl.constexpr = WPT // 2  # scale blocks per thread, row and chunk
+        L6: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, WPT], [1, 1, 8, 4, 1, 1], [NW, 1, 1, 1, 1, 1],
+                                            [5, 4, 3, 2, 1, 0])  # words: WPT contiguous per thread (16-byte loads)
+        L7: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, IB, 2], [1, 1, 8, 4, 1, 1, 1], [NW, 1, 1, 1, 1, 1, 1],
                                             [6, 5, 4, 3, 2, 1, 0])  # the same words as (ib, il)
         LS: gl.constexpr = gl.SliceLayout(6, L7)
-        LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 32], [1, 8, 4, 1, 1], [1, 1, 1, 1, NW], [4, 3, 2, 1, 0])
+        LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4 * WPT], [1, 8, 4, 1, 1], [1, 1, 1, 1, NW],
+                                            [4, 3, 2, 1, 0])  # activation bf16 pairs (int32)
         MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
         DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
         DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
@@ -500,42 +510,42 @@ if gluon is not None:
         # rows past N read row N - 1 (not stored)
         roww = gl.minimum(pid_n * BN + _iota(NW, 0, 6, L6) * 16 + _iota(2, 1, 6, L6) * 8 + _iota(8, 2, 6, L6), N - 1)
         kcw = _iota(KC, 4, 6, L6)
-        woff = roww * KW + kcw * 16 + _iota(4, 3, 6, L6) * 4 + _iota(4, 5, 6, L6)
+        woff = roww * KW + kcw * (4 * WPT) + _iota(4, 3, 6, L6) * WPT + _iota(WPT, 5, 6, L6)
         rows_s = gl.minimum(pid_n * BN + _iota(NW, 0, 6, LS) * 16 + _iota(2, 1, 6, LS) * 8 + _iota(8, 2, 6, LS),
                             N - 1)
         kcs = _iota(KC, 4, 6, LS)
-        soff = rows_s * KB + kcs * 8 + _iota(4, 3, 6, LS) * 2 + _iota(2, 5, 6, LS)
+        soff = rows_s * KB + kcs * (2 * WPT) + _iota(4, 3, 6, LS) * IB + _iota(IB, 5, 6, LS)
         xn = gl.minimum(_iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX), M - 1)
         kcx = _iota(KC, 3, 5, LX)
-        xoff = xn * K + kcx * 128 + _iota(4, 2, 5, LX) * 32 + _iota(32, 4, 5, LX)
+        xoff = xn * (K // 2) + kcx * (16 * WPT) + _iota(4, 2, 5, LX) * (4 * WPT) + _iota(4 * WPT, 4, 5, LX)
 
         acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
         c_last = c_hi - KC
         if PF >= 1:
-            wd1, sc1, xv1 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, EVEN)
+            wd1, sc1, xv1 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, EVEN, WPT)
         if PF >= 2:
             c2 = c_lo + KC
             if EVEN:
                 c2 = gl.minimum(c2, c_last)
-            wd2, sc2, xv2 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c2, c_hi, EVEN)
+            wd2, sc2, xv2 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c2, c_hi, EVEN, WPT)
         for c0 in range(c_lo, c_hi, KC):
             if PF == 0:
-                wd, sc, xv = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c0, c_hi, EVEN)
+                wd, sc, xv = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c0, c_hi, EVEN, WPT)
             elif PF == 1:
                 wd, sc, xv = wd1, sc1, xv1
                 cn = c0 + KC
                 if EVEN:
                     cn = gl.minimum(cn, c_last)
-                wd1, sc1, xv1 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, cn, c_hi, EVEN)
+                wd1, sc1, xv1 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, cn, c_hi, EVEN, WPT)
             else:
                 wd, sc, xv = wd1, sc1, xv1
                 wd1, sc1, xv1 = wd2, sc2, xv2
                 cn = c0 + 2 * KC
                 if EVEN:
                     cn = gl.minimum(cn, c_last)
-                wd2, sc2, xv2 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, cn, c_hi, EVEN)
-            wd = gl.convert_layout(gl.reshape(wd, (NW, 2, 8, 4, KC, 2, 2)), L7, assert_trivial=True)
-            acc = _std_chunk_mma(acc, wd, sc, xv, DA, DB, NW, KC, NT)
+                wd2, sc2, xv2 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, cn, c_hi, EVEN, WPT)
+            wd = gl.convert_layout(gl.reshape(wd, (NW, 2, 8, 4, KC, IB, 2)), L7, assert_trivial=True)
+            acc = _std_chunk_mma(acc, wd, sc, xv, DA, DB, NW, KC, NT, WPT)
         _epilogue(acc, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, HAS_BIAS)
 
 
@@ -553,12 +563,13 @@ class GluonConfig:
     split: int = 0
     occ: int = 4
     prefetch: int = 1  # register prefetch depth in iterations (0, 1, 2)
+    wide: bool = False  # standard-layout kernel: 32 bytes per thread and row per chunk (256 elements), else 16
     asm: bool = True  # decode + scale of a register pair as one inline-PTX block (else Triton ops: LLVM re-pairs halves)
 
     @property
     def label(self) -> str:
         return (f"w{self.num_warps} kc{self.kc} s{self.split or 'a'}{self.occ} pf{self.prefetch}"
-                f"{'' if self.asm else ' noasm'}")
+                f"{' wide' if self.wide else ''}{'' if self.asm else ' noasm'}")
 
 
 _COUNTERS: dict = {}
@@ -638,9 +649,13 @@ def std_supported(x: torch.Tensor, w_packed: torch.Tensor) -> bool:
             and x.shape[1] % STD_CHUNK == 0 and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
+def _std_chunk(cfg: GluonConfig) -> int:
+    return 2 * STD_CHUNK if cfg.wide else STD_CHUNK
+
+
 def std_plan(n: int, k: int, cfg: GluonConfig, sms: int = 132) -> tuple[int, int, int, bool]:
     """(grid_n, split, chunks per split, even) of a standard-layout launch for an ``[n, k]`` weight."""
-    return _plan(-(-n // ROWS), k // STD_CHUNK, cfg, sms)
+    return _plan(-(-n // ROWS), k // _std_chunk(cfg), cfg, sms)
 
 
 def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
@@ -658,6 +673,8 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
                          f"[N, K/2] uint8 weight; got x {x.dtype} {tuple(x.shape)}, w {tuple(w_packed.shape)}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"gluon_w4a16_std: bias must be [{n}], got {tuple(bias.shape)}")
+    if k % _std_chunk(cfg):
+        raise ValueError(f"gluon_w4a16_std: K = {k} is not a multiple of the chunk {_std_chunk(cfg)} ({cfg.label})")
     x = x.contiguous()
     nt = 1 if m <= 8 else 2
     grid_n, split, cps, even = std_plan(n, k, cfg, _num_sms(x.device))
@@ -675,10 +692,10 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
         part, cnt = out, out
     gs = w_gs.reshape(1)
     _w4a16_std_kernel[(grid_n, split)](
-        x, w_packed.view(torch.int32), w_scale.view(torch.uint8), gs, bias if bias is not None else gs, out, part,
-        cnt, m, n, k, k // 8, k // BLOCK_SIZE, k // STD_CHUNK, cps,
+        x.view(torch.int32), w_packed.view(torch.int32), w_scale.view(torch.uint8), gs, bias if bias is not None else gs, out, part,
+        cnt, m, n, k, k // 8, k // BLOCK_SIZE, k // _std_chunk(cfg), cps,
         NW=cfg.num_warps, KC=cfg.kc, NT=nt, SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
-        HAS_BIAS=bias is not None, num_warps=cfg.num_warps)
+        HAS_BIAS=bias is not None, WPT=8 if cfg.wide else 4, num_warps=cfg.num_warps)
     return out
 
 
