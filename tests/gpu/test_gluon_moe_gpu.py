@@ -1,0 +1,178 @@
+"""Grouped Gluon W4A16 kernel (verl_quads/nvfp4/gluon_moe.py) on a CUDA GPU (sm_80+, triton >= 3.6 with Gluon).
+
+Qwen3-30B-A3B expert GEMMs (128 experts, top-8 random routing; w13 [128, 1536, 2048], w2 [128, 2048, 768]) at 4 / 16 /
+64 / 256 tokens, routing built as moe_forward builds it (moe_align, grouped_block_m), against the rollout's torch
+reference per active expert with the bound of tests/gpu/test_nvfp4_gemm_gpu.py::test_grouped_experts_real_shapes
+(|y - ref| <= 1 bf16 ulp(ref) + 4 K eps_f32 (|x| @ |w|.T)); odd shapes (N not a multiple of the tile, 3 chunks of K,
+several tiles per expert, slots routed to no local expert, block_m 8 / 16 / 32); each expert's rows bit for bit equal
+to the dense Gluon kernel (gluon_w4a16_std, same split) on the gathered rows; the split-K fixup deterministic over
+many launches and under CUDA-graph replay; the rejections."""
+
+import pytest
+import torch
+
+from verl_quads.nvfp4 import gluon_gemm as gg
+from verl_quads.nvfp4 import gluon_moe as gm
+from verl_quads.nvfp4 import triton_gemm as tg
+from verl_quads.rollout import emulation as em
+
+pytestmark = pytest.mark.gpu
+DEV = "cuda"
+G = gg.GluonConfig
+
+if gg.gluon is None:
+    pytest.skip("triton.experimental.gluon not available", allow_module_level=True)
+
+CFGS = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=0), G(4, 1, 1, 2), G(4, 1, 0, 4), G(8, 1, 0, 2), G(4, 1, 0, 2, wide=True)]
+
+
+def _x(m, k, seed=0):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, k, device=DEV, generator=g)
+    x[:, ::293] *= 30.0
+    return x.to(torch.bfloat16)
+
+
+def _w(shape, seed=1):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, device=DEV, generator=g) * 0.02
+
+
+def _ids(tokens, e, topk, seed=2):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]  # random routing, distinct experts
+
+
+def _check_experts(y, x, q_w, gs, ids, rows_of, what):
+    """Per active expert: the rows of its slots within the reference bound; slots of no local expert are 0."""
+    k = x.shape[1]
+    xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
+    flat = ids.reshape(-1)
+    worst = 0.0
+    for ex in flat[flat >= 0].unique().tolist():
+        slots = (flat == ex).nonzero().squeeze(-1)
+        wf = em.weight_f32(q_w.packed[ex], q_w.block_scale[ex], gs[ex])
+        xr = xf[rows_of(slots)]
+        ref = em.gemm(xr, wf, None, x.dtype).float()
+        ulp = torch.where(ref.abs() > 0, 2.0 ** torch.floor(torch.log2(ref.abs().clamp(min=1e-30))) * 2.0 ** -7,
+                          torch.full_like(ref, 1e-38))
+        bound = ulp + 4 * k * torch.finfo(torch.float32).eps * (xr.abs() @ wf.abs().t())
+        d = (y[slots].float() - ref).abs()
+        worst = max(worst, float((d / ulp).max()))
+        assert bool((d <= bound).all()), f"{what}: expert {ex}: {float((d / ulp).max()):.2f} ulp"
+    dead = (flat < 0).nonzero().squeeze(-1)
+    if dead.numel():
+        assert bool((y[dead] == 0).all()), f"{what}: rows of unrouted slots not zero"
+    print(f"{what}: max |diff| {worst:.2f} bf16 ulp")
+
+
+def _gemm_case(gemm, tokens, cfg, e=128, topk=8, n=None, k=None, block_m=None, dead_frac=0.0, seed=0):
+    n0, k0 = (1536, 2048) if gemm == "w13" else (2048, 768)
+    n, k = n or n0, k or k0
+    q_w = em.quantize_weight(_w((e, n, k), seed=seed + 1), reduce_dims=(1, 2))
+    gs = q_w.global_scale.reshape(-1)
+    ids = _ids(tokens, e, topk, seed + 2)
+    if dead_frac:
+        g = torch.Generator(device=DEV).manual_seed(seed + 3)
+        ids = torch.where(torch.rand(ids.shape, device=DEV, generator=g) < dead_frac, -1, ids)
+    s = tokens * topk
+    if gemm == "w13":
+        x = _x(tokens, k, seed)
+        rows_of = lambda slots: torch.div(slots, topk, rounding_mode="floor")  # noqa: E731
+    else:
+        x = _x(s, k, seed)
+        rows_of = lambda slots: slots  # noqa: E731
+    bm = block_m or tg.grouped_block_m(-(-s // min(e, s)))
+    routing = tg.moe_align(ids, e, bm)
+    a_rows = routing.sorted_tokens if gemm == "w13" else None
+    y = gm.gluon_w4a16_grouped(x, q_w.packed, q_w.block_scale, gs, routing, a_rows=a_rows, out_rows=s, cfg=cfg)
+    assert y.shape == (s, n) and y.dtype == torch.bfloat16
+    _check_experts(y, x, q_w, gs, ids, rows_of, f"{gemm} T={tokens} N={n} K={k} bm={bm} {cfg.label}")
+    return y, x, q_w, gs, ids, routing
+
+
+@pytest.mark.parametrize("tokens", [4, 16, 64, 256])
+@pytest.mark.parametrize("gemm", ["w13", "w2"])
+def test_grouped_real_shapes(gemm, tokens):
+    _gemm_case(gemm, tokens, CFGS[0])
+
+
+@pytest.mark.parametrize("cfg", CFGS[1:], ids=lambda c: c.label)
+@pytest.mark.parametrize("gemm, tokens", [("w13", 16), ("w2", 64), ("w13", 256)])
+def test_grouped_configs(gemm, tokens, cfg):
+    _gemm_case(gemm, tokens, cfg)
+
+
+@pytest.mark.parametrize("cfg", [CFGS[0], CFGS[2], G(4, 1, 3, 2)], ids=lambda c: c.label)
+@pytest.mark.parametrize("n, k, block_m, e, topk, tokens", [
+    (200, 384, 8, 8, 2, 40),  # N % 64 != 0, 3 chunks, ~10 rows per expert in 8-row tiles (2 tiles per expert)
+    (1536, 2048, 16, 16, 4, 37),  # ~9 rows per expert, 16-row tiles (some experts 2 tiles)
+    (2048, 768, 32, 8, 2, 100),  # ~25 rows per expert, 32-row tiles
+    (96, 128, 16, 4, 1, 3),  # one chunk, 1.5 row groups
+])
+def test_grouped_odd_shapes(cfg, n, k, block_m, e, topk, tokens):
+    _gemm_case("w13", tokens, cfg, e=e, topk=topk, n=n, k=k, block_m=block_m, dead_frac=0.2, seed=tokens)
+
+
+@pytest.mark.parametrize("gemm, tokens", [("w13", 16), ("w2", 64)])
+def test_grouped_equals_dense_per_expert(gemm, tokens):
+    """Each expert's rows equal the dense standard-layout kernel on that expert's gathered rows, bit for bit (same
+    config and split: the same loads, decode, MMA and summation order; only the row gather / scatter differ)."""
+    cfg = G(4, 1, 2, 2)
+    y, x, q_w, gs, ids, routing = _gemm_case(gemm, tokens, cfg)
+    flat = ids.reshape(-1)
+    topk = ids.shape[1]
+    for ex in flat.unique().tolist():
+        slots = (flat == ex).nonzero().squeeze(-1)
+        rows = torch.div(slots, topk, rounding_mode="floor") if gemm == "w13" else slots
+        yd = gg.gluon_w4a16_std(x[rows].contiguous(), q_w.packed[ex], q_w.block_scale[ex], gs[ex], None, cfg)
+        assert torch.equal(y[slots], yd), f"expert {ex}"
+
+
+def test_grouped_split_deterministic_and_graph():
+    cfg = G(4, 1, 4, 2)
+    e, n, k, tokens, topk = 128, 1536, 2048, 16, 8
+    q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
+    gs = q_w.global_scale.reshape(-1)
+    ids = _ids(tokens, e, topk)
+    routing = tg.moe_align(ids, e, 16)
+    x = _x(tokens, k)
+    assert gm.grouped_plan(n, k, e, cfg)[1] == 4
+
+    def run(xx):
+        return gm.gluon_w4a16_grouped(xx, q_w.packed, q_w.block_scale, gs, routing, a_rows=routing.sorted_tokens,
+                                      out_rows=tokens * topk, cfg=cfg)
+
+    ref = run(x)
+    bad = sum(not torch.equal(run(x), ref) for _ in range(50))
+    assert bad == 0, f"{bad} of 50 launches differ"
+    xs = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run(xs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run(xs)
+    x2 = _x(tokens, k, seed=5)
+    for xx in (x, x2, x):
+        xs.copy_(xx)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, run(xx))
+
+
+def test_grouped_rejects_unsupported():
+    e, n, k = 4, 64, 1024
+    q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
+    gs = q_w.global_scale.reshape(-1)
+    ids = _ids(3, e, 2)
+    with pytest.raises(ValueError):  # block_m 64
+        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 64))
+    with pytest.raises(ValueError):  # float32 activation
+        gm.gluon_w4a16_grouped(_x(3, k).float(), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16))
+    with pytest.raises(ValueError):  # K % 128 != 0
+        q2 = em.quantize_weight(_w((e, n, 1040)), reduce_dims=(1, 2))
+        gm.gluon_w4a16_grouped(_x(3, 1040), q2.packed, q2.block_scale, q2.global_scale.reshape(-1),
+                               tg.moe_align(ids, e, 16))

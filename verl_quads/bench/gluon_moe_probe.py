@@ -1,0 +1,262 @@
+"""Issue #5 probe: the grouped Gluon W4A16 kernel (:mod:`verl_quads.nvfp4.gluon_moe`) for the MoE expert GEMMs at
+Qwen3-30B-A3B width (128 experts, top-8 random routing; w13 [128, 1536, 2048], w2 [128, 2048, 768]) vs BF16
+``torch._grouped_mm`` and the current default W4A16 dispatch (``triton_gemm.nvfp4_gemm`` with the routing as
+``moe_forward`` builds it), per token count (default 4, 16, 64, 256), and the whole routed-experts layer: the
+default ``triton_gemm.moe_forward`` (w4a16) vs the same layer with the two expert GEMMs on the Gluon kernel vs the
+BF16 layer (``torch._grouped_mm``).
+
+Timing (CUDA graph replays, :func:`verl_quads.bench.timing.graph_time_s`): ``warm`` = one call per replay (the
+active experts' weights stay in L2 between replays when they fit, as in the main bench); ``cold`` = one call per
+weight copy per replay (copies so that >= 256 MB of the kernel's active weight bytes are read per replay; time /
+copies). Every Gluon config is checked per active expert against the torch reference
+(:mod:`verl_quads.rollout.emulation`) with the tests' bound (1 bf16 ulp + 4 K eps_f32 |x| @ |w|.T per element).
+
+    python -m verl_quads.bench.gluon_moe_probe [--tokens 4,16,64,256] [--gemms w13,w2] [--configs quick|all]
+        [--no-layer]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+
+L2_FLUSH_BYTES = 256 * 2**20
+E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+SHAPES = {"w13": (2 * INTER, HIDDEN), "w2": (HIDDEN, INTER)}
+
+
+def _configs(which: str):
+    from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
+
+    quick = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=0), G(4, 1, 0, 4), G(4, 1, 1, 2), G(4, 1, 0, 2, wide=True),
+             G(8, 1, 0, 2)]
+    more = [G(4, 2, 0, 2), G(4, 1, 0, 1), G(4, 1, 0, 8), G(8, 1, 0, 4), G(4, 1, 0, 4, prefetch=0),
+            G(4, 1, 0, 4, wide=True), G(2, 1, 0, 4)]
+    return quick if which == "quick" else quick + more
+
+
+def _time(fn_of_copy, copies: int) -> float:
+    """Seconds per call: one graph replay calls ``fn_of_copy(i)`` for i < copies."""
+    from verl_quads.bench.timing import graph_time_s, median_time_s
+
+    def fn():
+        for i in range(copies):
+            fn_of_copy(i)
+
+    t = graph_time_s(fn)
+    if t is None:
+        t = median_time_s(fn, 3, 10, 3)
+    return t / copies
+
+
+def _check(y, xf, wf_of, slots_of, rows_of, k):
+    """(worst |err| in bf16 ulps, within the bound at every element of every active expert)."""
+    worst, ok = 0.0, True
+    for ex, slots in slots_of.items():
+        wf = wf_of(ex)
+        xr = xf[rows_of(slots)]
+        ref = (xr @ wf.t()).to(torch.bfloat16).float()
+        ulp = torch.where(ref.abs() > 0, 2.0 ** torch.floor(torch.log2(ref.abs().clamp(min=1e-30))) * 2.0 ** -7,
+                          torch.full_like(ref, 1e-38))
+        bound = ulp + 4 * k * torch.finfo(torch.float32).eps * (xr.abs() @ wf.abs().t())
+        d = (y[slots].float() - ref).abs()
+        worst = max(worst, float((d / ulp).max()))
+        ok = ok and bool((d <= bound).all())
+    return worst, ok
+
+
+def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool = True) -> str:
+    from verl_quads.bench.timing import device_name, print_table
+    from verl_quads.nvfp4 import gluon_moe as gm
+    from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.rollout import emulation as em
+
+    dev = "cuda"
+    print(device_name(), flush=True)
+    g = torch.Generator(device=dev).manual_seed(0)
+    rows, summary = [], []
+    routings, xs, ids_of, sw_of = {}, {}, {}, {}
+    for t in tokens:
+        ids_of[t] = torch.rand(t, E, device=dev, generator=g).argsort(-1)[:, :TOP_K]
+        sw_of[t] = torch.softmax(torch.randn(t, TOP_K, device=dev, generator=g), -1)
+        s = t * TOP_K
+        routings[t] = tg.moe_align(ids_of[t], E, tg.grouped_block_m(-(-s // min(E, s))))
+        x = torch.randn(t, HIDDEN, device=dev, generator=g)
+        x[:, ::293] *= 30.0
+        xs[t] = x.to(torch.bfloat16)
+    min_active = min(int(ids_of[t].unique().numel()) for t in tokens)
+    weights = {}
+    for name in gemms + ([n for n in SHAPES if n not in gemms] if layer else []):
+        n, k = SHAPES[name]
+        q = em.quantize_weight(torch.randn(E, n, k, device=dev, generator=g) * 0.02, reduce_dims=(1, 2))
+        per_expert = n * k * 9 // 16
+        copies = max(1, min(8, math.ceil(L2_FLUSH_BYTES / (min_active * per_expert))))
+        wq = [(q.packed.clone(), q.block_scale.clone(), q.global_scale.reshape(-1).clone()) for _ in range(copies)]
+        b0 = em.weight_f32(q.packed, q.block_scale, q.global_scale.reshape(E, 1, 1)).to(torch.bfloat16)
+        bf = [b0.clone().transpose(-2, -1) for _ in range(copies)]  # [E, K, N] views for torch._grouped_mm
+        del b0
+        weights[name] = (q, wq, bf)
+        print(f"{name}: [{E}, {n}, {k}], {copies} weight copies", flush=True)
+    cfgs = _configs(which)
+    for name in gemms:
+        n, k = SHAPES[name]
+        q, wq, bf = weights[name]
+        gs = q.global_scale.reshape(-1)
+        for t in tokens:
+            s = t * TOP_K
+            routing = routings[t]
+            flat = ids_of[t].reshape(-1)
+            active = flat.unique().tolist()
+            abytes = len(active) * n * k * 9 // 16
+            copies = max(1, min(len(wq), math.ceil(L2_FLUSH_BYTES / abytes)))
+            g2 = torch.Generator(device=dev).manual_seed(t)
+            if name == "w13":
+                x = xs[t]
+                a_rows = routing.sorted_tokens
+                rows_of = lambda sl: torch.div(sl, TOP_K, rounding_mode="floor")  # noqa: E731
+            else:
+                x = (torch.randn(s, k, device=dev, generator=g2)).to(torch.bfloat16)
+                a_rows = None
+                rows_of = lambda sl: sl  # noqa: E731
+            xf = x.float()
+            slots_of = {ex: (flat == ex).nonzero().squeeze(-1) for ex in active}
+            wf_of = lambda ex: em.weight_f32(q.packed[ex], q.block_scale[ex], gs[ex])  # noqa: E731
+            tag = f"{name} T={t} (S={s}, {len(active)} experts, bm {routing.block_m})"
+            res = {}
+            # BF16 torch._grouped_mm on the sorted rows (offsets precomputed: free routing metadata)
+            counts = torch.bincount(flat, minlength=E)
+            offs = torch.cumsum(counts, 0).to(torch.int32)
+            order = torch.sort(flat, stable=True).indices
+            xsorted = x[rows_of(order)].contiguous()
+            try:
+                for mode, cp in (("cold", copies), ("warm", 1)):
+                    res[("bf16 torch._grouped_mm", mode)] = _time(
+                        lambda i: torch._grouped_mm(xsorted, bf[i], offs=offs), cp)
+            except Exception as ex:  # pragma: no cover
+                print(f"{tag}: torch._grouped_mm failed ({type(ex).__name__}: {ex})", flush=True)
+            op, _ = tg.quantize_activation(x, "w4a16")
+            y = tg.nvfp4_gemm(op, *wq[0], routing=routing, a_rows=a_rows, out_rows=s)
+            werr, ok = _check(y, xf, wf_of, slots_of, rows_of, k)
+            for mode, cp in (("cold", copies), ("warm", 1)):
+                res[("default dispatch", mode)] = _time(
+                    lambda i: tg.nvfp4_gemm(op, *wq[i], routing=routing, a_rows=a_rows, out_rows=s,
+                                            zero_unrouted=False), cp)
+            res[("default dispatch", "check")] = (werr, ok)
+            for cfg in cfgs:
+                label = f"gluon {cfg.label}"
+                try:
+                    y = gm.gluon_w4a16_grouped(x, *wq[0], routing, a_rows=a_rows, out_rows=s, cfg=cfg)
+                    werr, ok = _check(y, xf, wf_of, slots_of, rows_of, k)
+                    for mode, cp in (("cold", copies), ("warm", 1)):
+                        res[(label, mode)] = _time(
+                            lambda i, cfg=cfg: gm.gluon_w4a16_grouped(x, *wq[i], routing, a_rows=a_rows, out_rows=s,
+                                                                      cfg=cfg, zero_unrouted=False), cp)
+                    res[(label, "check")] = (werr, ok)
+                    plan = gm.grouped_plan(n, k, min(E, s), cfg, torch.cuda.get_device_properties(0).multi_processor_count)
+                    res[(label, "plan")] = f"grid {plan[0]}x{routing.tile_expert.numel()}x{plan[1]}"
+                except Exception as ex:
+                    print(f"{tag} {label}: FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+            base_c = res.get(("bf16 torch._grouped_mm", "cold"), float("nan"))
+            base_w = res.get(("bf16 torch._grouped_mm", "warm"), float("nan"))
+            labels = [lb for lb, md in res if md == "cold"]
+            for lb in labels:
+                chk = res.get((lb, "check"))
+                tc, tw = res[(lb, "cold")], res[(lb, "warm")]
+                rows.append([tag, lb + (f" ({res[(lb, 'plan')]})" if (lb, "plan") in res else ""),
+                             "-" if chk is None else ("ok" if chk[1] else "WRONG"), tc * 1e6, base_c / tc, tw * 1e6,
+                             base_w / tw, abytes / tc / 1e12, "-" if chk is None else f"{chk[0]:.2f}"])
+                print(f"  {tag} {lb}: cold {tc * 1e6:.1f} us ({base_c / tc:.2f}x bf16), warm {tw * 1e6:.1f} us "
+                      f"({base_w / tw:.2f}x){'' if chk is None else ' check ' + ('ok' if chk[1] else 'WRONG')}",
+                      flush=True)
+            good = [lb for lb in labels if lb.startswith("gluon") and res[(lb, "check")][1]]
+            if good:
+                bc = min(good, key=lambda lb: res[(lb, "cold")])
+                bw = min(good, key=lambda lb: res[(lb, "warm")])
+                dc, dw = res[("default dispatch", "cold")], res[("default dispatch", "warm")]
+                summary.append(f"{tag}: default {dc * 1e6:.1f} / {dw * 1e6:.1f} us (cold / warm), best gluon cold "
+                               f"{bc} {res[(bc, 'cold')] * 1e6:.1f} us ({dc / res[(bc, 'cold')]:.2f}x default, "
+                               f"{base_c / res[(bc, 'cold')]:.2f}x bf16), warm {bw} {res[(bw, 'warm')] * 1e6:.1f} us "
+                               f"({dw / res[(bw, 'warm')]:.2f}x default, {base_w / res[(bw, 'warm')]:.2f}x bf16)")
+    out = print_table("Grouped W4A16 expert GEMMs (us; x bf16 = torch._grouped_mm BF16 time / time, same L2 state; "
+                      "TB/s = active NVFP4 weight bytes / cold time; ulp = worst |err| in bf16 ulps)",
+                      ["point", "kernel", "check", "cold us", "x bf16", "warm us", "x bf16 warm", "TB/s", "ulp"], rows)
+    print("\n".join(summary), flush=True)
+    if layer:
+        out += "\n" + _layer(tokens, weights, ids_of, sw_of, xs, routings)
+    return out + "\n" + "\n".join(summary)
+
+
+def _layer(tokens, weights, ids_of, sw_of, xs, routings) -> str:
+    """The whole routed-experts layer, w4a16: default moe_forward vs the same steps with the Gluon GEMMs (config
+    G(4, 1, 0, 2)) vs BF16 (torch._grouped_mm)."""
+    from verl_quads.bench.timing import print_table
+    from verl_quads.nvfp4 import gluon_moe as gm
+    from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
+
+    cfg = G(4, 1, 0, 2)
+    q13, w13, bf13 = weights["w13"]
+    q2, w2, bf2 = weights["w2"]
+    copies = min(len(w13), len(w2))
+    rows = []
+    for t in tokens:
+        x, ids, sw = xs[t], ids_of[t], sw_of[t]
+        s = t * TOP_K
+        flat = ids.reshape(-1)
+        counts = torch.bincount(flat, minlength=E)
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        bm = routings[t].block_m
+
+        def default(i):
+            return tg.moe_forward(x, sw, ids, *w13[i], *w2[i], "w4a16")
+
+        def gluon(i):
+            r = tg.moe_align(ids, E, bm)
+            h = gm.gluon_w4a16_grouped(x, *w13[i], r, a_rows=r.sorted_tokens, out_rows=s, cfg=cfg,
+                                       zero_unrouted=False)
+            a = tg.moe_silu_mul(h, ids)
+            y = gm.gluon_w4a16_grouped(a, *w2[i], r, out_rows=s, cfg=cfg, zero_unrouted=False)
+            return tg.moe_combine(y, sw, ids)
+
+        def bf16(i):
+            order = torch.sort(flat, stable=True).indices
+            tok = torch.div(order, TOP_K, rounding_mode="floor")
+            h = torch._grouped_mm(x[tok], bf13[i], offs=offs)
+            a = torch.nn.functional.silu(h[:, :INTER]) * h[:, INTER:]
+            y = torch._grouped_mm(a, bf2[i], offs=offs)
+            out = torch.zeros(t, HIDDEN, dtype=torch.float32, device=x.device)
+            return out.index_add_(0, tok, y.float() * sw.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
+
+        yd, yg = default(0).float(), gluon(0).float()
+        rel = float((yd - yg).norm() / yd.norm().clamp_min(1e-30))
+        res = {}
+        for lb, fn in (("bf16 layer (torch._grouped_mm)", bf16), ("default moe_forward w4a16", default),
+                       (f"gluon GEMMs layer ({cfg.label})", gluon)):
+            try:
+                res[lb] = (_time(fn, copies), _time(fn, 1))
+            except Exception as ex:  # pragma: no cover
+                print(f"layer T={t} {lb}: FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
+        bc, bw = res.get("bf16 layer (torch._grouped_mm)", (float("nan"),) * 2)
+        for lb, (tc, tw) in res.items():
+            rows.append([f"moe layer T={t}", lb, tc * 1e6, bc / tc, tw * 1e6, bw / tw,
+                         f"{rel:.1e}" if lb.startswith("gluon") else "-"])
+            print(f"  layer T={t} {lb}: cold {tc * 1e6:.1f} us ({bc / tc:.2f}x bf16), warm {tw * 1e6:.1f} us "
+                  f"({bw / tw:.2f}x)", flush=True)
+    return print_table("MoE layer, w4a16 (us; x bf16 = BF16 layer time / time; rel = ||y_gluon - y_default|| / "
+                       "||y_default||)", ["point", "layer", "cold us", "x bf16", "warm us", "x bf16 warm", "rel"], rows)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", default="4,16,64,256")
+    ap.add_argument("--gemms", default="w13,w2")
+    ap.add_argument("--configs", default="quick", choices=["quick", "all"])
+    ap.add_argument("--no-layer", action="store_true")
+    a = ap.parse_args(argv)
+    run([int(v) for v in a.tokens.split(",")], a.gemms.split(","), a.configs, not a.no_layer)
+
+
+if __name__ == "__main__":
+    main()

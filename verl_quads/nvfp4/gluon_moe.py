@@ -1,0 +1,235 @@
+"""Gluon W4A16 kernel for the GROUPED MoE expert GEMMs (issue #5: 4..256 tokens, ~1..16 token-slots per expert), Hopper.
+
+The grouped twin of :func:`verl_quads.nvfp4.gluon_gemm.gluon_w4a16_std` (the dense standard-layout kernel): same
+weight layout (the standard packed NVFP4 ``[E, N, K/2]`` uint8 + e4m3 ``[E, N, K/16]`` + float32 ``[E]``), the same
+per-chunk loads, decode and ``mma.sync m16n8k16`` (weights on the MMA's M side, the tile's activation rows on its N
+side; :func:`~verl_quads.nvfp4.gluon_gemm._std_chunk_loads` / :func:`~verl_quads.nvfp4.gluon_gemm._std_chunk_mma`
+are called as they are), the same numerics (exact products, float32 sums, ``* (256 / gs_e)`` once, one bf16 cast):
+the same bound vs the torch reference as every other kernel.
+
+Routing: the tile table of :func:`verl_quads.nvfp4.triton_gemm.moe_align` (``GroupedRouting``, as the stream and
+tensor-core kernels get it). One launch per GEMM, grid ``(N tiles, M-tiles T_max, split)``: program (n, t, k) reads
+expert ``tile_expert[t]`` (tiles with expert -1, past the last expert's, do nothing) and its sorted rows
+``[tile_row0[t], tile_row1[t])`` (at most ``block_m`` = 8 NT rows: the MMA's N), activation row ``a_rows[r]`` of
+sorted row r (rows past the tile's end read the tile's last row; not stored), output row ``sorted_slots[r]``.
+Split-K (``split`` > 1): float32 partials ``[split, out_rows, N]``; the last program of each (tile, N tile) (per-tile
+counter, acq_rel atomic) sums them in the fixed order 0, 1, ... (deterministic), as the dense kernel.
+
+Needs triton >= 3.6 with Gluon and an sm_80+ GPU; never runs under the Triton interpreter (no fallback here:
+:func:`gluon_w4a16_grouped` raises where it cannot run). tests/gpu/test_gluon_moe_gpu.py checks it;
+``python -m verl_quads.bench.gluon_moe_probe`` times it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from verl_quads.nvfp4.format import BLOCK_SIZE
+from verl_quads.nvfp4.gluon_gemm import ROWS, STD_CHUNK, GluonConfig, _num_sms, _plan, gluon
+
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+
+    from verl_quads.nvfp4.gluon_gemm import _cta_barrier, _iota, _std_chunk_loads, _std_chunk_mma
+
+    @gluon.jit
+    def _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, r0, r1, N, OUT_ROWS, pid_n, pid_m, pid_k, GRID_N,
+                      MMA: gl.constexpr, BN: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr):
+        """acc [BN weight rows, 8 NT tile rows] times ``256 / gs_e`` -> out[sorted_slots[r0 + j], n] in bf16;
+        SPLIT > 1: float32 partials at ``part[pid_k, out row, n]``, the last program of the (tile, N tile) sums
+        them in the fixed order 0, 1, ..."""
+        LR: gl.constexpr = gl.SliceLayout(1, MMA)
+        LC: gl.constexpr = gl.SliceLayout(0, MMA)
+        post = gl.div_rn(gl.full([BN], 1.0, gl.float32, LR), gw) * 256.0
+        y = acc * gl.expand_dims(post, 1)
+        cols = pid_n * BN + gl.arange(0, BN, layout=LR)
+        r = r0 + gl.arange(0, NT * 8, layout=LC)
+        valid = r < r1
+        o = gl.load(orow_ptr + r, mask=valid, other=0)
+        ncol = gl.expand_dims(cols, 1)
+        orow = gl.expand_dims(o, 0)
+        om = (ncol < N) & gl.expand_dims(valid, 0)
+        if SPLIT == 1:
+            gl.store(out_ptr + orow * N + ncol, y.to(gl.bfloat16), mask=om)
+        else:
+            gl.store(part_ptr + (pid_k * OUT_ROWS + orow) * N + ncol, y, mask=om)
+            _cta_barrier()  # every thread's partial stores precede the release below
+            ci = pid_m * GRID_N + pid_n
+            done = gl.atomic_add(cnt_ptr + ci, 1, sem="acq_rel", scope="gpu")
+            if done == SPLIT - 1:  # the last K range of this tile: sum the partials in the fixed order
+                z = gl.load(part_ptr + orow * N + ncol, mask=om, other=0.0, cache_modifier=".cg")
+                for sk in range(1, SPLIT):
+                    z += gl.load(part_ptr + (sk * OUT_ROWS + orow) * N + ncol, mask=om, other=0.0,
+                                 cache_modifier=".cg")
+                gl.store(out_ptr + orow * N + ncol, z.to(gl.bfloat16), mask=om)
+                gl.store(cnt_ptr + ci, 0)  # ready for the next launch (stream order)
+
+    @gluon.jit
+    def _w4a16_moe_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
+                          arow_ptr, orow_ptr, te_ptr, tr0_ptr, tr1_ptr,
+                          N, K, KW, KB, C, CPS, OUT_ROWS, GRID_N,
+                          NW: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
+                          EVEN: gl.constexpr, PF: gl.constexpr, WPT: gl.constexpr):
+        """Grouped standard-layout W4A16: program (pid_n, pid_m, pid_k) computes rows ``16 (pid_n NW + w) + [0, 16)``
+        of expert ``tile_expert[pid_m]``'s output for the tile's sorted rows, chunks ``[pid_k CPS, ...)``;
+        ``w_ptr`` int32 ``[E, N, KW]``, ``s_ptr`` uint8 ``[E, N, KB]``, ``x_ptr`` int32 (bf16 pairs) ``[rows, K/2]``.
+        Loads, decode and MMA: :func:`_w4a16_std_kernel` (the dense kernel)."""
+        IB: gl.constexpr = WPT // 2
+        L6: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, WPT], [1, 1, 8, 4, 1, 1], [NW, 1, 1, 1, 1, 1],
+                                            [5, 4, 3, 2, 1, 0])
+        L7: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, IB, 2], [1, 1, 8, 4, 1, 1, 1], [NW, 1, 1, 1, 1, 1, 1],
+                                            [6, 5, 4, 3, 2, 1, 0])
+        LS: gl.constexpr = gl.SliceLayout(6, L7)
+        LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4 * WPT], [1, 8, 4, 1, 1], [1, 1, 1, 1, NW],
+                                            [4, 3, 2, 1, 0])
+        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
+        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        BN: gl.constexpr = NW * 16
+
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        e = gl.load(te_ptr + pid_m)
+        if e >= 0:
+            r0 = gl.load(tr0_ptr + pid_m)
+            r1 = gl.load(tr1_ptr + pid_m)
+            c_lo = pid_k * CPS
+            c_hi = gl.minimum(c_lo + CPS, C)
+            e64 = e.to(gl.int64)
+            w_e = w_ptr + e64 * N * KW
+            s_e = s_ptr + e64 * N * KB
+            gw = gl.load(gs_ptr + e + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)) * 0)
+
+            roww = gl.minimum(pid_n * BN + _iota(NW, 0, 6, L6) * 16 + _iota(2, 1, 6, L6) * 8 + _iota(8, 2, 6, L6),
+                              N - 1)
+            kcw = _iota(KC, 4, 6, L6)
+            woff = roww * KW + kcw * (4 * WPT) + _iota(4, 3, 6, L6) * WPT + _iota(WPT, 5, 6, L6)
+            rows_s = gl.minimum(pid_n * BN + _iota(NW, 0, 6, LS) * 16 + _iota(2, 1, 6, LS) * 8 + _iota(8, 2, 6, LS),
+                                N - 1)
+            kcs = _iota(KC, 4, 6, LS)
+            soff = rows_s * KB + kcs * (2 * WPT) + _iota(4, 3, 6, LS) * IB + _iota(IB, 5, 6, LS)
+            # the tile's activation rows (sorted rows past r1 read row r1 - 1: not stored)
+            rx = gl.minimum(r0 + _iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX), r1 - 1)
+            xn = gl.load(arow_ptr + rx)
+            kcx = _iota(KC, 3, 5, LX)
+            xoff = xn * (K // 2) + kcx * (16 * WPT) + _iota(4, 2, 5, LX) * (4 * WPT) + _iota(4 * WPT, 4, 5, LX)
+
+            acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
+            c_last = c_hi - KC
+            if PF >= 1:
+                wd1, sc1, xv1 = _std_chunk_loads(w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, EVEN,
+                                                 WPT)
+            for c0 in range(c_lo, c_hi, KC):
+                if PF == 0:
+                    wd, sc, xv = _std_chunk_loads(w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c0, c_hi, EVEN,
+                                                  WPT)
+                else:
+                    wd, sc, xv = wd1, sc1, xv1
+                    cn = c0 + KC
+                    if EVEN:
+                        cn = gl.minimum(cn, c_last)
+                    wd1, sc1, xv1 = _std_chunk_loads(w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs, kcx, cn, c_hi, EVEN,
+                                                     WPT)
+                wd = gl.convert_layout(gl.reshape(wd, (NW, 2, 8, 4, KC, IB, 2)), L7, assert_trivial=True)
+                acc = _std_chunk_mma(acc, wd, sc, xv, DA, DB, NW, KC, NT, WPT)
+            _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, r0, r1, N, OUT_ROWS, pid_n, pid_m, pid_k,
+                          GRID_N, MMA, BN, NT, SPLIT)
+
+
+# ----------------------------------------------------------------------------------------------- host
+
+#: routing block_m (the tile's row count) -> NT (8-row MMA n-tiles per program)
+BLOCK_M_NT = {8: 1, 16: 2, 32: 4}
+
+_COUNTERS: dict = {}
+
+
+def grouped_supported(x: torch.Tensor, w_packed: torch.Tensor, block_m: int) -> bool:
+    """Whether :func:`gluon_w4a16_grouped` can run this GEMM: Gluon importable, not under the Triton interpreter,
+    bf16 activation ``[rows, K]`` on a CUDA device of compute capability 8.0+, a ``[E, N, K/2]`` weight,
+    K % 128 == 0, routing block_m in :data:`BLOCK_M_NT`."""
+    return (gluon is not None and os.environ.get("TRITON_INTERPRET") != "1" and x.is_cuda
+            and x.dtype == torch.bfloat16 and x.dim() == 2 and w_packed.dim() == 3
+            and x.shape[1] % STD_CHUNK == 0 and block_m in BLOCK_M_NT
+            and torch.cuda.get_device_capability(x.device)[0] >= 8)
+
+
+def grouped_plan(n: int, k: int, live: int, cfg: GluonConfig, sms: int = 132) -> tuple[int, int, int, bool]:
+    """(grid_n, split, chunks per split, even) of a grouped launch for ``[E, n, k]`` weights with ~``live`` live
+    M-tiles (the host does not know how many experts are active: min(E, slots), as the stream kernel's split)."""
+    nw = cfg.num_warps
+    grid_n = -(-(-(-n // ROWS)) // nw)
+    chunk = 2 * STD_CHUNK if cfg.wide else STD_CHUNK
+    _, split, cps, even = _plan(max(1, live) * grid_n * nw, k // chunk, cfg, sms)
+    return grid_n, split, cps, even
+
+
+def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
+                        routing, a_rows: torch.Tensor | None = None, out_rows: int | None = None,
+                        cfg: GluonConfig = GluonConfig(kc=1, occ=2), zero_unrouted: bool = True) -> torch.Tensor:
+    """Grouped W4A16: ``x`` bf16 ``[rows, K]``, NVFP4 experts ``w_packed`` uint8 ``[E, N, K/2]``, ``w_scale`` e4m3
+    ``[E, N, K/16]``, ``w_gs`` float32 ``[E]``; ``routing`` a :class:`~verl_quads.nvfp4.triton_gemm.GroupedRouting`
+    (block_m 8, 16 or 32); sorted row i reads ``x[a_rows[i]]`` (default ``routing.sorted_slots[i]``, as
+    :func:`~verl_quads.nvfp4.triton_gemm.nvfp4_gemm`) and is written to row ``routing.sorted_slots[i]`` of the bf16
+    ``[out_rows, N]`` result (default S rows); rows of slots with no local expert are 0 (``zero_unrouted=False``:
+    left unset). Raises where the kernel cannot run (no fallback)."""
+    if gluon is None:
+        raise RuntimeError("gluon_w4a16_grouped needs triton >= 3.6 (triton.experimental.gluon)")
+    if x.dim() != 2 or w_packed.dim() != 3:
+        raise ValueError(f"gluon_w4a16_grouped: x [rows, K] and w [E, N, K/2], got {tuple(x.shape)} / "
+                         f"{tuple(w_packed.shape)}")
+    m, k = x.shape
+    e, n, kh = w_packed.shape
+    bm = routing.block_m
+    if not grouped_supported(x, w_packed, bm) or kh * 2 != k or w_packed.dtype != torch.uint8 or tuple(
+            w_scale.shape) != (e, n, k // BLOCK_SIZE) or w_scale.dtype != torch.float8_e4m3fn or w_gs.numel() != e:
+        raise ValueError(f"gluon_w4a16_grouped: needs bf16 x [rows, K % 128 == 0] on CUDA (no interpreter), uint8 "
+                         f"[E, N, K/2] / e4m3 [E, N, K/16] / float32 [E] weights and routing block_m in "
+                         f"{tuple(BLOCK_M_NT)}; got x {x.dtype} {tuple(x.shape)}, w {tuple(w_packed.shape)}, "
+                         f"block_m {bm}")
+    chunk = 2 * STD_CHUNK if cfg.wide else STD_CHUNK
+    if k % chunk:
+        raise ValueError(f"gluon_w4a16_grouped: K = {k} is not a multiple of the chunk {chunk} ({cfg.label})")
+    if cfg.prefetch not in (0, 1):
+        raise ValueError(f"gluon_w4a16_grouped: prefetch 0 or 1, got {cfg.prefetch}")
+    s = routing.sorted_slots.numel()
+    rows_out = s if out_rows is None else out_rows
+    if m * (k // 2) >= 2**31 or e * n * k >= 2**33 or max(1, rows_out) * n * 64 >= 2**31:
+        raise ValueError("gluon_w4a16_grouped: int32 offsets overflow at this size")
+    dev = x.device
+    x = x.contiguous()
+    arow = routing.sorted_slots if a_rows is None else a_rows.to(torch.int32).contiguous()
+    orow = routing.sorted_slots
+    t_max = routing.tile_expert.numel()
+    if t_max >= 65536:
+        raise ValueError(f"gluon_w4a16_grouped: {t_max} M-tiles exceed the grid's y dimension")
+    out = (torch.zeros if zero_unrouted else torch.empty)(rows_out, n, dtype=torch.bfloat16, device=dev)
+    if rows_out == 0 or n == 0 or t_max == 0:
+        return out
+    live = min(routing.num_experts, s)
+    grid_n, split, cps, even = grouped_plan(n, k, live, cfg, _num_sms(dev))
+    if split > 1:
+        part = torch.empty(split, rows_out, n, dtype=torch.float32, device=dev)
+        key = str(dev)
+        cnt = _COUNTERS.get(key)
+        need = t_max * grid_n
+        if cnt is None or cnt.numel() < need:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("gluon_w4a16_grouped: first use of a larger grid inside CUDA-graph capture")
+            cnt = torch.zeros(max(need, 1 << 16), dtype=torch.int32, device=dev)
+            _COUNTERS[key] = cnt
+    else:
+        part, cnt = out, arow
+    _w4a16_moe_kernel[(grid_n, t_max, split)](
+        x.view(torch.int32), w_packed.view(torch.int32), w_scale.view(torch.uint8), w_gs.reshape(-1), out, part, cnt,
+        arow, orow, routing.tile_expert, routing.tile_row0, routing.tile_row1,
+        n, k, k // 8, k // BLOCK_SIZE, k // chunk, cps, rows_out, grid_n,
+        NW=cfg.num_warps, KC=cfg.kc, NT=BLOCK_M_NT[bm], SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
+        WPT=8 if cfg.wide else 4, num_warps=cfg.num_warps)
+    return out
+
+
+__all__ = ["BLOCK_M_NT", "grouped_supported", "grouped_plan", "gluon_w4a16_grouped"]
