@@ -350,53 +350,31 @@ def test_triton_channel_kernel_edge_cases_and_ulp_apart_scores():
 
 
 @_needs_interp
-@pytest.mark.parametrize("bits, cap, tr, wt, rowb", [(10, 64, 1, False, 1), (2, 16, 2, False, 1), (10, 64, 2, False, 1),
-                                                    (11, 256, 2, True, 1), (2, 16, 2, False, 3), (12, 256, 3, True, 3),
-                                                    (13, 256, 3, True, 2), (12, 256, 2, True, -3)])
-def test_triton_channel_compacted_search_matches_reference(bits, cap, tr, wt, rowb):
+@pytest.mark.parametrize("bits, cap, tr, wt", [(10, 64, 1, False), (2, 16, 2, False), (10, 64, 2, False),
+                                              (11, 256, 2, True)])
+def test_triton_channel_compacted_search_matches_reference(bits, cap, tr, wt):
     """The compacted threshold search (``CHANNEL_CONFIG`` compact_*: ``bits`` full-row steps, then the candidates in a
     ``cap``-entry tile, ``tr`` bits per tile step; forced here at K >= 16) gives the reference's bytes. (10, 64): the
     tile (hand ties cut inside it, scores a few ulps apart: the last bits, an early stop inside it) and the full-row
     continuation (an all-zero row: every score is a candidate), a per-tensor scale (two launches); (2, 16): the
     continuation on nearly every row, ratios 0 / 1, a score weight with zeros; wt: the warp tile (256 entries in
-    every warp, K >= 256 rows: the hand ties repeated 8 times, the K = 256 rows). amax='row' too (K <= 256). rowb > 1:
-    the full-row steps take rowb bits each and the candidate count comes from the tracked count above the prefix
-    (``_row_digits``; (2, 16, rowb 3): the digits in the full-row continuation, 2 bits left over one at a time;
-    (13, 256, 2 bits): one bit left over after the digits); tr = 3: three bits per warp-tile step (the last one
-    1 bit: 31 - 12 = 6 * 3 + 1; ulp-apart ties, the hand ties, an early stop, ratios 0 / 1 (NSEL = 0: every digit
-    count reaches it), K = 512 / 1024 rows whose all-zero row takes the continuation). rowb -3: 3-bit full-row steps
-    with the tile as int64 words (compact_pack64)."""
+    every warp, K >= 256 rows: the hand ties repeated 8 times, the K = 256 rows). amax='row' too (K <= 256)."""
     from verl_quads.nvfp4 import triton_channel as tc
 
     with tc.channel_config(compact_max_rows=1 << 30, compact_min_k=16, compact_bits=bits, compact_cap=cap,
-                           compact_tile_bits=tr, compact_warp_tile=wt, compact_row_bits=abs(rowb),
-                           compact_pack64=rowb < 0):
-        rowb = abs(rowb)
+                           compact_tile_bits=tr, compact_warp_tile=wt):
         if wt:
             xh = _HAND_X.repeat(1, 8).to(_DEV)  # [1, 256]: 16 scores .25, 48 .0625, 16 .015625, the rest 0
-            assert tc._compact_args(1, 256, 16) == (bits, 256, tr, True, rowb, tc.CHANNEL_CONFIG["compact_pack64"])
+            assert tc._compact_args(1, 256, 16) == (bits, 256, 2, True)
             t = _same_channel_result(xh, 24 / 256, nv.per_row_global_scale(xh))  # 16 of .25 + the first 8 of .0625
             assert t.channel_idx[0, :9].tolist() == [1, 2, 3, 5, 17, 18, 19, 21, 33]
             x = _rows(3, 256, torch.bfloat16, seed=3)
             _same_channel_result(x, 0.25, nv.per_row_global_scale(x))
             _same_channel_result(x, 0.5, nv.global_scale_from_amax(x.float().abs().amax()))
-            if tr == 3 or tc.CHANNEL_CONFIG["compact_pack64"]:
-                for ratio in (0.0, 3 / 256, 1.0):
-                    _same_channel_result(xh, ratio, nv.per_row_global_scale(xh))
-                _same_channel_result(x, 0.125, nv.per_row_global_scale(x))
-                xl, wl = _low_bit_ties(3, 256)
-                t = _same_channel_result(xl, 0.3, nv.per_row_global_scale(xl), score_weight=wl)
-                # round(.3 * 256) = 77: j = 7, 6 (64 channels), then the lowest 13 channels of j = 5
-                assert t.channel_idx[0].tolist() == sorted([c for c in range(256) if c % 8 >= 6]
-                                                           + [c for c in range(256) if c % 8 == 5][:13])
-                x = _rows(2, 512, torch.float32, seed=5)
-                _same_channel_result(x, 0.4, nv.per_row_global_scale(x), score_weight=torch.rand(512).to(_DEV))
-                x = _rows(2, 1024, torch.bfloat16, seed=6)
-                _same_channel_result(x, 0.5, nv.per_row_global_scale(x))
             return
         xh = _HAND_X.to(_DEV)
         assert _same_channel_result(xh, 3 / 32, nv.per_row_global_scale(xh)).channel_idx.tolist() == [[1, 2, 17]]
-        if bits == 10 or rowb > 1:
+        if bits == 10:
             # torch replay of the search on these rows (k = 0.25): row 0 (all zero) has 256 candidates (the
             # continuation), row 1 ends in the tile with ties (14 candidates), row 2 stops early in the tile
             x = _rows(3, 256, torch.bfloat16, seed=3)
@@ -404,9 +382,9 @@ def test_triton_channel_compacted_search_matches_reference(bits, cap, tr, wt, ro
             xl, wl = _low_bit_ties()
             t = _same_channel_result(xl, 0.3, nv.per_row_global_scale(xl), score_weight=wl)
             assert t.channel_idx.tolist() == [sorted([c for c in range(64) if c % 8 >= 6] + [5, 13, 21])] * 3
-            if tr == 1 or rowb > 1:
+            if tr == 1:
                 _same_channel_result(x, 0.5, nv.global_scale_from_amax(x.float().abs().amax()))
-        if bits != 10:
+        else:
             x = _rows(2, 16, torch.bfloat16, seed=16)
             for ratio in (0.0, 0.5, 1.0):
                 _same_channel_result(x, ratio, nv.per_row_global_scale(x))
@@ -422,43 +400,33 @@ def test_triton_channel_compact_dispatch():
     bit counts are refused, naming the key."""
     from verl_quads.nvfp4 import triton_channel as tc
 
-    assert tc._compact_args(16, 8192, 512) == (12, 256, 2, True, 1, False) == tc._compact_args(256, 2048, 128)
+    assert tc._compact_args(16, 8192, 512) == (12, 256, 2, True) == tc._compact_args(256, 2048, 128)
     assert tc._compact_args(257, 8192, 512) is None and tc._compact_args(16, 1536, 128) is None
     # 8 warps for a compacted launch at K = 8192 (measured), the elems_per_thread warps elsewhere
     assert tc._launch_warps(16, 8192, 512) == 8 and tc._launch_warps(257, 8192, 512) == 16
     assert tc._launch_warps(16, 2048, 128) == 4 and tc._launch_warps(16, 16384, 1024) == 16
     with tc.channel_config(compact_max_rows=64, compact_min_k=1024, compact_bits=10, compact_cap=1000,
                            compact_tile_bits=1, compact_warp_tile=False):
-        assert tc._compact_args(64, 8192, 512) == (10, 1024, 1, False, 1, False)
+        assert tc._compact_args(64, 8192, 512) == (10, 1024, 1, False)
         assert tc._compact_args(65, 8192, 512) is None and tc._compact_args(16, 768, 64) is None
     with tc.channel_config(compact_max_rows=64, compact_min_k=16, compact_cap=4096, compact_tile_bits=2,
                            compact_warp_tile=False, compact_bits=10):
-        assert tc._compact_args(2, 48, 4) == (10, 64, 2, False, 1, False)  # 4 padded blocks: 64 channels
+        assert tc._compact_args(2, 48, 4) == (10, 64, 2, False)  # 4 padded blocks: 64 channels
     with tc.channel_config(compact_bits=31):
         with pytest.raises(ValueError, match=r"CHANNEL_CONFIG\['compact_bits'\] must be in \[1, 30\], got 31"):
             tc._compact_args(1, 8192, 512)
-    with tc.channel_config(compact_tile_bits=3, compact_warp_tile=False):
-        with pytest.raises(ValueError, match=r"CHANNEL_CONFIG\['compact_tile_bits'\] must be 1 or 2 \(2 or 3 with "
-                                             r"compact_warp_tile\), got 3"):
+    with tc.channel_config(compact_tile_bits=3):
+        with pytest.raises(ValueError, match=r"CHANNEL_CONFIG\['compact_tile_bits'\] must be 1 or 2, got 3"):
             tc._compact_args(1, 8192, 512)
-    with tc.channel_config(compact_tile_bits=1):  # the warp tile: 2 or 3 bits per step
-        with pytest.raises(ValueError, match=r"CHANNEL_CONFIG\['compact_tile_bits'\] must be 1 or 2 \(2 or 3"):
-            tc._compact_args(1, 8192, 512)
-    with tc.channel_config(compact_tile_bits=3, compact_row_bits=3):
-        assert tc._compact_args(4, 4096, 256) == (12, 256, 3, True, 3, False)
-    with tc.channel_config(compact_row_bits=4):
-        with pytest.raises(ValueError, match=r"CHANNEL_CONFIG\['compact_row_bits'\] must be 1, 2 or 3, got 4"):
-            tc._compact_args(1, 8192, 512)
-    # more rows than compact_many_rows (the SMs): the compact_many_* overrides (warps, register cap, row bits)
-    with tc.channel_config(**tc.CHANNEL_VARIANTS["many rb3 w4"]):
-        assert tc._launch_warps(133, 4096, 256) == 4 and tc._launch_warps(132, 4096, 256) == 8
-        assert tc._launch_warps(256, 8192, 512) == 8 and tc._launch_warps(257, 4096, 256) == 8  # 257: full-row
-        assert tc._compact_args(133, 4096, 256)[4] == 3 and tc._compact_args(132, 4096, 256)[4] == 1
-    with tc.channel_config(**tc.CHANNEL_VARIANTS["many cap128"]):
-        assert tc._maxnreg(False, 8, compact=True, m=133, nbp=256) == 128 == tc._maxnreg(True, 8, True, 256, 512)
+    # more rows than compact_many_rows (the H200's SMs): 4 warps at K = 4096 (measured), other K as below
+    assert tc._launch_warps(133, 4096, 256) == 4 and tc._launch_warps(132, 4096, 256) == 8
+    assert tc._launch_warps(256, 8192, 512) == 8 and tc._launch_warps(257, 4096, 256) == 8  # 257: full-row search
+    with tc.channel_config(**tc.CHANNEL_VARIANTS["s8"]):
+        assert tc._launch_warps(133, 4096, 256) == 8
+    with tc.channel_config(compact_many_maxnreg={256: 128, 512: 96}):
+        assert tc._maxnreg(False, 8, compact=True, m=133, nbp=256) == 128 and tc._maxnreg(True, 8, True, 256, 512) == 96
         assert tc._maxnreg(False, 8, compact=True, m=132, nbp=256) is None
         assert tc._maxnreg(False, 8, compact=True, m=200, nbp=128) is None  # no entry for NBP 128
-    assert tc._launch_warps(200, 4096, 256) == 8 and tc._maxnreg(False, 8, True, 200, 256) is None  # off by default
     with tc.channel_config(compact_max_rows=0):
         assert tc._compact_args(1, 8192, 512) is None
     with tc.channel_config(compact_min_k=16):
@@ -554,10 +522,9 @@ sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16",
        "scale1_ptr": "*u8", "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
        "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr", "STOP": "constexpr", "scr_ptr": "*i32",
-       "COMPACT": "constexpr", "CAP": "constexpr", "TR": "constexpr", "WT": "constexpr", "ROWB": "constexpr",
-       "PK": "constexpr"}
+       "COMPACT": "constexpr", "CAP": "constexpr", "TR": "constexpr", "WT": "constexpr"}
 # the last fields: (COMPACT bits, CAP) of the compacted search (0, 1: the full-row search; 8 bits: with 2 tile bits per
-# step, TR = 2; 11 bits: the warp tile, WT; 13 bits: the warp tile with 3-bit tile steps and 3-bit full-row steps)
+# step, TR = 2; 11 bits: the warp tile, WT)
 for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in (
         ("*bf16", "*i16", False, 3, 0, False, 128, 4, 64, False, 0, 0, 1),
         ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64, False, 0, 0, 1),
@@ -572,15 +539,12 @@ for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in 
         ("*fp32", "*fp32", False, 0, 2, False, 128, 4, None, False, 0, 12, 512),
         ("*bf16", "*i16", False, 3, 0, False, 512, 8, None, True, 5, 11, 256),  # the warp tile (WT), a probe
         ("*bf16", "*i64", True, 0, 0, True, 512, 8, None, True, 0, 11, 256),
-        ("*bf16", "*i16", False, 3, 0, False, 512, 16, None, True, 2, 10, 1024),
-        ("*bf16", "*i16", False, 3, 0, False, 512, 8, None, True, 0, 13, 256),  # 3-bit row / tile steps (13 bits)
-        ("*bf16", "*i64", True, 0, 0, False, 256, 8, None, True, 0, 13, 256)):
+        ("*bf16", "*i16", False, 3, 0, False, 512, 16, None, True, 2, 10, 1024)):
     s = dict(sig, x_ptr=xt, out_ptr=ot)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
         "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "ROW_GS": row_gs, "STOP": stop,
-        "COMPACT": comp, "CAP": cap, "TR": 2 if comp in (8, 11) else (3 if comp == 13 else 1),
-        "WT": comp in (11, 13), "ROWB": 3 if comp == 13 else 1, "PK": comp == 13 and pack}),
+        "COMPACT": comp, "CAP": cap, "TR": 2 if comp in (8, 11) else 1, "WT": comp == 11}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
     # the compacted search's tile round trip: scratch stores, a barrier, scratch loads

@@ -42,7 +42,9 @@ threshold) is the floor of this design: every measured way to take fewer, longer
 (one thread per block) and the register caps of ``CHANNEL_CONFIG`` (more rows in flight per SM). Session 8
 (docs/bench_nvfp4_h200_channel_s8.txt): fewer full-row steps by the compacted search (``_compact_threshold``, the
 default at <= 256 rows, K >= 2048; 12 full-row bits, a 256-entry tile in every warp, two bits per tile step, 8
-warps at K = 8192): 16x8192 11.3 us (full-row search 17.7), 64x8192 11.5, 16x2048 7.41, 256x8192 21.7. Rows longer than
+warps at K = 8192): 16x8192 11.3 us (full-row search 17.7), 64x8192 11.5, 16x2048 7.41, 256x8192 21.7. Session 9
+(docs/bench_nvfp4_h200_channel_s9.txt): launches of more rows than SMs at K <= 4096 take 4 warps (two rows per SM:
+256x4096 16.2 -> 10.7 us); wider search steps (2-3 bits per full-row or tile step) measured slower. Rows longer than
 ``CHANNEL_CONFIG["max_k"]`` channels raise NotImplementedError (no tiled variant yet; never the block rule, never a
 silent switch to torch). Kernels run with ``enable_fp_fusion=False`` and use no float negation (triton 3.6 lowers
 ``-v`` to ``0.0 - v``), as :mod:`.triton_kernels`.
@@ -98,16 +100,19 @@ tl = tk.tl
 #: 16x2048 8.16 -> 7.41, 256x8192 22.9 -> 21.7, 1x8192 9.54 -> 9.33 (packed equal); 11 bits was slower at 256x8192.
 #: 16x8192 phases: 12 full-row bits +2.8 us, compaction +1.8, tile search +2.0 (10 warp steps), tie cut +0.7; the
 #: candidates per row 75 mean / 93 max (the tile holds 256; more -> the full-row continuation).
-#: ``compact_many_rows`` (None = off): compacted launches of more rows than this (the SMs: 132 on the H200) take
-#: ``compact_many_warps`` / ``compact_many_maxnreg`` (by NBP) and ``compact_many_row_bits`` (None: compact_row_bits)
-#: instead -- with more rows than SMs the registers per program decide how many rows an SM holds at once
-#: (session 9, docs/bench_nvfp4_h200_channel_s9.txt).
+#: ``compact_many_rows`` (None = off): compacted launches of more rows than this (the H200's 132 SMs) take
+#: ``compact_many_warps`` / ``compact_many_maxnreg`` (by NBP; no entry: the values above) -- with more rows than SMs
+#: the registers per program decide whether an SM runs two rows at once (one wave instead of two). Session 9
+#: (docs/bench_nvfp4_h200_channel_s9.txt run 2, bf16 k = 0.5, QDQ / packed us): 4 warps at K = 4096 (254
+#: registers x 128 threads: two programs per SM; 8 warps take 136 registers: one) 256x4096 16.2 -> 10.7 / 22.1 ->
+#: 17.7, 192x4096 15.4 -> 10.5 / 20.7 -> 15.7; a 128-register cap at 8 warps 12.1 / 17.7 at 256x4096. K = 8192 keeps
+#: its launch: 4 warps = the default (no entry), 128-register cap 21.4 / 42.1 vs 21.1 / 34.4 at 256x8192 (spills),
+#: 16 warps capped at 64 26.7 / 46.8. 1-132 rows are unchanged (one row per SM at most).
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
-                  "compact_warp_tile": True, "compact_row_bits": 1, "compact_pack64": False,
-                  "compact_many_rows": None, "compact_many_warps": {}, "compact_many_maxnreg": {},
-                  "compact_many_row_bits": None}
+                  "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4},
+                  "compact_many_maxnreg": {}}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -121,13 +126,11 @@ CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_
 #: (2 bits, 16-entry tile: nearly every row takes the full-row continuation; for the bytes tests, not a speed
 #: candidate). Removed after run 1: 8 full-row bits, the 64-register cap (both slower); after run 2 (adopted in the
 #: default): two bits per tile step, 8 warps at K = 8192; after run 3: the warp tile with 11 / 12 bits (12 adopted).
-#: Session 9 (fewer dependent reductions in the compacted search; not the default until the H200 measures them):
-#: "s8" = session 8's default pinned (1 bit per full-row step, 2 per warp-tile step); "rb3" / "rb2 ..." = 3 / 2 bits
-#: per full-row step (``_row_digits``: all digit counts in one reduction; the candidate count from the tracked count
-#: above the prefix instead of one more full-row reduction); "tb3" = 3 bits per warp-tile step (7 digit counts in
-#: three int32 warp sums); "... w4" = 4 warps at K = 4096; "... b15" = 15 full-row bits (fewer candidates, 16 tile
-#: bits); "rb3 fallback" = "compact fallback" with 3-bit full-row steps (the digits in the continuation; bytes only);
-#: "... pk" = the candidate tile as int64 words score << 32 | channel (``compact_pack64``).
+#: Session 9 (docs/bench_nvfp4_h200_channel_s9.txt; code in commit ca819a5): "s8" = session 8's launches at every M
+#: (no compact_many_* routing). Removed after run 1 / 2 (slower or equal at 1-64 rows, QDQ us vs the default): 3 / 2
+#: bits per full-row step by one reduction of all digit counts (3: 12.1-12.3 vs 11.4-11.5 at 4-64 x 8192, 8.82 vs
+#: 8.93 at 4x4096; 2: 13.0-13.2), 3 bits per warp-tile step (11.6-11.9 vs 11.4-11.5 at 4-64 x 8192, 9.3 vs 8.9 at
+#: 4x4096), the candidate tile as int64 words (equal: 11.5 / 9.15 vs 11.3-11.5 / 8.92-8.98).
 CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnreg": None},
                     "full": {"compact_max_rows": 0}, "compact": {"compact_max_rows": 1 << 30},
                     "compact cta": {"compact_bits": 10, "compact_cap": 1024, "compact_warp_tile": False},
@@ -135,22 +138,7 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                                        "compact_tile_bits": 1, "compact_warps": {}},
                     "compact fallback": {"compact_max_rows": 1 << 30, "compact_min_k": 16, "compact_bits": 2,
                                          "compact_cap": 16, "compact_warp_tile": False},
-                    "s8": {"compact_bits": 12, "compact_row_bits": 1, "compact_tile_bits": 2, "compact_warps": {512: 8}},
-                    "rb3": {"compact_row_bits": 3}, "tb3": {"compact_tile_bits": 3},
-                    "rb3 tb3": {"compact_row_bits": 3, "compact_tile_bits": 3},
-                    "rb2 tb3": {"compact_row_bits": 2, "compact_tile_bits": 3},
-                    "rb3 tb3 w4": {"compact_row_bits": 3, "compact_tile_bits": 3, "compact_warps": {512: 8, 256: 4}},
-                    "many w4": {"compact_many_rows": 132, "compact_many_warps": {256: 4}},
-                    "many rb3 w4": {"compact_many_rows": 132, "compact_many_warps": {256: 4}, "compact_many_row_bits": 3},
-                    "many cap128": {"compact_many_rows": 132, "compact_many_maxnreg": {256: 128, 512: 128}},
-                    "many w4 k8": {"compact_many_rows": 132, "compact_many_warps": {256: 4, 512: 4}},
-                    "many w16 cap64": {"compact_many_rows": 132, "compact_many_warps": {256: 4, 512: 16},
-                                       "compact_many_maxnreg": {512: 64}},
-                    "pk": {"compact_pack64": True},
-                    "rb3 tb3 pk": {"compact_row_bits": 3, "compact_tile_bits": 3, "compact_pack64": True},
-                    "rb3 tb3 b15": {"compact_row_bits": 3, "compact_tile_bits": 3, "compact_bits": 15},
-                    "rb3 fallback": {"compact_max_rows": 1 << 30, "compact_min_k": 16, "compact_bits": 2,
-                                     "compact_cap": 16, "compact_warp_tile": False, "compact_row_bits": 3}}
+                    "s8": {"compact_many_rows": None}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -191,12 +179,10 @@ if triton is not None:
         return NBP * 16 - tl.sum(tl.sum(_below(e0, cand) + _below(e1, cand), axis=1), axis=0)
 
     @triton.jit
-    def _row_bits(e0, e1, th, cnt, k, ab, KEND: tl.constexpr, NSEL, NBP: tl.constexpr):
+    def _row_bits(e0, e1, th, cnt, k, KEND: tl.constexpr, NSEL, NBP: tl.constexpr):
         """MSB-first full-row steps of the threshold search over the score bits e0, e1 (``_count_ge``): from step k
         (bit 30 - k) while k < KEND and #(e >= th) != NSEL, accept bit 30 - k when the count of th | bit reaches NSEL.
-        Returns (th, cnt = #(e >= th), k, ab): ab = #(e >= th + 2**(31 - k)), the entries above the accepted prefix's
-        range (the count of the last rejected candidate: a rejected bit b is th + 2**(31 - k) once the bits below it
-        were all taken; 0 before any rejection). ``_compact_threshold``'s first J bits (KEND = J) and its full-row
+        Returns (th, cnt = #(e >= th), k). ``_compact_threshold``'s first J bits (KEND = J) and its full-row
         continuation (KEND = 31)."""
         while (k < KEND) & (cnt != NSEL):
             cand = th | (1 << (30 - k))
@@ -204,63 +190,8 @@ if triton is not None:
             take = n >= NSEL
             th = tl.where(take, cand, th)
             cnt = tl.where(take, n, cnt)
-            ab = tl.where(take, ab, n)
             k += 1
-        return th, cnt, k, ab
-
-    @triton.jit
-    def _therm8(e, lo, p, DMAX: tl.constexpr):
-        """Thermometer code of the digit of e below the prefix p: d = clamp((e >> lo) - p, 0, DMAX) (entries above
-        the prefix's range count as DMAX, below it and padding -1 as 0), returned as int64 with 1 in byte fields
-        1 .. d (field i at bits 8 (i - 1)): summed over entries, field i = #(e >= (p << lo) | i << lo)."""
-        d = tl.minimum(tl.maximum((e >> lo) - p, 0), DMAX)
-        return 0x01010101010101 >> (56 - 8 * d).to(tl.int64)
-
-    @triton.jit
-    def _add2(a0, b0, a1, b1):
-        return a0 + a1, b0 + b1
-
-    @triton.jit
-    def _row_digits(e0, e1, th, cnt, k, ab, KEND: tl.constexpr, NSEL, NBP: tl.constexpr, FR: tl.constexpr):
-        """``_row_bits`` FR (2 or 3) bits per full-row step while k + FR <= KEND: one reduction gives the counts of
-        all 2**FR - 1 candidate digits (``_therm8`` byte fields summed per 16-block, then widened to 16-bit fields,
-        S1..S4 in one int64 and S5..S7 in another, and summed over the row in one two-operand reduction; counts up
-        to 32768); the largest digit whose count reaches NSEL is taken (counts fall with the digit). Same (th, cnt)
-        as the bitwise steps up to the early stop (any th with cnt == NSEL selects the same entries), same ab."""
-        while (k + FR <= KEND) & (cnt != NSEL):
-            lo = 31 - FR - k
-            p = th >> lo
-            t = tl.sum(_therm8(e0, lo, p, (1 << FR) - 1) + _therm8(e1, lo, p, (1 << FR) - 1), axis=1)
-            a = (t & 0xFF) | ((t & 0xFF00) << 8) | ((t & 0xFF0000) << 16) | ((t & 0xFF000000) << 24)
-            if FR == 3:
-                u = t >> 32
-                b = (u & 0xFF) | ((u & 0xFF00) << 8) | ((u & 0xFF0000) << 16)
-                sa, sb = tl.reduce((a, b), 0, _add2)
-            else:
-                sa = tl.sum(a, axis=0)
-                sb = sa
-            d = th * 0
-            for i in tl.static_range(1, 1 << FR):  # d = #(digits whose count reaches NSEL) = the largest such
-                if i <= 4:
-                    ni = ((sa >> (16 * (i - 1))) & 0xFFFF).to(tl.int32)
-                else:
-                    ni = ((sb >> (16 * (i - 5))) & 0xFFFF).to(tl.int32)
-                d += (ni >= NSEL).to(tl.int32)
-            d = tl.minimum(d, (1 << FR) - 1)  # NSEL = 0: every count reaches it
-            nc = cnt
-            na = ab
-            for i in tl.static_range(1, 1 << FR):
-                if i <= 4:
-                    ni = ((sa >> (16 * (i - 1))) & 0xFFFF).to(tl.int32)
-                else:
-                    ni = ((sb >> (16 * (i - 5))) & 0xFFFF).to(tl.int32)
-                nc = tl.where(d == i, ni, nc)
-                na = tl.where(d + 1 == i, ni, na)
-            th = th | (d << lo)
-            cnt = nc
-            ab = na
-            k += FR
-        return th, cnt, k, ab
+        return th, cnt, k
 
     @triton.jit
     def _row_ties(e0, e1, th, NSEL):
@@ -275,27 +206,16 @@ if triton is not None:
         return eq0 & (q0 <= need), eq1 & (q1 <= need)
 
     @triton.jit
-    def _wt_load(scr, j: tl.constexpr, ncand, CAP: tl.constexpr, PK: tl.constexpr = False):
+    def _wt_load(scr, j: tl.constexpr, ncand, CAP: tl.constexpr):
         """Chunk j of the candidate tile as [32] tensors (scores, padding -1; channels): a [32] tensor is one warp's
-        (every warp holds a copy), so its reductions need no barrier. PK: the tile is int64 words score << 32 |
-        channel (one load per entry)."""
+        (every warp holds a copy), so its reductions need no barrier."""
         i = j * 32 + tl.arange(0, 32)
-        if PK:
-            v = tl.load(scr.to(tl.pointer_type(tl.int64)) + i, mask=i < ncand, other=-4294967296)  # -1 << 32
-            return (v >> 32).to(tl.int32), v.to(tl.int32)
         return tl.load(scr + i, mask=i < ncand, other=-1), tl.load(scr + CAP + i, mask=i < ncand, other=0)
 
     @triton.jit
     def _wt3(t, c1, c2, c3):
         """#(t >= c1) | #(t >= c2) << 10 | #(t >= c3) << 20 per element (summed: three counts < 1024)."""
         return _at_least(t, c1) + (_at_least(t, c2) << 10) + (_at_least(t, c3) << 20)
-
-    @triton.jit
-    def _wt_therm(t, lo, p, dmax):
-        """``_therm8`` for a [32] tile chunk in int32 nibble fields (field i at bits 4 (i - 1), i = 1 .. 7; a lane's
-        8 chunks sum to <= 8 per field)."""
-        d = tl.minimum(tl.maximum((t >> lo) - p, 0), dmax)
-        return 0x1111111 >> (28 - 4 * d)
 
     @triton.jit
     def _wt_tie(t, tch, th, need, base, cstar):
@@ -307,21 +227,18 @@ if triton is not None:
         return base + tl.sum(tie, axis=0), cstar
 
     @triton.jit
-    def _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP: tl.constexpr, PHASE: tl.constexpr,
-                          TR: tl.constexpr = 2, PK: tl.constexpr = False):
-        """``_compact_threshold``'s tile steps (TR = 2: two bits per step by three packed counts; TR = 3: three bits
-        per step, the 7 digit counts by ``_wt_therm`` nibble fields widened to 10-bit fields of three int32 sums), then
-        the tie cut, over a 256-entry tile held by EVERY warp as eight [32] chunks: each warp counts the whole tile
-        itself (redundant, barrier-free warp reductions) instead of one CTA-wide reduction per step. Returns (th,
-        cnt, k, cstar)."""
-        t0, h0 = _wt_load(scr, 0, ncand, CAP, PK)
-        t1, h1 = _wt_load(scr, 1, ncand, CAP, PK)
-        t2, h2 = _wt_load(scr, 2, ncand, CAP, PK)
-        t3, h3 = _wt_load(scr, 3, ncand, CAP, PK)
-        t4, h4 = _wt_load(scr, 4, ncand, CAP, PK)
-        t5, h5 = _wt_load(scr, 5, ncand, CAP, PK)
-        t6, h6 = _wt_load(scr, 6, ncand, CAP, PK)
-        t7, h7 = _wt_load(scr, 7, ncand, CAP, PK)
+    def _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP: tl.constexpr, PHASE: tl.constexpr):
+        """``_compact_threshold``'s tile steps (two bits per step, then the tie cut) over a 256-entry tile held by
+        EVERY warp as eight [32] chunks: each warp counts the whole tile itself (redundant, barrier-free warp
+        reductions) instead of one CTA-wide reduction per step. Returns (th, cnt, k, cstar)."""
+        t0, h0 = _wt_load(scr, 0, ncand, CAP)
+        t1, h1 = _wt_load(scr, 1, ncand, CAP)
+        t2, h2 = _wt_load(scr, 2, ncand, CAP)
+        t3, h3 = _wt_load(scr, 3, ncand, CAP)
+        t4, h4 = _wt_load(scr, 4, ncand, CAP)
+        t5, h5 = _wt_load(scr, 5, ncand, CAP)
+        t6, h6 = _wt_load(scr, 6, ncand, CAP)
+        t7, h7 = _wt_load(scr, 7, ncand, CAP)
         cstar = th * 0 + 0x7FFFFFFF
         if PHASE == 2:
             hm = tl.maximum(tl.maximum(tl.maximum(h0, h1), tl.maximum(h2, h3)),
@@ -330,66 +247,29 @@ if triton is not None:
                              tl.maximum(tl.maximum(t4, t5), tl.maximum(t6, t7)))
             cstar = tl.max(tl.maximum(hm, tm_), axis=0)
             k = k + 31  # no tile search
-        if TR == 3:
-            while (k < 31) & (cnt != NSEL):  # three bits per step (the last step 31 - k < 3 bits)
-                w = tl.minimum(31 - k, 3)
-                lo = 31 - k - w
-                p = th >> lo
-                dm = (1 << w) - 1
-                x = (_wt_therm(t0, lo, p, dm) + _wt_therm(t1, lo, p, dm) + _wt_therm(t2, lo, p, dm)
-                     + _wt_therm(t3, lo, p, dm) + _wt_therm(t4, lo, p, dm) + _wt_therm(t5, lo, p, dm)
-                     + _wt_therm(t6, lo, p, dm) + _wt_therm(t7, lo, p, dm))
-                # the tile's #(t >= th | i << lo) <= 256 in 10-bit fields of three int32 warp sums (sm_90: one
-                # redux.sync each): S1 | S2 << 10 | S3 << 20, S4 | S5 << 10 | S6 << 20, S7
-                sa = tl.sum((x & 0xF) | ((x & 0xF0) << 6) | ((x & 0xF00) << 12), axis=0)
-                sb = tl.sum(((x >> 12) & 0xF) | ((x >> 6) & 0x3C00) | (x & 0xF00000), axis=0)
-                sc = tl.sum(x >> 24, axis=0)
-                d = th * 0
-                nd = cnt
-                for i in tl.static_range(1, 8):
-                    if i <= 3:
-                        ni = above + ((sa >> (10 * (i - 1))) & 1023)
-                    elif i <= 6:
-                        ni = above + ((sb >> (10 * (i - 4))) & 1023)
-                    else:
-                        ni = above + sc
-                    d += (ni >= NSEL).to(tl.int32)
-                d = tl.minimum(d, dm)  # fields above dm are 0 (above < NSEL), NSEL = 0 reaches every field
-                for i in tl.static_range(1, 8):
-                    if i <= 3:
-                        ni = above + ((sa >> (10 * (i - 1))) & 1023)
-                    elif i <= 6:
-                        ni = above + ((sb >> (10 * (i - 4))) & 1023)
-                    else:
-                        ni = above + sc
-                    nd = tl.where(d == i, ni, nd)
-                cnt = nd
-                th = th | (d << lo)
-                k += w
-        else:
-            while (k < 31) & (cnt != NSEL):
-                if k < 30:
-                    c1 = th | (1 << (29 - k))
-                    c2 = th | (2 << (29 - k))
-                    c3 = th | (3 << (29 - k))
-                    sp = tl.sum(_wt3(t0, c1, c2, c3) + _wt3(t1, c1, c2, c3) + _wt3(t2, c1, c2, c3)
-                                + _wt3(t3, c1, c2, c3) + _wt3(t4, c1, c2, c3) + _wt3(t5, c1, c2, c3)
-                                + _wt3(t6, c1, c2, c3) + _wt3(t7, c1, c2, c3), axis=0)
-                    n1 = above + (sp & 1023)
-                    n2 = above + ((sp >> 10) & 1023)
-                    n3 = above + (sp >> 20)
-                    th = tl.where(n3 >= NSEL, c3, tl.where(n2 >= NSEL, c2, tl.where(n1 >= NSEL, c1, th)))
-                    cnt = tl.where(n3 >= NSEL, n3, tl.where(n2 >= NSEL, n2, tl.where(n1 >= NSEL, n1, cnt)))
-                    k += 2
-                else:
-                    cand = th | 1
-                    n = above + tl.sum(_at_least(t0, cand) + _at_least(t1, cand) + _at_least(t2, cand)
-                                       + _at_least(t3, cand) + _at_least(t4, cand) + _at_least(t5, cand)
-                                       + _at_least(t6, cand) + _at_least(t7, cand), axis=0)
-                    take = n >= NSEL
-                    th = tl.where(take, cand, th)
-                    cnt = tl.where(take, n, cnt)
-                    k += 1
+        while (k < 31) & (cnt != NSEL):
+            if k < 30:
+                c1 = th | (1 << (29 - k))
+                c2 = th | (2 << (29 - k))
+                c3 = th | (3 << (29 - k))
+                sp = tl.sum(_wt3(t0, c1, c2, c3) + _wt3(t1, c1, c2, c3) + _wt3(t2, c1, c2, c3)
+                            + _wt3(t3, c1, c2, c3) + _wt3(t4, c1, c2, c3) + _wt3(t5, c1, c2, c3)
+                            + _wt3(t6, c1, c2, c3) + _wt3(t7, c1, c2, c3), axis=0)
+                n1 = above + (sp & 1023)
+                n2 = above + ((sp >> 10) & 1023)
+                n3 = above + (sp >> 20)
+                th = tl.where(n3 >= NSEL, c3, tl.where(n2 >= NSEL, c2, tl.where(n1 >= NSEL, c1, th)))
+                cnt = tl.where(n3 >= NSEL, n3, tl.where(n2 >= NSEL, n2, tl.where(n1 >= NSEL, n1, cnt)))
+                k += 2
+            else:
+                cand = th | 1
+                n = above + tl.sum(_at_least(t0, cand) + _at_least(t1, cand) + _at_least(t2, cand)
+                                   + _at_least(t3, cand) + _at_least(t4, cand) + _at_least(t5, cand)
+                                   + _at_least(t6, cand) + _at_least(t7, cand), axis=0)
+                take = n >= NSEL
+                th = tl.where(take, cand, th)
+                cnt = tl.where(take, n, cnt)
+                k += 1
         if (cnt != NSEL) & (PHASE == 0):
             gt = ((t0 > th).to(tl.int32) + (t1 > th).to(tl.int32) + (t2 > th).to(tl.int32) + (t3 > th).to(tl.int32)
                   + (t4 > th).to(tl.int32) + (t5 > th).to(tl.int32) + (t6 > th).to(tl.int32) + (t7 > th).to(tl.int32))
@@ -409,8 +289,7 @@ if triton is not None:
 
     @triton.jit
     def _compact_threshold(e0, e1, c, NSEL, NVALID, scr, NBP: tl.constexpr, J: tl.constexpr, CAP: tl.constexpr,
-                           TR: tl.constexpr = 1, PHASE: tl.constexpr = 0, WT: tl.constexpr = False,
-                           ROWB: tl.constexpr = 1, PK: tl.constexpr = False):
+                           TR: tl.constexpr = 1, PHASE: tl.constexpr = 0, WT: tl.constexpr = False):
         """Threshold of the row's NSEL highest scores and its tie cut: returns (th, cstar) int32 scalars such that
         the selection is ``e > th | (e == th & channel <= cstar)`` -- the NSEL highest scores, ties to the lower
         channels (the reference's stable descending sort), the same set as ``_bits_threshold`` + ``_half_ranks``.
@@ -427,45 +306,28 @@ if triton is not None:
         3. ties at the final T (count > NSEL): need = NSEL - #(> T); the tile's cumulative count of entries == T
            (channel order) gives cstar = the channel of the need-th tie.
         More than CAP candidates: steps 2-3 over the full row instead (the full-row ranks of ``_half_ranks``).
-        WT (CAP = 256): steps 2-3 by ``_warp_tile_search`` (every warp holds the whole tile; TR = 2 or 3 bits per
-        step). ROWB > 1: the full-row steps take ROWB bits each (``_row_digits``; the bits left over one at a time),
-        and the candidate count is #(e >= th) minus the tracked count above the prefix's range (``ab``), not one more
-        full-row reduction. PK (WT only): the tile as int64 words score << 32 | channel (half the scratch stores and
-        tile loads).
+        WT (CAP = 256): steps 2-3 by ``_warp_tile_search`` (every warp holds the whole tile; two bits per step).
         PHASE (the kernel's STOP 4 / 5 timing probes; 0 = all): 1 returns after step 1's full-row bits, 2 after the
         tile is stored and read back (cstar = the tile's largest channel, to keep the load); not a selection."""
         th = tl.full((), 0, tl.int32)
-        cnt = th + NVALID
-        k = th
-        ab = th
-        if ROWB > 1:
-            th, cnt, k, ab = _row_digits(e0, e1, th, cnt, k, ab, J, NSEL, NBP, ROWB)
-        th, cnt, k, ab = _row_bits(e0, e1, th, cnt, k, ab, J, NSEL, NBP)
+        th, cnt, k = _row_bits(e0, e1, th, th + NVALID, th, J, NSEL, NBP)
         cstar = th * 0 + 0x7FFFFFFF
         if (cnt != NSEL) & (PHASE != 1):
             f0 = ((e0 >> (31 - J)) == (th >> (31 - J))).to(tl.int32)  # padding -1 >> s = -1 never equals th's
             f1 = ((e1 >> (31 - J)) == (th >> (31 - J))).to(tl.int32)
-            if ROWB > 1:
-                ncand = cnt - ab  # the entries sharing th's top J bits
-            else:
-                ncand = tl.sum(tl.sum(f0, axis=1) + tl.sum(f1, axis=1), axis=0)
+            ncand = tl.sum(tl.sum(f0, axis=1) + tl.sum(f1, axis=1), axis=0)
             ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
             ch1 = ch0 + 8
-            if (ncand <= CAP) & ((TR == 1) | (ncand < 1024)):  # TR 2: a count must fit 10 bits (TR 3: WT, 256)
+            if (ncand <= CAP) & ((TR == 1) | (ncand < 1024)):  # TR 2: a count must fit 10 bits
                 p0, p1 = _half_ranks(f0, f1)
-                if PK & WT:  # one int64 word per candidate: score << 32 | channel
-                    s64 = scr.to(tl.pointer_type(tl.int64))
-                    tl.store(s64 + p0 - 1, (e0.to(tl.int64) << 32) | ch0.to(tl.int64), mask=f0 != 0)
-                    tl.store(s64 + p1 - 1, (e1.to(tl.int64) << 32) | ch1.to(tl.int64), mask=f1 != 0)
-                else:
-                    tl.store(scr + p0 - 1, e0, mask=f0 != 0)
-                    tl.store(scr + p1 - 1, e1, mask=f1 != 0)
-                    tl.store(scr + CAP + p0 - 1, ch0, mask=f0 != 0)
-                    tl.store(scr + CAP + p1 - 1, ch1, mask=f1 != 0)
+                tl.store(scr + p0 - 1, e0, mask=f0 != 0)
+                tl.store(scr + p1 - 1, e1, mask=f1 != 0)
+                tl.store(scr + CAP + p0 - 1, ch0, mask=f0 != 0)
+                tl.store(scr + CAP + p1 - 1, ch1, mask=f1 != 0)
                 tl.debug_barrier()  # the row's stores are visible to the whole program
                 above = cnt - ncand
                 if WT:  # the tile in every warp (CAP = 256): barrier-free counts
-                    th, cnt, k, cstar = _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP, PHASE, TR, PK)
+                    th, cnt, k, cstar = _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP, PHASE)
                 else:
                     i = tl.arange(0, CAP)
                     tv = tl.load(scr + i, mask=i < ncand, other=-1)
@@ -499,9 +361,7 @@ if triton is not None:
                         rk = tl.cumsum(tie.to(tl.int32), axis=0)
                         cstar = tl.max(tl.where(tie & (rk <= need), tch, -1), axis=0)
             else:
-                if ROWB > 1:
-                    th, cnt, k, ab = _row_digits(e0, e1, th, cnt, k, ab, 31, NSEL, NBP, ROWB)
-                th, cnt, k, ab = _row_bits(e0, e1, th, cnt, k, ab, 31, NSEL, NBP)
+                th, cnt, k = _row_bits(e0, e1, th, cnt, k, 31, NSEL, NBP)
                 if cnt != NSEL:
                     t0, t1 = _row_ties(e0, e1, th, NSEL)
                     cstar = tl.maximum(tl.max(tl.max(tl.where(t0, ch0, -1), axis=1), axis=0),
@@ -514,8 +374,7 @@ if triton is not None:
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
         ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0, scr_ptr=None, COMPACT: tl.constexpr = 0,
-        CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False, ROWB: tl.constexpr = 1,
-        PK: tl.constexpr = False,
+        CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -535,8 +394,8 @@ if triton is not None:
         tie ranks and R_sel's amax (out = deq(Q(x)) where selected, else amax); COMPACT > 0 only: 4 = load, first
         pass, the J full-row bits, 5 = + the candidate tile stored and read back (``_compact_threshold`` PHASE).
         COMPACT = J > 0: the selection by ``_compact_threshold`` (J full-row bits, then a [CAP] candidate tile in
-        scr_ptr: int32 [M, 2 * CAP] scratch, row r's at r * 2 * CAP; TR: bits per tile step, 1 or 2 (3 with WT);
-        WT: the tile in every warp, CAP = 256; ROWB: bits per full-row step, 1 .. 3; PK: int64 tile words); 0:
+        scr_ptr: int32 [M, 2 * CAP] scratch, row r's at r * 2 * CAP; TR: bits per tile step, 1 or 2; WT: the tile
+        in every warp, CAP = 256); 0:
         ``_bits_threshold`` + ``_row_ties``."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
@@ -573,7 +432,7 @@ if triton is not None:
         e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
         if COMPACT > 0:
             th, cstar = _compact_threshold(e0, e1, c, NSEL, NB * 16, scr_ptr + row * (2 * CAP), NBP, COMPACT, CAP,
-                                           TR, 1 if STOP == 4 else (2 if STOP == 5 else 0), WT, ROWB, PK)
+                                           TR, 1 if STOP == 4 else (2 if STOP == 5 else 0), WT)
             ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
             if (STOP == 2) | (STOP == 4) | (STOP == 5):
                 _store_halves(out_ptr, b, tl.where((e0 >= th) | (ch0 <= cstar), v0, 0.0),
@@ -645,7 +504,7 @@ def channel_config(**overrides):
 
 def _many(m: int) -> bool:
     """A compacted-search launch of ``m`` rows takes the ``compact_many_*`` overrides (more rows than
-    ``compact_many_rows``, e.g. the SMs: then more than one row per SM must be in flight)."""
+    ``compact_many_rows``, the SMs: then an SM must hold more than one row's program at once)."""
     r = CHANNEL_CONFIG["compact_many_rows"]
     return r is not None and m > int(r)
 
@@ -691,29 +550,25 @@ def _check_row(k: int) -> int:
     return nbp
 
 
-def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int, int, bool, int, bool] | None:
-    """(COMPACT bits J, CAP, TR tile bits per step, WT warp tile, ROWB full-row bits per step, PK int64 tile words) of
-    the compacted search for a launch of ``m`` rows of ``k`` channels (``CHANNEL_CONFIG`` compact_*), or None for the
-    full-row search. J in [1, 30]; CAP a power of two <= the padded row; TR 3 and PK only with WT; ROWB in 1 .. 3."""
+def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int, int, bool] | None:
+    """(COMPACT bits J, CAP, TR tile bits per step, WT warp tile) of the compacted search for a launch of ``m`` rows of ``k`` channels (``CHANNEL_CONFIG``
+    compact_*), or None for the full-row search. J in [1, 30]; CAP a power of two <= the padded row."""
     c = CHANNEL_CONFIG
     if m > c["compact_max_rows"] or k < c["compact_min_k"]:
         return None
     bits = int(c["compact_bits"])
     if not 1 <= bits <= 30:
         raise ValueError(f"CHANNEL_CONFIG['compact_bits'] must be in [1, 30], got {bits}")
-    wt = bool(c["compact_warp_tile"])
-    if c["compact_tile_bits"] not in ((1, 2) if not wt else (2, 3)):
-        raise ValueError(f"CHANNEL_CONFIG['compact_tile_bits'] must be 1 or 2 (2 or 3 with compact_warp_tile), got "
-                         f"{c['compact_tile_bits']!r}")
-    rowb = c["compact_many_row_bits"] if _many(m) and c["compact_many_row_bits"] is not None else c["compact_row_bits"]
-    if rowb not in (1, 2, 3):
-        raise ValueError(f"CHANNEL_CONFIG['compact_row_bits'] must be 1, 2 or 3, got {rowb!r}")
+    if c["compact_tile_bits"] not in (1, 2):
+        raise ValueError(f"CHANNEL_CONFIG['compact_tile_bits'] must be 1 or 2, got {c['compact_tile_bits']!r}")
     cap = int(min(tk._pow2(max(1, int(c["compact_cap"]))), nbp * BLOCK_SIZE))
-    if wt and int(c["compact_cap"]) != 256:
-        raise ValueError(f"CHANNEL_CONFIG['compact_warp_tile'] needs compact_cap = 256, got {c['compact_cap']!r}")
+    wt = bool(c["compact_warp_tile"])
+    if wt and (int(c["compact_cap"]) != 256 or c["compact_tile_bits"] != 2):
+        raise ValueError("CHANNEL_CONFIG['compact_warp_tile'] needs compact_cap = 256 and compact_tile_bits = 2, got "
+                         f"{c['compact_cap']!r} / {c['compact_tile_bits']!r}")
     if wt and cap != 256:  # a row shorter than the warp tile: the full-row search (same bytes)
         return None
-    return bits, cap, int(c["compact_tile_bits"]), wt, int(rowb), wt and bool(c["compact_pack64"])
+    return bits, cap, int(c["compact_tile_bits"]), wt
 
 
 def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_finite: bool, packed: bool,
@@ -748,8 +603,8 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
                 enable_fp_fusion=False, **({"STOP": int(stop)} if stop else {}))
     comp = _compact_args(m, k, nbp)
     if comp is not None:
-        bits, cap, tr, warp_tile, rowb, pk = comp
-        meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile, ROWB=rowb, PK=pk,
+        bits, cap, tr, warp_tile = comp
+        meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile,
                     scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
