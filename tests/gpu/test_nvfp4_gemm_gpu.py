@@ -11,23 +11,13 @@ maximum in ulps is printed (pytest -s).
 import pytest
 import torch
 
+from _gemm_helpers import rand_w as _w
+from _gemm_helpers import rand_x as _x
 from verl_quads.nvfp4 import triton_gemm as tg
 from verl_quads.rollout import emulation as em
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-
-
-def _x(m, k, seed=0):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    x = torch.randn(m, k, device=DEV, generator=g)
-    x[:, ::293] *= 30.0  # outlier channels
-    return x.to(torch.bfloat16)
-
-
-def _w(shape, seed=1):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    return torch.randn(*shape, device=DEV, generator=g) * 0.02
 
 
 def _check(y, ref, xf, wf, what):

@@ -15,6 +15,9 @@ decode's inline-PTX conversions (``late_scale``; the interpreter runs the plain 
 import pytest
 import torch
 
+from _gemm_helpers import check_close as _check
+from _gemm_helpers import rand_w as _w
+from _gemm_helpers import rand_x as _x
 from verl_quads.nvfp4 import triton_gemm as tg
 from verl_quads.rollout import emulation as em
 
@@ -58,29 +61,6 @@ VARIANTS = [
 LATE = [c for c in VARIANTS if c.late_scale]
 BF = [c for c in VARIANTS if c.decode == "bf16x2"]
 X2 = [c for c in VARIANTS if c.x_pairs]
-
-
-def _x(m, k, seed=0, dtype=torch.bfloat16):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    x = torch.randn(m, k, device=DEV, generator=g)
-    x[:, ::293] *= 30.0
-    return x.to(dtype)
-
-
-def _w(shape, seed=1):
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    return torch.randn(*shape, device=DEV, generator=g) * 0.02
-
-
-def _check(y, ref, xf, wf, what):
-    r = ref.float()
-    d = (y.float() - r).abs()
-    ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.abs().clamp(min=1e-30))) * torch.finfo(y.dtype).eps,
-                      torch.full_like(r, torch.finfo(y.dtype).tiny))
-    bound = ulp + 4 * xf.shape[1] * torch.finfo(torch.float32).eps * (xf.abs() @ wf.abs().t())
-    worst = float((d / ulp).max())
-    print(f"{what}: max |diff| {worst:.2f} ulp, {float((y == ref).float().mean()):.2%} bit-equal")
-    assert bool((d <= bound).all()), f"{what}: {worst:.2f} ulp"
 
 
 @pytest.mark.parametrize("cfg", VARIANTS, ids=lambda c: c.label)

@@ -277,6 +277,14 @@ if gluon is not None:
             "=r,r,r,r", [wd2, m2], dtype=gl.bfloat16, is_pure=True, pack=2)
 
     @gluon.jit
+    def _next_chunk(c0, c_last, KC: gl.constexpr, EVEN: gl.constexpr):
+        """The prefetch target after iteration ``c0``; EVEN: clamped to the last iteration (re-read, unused)."""
+        cn = c0 + KC
+        if EVEN:
+            cn = gl.minimum(cn, c_last)
+        return cn
+
+    @gluon.jit
     def _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c, c_hi, K, EVEN: gl.constexpr):
         """Weight words ``[NW, 8, 4, KC, 4]``, scale bytes of rows rb3 = 0 / 1 ``[NW, 8, 4, KC]`` and activation
         bf16 pairs as int32 ``[NT, 8, 4, KC, 8]`` of the KC chunks from chunk ``c``. EVEN: no masks (row groups and activation rows
@@ -286,7 +294,7 @@ if gluon is not None:
             wd = gl.load(w_ptr + woff + c * 128)
             s0 = gl.load(s_ptr + soff + c * 64)
             s1 = gl.load(s_ptr + soff + c * 64 + 1)
-            xv = gl.load(x_ptr + xoff + c * 64)
+            xv = gl.load(x_ptr + xoff + c * 32)
         else:
             wd = gl.load(w_ptr + woff + c * 128, mask=c + kcw < c_hi, other=0)
             s0 = gl.load(s_ptr + soff + c * 64, mask=c + kcs < c_hi, other=0)
@@ -338,9 +346,9 @@ if gluon is not None:
         per warp), chunks ``[pid_k * CPS, min(C, (pid_k + 1) * CPS))``, KC chunks (KC 16-byte loads per thread)
         per iteration; NT n-tiles of 8 activation rows (M <= 8 NT). EVEN: the chunk range of every program
         is a multiple of KC and K == 64 C (no masks at all: row groups / activation rows clamped, their
-        outputs not stored). PF (0, 1, 2): the weight words, scales and activation of the next PF iterations
-        are loaded before the current ones are used (register prefetch; EVEN: the prefetch past the last
-        iteration re-reads the last one)."""
+        outputs not stored). PF: the weight words, scales and activation of the next iteration are loaded
+        before the current ones are used (register prefetch; EVEN: the prefetch past the last iteration re-reads
+        the last one; ptxas issues them at the end of the iteration, so the gain is small)."""
         LW: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 8, 4, 1, 1], [NW, 1, 1, 1, 1], [4, 3, 2, 1, 0])
         LS: gl.constexpr = gl.SliceLayout(4, LW)
         LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 8], [1, 8, 4, 1, 1], [1, 1, 1, 1, NW], [4, 3, 2, 1, 0])
@@ -372,32 +380,16 @@ if gluon is not None:
 
         acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
         c_last = c_hi - KC  # EVEN: the last iteration's start
-        if PF >= 1:
-            c1 = c_lo
-            wd1, s01, s11, xv1 = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c1, c_hi, K, EVEN)
-        if PF >= 2:
-            c2 = c_lo + KC
-            if EVEN:
-                c2 = gl.minimum(c2, c_last)
-            wd2, s02, s12, xv2 = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c2, c_hi, K, EVEN)
+        if PF:
+            nxt = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c_lo, c_hi, K, EVEN)
         for c0 in range(c_lo, c_hi, KC):
-            if PF == 0:
-                wd, s0, s1, xv = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c0, c_hi, K, EVEN)
-            elif PF == 1:
-                wd, s0, s1, xv = wd1, s01, s11, xv1
-                cn = c0 + KC
-                if EVEN:
-                    cn = gl.minimum(cn, c_last)
-                wd1, s01, s11, xv1 = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, cn, c_hi, K,
-                                                  EVEN)
+            if PF:
+                cur = nxt
+                nxt = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx,
+                                   _next_chunk(c0, c_last, KC, EVEN), c_hi, K, EVEN)
             else:
-                wd, s0, s1, xv = wd1, s01, s11, xv1
-                wd1, s01, s11, xv1 = wd2, s02, s12, xv2
-                cn = c0 + 2 * KC
-                if EVEN:
-                    cn = gl.minimum(cn, c_last)
-                wd2, s02, s12, xv2 = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, cn, c_hi, K,
-                                                  EVEN)
+                cur = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c0, c_hi, K, EVEN)
+            wd, s0, s1, xv = cur
             acc = _chunk_mma(acc, wd, s0, s1, xv, DA, DB, NW, KC, NT, ASM, FMT)
 
         _epilogue(acc, gs_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, False)
@@ -521,29 +513,16 @@ if gluon is not None:
 
         acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
         c_last = c_hi - KC
-        if PF >= 1:
-            wd1, sc1, xv1 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, EVEN, WPT)
-        if PF >= 2:
-            c2 = c_lo + KC
-            if EVEN:
-                c2 = gl.minimum(c2, c_last)
-            wd2, sc2, xv2 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c2, c_hi, EVEN, WPT)
+        if PF:
+            nxt = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, EVEN, WPT)
         for c0 in range(c_lo, c_hi, KC):
-            if PF == 0:
-                wd, sc, xv = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c0, c_hi, EVEN, WPT)
-            elif PF == 1:
-                wd, sc, xv = wd1, sc1, xv1
-                cn = c0 + KC
-                if EVEN:
-                    cn = gl.minimum(cn, c_last)
-                wd1, sc1, xv1 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, cn, c_hi, EVEN, WPT)
+            if PF:
+                cur = nxt
+                nxt = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx,
+                                       _next_chunk(c0, c_last, KC, EVEN), c_hi, EVEN, WPT)
             else:
-                wd, sc, xv = wd1, sc1, xv1
-                wd1, sc1, xv1 = wd2, sc2, xv2
-                cn = c0 + 2 * KC
-                if EVEN:
-                    cn = gl.minimum(cn, c_last)
-                wd2, sc2, xv2 = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, cn, c_hi, EVEN, WPT)
+                cur = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c0, c_hi, EVEN, WPT)
+            wd, sc, xv = cur
             wd = gl.convert_layout(gl.reshape(wd, (NW, 2, 8, 4, KC, IB, 2)), L7, assert_trivial=True)
             acc = _std_chunk_mma(acc, wd, sc, xv, DA, DB, NW, KC, NT, WPT)
         _epilogue(acc, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, HAS_BIAS)
@@ -556,19 +535,20 @@ if gluon is not None:
 class GluonConfig:
     """``num_warps`` (row groups per program: BN = 16 num_warps weight rows), ``kc`` (64-element chunks per
     iteration), ``split`` (programs along K; 0 = auto: fill ``occ`` programs per SM), ``prefetch`` (register
-    prefetch depth, iterations), ``asm`` (inline-PTX pair decode)."""
+    prefetch of the next iteration), ``wide`` (standard layout: 256-element chunks), ``asm`` (inline-PTX pair
+    decode, permuted layout)."""
 
     num_warps: int = 4
     kc: int = 2
     split: int = 0
     occ: int = 4
-    prefetch: int = 1  # register prefetch depth in iterations (0, 1, 2)
+    prefetch: bool = True  # register prefetch of the next iteration's operands
     wide: bool = False  # standard-layout kernel: 32 bytes per thread and row per chunk (256 elements), else 16
     asm: bool = True  # decode + scale of a register pair as one inline-PTX block (else Triton ops: LLVM re-pairs halves)
 
     @property
     def label(self) -> str:
-        return (f"w{self.num_warps} kc{self.kc} s{self.split or 'a'}{self.occ} pf{self.prefetch}"
+        return (f"w{self.num_warps} kc{self.kc} s{self.split or 'a'}{self.occ} pf{int(self.prefetch)}"
                 f"{' wide' if self.wide else ''}{'' if self.asm else ' noasm'}")
 
 

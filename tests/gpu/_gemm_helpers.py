@@ -1,0 +1,32 @@
+"""Shared inputs and the output check of the GPU GEMM tests (test_nvfp4_gemm_gpu.py, test_nvfp4_gemm_stream_gpu.py,
+test_gluon_gemm_gpu.py): random activations with outlier channels, random weights, and the bound vs the rollout's
+torch reference: per element |y - ref| <= 1 ulp(ref) of y's dtype + 4 K eps_f32 (|x| @ |w|.T) (products exact on
+both sides, float32 summation order differs)."""
+
+import torch
+
+DEV = "cuda"
+
+
+def rand_x(m, k, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    x = torch.randn(m, k, device=DEV, generator=g)
+    x[:, ::293] *= 30.0  # outlier channels
+    return x.to(dtype)
+
+
+def rand_w(shape, seed=1):
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    return torch.randn(*shape, device=DEV, generator=g) * 0.02
+
+
+def check_close(y, ref, xf, wf, what):
+    r = ref.float()
+    d = (y.float() - r).abs()
+    ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.abs().clamp(min=1e-30))) * torch.finfo(y.dtype).eps,
+                      torch.full_like(r, torch.finfo(y.dtype).tiny))
+    bound = ulp + 4 * xf.shape[1] * torch.finfo(torch.float32).eps * (xf.abs() @ wf.abs().t())
+    worst = float((d / ulp).max())
+    print(f"{what}: max |diff| {worst:.2f} ulp, {float((y == ref).float().mean()):.2%} bit-equal, "
+          f"max err / max |ref| {float(d.max() / r.abs().max().clamp(min=1e-30)):.2e}")
+    assert bool((d <= bound).all()), f"{what}: {worst:.2f} ulp"
