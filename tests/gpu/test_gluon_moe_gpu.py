@@ -23,7 +23,7 @@ G = gg.GluonConfig
 if gg.gluon is None:
     pytest.skip("triton.experimental.gluon not available", allow_module_level=True)
 
-CFGS = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=0), G(4, 1, 1, 2), G(4, 1, 0, 4), G(8, 1, 0, 2), G(4, 1, 0, 2, wide=True)]
+CFGS = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=False), G(4, 1, 1, 2), G(4, 1, 0, 4), G(8, 1, 0, 2), G(4, 1, 0, 2, wide=True)]
 
 
 def _x(m, k, seed=0):

@@ -30,9 +30,9 @@ SHAPES = {"w13": (2 * INTER, HIDDEN), "w2": (HIDDEN, INTER)}
 def _configs(which: str):
     from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
 
-    quick = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=0), G(4, 1, 0, 4), G(4, 1, 1, 2), G(4, 1, 0, 2, wide=True),
+    quick = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=False), G(4, 1, 0, 4), G(4, 1, 1, 2), G(4, 1, 0, 2, wide=True),
              G(8, 1, 0, 2)]
-    more = [G(4, 2, 0, 2), G(4, 1, 0, 1), G(4, 1, 0, 8), G(8, 1, 0, 4), G(4, 1, 0, 4, prefetch=0),
+    more = [G(4, 2, 0, 2), G(4, 1, 0, 1), G(4, 1, 0, 8), G(8, 1, 0, 4), G(4, 1, 0, 4, prefetch=False),
             G(4, 1, 0, 4, wide=True), G(2, 1, 0, 4)]
     return quick if which == "quick" else quick + more
 

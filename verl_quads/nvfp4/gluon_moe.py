@@ -193,8 +193,6 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
     chunk = 2 * STD_CHUNK if cfg.wide else STD_CHUNK
     if k % chunk:
         raise ValueError(f"gluon_w4a16_grouped: K = {k} is not a multiple of the chunk {chunk} ({cfg.label})")
-    if cfg.prefetch not in (0, 1):
-        raise ValueError(f"gluon_w4a16_grouped: prefetch 0 or 1, got {cfg.prefetch}")
     s = routing.sorted_slots.numel()
     rows_out = s if out_rows is None else out_rows
     if m * (k // 2) >= 2**31 or e * n * k >= 2**33 or max(1, rows_out) * n * 64 >= 2**31:
