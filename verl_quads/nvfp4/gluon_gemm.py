@@ -221,6 +221,38 @@ if gluon is not None:
                 s = gl.SliceLayout(i, s)
         return s
 
+    @gluon.constexpr_function
+    def mma_layout(nw):
+        """mma.sync m16n8k16 accumulator layout: one 16-row group per warp (warps along the MMA's M = weight rows)."""
+        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[nw, 1], instr_shape=[16, 8])
+
+    @gluon.constexpr_function
+    def dot_layout(nw, operand):
+        """bf16 operand ``operand`` (0: A = weights, 1: B = activation) of :func:`mma_layout`."""
+        return gl.DotOperandLayout(operand_index=operand, parent=mma_layout(nw), k_width=2)
+
+    @gluon.constexpr_function
+    def std_word_layout(nw, wpt):
+        """Standard layout weight words ``[NW, 2 rb3, 8 g, 4 t, KC, WPT]``: WPT contiguous int32 per thread and row."""
+        return gl.BlockedLayout([1, 1, 1, 1, 1, wpt], [1, 1, 8, 4, 1, 1], [nw, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0])
+
+    @gluon.constexpr_function
+    def std_pair_layout(nw, wpt):
+        """The same words as ``[NW, 2, 8, 4, KC, WPT / 2 ib, 2 il]`` (ib: the scale block); its slice 6: scales."""
+        return gl.BlockedLayout([1, 1, 1, 1, 1, wpt // 2, 2], [1, 1, 8, 4, 1, 1, 1], [nw, 1, 1, 1, 1, 1, 1],
+                                [6, 5, 4, 3, 2, 1, 0])
+
+    @gluon.constexpr_function
+    def std_x_layout(nw, wpt):
+        """Activation bf16 pairs (int32) ``[NT, 8 g, 4 t, KC, 4 WPT]``, the same in every warp."""
+        return gl.BlockedLayout([1, 1, 1, 1, 4 * wpt], [1, 8, 4, 1, 1], [1, 1, 1, 1, nw], [4, 3, 2, 1, 0])
+
+    @gluon.jit
+    def _k_range(pid_k, CPS, C):
+        """Chunks ``[c_lo, c_hi)`` of K range ``pid_k``."""
+        c_lo = pid_k * CPS
+        return c_lo, gl.minimum(c_lo + CPS, C)
+
     @gluon.jit
     def _iota(n: gl.constexpr, D: gl.constexpr, RANK: gl.constexpr, L: gl.constexpr):
         """``arange(n)`` along dimension D of a rank-RANK tensor in layout L (size 1 elsewhere)."""
@@ -275,14 +307,6 @@ if gluon is not None:
         return gl.inline_asm_elementwise(
             "{ .reg .b32 t, u; " + op + " mul.rn.bf16x2 $0, t, $3; }",
             "=r,r,r,r", [wd2, m2], dtype=gl.bfloat16, is_pure=True, pack=2)
-
-    @gluon.jit
-    def _next_chunk(c0, c_last, KC: gl.constexpr, EVEN: gl.constexpr):
-        """The prefetch target after iteration ``c0``; EVEN: clamped to the last iteration (re-read, unused)."""
-        cn = c0 + KC
-        if EVEN:
-            cn = gl.minimum(cn, c_last)
-        return cn
 
     @gluon.jit
     def _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c, c_hi, K, EVEN: gl.constexpr):
@@ -346,21 +370,15 @@ if gluon is not None:
         per warp), chunks ``[pid_k * CPS, min(C, (pid_k + 1) * CPS))``, KC chunks (KC 16-byte loads per thread)
         per iteration; NT n-tiles of 8 activation rows (M <= 8 NT). EVEN: the chunk range of every program
         is a multiple of KC and K == 64 C (no masks at all: row groups / activation rows clamped, their
-        outputs not stored). PF: the weight words, scales and activation of the next iteration are loaded
-        before the current ones are used (register prefetch; EVEN: the prefetch past the last iteration re-reads
-        the last one; ptxas issues them at the end of the iteration, so the gain is small)."""
+        outputs not stored). PF: register prefetch (:func:`k_loop`)."""
         LW: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4], [1, 8, 4, 1, 1], [NW, 1, 1, 1, 1], [4, 3, 2, 1, 0])
         LS: gl.constexpr = gl.SliceLayout(4, LW)
         LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 8], [1, 8, 4, 1, 1], [1, 1, 1, 1, NW], [4, 3, 2, 1, 0])
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        MMA: gl.constexpr = mma_layout(NW)
         BN: gl.constexpr = NW * 16
-
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
-        c_lo = pid_k * CPS
-        c_hi = gl.minimum(c_lo + CPS, C)
+        c_lo, c_hi = _k_range(pid_k, CPS, C)
 
         # weight words [NW, 8 g, 4 t, KC, 4 s]: 16 contiguous bytes per thread and chunk; a row group past the
         # last reads the last one (its outputs are not stored)
@@ -378,20 +396,8 @@ if gluon is not None:
         kx = _iota(KC, 3, 5, LX) * 32 + _iota(4, 2, 5, LX) * 8  # int32 (bf16 pair) index of a thread's first pair
         xoff = xn * (K // 2) + kx + _iota(8, 4, 5, LX)
 
-        acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
-        c_last = c_hi - KC  # EVEN: the last iteration's start
-        if PF:
-            nxt = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c_lo, c_hi, K, EVEN)
-        for c0 in range(c_lo, c_hi, KC):
-            if PF:
-                cur = nxt
-                nxt = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx,
-                                   _next_chunk(c0, c_last, KC, EVEN), c_hi, K, EVEN)
-            else:
-                cur = _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c0, c_hi, K, EVEN)
-            wd, s0, s1, xv = cur
-            acc = _chunk_mma(acc, wd, s0, s1, xv, DA, DB, NW, KC, NT, ASM, FMT)
-
+        acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx,
+                     c_lo, c_hi, K, NW, KC, NT, EVEN, PF, False, 4, ASM, FMT)
         _epilogue(acc, gs_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, False)
 
 
@@ -440,6 +446,64 @@ if gluon is not None:
         return mma_v2(a, b, acc)
 
     @gluon.jit
+    def _loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c, c_hi, K, EVEN: gl.constexpr,
+               STD: gl.constexpr, WPT: gl.constexpr):
+        """One iteration's operands: :func:`_std_chunk_loads` (STD) or :func:`_chunk_loads` (permuted layout)."""
+        if STD:
+            return _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c, c_hi, EVEN, WPT)
+        else:
+            return _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c, c_hi, K, EVEN)
+
+    @gluon.jit
+    def k_loop(acc, w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c_lo, c_hi, K, NW: gl.constexpr,
+               KC: gl.constexpr, NT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr, STD: gl.constexpr,
+               WPT: gl.constexpr = 4, ASM: gl.constexpr = True, FMT: gl.constexpr = 1):
+        """``acc += W[rows, chunks c_lo..c_hi) @ x[:, same]^T`` over KC chunks per iteration, for the standard
+        (STD) or the permuted layout; PF: the next iteration's operands are loaded before the current ones are
+        used (register prefetch; EVEN: the prefetch past the last iteration re-reads it; ptxas issues those loads
+        at the end of the iteration, so the gain is small)."""
+        c_last = c_hi - KC  # EVEN: the last iteration's start
+        if PF:
+            nxt = _loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c_lo, c_hi, K, EVEN, STD, WPT)
+        for c0 in range(c_lo, c_hi, KC):
+            if PF:
+                cur = nxt
+                cn = c0 + KC
+                if EVEN:
+                    cn = gl.minimum(cn, c_last)
+                nxt = _loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, cn, c_hi, K, EVEN, STD, WPT)
+            else:
+                cur = _loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c0, c_hi, K, EVEN, STD, WPT)
+            if STD:
+                wd, sc, xv = cur
+                wd = gl.convert_layout(gl.reshape(wd, (NW, 2, 8, 4, KC, WPT // 2, 2)), std_pair_layout(NW, WPT),
+                                       assert_trivial=True)
+                acc = _std_chunk_mma(acc, wd, sc, xv, dot_layout(NW, 0), dot_layout(NW, 1), NW, KC, NT, WPT)
+            else:
+                wd, s0, s1, xv = cur
+                acc = _chunk_mma(acc, wd, s0, s1, xv, dot_layout(NW, 0), dot_layout(NW, 1), NW, KC, NT, ASM, FMT)
+        return acc
+
+    @gluon.jit
+    def std_weight_offsets(pid_n, N, KW, KB, NW: gl.constexpr, KC: gl.constexpr, WPT: gl.constexpr):
+        """Standard layout: ``(woff, kcw, soff, kcs)``, the int32-word offsets ``[NW, 2, 8, 4, KC, WPT]`` of a
+        program's weight rows ``16 (pid_n NW + w) + 8 rb3 + g`` (rows past N read row N - 1: not stored) at chunk
+        0 and the byte offsets of their scales ``[NW, 2, 8, 4, KC, WPT / 2]`` (rows of KW words / KB scales), with
+        the KC index tensors (for masks)."""
+        L6: gl.constexpr = std_word_layout(NW, WPT)
+        LS: gl.constexpr = gl.SliceLayout(6, std_pair_layout(NW, WPT))
+        IB: gl.constexpr = WPT // 2
+        roww = gl.minimum(pid_n * NW * 16 + _iota(NW, 0, 6, L6) * 16 + _iota(2, 1, 6, L6) * 8 + _iota(8, 2, 6, L6),
+                          N - 1)
+        kcw = _iota(KC, 4, 6, L6)
+        woff = roww * KW + kcw * (4 * WPT) + _iota(4, 3, 6, L6) * WPT + _iota(WPT, 5, 6, L6)
+        rows_s = gl.minimum(pid_n * NW * 16 + _iota(NW, 0, 6, LS) * 16 + _iota(2, 1, 6, LS) * 8 + _iota(8, 2, 6, LS),
+                            N - 1)
+        kcs = _iota(KC, 4, 6, LS)
+        soff = rows_s * KB + kcs * (2 * WPT) + _iota(4, 3, 6, LS) * IB + _iota(IB, 5, 6, LS)
+        return woff, kcw, soff, kcs
+
+    @gluon.jit
     def _epilogue(acc, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k,
                   MMA: gl.constexpr, BN: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
                   HAS_BIAS: gl.constexpr):
@@ -479,52 +543,22 @@ if gluon is not None:
         """The STANDARD NVFP4 layout (``w_ptr``: the packed codes as int32 ``[N, K/8]`` = KW words per row,
         ``s_ptr``: e4m3 bytes ``[N, K/16]`` = KB per row; chunks of 32 WPT elements, K % (32 WPT) == 0, C chunks):
         warp w owns rows ``16 (pid_n NW + w) + [0, 16)``, thread (g, t) loads 4 WPT bytes of rows g and g + 8 per
-        chunk (elements ``8 WPT t + [0, 8 WPT)``: 16 or 32 bytes); the K order inside a chunk is permuted identically on both MMA operands
-        (:func:`_std_chunk_mma`). Grid, split-K, EVEN, PF as :func:`_w4a16_kernel`."""
-        IB: gl.constexpr = WPT // 2  # scale blocks per thread, row and chunk
-        L6: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, WPT], [1, 1, 8, 4, 1, 1], [NW, 1, 1, 1, 1, 1],
-                                            [5, 4, 3, 2, 1, 0])  # words: WPT contiguous per thread (16-byte loads)
-        L7: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, IB, 2], [1, 1, 8, 4, 1, 1, 1], [NW, 1, 1, 1, 1, 1, 1],
-                                            [6, 5, 4, 3, 2, 1, 0])  # the same words as (ib, il)
-        LS: gl.constexpr = gl.SliceLayout(6, L7)
-        LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4 * WPT], [1, 8, 4, 1, 1], [1, 1, 1, 1, NW],
-                                            [4, 3, 2, 1, 0])  # activation bf16 pairs (int32)
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        chunk (elements ``8 WPT t + [0, 8 WPT)``: 16 or 32 bytes); the K order inside a chunk is permuted
+        identically on both MMA operands (:func:`_std_chunk_mma`). Grid, split-K, EVEN, PF as :func:`_w4a16_kernel`."""
+        LX: gl.constexpr = std_x_layout(NW, WPT)
+        MMA: gl.constexpr = mma_layout(NW)
         BN: gl.constexpr = NW * 16
-
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
-        c_lo = pid_k * CPS
-        c_hi = gl.minimum(c_lo + CPS, C)
+        c_lo, c_hi = _k_range(pid_k, CPS, C)
 
-        # rows past N read row N - 1 (not stored)
-        roww = gl.minimum(pid_n * BN + _iota(NW, 0, 6, L6) * 16 + _iota(2, 1, 6, L6) * 8 + _iota(8, 2, 6, L6), N - 1)
-        kcw = _iota(KC, 4, 6, L6)
-        woff = roww * KW + kcw * (4 * WPT) + _iota(4, 3, 6, L6) * WPT + _iota(WPT, 5, 6, L6)
-        rows_s = gl.minimum(pid_n * BN + _iota(NW, 0, 6, LS) * 16 + _iota(2, 1, 6, LS) * 8 + _iota(8, 2, 6, LS),
-                            N - 1)
-        kcs = _iota(KC, 4, 6, LS)
-        soff = rows_s * KB + kcs * (2 * WPT) + _iota(4, 3, 6, LS) * IB + _iota(IB, 5, 6, LS)
+        woff, kcw, soff, kcs = std_weight_offsets(pid_n, N, KW, KB, NW, KC, WPT)
         xn = gl.minimum(_iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX), M - 1)
         kcx = _iota(KC, 3, 5, LX)
         xoff = xn * (K // 2) + kcx * (16 * WPT) + _iota(4, 2, 5, LX) * (4 * WPT) + _iota(4 * WPT, 4, 5, LX)
 
-        acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
-        c_last = c_hi - KC
-        if PF:
-            nxt = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, EVEN, WPT)
-        for c0 in range(c_lo, c_hi, KC):
-            if PF:
-                cur = nxt
-                nxt = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx,
-                                       _next_chunk(c0, c_last, KC, EVEN), c_hi, EVEN, WPT)
-            else:
-                cur = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c0, c_hi, EVEN, WPT)
-            wd, sc, xv = cur
-            wd = gl.convert_layout(gl.reshape(wd, (NW, 2, 8, 4, KC, IB, 2)), L7, assert_trivial=True)
-            acc = _std_chunk_mma(acc, wd, sc, xv, DA, DB, NW, KC, NT, WPT)
+        acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx,
+                     c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT)
         _epilogue(acc, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, HAS_BIAS)
 
 
