@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from verl_quads.bench.gluon_probe import _time_rot
+
 L2_FLUSH_BYTES = 256 * 2**20
 E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 SHAPES = {"w13": (2 * INTER, HIDDEN), "w2": (HIDDEN, INTER)}
@@ -35,20 +37,6 @@ def _configs(which: str):
     more = [G(4, 2, 0, 2), G(4, 1, 0, 1), G(4, 1, 0, 8), G(8, 1, 0, 4), G(4, 1, 0, 4, prefetch=False),
             G(4, 1, 0, 4, wide=True), G(2, 1, 0, 4)]
     return quick if which == "quick" else quick + more
-
-
-def _time(fn_of_copy, copies: int) -> float:
-    """Seconds per call: one graph replay calls ``fn_of_copy(i)`` for i < copies."""
-    from verl_quads.bench.timing import graph_time_s, median_time_s
-
-    def fn():
-        for i in range(copies):
-            fn_of_copy(i)
-
-    t = graph_time_s(fn)
-    if t is None:
-        t = median_time_s(fn, 3, 10, 3)
-    return t / copies
 
 
 def _check(y, xf, wf_of, slots_of, rows_of, k):
@@ -132,7 +120,7 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
             xsorted = x[rows_of(order)].contiguous()
             try:
                 for mode, cp in (("cold", copies), ("warm", 1)):
-                    res[("bf16 torch._grouped_mm", mode)] = _time(
+                    res[("bf16 torch._grouped_mm", mode)] = _time_rot(
                         lambda i: torch._grouped_mm(xsorted, bf[i], offs=offs), cp)
             except Exception as ex:  # pragma: no cover
                 print(f"{tag}: torch._grouped_mm failed ({type(ex).__name__}: {ex})", flush=True)
@@ -140,7 +128,7 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
             y = tg.nvfp4_gemm(op, *wq[0], routing=routing, a_rows=a_rows, out_rows=s)
             werr, ok = _check(y, xf, wf_of, slots_of, rows_of, k)
             for mode, cp in (("cold", copies), ("warm", 1)):
-                res[("default dispatch", mode)] = _time(
+                res[("default dispatch", mode)] = _time_rot(
                     lambda i: tg.nvfp4_gemm(op, *wq[i], routing=routing, a_rows=a_rows, out_rows=s,
                                             zero_unrouted=False), cp)
             res[("default dispatch", "check")] = (werr, ok)
@@ -150,7 +138,7 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
                     y = gm.gluon_w4a16_grouped(x, *wq[0], routing, a_rows=a_rows, out_rows=s, cfg=cfg)
                     werr, ok = _check(y, xf, wf_of, slots_of, rows_of, k)
                     for mode, cp in (("cold", copies), ("warm", 1)):
-                        res[(label, mode)] = _time(
+                        res[(label, mode)] = _time_rot(
                             lambda i, cfg=cfg: gm.gluon_w4a16_grouped(x, *wq[i], routing, a_rows=a_rows, out_rows=s,
                                                                       cfg=cfg, zero_unrouted=False), cp)
                     res[(label, "check")] = (werr, ok)
@@ -235,7 +223,7 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings) -> str:
         for lb, fn in (("bf16 layer (torch._grouped_mm)", bf16), ("default moe_forward w4a16", default),
                        (f"gluon GEMMs layer ({cfg.label})", gluon)):
             try:
-                res[lb] = (_time(fn, copies), _time(fn, 1))
+                res[lb] = (_time_rot(fn, copies), _time_rot(fn, 1))
             except Exception as ex:  # pragma: no cover
                 print(f"layer T={t} {lb}: FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
         bc, bw = res.get("bf16 layer (torch._grouped_mm)", (float("nan"),) * 2)

@@ -2,9 +2,9 @@
 
 The grouped twin of :func:`verl_quads.nvfp4.gluon_gemm.gluon_w4a16_std` (the dense standard-layout kernel): same
 weight layout (the standard packed NVFP4 ``[E, N, K/2]`` uint8 + e4m3 ``[E, N, K/16]`` + float32 ``[E]``), the same
-per-chunk loads, decode and ``mma.sync m16n8k16`` (weights on the MMA's M side, the tile's activation rows on its N
-side; :func:`~verl_quads.nvfp4.gluon_gemm._std_chunk_loads` / :func:`~verl_quads.nvfp4.gluon_gemm._std_chunk_mma`
-are called as they are), the same numerics (exact products, float32 sums, ``* (256 / gs_e)`` once, one bf16 cast):
+offsets, loads, decode, ``mma.sync m16n8k16`` and K loop (weights on the MMA's M side, the tile's activation rows on
+its N side; :func:`~verl_quads.nvfp4.gluon_gemm.std_weight_offsets` / :func:`~verl_quads.nvfp4.gluon_gemm.k_loop`
+called as they are, on the expert's weight pointers), the same numerics (exact products, float32 sums, ``* (256 / gs_e)`` once, one bf16 cast):
 the same bound vs the torch reference as every other kernel.
 
 Routing: the tile table of :func:`verl_quads.nvfp4.triton_gemm.moe_align` (``GroupedRouting``, as the stream and
@@ -32,7 +32,8 @@ from verl_quads.nvfp4.gluon_gemm import ROWS, STD_CHUNK, GluonConfig, _num_sms, 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
 
-    from verl_quads.nvfp4.gluon_gemm import _cta_barrier, _iota, _std_chunk_loads, _std_chunk_mma
+    from verl_quads.nvfp4.gluon_gemm import (_cta_barrier, _iota, _k_range, k_loop, mma_layout, std_weight_offsets,
+                                             std_x_layout)
 
     @gluon.jit
     def _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, r0, r1, N, OUT_ROWS, pid_n, pid_m, pid_k, GRID_N,
@@ -75,66 +76,28 @@ if gluon is not None:
         """Grouped standard-layout W4A16: program (pid_n, pid_m, pid_k) computes rows ``16 (pid_n NW + w) + [0, 16)``
         of expert ``tile_expert[pid_m]``'s output for the tile's sorted rows, chunks ``[pid_k CPS, ...)``;
         ``w_ptr`` int32 ``[E, N, KW]``, ``s_ptr`` uint8 ``[E, N, KB]``, ``x_ptr`` int32 (bf16 pairs) ``[rows, K/2]``.
-        Loads, decode and MMA: :func:`_w4a16_std_kernel` (the dense kernel)."""
-        IB: gl.constexpr = WPT // 2
-        L6: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, WPT], [1, 1, 8, 4, 1, 1], [NW, 1, 1, 1, 1, 1],
-                                            [5, 4, 3, 2, 1, 0])
-        L7: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 1, IB, 2], [1, 1, 8, 4, 1, 1, 1], [NW, 1, 1, 1, 1, 1, 1],
-                                            [6, 5, 4, 3, 2, 1, 0])
-        LS: gl.constexpr = gl.SliceLayout(6, L7)
-        LX: gl.constexpr = gl.BlockedLayout([1, 1, 1, 1, 4 * WPT], [1, 8, 4, 1, 1], [1, 1, 1, 1, NW],
-                                            [4, 3, 2, 1, 0])
-        MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NW, 1], instr_shape=[16, 8])
-        DA: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-        DB: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+        Offsets, loads, decode, MMA and K loop: the dense kernel's (gluon_gemm.std_weight_offsets / k_loop) on the
+        expert's weight pointers and the tile's gathered activation rows."""
+        LX: gl.constexpr = std_x_layout(NW, WPT)
+        MMA: gl.constexpr = mma_layout(NW)
         BN: gl.constexpr = NW * 16
-
         pid_n = gl.program_id(0)
         pid_m = gl.program_id(1)
         pid_k = gl.program_id(2)
         e = gl.load(te_ptr + pid_m)
-        if e >= 0:
+        if e >= 0:  # tiles past the last expert's: nothing
             r0 = gl.load(tr0_ptr + pid_m)
             r1 = gl.load(tr1_ptr + pid_m)
-            c_lo = pid_k * CPS
-            c_hi = gl.minimum(c_lo + CPS, C)
+            c_lo, c_hi = _k_range(pid_k, CPS, C)
             e64 = e.to(gl.int64)
-            w_e = w_ptr + e64 * N * KW
-            s_e = s_ptr + e64 * N * KB
-            gw = gl.load(gs_ptr + e + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)) * 0)
-
-            roww = gl.minimum(pid_n * BN + _iota(NW, 0, 6, L6) * 16 + _iota(2, 1, 6, L6) * 8 + _iota(8, 2, 6, L6),
-                              N - 1)
-            kcw = _iota(KC, 4, 6, L6)
-            woff = roww * KW + kcw * (4 * WPT) + _iota(4, 3, 6, L6) * WPT + _iota(WPT, 5, 6, L6)
-            rows_s = gl.minimum(pid_n * BN + _iota(NW, 0, 6, LS) * 16 + _iota(2, 1, 6, LS) * 8 + _iota(8, 2, 6, LS),
-                                N - 1)
-            kcs = _iota(KC, 4, 6, LS)
-            soff = rows_s * KB + kcs * (2 * WPT) + _iota(4, 3, 6, LS) * IB + _iota(IB, 5, 6, LS)
+            woff, kcw, soff, kcs = std_weight_offsets(pid_n, N, KW, KB, NW, KC, WPT)
             # the tile's activation rows (sorted rows past r1 read row r1 - 1: not stored)
-            rx = gl.minimum(r0 + _iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX), r1 - 1)
-            xn = gl.load(arow_ptr + rx)
+            xn = gl.load(arow_ptr + gl.minimum(r0 + _iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX), r1 - 1))
             kcx = _iota(KC, 3, 5, LX)
             xoff = xn * (K // 2) + kcx * (16 * WPT) + _iota(4, 2, 5, LX) * (4 * WPT) + _iota(4 * WPT, 4, 5, LX)
-
-            acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
-            c_last = c_hi - KC
-            if PF >= 1:
-                wd1, sc1, xv1 = _std_chunk_loads(w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, EVEN,
-                                                 WPT)
-            for c0 in range(c_lo, c_hi, KC):
-                if PF == 0:
-                    wd, sc, xv = _std_chunk_loads(w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c0, c_hi, EVEN,
-                                                  WPT)
-                else:
-                    wd, sc, xv = wd1, sc1, xv1
-                    cn = c0 + KC
-                    if EVEN:
-                        cn = gl.minimum(cn, c_last)
-                    wd1, sc1, xv1 = _std_chunk_loads(w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs, kcx, cn, c_hi, EVEN,
-                                                     WPT)
-                wd = gl.convert_layout(gl.reshape(wd, (NW, 2, 8, 4, KC, IB, 2)), L7, assert_trivial=True)
-                acc = _std_chunk_mma(acc, wd, sc, xv, DA, DB, NW, KC, NT, WPT)
+            acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr + e64 * N * KW, s_ptr + e64 * N * KB, x_ptr,
+                         woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT)
+            gw = gl.load(gs_ptr + e + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)) * 0)
             _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, r0, r1, N, OUT_ROWS, pid_n, pid_m, pid_k,
                           GRID_N, MMA, BN, NT, SPLIT)
 
