@@ -48,7 +48,7 @@ CHUNK = 64  # K elements per chunk (4 MMA K-steps of 16)
 try:  # triton >= 3.6 with Gluon; the torch layout functions below work without it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     # CTA barrier: gl.thread_barrier in triton 3.6 (the H200's), gl.barrier in later versions (offline compiles)
     _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -485,6 +485,47 @@ if gluon is not None:
         return acc
 
     @gluon.jit
+    def _pipe_issue(sw, ss, w_ptr, s_ptr, woff, soff, c, WPT: gl.constexpr):
+        """cp.async of one iteration's weight words (16-byte copies) and scale bytes (4-byte copies: WPT 8) from
+        chunk ``c`` into the stage buffers ``sw`` / ``ss``."""
+        async_copy.async_copy_global_to_shared(sw, w_ptr + woff + c * (4 * WPT))
+        async_copy.async_copy_global_to_shared(ss, s_ptr + soff + c * (2 * WPT))
+        async_copy.commit_group()
+
+    @gluon.jit
+    def k_loop_pipe(acc, w_ptr, s_ptr, x_ptr, woff, soff, xoff, c_lo, c_hi, NW: gl.constexpr, KC: gl.constexpr,
+                    NT: gl.constexpr, WPT: gl.constexpr, STAGES: gl.constexpr):
+        """:func:`k_loop` for the standard layout (EVEN launches) with the weight words and scales streamed through
+        a STAGES-deep ring of cp.async copies into shared memory (STAGES - 1 iterations in flight per thread,
+        without holding registers; the activation, an L2 hit, is register-prefetched one iteration ahead). Triton's
+        shared-memory hazard analysis adds two CTA barriers per iteration (after the wait: the scales are read back
+        with ldmatrix, i.e. partly by other threads; before the refill of the stage read last iteration)."""
+        L6: gl.constexpr = std_word_layout(NW, WPT)
+        LS: gl.constexpr = gl.SliceLayout(6, std_pair_layout(NW, WPT))
+        SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [5, 4, 3, 2, 1, 0])  # per stage
+        sw = gl.allocate_shared_memory(gl.int32, [STAGES, NW, 2, 8, 4, KC, WPT], SL)
+        ss = gl.allocate_shared_memory(gl.uint8, [STAGES, NW, 2, 8, 4, KC, WPT // 2], SL)
+        c_last = c_hi - KC
+        for i in gl.static_range(STAGES - 1):
+            _pipe_issue(sw.index(i), ss.index(i), w_ptr, s_ptr, woff, soff, gl.minimum(c_lo + i * KC, c_last), WPT)
+        xn = gl.load(x_ptr + xoff + c_lo * (16 * WPT))
+        j = 0
+        for c0 in range(c_lo, c_hi, KC):
+            _pipe_issue(sw.index((j + STAGES - 1) % STAGES), ss.index((j + STAGES - 1) % STAGES), w_ptr, s_ptr, woff,
+                        soff, gl.minimum(c0 + (STAGES - 1) * KC, c_last), WPT)
+            xv = xn
+            xn = gl.load(x_ptr + xoff + gl.minimum(c0 + KC, c_last) * (16 * WPT))
+            async_copy.wait_group(STAGES - 1)
+            wd = sw.index(j % STAGES).load(L6)
+            sc = ss.index(j % STAGES).load(LS)
+            wd = gl.convert_layout(gl.reshape(wd, (NW, 2, 8, 4, KC, WPT // 2, 2)), std_pair_layout(NW, WPT),
+                                   assert_trivial=True)
+            acc = _std_chunk_mma(acc, wd, sc, xv, dot_layout(NW, 0), dot_layout(NW, 1), NW, KC, NT, WPT)
+            j += 1
+        async_copy.wait_group(0)
+        return acc
+
+    @gluon.jit
     def std_weight_offsets(pid_n, N, KW, KB, NW: gl.constexpr, KC: gl.constexpr, WPT: gl.constexpr):
         """Standard layout: ``(woff, kcw, soff, kcs)``, the int32-word offsets ``[NW, 2, 8, 4, KC, WPT]`` of a
         program's weight rows ``16 (pid_n NW + w) + 8 rb3 + g`` (rows past N read row N - 1: not stored) at chunk
@@ -539,7 +580,8 @@ if gluon is not None:
     def _w4a16_std_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
                           M, N, K, KW, KB, C, CPS,
                           NW: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
-                          EVEN: gl.constexpr, PF: gl.constexpr, HAS_BIAS: gl.constexpr, WPT: gl.constexpr = 4):
+                          EVEN: gl.constexpr, PF: gl.constexpr, HAS_BIAS: gl.constexpr, WPT: gl.constexpr = 4,
+                          PIPE: gl.constexpr = 0):
         """The STANDARD NVFP4 layout (``w_ptr``: the packed codes as int32 ``[N, K/8]`` = KW words per row,
         ``s_ptr``: e4m3 bytes ``[N, K/16]`` = KB per row; chunks of 32 WPT elements, K % (32 WPT) == 0, C chunks):
         warp w owns rows ``16 (pid_n NW + w) + [0, 16)``, thread (g, t) loads 4 WPT bytes of rows g and g + 8 per
@@ -557,8 +599,12 @@ if gluon is not None:
         kcx = _iota(KC, 3, 5, LX)
         xoff = xn * (K // 2) + kcx * (16 * WPT) + _iota(4, 2, 5, LX) * (4 * WPT) + _iota(4 * WPT, 4, 5, LX)
 
-        acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx,
-                     c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT)
+        if PIPE > 1:  # EVEN launches only (the host checks)
+            acc = k_loop_pipe(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr, s_ptr, x_ptr, woff, soff, xoff, c_lo,
+                              c_hi, NW, KC, NT, WPT, PIPE)
+        else:
+            acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs,
+                         kcx, c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT)
         _epilogue(acc, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, HAS_BIAS)
 
 
@@ -578,12 +624,13 @@ class GluonConfig:
     occ: int = 4
     prefetch: bool = True  # register prefetch of the next iteration's operands
     wide: bool = False  # standard-layout kernel: 32 bytes per thread and row per chunk (256 elements), else 16
+    pipe: int = 0  # standard-layout kernel, wide, EVEN launches: cp.async ring of this many stages (0: registers)
     asm: bool = True  # decode + scale of a register pair as one inline-PTX block (else Triton ops: LLVM re-pairs halves)
 
     @property
     def label(self) -> str:
         return (f"w{self.num_warps} kc{self.kc} s{self.split or 'a'}{self.occ} pf{int(self.prefetch)}"
-                f"{' wide' if self.wide else ''}{'' if self.asm else ' noasm'}")
+                f"{' wide' if self.wide else ''}{f' pipe{self.pipe}' if self.pipe else ''}{'' if self.asm else ' noasm'}")
 
 
 _COUNTERS: dict = {}
@@ -692,6 +739,9 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
     x = x.contiguous()
     nt = 1 if m <= 8 else 2
     grid_n, split, cps, even = std_plan(n, k, cfg, _num_sms(x.device))
+    if cfg.pipe and (cfg.pipe < 2 or not cfg.wide or not even):
+        raise ValueError(f"gluon_w4a16_std: pipe needs >= 2 stages, wide chunks and an even K split ({cfg.label}, "
+                         f"N={n} K={k})")
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
@@ -709,7 +759,7 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
         x.view(torch.int32), w_packed.view(torch.int32), w_scale.view(torch.uint8), gs, bias if bias is not None else gs, out, part,
         cnt, m, n, k, k // 8, k // BLOCK_SIZE, k // _std_chunk(cfg), cps,
         NW=cfg.num_warps, KC=cfg.kc, NT=nt, SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
-        HAS_BIAS=bias is not None, WPT=8 if cfg.wide else 4, num_warps=cfg.num_warps)
+        HAS_BIAS=bias is not None, WPT=8 if cfg.wide else 4, PIPE=cfg.pipe, num_warps=cfg.num_warps)
     return out
 
 
