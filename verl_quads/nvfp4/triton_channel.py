@@ -107,7 +107,9 @@ tl = tk.tl
 #: registers x 128 threads: two programs per SM; 8 warps take 136 registers: one) 256x4096 16.2 -> 10.7 / 22.1 ->
 #: 17.7, 192x4096 15.4 -> 10.5 / 20.7 -> 15.7; a 128-register cap at 8 warps 12.1 / 17.7 at 256x4096. K = 8192 keeps
 #: its launch: 4 warps = the default (no entry), 128-register cap 21.4 / 42.1 vs 21.1 / 34.4 at 256x8192 (spills),
-#: 16 warps capped at 64 26.7 / 46.8. 1-132 rows are unchanged (one row per SM at most).
+#: 16 warps capped at 64 26.7 / 46.8. 1-132 rows are unchanged (one row per SM at most). Run 3 (the adopted default vs
+#: "s8", bytes == torch reference on the device): 256x4096 10.8 / 17.7 vs 16.4 / 22.2, 192x4096 10.9 / 16.2 vs
+#: 15.7 / 20.9, 4x4096 9.13 / 11.8 vs 9.17 / 11.8.
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
@@ -126,7 +128,7 @@ CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_
 #: (2 bits, 16-entry tile: nearly every row takes the full-row continuation; for the bytes tests, not a speed
 #: candidate). Removed after run 1: 8 full-row bits, the 64-register cap (both slower); after run 2 (adopted in the
 #: default): two bits per tile step, 8 warps at K = 8192; after run 3: the warp tile with 11 / 12 bits (12 adopted).
-#: Session 9 (docs/bench_nvfp4_h200_channel_s9.txt; code in commit ca819a5): "s8" = session 8's launches at every M
+#: Session 9 (docs/bench_nvfp4_h200_channel_s9.txt; removed code in commits ca819a5, f0d4d22): "s8" = session 8's launches at every M
 #: (no compact_many_* routing). Removed after run 1 / 2 (slower or equal at 1-64 rows, QDQ us vs the default): 3 / 2
 #: bits per full-row step by one reduction of all digit counts (3: 12.1-12.3 vs 11.4-11.5 at 4-64 x 8192, 8.82 vs
 #: 8.93 at 4x4096; 2: 13.0-13.2), 3 bits per warp-tile step (11.6-11.9 vs 11.4-11.5 at 4-64 x 8192, 9.3 vs 8.9 at
