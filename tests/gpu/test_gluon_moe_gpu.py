@@ -18,12 +18,14 @@ from verl_quads.rollout import emulation as em
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-G = gg.GluonConfig
+G = gm.GroupedConfig
 
 if gg.gluon is None:
     pytest.skip("triton.experimental.gluon not available", allow_module_level=True)
 
-CFGS = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=False), G(4, 1, 1, 2), G(4, 1, 0, 4), G(8, 1, 0, 2), G(4, 1, 0, 2, wide=True)]
+CFGS = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=False), G(4, 1, 1, 2), G(4, 1, 0, 4), G(8, 1, 0, 2), G(4, 1, 0, 2, wide=True),
+        G(4, 1, 0, 2, nt=1), G(4, 1, 2, 2, nt=1), G(4, 1, 0, 2, wide=True, nt=1), G(4, 1, 0, 2, wide=True, pipe=3),
+        G(4, 1, 0, 2, wide=True, pipe=3, nt=1)]
 
 
 def _x(m, k, seed=0):
@@ -103,7 +105,7 @@ def test_grouped_configs(gemm, tokens, cfg):
     _gemm_case(gemm, tokens, cfg)
 
 
-@pytest.mark.parametrize("cfg", [CFGS[0], CFGS[2], G(4, 1, 3, 2)], ids=lambda c: c.label)
+@pytest.mark.parametrize("cfg", [CFGS[0], CFGS[2], G(4, 1, 3, 2), G(4, 1, 3, 2, nt=1)], ids=lambda c: c.label)
 @pytest.mark.parametrize("n, k, block_m, e, topk, tokens", [
     (200, 384, 8, 8, 2, 40),  # N % 64 != 0, 3 chunks, ~10 rows per expert in 8-row tiles (2 tiles per expert)
     (1536, 2048, 16, 16, 4, 37),  # ~9 rows per expert, 16-row tiles (some experts 2 tiles)
@@ -129,9 +131,9 @@ def test_grouped_equals_dense_per_expert(gemm, tokens):
         assert torch.equal(y[slots], yd), f"expert {ex}"
 
 
-def test_grouped_split_deterministic_and_graph():
-    cfg = G(4, 1, 4, 2)
-    e, n, k, tokens, topk = 128, 1536, 2048, 16, 8
+@pytest.mark.parametrize("cfg, tokens", [(G(4, 1, 4, 2), 16), (G(4, 1, 4, 2, nt=1), 64)], ids=["one-pass", "passes"])
+def test_grouped_split_deterministic_and_graph(cfg, tokens):
+    e, n, k, topk = 128, 1536, 2048, 8
     q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
     gs = q_w.global_scale.reshape(-1)
     ids = _ids(tokens, e, topk)
@@ -172,6 +174,10 @@ def test_grouped_rejects_unsupported():
         gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 64))
     with pytest.raises(ValueError):  # float32 activation
         gm.gluon_w4a16_grouped(_x(3, k).float(), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16))
+    with pytest.raises(ValueError):  # nt 4 does not divide block_m / 8 = 2
+        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16), cfg=G(nt=4))
+    with pytest.raises(ValueError):  # pipe without wide chunks
+        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16), cfg=G(pipe=3))
     with pytest.raises(ValueError):  # K % 128 != 0
         q2 = em.quantize_weight(_w((e, n, 1040)), reduce_dims=(1, 2))
         gm.gluon_w4a16_grouped(_x(3, 1040), q2.packed, q2.block_scale, q2.global_scale.reshape(-1),

@@ -30,12 +30,16 @@ SHAPES = {"w13": (2 * INTER, HIDDEN), "w2": (HIDDEN, INTER)}
 
 
 def _configs(which: str):
-    from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
+    """``quick``: one-pass tiles (nt = block_m / 8) and passes of 8 rows (nt 1), register prefetch on / off, wide
+    chunks, 8 warps, cp.async ring (pipe), split target; ``all`` adds a few more."""
+    from verl_quads.nvfp4.gluon_moe import GroupedConfig as C
 
-    quick = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=False), G(4, 1, 0, 4), G(4, 1, 1, 2), G(4, 1, 0, 2, wide=True),
-             G(8, 1, 0, 2)]
-    more = [G(4, 2, 0, 2), G(4, 1, 0, 1), G(4, 1, 0, 8), G(8, 1, 0, 4), G(4, 1, 0, 4, prefetch=False),
-            G(4, 1, 0, 4, wide=True), G(2, 1, 0, 4)]
+    quick = [C(4, 1, 0, 2), C(4, 1, 0, 2, prefetch=False), C(4, 1, 0, 2, wide=True), C(8, 1, 0, 2), C(4, 1, 0, 4),
+             C(4, 1, 0, 2, nt=1), C(4, 1, 0, 2, prefetch=False, nt=1), C(4, 1, 0, 2, wide=True, nt=1),
+             C(8, 1, 0, 2, nt=1), C(4, 1, 0, 2, nt=2), C(4, 1, 0, 2, wide=True, pipe=3),
+             C(4, 1, 0, 2, wide=True, pipe=3, nt=1)]
+    more = [C(4, 2, 0, 2), C(4, 1, 0, 8), C(8, 1, 0, 4), C(2, 1, 0, 4), C(4, 1, 0, 4, nt=1),
+            C(8, 1, 0, 2, wide=True, nt=1), C(4, 1, 0, 2, wide=True, pipe=4, nt=1)]
     return quick if which == "quick" else quick + more
 
 
@@ -88,6 +92,8 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
         weights[name] = (q, wq, bf)
         print(f"{name}: [{E}, {n}, {k}], {copies} weight copies", flush=True)
     cfgs = _configs(which)
+    cfg_of = {f"gluon {c.label}": c for c in cfgs}
+    best = {}  # (gemm, tokens) -> the fastest correct config (cold)
     for name in gemms:
         n, k = SHAPES[name]
         q, wq, bf = weights[name]
@@ -161,6 +167,7 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
             good = [lb for lb in labels if lb.startswith("gluon") and res[(lb, "check")][1]]
             if good:
                 bc = min(good, key=lambda lb: res[(lb, "cold")])
+                best[(name, t)] = cfg_of[bc]
                 bw = min(good, key=lambda lb: res[(lb, "warm")])
                 dc, dw = res[("default dispatch", "cold")], res[("default dispatch", "warm")]
                 summary.append(f"{tag}: default {dc * 1e6:.1f} / {dw * 1e6:.1f} us (cold / warm), best gluon cold "
@@ -172,19 +179,20 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
                       ["point", "kernel", "check", "cold us", "x bf16", "warm us", "x bf16 warm", "TB/s", "ulp"], rows)
     print("\n".join(summary), flush=True)
     if layer:
-        out += "\n" + _layer(tokens, weights, ids_of, sw_of, xs, routings)
+        out += "\n" + _layer(tokens, weights, ids_of, sw_of, xs, routings, best)
     return out + "\n" + "\n".join(summary)
 
 
-def _layer(tokens, weights, ids_of, sw_of, xs, routings) -> str:
-    """The whole routed-experts layer, w4a16: default moe_forward vs the same steps with the Gluon GEMMs (config
-    G(4, 1, 0, 2)) vs BF16 (torch._grouped_mm)."""
+def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
+    """The whole routed-experts layer, w4a16: default moe_forward vs the same steps with the Gluon GEMMs (per GEMM
+    and token count the fastest correct config of the GEMM rows above, else GroupedConfig(4, 1, 0, 2)) vs BF16
+    (torch._grouped_mm)."""
     from verl_quads.bench.timing import print_table
     from verl_quads.nvfp4 import gluon_moe as gm
     from verl_quads.nvfp4 import triton_gemm as tg
-    from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
+    from verl_quads.nvfp4.gluon_moe import GroupedConfig as C
 
-    cfg = G(4, 1, 0, 2)
+    dflt = C(4, 1, 0, 2)
     q13, w13, bf13 = weights["w13"]
     q2, w2, bf2 = weights["w2"]
     copies = min(len(w13), len(w2))
@@ -196,16 +204,17 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings) -> str:
         counts = torch.bincount(flat, minlength=E)
         offs = torch.cumsum(counts, 0).to(torch.int32)
         bm = routings[t].block_m
+        c13, c2 = best.get(("w13", t), dflt), best.get(("w2", t), dflt)
 
         def default(i):
             return tg.moe_forward(x, sw, ids, *w13[i], *w2[i], "w4a16")
 
         def gluon(i):
             r = tg.moe_align(ids, E, bm)
-            h = gm.gluon_w4a16_grouped(x, *w13[i], r, a_rows=r.sorted_tokens, out_rows=s, cfg=cfg,
+            h = gm.gluon_w4a16_grouped(x, *w13[i], r, a_rows=r.sorted_tokens, out_rows=s, cfg=c13,
                                        zero_unrouted=False)
             a = tg.moe_silu_mul(h, ids)
-            y = gm.gluon_w4a16_grouped(a, *w2[i], r, out_rows=s, cfg=cfg, zero_unrouted=False)
+            y = gm.gluon_w4a16_grouped(a, *w2[i], r, out_rows=s, cfg=c2, zero_unrouted=False)
             return tg.moe_combine(y, sw, ids)
 
         def bf16(i):
@@ -221,7 +230,7 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings) -> str:
         rel = float((yd - yg).norm() / yd.norm().clamp_min(1e-30))
         res = {}
         for lb, fn in (("bf16 layer (torch._grouped_mm)", bf16), ("default moe_forward w4a16", default),
-                       (f"gluon GEMMs layer ({cfg.label})", gluon)):
+                       (f"gluon GEMMs layer (w13 {c13.label}; w2 {c2.label})", gluon)):
             try:
                 res[lb] = (_time_rot(fn, copies), _time_rot(fn, 1))
             except Exception as ex:  # pragma: no cover

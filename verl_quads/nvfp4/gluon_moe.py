@@ -10,8 +10,10 @@ the same bound vs the torch reference as every other kernel.
 Routing: the tile table of :func:`verl_quads.nvfp4.triton_gemm.moe_align` (``GroupedRouting``, as the stream and
 tensor-core kernels get it). One launch per GEMM, grid ``(N tiles, M-tiles T_max, split)``: program (n, t, k) reads
 expert ``tile_expert[t]`` (tiles with expert -1, past the last expert's, do nothing) and its sorted rows
-``[tile_row0[t], tile_row1[t])`` (at most ``block_m`` = 8 NT rows: the MMA's N), activation row ``a_rows[r]`` of
-sorted row r (rows past the tile's end read the tile's last row; not stored), output row ``sorted_slots[r]``.
+``[tile_row0[t], tile_row1[t])`` (at most ``block_m`` rows) in passes of 8 NT rows (the MMA's N; ``GroupedConfig.nt``,
+default block_m / 8: one pass; each further pass re-reads the weight tile), activation row ``a_rows[r]`` of sorted
+row r (rows past the tile's end read the tile's last row; not stored), output row ``sorted_slots[r]``. Optional
+cp.async weight ring (``pipe``, the dense kernel's ``k_loop_pipe``: wide chunks, even K split).
 Split-K (``split`` > 1): float32 partials ``[split, out_rows, N]``; the last program of each (tile, N tile) (per-tile
 counter, acq_rel atomic) sums them in the fixed order 0, 1, ... (deterministic), as the dense kernel.
 
@@ -23,6 +25,7 @@ Needs triton >= 3.6 with Gluon and an sm_80+ GPU; never runs under the Triton in
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -32,15 +35,15 @@ from verl_quads.nvfp4.gluon_gemm import ROWS, STD_CHUNK, GluonConfig, _num_sms, 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
 
-    from verl_quads.nvfp4.gluon_gemm import (_cta_barrier, _iota, _k_range, k_loop, mma_layout, std_weight_offsets,
-                                             std_x_layout)
+    from verl_quads.nvfp4.gluon_gemm import (_cta_barrier, _iota, _k_range, k_loop, k_loop_pipe, mma_layout,
+                                             std_weight_offsets, std_x_layout)
 
     @gluon.jit
-    def _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, r0, r1, N, OUT_ROWS, pid_n, pid_m, pid_k, GRID_N,
+    def _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, r0, r1, N, OUT_ROWS, pid_n, pid_k, ci,
                       MMA: gl.constexpr, BN: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr):
-        """acc [BN weight rows, 8 NT tile rows] times ``256 / gs_e`` -> out[sorted_slots[r0 + j], n] in bf16;
-        SPLIT > 1: float32 partials at ``part[pid_k, out row, n]``, the last program of the (tile, N tile) sums
-        them in the fixed order 0, 1, ..."""
+        """acc [BN weight rows, 8 NT sorted rows from r0] times ``256 / gs_e`` -> out[sorted_slots[r0 + j], n] in
+        bf16 (rows < r1); SPLIT > 1: float32 partials at ``part[pid_k, out row, n]``, the last program of the (tile,
+        N tile, row pass) -- counter ``ci`` -- sums them in the fixed order 0, 1, ..."""
         LR: gl.constexpr = gl.SliceLayout(1, MMA)
         LC: gl.constexpr = gl.SliceLayout(0, MMA)
         post = gl.div_rn(gl.full([BN], 1.0, gl.float32, LR), gw) * 256.0
@@ -57,7 +60,6 @@ if gluon is not None:
         else:
             gl.store(part_ptr + (pid_k * OUT_ROWS + orow) * N + ncol, y, mask=om)
             _cta_barrier()  # every thread's partial stores precede the release below
-            ci = pid_m * GRID_N + pid_n
             done = gl.atomic_add(cnt_ptr + ci, 1, sem="acq_rel", scope="gpu")
             if done == SPLIT - 1:  # the last K range of this tile: sum the partials in the fixed order
                 z = gl.load(part_ptr + orow * N + ncol, mask=om, other=0.0, cache_modifier=".cg")
@@ -71,13 +73,16 @@ if gluon is not None:
     def _w4a16_moe_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
                           arow_ptr, orow_ptr, te_ptr, tr0_ptr, tr1_ptr,
                           N, K, KW, KB, C, CPS, OUT_ROWS, GRID_N,
-                          NW: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
-                          EVEN: gl.constexpr, PF: gl.constexpr, WPT: gl.constexpr):
+                          NW: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, PASSES: gl.constexpr,
+                          SPLIT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr, WPT: gl.constexpr,
+                          PIPE: gl.constexpr = 0):
         """Grouped standard-layout W4A16: program (pid_n, pid_m, pid_k) computes rows ``16 (pid_n NW + w) + [0, 16)``
-        of expert ``tile_expert[pid_m]``'s output for the tile's sorted rows, chunks ``[pid_k CPS, ...)``;
-        ``w_ptr`` int32 ``[E, N, KW]``, ``s_ptr`` uint8 ``[E, N, KB]``, ``x_ptr`` int32 (bf16 pairs) ``[rows, K/2]``.
-        Offsets, loads, decode, MMA and K loop: the dense kernel's (gluon_gemm.std_weight_offsets / k_loop) on the
-        expert's weight pointers and the tile's gathered activation rows."""
+        of expert ``tile_expert[pid_m]``'s output for the tile's sorted rows, in passes of 8 NT rows (at most PASSES
+        = block_m / (8 NT); each pass runs the K loop, later passes re-read the weight tile, mostly from L2), chunks
+        ``[pid_k CPS, ...)``; ``w_ptr`` int32 ``[E, N, KW]``, ``s_ptr`` uint8 ``[E, N, KB]``, ``x_ptr`` int32 (bf16
+        pairs) ``[rows, K/2]``. Offsets, loads, decode, MMA and K loop: the dense kernel's (gluon_gemm
+        std_weight_offsets / k_loop / k_loop_pipe: PIPE > 1, EVEN launches only) on the expert's weight pointers and
+        the pass's gathered activation rows."""
         LX: gl.constexpr = std_x_layout(NW, WPT)
         MMA: gl.constexpr = mma_layout(NW)
         BN: gl.constexpr = NW * 16
@@ -90,22 +95,53 @@ if gluon is not None:
             r1 = gl.load(tr1_ptr + pid_m)
             c_lo, c_hi = _k_range(pid_k, CPS, C)
             e64 = e.to(gl.int64)
+            w_e = w_ptr + e64 * N * KW
+            s_e = s_ptr + e64 * N * KB
             woff, kcw, soff, kcs = std_weight_offsets(pid_n, N, KW, KB, NW, KC, WPT)
-            # the tile's activation rows (sorted rows past r1 read row r1 - 1: not stored)
-            xn = gl.load(arow_ptr + gl.minimum(r0 + _iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX), r1 - 1))
-            kcx = _iota(KC, 3, 5, LX)
-            xoff = xn * (K // 2) + kcx * (16 * WPT) + _iota(4, 2, 5, LX) * (4 * WPT) + _iota(4 * WPT, 4, 5, LX)
-            acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr + e64 * N * KW, s_ptr + e64 * N * KB, x_ptr,
-                         woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT)
             gw = gl.load(gs_ptr + e + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)) * 0)
-            _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, r0, r1, N, OUT_ROWS, pid_n, pid_m, pid_k,
-                          GRID_N, MMA, BN, NT, SPLIT)
+            kcx = _iota(KC, 3, 5, LX)
+            xk = kcx * (16 * WPT) + _iota(4, 2, 5, LX) * (4 * WPT) + _iota(4 * WPT, 4, 5, LX)
+            for p in gl.static_range(PASSES):
+                rs = r0 + p * (NT * 8)
+                if rs < r1:
+                    # the pass's activation rows (sorted rows past r1 read row r1 - 1: not stored)
+                    xn = gl.load(arow_ptr + gl.minimum(rs + _iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX), r1 - 1))
+                    xoff = xn * (K // 2) + xk
+                    acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
+                    if PIPE > 1:
+                        acc = k_loop_pipe(acc, w_e, s_e, x_ptr, woff, soff, xoff, c_lo, c_hi, NW, KC, NT, WPT, PIPE)
+                    else:
+                        acc = k_loop(acc, w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, K, NW, KC, NT,
+                                     EVEN, PF, True, WPT)
+                    _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, rs, r1, N, OUT_ROWS, pid_n, pid_k,
+                                  (pid_m * GRID_N + pid_n) * PASSES + p, MMA, BN, NT, SPLIT)
 
 
 # ----------------------------------------------------------------------------------------------- host
 
-#: routing block_m (the tile's row count) -> NT (8-row MMA n-tiles per program)
+#: routing block_m (the tile's row count) -> NT (8-row MMA n-tiles) of a one-pass launch
 BLOCK_M_NT = {8: 1, 16: 2, 32: 4}
+
+
+@dataclass(frozen=True)
+class GroupedConfig(GluonConfig):
+    """:class:`~verl_quads.nvfp4.gluon_gemm.GluonConfig` plus ``nt``: 8-row MMA n-tiles per pass over a tile's rows
+    (0: block_m / 8, one pass; fewer: the tile's rows in passes of 8 nt, each pass re-reading the weight tile --
+    cheaper MMA / activation work per pass where tiles hold few rows, e.g. 1 token-slot per expert)."""
+
+    nt: int = 0
+
+    @property
+    def label(self) -> str:
+        return super().label + (f" nt{self.nt}" if self.nt else "")
+
+
+def _nt(cfg: GluonConfig, block_m: int) -> int:
+    full = BLOCK_M_NT[block_m]
+    nt = getattr(cfg, "nt", 0) or full
+    if nt not in (1, 2, 4) or full % nt:
+        raise ValueError(f"gluon_w4a16_grouped: nt {nt} must be 1, 2 or 4 and divide block_m / 8 = {full}")
+    return nt
 
 _COUNTERS: dict = {}
 
@@ -156,6 +192,8 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
     chunk = 2 * STD_CHUNK if cfg.wide else STD_CHUNK
     if k % chunk:
         raise ValueError(f"gluon_w4a16_grouped: K = {k} is not a multiple of the chunk {chunk} ({cfg.label})")
+    nt = _nt(cfg, bm)
+    passes = BLOCK_M_NT[bm] // nt
     s = routing.sorted_slots.numel()
     rows_out = s if out_rows is None else out_rows
     if m * (k // 2) >= 2**31 or e * n * k >= 2**33 or max(1, rows_out) * n * 64 >= 2**31:
@@ -172,11 +210,13 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
         return out
     live = min(routing.num_experts, s)
     grid_n, split, cps, even = grouped_plan(n, k, live, cfg, _num_sms(dev))
+    if cfg.pipe and (cfg.pipe < 2 or not cfg.wide or not even):
+        raise ValueError(f"gluon_w4a16_grouped: pipe needs >= 2 stages, wide chunks and an even K split ({cfg.label})")
     if split > 1:
         part = torch.empty(split, rows_out, n, dtype=torch.float32, device=dev)
         key = str(dev)
         cnt = _COUNTERS.get(key)
-        need = t_max * grid_n
+        need = t_max * grid_n * passes
         if cnt is None or cnt.numel() < need:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError("gluon_w4a16_grouped: first use of a larger grid inside CUDA-graph capture")
@@ -188,9 +228,9 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
         x.view(torch.int32), w_packed.view(torch.int32), w_scale.view(torch.uint8), w_gs.reshape(-1), out, part, cnt,
         arow, orow, routing.tile_expert, routing.tile_row0, routing.tile_row1,
         n, k, k // 8, k // BLOCK_SIZE, k // chunk, cps, rows_out, grid_n,
-        NW=cfg.num_warps, KC=cfg.kc, NT=BLOCK_M_NT[bm], SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
-        WPT=8 if cfg.wide else 4, num_warps=cfg.num_warps)
+        NW=cfg.num_warps, KC=cfg.kc, NT=nt, PASSES=passes, SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
+        WPT=8 if cfg.wide else 4, PIPE=cfg.pipe, num_warps=cfg.num_warps)
     return out
 
 
-__all__ = ["BLOCK_M_NT", "grouped_supported", "grouped_plan", "gluon_w4a16_grouped"]
+__all__ = ["BLOCK_M_NT", "GroupedConfig", "grouped_supported", "grouped_plan", "gluon_w4a16_grouped"]
