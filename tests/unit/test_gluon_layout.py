@@ -173,21 +173,17 @@ def test_std_kernel_operand_index_math(wpt, nw, kc, nt):
     pairs = [torch.stack([_nib(wd, p), _nib(wd, p + 4)], -1).float() for p in range(4)]
     a = torch.stack([torch.stack([pairs[0], pairs[1]], -1), torch.stack([pairs[2], pairs[3]], -1)], -1)
     a = a.permute(0, 1, 2, 4, 5, 6, 9, 8, 3, 7).reshape(nw * 16, kc * ce)
-    # activation words [NT, 8, 4, KC, 4 WPT] (xoff of the kernel, int32 view of x)
-    xwords = x.view(torch.int32).reshape(-1)
-    xoff = ((ar(nt).view(-1, 1, 1, 1, 1) * 8 + ar(8).view(1, -1, 1, 1, 1)) * (k // 2)
-            + ar(kc).view(1, 1, 1, -1, 1) * (16 * wpt) + ar(4).view(1, 1, -1, 1, 1) * (4 * wpt)
-            + ar(4 * wpt).view(1, 1, 1, 1, -1)) + c * (16 * wpt)
-    xw = xwords[xoff].reshape(nt, 8, 4, kc, ib_n, 2, 2, 2).permute(0, 1, 2, 3, 4, 5, 7, 6)
-    w0, w1 = xw[..., 0], xw[..., 1]
-    half = lambda w, h: (w.view(torch.int16).view(*w.shape, 2)[..., h]).view(torch.bfloat16).float()  # noqa: E731
-    b = torch.stack([torch.stack([half(w0, 0), half(w1, 0)], -1), torch.stack([half(w0, 1), half(w1, 1)], -1)], -1)
-    b = b.permute(3, 4, 5, 6, 8, 2, 7, 0, 1).reshape(kc * ce, nt * 8)
+    # activation [NT, 8, 4, KC, 8 WPT] (xoff of the kernel)
+    xs = x.float().reshape(-1)
+    xoff = ((ar(nt).view(-1, 1, 1, 1, 1) * 8 + ar(8).view(1, -1, 1, 1, 1)) * k
+            + ar(kc).view(1, 1, 1, -1, 1) * ce + ar(4).view(1, 1, -1, 1, 1) * (8 * wpt)
+            + ar(8 * wpt).view(1, 1, 1, 1, -1)) + c * ce
+    xv = xs[xoff].reshape(nt, 8, 4, kc, ib_n, 2, 2, 2, 2)  # [nt, g, t, kc, ib, il, e, sh, kb3]
+    b = xv.permute(3, 4, 5, 7, 8, 2, 6, 0, 1).reshape(kc * ce, nt * 8)
     codes = torch.stack([packed & 15, packed >> 4], -1).flatten(-2).float()
     cols = slice(c * ce, (c + kc) * ce)
     want = codes[: nw * 16, cols] @ x[:, cols].float().t()
     assert torch.equal(a @ b, want)
-    # and it is not trivially equal: a wrong pairing of the activation (e swapped) gives another result
-    b_bad = torch.stack([torch.stack([half(w1, 0), half(w0, 0)], -1), torch.stack([half(w1, 1), half(w0, 1)], -1)], -1)
-    b_bad = b_bad.permute(3, 4, 5, 6, 8, 2, 7, 0, 1).reshape(kc * ce, nt * 8)
+    # and it is not trivially equal: a wrong pairing of the activation (e and kb3 swapped) gives another result
+    b_bad = xv.permute(3, 4, 5, 7, 6, 2, 8, 0, 1).reshape(kc * ce, nt * 8)
     assert not torch.equal(a @ b_bad, want)

@@ -48,7 +48,7 @@ CHUNK = 64  # K elements per chunk (4 MMA K-steps of 16)
 try:  # triton >= 3.6 with Gluon; the torch layout functions below work without it
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     # CTA barrier: gl.thread_barrier in triton 3.6 (the H200's), gl.barrier in later versions (offline compiles)
     _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -244,8 +244,8 @@ if gluon is not None:
 
     @gluon.constexpr_function
     def std_x_layout(nw, wpt):
-        """Activation bf16 pairs (int32) ``[NT, 8 g, 4 t, KC, 4 WPT]``, the same in every warp."""
-        return gl.BlockedLayout([1, 1, 1, 1, 4 * wpt], [1, 8, 4, 1, 1], [1, 1, 1, 1, nw], [4, 3, 2, 1, 0])
+        """Activation bf16 ``[NT, 8 g, 4 t, KC, 8 WPT]``, the same in every warp."""
+        return gl.BlockedLayout([1, 1, 1, 1, 8 * wpt], [1, 8, 4, 1, 1], [1, 1, 1, 1, nw], [4, 3, 2, 1, 0])
 
     @gluon.jit
     def _k_range(pid_k, CPS, C):
@@ -406,15 +406,15 @@ if gluon is not None:
                          WPT: gl.constexpr):
         """Standard layout: weight words ``[NW, 2, 8, 4, KC, WPT]`` (rows g / g + 8, 4 WPT contiguous bytes per
         thread, row and 32 WPT-element chunk), scale bytes ``[NW, 2, 8, 4, KC, WPT / 2]`` and activation bf16
-        pairs as int32 ``[NT, 8, 4, KC, 4 WPT]`` of the KC chunks from chunk ``c``. Not EVEN: chunks >= c_hi read zeros."""
+        ``[NT, 8, 4, KC, 8 WPT]`` of the KC chunks from chunk ``c``. Not EVEN: chunks >= c_hi read zeros."""
         if EVEN:
             wd = gl.load(w_ptr + woff + c * (4 * WPT))
             sc = gl.load(s_ptr + soff + c * (2 * WPT))
-            xv = gl.load(x_ptr + xoff + c * (16 * WPT))
+            xv = gl.load(x_ptr + xoff + c * (32 * WPT))
         else:
             wd = gl.load(w_ptr + woff + c * (4 * WPT), mask=c + kcw < c_hi, other=0)
             sc = gl.load(s_ptr + soff + c * (2 * WPT), mask=c + kcs < c_hi, other=0)
-            xv = gl.load(x_ptr + xoff + c * (16 * WPT), mask=c + kcx < c_hi, other=0)
+            xv = gl.load(x_ptr + xoff + c * (32 * WPT), mask=c + kcx < c_hi, other=0.0)
         return wd, sc, xv
 
     @gluon.jit
@@ -434,14 +434,8 @@ if gluon is not None:
         a = gl.join(q0, q1)  # [NW, rb3, g, t, KC, ib, il, e, kb3, sh]
         a = gl.reshape(gl.permute(a, (0, 1, 2, 4, 5, 6, 9, 8, 3, 7)), (NW * 16, KC * 32 * WPT))
         a = gl.convert_layout(a, DA, assert_trivial=True)
-        # activation word a = 8 ib + 4 il + 2 e + sh holds columns (2a, 2a + 1) = (kb3 0, kb3 1) of pair element e
-        xw = gl.permute(gl.reshape(xv, (NT, 8, 4, KC, WPT // 2, 2, 2, 2)), (0, 1, 2, 3, 4, 5, 7, 6))
-        w0, w1 = gl.split(xw)  # e = 0 / 1: [nt, g, t, kc, ib, il, sh]
-        b00, b01, b10, b11 = gl.inline_asm_elementwise(
-            "mov.b32 {$0, $1}, $4; mov.b32 {$2, $3}, $5;", "=h,=h,=h,=h,r,r", [w0, w1],
-            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16), is_pure=True, pack=1)  # b{e}{kb3}
-        b = gl.join(gl.join(b00, b10), gl.join(b01, b11))  # [nt, g, t, kc, ib, il, sh, e, kb3]
-        b = gl.reshape(gl.permute(b, (3, 4, 5, 6, 8, 2, 7, 0, 1)), (KC * 32 * WPT, NT * 8))
+        b = gl.reshape(xv, (NT, 8, 4, KC, WPT // 2, 2, 2, 2, 2))  # [nt, g, t, kc, ib, il, e, sh, kb3]
+        b = gl.reshape(gl.permute(b, (3, 4, 5, 7, 8, 2, 6, 0, 1)), (KC * 32 * WPT, NT * 8))
         b = gl.convert_layout(b, DB, assert_trivial=True)
         return mma_v2(a, b, acc)
 
@@ -482,47 +476,6 @@ if gluon is not None:
             else:
                 wd, s0, s1, xv = cur
                 acc = _chunk_mma(acc, wd, s0, s1, xv, dot_layout(NW, 0), dot_layout(NW, 1), NW, KC, NT, ASM, FMT)
-        return acc
-
-    @gluon.jit
-    def _pipe_issue(sw, ss, w_ptr, s_ptr, woff, soff, c, WPT: gl.constexpr):
-        """cp.async of one iteration's weight words (16-byte copies) and scale bytes (4-byte copies: WPT 8) from
-        chunk ``c`` into the stage buffers ``sw`` / ``ss``."""
-        async_copy.async_copy_global_to_shared(sw, w_ptr + woff + c * (4 * WPT))
-        async_copy.async_copy_global_to_shared(ss, s_ptr + soff + c * (2 * WPT))
-        async_copy.commit_group()
-
-    @gluon.jit
-    def k_loop_pipe(acc, w_ptr, s_ptr, x_ptr, woff, soff, xoff, c_lo, c_hi, NW: gl.constexpr, KC: gl.constexpr,
-                    NT: gl.constexpr, WPT: gl.constexpr, STAGES: gl.constexpr):
-        """:func:`k_loop` for the standard layout (EVEN launches) with the weight words and scales streamed through
-        a STAGES-deep ring of cp.async copies into shared memory (STAGES - 1 iterations in flight per thread,
-        without holding registers; the activation, an L2 hit, is register-prefetched one iteration ahead). Triton's
-        shared-memory hazard analysis adds two CTA barriers per iteration (after the wait: the scales are read back
-        with ldmatrix, i.e. partly by other threads; before the refill of the stage read last iteration)."""
-        L6: gl.constexpr = std_word_layout(NW, WPT)
-        LS: gl.constexpr = gl.SliceLayout(6, std_pair_layout(NW, WPT))
-        SL: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [5, 4, 3, 2, 1, 0])  # per stage
-        sw = gl.allocate_shared_memory(gl.int32, [STAGES, NW, 2, 8, 4, KC, WPT], SL)
-        ss = gl.allocate_shared_memory(gl.uint8, [STAGES, NW, 2, 8, 4, KC, WPT // 2], SL)
-        c_last = c_hi - KC
-        for i in gl.static_range(STAGES - 1):
-            _pipe_issue(sw.index(i), ss.index(i), w_ptr, s_ptr, woff, soff, gl.minimum(c_lo + i * KC, c_last), WPT)
-        xn = gl.load(x_ptr + xoff + c_lo * (16 * WPT))
-        j = 0
-        for c0 in range(c_lo, c_hi, KC):
-            _pipe_issue(sw.index((j + STAGES - 1) % STAGES), ss.index((j + STAGES - 1) % STAGES), w_ptr, s_ptr, woff,
-                        soff, gl.minimum(c0 + (STAGES - 1) * KC, c_last), WPT)
-            xv = xn
-            xn = gl.load(x_ptr + xoff + gl.minimum(c0 + KC, c_last) * (16 * WPT))
-            async_copy.wait_group(STAGES - 1)
-            wd = sw.index(j % STAGES).load(L6)
-            sc = ss.index(j % STAGES).load(LS)
-            wd = gl.convert_layout(gl.reshape(wd, (NW, 2, 8, 4, KC, WPT // 2, 2)), std_pair_layout(NW, WPT),
-                                   assert_trivial=True)
-            acc = _std_chunk_mma(acc, wd, sc, xv, dot_layout(NW, 0), dot_layout(NW, 1), NW, KC, NT, WPT)
-            j += 1
-        async_copy.wait_group(0)
         return acc
 
     @gluon.jit
@@ -580,8 +533,7 @@ if gluon is not None:
     def _w4a16_std_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
                           M, N, K, KW, KB, C, CPS,
                           NW: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
-                          EVEN: gl.constexpr, PF: gl.constexpr, HAS_BIAS: gl.constexpr, WPT: gl.constexpr = 4,
-                          PIPE: gl.constexpr = 0):
+                          EVEN: gl.constexpr, PF: gl.constexpr, HAS_BIAS: gl.constexpr, WPT: gl.constexpr = 4):
         """The STANDARD NVFP4 layout (``w_ptr``: the packed codes as int32 ``[N, K/8]`` = KW words per row,
         ``s_ptr``: e4m3 bytes ``[N, K/16]`` = KB per row; chunks of 32 WPT elements, K % (32 WPT) == 0, C chunks):
         warp w owns rows ``16 (pid_n NW + w) + [0, 16)``, thread (g, t) loads 4 WPT bytes of rows g and g + 8 per
@@ -597,14 +549,10 @@ if gluon is not None:
         woff, kcw, soff, kcs = std_weight_offsets(pid_n, N, KW, KB, NW, KC, WPT)
         xn = gl.minimum(_iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX), M - 1)
         kcx = _iota(KC, 3, 5, LX)
-        xoff = xn * (K // 2) + kcx * (16 * WPT) + _iota(4, 2, 5, LX) * (4 * WPT) + _iota(4 * WPT, 4, 5, LX)
+        xoff = xn * K + kcx * (32 * WPT) + _iota(4, 2, 5, LX) * (8 * WPT) + _iota(8 * WPT, 4, 5, LX)
 
-        if PIPE > 1:  # EVEN launches only (the host checks)
-            acc = k_loop_pipe(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr, s_ptr, x_ptr, woff, soff, xoff, c_lo,
-                              c_hi, NW, KC, NT, WPT, PIPE)
-        else:
-            acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs,
-                         kcx, c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT)
+        acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx,
+                     c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT)
         _epilogue(acc, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, HAS_BIAS)
 
 
@@ -615,22 +563,19 @@ if gluon is not None:
 class GluonConfig:
     """``num_warps`` (row groups per program: BN = 16 num_warps weight rows), ``kc`` (64-element chunks per
     iteration), ``split`` (programs along K; 0 = auto: fill ``occ`` programs per SM), ``prefetch`` (register
-    prefetch of the next iteration), ``wide`` (standard layout: 256-element chunks), ``asm`` (inline-PTX pair
-    decode, permuted layout)."""
+    prefetch of the next iteration), ``asm`` (inline-PTX pair decode, permuted layout)."""
 
     num_warps: int = 4
     kc: int = 2
     split: int = 0
     occ: int = 4
     prefetch: bool = True  # register prefetch of the next iteration's operands
-    wide: bool = False  # standard-layout kernel: 32 bytes per thread and row per chunk (256 elements), else 16
-    pipe: int = 0  # standard-layout kernel, wide, EVEN launches: cp.async ring of this many stages (0: registers)
     asm: bool = True  # decode + scale of a register pair as one inline-PTX block (else Triton ops: LLVM re-pairs halves)
 
     @property
     def label(self) -> str:
         return (f"w{self.num_warps} kc{self.kc} s{self.split or 'a'}{self.occ} pf{int(self.prefetch)}"
-                f"{' wide' if self.wide else ''}{f' pipe{self.pipe}' if self.pipe else ''}{'' if self.asm else ' noasm'}")
+                f"{'' if self.asm else ' noasm'}")
 
 
 _COUNTERS: dict = {}
@@ -710,13 +655,10 @@ def std_supported(x: torch.Tensor, w_packed: torch.Tensor) -> bool:
             and x.shape[1] % STD_CHUNK == 0 and torch.cuda.get_device_capability(x.device)[0] >= 8)
 
 
-def _std_chunk(cfg: GluonConfig) -> int:
-    return 2 * STD_CHUNK if cfg.wide else STD_CHUNK
-
 
 def std_plan(n: int, k: int, cfg: GluonConfig, sms: int = 132) -> tuple[int, int, int, bool]:
     """(grid_n, split, chunks per split, even) of a standard-layout launch for an ``[n, k]`` weight."""
-    return _plan(-(-n // ROWS), k // _std_chunk(cfg), cfg, sms)
+    return _plan(-(-n // ROWS), k // STD_CHUNK, cfg, sms)
 
 
 def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
@@ -734,14 +676,9 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
                          f"[N, K/2] uint8 weight; got x {x.dtype} {tuple(x.shape)}, w {tuple(w_packed.shape)}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"gluon_w4a16_std: bias must be [{n}], got {tuple(bias.shape)}")
-    if k % _std_chunk(cfg):
-        raise ValueError(f"gluon_w4a16_std: K = {k} is not a multiple of the chunk {_std_chunk(cfg)} ({cfg.label})")
     x = x.contiguous()
     nt = 1 if m <= 8 else 2
     grid_n, split, cps, even = std_plan(n, k, cfg, _num_sms(x.device))
-    if cfg.pipe and (cfg.pipe < 2 or not cfg.wide or not even):
-        raise ValueError(f"gluon_w4a16_std: pipe needs >= 2 stages, wide chunks and an even K split ({cfg.label}, "
-                         f"N={n} K={k})")
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
@@ -756,10 +693,10 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
         part, cnt = out, out
     gs = w_gs.reshape(1)
     _w4a16_std_kernel[(grid_n, split)](
-        x.view(torch.int32), w_packed.view(torch.int32), w_scale.view(torch.uint8), gs, bias if bias is not None else gs, out, part,
-        cnt, m, n, k, k // 8, k // BLOCK_SIZE, k // _std_chunk(cfg), cps,
+        x, w_packed.view(torch.int32), w_scale.view(torch.uint8), gs, bias if bias is not None else gs, out, part,
+        cnt, m, n, k, k // 8, k // BLOCK_SIZE, k // STD_CHUNK, cps,
         NW=cfg.num_warps, KC=cfg.kc, NT=nt, SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
-        HAS_BIAS=bias is not None, WPT=8 if cfg.wide else 4, PIPE=cfg.pipe, num_warps=cfg.num_warps)
+        HAS_BIAS=bias is not None, num_warps=cfg.num_warps)
     return out
 
 

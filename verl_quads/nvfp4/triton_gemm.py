@@ -1372,12 +1372,14 @@ def decode_bucket(rows: int) -> int | None:
 #: Dense bf16 W4A16 decode GEMMs on sm_90 taken by the Gluon standard-layout kernel
 #: (:func:`verl_quads.nvfp4.gluon_gemm.gluon_w4a16_std`: mma.sync tiles decoded from the plain packed layout):
 #: ``(bucket, n, k) -> GluonConfig`` for M <= bucket (:data:`DECODE_BUCKETS`), checked before DECODE_TABLE /
-#: MID_TABLE. Provisional entries from the H200 probe of the permuted-layout prototype (session 9 call 2, cold L2,
-#: us, best gluon vs default dispatch): d8192 M=2/4/8/16 17.5/17.8/18.4/21.0 vs 33.6/38.0/38.2/38.3; d4096 M=2/4/8/16
-#: 7.2/7.2/7.6/9.6 vs 13.2/13.3/17.5/17.7 (M=1: on par with the stream kernel, not taken).
+#: MID_TABLE. H200, cold L2, us (session 9 calls 3/4, gluon_probe), the entry vs the previous default dispatch:
+#: d8192 M=2/4/8/16 20.3/20.8/21.7/29.7 vs 33.6/38.0/38.3/38.3 (prefetch; without: 21.7/21.9/22.5/29.8);
+#: d4096 M=2/4 7.9/8.0 vs 13.2/13.3 (prefetch), M=8/16 8.5/12.2 vs 17.6/17.7 (no prefetch; with: 8.9/13.3).
+#: M=1: the stream kernel (17.2 / 6.9 us) stays faster than this kernel (20.8 / 7.8).
+_G_PF, _G_NOPF = GluonConfig(num_warps=4, kc=1, occ=2), GluonConfig(num_warps=4, kc=1, occ=2, prefetch=False)
 GLUON_TABLE: dict[tuple[int, int, int], GluonConfig] = {
-    (b, n, k): GluonConfig(num_warps=4, kc=1, split=0, occ=2, prefetch=1)
-    for b in (2, 4, 8, 16) for (n, k) in ((8192, 8192), (4096, 4096))
+    **{(b, 8192, 8192): _G_PF for b in (2, 4, 8, 16)},
+    (2, 4096, 4096): _G_PF, (4, 4096, 4096): _G_PF, (8, 4096, 4096): _G_NOPF, (16, 4096, 4096): _G_NOPF,
 }
 
 
