@@ -563,18 +563,21 @@ if gluon is not None:
 class GluonConfig:
     """``num_warps`` (row groups per program: BN = 16 num_warps weight rows), ``kc`` (64-element chunks per
     iteration), ``split`` (programs along K; 0 = auto: fill ``occ`` programs per SM), ``prefetch`` (register
-    prefetch of the next iteration), ``asm`` (inline-PTX pair decode, permuted layout)."""
+    prefetch of the next iteration), ``maxnreg`` (standard-layout kernel: ptxas register cap), ``asm``
+    (inline-PTX pair decode, permuted layout)."""
 
     num_warps: int = 4
     kc: int = 2
     split: int = 0
     occ: int = 4
     prefetch: bool = True  # register prefetch of the next iteration's operands
+    maxnreg: int = 0  # register cap per thread (ptxas; 0: none): more resident programs per SM, some spills
     asm: bool = True  # decode + scale of a register pair as one inline-PTX block (else Triton ops: LLVM re-pairs halves)
 
     @property
     def label(self) -> str:
         return (f"w{self.num_warps} kc{self.kc} s{self.split or 'a'}{self.occ} pf{int(self.prefetch)}"
+                f"{f' r{self.maxnreg}' if self.maxnreg else ''}"
                 f"{'' if self.asm else ' noasm'}")
 
 
@@ -696,7 +699,7 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
         x, w_packed.view(torch.int32), w_scale.view(torch.uint8), gs, bias if bias is not None else gs, out, part,
         cnt, m, n, k, k // 8, k // BLOCK_SIZE, k // STD_CHUNK, cps,
         NW=cfg.num_warps, KC=cfg.kc, NT=nt, SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
-        HAS_BIAS=bias is not None, num_warps=cfg.num_warps)
+        HAS_BIAS=bias is not None, num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 
 
