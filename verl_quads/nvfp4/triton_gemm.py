@@ -1372,14 +1372,16 @@ def decode_bucket(rows: int) -> int | None:
 #: Dense bf16 W4A16 decode GEMMs on sm_90 taken by the Gluon standard-layout kernel
 #: (:func:`verl_quads.nvfp4.gluon_gemm.gluon_w4a16_std`: mma.sync tiles decoded from the plain packed layout):
 #: ``(bucket, n, k) -> GluonConfig`` for M <= bucket (:data:`DECODE_BUCKETS`), checked before DECODE_TABLE /
-#: MID_TABLE. H200, cold L2, us (session 9 calls 3/4, gluon_probe), the entry vs the previous default dispatch:
-#: d8192 M=2/4/8/16 20.3/20.8/21.7/29.7 vs 33.6/38.0/38.3/38.3 (prefetch; without: 21.7/21.9/22.5/29.8);
-#: d4096 M=2/4 7.9/8.0 vs 13.2/13.3 (prefetch), M=8/16 8.5/12.2 vs 17.6/17.7 (no prefetch; with: 8.9/13.3).
-#: M=1: the stream kernel (17.2 / 6.9 us) stays faster than this kernel (20.8 / 7.8).
-_G_PF, _G_NOPF = GluonConfig(num_warps=4, kc=1, occ=2), GluonConfig(num_warps=4, kc=1, occ=2, prefetch=False)
+#: MID_TABLE. H200, cold L2, us (session 9 calls 3-5, gluon_probe), the entry vs the previous default dispatch:
+#: d8192 M=2/4/8 18.7/19.3/21.1 (8 warps, no prefetch; 4 warps with prefetch: 20.3/20.9/21.7) vs 33.5/38.2/38.0,
+#: M=16 29.7 (4 warps, prefetch; 8 warps: 35.2/41.2) vs 38.0; d4096 M=2/4 7.9/8.0 (4 warps, prefetch; 8 warps: 8.5/8.7)
+#: vs 13.2/13.3, M=8/16 8.6/12.2 (4 warps, no prefetch; with: 8.9/13.3) vs 17.5/17.6.
+#: M=1: the stream kernel (17.2 / 6.9 us) stays faster than this kernel (17.8 / 7.5 at 8 warps).
+_G4_PF, _G4, _G8 = (GluonConfig(num_warps=4, kc=1, occ=2), GluonConfig(num_warps=4, kc=1, occ=2, prefetch=False),
+                    GluonConfig(num_warps=8, kc=1, occ=2, prefetch=False))
 GLUON_TABLE: dict[tuple[int, int, int], GluonConfig] = {
-    **{(b, 8192, 8192): _G_PF for b in (2, 4, 8, 16)},
-    (2, 4096, 4096): _G_PF, (4, 4096, 4096): _G_PF, (8, 4096, 4096): _G_NOPF, (16, 4096, 4096): _G_NOPF,
+    (2, 8192, 8192): _G8, (4, 8192, 8192): _G8, (8, 8192, 8192): _G8, (16, 8192, 8192): _G4_PF,
+    (2, 4096, 4096): _G4_PF, (4, 4096, 4096): _G4_PF, (8, 4096, 4096): _G4, (16, 4096, 4096): _G4,
 }
 
 
