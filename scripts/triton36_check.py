@@ -669,7 +669,8 @@ def main() -> int:
     print(f"triton36_check: triton {triton.__version__} (sm_90 offline), kernel modules: {', '.join(mods)}; "
           f"device-type tests read as CUDA in: {', '.join(rewritten)}", flush=True)
     for g in args.groups.split(","):
-        SCENARIO_GROUPS[g]()
+        with scenario(f"group {g}"):  # e.g. an import inside the group that fails: a drive error, the rest goes on
+            SCENARIO_GROUPS[g]()
     t_rec = time.time() - t0
     jobs = list(RECORDS.values())
     n_unique = len(jobs)
