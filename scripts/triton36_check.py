@@ -567,11 +567,14 @@ def _compile_one(i):
                        target=GPUTarget("cuda", 90, 32), options=r["options"].__dict__)
         return i, True, "", time.time() - t0
     except Exception as e:
-        msg = f"{type(e).__name__}: {e}"
-        lines = [ln.strip() for ln in msg.splitlines() if ln.strip()]
+        lines = [ln.strip() for ln in f"{type(e).__name__}: {e}".splitlines() if ln.strip()]
         short = lines[0] if lines else type(e).__name__
-        if len(lines) > 1 and re.match(r"^\w+: at \d+:\d+:$", short):  # CompilationError: the cause is last
-            short = f"{short} ... {lines[-1]}"
+        if re.match(r"^\w+: at \d+:\d+:$", short):  # CompilationError (maybe nested at call sites): the root cause
+            root = e
+            while root.__cause__ is not None or (root.__context__ is not None and not root.__suppress_context__):
+                root = root.__cause__ or root.__context__
+            cause = [ln.strip() for ln in str(root).splitlines() if ln.strip().strip("^~")]
+            short = f"{short} ... {cause[-1] if cause else type(root).__name__}"
         sys.stderr.flush()
         err.seek(0)
         diag = err.read()
