@@ -64,7 +64,7 @@ def test_dense_mid_table_shapes(mode, per_token, n, m):
     _check(y, em.gemm(xf, wf, None, x.dtype), xf, wf, f"d{n} M={m} {mode} per_token={per_token}")
 
 
-@pytest.mark.parametrize("mode, per_token", [("w4a16", False), ("naive", False), ("quads", True)])
+@pytest.mark.parametrize("mode, per_token", [("w4a16", False), ("naive", False), ("quads", True), ("quads", False)])
 @pytest.mark.parametrize("gemm", ["w13", "w2"])
 @pytest.mark.parametrize("tokens", [1, 4, 16, 64, 256, 512])
 def test_grouped_experts_real_shapes(mode, per_token, gemm, tokens):

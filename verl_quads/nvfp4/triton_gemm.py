@@ -340,7 +340,10 @@ if triton is not None:
             jb_hi = tl.minimum(jb_lo + JB_PER_SPLIT, NSEL2)
             jb_hi = tl.where(live, jb_hi, jb_lo)
             jcol = tl.arange(0, G2 * 8)
-            for j0 in range(jb_lo, jb_hi, G2):
+            # not software-pipelined: the pipeliner turns the gathered 1-byte weight loads of _fp4_pairs_gathered into
+            # cp.async, which needs >= 4-byte transfers (sm_90 compile error at BM 32 / BN 128 / SWAP / 3 stages, the
+            # MID_TABLE MoE M=256 W4A4 entries; triton 3.6 and 3.9; found by scripts/triton36_check.sh, session 9)
+            for j0 in tl.range(jb_lo, jb_hi, G2, num_stages=1):
                 jb1 = j0 + jcol // 8
                 jm1 = jb1 < jb_hi
                 blk = tl.load(idx2_ptr + ec * NSEL2 + jb1, mask=jm1, other=0)
