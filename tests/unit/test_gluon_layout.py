@@ -187,3 +187,58 @@ def test_std_kernel_operand_index_math(wpt, nw, kc, nt):
     # and it is not trivially equal: a wrong pairing of the activation (e and kb3 swapped) gives another result
     b_bad = xv.permute(3, 4, 5, 7, 6, 2, 8, 0, 1).reshape(kc * ce, nt * 8)
     assert not torch.equal(a @ b_bad, want)
+
+
+def test_dispatch_takes_gluon_only_where_it_can_run(monkeypatch, caplog):
+    """The default dispatch's choice (no GPU: availability, triton version and device capability patched): the
+    table entry on sm_90 when Gluon can run; else None (the Triton kernels) with ONE warning per process naming the
+    triton version; never on other capabilities / M > 16 / K % 128; an explicit GluonConfig raises instead."""
+    import logging
+
+    from verl_quads.nvfp4 import triton_gemm as tg
+
+    assert tg.gluon_table_entry(4, 8192, 8192, (9, 0)) is tg.GLUON_TABLE[(4, 8192, 8192)]
+    assert tg.gluon_table_entry(3, 8192, 8192, (9, 0)) is tg.GLUON_TABLE[(4, 8192, 8192)]  # next bucket
+    for args in [(4, 8192, 8192, (10, 0)), (4, 8192, 8192, (8, 0)), (1, 8192, 8192, (9, 0)), (32, 8192, 8192, (9, 0)),
+                 (4, 8192, 8000, (9, 0)), (4, 1234, 8192, (9, 0))]:
+        assert tg.gluon_table_entry(*args) is None, args
+
+    x = torch.zeros(4, 8192, dtype=torch.bfloat16)
+    w = torch.zeros(8192, 4096, dtype=torch.uint8)
+
+    class FakeDevice:
+        type = "cuda"
+
+    class FakeX:  # a CUDA-looking bf16 activation, shape [4, 8192]
+        device, dtype, shape = FakeDevice(), torch.bfloat16, x.shape
+
+    monkeypatch.setattr(tg, "_interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    monkeypatch.setattr(gg, "gluon_available", lambda: (True, ""))
+    assert tg.gluon_dense_config(FakeX(), w) is tg.GLUON_TABLE[(4, 8192, 8192)]
+
+    monkeypatch.setattr(gg, "gluon_available", lambda: (False, "triton 3.5.0 < 3.6"))
+    monkeypatch.setattr(tg, "_GLUON_WARNED", [])
+    with caplog.at_level(logging.WARNING, logger=tg.__name__):
+        assert tg.gluon_dense_config(FakeX(), w) is None
+        assert tg.gluon_dense_config(FakeX(), w) is None
+    warns = [r for r in caplog.records if "Gluon W4A16" in r.getMessage()]
+    assert len(warns) == 1 and "triton 3.5.0" in warns[0].getMessage()
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 0))
+    monkeypatch.setattr(gg, "gluon_available", lambda: (True, ""))
+    assert tg.gluon_dense_config(FakeX(), w) is None  # measured on sm_90 only
+
+    # explicit request where it cannot run: a clear error, no fallback
+    monkeypatch.setattr(gg, "gluon_available", lambda: (False, "triton 3.5.0 < 3.6"))
+    with pytest.raises(RuntimeError, match="3.5.0"):
+        gg.gluon_w4a16_std(x, w, torch.zeros(8192, 512, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                           torch.ones(()))
+
+
+def test_gluon_available_version_gate(monkeypatch):
+    ok, why = gg.gluon_available()
+    assert ok == (gg.gluon is not None and gg.triton_version() >= gg.MIN_TRITON), why
+    monkeypatch.setattr(gg, "triton_version", lambda: (3, 5))
+    ok, why = gg.gluon_available()
+    assert not ok and "3.6" in why

@@ -45,15 +45,47 @@ from verl_quads.nvfp4.format import BLOCK_SIZE, E2M1_VALUES
 ROWS = 16  # weight rows per row group (the MMA's M)
 CHUNK = 64  # K elements per chunk (4 MMA K-steps of 16)
 
+#: Oldest triton these kernels were compiled and tested with (the H200's 3.6.0; offline also 3.9).
+MIN_TRITON = (3, 6)
+
 try:  # triton >= 3.6 with Gluon; the torch layout functions below work without it
+    import triton as _triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
     # CTA barrier: gl.thread_barrier in triton 3.6 (the H200's), gl.barrier in later versions (offline compiles)
     _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
-except Exception:  # pragma: no cover - old triton / no triton
+    gluon.jit, gluon.constexpr_function  # noqa: B018 - the decorators below run at import: an older Gluon lacks one
+except Exception:  # pragma: no cover - old triton / no triton: this module still imports (torch layout functions)
     gluon = None
+
+
+def triton_version() -> tuple[int, int] | None:
+    """(major, minor) of the installed triton, or None."""
+    try:
+        import triton
+
+        return tuple(int(v) for v in triton.__version__.split(".")[:2])
+    except Exception:
+        return None
+
+
+def gluon_available() -> tuple[bool, str]:
+    """(whether the Gluon kernels can run with the installed triton, why not): Gluon importable, triton >=
+    :data:`MIN_TRITON`, and the API pieces the kernels use present."""
+    if gluon is None:
+        return False, f"triton {'.'.join(map(str, triton_version() or ())) or 'missing'} has no usable Gluon"
+    ver = triton_version()
+    if ver is None or ver < MIN_TRITON:
+        return False, f"triton {_triton.__version__} < {'.'.join(map(str, MIN_TRITON))}"
+    need = ("BlockedLayout", "SliceLayout", "NVMMADistributedLayout", "DotOperandLayout", "inline_asm_elementwise",
+            "convert_layout", "join", "permute", "reshape", "atomic_add")
+    missing = [nm for nm in need if not hasattr(gl, nm)] + ([] if hasattr(gluon, "constexpr_function") else
+                                                            ["constexpr_function"])
+    if missing:
+        return False, f"triton {_triton.__version__} Gluon lacks {', '.join(missing)}"
+    return True, ""
 
 
 # ----------------------------------------------------------------------------------------------- layout (torch)
@@ -669,8 +701,9 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
     """``x`` bf16 ``[M, K]`` (M <= 16, K % 128 == 0) times the NVFP4 weight in the STANDARD layout (``w_packed``
     uint8 ``[N, K/2]``, ``w_scale`` e4m3 ``[N, K/16]``, ``w_gs`` float32 one element), plus ``bias`` ``[N]``:
     bf16 ``[M, N]``. Raises if Gluon / the shape is not supported (no fallback here)."""
-    if gluon is None:
-        raise RuntimeError("gluon_w4a16_std needs triton >= 3.6 (triton.experimental.gluon)")
+    ok, why = gluon_available()
+    if not ok:
+        raise RuntimeError(f"gluon_w4a16_std (requested explicitly) cannot run: {why}")
     m, k = x.shape
     n = w_packed.shape[0]
     if not std_supported(x, w_packed) or tuple(w_packed.shape) != (n, k // 2) or tuple(w_scale.shape) != (
@@ -704,4 +737,5 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
 
 
 __all__ = ["GluonWeight", "GluonConfig", "permute_weight", "unpermute_weight", "decode_permuted",
-           "reference_weight", "plan", "gluon_w4a16", "std_supported", "std_plan", "gluon_w4a16_std", "STD_CHUNK"]
+           "reference_weight", "plan", "gluon_w4a16", "std_supported", "std_plan", "gluon_w4a16_std", "STD_CHUNK",
+           "MIN_TRITON", "triton_version", "gluon_available"]

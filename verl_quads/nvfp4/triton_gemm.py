@@ -1388,17 +1388,43 @@ GLUON_TABLE: dict[tuple[int, int, int], GluonConfig] = {
 }
 
 
+_GLUON_WARNED: list[str] = []
+
+
+def gluon_table_entry(m: int, n: int, k: int, capability: tuple[int, int]) -> GluonConfig | None:
+    """The :data:`GLUON_TABLE` entry for a dense bf16 w4a16 GEMM ``[m, k] x [n, k]^T`` on a CUDA device of
+    ``capability``, or None: M <= 16, K % 128 == 0 and capability 9.0 (where the entries were measured) only."""
+    bucket = decode_bucket(m)
+    cfg = GLUON_TABLE.get((bucket, n, k)) if bucket is not None else None
+    if cfg is None or m > 16 or k % 128 or tuple(capability) != (9, 0):
+        return None
+    return cfg
+
+
 def gluon_dense_config(x: torch.Tensor, w_packed: torch.Tensor) -> GluonConfig | None:
-    """The :data:`GLUON_TABLE` entry for a dense w4a16 GEMM of activation ``x`` [M, K] and weight ``w_packed``
-    [N, K/2], or None: only on a CUDA device of compute capability 9.0 (where it was measured), bf16 ``x`` with
-    M <= 16 and K % 128 == 0, not under the Triton interpreter. An entry on such a device with Gluon missing from
-    the installed triton raises (in :func:`~verl_quads.nvfp4.gluon_gemm.gluon_w4a16_std`), no silent fallback."""
+    """The default dispatch's Gluon choice for a dense w4a16 GEMM of activation ``x`` [M, K] and weight
+    ``w_packed`` [N, K/2]: the :func:`gluon_table_entry` when the Gluon kernel can run here (CUDA tensor, bf16
+    ``x``, not under the Triton interpreter, :func:`~verl_quads.nvfp4.gluon_gemm.gluon_available`: Gluon in a
+    triton >= 3.6), else None (the Triton kernels, as before). An entry that cannot run because of the installed
+    triton logs ONE warning per process (the version and the cost). Explicit GluonConfig requests do not come
+    here: they raise where the kernel cannot run."""
     if _interpreting() or x.device.type != "cuda" or x.dtype != torch.bfloat16 or w_packed.dim() != 2:
         return None
-    m, k = x.shape
-    bucket = decode_bucket(m)
-    cfg = GLUON_TABLE.get((bucket, w_packed.shape[0], k)) if bucket is not None else None
-    if cfg is None or m > 16 or k % 128 or torch.cuda.get_device_capability(x.device) != (9, 0):
+    cfg = gluon_table_entry(x.shape[0], w_packed.shape[0], x.shape[1], torch.cuda.get_device_capability(x.device))
+    if cfg is None:
+        return None
+    from verl_quads.nvfp4.gluon_gemm import gluon_available
+
+    ok, why = gluon_available()
+    if not ok:
+        if not _GLUON_WARNED:
+            _GLUON_WARNED.append(why)
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "verl-quads: the Gluon W4A16 decode kernel is unavailable (%s); dense W4A16 decode GEMMs at M 2..16 "
+                "on this Hopper GPU use the Triton kernels instead (H200, 8192x8192 at M=4: 0.9x cuBLAS BF16 instead "
+                "of 1.8x). Install triton >= 3.6 for the fast path.", why)
         return None
     return cfg
 
