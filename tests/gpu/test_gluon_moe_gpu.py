@@ -23,9 +23,8 @@ G = gm.GroupedConfig
 if gg.gluon is None:
     pytest.skip("triton.experimental.gluon not available", allow_module_level=True)
 
-CFGS = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=False), G(4, 1, 1, 2), G(4, 1, 0, 4), G(8, 1, 0, 2), G(4, 1, 0, 2, wide=True),
-        G(4, 1, 0, 2, nt=1), G(4, 1, 2, 2, nt=1), G(4, 1, 0, 2, wide=True, nt=1), G(4, 1, 0, 2, wide=True, pipe=3),
-        G(4, 1, 0, 2, wide=True, pipe=3, nt=1)]
+CFGS = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=False), G(4, 1, 1, 2), G(4, 1, 0, 4), G(8, 1, 0, 2), G(4, 2, 0, 2),
+        G(4, 1, 0, 2, nt=1), G(4, 1, 2, 2, nt=1), G(4, 2, 0, 2, nt=1), G(4, 1, 0, 2, maxnreg=96)]
 
 
 def _x(m, k, seed=0):
@@ -176,8 +175,6 @@ def test_grouped_rejects_unsupported():
         gm.gluon_w4a16_grouped(_x(3, k).float(), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16))
     with pytest.raises(ValueError):  # nt 4 does not divide block_m / 8 = 2
         gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16), cfg=G(nt=4))
-    with pytest.raises(ValueError):  # pipe without wide chunks
-        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16), cfg=G(pipe=3))
     with pytest.raises(ValueError):  # K % 128 != 0
         q2 = em.quantize_weight(_w((e, n, 1040)), reduce_dims=(1, 2))
         gm.gluon_w4a16_grouped(_x(3, 1040), q2.packed, q2.block_scale, q2.global_scale.reshape(-1),

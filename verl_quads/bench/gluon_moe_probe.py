@@ -30,16 +30,15 @@ SHAPES = {"w13": (2 * INTER, HIDDEN), "w2": (HIDDEN, INTER)}
 
 
 def _configs(which: str):
-    """``quick``: one-pass tiles (nt = block_m / 8) and passes of 8 rows (nt 1), register prefetch on / off, wide
-    chunks, 8 warps, cp.async ring (pipe), split target; ``all`` adds a few more."""
+    """``quick``: one-pass tiles (nt = block_m / 8) and passes of 8 rows (nt 1), register prefetch on / off, two
+    chunks per iteration (kc 2), 8 warps, split target, a register cap; ``all`` adds a few more."""
     from verl_quads.nvfp4.gluon_moe import GroupedConfig as C
 
-    quick = [C(4, 1, 0, 2), C(4, 1, 0, 2, prefetch=False), C(4, 1, 0, 2, wide=True), C(8, 1, 0, 2), C(4, 1, 0, 4),
-             C(4, 1, 0, 2, nt=1), C(4, 1, 0, 2, prefetch=False, nt=1), C(4, 1, 0, 2, wide=True, nt=1),
-             C(8, 1, 0, 2, nt=1), C(4, 1, 0, 2, nt=2), C(4, 1, 0, 2, wide=True, pipe=3),
-             C(4, 1, 0, 2, wide=True, pipe=3, nt=1)]
-    more = [C(4, 2, 0, 2), C(4, 1, 0, 8), C(8, 1, 0, 4), C(2, 1, 0, 4), C(4, 1, 0, 4, nt=1),
-            C(8, 1, 0, 2, wide=True, nt=1), C(4, 1, 0, 2, wide=True, pipe=4, nt=1)]
+    quick = [C(4, 1, 0, 2), C(4, 1, 0, 2, prefetch=False), C(4, 2, 0, 2), C(8, 1, 0, 2), C(4, 1, 0, 4),
+             C(4, 1, 0, 2, nt=1), C(4, 1, 0, 2, prefetch=False, nt=1), C(4, 2, 0, 2, nt=1),
+             C(8, 1, 0, 2, nt=1), C(4, 1, 0, 2, nt=2), C(4, 1, 0, 4, nt=1), C(4, 1, 0, 2, maxnreg=96)]
+    more = [C(4, 1, 0, 8), C(8, 1, 0, 4), C(2, 1, 0, 4), C(2, 1, 0, 4, nt=1), C(8, 2, 0, 2, nt=1),
+            C(4, 1, 0, 2, maxnreg=128, nt=1)]
     return quick if which == "quick" else quick + more
 
 

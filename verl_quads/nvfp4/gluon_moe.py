@@ -12,8 +12,7 @@ tensor-core kernels get it). One launch per GEMM, grid ``(N tiles, M-tiles T_max
 expert ``tile_expert[t]`` (tiles with expert -1, past the last expert's, do nothing) and its sorted rows
 ``[tile_row0[t], tile_row1[t])`` (at most ``block_m`` rows) in passes of 8 NT rows (the MMA's N; ``GroupedConfig.nt``,
 default block_m / 8: one pass; each further pass re-reads the weight tile), activation row ``a_rows[r]`` of sorted
-row r (rows past the tile's end read the tile's last row; not stored), output row ``sorted_slots[r]``. Optional
-cp.async weight ring (``pipe``, the dense kernel's ``k_loop_pipe``: wide chunks, even K split).
+row r (rows past the tile's end read the tile's last row; not stored), output row ``sorted_slots[r]``.
 Split-K (``split`` > 1): float32 partials ``[split, out_rows, N]``; the last program of each (tile, N tile) (per-tile
 counter, acq_rel atomic) sums them in the fixed order 0, 1, ... (deterministic), as the dense kernel.
 
@@ -35,8 +34,8 @@ from verl_quads.nvfp4.gluon_gemm import ROWS, STD_CHUNK, GluonConfig, _num_sms, 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
 
-    from verl_quads.nvfp4.gluon_gemm import (_cta_barrier, _iota, _k_range, k_loop, k_loop_pipe, mma_layout,
-                                             std_weight_offsets, std_x_layout)
+    from verl_quads.nvfp4.gluon_gemm import (_cta_barrier, _iota, _k_range, k_loop, mma_layout, std_weight_offsets,
+                                             std_x_layout)
 
     @gluon.jit
     def _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, r0, r1, N, OUT_ROWS, pid_n, pid_k, ci,
@@ -74,15 +73,12 @@ if gluon is not None:
                           arow_ptr, orow_ptr, te_ptr, tr0_ptr, tr1_ptr,
                           N, K, KW, KB, C, CPS, OUT_ROWS, GRID_N,
                           NW: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, PASSES: gl.constexpr,
-                          SPLIT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr, WPT: gl.constexpr,
-                          PIPE: gl.constexpr = 0):
+                          SPLIT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr, WPT: gl.constexpr):
         """Grouped standard-layout W4A16: program (pid_n, pid_m, pid_k) computes rows ``16 (pid_n NW + w) + [0, 16)``
         of expert ``tile_expert[pid_m]``'s output for the tile's sorted rows, in passes of 8 NT rows (at most PASSES
         = block_m / (8 NT); each pass runs the K loop, later passes re-read the weight tile, mostly from L2), chunks
-        ``[pid_k CPS, ...)``; ``w_ptr`` int32 ``[E, N, KW]``, ``s_ptr`` uint8 ``[E, N, KB]``, ``x_ptr`` int32 (bf16
-        pairs) ``[rows, K/2]``. Offsets, loads, decode, MMA and K loop: the dense kernel's (gluon_gemm
-        std_weight_offsets / k_loop / k_loop_pipe: PIPE > 1, EVEN launches only) on the expert's weight pointers and
-        the pass's gathered activation rows."""
+        ``[pid_k CPS, ...)``; ``w_ptr`` int32 ``[E, N, KW]``, ``s_ptr`` uint8 ``[E, N, KB]``, ``x_ptr`` bf16 ``[rows, K]``. Offsets, loads, decode, MMA and K loop: the dense kernel's (gluon_gemm
+        std_weight_offsets / k_loop) on the expert's weight pointers and the pass's gathered activation rows."""
         LX: gl.constexpr = std_x_layout(NW, WPT)
         MMA: gl.constexpr = mma_layout(NW)
         BN: gl.constexpr = NW * 16
@@ -100,19 +96,15 @@ if gluon is not None:
             woff, kcw, soff, kcs = std_weight_offsets(pid_n, N, KW, KB, NW, KC, WPT)
             gw = gl.load(gs_ptr + e + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)) * 0)
             kcx = _iota(KC, 3, 5, LX)
-            xk = kcx * (16 * WPT) + _iota(4, 2, 5, LX) * (4 * WPT) + _iota(4 * WPT, 4, 5, LX)
+            xk = kcx * (32 * WPT) + _iota(4, 2, 5, LX) * (8 * WPT) + _iota(8 * WPT, 4, 5, LX)  # as the dense kernel
             for p in gl.static_range(PASSES):
                 rs = r0 + p * (NT * 8)
                 if rs < r1:
                     # the pass's activation rows (sorted rows past r1 read row r1 - 1: not stored)
                     xn = gl.load(arow_ptr + gl.minimum(rs + _iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX), r1 - 1))
-                    xoff = xn * (K // 2) + xk
-                    acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
-                    if PIPE > 1:
-                        acc = k_loop_pipe(acc, w_e, s_e, x_ptr, woff, soff, xoff, c_lo, c_hi, NW, KC, NT, WPT, PIPE)
-                    else:
-                        acc = k_loop(acc, w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, K, NW, KC, NT,
-                                     EVEN, PF, True, WPT)
+                    xoff = xn * K + xk
+                    acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs,
+                                 kcx, c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT)
                     _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, rs, r1, N, OUT_ROWS, pid_n, pid_k,
                                   (pid_m * GRID_N + pid_n) * PASSES + p, MMA, BN, NT, SPLIT)
 
@@ -161,8 +153,7 @@ def grouped_plan(n: int, k: int, live: int, cfg: GluonConfig, sms: int = 132) ->
     M-tiles (the host does not know how many experts are active: min(E, slots), as the stream kernel's split)."""
     nw = cfg.num_warps
     grid_n = -(-(-(-n // ROWS)) // nw)
-    chunk = 2 * STD_CHUNK if cfg.wide else STD_CHUNK
-    _, split, cps, even = _plan(max(1, live) * grid_n * nw, k // chunk, cfg, sms)
+    _, split, cps, even = _plan(max(1, live) * grid_n * nw, k // STD_CHUNK, cfg, sms)
     return grid_n, split, cps, even
 
 
@@ -189,14 +180,11 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
                          f"[E, N, K/2] / e4m3 [E, N, K/16] / float32 [E] weights and routing block_m in "
                          f"{tuple(BLOCK_M_NT)}; got x {x.dtype} {tuple(x.shape)}, w {tuple(w_packed.shape)}, "
                          f"block_m {bm}")
-    chunk = 2 * STD_CHUNK if cfg.wide else STD_CHUNK
-    if k % chunk:
-        raise ValueError(f"gluon_w4a16_grouped: K = {k} is not a multiple of the chunk {chunk} ({cfg.label})")
     nt = _nt(cfg, bm)
     passes = BLOCK_M_NT[bm] // nt
     s = routing.sorted_slots.numel()
     rows_out = s if out_rows is None else out_rows
-    if m * (k // 2) >= 2**31 or e * n * k >= 2**33 or max(1, rows_out) * n * 64 >= 2**31:
+    if m * k >= 2**31 or e * n * k >= 2**33 or max(1, rows_out) * n * 64 >= 2**31:
         raise ValueError("gluon_w4a16_grouped: int32 offsets overflow at this size")
     dev = x.device
     x = x.contiguous()
@@ -210,8 +198,6 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
         return out
     live = min(routing.num_experts, s)
     grid_n, split, cps, even = grouped_plan(n, k, live, cfg, _num_sms(dev))
-    if cfg.pipe and (cfg.pipe < 2 or not cfg.wide or not even):
-        raise ValueError(f"gluon_w4a16_grouped: pipe needs >= 2 stages, wide chunks and an even K split ({cfg.label})")
     if split > 1:
         part = torch.empty(split, rows_out, n, dtype=torch.float32, device=dev)
         key = str(dev)
@@ -225,11 +211,11 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
     else:
         part, cnt = out, arow
     _w4a16_moe_kernel[(grid_n, t_max, split)](
-        x.view(torch.int32), w_packed.view(torch.int32), w_scale.view(torch.uint8), w_gs.reshape(-1), out, part, cnt,
+        x, w_packed.view(torch.int32), w_scale.view(torch.uint8), w_gs.reshape(-1), out, part, cnt,
         arow, orow, routing.tile_expert, routing.tile_row0, routing.tile_row1,
-        n, k, k // 8, k // BLOCK_SIZE, k // chunk, cps, rows_out, grid_n,
+        n, k, k // 8, k // BLOCK_SIZE, k // STD_CHUNK, cps, rows_out, grid_n,
         NW=cfg.num_warps, KC=cfg.kc, NT=nt, PASSES=passes, SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
-        WPT=8 if cfg.wide else 4, PIPE=cfg.pipe, num_warps=cfg.num_warps)
+        WPT=4, num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 
 
