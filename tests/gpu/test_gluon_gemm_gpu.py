@@ -119,7 +119,8 @@ def test_split_fixup_deterministic_and_graph():
 
 # --------------------------------------------------------------------------- standard layout (gluon_w4a16_std)
 
-STD_CFGS = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=False), G(8, 2, 0, 2), G(4, 1, 1, 4), G(4, 1, 0, 2, maxnreg=64)]
+STD_CFGS = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=False), G(8, 1, 0, 2, prefetch=False), G(8, 2, 0, 2),
+            G(4, 1, 1, 4)]
 
 
 def _std_case(m, n, k, cfg, seed=0, bias=False):

@@ -603,7 +603,7 @@ class GluonConfig:
     split: int = 0
     occ: int = 4
     prefetch: bool = True  # register prefetch of the next iteration's operands
-    maxnreg: int = 0  # register cap per thread (ptxas; 0: none): more resident programs per SM, some spills
+    maxnreg: int = 0  # register cap per thread (ptxas; 0: none). Dense std kernel, H200: slower (spills), unused there
     asm: bool = True  # decode + scale of a register pair as one inline-PTX block (else Triton ops: LLVM re-pairs halves)
 
     @property
