@@ -179,3 +179,21 @@ def test_grouped_rejects_unsupported():
         q2 = em.quantize_weight(_w((e, n, 1040)), reduce_dims=(1, 2))
         gm.gluon_w4a16_grouped(_x(3, 1040), q2.packed, q2.block_scale, q2.global_scale.reshape(-1),
                                tg.moe_align(ids, e, 16))
+
+
+@pytest.mark.parametrize("key", sorted(tg.GLUON_MOE_TABLE), ids=lambda k: f"S{k[0]}-{k[1]}x{k[2]}")
+def test_default_dispatch_takes_the_table(key):
+    """Each GLUON_MOE_TABLE entry at its measured point (Qwen3-30B-A3B experts, T = slots / 8 tokens, routing as
+    moe_forward builds it): nvfp4_gemm's default dispatch picks it (on this sm_90 GPU) and returns the explicit
+    kernel's bytes, within the reference bound per active expert."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("GLUON_MOE_TABLE entries are for sm_90")
+    slots, n, k = key
+    gemm = "w13" if (n, k) == (1536, 2048) else "w2"
+    tokens = slots // 8
+    y, x, q_w, gs, ids, routing = _gemm_case(gemm, tokens, tg.GLUON_MOE_TABLE[key])
+    assert tg.gluon_grouped_config(x, q_w.packed, routing) is tg.GLUON_MOE_TABLE[key]
+    op, _ = tg.quantize_activation(x, "w4a16")
+    yd = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing,
+                       a_rows=routing.sorted_tokens if gemm == "w13" else None, out_rows=tokens * 8)
+    assert torch.equal(yd, y)

@@ -80,6 +80,7 @@ import torch
 
 from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
 from verl_quads.nvfp4.gluon_gemm import GluonConfig
+from verl_quads.nvfp4.gluon_moe import GroupedConfig
 from verl_quads.nvfp4.guidance import GuidanceRecord
 from verl_quads.nvfp4.triton_kernels import check_available, triton
 
@@ -1429,6 +1430,65 @@ def gluon_dense_config(x: torch.Tensor, w_packed: torch.Tensor) -> GluonConfig |
     return cfg
 
 
+#: Grouped (MoE expert) bf16 W4A16 GEMMs on sm_90 taken by the grouped Gluon kernel
+#: (:func:`verl_quads.nvfp4.gluon_moe.gluon_w4a16_grouped`: the dense standard-layout kernel's tiles over moe_align's
+#: tile table): ``(slots bucket, n, k) -> GroupedConfig`` for token-slots S with :func:`decode_bucket` (S) == bucket
+#: exactly (an unmeasured bucket keeps the current dispatch), checked before DECODE_TABLE / MID_TABLE. H200, cold L2,
+#: us (session 9 call 6 at fb1d1d2, ``python -m verl_quads.bench.gluon_moe_probe``; Qwen3-30B-A3B experts, 128 x top-8
+#: random routing, block_m 16, every config within the reference bound), entry vs the default dispatch it replaces:
+#: w13 [1536, 2048] T=4 (S=32) 25.8 vs 30.1, T=16 (S=128) 62.5 vs 106, T=64 (S=512) 91.8 vs 190; w2 [2048, 768]
+#: 13.7 vs 17.2, 31.9 vs 53.0, 46.3 vs 96.0. Layer (probe, cold): 106 vs 168 us at T=16 (3.11x BF16), 172 vs 314 at
+#: T=64 (2.83x), 50.6 vs 56.2 at T=4. Not taken: T=256 (S=2048; w13 1.02x, w2 1.09x: within noise of one run), T=1..2.
+_GM, _GM_K2 = (GroupedConfig(num_warps=4, kc=1, occ=2, prefetch=False, nt=1), GroupedConfig(num_warps=4, kc=2, occ=2, nt=1))
+GLUON_MOE_TABLE: dict[tuple[int, int, int], GluonConfig] = {
+    (32, 1536, 2048): _GM_K2, (32, 2048, 768): _GM,  # T=4
+    (128, 1536, 2048): _GM, (128, 2048, 768): _GM,  # T=16
+    (512, 1536, 2048): _GM, (512, 2048, 768): _GM,  # T=64
+}
+_GLUON_MOE_WARNED: list[str] = []
+
+
+def gluon_moe_table_entry(slots: int, n: int, k: int, block_m: int, capability: tuple[int, int]) -> GluonConfig | None:
+    """The :data:`GLUON_MOE_TABLE` entry for a grouped bf16 w4a16 GEMM of ``slots`` token-slots and ``[E, n, k]``
+    experts with routing ``block_m`` on a CUDA device of ``capability``, or None: the bucket of ``slots`` itself must
+    have an entry, K % 128 == 0, block_m 8 / 16 / 32 and capability 9.0 (where the entries were measured) only."""
+    from verl_quads.nvfp4.gluon_moe import BLOCK_M_NT
+
+    bucket = decode_bucket(slots)
+    cfg = GLUON_MOE_TABLE.get((bucket, n, k)) if bucket is not None else None
+    if cfg is None or k % 128 or block_m not in BLOCK_M_NT or tuple(capability) != (9, 0):
+        return None
+    return cfg
+
+
+def gluon_grouped_config(x: torch.Tensor, w_packed: torch.Tensor, routing: GroupedRouting) -> GluonConfig | None:
+    """The default dispatch's Gluon choice for a grouped w4a16 GEMM of activation ``x`` [rows, K], experts
+    ``w_packed`` [E, N, K/2] and ``routing``: the :func:`gluon_moe_table_entry` when the Gluon kernel can run here
+    (CUDA tensor, bf16 ``x``, not under the Triton interpreter, :func:`~verl_quads.nvfp4.gluon_gemm.gluon_available`),
+    else None (the Triton kernels, as before; an entry that cannot run because of the installed triton logs ONE
+    warning per process). Explicit GroupedConfig requests do not come here: they raise where the kernel cannot run."""
+    if _interpreting() or x.device.type != "cuda" or x.dtype != torch.bfloat16 or w_packed.dim() != 3:
+        return None
+    cfg = gluon_moe_table_entry(routing.sorted_slots.numel(), w_packed.shape[1], x.shape[1], routing.block_m,
+                                torch.cuda.get_device_capability(x.device))
+    if cfg is None:
+        return None
+    from verl_quads.nvfp4.gluon_gemm import gluon_available
+
+    ok, why = gluon_available()
+    if not ok:
+        if not _GLUON_MOE_WARNED:
+            _GLUON_MOE_WARNED.append(why)
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "verl-quads: the Gluon W4A16 MoE kernel is unavailable (%s); grouped W4A16 expert GEMMs at 4..64 "
+                "tokens on this Hopper GPU use the Triton kernels instead (H200, Qwen3-30B-A3B MoE layer at 16 "
+                "tokens: 168 us instead of 106). Install triton >= 3.6 for the fast path.", why)
+        return None
+    return cfg
+
+
 def decode_config(rows: int, n: int, k: int, grouped: bool, x_dtype: torch.dtype | None = None) -> StreamConfig | None:
     """The :data:`DECODE_TABLE` entry for a w4a16 GEMM of ``rows`` rows (dense: M; grouped: token-slots),
     or None (use the tensor-core kernel). ``x_dtype`` (the activation dtype, when known): an entry measured with
@@ -1902,9 +1962,10 @@ def nvfp4_gemm(
     (``zero_unrouted=False``: left unset, no zero-fill launch, for callers that never read them).
     ``config``: launch configuration: a :class:`GemmConfig` (default :func:`pick_config`; its block_m
     must equal the routing's) or, for ``w4a16`` operands, a :class:`StreamConfig` (the weight-streaming
-    decode kernel) or, dense bf16 only, a :class:`~verl_quads.nvfp4.gluon_gemm.GluonConfig` (the Gluon
-    mma.sync kernel). Default for ``w4a16`` on CUDA: the :data:`GLUON_TABLE` entry (dense, sm_90), else the
-    :data:`DECODE_TABLE` entry of the shape if any.
+    decode kernel) or, bf16 only, a :class:`~verl_quads.nvfp4.gluon_gemm.GluonConfig` (the Gluon mma.sync
+    kernels: dense ``gluon_w4a16_std``; grouped ``gluon_moe.gluon_w4a16_grouped``, e.g. a ``GroupedConfig``).
+    Default for ``w4a16`` on CUDA: the :data:`GLUON_TABLE` (dense) / :data:`GLUON_MOE_TABLE` (grouped) entry
+    (sm_90, where Gluon runs), else the :data:`DECODE_TABLE` entry of the shape if any.
     """
     m, k = act.shape
     grouped = routing is not None
@@ -1920,13 +1981,20 @@ def nvfp4_gemm(
     else:
         rows_out = m
     if config is None and act.mode == "w4a16" and dev.type == "cuda" and rows_out and n:
-        if not grouped:
+        if grouped:
+            config = gluon_grouped_config(act.values, w_packed, routing)
+        else:
             config = gluon_dense_config(act.values, w_packed)
         if config is None:
             config = decode_config(s if grouped else m, n, k, grouped, act.values.dtype)
     if isinstance(config, GluonConfig):  # raises where the Gluon kernel cannot run this GEMM (no fallback)
-        if grouped or act.mode != "w4a16":
-            raise ValueError("nvfp4 GEMM: a GluonConfig runs dense w4a16 GEMMs only")
+        if act.mode != "w4a16":
+            raise ValueError("nvfp4 GEMM: a GluonConfig runs w4a16 GEMMs only")
+        if grouped:
+            from verl_quads.nvfp4.gluon_moe import gluon_w4a16_grouped
+
+            return gluon_w4a16_grouped(act.values, w_packed, w_scale, w_gs, routing, a_rows, rows_out, config,
+                                       zero_unrouted)
         from verl_quads.nvfp4.gluon_gemm import gluon_w4a16_std
 
         return gluon_w4a16_std(act.values, w_packed, w_scale, w_gs, bias, config)

@@ -1,0 +1,59 @@
+"""Grouped Gluon W4A16 dispatch (triton_gemm.GLUON_MOE_TABLE / gluon_moe_table_entry / gluon_grouped_config; the kernel
+in verl_quads/nvfp4/gluon_moe.py) on CPU: the table's shape, its exact-bucket lookup (unmeasured buckets, capabilities
+and routing tile heights keep the current dispatch), that the default dispatch never picks the Gluon kernel on CPU /
+under the Triton interpreter, and that an explicit GroupedConfig there raises (no silent fallback). The kernel itself
+runs only on a GPU (tests/gpu/test_gluon_moe_gpu.py)."""
+
+import pytest
+import torch
+
+from verl_quads.nvfp4 import gluon_moe as gm
+from verl_quads.nvfp4 import triton_gemm as tg
+
+
+def test_table_entries_and_exact_bucket_lookup():
+    assert tg.GLUON_MOE_TABLE and all(isinstance(c, gm.GroupedConfig) for c in tg.GLUON_MOE_TABLE.values())
+    for (b, n, k), cfg in tg.GLUON_MOE_TABLE.items():
+        assert b in tg.DECODE_BUCKETS and k % 128 == 0
+        lower = max((x for x in tg.DECODE_BUCKETS if x < b), default=0)
+        for slots in (lower + 1, b):
+            for bm in (8, 16, 32):
+                if (bm // 8) % (cfg.nt or 1) == 0:
+                    assert tg.gluon_moe_table_entry(slots, n, k, bm, (9, 0)) is cfg
+        assert tg.gluon_moe_table_entry(b, n, k, 16, (10, 0)) is None  # measured on sm_90 only
+        assert tg.gluon_moe_table_entry(b, n, k, 16, (8, 0)) is None
+        assert tg.gluon_moe_table_entry(b, n, k, 64, (9, 0)) is None  # routing tile height the kernel does not take
+        if (lower, n, k) not in tg.GLUON_MOE_TABLE and lower:
+            assert tg.gluon_moe_table_entry(lower, n, k, 16, (9, 0)) is None  # an unmeasured bucket: no entry
+    assert tg.gluon_moe_table_entry(8, 1536, 2048, 16, (9, 0)) is None  # T=1 (8 slots): the stream entries stay
+    assert tg.gluon_moe_table_entry(4096, 1536, 2048, 32, (9, 0)) is None  # past the last bucket
+
+
+def _grouped_case(e=4, n=32, k=128, tokens=3, topk=2):
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g)
+    scale = (torch.rand(e, n, k // 16, generator=g) + 0.5).to(torch.float8_e4m3fn)
+    gs = torch.full((e,), 100.0)
+    ids = torch.stack([torch.randperm(e, generator=g)[:topk] for _ in range(tokens)])
+    x = torch.randn(tokens, k, generator=g).to(torch.bfloat16)
+    return x, packed, scale, gs, ids
+
+
+def test_dispatch_never_picks_gluon_on_cpu(monkeypatch):
+    x, packed, scale, gs, ids = _grouped_case()
+    routing = tg.moe_align_reference(ids, packed.shape[0], 16)
+    monkeypatch.setitem(tg.GLUON_MOE_TABLE, (tg.decode_bucket(6), packed.shape[1], x.shape[1]), gm.GroupedConfig())
+    assert tg.gluon_moe_table_entry(6, packed.shape[1], x.shape[1], 16, (9, 0)) is not None  # an entry for this shape
+    assert tg.gluon_grouped_config(x, packed, routing) is None  # ... but not on a CPU tensor
+    assert not gm.grouped_supported(x, packed, 16)
+
+
+def test_explicit_config_raises_where_it_cannot_run():
+    x, packed, scale, gs, ids = _grouped_case()
+    routing = tg.moe_align_reference(ids, packed.shape[0], 16)
+    act, _ = tg.quantize_activation(x, "w4a16")
+    with pytest.raises((ValueError, RuntimeError)):
+        tg.nvfp4_gemm(act, packed, scale, gs, routing=routing, a_rows=routing.sorted_tokens, out_rows=6,
+                      config=gm.GroupedConfig())
+    with pytest.raises((ValueError, RuntimeError)):
+        gm.gluon_w4a16_grouped(x, packed, scale, gs, routing, a_rows=routing.sorted_tokens, cfg=gm.GroupedConfig())
