@@ -57,3 +57,29 @@ def test_explicit_config_raises_where_it_cannot_run():
                       config=gm.GroupedConfig())
     with pytest.raises((ValueError, RuntimeError)):
         gm.gluon_w4a16_grouped(x, packed, scale, gs, routing, a_rows=routing.sorted_tokens, cfg=gm.GroupedConfig())
+
+
+def test_default_dispatch_on_a_hopper_without_usable_gluon_warns_once(monkeypatch, caplog):
+    """On sm_90 (capability, device type and interpreter patched; no GPU) the grouped default dispatch takes its table
+    entry when Gluon can run, else None (the Triton kernels) with ONE warning per process naming the triton version
+    and the MoE kernel (the dense path's warning is a separate one: tests/unit/test_gluon_layout.py)."""
+    import logging
+    from types import SimpleNamespace
+
+    from verl_quads.nvfp4 import gluon_gemm as gg
+
+    w = torch.zeros(128, 1536, 1024, dtype=torch.uint8)  # [E, N, K/2]: K = 2048
+    x = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16, shape=(16, 2048))
+    routing = SimpleNamespace(sorted_slots=torch.zeros(128, dtype=torch.int32), block_m=16)  # S = 128: T = 16
+    monkeypatch.setattr(tg, "_interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    monkeypatch.setattr(gg, "gluon_available", lambda: (True, ""))
+    assert tg.gluon_grouped_config(x, w, routing) is tg.GLUON_MOE_TABLE[(128, 1536, 2048)]
+
+    monkeypatch.setattr(gg, "gluon_available", lambda: (False, "triton 3.5.0 < 3.6"))
+    monkeypatch.setattr(tg, "_GLUON_MOE_WARNED", [])
+    with caplog.at_level(logging.WARNING, logger=tg.__name__):
+        assert tg.gluon_grouped_config(x, w, routing) is None
+        assert tg.gluon_grouped_config(x, w, routing) is None
+    warns = [r.getMessage() for r in caplog.records if "Gluon W4A16 MoE kernel" in r.getMessage()]
+    assert len(warns) == 1 and "triton 3.5.0" in warns[0] and "grouped W4A16 expert GEMMs" in warns[0]

@@ -1414,20 +1414,25 @@ def gluon_dense_config(x: torch.Tensor, w_packed: torch.Tensor) -> GluonConfig |
     cfg = gluon_table_entry(x.shape[0], w_packed.shape[0], x.shape[1], torch.cuda.get_device_capability(x.device))
     if cfg is None:
         return None
+    return cfg if _gluon_runs(_GLUON_WARNED, "decode kernel", "dense W4A16 decode GEMMs at M 2..16", "8192x8192 at "
+                                "M=4: 0.9x cuBLAS BF16 instead of 1.8x") else None
+
+
+def _gluon_runs(warned: list[str], kernel: str, gemms: str, cost: str) -> bool:
+    """Whether the Gluon kernels can run with the installed triton
+    (:func:`~verl_quads.nvfp4.gluon_gemm.gluon_available`); if not, logs ONE warning per ``warned`` list (per
+    process): which ``kernel``, which ``gemms`` take the Triton kernels instead, and the measured ``cost`` (H200)."""
     from verl_quads.nvfp4.gluon_gemm import gluon_available
 
     ok, why = gluon_available()
-    if not ok:
-        if not _GLUON_WARNED:
-            _GLUON_WARNED.append(why)
-            import logging
+    if not ok and not warned:
+        warned.append(why)
+        import logging
 
-            logging.getLogger(__name__).warning(
-                "verl-quads: the Gluon W4A16 decode kernel is unavailable (%s); dense W4A16 decode GEMMs at M 2..16 "
-                "on this Hopper GPU use the Triton kernels instead (H200, 8192x8192 at M=4: 0.9x cuBLAS BF16 instead "
-                "of 1.8x). Install triton >= 3.6 for the fast path.", why)
-        return None
-    return cfg
+        logging.getLogger(__name__).warning(
+            "verl-quads: the Gluon W4A16 %s is unavailable (%s); %s on this Hopper GPU use the Triton kernels instead "
+            "(H200, %s). Install triton >= 3.6 for the fast path.", kernel, why, gemms, cost)
+    return ok
 
 
 #: Grouped (MoE expert) bf16 W4A16 GEMMs on sm_90 taken by the grouped Gluon kernel
@@ -1473,20 +1478,8 @@ def gluon_grouped_config(x: torch.Tensor, w_packed: torch.Tensor, routing: Group
                                 torch.cuda.get_device_capability(x.device))
     if cfg is None:
         return None
-    from verl_quads.nvfp4.gluon_gemm import gluon_available
-
-    ok, why = gluon_available()
-    if not ok:
-        if not _GLUON_MOE_WARNED:
-            _GLUON_MOE_WARNED.append(why)
-            import logging
-
-            logging.getLogger(__name__).warning(
-                "verl-quads: the Gluon W4A16 MoE kernel is unavailable (%s); grouped W4A16 expert GEMMs at 4..64 "
-                "tokens on this Hopper GPU use the Triton kernels instead (H200, Qwen3-30B-A3B MoE layer at 16 "
-                "tokens: 168 us instead of 106). Install triton >= 3.6 for the fast path.", why)
-        return None
-    return cfg
+    return cfg if _gluon_runs(_GLUON_MOE_WARNED, "MoE kernel", "grouped W4A16 expert GEMMs at 4..64 tokens",
+                              "Qwen3-30B-A3B MoE layer at 16 tokens: 168 us instead of 106") else None
 
 
 def decode_config(rows: int, n: int, k: int, grouped: bool, x_dtype: torch.dtype | None = None) -> StreamConfig | None:
