@@ -423,10 +423,6 @@ def test_triton_channel_compact_dispatch():
     assert tc._launch_warps(256, 8192, 512) == 8 and tc._launch_warps(257, 4096, 256) == 8  # 257: full-row search
     with tc.channel_config(**tc.CHANNEL_VARIANTS["s8"]):
         assert tc._launch_warps(133, 4096, 256) == 8
-    with tc.channel_config(compact_many_maxnreg={256: 128, 512: 96}):
-        assert tc._maxnreg(False, 8, compact=True, m=133, nbp=256) == 128 and tc._maxnreg(True, 8, True, 256, 512) == 96
-        assert tc._maxnreg(False, 8, compact=True, m=132, nbp=256) is None
-        assert tc._maxnreg(False, 8, compact=True, m=200, nbp=128) is None  # no entry for NBP 128
     with tc.channel_config(compact_max_rows=0):
         assert tc._compact_args(1, 8192, 512) is None
     with tc.channel_config(compact_min_k=16):

@@ -101,20 +101,20 @@ tl = tk.tl
 #: 16x8192 phases: 12 full-row bits +2.8 us, compaction +1.8, tile search +2.0 (10 warp steps), tie cut +0.7; the
 #: candidates per row 75 mean / 93 max (the tile holds 256; more -> the full-row continuation).
 #: ``compact_many_rows`` (None = off): compacted launches of more rows than this (the H200's 132 SMs) take
-#: ``compact_many_warps`` / ``compact_many_maxnreg`` (by NBP; no entry: the values above) -- with more rows than SMs
+#: ``compact_many_warps`` (by NBP; no entry: the values above) -- with more rows than SMs
 #: the registers per program decide whether an SM runs two rows at once (one wave instead of two). Session 9
 #: (docs/bench_nvfp4_h200_channel_s9.txt run 2, bf16 k = 0.5, QDQ / packed us): 4 warps at K = 4096 (254
 #: registers x 128 threads: two programs per SM; 8 warps take 136 registers: one) 256x4096 16.2 -> 10.7 / 22.1 ->
 #: 17.7, 192x4096 15.4 -> 10.5 / 20.7 -> 15.7; a 128-register cap at 8 warps 12.1 / 17.7 at 256x4096. K = 8192 keeps
 #: its launch: 4 warps = the default (no entry), 128-register cap 21.4 / 42.1 vs 21.1 / 34.4 at 256x8192 (spills),
-#: 16 warps capped at 64 26.7 / 46.8. 1-132 rows are unchanged (one row per SM at most). Run 3 (the adopted default vs
+#: 16 warps capped at 64 26.7 / 46.8 (the per-NBP register-cap override
+#: that timed these caps is gone: no entry used it). 1-132 rows are unchanged (one row per SM at most). Run 3 (the adopted default vs
 #: "s8", bytes == torch reference on the device): 256x4096 10.8 / 17.7 vs 16.4 / 22.2, 192x4096 10.9 / 16.2 vs
 #: 15.7 / 20.9, 4x4096 9.13 / 11.8 vs 9.17 / 11.8.
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
-                  "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4},
-                  "compact_many_maxnreg": {}}
+                  "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4}}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -511,13 +511,10 @@ def _many(m: int) -> bool:
     return r is not None and m > int(r)
 
 
-def _maxnreg(packed: bool, num_warps: int, compact: bool = False, m: int = 1, nbp: int = 0) -> int | None:
-    """The register cap of a launch (``CHANNEL_CONFIG``): compact_maxnreg for the compacted search (its
-    ``compact_many_maxnreg[nbp]`` for a launch of more than compact_many_rows rows ``m``), else qdq_maxnreg, or
-    pack_maxnreg from pack_maxnreg_min_warps warps on; None = uncapped."""
-    if compact and _many(m) and nbp in CHANNEL_CONFIG["compact_many_maxnreg"]:
-        cap = CHANNEL_CONFIG["compact_many_maxnreg"][nbp]
-    elif compact:
+def _maxnreg(packed: bool, num_warps: int, compact: bool = False) -> int | None:
+    """The register cap of a launch (``CHANNEL_CONFIG``): compact_maxnreg for the compacted search, else
+    qdq_maxnreg, or pack_maxnreg from pack_maxnreg_min_warps warps on; None = uncapped."""
+    if compact:
         cap = CHANNEL_CONFIG["compact_maxnreg"]
     elif not packed:
         cap = CHANNEL_CONFIG["qdq_maxnreg"]
@@ -614,7 +611,7 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
         amax_rows = torch.empty(m, dtype=torch.float32, device=dev)
         kern[(m,)](xc, g1, wt, xc, xc, xc, xc, xc, xc, amax_rows, PACK=False, OUT=0, GS2=2, **meta)
         gs2_mode, gs2_arg = 1, global_scale_from_amax(amax_rows.amax())
-    cap = _maxnreg(packed, meta["num_warps"], compact=comp is not None, m=m, nbp=nbp)
+    cap = _maxnreg(packed, meta["num_warps"], compact=comp is not None)
     if cap is not None and xc.is_cuda:  # the interpreter has no registers
         meta["maxnreg"] = cap
     if not packed:
