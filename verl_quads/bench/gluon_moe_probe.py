@@ -23,8 +23,8 @@ import math
 import torch
 
 from verl_quads.bench.gluon_probe import _time_rot
+from verl_quads.bench.rollout import L2_FLUSH_BYTES
 
-L2_FLUSH_BYTES = 256 * 2**20
 E, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
 SHAPES = {"w13": (2 * INTER, HIDDEN), "w2": (HIDDEN, INTER)}
 

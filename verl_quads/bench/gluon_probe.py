@@ -18,7 +18,7 @@ import time
 
 import torch
 
-L2_FLUSH_BYTES = 256 * 2**20
+from verl_quads.bench.rollout import L2_FLUSH_BYTES, _err, _rotating, _time
 
 
 def _configs(which: str):
@@ -34,25 +34,10 @@ def _configs(which: str):
     return [("std", c, 0) for c in std] + [("perm", c, f) for c, f in perm]
 
 
-def _err(y, ref, bound):
-    r = ref.float()
-    d = (y.float() - r).abs()
-    ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.abs().clamp(min=1e-30))) * torch.finfo(y.dtype).eps,
-                      torch.full_like(r, torch.finfo(y.dtype).tiny))
-    return float(d.max() / r.abs().max().clamp(min=1e-30)), bool((d <= ulp + bound).all())
-
-
 def _time_rot(fn_of_copy, copies: int) -> float:
-    from verl_quads.bench.timing import graph_time_s, median_time_s
-
-    def fn():
-        for i in range(copies):
-            fn_of_copy(i)
-
-    t = graph_time_s(fn)
-    if t is None:
-        t = median_time_s(fn, 3, 10, 3)
-    return t / copies
+    """Seconds per call of ``fn_of_copy(i)`` over ``copies`` weight copies (cold L2), timed as ``bench rollout``
+    times its rotating copies (one CUDA graph of all of them; eager median where a graph cannot be captured)."""
+    return _time(_rotating(fn_of_copy, copies))[0] / copies
 
 
 def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all") -> str:
