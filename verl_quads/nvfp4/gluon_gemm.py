@@ -530,11 +530,47 @@ if gluon is not None:
         return woff, kcw, soff, kcs
 
     @gluon.jit
+    def std_x_rows(NT: gl.constexpr, NW: gl.constexpr, WPT: gl.constexpr):
+        """Standard layout: the activation slot ``8 nt + g`` of every element of :func:`std_x_layout`
+        ``[NT, 8, 1, 1, 1]`` (the MMA's N index; map it to activation rows, then :func:`std_x_offsets`)."""
+        LX: gl.constexpr = std_x_layout(NW, WPT)
+        return _iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX)
+
+    @gluon.jit
+    def std_x_offsets(xn, K, NW: gl.constexpr, KC: gl.constexpr, WPT: gl.constexpr):
+        """Standard layout: ``(xoff, kcx)``, the bf16 offsets ``[NT, 8, 4, KC, 8 WPT]`` (:func:`std_x_layout`) of
+        activation rows ``xn`` ([NT, 8, 1, 1, 1], rows of K elements) at chunk 0 -- thread (g, t) reads elements
+        ``32 WPT kc + 8 WPT t + [0, 8 WPT)`` of row ``xn[nt, g]`` -- and the KC index tensor (for masks)."""
+        LX: gl.constexpr = std_x_layout(NW, WPT)
+        kcx = _iota(KC, 3, 5, LX)
+        return xn * K + kcx * (32 * WPT) + _iota(4, 2, 5, LX) * (8 * WPT) + _iota(8 * WPT, 4, 5, LX), kcx
+
+    @gluon.jit
+    def split_fixup(y, part_ptr, prow, pcol, PROWS, N, pid_k, om, out_ptr, ooff, cnt_ptr, ci, bias_ptr, cols,
+                    SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """Deterministic split-K fixup of one tile (float32 partials ``[SPLIT, PROWS, N]``): store this program's
+        partial ``y`` at ``[pid_k, prow, pcol]`` (mask ``om``), CTA barrier, acq_rel atomic on counter ``cnt_ptr +
+        ci``; the last of the SPLIT programs of the tile sums the partials in the fixed order 0, 1, ..., adds the
+        bias of weight rows ``cols`` (HAS_BIAS; [BN], rows >= N read 0), stores bf16 at ``out_ptr + ooff`` (mask
+        ``om``) and resets the counter for the next launch (stream order)."""
+        gl.store(part_ptr + (pid_k * PROWS + prow) * N + pcol, y, mask=om)
+        _cta_barrier()  # every thread's partial stores precede the release below
+        done = gl.atomic_add(cnt_ptr + ci, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:  # the last K range of this tile: sum the partials in the fixed order
+            z = gl.load(part_ptr + prow * N + pcol, mask=om, other=0.0, cache_modifier=".cg")
+            for sk in range(1, SPLIT):
+                z += gl.load(part_ptr + (sk * PROWS + prow) * N + pcol, mask=om, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                z += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 1)
+            gl.store(out_ptr + ooff, z.to(gl.bfloat16), mask=om)
+            gl.store(cnt_ptr + ci, 0)  # ready for the next launch (stream order)
+
+    @gluon.jit
     def _epilogue(acc, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k,
                   MMA: gl.constexpr, BN: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
                   HAS_BIAS: gl.constexpr):
         """acc [BN weight rows, 8 NT activation rows] times ``256 / gs`` (+ bias) -> out[row, n] in bf16; SPLIT > 1:
-        float32 partials, the last program of the N tile sums them in the fixed order 0, 1, ... (+ bias)."""
+        float32 partials ``[SPLIT, M, N]`` and :func:`split_fixup` (counter ``pid_n``)."""
         LR: gl.constexpr = gl.SliceLayout(1, MMA)
         LC: gl.constexpr = gl.SliceLayout(0, MMA)
         gw = gl.load(gs_ptr + gl.arange(0, BN, layout=LR) * 0)
@@ -549,17 +585,8 @@ if gluon is not None:
                 y += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 1)
             gl.store(out_ptr + xr * N + rows, y.to(gl.bfloat16), mask=om)
         else:
-            gl.store(part_ptr + (pid_k * M + xr) * N + rows, y, mask=om)
-            _cta_barrier()  # every thread's partial stores precede the release below
-            done = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-            if done == SPLIT - 1:  # the last K range of this tile: sum the partials in the fixed order
-                z = gl.load(part_ptr + xr * N + rows, mask=om, other=0.0, cache_modifier=".cg")
-                for sk in range(1, SPLIT):
-                    z += gl.load(part_ptr + (sk * M + xr) * N + rows, mask=om, other=0.0, cache_modifier=".cg")
-                if HAS_BIAS:
-                    z += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 1)
-                gl.store(out_ptr + xr * N + rows, z.to(gl.bfloat16), mask=om)
-                gl.store(cnt_ptr + pid_n, 0)  # ready for the next launch (stream order)
+            split_fixup(y, part_ptr, xr, rows, M, N, pid_k, om, out_ptr, xr * N + rows, cnt_ptr, pid_n, bias_ptr, cols,
+                        SPLIT, HAS_BIAS)
 
     @gluon.jit
     def _w4a16_std_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
@@ -571,7 +598,6 @@ if gluon is not None:
         warp w owns rows ``16 (pid_n NW + w) + [0, 16)``, thread (g, t) loads 4 WPT bytes of rows g and g + 8 per
         chunk (elements ``8 WPT t + [0, 8 WPT)``: 16 or 32 bytes); the K order inside a chunk is permuted
         identically on both MMA operands (:func:`_std_chunk_mma`). Grid, split-K, EVEN, PF as :func:`_w4a16_kernel`."""
-        LX: gl.constexpr = std_x_layout(NW, WPT)
         MMA: gl.constexpr = mma_layout(NW)
         BN: gl.constexpr = NW * 16
         pid_n = gl.program_id(0)
@@ -579,9 +605,7 @@ if gluon is not None:
         c_lo, c_hi = _k_range(pid_k, CPS, C)
 
         woff, kcw, soff, kcs = std_weight_offsets(pid_n, N, KW, KB, NW, KC, WPT)
-        xn = gl.minimum(_iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX), M - 1)
-        kcx = _iota(KC, 3, 5, LX)
-        xoff = xn * K + kcx * (32 * WPT) + _iota(4, 2, 5, LX) * (8 * WPT) + _iota(8 * WPT, 4, 5, LX)
+        xoff, kcx = std_x_offsets(gl.minimum(std_x_rows(NT, NW, WPT), M - 1), K, NW, KC, WPT)
 
         acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx,
                      c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT)

@@ -34,8 +34,8 @@ from verl_quads.nvfp4.gluon_gemm import ROWS, STD_CHUNK, GluonConfig, _num_sms, 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
 
-    from verl_quads.nvfp4.gluon_gemm import (_cta_barrier, _iota, _k_range, k_loop, mma_layout, std_weight_offsets,
-                                             std_x_layout)
+    from verl_quads.nvfp4.gluon_gemm import (_k_range, k_loop, mma_layout, split_fixup, std_weight_offsets,
+                                             std_x_offsets, std_x_rows)
 
     @gluon.jit
     def _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, r0, r1, N, OUT_ROWS, pid_n, pid_k, ci,
@@ -56,17 +56,9 @@ if gluon is not None:
         om = (ncol < N) & gl.expand_dims(valid, 0)
         if SPLIT == 1:
             gl.store(out_ptr + orow * N + ncol, y.to(gl.bfloat16), mask=om)
-        else:
-            gl.store(part_ptr + (pid_k * OUT_ROWS + orow) * N + ncol, y, mask=om)
-            _cta_barrier()  # every thread's partial stores precede the release below
-            done = gl.atomic_add(cnt_ptr + ci, 1, sem="acq_rel", scope="gpu")
-            if done == SPLIT - 1:  # the last K range of this tile: sum the partials in the fixed order
-                z = gl.load(part_ptr + orow * N + ncol, mask=om, other=0.0, cache_modifier=".cg")
-                for sk in range(1, SPLIT):
-                    z += gl.load(part_ptr + (sk * OUT_ROWS + orow) * N + ncol, mask=om, other=0.0,
-                                 cache_modifier=".cg")
-                gl.store(out_ptr + orow * N + ncol, z.to(gl.bfloat16), mask=om)
-                gl.store(cnt_ptr + ci, 0)  # ready for the next launch (stream order)
+        else:  # partials [SPLIT, OUT_ROWS, N]: the dense kernel's fixup (no bias)
+            split_fixup(y, part_ptr, orow, ncol, OUT_ROWS, N, pid_k, om, out_ptr, orow * N + ncol, cnt_ptr, ci, out_ptr,
+                        cols, SPLIT, False)
 
     @gluon.jit
     def _w4a16_moe_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
@@ -79,7 +71,6 @@ if gluon is not None:
         = block_m / (8 NT); each pass runs the K loop, later passes re-read the weight tile, mostly from L2), chunks
         ``[pid_k CPS, ...)``; ``w_ptr`` int32 ``[E, N, KW]``, ``s_ptr`` uint8 ``[E, N, KB]``, ``x_ptr`` bf16 ``[rows, K]``. Offsets, loads, decode, MMA and K loop: the dense kernel's (gluon_gemm
         std_weight_offsets / k_loop) on the expert's weight pointers and the pass's gathered activation rows."""
-        LX: gl.constexpr = std_x_layout(NW, WPT)
         MMA: gl.constexpr = mma_layout(NW)
         BN: gl.constexpr = NW * 16
         pid_n = gl.program_id(0)
@@ -95,14 +86,12 @@ if gluon is not None:
             s_e = s_ptr + e64 * N * KB
             woff, kcw, soff, kcs = std_weight_offsets(pid_n, N, KW, KB, NW, KC, WPT)
             gw = gl.load(gs_ptr + e + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)) * 0)
-            kcx = _iota(KC, 3, 5, LX)
-            xk = kcx * (32 * WPT) + _iota(4, 2, 5, LX) * (8 * WPT) + _iota(8 * WPT, 4, 5, LX)  # as the dense kernel
+            slot = std_x_rows(NT, NW, WPT)
             for p in gl.static_range(PASSES):
                 rs = r0 + p * (NT * 8)
                 if rs < r1:
                     # the pass's activation rows (sorted rows past r1 read row r1 - 1: not stored)
-                    xn = gl.load(arow_ptr + gl.minimum(rs + _iota(NT, 0, 5, LX) * 8 + _iota(8, 1, 5, LX), r1 - 1))
-                    xoff = xn * K + xk
+                    xoff, kcx = std_x_offsets(gl.load(arow_ptr + gl.minimum(rs + slot, r1 - 1)), K, NW, KC, WPT)
                     acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs,
                                  kcx, c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT)
                     _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, rs, r1, N, OUT_ROWS, pid_n, pid_k,
