@@ -140,7 +140,12 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                                        "compact_tile_bits": 1, "compact_warps": {}},
                     "compact fallback": {"compact_max_rows": 1 << 30, "compact_min_k": 16, "compact_bits": 2,
                                          "compact_cap": 16, "compact_warp_tile": False},
-                    "s8": {"compact_many_rows": None}}
+                    "s8": {"compact_many_rows": None},
+                    # session 10 (issue #5: dense d4096 M=16, rows < SMs), timed by bench.channel_probe: fewer
+                    # full-row bits (K = 4096 rows of the bench: 69 / 143 mean candidates at 11 / 10 bits, <= 256)
+                    # and 16 warps at K = 4096 (8 channels per thread)
+                    "b11": {"compact_bits": 11}, "b10": {"compact_bits": 10},
+                    "w16": {"compact_warps": {512: 8, 256: 16}}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
