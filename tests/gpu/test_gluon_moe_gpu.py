@@ -25,6 +25,10 @@ if gg.gluon is None:
 
 CFGS = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=False), G(4, 1, 1, 2), G(4, 1, 0, 4), G(8, 1, 0, 2), G(4, 2, 0, 2),
         G(4, 1, 0, 2, nt=1), G(4, 1, 2, 2, nt=1), G(4, 2, 0, 2, nt=1), G(4, 1, 0, 2, maxnreg=96)]
+#: the wide kernel (_w4a16_moe_wide_kernel): RG row groups per warp, activation staged in shared memory (xs)
+WIDE = [G(4, 1, 0, 2, prefetch=False, nt=2, rg=2), G(4, 2, 0, 2, nt=2, rg=2), G(2, 1, 0, 2, prefetch=False, nt=2, rg=4),
+        G(4, 1, 0, 2, nt=2, xs=True), G(4, 1, 0, 2, prefetch=False, xs=True), G(4, 1, 0, 2, nt=1, xs=True, pfd=2),
+        G(4, 1, 0, 2, nt=2, rg=2, xs=True, pfd=2), G(8, 1, 0, 2, nt=2, xs=True), G(8, 1, 0, 2, nt=2, rg=2, xs=True)]
 
 
 def _x(m, k, seed=0):
@@ -104,7 +108,8 @@ def test_grouped_configs(gemm, tokens, cfg):
     _gemm_case(gemm, tokens, cfg)
 
 
-@pytest.mark.parametrize("cfg", [CFGS[0], CFGS[2], G(4, 1, 3, 2), G(4, 1, 3, 2, nt=1)], ids=lambda c: c.label)
+@pytest.mark.parametrize("cfg", [CFGS[0], CFGS[2], G(4, 1, 3, 2), G(4, 1, 3, 2, nt=1), G(4, 1, 3, 2, rg=2, xs=True),
+                                 G(4, 1, 0, 2, nt=1, rg=2), G(8, 1, 0, 2, nt=1, xs=True, pfd=2)], ids=lambda c: c.label)
 @pytest.mark.parametrize("n, k, block_m, e, topk, tokens", [
     (200, 384, 8, 8, 2, 40),  # N % 64 != 0, 3 chunks, ~10 rows per expert in 8-row tiles (2 tiles per expert)
     (1536, 2048, 16, 16, 4, 37),  # ~9 rows per expert, 16-row tiles (some experts 2 tiles)
@@ -130,7 +135,8 @@ def test_grouped_equals_dense_per_expert(gemm, tokens):
         assert torch.equal(y[slots], yd), f"expert {ex}"
 
 
-@pytest.mark.parametrize("cfg, tokens", [(G(4, 1, 4, 2), 16), (G(4, 1, 4, 2, nt=1), 64)], ids=["one-pass", "passes"])
+@pytest.mark.parametrize("cfg, tokens", [(G(4, 1, 4, 2), 16), (G(4, 1, 4, 2, nt=1), 64),
+                                         (G(4, 1, 4, 2, nt=1, rg=2, xs=True), 64)], ids=["one-pass", "passes", "wide-xs"])
 def test_grouped_split_deterministic_and_graph(cfg, tokens):
     e, n, k, topk = 128, 1536, 2048, 8
     q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
@@ -164,6 +170,21 @@ def test_grouped_split_deterministic_and_graph(cfg, tokens):
         assert torch.equal(out, run(xx))
 
 
+@pytest.mark.parametrize("cfg", WIDE, ids=lambda c: c.label)
+@pytest.mark.parametrize("gemm, tokens", [("w13", 256), ("w2", 256), ("w13", 16), ("w2", 64)])
+def test_grouped_wide_equals_base(gemm, tokens, cfg):
+    """The wide kernel (rg row groups per warp, xs activation staging, prefetch depth) within the reference bound and
+    bit for bit equal to the one-row-group kernel of the same kc / nt / split (the same loads, decode, mma.sync and
+    summation order per output element; only which warp / program computes it and where x is read from differ)."""
+    y, x, q_w, gs, ids, routing = _gemm_case(gemm, tokens, cfg)
+    n, k = q_w.packed.shape[1], x.shape[1]
+    split = gm.grouped_plan(n, k, min(128, ids.numel()), cfg)[1]
+    base = G(4, cfg.kc, split, cfg.occ, prefetch=cfg.prefetch, nt=cfg.nt)
+    yb = gm.gluon_w4a16_grouped(x, q_w.packed, q_w.block_scale, gs, routing,
+                                a_rows=routing.sorted_tokens if gemm == "w13" else None, out_rows=ids.numel(), cfg=base)
+    assert torch.equal(y, yb)
+
+
 def test_grouped_rejects_unsupported():
     e, n, k = 4, 64, 1024
     q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
@@ -175,6 +196,9 @@ def test_grouped_rejects_unsupported():
         gm.gluon_w4a16_grouped(_x(3, k).float(), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16))
     with pytest.raises(ValueError):  # nt 4 does not divide block_m / 8 = 2
         gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16), cfg=G(nt=4))
+    for bad in (G(kc=2, xs=True), G(rg=3), G(pfd=2)):  # xs needs kc 1; rg 1 / 2 / 4; pfd only with xs
+        with pytest.raises(ValueError):
+            gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16), cfg=bad)
     with pytest.raises(ValueError):  # K % 128 != 0
         q2 = em.quantize_weight(_w((e, n, 1040)), reduce_dims=(1, 2))
         gm.gluon_w4a16_grouped(_x(3, 1040), q2.packed, q2.block_scale, q2.global_scale.reshape(-1),

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 import torch
 
@@ -39,7 +40,24 @@ def _configs(which: str):
              C(8, 1, 0, 2, nt=1), C(4, 1, 0, 2, nt=2), C(4, 1, 0, 4, nt=1), C(4, 1, 0, 2, maxnreg=96)]
     more = [C(4, 1, 0, 8), C(8, 1, 0, 4), C(2, 1, 0, 4), C(2, 1, 0, 4, nt=1), C(8, 2, 0, 2, nt=1),
             C(4, 1, 0, 2, maxnreg=128, nt=1)]
-    return quick if which == "quick" else quick + more
+    wide = _wide_configs()
+    return {"quick": quick, "all": quick + more + wide, "wide": wide}[which]
+
+
+def _wide_configs():
+    """Session 10, T = 256..1024 (~16..64 slots per expert): the two best one-kernel configs of session 9 at T=256 as
+    baselines, RG row groups per warp (``rg``: 128 / 256 weight rows per program, one activation load per warp for
+    all of them) and the activation staged in shared memory once per program (``xs``, cp.async; ``pfd`` 2: weight
+    prefetch two iterations ahead)."""
+    from verl_quads.nvfp4.gluon_moe import GroupedConfig as C
+
+    return [C(4, 1, 0, 2, nt=2), C(4, 1, 0, 2, prefetch=False),
+            C(4, 1, 0, 2, prefetch=False, nt=2, rg=2), C(4, 1, 0, 2, nt=2, rg=2), C(4, 1, 0, 2, prefetch=False, rg=2),
+            C(4, 1, 0, 2, prefetch=False, nt=1, rg=2), C(2, 1, 0, 2, prefetch=False, nt=2, rg=4),
+            C(4, 1, 0, 2, prefetch=False, nt=2, xs=True), C(4, 1, 0, 2, nt=2, xs=True),
+            C(4, 1, 0, 2, nt=2, xs=True, pfd=2), C(4, 1, 0, 2, xs=True), C(4, 1, 0, 2, nt=1, xs=True),
+            C(4, 1, 0, 2, nt=2, rg=2, xs=True), C(4, 1, 0, 2, nt=2, rg=2, xs=True, pfd=2),
+            C(8, 1, 0, 2, nt=2, xs=True), C(8, 1, 0, 2, nt=2, rg=2, xs=True)]
 
 
 def _check(y, xf, wf_of, slots_of, rows_of, k):
@@ -58,7 +76,8 @@ def _check(y, xf, wf_of, slots_of, rows_of, k):
     return worst, ok
 
 
-def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool = True) -> str:
+def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool = True, only: str = "",
+        layer_cfgs: dict | None = None) -> str:
     from verl_quads.bench.timing import device_name, print_table
     from verl_quads.nvfp4 import gluon_moe as gm
     from verl_quads.nvfp4 import triton_gemm as tg
@@ -68,12 +87,15 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
     print(device_name(), flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
     rows, summary = [], []
-    routings, xs, ids_of, sw_of = {}, {}, {}, {}
+    routings, groutings, xs, ids_of, sw_of = {}, {}, {}, {}, {}
     for t in tokens:
         ids_of[t] = torch.rand(t, E, device=dev, generator=g).argsort(-1)[:, :TOP_K]
         sw_of[t] = torch.softmax(torch.randn(t, TOP_K, device=dev, generator=g), -1)
         s = t * TOP_K
         routings[t] = tg.moe_align(ids_of[t], E, tg.grouped_block_m(-(-s // min(E, s))))
+        # the Gluon kernel takes routing block_m 8 / 16 / 32: past 32 (T=1024: 64) its own 32-row tile table
+        groutings[t] = (routings[t] if routings[t].block_m in gm.BLOCK_M_NT
+                        else tg.moe_align(ids_of[t], E, max(gm.BLOCK_M_NT)))
         x = torch.randn(t, HIDDEN, device=dev, generator=g)
         x[:, ::293] *= 30.0
         xs[t] = x.to(torch.bfloat16)
@@ -90,7 +112,7 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
         del b0
         weights[name] = (q, wq, bf)
         print(f"{name}: [{E}, {n}, {k}], {copies} weight copies", flush=True)
-    cfgs = _configs(which)
+    cfgs = [c for c in _configs(which) if not only or re.search(only, c.label)]
     cfg_of = {f"gluon {c.label}": c for c in cfgs}
     best = {}  # (gemm, tokens) -> the fastest correct config (cold)
     for name in gemms:
@@ -99,7 +121,7 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
         gs = q.global_scale.reshape(-1)
         for t in tokens:
             s = t * TOP_K
-            routing = routings[t]
+            routing, grouting = routings[t], groutings[t]
             flat = ids_of[t].reshape(-1)
             active = flat.unique().tolist()
             abytes = len(active) * n * k * 9 // 16
@@ -108,15 +130,17 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
             if name == "w13":
                 x = xs[t]
                 a_rows = routing.sorted_tokens
+                ga_rows = grouting.sorted_tokens
                 rows_of = lambda sl: torch.div(sl, TOP_K, rounding_mode="floor")  # noqa: E731
             else:
                 x = (torch.randn(s, k, device=dev, generator=g2)).to(torch.bfloat16)
-                a_rows = None
+                a_rows = ga_rows = None
                 rows_of = lambda sl: sl  # noqa: E731
             xf = x.float()
             slots_of = {ex: (flat == ex).nonzero().squeeze(-1) for ex in active}
             wf_of = lambda ex: em.weight_f32(q.packed[ex], q.block_scale[ex], gs[ex])  # noqa: E731
-            tag = f"{name} T={t} (S={s}, {len(active)} experts, bm {routing.block_m})"
+            tag = f"{name} T={t} (S={s}, {len(active)} experts, bm {routing.block_m}" + (
+                f", gluon bm {grouting.block_m})" if grouting is not routing else ")")
             res = {}
             # BF16 torch._grouped_mm on the sorted rows (offsets precomputed: free routing metadata)
             counts = torch.bincount(flat, minlength=E)
@@ -140,15 +164,15 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
             for cfg in cfgs:
                 label = f"gluon {cfg.label}"
                 try:
-                    y = gm.gluon_w4a16_grouped(x, *wq[0], routing, a_rows=a_rows, out_rows=s, cfg=cfg)
+                    y = gm.gluon_w4a16_grouped(x, *wq[0], grouting, a_rows=ga_rows, out_rows=s, cfg=cfg)
                     werr, ok = _check(y, xf, wf_of, slots_of, rows_of, k)
                     for mode, cp in (("cold", copies), ("warm", 1)):
                         res[(label, mode)] = _time_rot(
-                            lambda i, cfg=cfg: gm.gluon_w4a16_grouped(x, *wq[i], routing, a_rows=a_rows, out_rows=s,
+                            lambda i, cfg=cfg: gm.gluon_w4a16_grouped(x, *wq[i], grouting, a_rows=ga_rows, out_rows=s,
                                                                       cfg=cfg, zero_unrouted=False), cp)
                     res[(label, "check")] = (werr, ok)
                     plan = gm.grouped_plan(n, k, min(E, s), cfg, torch.cuda.get_device_properties(0).multi_processor_count)
-                    res[(label, "plan")] = f"grid {plan[0]}x{routing.tile_expert.numel()}x{plan[1]}"
+                    res[(label, "plan")] = f"grid {plan[0]}x{grouting.tile_expert.numel()}x{plan[1]}"
                 except Exception as ex:
                     print(f"{tag} {label}: FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
             base_c = res.get(("bf16 torch._grouped_mm", "cold"), float("nan"))
@@ -178,7 +202,9 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
                       ["point", "kernel", "check", "cold us", "x bf16", "warm us", "x bf16 warm", "TB/s", "ulp"], rows)
     print("\n".join(summary), flush=True)
     if layer:
-        out += "\n" + _layer(tokens, weights, ids_of, sw_of, xs, routings, best)
+        for (name, t), c in (layer_cfgs or {}).items():
+            best[(name, t)] = c
+        out += "\n" + _layer(tokens, weights, ids_of, sw_of, xs, groutings, best)
     return out + "\n" + "\n".join(summary)
 
 
@@ -195,7 +221,7 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
     q13, w13, bf13 = weights["w13"]
     q2, w2, bf2 = weights["w2"]
     copies = min(len(w13), len(w2))
-    rows = []
+    rows, parts = [], []
     for t in tokens:
         x, ids, sw = xs[t], ids_of[t], sw_of[t]
         s = t * TOP_K
@@ -240,18 +266,47 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
                          f"{rel:.1e}" if lb.startswith("gluon") else "-"])
             print(f"  layer T={t} {lb}: cold {tc * 1e6:.1f} us ({bc / tc:.2f}x bf16), warm {tw * 1e6:.1f} us "
                   f"({bw / tw:.2f}x)", flush=True)
-    return print_table("MoE layer, w4a16 (us; x bf16 = BF16 layer time / time; rel = ||y_gluon - y_default|| / "
-                       "||y_default||)", ["point", "layer", "cold us", "x bf16", "warm us", "x bf16 warm", "rel"], rows)
+        # the Gluon layer's parts, each launched alone on the outputs of the previous ones (cold: GEMMs over the
+        # weight copies; the other parts touch no weights)
+        r = tg.moe_align(ids, E, bm)
+        h = gm.gluon_w4a16_grouped(x, *w13[0], r, a_rows=r.sorted_tokens, out_rows=s, cfg=c13, zero_unrouted=False)
+        a = tg.moe_silu_mul(h, ids)
+        y = gm.gluon_w4a16_grouped(a, *w2[0], r, out_rows=s, cfg=c2, zero_unrouted=False)
+        steps = (("moe_align", lambda i: tg.moe_align(ids, E, bm), 1),
+                 ("w13 gluon", lambda i: gm.gluon_w4a16_grouped(x, *w13[i], r, a_rows=r.sorted_tokens, out_rows=s,
+                                                                cfg=c13, zero_unrouted=False), copies),
+                 ("moe_silu_mul", lambda i: tg.moe_silu_mul(h, ids), 1),
+                 ("w2 gluon", lambda i: gm.gluon_w4a16_grouped(a, *w2[i], r, out_rows=s, cfg=c2, zero_unrouted=False),
+                  copies),
+                 ("moe_combine", lambda i: tg.moe_combine(y, sw, ids), 1))
+        total = 0.0
+        for lb, fn, cp in steps:
+            tp = _time_rot(fn, cp)
+            total += tp
+            parts.append([f"moe layer T={t}", lb, tp * 1e6, tp / bc])
+        parts.append([f"moe layer T={t}", "sum of parts", total * 1e6, total / bc])
+    out = print_table("MoE layer, w4a16 (us; x bf16 = BF16 layer time / time; rel = ||y_gluon - y_default|| / "
+                      "||y_default||)", ["point", "layer", "cold us", "x bf16", "warm us", "x bf16 warm", "rel"], rows)
+    return out + "\n" + print_table("Gluon layer parts (us, each alone; GEMMs cold L2; share = time / BF16 layer cold)",
+                                    ["point", "part", "us", "share"], parts)
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="4,16,64,256")
     ap.add_argument("--gemms", default="w13,w2")
-    ap.add_argument("--configs", default="quick", choices=["quick", "all"])
+    ap.add_argument("--configs", default="quick", choices=["quick", "all", "wide"])
+    ap.add_argument("--only", default="", help="regex: only the configs whose label matches")
     ap.add_argument("--no-layer", action="store_true")
+    ap.add_argument("--layer", default="", help="layer configs by label, e.g. 'w13:T=256:w4 kc1 sa2 pf1 nt2;w2:...' "
+                    "(else the fastest correct config of this run's GEMM rows, else w4 kc1 sa2 pf1)")
     a = ap.parse_args(argv)
-    run([int(v) for v in a.tokens.split(",")], a.gemms.split(","), a.configs, not a.no_layer)
+    by_label = {c.label: c for c in _configs("all")}
+    layer_cfgs = {}
+    for item in filter(None, a.layer.split(";")):
+        name, tt, label = item.split(":", 2)
+        layer_cfgs[(name, int(tt.removeprefix("T=")))] = by_label[label]
+    run([int(v) for v in a.tokens.split(",")], a.gemms.split(","), a.configs, not a.no_layer, a.only, layer_cfgs)
 
 
 if __name__ == "__main__":

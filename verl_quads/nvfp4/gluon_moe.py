@@ -16,6 +16,13 @@ row r (rows past the tile's end read the tile's last row; not stored), output ro
 Split-K (``split`` > 1): float32 partials ``[split, out_rows, N]``; the last program of each (tile, N tile) (per-tile
 counter, acq_rel atomic) sums them in the fixed order 0, 1, ... (deterministic), as the dense kernel.
 
+Wide variant (``_w4a16_moe_wide_kernel``, taken for ``GroupedConfig.rg`` > 1 or ``xs``; for ~16+ slots per expert, where
+the activation tile rivals the weight tile): each warp computes ``rg`` 16-row groups (a program 16 num_warps rg weight
+rows) on one load of its activation fragments; ``xs`` stages the pass's activation rows in shared memory once per
+program (cp.async, swizzled) and the warps read their fragments from there (one L2 read of the activation per program
+instead of one per warp), with weight prefetch depth ``pfd`` (2: two iterations ahead). Same loads / decode / mma.sync
+per row group and the same summation order as the kernel above: the same bytes at the same kc / nt / split.
+
 Needs triton >= 3.6 with Gluon and an sm_80+ GPU; never runs under the Triton interpreter (no fallback here:
 :func:`gluon_w4a16_grouped` raises where it cannot run). tests/gpu/test_gluon_moe_gpu.py checks it;
 ``python -m verl_quads.bench.gluon_moe_probe`` times it.
@@ -34,8 +41,12 @@ from verl_quads.nvfp4.gluon_gemm import ROWS, STD_CHUNK, GluonConfig, _num_sms, 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
 
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
     from verl_quads.nvfp4.gluon_gemm import (_k_range, k_loop, mma_layout, split_fixup, std_weight_offsets,
                                              std_x_offsets, std_x_rows)
+    from verl_quads.nvfp4.gluon_gemm import (_cta_barrier, _iota, _std_chunk_loads, _std_chunk_mma, dot_layout,
+                                             std_pair_layout, std_word_layout, std_x_layout)
 
     @gluon.jit
     def _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, r0, r1, N, OUT_ROWS, pid_n, pid_k, ci,
@@ -98,6 +109,166 @@ if gluon is not None:
                                   (pid_m * GRID_N + pid_n) * PASSES + p, MMA, BN, NT, SPLIT)
 
 
+    # ---- wide variant: RG row groups per warp, optional activation staging in shared memory (XS)
+
+    @gluon.jit
+    def _wide_weight_offsets(pid_n, N, KW, KB, NW: gl.constexpr, RG: gl.constexpr, KC: gl.constexpr,
+                             WPT: gl.constexpr):
+        """:func:`~verl_quads.nvfp4.gluon_gemm.std_weight_offsets` for ``NW RG`` row groups per program (the layouts
+        of NW warps wrap: warp w holds row groups w, w + NW, ...)."""
+        L6: gl.constexpr = std_word_layout(NW, WPT)
+        LS: gl.constexpr = gl.SliceLayout(6, std_pair_layout(NW, WPT))
+        IB: gl.constexpr = WPT // 2
+        R: gl.constexpr = NW * RG
+        roww = gl.minimum(pid_n * R * 16 + _iota(R, 0, 6, L6) * 16 + _iota(2, 1, 6, L6) * 8 + _iota(8, 2, 6, L6),
+                          N - 1)
+        kcw = _iota(KC, 4, 6, L6)
+        woff = roww * KW + kcw * (4 * WPT) + _iota(4, 3, 6, L6) * WPT + _iota(WPT, 5, 6, L6)
+        rows_s = gl.minimum(pid_n * R * 16 + _iota(R, 0, 6, LS) * 16 + _iota(2, 1, 6, LS) * 8 + _iota(8, 2, 6, LS),
+                            N - 1)
+        kcs = _iota(KC, 4, 6, LS)
+        soff = rows_s * KB + kcs * (2 * WPT) + _iota(4, 3, 6, LS) * IB + _iota(IB, 5, 6, LS)
+        return woff, kcw, soff, kcs
+
+    @gluon.jit
+    def _wide_mma(acc, wd, sc, xv, NW: gl.constexpr, RG: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr,
+                  WPT: gl.constexpr):
+        """The dense kernel's decode + mma.sync of one iteration (gluon_gemm._std_chunk_mma) over NW RG row groups."""
+        wd = gl.convert_layout(gl.reshape(wd, (NW * RG, 2, 8, 4, KC, WPT // 2, 2)), std_pair_layout(NW, WPT),
+                               assert_trivial=True)
+        return _std_chunk_mma(acc, wd, sc, xv, dot_layout(NW, 0), dot_layout(NW, 1), NW * RG, KC, NT, WPT)
+
+    @gluon.jit
+    def _wide_k_loop(acc, w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, NW: gl.constexpr,
+                     RG: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr,
+                     WPT: gl.constexpr):
+        """gluon_gemm.k_loop (standard layout) over NW RG row groups: each warp's activation fragments (loaded
+        once per iteration, from global) feed its RG row groups' MMAs."""
+        c_last = c_hi - KC
+        if PF:
+            nxt = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, EVEN, WPT)
+        for c0 in range(c_lo, c_hi, KC):
+            if PF:
+                cur = nxt
+                cn = c0 + KC
+                if EVEN:
+                    cn = gl.minimum(cn, c_last)
+                nxt = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, cn, c_hi, EVEN, WPT)
+            else:
+                cur = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c0, c_hi, EVEN, WPT)
+            wd, sc, xv = cur
+            acc = _wide_mma(acc, wd, sc, xv, NW, RG, KC, NT, WPT)
+        return acc
+
+    @gluon.constexpr_function
+    def _xs_layout():
+        """Shared layout of the staged activation ``[chunks, 32 NT, 32]`` (row 4 (8 nt + g) + t: thread (g, t)'s
+        32 elements of a chunk): 16-byte vectors XOR-swizzled by (row / 2) % 4, so that the 8 threads of each
+        16-byte access phase hit distinct banks."""
+        return gl.SwizzledSharedLayout(8, 2, 4, [1, 0])  # rank 2: the leading (chunk) dim indexes buffers
+
+    @gluon.jit
+    def _stage_x(x_s, x_ptr, arow_ptr, rs, r1, K, c_lo, c_hi, NW: gl.constexpr, NT: gl.constexpr,
+                 XC: gl.constexpr):
+        """cp.async the pass's activation rows ``arow[rs + j]`` (j < 8 NT, rows >= r1 not read: their smem is zero
+        or stale, their outputs are not stored), chunks ``[c_lo, c_hi)`` (128 elements each), into ``x_s``
+        ``[XC, 32 NT, 32]`` (row ``4 j + t``: elements ``128 c + 32 t + [0, 32)``); barriers before (the previous
+        pass's readers) and after (visible to every warp)."""
+        L2: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
+        r2 = gl.arange(0, NT * 32, layout=gl.SliceLayout(1, L2))
+        j = rs + r2 // 4
+        row = gl.load(arow_ptr + gl.minimum(j, r1 - 1))
+        off = gl.expand_dims(row * K + (r2 % 4) * 32, 1) + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L2)), 0)
+        live = gl.expand_dims(j < r1, 1)
+        _cta_barrier()
+        for c in gl.static_range(XC):
+            async_copy.async_copy_global_to_shared(x_s.index(c), x_ptr + off + (c_lo + c) * 128,
+                                                   mask=live & (c_lo + c < c_hi))
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        _cta_barrier()
+
+    @gluon.jit
+    def _wload(w_ptr, s_ptr, woff, soff, c, WPT: gl.constexpr):
+        return gl.load(w_ptr + woff + c * (4 * WPT)), gl.load(s_ptr + soff + c * (2 * WPT))
+
+    @gluon.jit
+    def _xs_k_loop(acc, w_ptr, s_ptr, x_s, woff, soff, c_lo, c_hi, NW: gl.constexpr, RG: gl.constexpr,
+                   NT: gl.constexpr, PF: gl.constexpr, WPT: gl.constexpr):
+        """K loop (one 128-element chunk per iteration) with the activation from shared memory (:func:`_stage_x`)
+        and the weights from global, PF (0, 1, 2) iterations of weight loads ahead (register prefetch; the loads
+        past the range re-read the last chunk)."""
+        LR: gl.constexpr = gl.BlockedLayout([1, 8 * WPT], [32, 1], [1, NW], [1, 0])
+        LX: gl.constexpr = std_x_layout(NW, WPT)
+        c_last = c_hi - 1
+        if PF >= 1:
+            n1 = _wload(w_ptr, s_ptr, woff, soff, c_lo, WPT)
+        if PF >= 2:
+            n2 = _wload(w_ptr, s_ptr, woff, soff, gl.minimum(c_lo + 1, c_last), WPT)
+        for c0 in range(c_lo, c_hi):
+            if PF == 0:
+                cur = _wload(w_ptr, s_ptr, woff, soff, c0, WPT)
+            elif PF == 1:
+                cur = n1
+                n1 = _wload(w_ptr, s_ptr, woff, soff, gl.minimum(c0 + 1, c_last), WPT)
+            else:
+                cur = n1
+                n1 = n2
+                n2 = _wload(w_ptr, s_ptr, woff, soff, gl.minimum(c0 + 2, c_last), WPT)
+            wd, sc = cur
+            xv = gl.convert_layout(gl.reshape(x_s.index(c0 - c_lo).load(LR), (NT, 8, 4, 1, 8 * WPT)), LX,
+                                   assert_trivial=True)
+            acc = _wide_mma(acc, wd, sc, xv, NW, RG, 1, NT, WPT)
+        return acc
+
+    @gluon.jit
+    def _w4a16_moe_wide_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
+                               arow_ptr, orow_ptr, te_ptr, tr0_ptr, tr1_ptr,
+                               N, K, KW, KB, C, CPS, OUT_ROWS, GRID_N,
+                               NW: gl.constexpr, RG: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr,
+                               PASSES: gl.constexpr, SPLIT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr,
+                               WPT: gl.constexpr, XS: gl.constexpr, XC: gl.constexpr):
+        """:func:`_w4a16_moe_kernel` with RG 16-row groups per warp (``GroupedConfig.rg``): program (pid_n, pid_m,
+        pid_k) computes rows ``16 NW RG pid_n + [0, 16 NW RG)``, warp w the row groups w, w + NW, ..., each with the
+        dense kernel's loads, decode and mma.sync, on the same activation fragments (RG times fewer activation
+        loads per weight byte). XS (``GroupedConfig.xs``; KC 1, WPT 4): the pass's activation rows are staged once
+        per program in shared memory (``XC`` = chunks per program; cp.async), the warps read their fragments from
+        there (one global / L2 read of the activation per program instead of one per warp); PF 0 / 1 / 2 weight
+        prefetch depth."""
+        MMA: gl.constexpr = mma_layout(NW)
+        BN: gl.constexpr = NW * RG * 16
+        pid_n = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        pid_k = gl.program_id(2)
+        if XS:
+            gl.static_assert(KC == 1 and WPT == 4, "activation staging: KC 1, WPT 4")
+            x_s = gl.allocate_shared_memory(gl.bfloat16, [XC, NT * 32, 8 * WPT], _xs_layout())
+        e = gl.load(te_ptr + pid_m)
+        if e >= 0:  # tiles past the last expert's: nothing
+            r0 = gl.load(tr0_ptr + pid_m)
+            r1 = gl.load(tr1_ptr + pid_m)
+            c_lo, c_hi = _k_range(pid_k, CPS, C)
+            e64 = e.to(gl.int64)
+            w_e = w_ptr + e64 * N * KW
+            s_e = s_ptr + e64 * N * KB
+            woff, kcw, soff, kcs = _wide_weight_offsets(pid_n, N, KW, KB, NW, RG, KC, WPT)
+            gw = gl.load(gs_ptr + e + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)) * 0)
+            slot = std_x_rows(NT, NW, WPT)
+            for p in gl.static_range(PASSES):
+                rs = r0 + p * (NT * 8)
+                if rs < r1:
+                    acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
+                    if XS:
+                        _stage_x(x_s, x_ptr, arow_ptr, rs, r1, K, c_lo, c_hi, NW, NT, XC)
+                        acc = _xs_k_loop(acc, w_e, s_e, x_s, woff, soff, c_lo, c_hi, NW, RG, NT, PF, WPT)
+                    else:
+                        xoff, kcx = std_x_offsets(gl.load(arow_ptr + gl.minimum(rs + slot, r1 - 1)), K, NW, KC, WPT)
+                        acc = _wide_k_loop(acc, w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, NW, RG,
+                                           KC, NT, EVEN, PF, WPT)
+                    _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, rs, r1, N, OUT_ROWS, pid_n, pid_k,
+                                  (pid_m * GRID_N + pid_n) * PASSES + p, MMA, BN, NT, SPLIT)
+
+
 # ----------------------------------------------------------------------------------------------- host
 
 #: routing block_m (the tile's row count) -> NT (8-row MMA n-tiles) of a one-pass launch
@@ -111,10 +282,14 @@ class GroupedConfig(GluonConfig):
     cheaper MMA / activation work per pass where tiles hold few rows, e.g. 1 token-slot per expert)."""
 
     nt: int = 0
+    rg: int = 1  # 16-row groups per warp (BN = 16 num_warps rg weight rows per program; > 1: the wide kernel)
+    xs: bool = False  # stage the pass's activation rows in shared memory once per program (the wide kernel; kc 1)
+    pfd: int = 0  # xs: weight prefetch depth (0: 1 if prefetch else 0; 2: two iterations ahead)
 
     @property
     def label(self) -> str:
-        return super().label + (f" nt{self.nt}" if self.nt else "")
+        return super().label + (f" nt{self.nt}" if self.nt else "") + (f" rg{self.rg}" if self.rg != 1 else "") + (
+            " xs" if self.xs else "") + (f" pd{self.pfd}" if self.pfd else "")
 
 
 def _nt(cfg: GluonConfig, block_m: int) -> int:
@@ -141,7 +316,7 @@ def grouped_plan(n: int, k: int, live: int, cfg: GluonConfig, sms: int = 132) ->
     """(grid_n, split, chunks per split, even) of a grouped launch for ``[E, n, k]`` weights with ~``live`` live
     M-tiles (the host does not know how many experts are active: min(E, slots), as the stream kernel's split)."""
     nw = cfg.num_warps
-    grid_n = -(-(-(-n // ROWS)) // nw)
+    grid_n = -(-(-(-n // ROWS)) // (nw * getattr(cfg, "rg", 1)))
     _, split, cps, even = _plan(max(1, live) * grid_n * nw, k // STD_CHUNK, cfg, sms)
     return grid_n, split, cps, even
 
@@ -170,6 +345,9 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
                          f"{tuple(BLOCK_M_NT)}; got x {x.dtype} {tuple(x.shape)}, w {tuple(w_packed.shape)}, "
                          f"block_m {bm}")
     nt = _nt(cfg, bm)
+    rg, xs, pfd = getattr(cfg, "rg", 1), getattr(cfg, "xs", False), getattr(cfg, "pfd", 0)
+    if rg not in (1, 2, 4) or (xs and cfg.kc != 1) or pfd not in (0, 1, 2) or (pfd and not xs):
+        raise ValueError(f"gluon_w4a16_grouped: rg 1 / 2 / 4, xs with kc 1 only, pfd 0..2 with xs only; got {cfg}")
     passes = BLOCK_M_NT[bm] // nt
     s = routing.sorted_slots.numel()
     rows_out = s if out_rows is None else out_rows
@@ -199,12 +377,20 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
             _COUNTERS[key] = cnt
     else:
         part, cnt = out, arow
-    _w4a16_moe_kernel[(grid_n, t_max, split)](
-        x, w_packed.view(torch.int32), w_scale.view(torch.uint8), w_gs.reshape(-1), out, part, cnt,
-        arow, orow, routing.tile_expert, routing.tile_row0, routing.tile_row1,
-        n, k, k // 8, k // BLOCK_SIZE, k // STD_CHUNK, cps, rows_out, grid_n,
-        NW=cfg.num_warps, KC=cfg.kc, NT=nt, PASSES=passes, SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
-        WPT=4, num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+    args = (x, w_packed.view(torch.int32), w_scale.view(torch.uint8), w_gs.reshape(-1), out, part, cnt,
+            arow, orow, routing.tile_expert, routing.tile_row0, routing.tile_row1,
+            n, k, k // 8, k // BLOCK_SIZE, k // STD_CHUNK, cps, rows_out, grid_n)
+    opts = dict(num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+    rg, xs, pfd = getattr(cfg, "rg", 1), getattr(cfg, "xs", False), getattr(cfg, "pfd", 0)
+    if rg == 1 and not xs:
+        _w4a16_moe_kernel[(grid_n, t_max, split)](
+            *args, NW=cfg.num_warps, KC=cfg.kc, NT=nt, PASSES=passes, SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
+            WPT=4, **opts)
+    else:
+        _w4a16_moe_wide_kernel[(grid_n, t_max, split)](
+            *args, NW=cfg.num_warps, RG=rg, KC=cfg.kc, NT=nt, PASSES=passes, SPLIT=split, EVEN=even,
+            PF=(pfd or int(cfg.prefetch)) if xs else int(cfg.prefetch), WPT=4, XS=bool(xs), XC=cps if xs else 1,
+            **opts)
     return out
 
 
