@@ -285,10 +285,46 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
             total += tp
             parts.append([f"moe layer T={t}", lb, tp * 1e6, tp / bc])
         parts.append([f"moe layer T={t}", "sum of parts", total * 1e6, total / bc])
+        for lb, tp in _align_kernels(ids, bm):
+            parts.append([f"moe layer T={t}", lb, tp * 1e6, tp / bc])
     out = print_table("MoE layer, w4a16 (us; x bf16 = BF16 layer time / time; rel = ||y_gluon - y_default|| / "
                       "||y_default||)", ["point", "layer", "cold us", "x bf16", "warm us", "x bf16 warm", "rel"], rows)
     return out + "\n" + print_table("Gluon layer parts (us, each alone; GEMMs cold L2; share = time / BF16 layer cold)",
                                     ["point", "part", "us", "share"], parts)
+
+
+def _align_kernels(ids, bm):
+    """moe_align's three launches (S > MOE_ALIGN_ONE_PROGRAM_MAX) timed one by one, as moe_align launches them."""
+    import triton
+
+    from verl_quads.nvfp4 import triton_gemm as tg
+
+    flat = ids.reshape(-1).contiguous()
+    s = flat.numel()
+    if s <= tg.MOE_ALIGN_ONE_PROGRAM_MAX:
+        return []
+    r = tg.moe_align(ids, E, bm)
+    i32 = dict(dtype=torch.int32, device=flat.device)
+    t_max = r.tile_expert.numel()
+    ep = triton.next_power_of_2(E + 2)
+    chunk = 128 * max(1, -(-s // (128 * 64)))
+    p = -(-s // chunk)
+    hist, base, start = torch.empty(p, ep, **i32), torch.empty(p, ep, **i32), torch.empty(ep, **i32)
+    te, tr0, tr1, so, st = (torch.empty(t_max, **i32), torch.empty(t_max, **i32), torch.empty(t_max, **i32),
+                            torch.empty(s, **i32), torch.empty(s, **i32))
+    tg._moe_hist_kernel[(p,)](flat, hist, s, E, C=chunk, EP=ep)
+    tg._moe_scan_kernel[(1,)](hist, base, start, te, tr0, tr1, p, E, t_max, BM=bm, PP=triton.next_power_of_2(p), EP=ep,
+                              TT=32, num_warps=8)
+    out = [(f"  align: hist ({p} programs)", _time_rot(
+        lambda i: tg._moe_hist_kernel[(p,)](flat, hist, s, E, C=chunk, EP=ep), 1)),
+        ("  align: scan + tile table (1 program)", _time_rot(
+            lambda i: tg._moe_scan_kernel[(1,)](hist, base, start, te, tr0, tr1, p, E, t_max, BM=bm,
+                                                PP=triton.next_power_of_2(p), EP=ep, TT=32, num_warps=8), 1)),
+        (f"  align: scatter ({p} programs)", _time_rot(
+            lambda i: tg._moe_scatter_kernel[(p,)](flat, base, start, so, st, s, E, TOP_K, C=chunk, EP=ep,
+                                                   num_warps=8), 1)),
+        ("  align: empty launch (torch add 1 elt)", _time_rot(lambda i: start[:1].add_(0), 1))]
+    return out
 
 
 def main(argv=None) -> None:
