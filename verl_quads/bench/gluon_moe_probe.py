@@ -41,14 +41,24 @@ def _configs(which: str):
     more = [C(4, 1, 0, 8), C(8, 1, 0, 4), C(2, 1, 0, 4), C(2, 1, 0, 4, nt=1), C(8, 2, 0, 2, nt=1),
             C(4, 1, 0, 2, maxnreg=128, nt=1)]
     wide = _wide_configs()
-    return {"quick": quick, "all": quick + more + wide, "wide": wide}[which]
+    return {"quick": quick, "all": quick + more + wide, "wide": [c for c in wide if c.label in _WIDE_PICK]}[which]
+
+
+#: the --configs wide selection (session 10 call 1: 15 configs per GEMM fit one ~150 s H200 command)
+_WIDE_PICK = ("w4 kc1 sa2 pf1 nt2", "w4 kc1 sa2 pf0 nt2 rg2", "w4 kc1 sa2 pf1 nt2 rg2", "w4 kc1 sa2 pf1 nt2 xs",
+              "w4 kc1 sa2 pf1 nt2 xs pd2", "w4 kc1 sa2 pf1 xs", "w4 kc1 sa2 pf1 nt2 rg2 xs", "w8 kc1 sa2 pf1 nt2 xs",
+              "w4 kc1 sa2 pf1 xs nts2 xsc4 xsb2", "w4 kc1 sa2 pf1 xs pd2 nts2 xsc4 xsb2",
+              "w4 kc1 sa2 pf1 xs nts2 xsc8 xsb2", "w4 kc1 sa2 pf1 nt2 xs xsc4 xsb2",
+              "w4 kc1 sa2 pf1 rg2 xs nts2 xsc4 xsb2", "w8 kc1 sa2 pf1 xs nts2 xsc4 xsb2", "w4 kc1 sa2 pf0 rg2 nts2")
 
 
 def _wide_configs():
     """Session 10, T = 256..1024 (~16..64 slots per expert): the two best one-kernel configs of session 9 at T=256 as
-    baselines, RG row groups per warp (``rg``: 128 / 256 weight rows per program, one activation load per warp for
-    all of them) and the activation staged in shared memory once per program (``xs``, cp.async; ``pfd`` 2: weight
-    prefetch two iterations ahead)."""
+    baselines; RG row groups per warp (``rg``: 128 / 256 weight rows per program, one activation load per warp for
+    all of them); the activation staged in shared memory once per program (``xs``, cp.async; ``pfd`` 2: weight
+    prefetch two iterations ahead), in K stages of ``xsc`` chunks with ``xsb`` 2 buffers (the next stage copied
+    while this one is used); adaptive n-tiles (``nts``: a tile with <= 8 nts rows runs nts n-tiles, else nt: one
+    pass, no weight re-read, for the 17..32-row tiles)."""
     from verl_quads.nvfp4.gluon_moe import GroupedConfig as C
 
     return [C(4, 1, 0, 2, nt=2), C(4, 1, 0, 2, prefetch=False),
@@ -57,7 +67,11 @@ def _wide_configs():
             C(4, 1, 0, 2, prefetch=False, nt=2, xs=True), C(4, 1, 0, 2, nt=2, xs=True),
             C(4, 1, 0, 2, nt=2, xs=True, pfd=2), C(4, 1, 0, 2, xs=True), C(4, 1, 0, 2, nt=1, xs=True),
             C(4, 1, 0, 2, nt=2, rg=2, xs=True), C(4, 1, 0, 2, nt=2, rg=2, xs=True, pfd=2),
-            C(8, 1, 0, 2, nt=2, xs=True), C(8, 1, 0, 2, nt=2, rg=2, xs=True)]
+            C(8, 1, 0, 2, nt=2, xs=True), C(8, 1, 0, 2, nt=2, rg=2, xs=True),
+            C(4, 1, 0, 2, nts=2, xs=True, xsc=4, xsb=2), C(4, 1, 0, 2, nts=2, xs=True, xsc=4, xsb=2, pfd=2),
+            C(4, 1, 0, 2, nts=2, xs=True, xsc=8, xsb=2), C(4, 1, 0, 2, nt=2, xs=True, xsc=4, xsb=2),
+            C(4, 1, 0, 2, nts=2, rg=2, xs=True, xsc=4, xsb=2), C(8, 1, 0, 2, nts=2, xs=True, xsc=4, xsb=2),
+            C(4, 1, 0, 2, prefetch=False, nts=2, rg=2), C(4, 1, 0, 2, nts=2, xs=True, xsc=4)]
 
 
 def _check(y, xf, wf_of, slots_of, rows_of, k):

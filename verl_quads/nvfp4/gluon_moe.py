@@ -162,79 +162,117 @@ if gluon is not None:
 
     @gluon.constexpr_function
     def _xs_layout():
-        """Shared layout of the staged activation ``[chunks, 32 NT, 32]`` (row 4 (8 nt + g) + t: thread (g, t)'s
+        """Shared layout of the staged activation ``[buffers, 32 NT, 32]`` (row 4 (8 nt + g) + t: thread (g, t)'s
         32 elements of a chunk): 16-byte vectors XOR-swizzled by (row / 2) % 4, so that the 8 threads of each
-        16-byte access phase hit distinct banks."""
-        return gl.SwizzledSharedLayout(8, 2, 4, [1, 0])  # rank 2: the leading (chunk) dim indexes buffers
+        16-byte access phase hit distinct banks (rank 2: the leading dim indexes the chunk buffers)."""
+        return gl.SwizzledSharedLayout(8, 2, 4, [1, 0])
 
     @gluon.jit
-    def _stage_x(x_s, x_ptr, arow_ptr, rs, r1, K, c_lo, c_hi, NW: gl.constexpr, NT: gl.constexpr,
-                 XC: gl.constexpr):
-        """cp.async the pass's activation rows ``arow[rs + j]`` (j < 8 NT, rows >= r1 not read: their smem is zero
-        or stale, their outputs are not stored), chunks ``[c_lo, c_hi)`` (128 elements each), into ``x_s``
-        ``[XC, 32 NT, 32]`` (row ``4 j + t``: elements ``128 c + 32 t + [0, 32)``); barriers before (the previous
-        pass's readers) and after (visible to every warp)."""
-        L2: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
-        r2 = gl.arange(0, NT * 32, layout=gl.SliceLayout(1, L2))
-        j = rs + r2 // 4
-        row = gl.load(arow_ptr + gl.minimum(j, r1 - 1))
-        off = gl.expand_dims(row * K + (r2 % 4) * 32, 1) + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L2)), 0)
-        live = gl.expand_dims(j < r1, 1)
-        _cta_barrier()
+    def _stage_issue(x_s, buf0, x_ptr, off, live, cs, c_hi, NT: gl.constexpr, XC: gl.constexpr):
+        """cp.async chunks ``cs .. cs + XC`` (those < c_hi) of the pass's rows (``off``: offsets at chunk 0, ``live``:
+        rows < r1; others are not read) into buffers ``buf0 .. buf0 + XC`` of ``x_s`` (rows 0 .. 32 NT), one commit
+        group."""
         for c in gl.static_range(XC):
-            async_copy.async_copy_global_to_shared(x_s.index(c), x_ptr + off + (c_lo + c) * 128,
-                                                   mask=live & (c_lo + c < c_hi))
+            async_copy.async_copy_global_to_shared(x_s.index(buf0 + c).slice(0, NT * 32), x_ptr + off + (cs + c) * 128,
+                                                   mask=live & (cs + c < c_hi))
         async_copy.commit_group()
-        async_copy.wait_group(0)
-        _cta_barrier()
 
     @gluon.jit
     def _wload(w_ptr, s_ptr, woff, soff, c, WPT: gl.constexpr):
         return gl.load(w_ptr + woff + c * (4 * WPT)), gl.load(s_ptr + soff + c * (2 * WPT))
 
     @gluon.jit
-    def _xs_k_loop(acc, w_ptr, s_ptr, x_s, woff, soff, c_lo, c_hi, NW: gl.constexpr, RG: gl.constexpr,
-                   NT: gl.constexpr, PF: gl.constexpr, WPT: gl.constexpr):
-        """K loop (one 128-element chunk per iteration) with the activation from shared memory (:func:`_stage_x`)
-        and the weights from global, PF (0, 1, 2) iterations of weight loads ahead (register prefetch; the loads
-        past the range re-read the last chunk)."""
+    def _xs_k_loop(acc, w_ptr, s_ptr, x_s, x_ptr, arow_ptr, rs, r1, K, woff, soff, c_lo, c_hi, NW: gl.constexpr,
+                   RG: gl.constexpr, NT: gl.constexpr, PF: gl.constexpr, WPT: gl.constexpr, XC: gl.constexpr,
+                   XB: gl.constexpr):
+        """K loop (one 128-element chunk per iteration) with the activation from shared memory and the weights from
+        global, PF (0, 1, 2) iterations of weight loads ahead (register prefetch; loads past the range re-read the
+        last chunk). The pass's activation rows ``arow[rs + j]`` (j < 8 NT; rows >= r1 are not read: their smem
+        is zero or stale, their outputs are not stored) are staged by cp.async in stages of XC chunks (row ``4 j +
+        t`` of a chunk buffer: elements ``128 c + 32 t + [0, 32)``); XB 2: the next stage is copied while this one
+        is used (two sets of XC buffers)."""
         LR: gl.constexpr = gl.BlockedLayout([1, 8 * WPT], [32, 1], [1, NW], [1, 0])
         LX: gl.constexpr = std_x_layout(NW, WPT)
+        L2: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
+        r2 = gl.arange(0, NT * 32, layout=gl.SliceLayout(1, L2))
+        j = rs + r2 // 4
+        row = gl.load(arow_ptr + gl.minimum(j, r1 - 1))
+        off = (gl.expand_dims(row * K + (r2 % 4) * 32, 1)
+               + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L2)), 0))
+        live = gl.expand_dims(j < r1, 1)
+        _cta_barrier()  # the previous pass's readers of x_s are done
+        _stage_issue(x_s, 0, x_ptr, off, live, c_lo, c_hi, NT, XC)
         c_last = c_hi - 1
         if PF >= 1:
             n1 = _wload(w_ptr, s_ptr, woff, soff, c_lo, WPT)
         if PF >= 2:
             n2 = _wload(w_ptr, s_ptr, woff, soff, gl.minimum(c_lo + 1, c_last), WPT)
-        for c0 in range(c_lo, c_hi):
-            if PF == 0:
-                cur = _wload(w_ptr, s_ptr, woff, soff, c0, WPT)
-            elif PF == 1:
-                cur = n1
-                n1 = _wload(w_ptr, s_ptr, woff, soff, gl.minimum(c0 + 1, c_last), WPT)
+        for s0 in range(c_lo, c_hi, XC):
+            b0 = (((s0 - c_lo) // XC) % XB) * XC
+            if XB == 2:
+                _stage_issue(x_s, XC - b0, x_ptr, off, live, s0 + XC, c_hi, NT, XC)  # the next stage (if any)
+                async_copy.wait_group(1)
             else:
-                cur = n1
-                n1 = n2
-                n2 = _wload(w_ptr, s_ptr, woff, soff, gl.minimum(c0 + 2, c_last), WPT)
-            wd, sc = cur
-            xv = gl.convert_layout(gl.reshape(x_s.index(c0 - c_lo).load(LR), (NT, 8, 4, 1, 8 * WPT)), LX,
-                                   assert_trivial=True)
-            acc = _wide_mma(acc, wd, sc, xv, NW, RG, 1, NT, WPT)
+                async_copy.wait_group(0)
+            _cta_barrier()  # every thread's copies of this stage are in smem
+            for c0 in range(s0, gl.minimum(s0 + XC, c_hi)):
+                if PF == 0:
+                    cur = _wload(w_ptr, s_ptr, woff, soff, c0, WPT)
+                elif PF == 1:
+                    cur = n1
+                    n1 = _wload(w_ptr, s_ptr, woff, soff, gl.minimum(c0 + 1, c_last), WPT)
+                else:
+                    cur = n1
+                    n1 = n2
+                    n2 = _wload(w_ptr, s_ptr, woff, soff, gl.minimum(c0 + 2, c_last), WPT)
+                wd, sc = cur
+                xv = gl.convert_layout(gl.reshape(x_s.index(b0 + c0 - s0).slice(0, NT * 32).load(LR),
+                                                  (NT, 8, 4, 1, 8 * WPT)), LX, assert_trivial=True)
+                acc = _wide_mma(acc, wd, sc, xv, NW, RG, 1, NT, WPT)
+            if XB == 1:
+                if s0 + XC < c_hi:
+                    _cta_barrier()  # every warp is done with this stage's buffers
+                    _stage_issue(x_s, 0, x_ptr, off, live, s0 + XC, c_hi, NT, XC)
+            else:
+                _cta_barrier()  # this stage's buffers are refilled (two stages later) only after every warp used them
         return acc
+
+    @gluon.jit
+    def _wide_pass(x_s, x_ptr, w_e, s_e, gw, out_ptr, part_ptr, cnt_ptr, arow_ptr, orow_ptr, woff, kcw, soff, kcs,
+                   rs, r1, K, N, OUT_ROWS, c_lo, c_hi, pid_n, pid_k, ci, NW: gl.constexpr, RG: gl.constexpr,
+                   KC: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr,
+                   WPT: gl.constexpr, XS: gl.constexpr, XC: gl.constexpr, XB: gl.constexpr):
+        """One pass of 8 NT sorted rows from ``rs``: K loop (activation from global, or staged in smem: XS) and the
+        epilogue."""
+        MMA: gl.constexpr = mma_layout(NW)
+        BN: gl.constexpr = NW * RG * 16
+        acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
+        if XS:
+            acc = _xs_k_loop(acc, w_e, s_e, x_s, x_ptr, arow_ptr, rs, r1, K, woff, soff, c_lo, c_hi, NW, RG, NT, PF,
+                             WPT, XC, XB)
+        else:
+            xoff, kcx = std_x_offsets(gl.load(arow_ptr + gl.minimum(rs + std_x_rows(NT, NW, WPT), r1 - 1)), K, NW, KC,
+                                      WPT)
+            acc = _wide_k_loop(acc, w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, NW, RG, KC, NT, EVEN,
+                               PF, WPT)
+        _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, rs, r1, N, OUT_ROWS, pid_n, pid_k, ci, MMA, BN,
+                      NT, SPLIT)
 
     @gluon.jit
     def _w4a16_moe_wide_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
                                arow_ptr, orow_ptr, te_ptr, tr0_ptr, tr1_ptr,
                                N, K, KW, KB, C, CPS, OUT_ROWS, GRID_N,
                                NW: gl.constexpr, RG: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr,
-                               PASSES: gl.constexpr, SPLIT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr,
-                               WPT: gl.constexpr, XS: gl.constexpr, XC: gl.constexpr):
+                               NTS: gl.constexpr, PASSES: gl.constexpr, SPLIT: gl.constexpr, EVEN: gl.constexpr,
+                               PF: gl.constexpr, WPT: gl.constexpr, XS: gl.constexpr, XC: gl.constexpr,
+                               XB: gl.constexpr):
         """:func:`_w4a16_moe_kernel` with RG 16-row groups per warp (``GroupedConfig.rg``): program (pid_n, pid_m,
         pid_k) computes rows ``16 NW RG pid_n + [0, 16 NW RG)``, warp w the row groups w, w + NW, ..., each with the
         dense kernel's loads, decode and mma.sync, on the same activation fragments (RG times fewer activation
-        loads per weight byte). XS (``GroupedConfig.xs``; KC 1, WPT 4): the pass's activation rows are staged once
-        per program in shared memory (``XC`` = chunks per program; cp.async), the warps read their fragments from
-        there (one global / L2 read of the activation per program instead of one per warp); PF 0 / 1 / 2 weight
-        prefetch depth."""
+        loads per weight byte). NTS > 0 (``nts``): a pass with at most 8 NTS rows left runs NTS n-tiles (else NT).
+        XS (``xs``; KC 1, WPT 4): the pass's activation rows are staged in shared memory by cp.async, XC chunks per
+        stage (``xsc``), XB (``xsb``) stage buffers, and the warps read their fragments from there (one global / L2
+        read of the activation per program instead of one per warp); PF 0 / 1 / 2 weight prefetch depth."""
         MMA: gl.constexpr = mma_layout(NW)
         BN: gl.constexpr = NW * RG * 16
         pid_n = gl.program_id(0)
@@ -242,7 +280,9 @@ if gluon is not None:
         pid_k = gl.program_id(2)
         if XS:
             gl.static_assert(KC == 1 and WPT == 4, "activation staging: KC 1, WPT 4")
-            x_s = gl.allocate_shared_memory(gl.bfloat16, [XC, NT * 32, 8 * WPT], _xs_layout())
+            x_s = gl.allocate_shared_memory(gl.bfloat16, [XB * XC, NT * 32, 8 * WPT], _xs_layout())
+        else:
+            x_s = 0
         e = gl.load(te_ptr + pid_m)
         if e >= 0:  # tiles past the last expert's: nothing
             r0 = gl.load(tr0_ptr + pid_m)
@@ -253,21 +293,23 @@ if gluon is not None:
             s_e = s_ptr + e64 * N * KB
             woff, kcw, soff, kcs = _wide_weight_offsets(pid_n, N, KW, KB, NW, RG, KC, WPT)
             gw = gl.load(gs_ptr + e + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)) * 0)
-            slot = std_x_rows(NT, NW, WPT)
             for p in gl.static_range(PASSES):
                 rs = r0 + p * (NT * 8)
+                ci = (pid_m * GRID_N + pid_n) * PASSES + p
                 if rs < r1:
-                    acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
-                    if XS:
-                        _stage_x(x_s, x_ptr, arow_ptr, rs, r1, K, c_lo, c_hi, NW, NT, XC)
-                        acc = _xs_k_loop(acc, w_e, s_e, x_s, woff, soff, c_lo, c_hi, NW, RG, NT, PF, WPT)
+                    if NTS > 0:
+                        if r1 - rs <= NTS * 8:
+                            _wide_pass(x_s, x_ptr, w_e, s_e, gw, out_ptr, part_ptr, cnt_ptr, arow_ptr, orow_ptr, woff,
+                                       kcw, soff, kcs, rs, r1, K, N, OUT_ROWS, c_lo, c_hi, pid_n, pid_k, ci, NW, RG,
+                                       KC, NTS, SPLIT, EVEN, PF, WPT, XS, XC, XB)
+                        else:
+                            _wide_pass(x_s, x_ptr, w_e, s_e, gw, out_ptr, part_ptr, cnt_ptr, arow_ptr, orow_ptr, woff,
+                                       kcw, soff, kcs, rs, r1, K, N, OUT_ROWS, c_lo, c_hi, pid_n, pid_k, ci, NW, RG,
+                                       KC, NT, SPLIT, EVEN, PF, WPT, XS, XC, XB)
                     else:
-                        xoff, kcx = std_x_offsets(gl.load(arow_ptr + gl.minimum(rs + slot, r1 - 1)), K, NW, KC, WPT)
-                        acc = _wide_k_loop(acc, w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, NW, RG,
-                                           KC, NT, EVEN, PF, WPT)
-                    _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, rs, r1, N, OUT_ROWS, pid_n, pid_k,
-                                  (pid_m * GRID_N + pid_n) * PASSES + p, MMA, BN, NT, SPLIT)
-
+                        _wide_pass(x_s, x_ptr, w_e, s_e, gw, out_ptr, part_ptr, cnt_ptr, arow_ptr, orow_ptr, woff, kcw,
+                                   soff, kcs, rs, r1, K, N, OUT_ROWS, c_lo, c_hi, pid_n, pid_k, ci, NW, RG, KC, NT,
+                                   SPLIT, EVEN, PF, WPT, XS, XC, XB)
 
 # ----------------------------------------------------------------------------------------------- host
 
@@ -285,11 +327,16 @@ class GroupedConfig(GluonConfig):
     rg: int = 1  # 16-row groups per warp (BN = 16 num_warps rg weight rows per program; > 1: the wide kernel)
     xs: bool = False  # stage the pass's activation rows in shared memory once per program (the wide kernel; kc 1)
     pfd: int = 0  # xs: weight prefetch depth (0: 1 if prefetch else 0; 2: two iterations ahead)
+    nts: int = 0  # the wide kernel: a pass with <= 8 nts rows left runs nts n-tiles (0, or nts >= nt: always nt)
+    xsc: int = 0  # xs: chunks (128 K elements) staged at a time (0: the program's whole K range)
+    xsb: int = 1  # xs: stage buffers (2: the next stage is copied while this one is used)
 
     @property
     def label(self) -> str:
         return super().label + (f" nt{self.nt}" if self.nt else "") + (f" rg{self.rg}" if self.rg != 1 else "") + (
-            " xs" if self.xs else "") + (f" pd{self.pfd}" if self.pfd else "")
+            " xs" if self.xs else "") + (f" pd{self.pfd}" if self.pfd else "") + (
+            f" nts{self.nts}" if self.nts else "") + (f" xsc{self.xsc}" if self.xsc else "") + (
+            f" xsb{self.xsb}" if self.xsb != 1 else "")
 
 
 def _nt(cfg: GluonConfig, block_m: int) -> int:
@@ -346,8 +393,13 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
                          f"block_m {bm}")
     nt = _nt(cfg, bm)
     rg, xs, pfd = getattr(cfg, "rg", 1), getattr(cfg, "xs", False), getattr(cfg, "pfd", 0)
-    if rg not in (1, 2, 4) or (xs and cfg.kc != 1) or pfd not in (0, 1, 2) or (pfd and not xs):
-        raise ValueError(f"gluon_w4a16_grouped: rg 1 / 2 / 4, xs with kc 1 only, pfd 0..2 with xs only; got {cfg}")
+    nts, xsc, xsb = getattr(cfg, "nts", 0), getattr(cfg, "xsc", 0), getattr(cfg, "xsb", 1)
+    if (rg not in (1, 2, 4) or (xs and cfg.kc != 1) or pfd not in (0, 1, 2) or xsb not in (1, 2) or xsc < 0
+            or ((pfd or xsc or xsb != 1) and not xs) or nts not in (0, 1, 2)):
+        raise ValueError(f"gluon_w4a16_grouped: rg 1 / 2 / 4, xs with kc 1 only, pfd 0..2 / xsc / xsb 1..2 with xs "
+                         f"only, nts 0 / 1 / 2; got {cfg}")
+    if nts >= nt:  # tiles of this routing never hold more than 8 nts rows per pass: plain nt passes
+        nts = 0
     passes = BLOCK_M_NT[bm] // nt
     s = routing.sorted_slots.numel()
     rows_out = s if out_rows is None else out_rows
@@ -381,16 +433,15 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
             arow, orow, routing.tile_expert, routing.tile_row0, routing.tile_row1,
             n, k, k // 8, k // BLOCK_SIZE, k // STD_CHUNK, cps, rows_out, grid_n)
     opts = dict(num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
-    rg, xs, pfd = getattr(cfg, "rg", 1), getattr(cfg, "xs", False), getattr(cfg, "pfd", 0)
-    if rg == 1 and not xs:
+    if rg == 1 and not xs and not nts:
         _w4a16_moe_kernel[(grid_n, t_max, split)](
             *args, NW=cfg.num_warps, KC=cfg.kc, NT=nt, PASSES=passes, SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
             WPT=4, **opts)
     else:
         _w4a16_moe_wide_kernel[(grid_n, t_max, split)](
-            *args, NW=cfg.num_warps, RG=rg, KC=cfg.kc, NT=nt, PASSES=passes, SPLIT=split, EVEN=even,
-            PF=(pfd or int(cfg.prefetch)) if xs else int(cfg.prefetch), WPT=4, XS=bool(xs), XC=cps if xs else 1,
-            **opts)
+            *args, NW=cfg.num_warps, RG=rg, KC=cfg.kc, NT=nt, NTS=nts, PASSES=passes, SPLIT=split, EVEN=even,
+            PF=(pfd or int(cfg.prefetch)) if xs else int(cfg.prefetch), WPT=4, XS=bool(xs),
+            XC=min(xsc or cps, cps) if xs else 1, XB=xsb if xs else 1, **opts)
     return out
 
 
