@@ -394,6 +394,40 @@ def test_triton_channel_compacted_search_matches_reference(bits, cap, tr, wt):
             _same_channel_result(x, 0.4, nv.per_row_global_scale(x), score_weight=w)
 
 
+@_needs_interp
+@pytest.mark.parametrize("ta, ra", [(True, False), (False, True), (True, True)])
+def test_triton_channel_compact_fewer_reductions_match_reference(ta, ra):
+    """CHANNEL_CONFIG compact_track_above (the candidate count from the tracked count above the prefix) and
+    compact_rmax (R_sel's amax = the row's largest |R| where that entry is selected, else the reduction) keep the
+    reference's bytes in the warp-tile search (K = 256, forced at K >= 16): random rows (the shortcut), hand ties cut
+    by channel, all-zero rows, rows whose residuals square to +0 (every score ties at 0, the largest |R| is NOT
+    selected at k = 0.25: the reduction must run; a shortcut taken there changes the second-pass scale), ratios 0 / 1,
+    a score weight (compact_rmax does not apply), a per-tensor scale (two launches), fp32 rows."""
+    from verl_quads.nvfp4 import triton_channel as tc
+
+    with tc.channel_config(compact_max_rows=1 << 30, compact_min_k=16, compact_track_above=ta, compact_rmax=ra):
+        assert tc._compact_args(3, 256, 16) == (12, 256, 2, True)
+        x = _rows(3, 256, torch.bfloat16, seed=31)
+        for ratio in (0.0, 0.25, 0.5, 1.0):
+            _same_channel_result(x, ratio, nv.per_row_global_scale(x))
+        _same_channel_result(x, 0.5, nv.global_scale_from_amax(x.float().abs().amax()))
+        _same_channel_result(x, 0.4, nv.per_row_global_scale(x), score_weight=torch.rand(256).to(_DEV))
+        xh = _HAND_X.repeat(1, 8).to(_DEV)
+        t = _same_channel_result(xh, 24 / 256, nv.per_row_global_scale(xh))
+        assert t.channel_idx[0, :9].tolist() == [1, 2, 3, 5, 17, 18, 19, 21, 33]
+        g = torch.Generator().manual_seed(32)
+        xt = (torch.randn(2, 256, generator=g) * 1e-25).to(torch.bfloat16).to(_DEV)  # R**2 underflows to +0
+        xt[1, :8] = 0.0  # the first channels (the tie cut's) have R = 0: their R_sel amax is 0
+        r = xt.float() - nv.fake_quantize(xt, nv.per_row_global_scale(xt), backend="torch").float()
+        assert bool(((r * r) == 0).all()) and bool((r != 0).any())
+        for ratio in (0.25, 0.5):
+            _same_channel_result(xt, ratio, nv.per_row_global_scale(xt))
+        _same_channel_result(torch.zeros(2, 256, device=_DEV, dtype=torch.bfloat16), 0.5,
+                             torch.ones(2, 1, device=_DEV))
+        xf = _rows(2, 256, torch.float32, seed=33)
+        _same_channel_result(xf, 0.5, nv.per_row_global_scale(xf))
+
+
 def test_triton_channel_compact_dispatch():
     """CHANNEL_CONFIG chooses the compacted search per launch: rows <= compact_max_rows and K >= compact_min_k (the
     default: the H200-measured 1-256 rows, K >= 2048); its tile is a power of two no longer than the padded row; bad

@@ -114,7 +114,8 @@ tl = tk.tl
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
-                  "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4}}
+                  "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4},
+                  "compact_track_above": False, "compact_rmax": False}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -145,7 +146,11 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     # full-row bits (K = 4096 rows of the bench: 69 / 143 mean candidates at 11 / 10 bits, <= 256)
                     # and 16 warps at K = 4096 (8 channels per thread)
                     "b11": {"compact_bits": 11}, "b10": {"compact_bits": 10},
-                    "w16": {"compact_warps": {512: 8, 256: 16}}}
+                    "w16": {"compact_warps": {512: 8, 256: 16}},
+                    # two row reductions less (compact_track_above: the candidate count; compact_rmax: R_sel's amax)
+                    "ta": {"compact_track_above": True}, "ra": {"compact_rmax": True},
+                    "ta ra": {"compact_track_above": True, "compact_rmax": True},
+                    "ta ra b11": {"compact_track_above": True, "compact_rmax": True, "compact_bits": 11}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -199,6 +204,33 @@ if triton is not None:
             cnt = tl.where(take, n, cnt)
             k += 1
         return th, cnt, k
+
+    @triton.jit
+    def _row_bits_hi(e0, e1, th, cnt, hi, k, KEND: tl.constexpr, NSEL, NBP: tl.constexpr):
+        """``_row_bits`` that also tracks hi = #(e >= th + 2**(31 - k)), the entries above the accepted prefix's
+        range (unchanged when bit 30 - k is accepted, the rejected candidate's count otherwise; 0 at k = 0), so the
+        candidates sharing the prefix after the last step number cnt - hi without a count of their own.
+        Returns (th, cnt, hi, k)."""
+        while (k < KEND) & (cnt != NSEL):
+            cand = th | (1 << (30 - k))
+            n = _count_ge(e0, e1, cand, NBP)
+            take = n >= NSEL
+            th = tl.where(take, cand, th)
+            hi = tl.where(take, hi, n)
+            cnt = tl.where(take, n, cnt)
+            k += 1
+        return th, cnt, hi, k
+
+    @triton.jit
+    def _sum_max(a, b, c, d):
+        return a + c, tl.maximum(b, d)
+
+    @triton.jit
+    def _count_ge_max(e0, e1, cand, rpart, NBP: tl.constexpr):
+        """(``_count_ge`` (e0, e1, cand), max of rpart) in ONE two-operand reduction over the row (rpart: int32 [NBP])."""
+        part = tl.sum(_below(e0, cand) + _below(e1, cand), axis=1)
+        tot, mx = tl.reduce((part, rpart), 0, _sum_max)
+        return NBP * 16 - tot, mx
 
     @triton.jit
     def _row_ties(e0, e1, th, NSEL):
@@ -296,7 +328,8 @@ if triton is not None:
 
     @triton.jit
     def _compact_threshold(e0, e1, c, NSEL, NVALID, scr, NBP: tl.constexpr, J: tl.constexpr, CAP: tl.constexpr,
-                           TR: tl.constexpr = 1, PHASE: tl.constexpr = 0, WT: tl.constexpr = False):
+                           TR: tl.constexpr = 1, PHASE: tl.constexpr = 0, WT: tl.constexpr = False,
+                           TA: tl.constexpr = False, rpart=None, RA: tl.constexpr = False):
         """Threshold of the row's NSEL highest scores and its tie cut: returns (th, cstar) int32 scalars such that
         the selection is ``e > th | (e == th & channel <= cstar)`` -- the NSEL highest scores, ties to the lower
         channels (the reference's stable descending sort), the same set as ``_bits_threshold`` + ``_half_ranks``.
@@ -315,14 +348,34 @@ if triton is not None:
         More than CAP candidates: steps 2-3 over the full row instead (the full-row ranks of ``_half_ranks``).
         WT (CAP = 256): steps 2-3 by ``_warp_tile_search`` (every warp holds the whole tile; two bits per step).
         PHASE (the kernel's STOP 4 / 5 timing probes; 0 = all): 1 returns after step 1's full-row bits, 2 after the
-        tile is stored and read back (cstar = the tile's largest channel, to keep the load); not a selection."""
+        tile is stored and read back (cstar = the tile's largest channel, to keep the load); not a selection.
+        TA: the candidate count from the tracked "above" count (``_row_bits_hi``: one row reduction less).
+        RA (rpart: int32 [NBP], per thread the largest |R| bits): the first full-row step's reduction also takes
+        rpart's max, returned as rmx (the row's largest |R| bits; else 0). Returns (th, cstar, rmx)."""
         th = tl.full((), 0, tl.int32)
-        th, cnt, k = _row_bits(e0, e1, th, th + NVALID, th, J, NSEL, NBP)
+        cnt = th + NVALID
+        hi = th * 0
+        k = th * 0
+        rmx = th * 0
+        if RA:  # step 0 by hand (its count and the row's max |R| in one reduction); a no-op once cnt == NSEL
+            n0, rmx = _count_ge_max(e0, e1, th | (1 << 30), rpart, NBP)
+            take = (n0 >= NSEL) & (cnt != NSEL)
+            hi = tl.where(take | (cnt == NSEL), hi, n0)
+            th = tl.where(take, th | (1 << 30), th)
+            cnt = tl.where(take, n0, cnt)
+            k = k + 1
+        if TA:
+            th, cnt, hi, k = _row_bits_hi(e0, e1, th, cnt, hi, k, J, NSEL, NBP)
+        else:
+            th, cnt, k = _row_bits(e0, e1, th, cnt, k, J, NSEL, NBP)
         cstar = th * 0 + 0x7FFFFFFF
         if (cnt != NSEL) & (PHASE != 1):
             f0 = ((e0 >> (31 - J)) == (th >> (31 - J))).to(tl.int32)  # padding -1 >> s = -1 never equals th's
             f1 = ((e1 >> (31 - J)) == (th >> (31 - J))).to(tl.int32)
-            ncand = tl.sum(tl.sum(f0, axis=1) + tl.sum(f1, axis=1), axis=0)
+            if TA:
+                ncand = cnt - hi
+            else:
+                ncand = tl.sum(tl.sum(f0, axis=1) + tl.sum(f1, axis=1), axis=0)
             ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
             ch1 = ch0 + 8
             if (ncand <= CAP) & ((TR == 1) | (ncand < 1024)):  # TR 2: a count must fit 10 bits
@@ -373,7 +426,7 @@ if triton is not None:
                     t0, t1 = _row_ties(e0, e1, th, NSEL)
                     cstar = tl.maximum(tl.max(tl.max(tl.where(t0, ch0, -1), axis=1), axis=0),
                                        tl.max(tl.max(tl.where(t1, ch1, -1), axis=1), axis=0))
-        return th, cstar
+        return th, cstar, rmx
 
     @triton.jit
     def _channel_row_kernel(
@@ -381,7 +434,8 @@ if triton is not None:
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
         ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0, scr_ptr=None, COMPACT: tl.constexpr = 0,
-        CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False,
+        CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False, TA: tl.constexpr = False,
+        RA: tl.constexpr = False,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -403,7 +457,10 @@ if triton is not None:
         COMPACT = J > 0: the selection by ``_compact_threshold`` (J full-row bits, then a [CAP] candidate tile in
         scr_ptr: int32 [M, 2 * CAP] scratch, row r's at r * 2 * CAP; TR: bits per tile step, 1 or 2; WT: the tile
         in every warp, CAP = 256); 0:
-        ``_bits_threshold`` + ``_row_ties``."""
+        ``_bits_threshold`` + ``_row_ties``. TA (COMPACT > 0): the candidate count without its own reduction
+        (``_compact_threshold``). RA (COMPACT > 0, no HAS_W): R_sel's row amax without its own reduction where the
+        row's largest |R| is selected (its score fl(|R|**2) is the row's largest: selected when > th, or == th with
+        every entry >= th selected); else the reduction."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
         cmask = c < NB
@@ -438,8 +495,12 @@ if triton is not None:
         e0 = tl.where(m2, s0.to(tl.int32, bitcast=True), -1)  # padding: never selected
         e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
         if COMPACT > 0:
-            th, cstar = _compact_threshold(e0, e1, c, NSEL, NB * 16, scr_ptr + row * (2 * CAP), NBP, COMPACT, CAP,
-                                           TR, 1 if STOP == 4 else (2 if STOP == 5 else 0), WT)
+            rpart = tl.zeros([NBP], tl.int32)
+            if RA and not HAS_W:
+                rpart = tl.max(tl.maximum(tl.abs(r0), tl.abs(r1)).to(tl.int32, bitcast=True), axis=1)
+            th, cstar, rmx = _compact_threshold(e0, e1, c, NSEL, NB * 16, scr_ptr + row * (2 * CAP), NBP, COMPACT,
+                                                CAP, TR, 1 if STOP == 4 else (2 if STOP == 5 else 0), WT, TA, rpart,
+                                                RA and not HAS_W)
             ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
             if (STOP == 2) | (STOP == 4) | (STOP == 5):
                 _store_halves(out_ptr, b, tl.where((e0 >= th) | (ch0 <= cstar), v0, 0.0),
@@ -463,7 +524,15 @@ if triton is not None:
         rs0 = tl.where(sel0, r0, 0.0)
         rs1 = tl.where(sel1, r1, 0.0)
         ra = tl.maximum(tl.max(tl.abs(rs0), axis=1), tl.max(tl.abs(rs1), axis=1))
-        amax = tl.zeros([NBP], tl.float32) + tl.max(ra, axis=0)
+        if (COMPACT > 0) and RA and not HAS_W:
+            rmf = rmx.to(tl.float32, bitcast=True)
+            emax = (rmf * rmf).to(tl.int32, bitcast=True)  # = the largest score (squaring is monotone)
+            if (emax > th) | ((emax == th) & (cstar == 0x7FFFFFFF)):
+                amax = tl.zeros([NBP], tl.float32) + rmf
+            else:
+                amax = tl.zeros([NBP], tl.float32) + tl.max(ra, axis=0)
+        else:
+            amax = tl.zeros([NBP], tl.float32) + tl.max(ra, axis=0)
         if STOP == 3:
             _store_halves(out_ptr, b, tl.where(sel0, v0, amax[:, None]), tl.where(sel1, v1, amax[:, None]), cmask, OUT)
             return
@@ -608,7 +677,8 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
     comp = _compact_args(m, k, nbp)
     if comp is not None:
         bits, cap, tr, warp_tile = comp
-        meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile,
+        meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile, TA=bool(CHANNEL_CONFIG["compact_track_above"]),
+                    RA=bool(CHANNEL_CONFIG["compact_rmax"]),
                     scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
