@@ -186,3 +186,67 @@ def test_std_split_deterministic_and_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, gg.gluon_w4a16_std(x2, q.packed, q.block_scale, gs, None, cfg))
+
+
+# --------------------------------------------------------------------------- std kernel options (session 10)
+# rg (row groups per warp), wev (weight-load cache hint), dec (pair decode 3: mask + multiply) change neither the
+# decoded bf16 registers nor any row's MMA / split-K order: at the same split the bytes must equal the plain kernel's.
+
+OPT_CFGS = [G(4, 1, 2, 2, rg=2), G(4, 1, 2, 2, rg=4), G(8, 1, 2, 2, prefetch=False, rg=2), G(4, 1, 2, 2, wev=1),
+            G(4, 1, 2, 2, wev=2), G(4, 1, 2, 2, dec=3), G(8, 1, 2, 2, prefetch=False, dec=3, wev=2),
+            G(4, 1, 2, 2, rg=2, wev=2, dec=3), G(4, 1, 1, 2, rg=2, dec=3), G(4, 1, 3, 2, prefetch=False, rg=4, dec=3)]
+
+
+def _plain(cfg):
+    return G(cfg.num_warps, cfg.kc, cfg.split, cfg.occ, prefetch=cfg.prefetch)
+
+
+@pytest.mark.parametrize("cfg", OPT_CFGS, ids=lambda c: c.label)
+@pytest.mark.parametrize("m, n, k, bias", [(1, 4096, 4096, False), (16, 4096, 4096, False), (5, 1000, 2176, True),
+                                           (11, 4104, 1152, False), (8, 2048, 4096, True)])
+def test_std_options_bit_equal_plain(cfg, m, n, k, bias):
+    q = em.quantize_weight(_w((n, k), seed=m + 1))
+    gs = q.global_scale.reshape(())
+    x = _x(m, k, m)
+    b = (_w((n,), seed=m + 7) * 10).to(torch.bfloat16) if bias else None
+    y = gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, b, cfg)
+    want = gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, b, _plain(cfg))
+    assert torch.equal(y, want), f"{cfg.label} M={m} N={n} K={k}: {int((y != want).sum())} outputs differ from plain"
+    xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
+    wf = em.weight_f32(q.packed, q.block_scale, gs)
+    _check(y, em.gemm(xf, wf, b, x.dtype), xf, wf, f"std {cfg.label} M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("cfg", [G(4, 1, 0, 2, rg=2, dec=3), G(8, 1, 0, 2, prefetch=False, dec=3, wev=2)],
+                         ids=lambda c: c.label)
+def test_std_options_one_hot_exact(cfg):
+    _one_hot_case(lambda p, s, gs, x: gg.gluon_w4a16_std(x, p, s, gs, None, cfg), f"std {cfg.label}")
+
+
+def _table_keys():
+    from verl_quads.nvfp4 import triton_gemm as tg
+
+    return sorted(tg.GLUON_TABLE)
+
+
+@pytest.mark.parametrize("key", _table_keys(), ids=lambda kk: f"b{kk[0]}-{kk[1]}x{kk[2]}")
+def test_gluon_table_entry_dispatch(key):
+    """Every GLUON_TABLE entry through the default dense dispatch (nvfp4_linear w4a16) at the bucket's largest and
+    smallest M: within the bound of the torch reference, and the bytes of gluon_w4a16_std with the entry's config
+    (the dispatch took the entry)."""
+    from verl_quads.nvfp4 import triton_gemm as tg
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("GLUON_TABLE entries are taken on sm_90 only")
+    bucket, n, k = key
+    cfg = tg.GLUON_TABLE[key]
+    lo = max([b for b in tg.DECODE_BUCKETS if b < bucket], default=0) + 1
+    q = em.quantize_weight(_w((n, k), seed=bucket))
+    gs = q.global_scale.reshape(())
+    wf = em.weight_f32(q.packed, q.block_scale, gs)
+    for m in sorted({lo, bucket}):
+        x = _x(m, k, m + bucket)
+        y = tg.nvfp4_linear(x, q.packed, q.block_scale, gs, None, "w4a16")
+        assert torch.equal(y, gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, None, cfg)), f"{key} M={m}"
+        xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
+        _check(y, em.gemm(xf, wf, None, x.dtype), xf, wf, f"table {key} {cfg.label} M={m}")

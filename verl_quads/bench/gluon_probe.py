@@ -1,13 +1,15 @@
 """Issue #5 probe: the Gluon W4A16 prototype (:mod:`verl_quads.nvfp4.gluon_gemm`) vs cuBLAS BF16 and the current
-default W4A16 dispatch (``triton_gemm.nvfp4_linear(..., "w4a16")``) at dense decode shapes, cold L2.
+default W4A16 dispatch (``triton_gemm.nvfp4_linear(..., "w4a16")``) at dense decode shapes, cold and warm L2.
 
 Timing as ``verl-quads bench rollout --sweep-decode``: one CUDA graph replays one call per weight copy (copies so
 that >= 256 MB are read per replay: every call reads a weight no other call left in L2), time / copies, median
-of :func:`verl_quads.bench.timing.graph_time_s`. Every Gluon config is checked against the torch reference
+of :func:`verl_quads.bench.timing.graph_time_s`; warm L2: the same with one copy (the weight stays in L2 where it
+fits, as ``bench rollout``'s main table). Every Gluon config is checked against the torch reference
 (:mod:`verl_quads.rollout.emulation`: x_f32 @ w_f32.T, one cast) with the tests' bound (1 bf16 ulp + 4 K eps_f32
 |x| @ |w|.T per element); max |err| / max |ref| is printed.
 
-    python -m verl_quads.bench.gluon_probe [--shapes 8192x8192,4096x4096] [--ms 1,2,4,8,16] [--configs all|quick]
+    python -m verl_quads.bench.gluon_probe [--shapes 8192x8192,4096x4096,qkv,o] [--ms 1,2,4,8,16] [--configs all|quick]
+    python -m verl_quads.bench.gluon_probe --configs std --std w8:pf0,w4:rg2:ev2:d3   # only these std configs
     python -m verl_quads.bench.gluon_probe --sass   # offline sm_90 compile, K-loop SASS counts (no GPU)
 """
 
@@ -21,10 +23,42 @@ import torch
 from verl_quads.bench.rollout import L2_FLUSH_BYTES, _err, _rotating, _time
 
 
-def _configs(which: str):
-    """(kind, config, weight format) triples: ``std`` = the standard-layout kernel (gluon_w4a16_std, the one the
-    dispatch uses), ``perm`` = the permuted-layout prototype (format 2; format 1 once, for comparison)."""
+#: named shapes (N x K): Qwen3-30B-A3B's dense attention linears (qkv_proj: 5120 x 2048, o_proj: 2048 x 4096)
+NAMED_SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "d8192": (8192, 8192), "d4096": (4096, 4096)}
+
+_SPEC_KEYS = {"w": "num_warps", "kc": "kc", "s": "split", "o": "occ", "pf": "prefetch", "rg": "rg", "ev": "wev",
+              "d": "dec", "r": "maxnreg"}
+
+
+def parse_std(spec: str):
+    """``w8:pf0,w4:rg2:ev2:d3`` -> GluonConfigs of the standard-layout kernel: colon-separated ``<key><int>`` with
+    keys w (num_warps), kc, s (split, 0 auto), o (occ), pf (prefetch), rg, ev (wev), d (dec), r (maxnreg); defaults
+    w4 kc1 s0 o2 pf1 rg1 ev0 d1."""
+    import re
+
     from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
+
+    out = []
+    for tok in filter(None, spec.split(",")):
+        kw = {"num_warps": 4, "kc": 1, "split": 0, "occ": 2, "prefetch": True}
+        for part in tok.split(":"):
+            m = re.fullmatch(r"([a-z]+)(\d+)", part)
+            if not m or m.group(1) not in _SPEC_KEYS:
+                raise ValueError(f"gluon_probe: bad std config part {part!r} in {tok!r}")
+            key, val = _SPEC_KEYS[m.group(1)], int(m.group(2))
+            kw[key] = bool(val) if key == "prefetch" else val
+        out.append(G(**kw))
+    return out
+
+
+def _configs(which: str, std_spec: str = ""):
+    """(kind, config, weight format) triples: ``std`` = the standard-layout kernel (gluon_w4a16_std, the one the
+    dispatch uses), ``perm`` = the permuted-layout prototype (format 2; format 1 once, for comparison).
+    ``which == "std"``: only the std configs of ``std_spec`` (:func:`parse_std`)."""
+    from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
+
+    if which == "std":
+        return [("std", c, 0) for c in parse_std(std_spec)]
 
     std = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=False), G(8, 1, 0, 2, prefetch=False), G(8, 1, 0, 2),
            G(4, 1, 0, 4), G(4, 2, 0, 2)]
@@ -34,13 +68,19 @@ def _configs(which: str):
     return [("std", c, 0) for c in std] + [("perm", c, f) for c, f in perm]
 
 
+def _time_warm(fn) -> float:
+    """Seconds per call of ``fn()`` replayed alone (warm L2 where the weight fits)."""
+    return _time(fn)[0]
+
+
 def _time_rot(fn_of_copy, copies: int) -> float:
     """Seconds per call of ``fn_of_copy(i)`` over ``copies`` weight copies (cold L2), timed as ``bench rollout``
     times its rotating copies (one CUDA graph of all of them; eager median where a graph cannot be captured)."""
     return _time(_rotating(fn_of_copy, copies))[0] / copies
 
 
-def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all") -> str:
+def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_spec: str = "",
+        defaults: bool = True) -> str:
     from verl_quads.bench.timing import device_name, print_table
     from verl_quads.nvfp4 import gluon_gemm as gg
     from verl_quads.nvfp4 import triton_gemm as tg
@@ -50,7 +90,7 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all") -> str
     print(device_name(), flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
     rows, summary = [], []
-    cfgs = _configs(which)
+    cfgs = _configs(which, std_spec)
     for n, k in shapes:
         w = torch.randn(n, k, device=dev, generator=g) * 0.02
         q = em.quantize_weight(w)
@@ -74,22 +114,28 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all") -> str
             ref = (xr @ wf.t()).to(torch.bfloat16)
             bound = 4 * k * torch.finfo(torch.float32).eps * (xr.abs() @ wf.abs().t())
             t_cub = _time_rot(lambda i: x @ wbs[i].t(), bcopies)
-            rows.append([tag, "cuBLAS bf16 torch.matmul", "-", t_cub * 1e6, 1.0, "-"])
+            tw_cub = _time_warm(lambda: x @ wbf.t())
+            rows.append([tag, "cuBLAS bf16 torch.matmul", "-", t_cub * 1e6, 1.0, tw_cub * 1e6, 1.0, "-"])
             saved = dict(tg.GLUON_TABLE)
+            t_def = float("nan")
             for label_d, table in (("default dispatch without GLUON_TABLE", {}), ("default dispatch", saved)):
+                if not defaults and table == {}:
+                    continue
                 tg.GLUON_TABLE.clear()
                 tg.GLUON_TABLE.update(table)
                 try:
                     y = tg.nvfp4_linear(x, wp, wsc, wgs, None, "w4a16")
                     rel, ok = _err(y, ref, bound)
                     t_def = _time_rot(lambda i: tg.nvfp4_linear(x, wps[i], wscs[i], wgs, None, "w4a16"), copies)
+                    tw_def = _time_warm(lambda: tg.nvfp4_linear(x, wp, wsc, wgs, None, "w4a16"))
                 finally:
                     tg.GLUON_TABLE.clear()
                     tg.GLUON_TABLE.update(saved)
                 gcfg = tg.gluon_dense_config(x, wp) if table else None
                 rows.append([tag, f"{label_d} (nvfp4_linear w4a16{', gluon ' + gcfg.label if gcfg else ''})",
-                             "ok" if ok else "WRONG", t_def * 1e6, t_cub / t_def, f"{rel:.2e}"])
-            best = None
+                             "ok" if ok else "WRONG", t_def * 1e6, t_cub / t_def, tw_def * 1e6, tw_cub / tw_def,
+                             f"{rel:.2e}"])
+            best = bestw = None
             for kind, cfg, fmt in cfgs:
                 if kind == "std":
                     label = f"std {cfg.label}"
@@ -110,24 +156,31 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all") -> str
                     t0 = time.time()
                     rel, ok = _err(call(0), ref, bound)
                     t = _time_rot(call, copies)
+                    tw = _time_warm(lambda call=call: call(0))
                 except Exception as ex:  # reported, skipped
                     print(f"  {tag} gluon {label}: failed {type(ex).__name__}: {str(ex)[:300]}", flush=True)
                     continue
                 rows.append([tag, f"gluon {label} (grid {gn}x{split}, {cps} chunks{' even' if even else ''})",
-                             "ok" if ok else "WRONG", t * 1e6, t_cub / t, f"{rel:.2e}"])
-                print(f"  {tag} gluon {label}: {t * 1e6:.1f} us ({'ok' if ok else 'WRONG'}, rel {rel:.1e}, "
-                      f"{time.time() - t0:.1f} s)", flush=True)
+                             "ok" if ok else "WRONG", t * 1e6, t_cub / t, tw * 1e6, tw_cub / tw, f"{rel:.2e}"])
+                print(f"  {tag} gluon {label}: {t * 1e6:.1f} us cold, {tw * 1e6:.1f} warm ({'ok' if ok else 'WRONG'}, "
+                      f"rel {rel:.1e}, {time.time() - t0:.1f} s)", flush=True)
                 if ok and (best is None or t < best[0]):
                     best = (t, label)
-            line = (f"{tag}: cuBLAS {t_cub * 1e6:.1f} us, default {t_def * 1e6:.1f} us ({t_cub / t_def:.2f}x)"
-                    + (f", best gluon {best[1]} {best[0] * 1e6:.1f} us ({t_cub / best[0]:.2f}x cuBLAS, "
-                       f"{wbytes / best[0] / 1e12:.2f} TB/s of NVFP4 weight)" if best else ", no correct gluon config"))
+                if ok and (bestw is None or tw < bestw[0]):
+                    bestw = (tw, label)
+            line = (f"{tag}: cuBLAS {t_cub * 1e6:.1f} / {tw_cub * 1e6:.1f} us (cold / warm), default "
+                    f"{t_def * 1e6:.1f} / {tw_def * 1e6:.1f} us ({t_cub / t_def:.2f}x / {tw_cub / tw_def:.2f}x)"
+                    + (f", best gluon cold {best[1]} {best[0] * 1e6:.1f} us ({t_cub / best[0]:.2f}x cuBLAS, "
+                       f"{wbytes / best[0] / 1e12:.2f} TB/s of NVFP4 weight), warm {bestw[1]} {bestw[0] * 1e6:.1f} us "
+                       f"({tw_cub / bestw[0]:.2f}x)" if best else ", no correct gluon config"))
             summary.append(line)
             print(line, flush=True)
         del wps, wscs, gws, wbs, wf
         torch.cuda.empty_cache()
-    out = print_table("W4A16 dense decode, cold L2 (us; x = cuBLAS time / time; check: 1 bf16 ulp + fp32 bound)",
-                      ["shape", "kernel", "check", "us", "x cuBLAS", "max err/max|ref|"], rows)
+    out = print_table("W4A16 dense decode, cold / warm L2 (us; x = cuBLAS time / time at the same L2 state; check: 1 "
+                      "bf16 ulp + fp32 bound)",
+                      ["shape", "kernel", "check", "cold us", "x cuBLAS", "warm us", "x cuBLAS w", "max err/max|ref|"],
+                      rows)
     print("\n".join(summary), flush=True)
     return out + "\n" + "\n".join(summary)
 
@@ -180,16 +233,20 @@ def sass_counts(variants=None) -> str:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default="8192x8192,4096x4096", help="NxK list")
+    ap.add_argument("--shapes", default="8192x8192,4096x4096", help=f"NxK list or names {list(NAMED_SHAPES)}")
     ap.add_argument("--ms", default="1,2,4,8,16")
-    ap.add_argument("--configs", default="all", choices=["all", "quick"])
+    ap.add_argument("--configs", default="all", choices=["all", "quick", "std"])
+    ap.add_argument("--std", default="", help="--configs std: the std configs (parse_std syntax)")
+    ap.add_argument("--no-bare-default", action="store_true",
+                    help="skip the 'default dispatch without GLUON_TABLE' rows")
     ap.add_argument("--sass", action="store_true", help="offline sm_90 compile (no GPU): K-loop SASS counts")
     a = ap.parse_args(argv)
     if a.sass:
         sass_counts()
         return
-    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
-    run(shapes, [int(v) for v in a.ms.split(",")], a.configs)
+    shapes = [NAMED_SHAPES[s] if s in NAMED_SHAPES else tuple(int(v) for v in s.split("x"))
+              for s in a.shapes.split(",")]
+    run(shapes, [int(v) for v in a.ms.split(",")], a.configs, a.std, not a.no_bare_default)
 
 
 if __name__ == "__main__":

@@ -315,8 +315,23 @@ if gluon is not None:
         """:func:`_pair` as ONE inline-PTX block per register pair: ``wd2`` the int32 words joined with
         themselves (``[.., 2]``: element e of the pair), ``m2`` the bf16 multiplier likewise; returns bf16
         ``[.., 2]`` (e = 0: nibble P, e = 1: nibble P + 4), each register the MMA's packed pair, scaled by one
-        ``mul.rn.bf16x2`` (no flush-to-zero form: code 1's bf16 subnormal is kept)."""
-        if FMT == 2:  # spread format: rotations (see _PAIR_ROT)
+        ``mul.rn.bf16x2`` (no flush-to-zero form: code 1's bf16 subnormal is kept). FMT 3: format 1's words (the
+        standard nibble order) decoded by mask + multiply: the pair's two nibbles (pairs 2, 3: of the word shifted
+        right by 8) masked, times ``2**a + 2**b`` (the magnitude and sign shifts; the two shifted copies do not
+        overlap: no carries), masked to the bf16x2 bits -- the same register as format 1's shifts, with 3 integer
+        ops (one on the FMA pipe) instead of 4-5."""
+        if FMT == 3:
+            if P == 0:
+                op: gl.constexpr = "and.b32 t, $1, 0x000F000F; mul.lo.u32 t, t, 4160; and.b32 t, t, 0x81C081C0;"
+            elif P == 1:
+                op: gl.constexpr = "and.b32 t, $1, 0x00F000F0; mul.lo.u32 t, t, 260; and.b32 t, t, 0x81C081C0;"
+            elif P == 2:
+                op: gl.constexpr = ("shr.u32 t, $1, 8; and.b32 t, t, 0x000F000F; mul.lo.u32 t, t, 4160; "
+                                    "and.b32 t, t, 0x81C081C0;")
+            else:
+                op: gl.constexpr = ("shr.u32 t, $1, 8; and.b32 t, t, 0x00F000F0; mul.lo.u32 t, t, 260; "
+                                    "and.b32 t, t, 0x81C081C0;")
+        elif FMT == 2:  # spread format: rotations (see _PAIR_ROT)
             if P == 0:
                 op: gl.constexpr = "and.b32 t, $1, 0x81C081C0;"
             elif P == 1:
@@ -434,35 +449,57 @@ if gluon is not None:
 
 
     @gluon.jit
+    def _load_hint(ptrs, mask, MASKED: gl.constexpr, WEV: gl.constexpr):
+        """``gl.load(ptrs)`` (MASKED: ``mask``, other 0) with cache hint WEV (0 none, 1 evict_first, 2 .cg); literal
+        strings only (a string constexpr argument broke triton 3.6 once)."""
+        if MASKED:
+            if WEV == 1:
+                return gl.load(ptrs, mask=mask, other=0, eviction_policy="evict_first")
+            elif WEV == 2:
+                return gl.load(ptrs, mask=mask, other=0, cache_modifier=".cg")
+            else:
+                return gl.load(ptrs, mask=mask, other=0)
+        else:
+            if WEV == 1:
+                return gl.load(ptrs, eviction_policy="evict_first")
+            elif WEV == 2:
+                return gl.load(ptrs, cache_modifier=".cg")
+            else:
+                return gl.load(ptrs)
+
+    @gluon.jit
     def _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c, c_hi, EVEN: gl.constexpr,
-                         WPT: gl.constexpr):
+                         WPT: gl.constexpr, WEV: gl.constexpr = 0):
         """Standard layout: weight words ``[NW, 2, 8, 4, KC, WPT]`` (rows g / g + 8, 4 WPT contiguous bytes per
         thread, row and 32 WPT-element chunk), scale bytes ``[NW, 2, 8, 4, KC, WPT / 2]`` and activation bf16
-        ``[NT, 8, 4, KC, 8 WPT]`` of the KC chunks from chunk ``c``. Not EVEN: chunks >= c_hi read zeros."""
+        ``[NT, 8, 4, KC, 8 WPT]`` of the KC chunks from chunk ``c``. Not EVEN: chunks >= c_hi read zeros.
+        WEV: cache hint of the (read-once) weight and scale loads -- 0 none, 1 ``evict_first``, 2 ``.cg`` (L2
+        only: the streamed weights do not evict the activation, re-read by every warp, from L1)."""
         if EVEN:
-            wd = gl.load(w_ptr + woff + c * (4 * WPT))
-            sc = gl.load(s_ptr + soff + c * (2 * WPT))
+            wd = _load_hint(w_ptr + woff + c * (4 * WPT), 0, False, WEV)
+            sc = _load_hint(s_ptr + soff + c * (2 * WPT), 0, False, WEV)
             xv = gl.load(x_ptr + xoff + c * (32 * WPT))
         else:
-            wd = gl.load(w_ptr + woff + c * (4 * WPT), mask=c + kcw < c_hi, other=0)
-            sc = gl.load(s_ptr + soff + c * (2 * WPT), mask=c + kcs < c_hi, other=0)
+            wd = _load_hint(w_ptr + woff + c * (4 * WPT), c + kcw < c_hi, True, WEV)
+            sc = _load_hint(s_ptr + soff + c * (2 * WPT), c + kcs < c_hi, True, WEV)
             xv = gl.load(x_ptr + xoff + c * (32 * WPT), mask=c + kcx < c_hi, other=0.0)
         return wd, sc, xv
 
     @gluon.jit
     def _std_chunk_mma(acc, wd, sc, xv, DA: gl.constexpr, DB: gl.constexpr, NW: gl.constexpr, KC: gl.constexpr,
-                       NT: gl.constexpr, WPT: gl.constexpr):
+                       NT: gl.constexpr, WPT: gl.constexpr, DEC: gl.constexpr = 1):
         """Standard layout: word i = 2 ib + il of a thread's 4 WPT bytes of row g (or g + 8) holds elements
         ``8 WPT t + 8 i + [0, 8)``; its pair P (nibbles P, P + 4: the format-1 decode) feeds MMA k-step ``2 i + P // 2``,
         slots ``8 (P % 2) + 2 t + e`` (e = 0: element 8 i + P, e = 1: element 8 i + P + 4); scale block
         ``WPT / 2 t + ib``.
-        The activation operand takes the same k order (its registers pair columns j and j + 4: byte permutes)."""
+        The activation operand takes the same k order (its registers pair columns j and j + 4: byte permutes).
+        DEC: the pair decode of :func:`_pair_asm` (1: shifts, 3: mask + multiply; the same registers)."""
         m = gl.expand_dims((sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622896e35)
                            .to(gl.bfloat16), 6)  # scale * 2**118 (exact), broadcast over il
         wd2 = gl.join(wd, wd)
         m2 = gl.join(m, m)
-        q0 = gl.join(_pair_asm(wd2, m2, 0, 1), _pair_asm(wd2, m2, 1, 1))  # [.., e, kb3] (sh 0)
-        q1 = gl.join(_pair_asm(wd2, m2, 2, 1), _pair_asm(wd2, m2, 3, 1))  # sh 1
+        q0 = gl.join(_pair_asm(wd2, m2, 0, DEC), _pair_asm(wd2, m2, 1, DEC))  # [.., e, kb3] (sh 0)
+        q1 = gl.join(_pair_asm(wd2, m2, 2, DEC), _pair_asm(wd2, m2, 3, DEC))  # sh 1
         a = gl.join(q0, q1)  # [NW, rb3, g, t, KC, ib, il, e, kb3, sh]
         a = gl.reshape(gl.permute(a, (0, 1, 2, 4, 5, 6, 9, 8, 3, 7)), (NW * 16, KC * 32 * WPT))
         a = gl.convert_layout(a, DA, assert_trivial=True)
@@ -473,57 +510,65 @@ if gluon is not None:
 
     @gluon.jit
     def _loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c, c_hi, K, EVEN: gl.constexpr,
-               STD: gl.constexpr, WPT: gl.constexpr):
+               STD: gl.constexpr, WPT: gl.constexpr, WEV: gl.constexpr = 0):
         """One iteration's operands: :func:`_std_chunk_loads` (STD) or :func:`_chunk_loads` (permuted layout)."""
         if STD:
-            return _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c, c_hi, EVEN, WPT)
+            return _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c, c_hi, EVEN, WPT, WEV)
         else:
             return _chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c, c_hi, K, EVEN)
 
     @gluon.jit
     def k_loop(acc, w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c_lo, c_hi, K, NW: gl.constexpr,
                KC: gl.constexpr, NT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr, STD: gl.constexpr,
-               WPT: gl.constexpr = 4, ASM: gl.constexpr = True, FMT: gl.constexpr = 1):
+               WPT: gl.constexpr = 4, ASM: gl.constexpr = True, FMT: gl.constexpr = 1, RG: gl.constexpr = 1,
+               WEV: gl.constexpr = 0):
         """``acc += W[rows, chunks c_lo..c_hi) @ x[:, same]^T`` over KC chunks per iteration, for the standard
         (STD) or the permuted layout; PF: the next iteration's operands are loaded before the current ones are
         used (register prefetch; EVEN: the prefetch past the last iteration re-reads it; ptxas issues those loads
-        at the end of the iteration, so the gain is small)."""
+        at the end of the iteration, so the gain is small). Standard layout: RG row groups per warp (the weight
+        tensors of :func:`std_weight_offsets` with RG; each warp's activation fragments feed its RG row groups'
+        MMAs), WEV the weight loads' cache hint (:func:`_std_chunk_loads`), FMT the pair decode (1 or 3:
+        :func:`_pair_asm`)."""
         c_last = c_hi - KC  # EVEN: the last iteration's start
         if PF:
-            nxt = _loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c_lo, c_hi, K, EVEN, STD, WPT)
+            nxt = _loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c_lo, c_hi, K, EVEN, STD, WPT, WEV)
         for c0 in range(c_lo, c_hi, KC):
             if PF:
                 cur = nxt
                 cn = c0 + KC
                 if EVEN:
                     cn = gl.minimum(cn, c_last)
-                nxt = _loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, cn, c_hi, K, EVEN, STD, WPT)
+                nxt = _loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, cn, c_hi, K, EVEN, STD, WPT, WEV)
             else:
-                cur = _loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c0, c_hi, K, EVEN, STD, WPT)
+                cur = _loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c0, c_hi, K, EVEN, STD, WPT, WEV)
             if STD:
                 wd, sc, xv = cur
-                wd = gl.convert_layout(gl.reshape(wd, (NW, 2, 8, 4, KC, WPT // 2, 2)), std_pair_layout(NW, WPT),
-                                       assert_trivial=True)
-                acc = _std_chunk_mma(acc, wd, sc, xv, dot_layout(NW, 0), dot_layout(NW, 1), NW, KC, NT, WPT)
+                wd = gl.convert_layout(gl.reshape(wd, (NW * RG, 2, 8, 4, KC, WPT // 2, 2)),
+                                       std_pair_layout(NW, WPT), assert_trivial=True)
+                acc = _std_chunk_mma(acc, wd, sc, xv, dot_layout(NW, 0), dot_layout(NW, 1), NW * RG, KC, NT, WPT,
+                                     FMT)
             else:
                 wd, s0, s1, xv = cur
                 acc = _chunk_mma(acc, wd, s0, s1, xv, dot_layout(NW, 0), dot_layout(NW, 1), NW, KC, NT, ASM, FMT)
         return acc
 
     @gluon.jit
-    def std_weight_offsets(pid_n, N, KW, KB, NW: gl.constexpr, KC: gl.constexpr, WPT: gl.constexpr):
-        """Standard layout: ``(woff, kcw, soff, kcs)``, the int32-word offsets ``[NW, 2, 8, 4, KC, WPT]`` of a
-        program's weight rows ``16 (pid_n NW + w) + 8 rb3 + g`` (rows past N read row N - 1: not stored) at chunk
-        0 and the byte offsets of their scales ``[NW, 2, 8, 4, KC, WPT / 2]`` (rows of KW words / KB scales), with
-        the KC index tensors (for masks)."""
+    def std_weight_offsets(pid_n, N, KW, KB, NW: gl.constexpr, KC: gl.constexpr, WPT: gl.constexpr,
+                           RG: gl.constexpr = 1):
+        """Standard layout: ``(woff, kcw, soff, kcs)``, the int32-word offsets ``[R, 2, 8, 4, KC, WPT]`` (R = NW RG
+        row groups; the layouts of NW warps wrap: warp w holds row groups w, w + NW, ...) of a program's weight rows
+        ``16 (pid_n R + r) + 8 rb3 + g`` (rows past N read row N - 1: not stored) at chunk 0 and the byte offsets
+        of their scales ``[R, 2, 8, 4, KC, WPT / 2]`` (rows of KW words / KB scales), with the KC index tensors (for
+        masks)."""
         L6: gl.constexpr = std_word_layout(NW, WPT)
         LS: gl.constexpr = gl.SliceLayout(6, std_pair_layout(NW, WPT))
         IB: gl.constexpr = WPT // 2
-        roww = gl.minimum(pid_n * NW * 16 + _iota(NW, 0, 6, L6) * 16 + _iota(2, 1, 6, L6) * 8 + _iota(8, 2, 6, L6),
+        R: gl.constexpr = NW * RG
+        roww = gl.minimum(pid_n * R * 16 + _iota(R, 0, 6, L6) * 16 + _iota(2, 1, 6, L6) * 8 + _iota(8, 2, 6, L6),
                           N - 1)
         kcw = _iota(KC, 4, 6, L6)
         woff = roww * KW + kcw * (4 * WPT) + _iota(4, 3, 6, L6) * WPT + _iota(WPT, 5, 6, L6)
-        rows_s = gl.minimum(pid_n * NW * 16 + _iota(NW, 0, 6, LS) * 16 + _iota(2, 1, 6, LS) * 8 + _iota(8, 2, 6, LS),
+        rows_s = gl.minimum(pid_n * R * 16 + _iota(R, 0, 6, LS) * 16 + _iota(2, 1, 6, LS) * 8 + _iota(8, 2, 6, LS),
                             N - 1)
         kcs = _iota(KC, 4, 6, LS)
         soff = rows_s * KB + kcs * (2 * WPT) + _iota(4, 3, 6, LS) * IB + _iota(IB, 5, 6, LS)
@@ -592,23 +637,27 @@ if gluon is not None:
     def _w4a16_std_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
                           M, N, K, KW, KB, C, CPS,
                           NW: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
-                          EVEN: gl.constexpr, PF: gl.constexpr, HAS_BIAS: gl.constexpr, WPT: gl.constexpr = 4):
+                          EVEN: gl.constexpr, PF: gl.constexpr, HAS_BIAS: gl.constexpr, WPT: gl.constexpr = 4,
+                          RG: gl.constexpr = 1, WEV: gl.constexpr = 0, DEC: gl.constexpr = 1):
         """The STANDARD NVFP4 layout (``w_ptr``: the packed codes as int32 ``[N, K/8]`` = KW words per row,
         ``s_ptr``: e4m3 bytes ``[N, K/16]`` = KB per row; chunks of 32 WPT elements, K % (32 WPT) == 0, C chunks):
         warp w owns rows ``16 (pid_n NW + w) + [0, 16)``, thread (g, t) loads 4 WPT bytes of rows g and g + 8 per
         chunk (elements ``8 WPT t + [0, 8 WPT)``: 16 or 32 bytes); the K order inside a chunk is permuted
-        identically on both MMA operands (:func:`_std_chunk_mma`). Grid, split-K, EVEN, PF as :func:`_w4a16_kernel`."""
+        identically on both MMA operands (:func:`_std_chunk_mma`). Grid, split-K, EVEN, PF as :func:`_w4a16_kernel`.
+        RG: row groups per warp (a program: 16 NW RG rows, warp w the groups w, w + NW, ...; each warp's activation
+        fragments feed RG MMAs), WEV: the weight loads' cache hint (:func:`_std_chunk_loads`), DEC: the pair decode
+        (1 shifts, 3 mask + multiply: :func:`_pair_asm`; the same registers)."""
         MMA: gl.constexpr = mma_layout(NW)
-        BN: gl.constexpr = NW * 16
+        BN: gl.constexpr = NW * RG * 16
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         c_lo, c_hi = _k_range(pid_k, CPS, C)
 
-        woff, kcw, soff, kcs = std_weight_offsets(pid_n, N, KW, KB, NW, KC, WPT)
+        woff, kcw, soff, kcs = std_weight_offsets(pid_n, N, KW, KB, NW, KC, WPT, RG)
         xoff, kcx = std_x_offsets(gl.minimum(std_x_rows(NT, NW, WPT), M - 1), K, NW, KC, WPT)
 
         acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx,
-                     c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT)
+                     c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT, True, DEC, RG, WEV)
         _epilogue(acc, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, HAS_BIAS)
 
 
@@ -629,12 +678,16 @@ class GluonConfig:
     prefetch: bool = True  # register prefetch of the next iteration's operands
     maxnreg: int = 0  # register cap per thread (ptxas; 0: none). Dense std kernel, H200: slower (spills), unused there
     asm: bool = True  # decode + scale of a register pair as one inline-PTX block (else Triton ops: LLVM re-pairs halves)
+    rg: int = 1  # standard-layout kernel: 16-row groups per warp (a program: 16 num_warps rg weight rows)
+    wev: int = 0  # standard-layout kernel: weight-load cache hint (0 none, 1 evict_first, 2 .cg: L2 only)
+    dec: int = 1  # standard-layout kernel: pair decode (1 shifts, 3 mask + multiply; the same bf16 registers)
 
     @property
     def label(self) -> str:
         return (f"w{self.num_warps} kc{self.kc} s{self.split or 'a'}{self.occ} pf{int(self.prefetch)}"
                 f"{f' r{self.maxnreg}' if self.maxnreg else ''}"
-                f"{'' if self.asm else ' noasm'}")
+                f"{'' if self.asm else ' noasm'}{f' rg{self.rg}' if self.rg != 1 else ''}"
+                f"{f' ev{self.wev}' if self.wev else ''}{f' d{self.dec}' if self.dec != 1 else ''}")
 
 
 _COUNTERS: dict = {}
@@ -681,6 +734,8 @@ def gluon_w4a16(x: torch.Tensor, w: GluonWeight, cfg: GluonConfig = GluonConfig(
         raise ValueError(f"gluon_w4a16: x bf16 [M <= 16, {w.k}], got {x.dtype} {tuple(x.shape)}")
     if w.fmt != 1 and not cfg.asm:
         raise ValueError("gluon_w4a16: format 2 needs the inline-PTX decode (asm=True)")
+    if cfg.rg != 1 or cfg.wev or cfg.dec != 1:
+        raise ValueError("gluon_w4a16: rg / wev / dec are options of the standard-layout kernel (gluon_w4a16_std)")
     x = x.contiguous()
     nt = 1 if m <= 8 else 2
     grid_n, split, cps, even = plan(w, cfg, _num_sms(x.device))
@@ -716,8 +771,12 @@ def std_supported(x: torch.Tensor, w_packed: torch.Tensor) -> bool:
 
 
 def std_plan(n: int, k: int, cfg: GluonConfig, sms: int = 132) -> tuple[int, int, int, bool]:
-    """(grid_n, split, chunks per split, even) of a standard-layout launch for an ``[n, k]`` weight."""
-    return _plan(-(-n // ROWS), k // STD_CHUNK, cfg, sms)
+    """(grid_n, split, chunks per split, even) of a standard-layout launch for an ``[n, k]`` weight (programs of
+    ``cfg.rg`` row groups per warp)."""
+    nw = cfg.num_warps
+    grid_n = -(-(-(-n // ROWS)) // (nw * cfg.rg))
+    _, split, cps, even = _plan(grid_n * nw, k // STD_CHUNK, cfg, sms)
+    return grid_n, split, cps, even
 
 
 def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
@@ -736,6 +795,9 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
                          f"[N, K/2] uint8 weight; got x {x.dtype} {tuple(x.shape)}, w {tuple(w_packed.shape)}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"gluon_w4a16_std: bias must be [{n}], got {tuple(bias.shape)}")
+    if cfg.rg not in (1, 2, 4) or cfg.wev not in (0, 1, 2) or cfg.dec not in (1, 3):
+        raise ValueError(f"gluon_w4a16_std: rg must be 1, 2 or 4, wev 0, 1 or 2, dec 1 or 3; got {cfg.rg} / "
+                         f"{cfg.wev} / {cfg.dec}")
     x = x.contiguous()
     nt = 1 if m <= 8 else 2
     grid_n, split, cps, even = std_plan(n, k, cfg, _num_sms(x.device))
@@ -756,7 +818,8 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
         x, w_packed.view(torch.int32), w_scale.view(torch.uint8), gs, bias if bias is not None else gs, out, part,
         cnt, m, n, k, k // 8, k // BLOCK_SIZE, k // STD_CHUNK, cps,
         NW=cfg.num_warps, KC=cfg.kc, NT=nt, SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
-        HAS_BIAS=bias is not None, num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+        HAS_BIAS=bias is not None, RG=cfg.rg, WEV=cfg.wev, DEC=cfg.dec, num_warps=cfg.num_warps,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 
 
