@@ -126,13 +126,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda", help="cuda; cpu = a functional smoke run (TRITON_INTERPRET=1)")
     a = p.parse_args(argv)
     variants = tuple(a.variants.split(","))
-    if a.phases:
+    print(run(a.shapes.split(","), [int(v) for v in a.ms.split(",")], variants, a.repeat, a.device), flush=True)
+    if a.phases:  # after the main table (a run cut by a time limit keeps it)
         from verl_quads.bench.nvfp4 import run_channel_probe
 
         shapes = [tuple(int(v) for v in s.split("x")) for s in a.phases.split(",")]
         run_channel_probe(shapes, ratios=(0.5,), device=a.device,
                           variants=tuple((a.phase_variants or a.variants).split(",")))
-    print(run(a.shapes.split(","), [int(v) for v in a.ms.split(",")], variants, a.repeat, a.device), flush=True)
 
 
 if __name__ == "__main__":
