@@ -338,6 +338,23 @@ def _align_kernels(ids, bm):
             lambda i: tg._moe_scatter_kernel[(p,)](flat, base, start, so, st, s, E, TOP_K, C=chunk, EP=ep,
                                                    num_warps=8), 1)),
         ("  align: empty launch (torch add 1 elt)", _time_rot(lambda i: start[:1].add_(0), 1))]
+    if hasattr(tg, "_moe_scan_scatter_kernel"):
+        out.append((f"  align: scan + scatter in one launch ({p} programs)", _time_rot(
+            lambda i: tg._moe_scan_scatter_kernel[(p,)](flat, hist, te, tr0, tr1, so, st, s, E, TOP_K, p, t_max,
+                                                        C=chunk, EP=ep, PP=triton.next_power_of_2(p), BM=bm, TT=32,
+                                                        num_warps=8), 1)))
+        old = tg.MOE_ALIGN_TWO_LAUNCHES
+        try:
+            for two in (False, True):
+                tg.MOE_ALIGN_TWO_LAUNCHES = two
+                ref = tg.moe_align_reference(ids, E, bm)
+                got = tg.moe_align(ids, E, bm)
+                same = all(torch.equal(getattr(got, f), getattr(ref, f)) for f in
+                           ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"))
+                out.append((f"  moe_align, {'2' if two else '3'} launches ({'== reference' if same else 'WRONG'})",
+                            _time_rot(lambda i: tg.moe_align(ids, E, bm), 1)))
+        finally:
+            tg.MOE_ALIGN_TWO_LAUNCHES = old
     return out
 
 

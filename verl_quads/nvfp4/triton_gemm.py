@@ -446,6 +446,51 @@ if triton is not None:
             tl.store(sorted_ptr + pos, i, mask=valid)
             tl.store(tok_ptr + pos, i // TOPK, mask=valid)
 
+    @triton.jit
+    def _moe_scan_scatter_kernel(ids_ptr, hist_ptr, te_ptr, tr0_ptr, tr1_ptr, sorted_ptr, tok_ptr, S, E, TOPK, P,
+                                 T_MAX, C: tl.constexpr, EP: tl.constexpr, PP: tl.constexpr, BM: tl.constexpr,
+                                 TT: tl.constexpr):
+        """:func:`_moe_scan_kernel` + :func:`_moe_scatter_kernel` in ONE launch of P programs (the scan is tiny:
+        every program redoes it from the P chunk histograms instead of reading it back from a second launch):
+        program p takes ``start`` (first sorted row of each key) and ``base[p]`` (slots of each key in chunks
+        before p) in registers, scatters its chunk (stable counting sort, as the scatter kernel), and writes the
+        tile-table blocks ``p, p + P, ...`` of TT entries (the scan kernel's formulas)."""
+        p = tl.program_id(0)
+        pp = tl.arange(0, PP)
+        ee = tl.arange(0, EP)
+        h = tl.load(hist_ptr + pp[:, None] * EP + ee[None, :], mask=(pp < P)[:, None], other=0)
+        counts = tl.sum(h, axis=0)
+        cl = tl.where(ee <= E, counts, 0)
+        start = tl.cumsum(cl, axis=0) - cl
+        run = start + tl.sum(tl.where((pp < p)[:, None], h, 0), axis=0)  # next sorted row of each key
+        cloc = tl.where(ee < E, counts, 0)
+        tiles = (cloc + BM - 1) // BM
+        tend = tl.cumsum(tiles, axis=0)
+        for t0 in range(p * TT, T_MAX, P * TT):
+            t = t0 + tl.arange(0, TT)
+            ex = tl.sum((tend[None, :] <= t[:, None]).to(tl.int32), axis=1)  # searchsorted(tend, t, right)
+            live = ex < E
+            oh = ee[None, :] == ex[:, None]
+            first = tl.sum(tl.where(oh, (tend - tiles)[None, :], 0), axis=1)
+            st = tl.sum(tl.where(oh, start[None, :], 0), axis=1)
+            cnt = tl.sum(tl.where(oh, cloc[None, :], 0), axis=1)
+            r0 = st + (t - first) * BM
+            r1 = tl.minimum(st + cnt, r0 + BM)
+            tm = t < T_MAX
+            tl.store(te_ptr + t, tl.where(live, ex, -1), mask=tm)
+            tl.store(tr0_ptr + t, tl.where(live, r0, 0), mask=tm)
+            tl.store(tr1_ptr + t, tl.where(live, r1, 0), mask=tm)
+        ii = tl.arange(0, 64)
+        for c0 in range(0, C, 64):
+            i = p * C + c0 + ii
+            valid = i < S
+            e = tl.load(ids_ptr + i, mask=valid, other=-1).to(tl.int32)
+            key = tl.where(valid, tl.where(e < 0, E, e), EP - 1)
+            rank = tl.sum(((key[:, None] == key[None, :]) & (ii[None, :] < ii[:, None])).to(tl.int32), axis=1)
+            pos = tl.sum(tl.where(ee[None, :] == key[:, None], run[None, :], 0), axis=1) + rank
+            run += tl.histogram(key, EP)
+            tl.store(sorted_ptr + pos, i, mask=valid)
+            tl.store(tok_ptr + pos, i // TOPK, mask=valid)
 
     # ----------------------------------------------------------------------------------------------
     # W4A16 decode: weight streaming (issue #5). The GEMM at M <= 16 is bound by reading the packed
@@ -1863,6 +1908,9 @@ MOE_ALIGN_REGISTER_MAX = 256
 #: session 7): registers 5.4 / 7.6 / 12.7 / 40.1 us at S = 8 / 128 / 256 / 512, one program 16.8 / 29.3 / 33.8 /
 #: 48.8 us, three launches 17.6 / 28.7 / 28.3 / 25.9 us: past 256 slots three launches are fastest.
 MOE_ALIGN_ONE_PROGRAM_MAX = 256
+#: past MOE_ALIGN_ONE_PROGRAM_MAX slots: hist + one scan-and-scatter launch (every scatter program redoes the tiny scan
+#: from the chunk histograms) instead of hist, scan, scatter
+MOE_ALIGN_TWO_LAUNCHES = False
 
 
 def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> GroupedRouting:
@@ -1904,10 +1952,15 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Group
             return GroupedRouting(sorted_slots=sorted_slots, tile_expert=te, tile_row0=tr0, tile_row1=tr1,
                                   block_m=block_m, num_experts=num_experts, sorted_tokens=sorted_tokens)
         _moe_hist_kernel[(p,)](flat, hist, s, num_experts, C=chunk, EP=ep)
-        _moe_scan_kernel[(1,)](hist, base, start, te, tr0, tr1, p, num_experts, t_max, BM=block_m,
-                               PP=triton.next_power_of_2(p), EP=ep, TT=32, num_warps=8)
-        _moe_scatter_kernel[(p,)](flat, base, start, sorted_slots, sorted_tokens, s, num_experts, top_k,
-                                  C=chunk, EP=ep, num_warps=8)
+        if MOE_ALIGN_TWO_LAUNCHES:  # the scan redone by every scatter program: no scan launch
+            _moe_scan_scatter_kernel[(p,)](flat, hist, te, tr0, tr1, sorted_slots, sorted_tokens, s, num_experts,
+                                           top_k, p, t_max, C=chunk, EP=ep, PP=triton.next_power_of_2(p), BM=block_m,
+                                           TT=32, num_warps=8)
+        else:
+            _moe_scan_kernel[(1,)](hist, base, start, te, tr0, tr1, p, num_experts, t_max, BM=block_m,
+                                   PP=triton.next_power_of_2(p), EP=ep, TT=32, num_warps=8)
+            _moe_scatter_kernel[(p,)](flat, base, start, sorted_slots, sorted_tokens, s, num_experts, top_k,
+                                      C=chunk, EP=ep, num_warps=8)
     return GroupedRouting(sorted_slots=sorted_slots, tile_expert=te, tile_row0=tr0, tile_row1=tr1,
                           block_m=block_m, num_experts=num_experts, sorted_tokens=sorted_tokens)
 
