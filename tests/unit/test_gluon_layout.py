@@ -242,3 +242,87 @@ def test_gluon_available_version_gate(monkeypatch):
     monkeypatch.setattr(gg, "triton_version", lambda: (3, 5))
     ok, why = gg.gluon_available()
     assert not ok and "3.6" in why
+
+
+def _fmt3_ptx(src: str) -> dict:
+    """The FMT == 3 branch's PTX per pair P, read from _pair_asm's source text."""
+    import re
+
+    body = src.split("if FMT == 3:")[1].split("elif FMT == 2:")[0]
+    out = {}
+    for p, chunk in enumerate(re.split(r"\n\s*(?:elif P == \d|else):", body)):
+        out[p] = " ".join(re.findall(r'"([^"]*)"', chunk))
+    return out
+
+
+def _run_ptx(ops: str, word: int) -> int:
+    """A tiny interpreter of the integer PTX used by the FMT 3 decode (and.b32 / mul.lo.u32 / shr.u32 on t, $1,
+    immediates), 32-bit unsigned."""
+    regs = {"$1": word}
+
+    def val(tok):
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    n_ops = 0
+    for ins in filter(None, (i.strip() for i in ops.split(";"))):
+        op, args = ins.split(None, 1)
+        d, a, b = (t.strip() for t in args.split(","))
+        if op == "and.b32":
+            regs[d] = val(a) & val(b)
+        elif op == "mul.lo.u32":
+            regs[d] = (val(a) * val(b)) & 0xFFFFFFFF
+        elif op == "shr.u32":
+            regs[d] = val(a) >> val(b)
+        else:
+            raise AssertionError(f"unexpected PTX op {op}")
+        n_ops += 1
+    return regs["t"], n_ops
+
+
+def test_std_decode3_ptx_equals_shift_decode():
+    """_pair_asm's FMT 3 (mask + multiply) PTX, interpreted from its source, builds the same bf16x2 register as
+    format 1's shift decode (_pair_bits, the torch model of the kernel's FMT 1 asm checked by the tests above) for
+    every pair P and every value of the pair's 8 code bits (other bits random), in at most 4 integer ops."""
+    if gg.gluon is None:
+        pytest.skip("no Gluon")
+    ptx = _fmt3_ptx(gg._pair_asm.src)
+    assert sorted(ptx) == [0, 1, 2, 3]
+    g = torch.Generator().manual_seed(3)
+    noise = torch.randint(0, 2**31, (256,), generator=g).tolist()
+    for p in range(4):
+        keep = (15 << 4 * p) | (15 << (4 * p + 16))
+        for v in range(256):
+            word = ((v & 15) << 4 * p) | ((v >> 4) << (4 * p + 16)) | (noise[v] * 2 + v % 2) & ~keep & 0xFFFFFFFF
+            got, n_ops = _run_ptx(ptx[p], word)
+            want = int(gg._pair_bits(torch.tensor([word], dtype=torch.int64), p, 1)[0])
+            assert got == want, (p, hex(word), hex(got), hex(want))
+            assert n_ops <= 4
+
+
+def test_std_plan_row_groups():
+    """std_plan with rg row groups per warp: grid_n programs of 16 num_warps rg rows cover N exactly once (no
+    program wholly past N), the K ranges cover every 128-element chunk once, kc divides the range."""
+    for n, k in [(8192, 8192), (4104, 1152), (1000, 2176), (2048, 4096), (5120, 2048)]:
+        chunks = k // gg.STD_CHUNK
+        for cfg in [gg.GluonConfig(4, 1, 0, 2, rg=2), gg.GluonConfig(4, 1, 0, 2, rg=4),
+                    gg.GluonConfig(8, 1, 0, 2, prefetch=False, rg=2), gg.GluonConfig(4, 2, 3, 2, rg=2)]:
+            grid_n, split, cps, even = gg.std_plan(n, k, cfg)
+            rows = 16 * cfg.num_warps * cfg.rg
+            assert grid_n * rows >= n and (grid_n - 1) * rows < n, (n, cfg.label, grid_n)
+            assert cps % cfg.kc == 0 and split * cps >= chunks and (split - 1) * cps < chunks
+            assert even == (chunks % cps == 0)
+    # rg 1 unchanged: d8192 with 4 warps, occ 2 on 132 SMs: 128 programs along N, 4 K ranges of 16 chunks
+    assert gg.std_plan(8192, 8192, gg.GluonConfig(4, 1, 0, 2)) == (128, 4, 16, True)
+    # rg 2: 64 programs along N, so >= 264 / 64 -> 5 K ranges wanted; 64 chunks: the first even split >= 5 is 8
+    assert gg.std_plan(8192, 8192, gg.GluonConfig(4, 1, 0, 2, rg=2)) == (64, 8, 8, True)
+
+
+def test_probe_parse_std():
+    from verl_quads.bench.gluon_probe import parse_std
+
+    G = gg.GluonConfig
+    assert parse_std("w8:pf0,w4:rg2:ev2:d3,w4:kc2:s3:o4,w4") == [
+        G(8, 1, 0, 2, prefetch=False), G(4, 1, 0, 2, rg=2, wev=2, dec=3), G(4, 2, 3, 4), G(4, 1, 0, 2)]
+    assert G(4, 1, 0, 2, rg=2, wev=2, dec=3).label == "w4 kc1 sa2 pf1 rg2 ev2 d3"
+    with pytest.raises(ValueError):
+        parse_std("w4:x2")
