@@ -194,11 +194,12 @@ def test_std_split_deterministic_and_graph():
 
 OPT_CFGS = [G(4, 1, 2, 2, rg=2), G(4, 1, 2, 2, rg=4), G(8, 1, 2, 2, prefetch=False, rg=2), G(4, 1, 2, 2, wev=1),
             G(4, 1, 2, 2, wev=2), G(4, 1, 2, 2, dec=3), G(8, 1, 2, 2, prefetch=False, dec=3, wev=2),
-            G(4, 1, 2, 2, rg=2, wev=2, dec=3), G(4, 1, 1, 2, rg=2, dec=3), G(4, 1, 3, 2, prefetch=False, rg=4, dec=3)]
+            G(4, 1, 2, 2, rg=2, wev=2, dec=3), G(4, 1, 1, 2, rg=2, dec=3), G(4, 1, 3, 2, prefetch=False, rg=4, dec=3),
+            G(8, 1, 2, 2, pfd=2, dec=3), G(4, 2, 3, 2, pfd=2)]
 
 
 def _plain(cfg):
-    return G(cfg.num_warps, cfg.kc, cfg.split, cfg.occ, prefetch=cfg.prefetch)
+    return G(cfg.num_warps, cfg.kc, cfg.split, cfg.occ, prefetch=cfg.prefetch or cfg.pfd > 0)
 
 
 @pytest.mark.parametrize("cfg", OPT_CFGS, ids=lambda c: c.label)

@@ -321,8 +321,8 @@ def test_probe_parse_std():
     from verl_quads.bench.gluon_probe import parse_std
 
     G = gg.GluonConfig
-    assert parse_std("w8:pf0,w4:rg2:ev2:d3,w4:kc2:s3:o4,w4") == [
-        G(8, 1, 0, 2, prefetch=False), G(4, 1, 0, 2, rg=2, wev=2, dec=3), G(4, 2, 3, 4), G(4, 1, 0, 2)]
+    assert parse_std("w8:pf0,w4:rg2:ev2:d3,w4:kc2:s3:o4,w4,w8:pd2") == [
+        G(8, 1, 0, 2, prefetch=False), G(4, 1, 0, 2, rg=2, wev=2, dec=3), G(4, 2, 3, 4), G(4, 1, 0, 2), G(8, 1, 0, 2, pfd=2)]
     assert G(4, 1, 0, 2, rg=2, wev=2, dec=3).label == "w4 kc1 sa2 pf1 rg2 ev2 d3"
     with pytest.raises(ValueError):
         parse_std("w4:x2")

@@ -525,15 +525,27 @@ if gluon is not None:
         """``acc += W[rows, chunks c_lo..c_hi) @ x[:, same]^T`` over KC chunks per iteration, for the standard
         (STD) or the permuted layout; PF: the next iteration's operands are loaded before the current ones are
         used (register prefetch; EVEN: the prefetch past the last iteration re-reads it; ptxas issues those loads
-        at the end of the iteration, so the gain is small). Standard layout: RG row groups per warp (the weight
+        at the end of the iteration, so the gain is small); PF 2: two iterations ahead. Standard layout: RG row groups per warp (the weight
         tensors of :func:`std_weight_offsets` with RG; each warp's activation fragments feed its RG row groups'
         MMAs), WEV the weight loads' cache hint (:func:`_std_chunk_loads`), FMT the pair decode (1 or 3:
         :func:`_pair_asm`)."""
         c_last = c_hi - KC  # EVEN: the last iteration's start
-        if PF:
+        if PF >= 1:
             nxt = _loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c_lo, c_hi, K, EVEN, STD, WPT, WEV)
+        if PF >= 2:  # two iterations ahead (the prefetches past the range: EVEN re-reads the last, else masked)
+            c2 = c_lo + KC
+            if EVEN:
+                c2 = gl.minimum(c2, c_last)
+            nxt2 = _loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, c2, c_hi, K, EVEN, STD, WPT, WEV)
         for c0 in range(c_lo, c_hi, KC):
-            if PF:
+            if PF >= 2:
+                cur = nxt
+                nxt = nxt2
+                cn = c0 + 2 * KC
+                if EVEN:
+                    cn = gl.minimum(cn, c_last)
+                nxt2 = _loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx, cn, c_hi, K, EVEN, STD, WPT, WEV)
+            elif PF == 1:
                 cur = nxt
                 cn = c0 + KC
                 if EVEN:
@@ -681,13 +693,15 @@ class GluonConfig:
     rg: int = 1  # standard-layout kernel: 16-row groups per warp (a program: 16 num_warps rg weight rows)
     wev: int = 0  # standard-layout kernel: weight-load cache hint (0 none, 1 evict_first, 2 .cg: L2 only)
     dec: int = 1  # standard-layout kernel: pair decode (1 shifts, 3 mask + multiply; the same bf16 registers)
+    pfd: int = 0  # register prefetch depth (0: 1 if prefetch else 0; 2: two iterations ahead)
 
     @property
     def label(self) -> str:
         return (f"w{self.num_warps} kc{self.kc} s{self.split or 'a'}{self.occ} pf{int(self.prefetch)}"
                 f"{f' r{self.maxnreg}' if self.maxnreg else ''}"
                 f"{'' if self.asm else ' noasm'}{f' rg{self.rg}' if self.rg != 1 else ''}"
-                f"{f' ev{self.wev}' if self.wev else ''}{f' d{self.dec}' if self.dec != 1 else ''}")
+                f"{f' ev{self.wev}' if self.wev else ''}{f' d{self.dec}' if self.dec != 1 else ''}"
+                f"{f' pd{self.pfd}' if self.pfd else ''}")
 
 
 _COUNTERS: dict = {}
@@ -734,8 +748,9 @@ def gluon_w4a16(x: torch.Tensor, w: GluonWeight, cfg: GluonConfig = GluonConfig(
         raise ValueError(f"gluon_w4a16: x bf16 [M <= 16, {w.k}], got {x.dtype} {tuple(x.shape)}")
     if w.fmt != 1 and not cfg.asm:
         raise ValueError("gluon_w4a16: format 2 needs the inline-PTX decode (asm=True)")
-    if cfg.rg != 1 or cfg.wev or cfg.dec != 1:
-        raise ValueError("gluon_w4a16: rg / wev / dec are options of the standard-layout kernel (gluon_w4a16_std)")
+    if cfg.rg != 1 or cfg.wev or cfg.dec != 1 or cfg.pfd:
+        raise ValueError("gluon_w4a16: rg / wev / dec / pfd are options of the standard-layout kernel "
+                         "(gluon_w4a16_std)")
     x = x.contiguous()
     nt = 1 if m <= 8 else 2
     grid_n, split, cps, even = plan(w, cfg, _num_sms(x.device))
@@ -795,9 +810,9 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
                          f"[N, K/2] uint8 weight; got x {x.dtype} {tuple(x.shape)}, w {tuple(w_packed.shape)}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"gluon_w4a16_std: bias must be [{n}], got {tuple(bias.shape)}")
-    if cfg.rg not in (1, 2, 4) or cfg.wev not in (0, 1, 2) or cfg.dec not in (1, 3):
-        raise ValueError(f"gluon_w4a16_std: rg must be 1, 2 or 4, wev 0, 1 or 2, dec 1 or 3; got {cfg.rg} / "
-                         f"{cfg.wev} / {cfg.dec}")
+    if cfg.rg not in (1, 2, 4) or cfg.wev not in (0, 1, 2) or cfg.dec not in (1, 3) or cfg.pfd not in (0, 1, 2):
+        raise ValueError(f"gluon_w4a16_std: rg must be 1, 2 or 4, wev 0, 1 or 2, dec 1 or 3, pfd 0, 1 or 2; got "
+                         f"{cfg.rg} / {cfg.wev} / {cfg.dec} / {cfg.pfd}")
     x = x.contiguous()
     nt = 1 if m <= 8 else 2
     grid_n, split, cps, even = std_plan(n, k, cfg, _num_sms(x.device))
@@ -817,7 +832,7 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
     _w4a16_std_kernel[(grid_n, split)](
         x, w_packed.view(torch.int32), w_scale.view(torch.uint8), gs, bias if bias is not None else gs, out, part,
         cnt, m, n, k, k // 8, k // BLOCK_SIZE, k // STD_CHUNK, cps,
-        NW=cfg.num_warps, KC=cfg.kc, NT=nt, SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
+        NW=cfg.num_warps, KC=cfg.kc, NT=nt, SPLIT=split, EVEN=even, PF=cfg.pfd or int(cfg.prefetch),
         HAS_BIAS=bias is not None, RG=cfg.rg, WEV=cfg.wev, DEC=cfg.dec, num_warps=cfg.num_warps,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
