@@ -115,7 +115,7 @@ CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
                   "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4},
-                  "compact_track_above": False, "compact_rmax": False}
+                  "compact_track_above": False, "compact_rmax": False, "compact_tile_chunks": False}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -150,7 +150,14 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     # two row reductions less (compact_track_above: the candidate count; compact_rmax: R_sel's amax)
                     "ta": {"compact_track_above": True}, "ra": {"compact_rmax": True},
                     "ta ra": {"compact_track_above": True, "compact_rmax": True},
-                    "ta ra b11": {"compact_track_above": True, "compact_rmax": True, "compact_bits": 11}}
+                    "ta ra b11": {"compact_track_above": True, "compact_rmax": True, "compact_bits": 11},
+                    # the warp tile counts only the chunks that hold candidates (2 / 4 / 8 of 32 entries)
+                    "at": {"compact_tile_chunks": True},
+                    "at ta ra": {"compact_tile_chunks": True, "compact_track_above": True, "compact_rmax": True},
+                    "at ta ra b11": {"compact_tile_chunks": True, "compact_track_above": True, "compact_rmax": True,
+                                     "compact_bits": 11},
+                    "at ta ra b10": {"compact_tile_chunks": True, "compact_track_above": True, "compact_rmax": True,
+                                     "compact_bits": 10}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -266,18 +273,57 @@ if triton is not None:
         return base + tl.sum(tie, axis=0), cstar
 
     @triton.jit
-    def _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP: tl.constexpr, PHASE: tl.constexpr):
+    def _wt_sum(t0, t1, t2, t3, t4, t5, t6, t7, c1, c2, c3, NCH: tl.constexpr):
+        """Sum over the tile's first NCH (2, 4 or 8) chunks of ``_wt3`` (one warp reduction)."""
+        s = _wt3(t0, c1, c2, c3) + _wt3(t1, c1, c2, c3)
+        if NCH >= 4:
+            s = s + _wt3(t2, c1, c2, c3) + _wt3(t3, c1, c2, c3)
+        if NCH >= 8:
+            s = s + _wt3(t4, c1, c2, c3) + _wt3(t5, c1, c2, c3) + _wt3(t6, c1, c2, c3) + _wt3(t7, c1, c2, c3)
+        return tl.sum(s, axis=0)
+
+    @triton.jit
+    def _wt_sum1(t0, t1, t2, t3, t4, t5, t6, t7, cand, NCH: tl.constexpr):
+        s = _at_least(t0, cand) + _at_least(t1, cand)
+        if NCH >= 4:
+            s = s + _at_least(t2, cand) + _at_least(t3, cand)
+        if NCH >= 8:
+            s = s + _at_least(t4, cand) + _at_least(t5, cand) + _at_least(t6, cand) + _at_least(t7, cand)
+        return tl.sum(s, axis=0)
+
+    @triton.jit
+    def _wt_gt(t0, t1, t2, t3, t4, t5, t6, t7, th, NCH: tl.constexpr):
+        s = (t0 > th).to(tl.int32) + (t1 > th).to(tl.int32)
+        if NCH >= 4:
+            s = s + (t2 > th).to(tl.int32) + (t3 > th).to(tl.int32)
+        if NCH >= 8:
+            s = s + (t4 > th).to(tl.int32) + (t5 > th).to(tl.int32) + (t6 > th).to(tl.int32) + (t7 > th).to(tl.int32)
+        return tl.sum(s, axis=0)
+
+    @triton.jit
+    def _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP: tl.constexpr, PHASE: tl.constexpr,
+                          NCH: tl.constexpr = 8):
         """``_compact_threshold``'s tile steps (two bits per step, then the tie cut) over a 256-entry tile held by
         EVERY warp as eight [32] chunks: each warp counts the whole tile itself (redundant, barrier-free warp
-        reductions) instead of one CTA-wide reduction per step. Returns (th, cnt, k, cstar)."""
+        reductions) instead of one CTA-wide reduction per step. NCH (2 / 4 / 8): only the first NCH chunks, for
+        ncand <= 32 * NCH (fewer entries per lane and step: the caller picks it per row). Returns (th, cnt, k,
+        cstar)."""
         t0, h0 = _wt_load(scr, 0, ncand, CAP)
         t1, h1 = _wt_load(scr, 1, ncand, CAP)
-        t2, h2 = _wt_load(scr, 2, ncand, CAP)
-        t3, h3 = _wt_load(scr, 3, ncand, CAP)
-        t4, h4 = _wt_load(scr, 4, ncand, CAP)
-        t5, h5 = _wt_load(scr, 5, ncand, CAP)
-        t6, h6 = _wt_load(scr, 6, ncand, CAP)
-        t7, h7 = _wt_load(scr, 7, ncand, CAP)
+        t2, h2 = t0, h0  # chunks past NCH: never read
+        t3, h3 = t0, h0
+        t4, h4 = t0, h0
+        t5, h5 = t0, h0
+        t6, h6 = t0, h0
+        t7, h7 = t0, h0
+        if NCH >= 4:
+            t2, h2 = _wt_load(scr, 2, ncand, CAP)
+            t3, h3 = _wt_load(scr, 3, ncand, CAP)
+        if NCH >= 8:
+            t4, h4 = _wt_load(scr, 4, ncand, CAP)
+            t5, h5 = _wt_load(scr, 5, ncand, CAP)
+            t6, h6 = _wt_load(scr, 6, ncand, CAP)
+            t7, h7 = _wt_load(scr, 7, ncand, CAP)
         cstar = th * 0 + 0x7FFFFFFF
         if PHASE == 2:
             hm = tl.maximum(tl.maximum(tl.maximum(h0, h1), tl.maximum(h2, h3)),
@@ -291,9 +337,7 @@ if triton is not None:
                 c1 = th | (1 << (29 - k))
                 c2 = th | (2 << (29 - k))
                 c3 = th | (3 << (29 - k))
-                sp = tl.sum(_wt3(t0, c1, c2, c3) + _wt3(t1, c1, c2, c3) + _wt3(t2, c1, c2, c3)
-                            + _wt3(t3, c1, c2, c3) + _wt3(t4, c1, c2, c3) + _wt3(t5, c1, c2, c3)
-                            + _wt3(t6, c1, c2, c3) + _wt3(t7, c1, c2, c3), axis=0)
+                sp = _wt_sum(t0, t1, t2, t3, t4, t5, t6, t7, c1, c2, c3, NCH)
                 n1 = above + (sp & 1023)
                 n2 = above + ((sp >> 10) & 1023)
                 n3 = above + (sp >> 20)
@@ -302,34 +346,32 @@ if triton is not None:
                 k += 2
             else:
                 cand = th | 1
-                n = above + tl.sum(_at_least(t0, cand) + _at_least(t1, cand) + _at_least(t2, cand)
-                                   + _at_least(t3, cand) + _at_least(t4, cand) + _at_least(t5, cand)
-                                   + _at_least(t6, cand) + _at_least(t7, cand), axis=0)
+                n = above + _wt_sum1(t0, t1, t2, t3, t4, t5, t6, t7, cand, NCH)
                 take = n >= NSEL
                 th = tl.where(take, cand, th)
                 cnt = tl.where(take, n, cnt)
                 k += 1
         if (cnt != NSEL) & (PHASE == 0):
-            gt = ((t0 > th).to(tl.int32) + (t1 > th).to(tl.int32) + (t2 > th).to(tl.int32) + (t3 > th).to(tl.int32)
-                  + (t4 > th).to(tl.int32) + (t5 > th).to(tl.int32) + (t6 > th).to(tl.int32) + (t7 > th).to(tl.int32))
-            need = NSEL - above - tl.sum(gt, axis=0)
+            need = NSEL - above - _wt_gt(t0, t1, t2, t3, t4, t5, t6, t7, th, NCH)
             base = th * 0
             cs = base - 1
             base, cs = _wt_tie(t0, h0, th, need, base, cs)
             base, cs = _wt_tie(t1, h1, th, need, base, cs)
-            base, cs = _wt_tie(t2, h2, th, need, base, cs)
-            base, cs = _wt_tie(t3, h3, th, need, base, cs)
-            base, cs = _wt_tie(t4, h4, th, need, base, cs)
-            base, cs = _wt_tie(t5, h5, th, need, base, cs)
-            base, cs = _wt_tie(t6, h6, th, need, base, cs)
-            base, cs = _wt_tie(t7, h7, th, need, base, cs)
+            if NCH >= 4:
+                base, cs = _wt_tie(t2, h2, th, need, base, cs)
+                base, cs = _wt_tie(t3, h3, th, need, base, cs)
+            if NCH >= 8:
+                base, cs = _wt_tie(t4, h4, th, need, base, cs)
+                base, cs = _wt_tie(t5, h5, th, need, base, cs)
+                base, cs = _wt_tie(t6, h6, th, need, base, cs)
+                base, cs = _wt_tie(t7, h7, th, need, base, cs)
             cstar = cs
         return th, cnt, k, cstar
 
     @triton.jit
     def _compact_threshold(e0, e1, c, NSEL, NVALID, scr, NBP: tl.constexpr, J: tl.constexpr, CAP: tl.constexpr,
                            TR: tl.constexpr = 1, PHASE: tl.constexpr = 0, WT: tl.constexpr = False,
-                           TA: tl.constexpr = False, rpart=None, RA: tl.constexpr = False):
+                           TA: tl.constexpr = False, rpart=None, RA: tl.constexpr = False, AT: tl.constexpr = False):
         """Threshold of the row's NSEL highest scores and its tie cut: returns (th, cstar) int32 scalars such that
         the selection is ``e > th | (e == th & channel <= cstar)`` -- the NSEL highest scores, ties to the lower
         channels (the reference's stable descending sort), the same set as ``_bits_threshold`` + ``_half_ranks``.
@@ -351,7 +393,8 @@ if triton is not None:
         tile is stored and read back (cstar = the tile's largest channel, to keep the load); not a selection.
         TA: the candidate count from the tracked "above" count (``_row_bits_hi``: one row reduction less).
         RA (rpart: int32 [NBP], per thread the largest |R| bits): the first full-row step's reduction also takes
-        rpart's max, returned as rmx (the row's largest |R| bits; else 0). Returns (th, cstar, rmx)."""
+        rpart's max, returned as rmx (the row's largest |R| bits; else 0). AT (WT): the warp tile's chunks past the
+        candidates are not counted (2 / 4 / 8 chunks for <= 64 / 128 / 256 candidates). Returns (th, cstar, rmx)."""
         th = tl.full((), 0, tl.int32)
         cnt = th + NVALID
         hi = th * 0
@@ -386,7 +429,14 @@ if triton is not None:
                 tl.store(scr + CAP + p1 - 1, ch1, mask=f1 != 0)
                 tl.debug_barrier()  # the row's stores are visible to the whole program
                 above = cnt - ncand
-                if WT:  # the tile in every warp (CAP = 256): barrier-free counts
+                if WT and AT:  # the tile in every warp, only the chunks that hold candidates
+                    if ncand <= 64:
+                        th, cnt, k, cstar = _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP, PHASE, 2)
+                    elif ncand <= 128:
+                        th, cnt, k, cstar = _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP, PHASE, 4)
+                    else:
+                        th, cnt, k, cstar = _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP, PHASE, 8)
+                elif WT:  # the tile in every warp (CAP = 256): barrier-free counts
                     th, cnt, k, cstar = _warp_tile_search(scr, ncand, th, cnt, k, above, NSEL, CAP, PHASE)
                 else:
                     i = tl.arange(0, CAP)
@@ -435,7 +485,7 @@ if triton is not None:
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
         ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0, scr_ptr=None, COMPACT: tl.constexpr = 0,
         CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False, TA: tl.constexpr = False,
-        RA: tl.constexpr = False,
+        RA: tl.constexpr = False, AT: tl.constexpr = False,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -500,7 +550,7 @@ if triton is not None:
                 rpart = tl.max(tl.maximum(tl.abs(r0), tl.abs(r1)).to(tl.int32, bitcast=True), axis=1)
             th, cstar, rmx = _compact_threshold(e0, e1, c, NSEL, NB * 16, scr_ptr + row * (2 * CAP), NBP, COMPACT,
                                                 CAP, TR, 1 if STOP == 4 else (2 if STOP == 5 else 0), WT, TA, rpart,
-                                                RA and not HAS_W)
+                                                RA and not HAS_W, AT)
             ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
             if (STOP == 2) | (STOP == 4) | (STOP == 5):
                 _store_halves(out_ptr, b, tl.where((e0 >= th) | (ch0 <= cstar), v0, 0.0),
@@ -678,7 +728,7 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
     if comp is not None:
         bits, cap, tr, warp_tile = comp
         meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile, TA=bool(CHANNEL_CONFIG["compact_track_above"]),
-                    RA=bool(CHANNEL_CONFIG["compact_rmax"]),
+                    RA=bool(CHANNEL_CONFIG["compact_rmax"]), AT=bool(CHANNEL_CONFIG["compact_tile_chunks"]),
                     scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
