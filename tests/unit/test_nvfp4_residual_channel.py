@@ -395,20 +395,23 @@ def test_triton_channel_compacted_search_matches_reference(bits, cap, tr, wt):
 
 
 @_needs_interp
-@pytest.mark.parametrize("ta, ra, at", [(True, False, False), (False, True, False), (True, True, False),
-                                        (False, False, True), (True, True, True)])
-def test_triton_channel_compact_fewer_reductions_match_reference(ta, ra, at):
+@pytest.mark.parametrize("ta, ra, at, r2, bits", [(True, False, False, False, 12), (False, True, False, False, 12),
+                                                  (True, True, False, False, 12), (False, False, True, False, 12),
+                                                  (True, True, True, False, 12), (False, True, True, True, 12),
+                                                  (False, False, False, True, 11)])
+def test_triton_channel_compact_fewer_reductions_match_reference(ta, ra, at, r2, bits):
     """CHANNEL_CONFIG compact_track_above (the candidate count from the tracked count above the prefix) and
     compact_rmax (R_sel's amax = the row's largest |R| where that entry is selected, else the reduction) keep the
     reference's bytes in the warp-tile search (K = 256, forced at K >= 16): random rows (the shortcut), hand ties cut
     by channel, all-zero rows, rows whose residuals square to +0 (every score ties at 0, the largest |R| is NOT
     selected at k = 0.25: the reduction must run; a shortcut taken there changes the second-pass scale), ratios 0 / 1,
     a score weight (compact_rmax does not apply), a per-tensor scale (two launches), fp32 rows. compact_tile_chunks
-    (at): rows whose tie runs put 60 / 120 / 180 candidates in the tile (its 2-, 4- and 8-chunk searches)."""
+    (at): rows whose tie runs put 60 / 120 / 180 candidates in the tile (its 2-, 4- and 8-chunk searches).
+    compact_row_bits2 (r2): the full-row bits two per reduction (12 bits: six steps; 11: five + one)."""
     from verl_quads.nvfp4 import triton_channel as tc
 
     with tc.channel_config(compact_max_rows=1 << 30, compact_min_k=16, compact_track_above=ta, compact_rmax=ra,
-                           compact_tile_chunks=at):
+                           compact_tile_chunks=at, compact_row_bits2=r2, compact_bits=bits):
         # blocks of |x| = 1.25 with one 6.0 (R = +-0.25: 15 tied scores per block) in 4 / 8 / 12 of 16 blocks, the
         # others zero (score 0): with k = 0.125 / 0.3 / 0.5 the threshold lies in the ties
         for nblk, ratio in ((4, 0.125), (8, 0.3), (12, 0.5)):
@@ -419,7 +422,7 @@ def test_triton_channel_compact_fewer_reductions_match_reference(ta, ra, at):
             xr = xr.to(torch.bfloat16).to(_DEV)
             t = _same_channel_result(xr, ratio, nv.per_row_global_scale(xr))
             assert t.channel_idx.shape[1] < nblk * 15 and int((t.channel_idx % 16 == 0).sum()) == 0
-        assert tc._compact_args(3, 256, 16) == (12, 256, 2, True)
+        assert tc._compact_args(3, 256, 16) == (bits, 256, 2, True)
         x = _rows(3, 256, torch.bfloat16, seed=31)
         for ratio in (0.0, 0.25, 0.5, 1.0):
             _same_channel_result(x, ratio, nv.per_row_global_scale(x))

@@ -115,7 +115,8 @@ CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
                   "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4},
-                  "compact_track_above": False, "compact_rmax": False, "compact_tile_chunks": False}
+                  "compact_track_above": False, "compact_rmax": False, "compact_tile_chunks": False,
+                  "compact_row_bits2": False}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -157,6 +158,10 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     "at ta ra b11": {"compact_tile_chunks": True, "compact_track_above": True, "compact_rmax": True,
                                      "compact_bits": 11},
                     "at ta ra b10": {"compact_tile_chunks": True, "compact_track_above": True, "compact_rmax": True,
+                                     "compact_bits": 10},
+                    # + the full-row bits two per reduction
+                    "r2 at ra": {"compact_row_bits2": True, "compact_tile_chunks": True, "compact_rmax": True},
+                    "r2 at ra b10": {"compact_row_bits2": True, "compact_tile_chunks": True, "compact_rmax": True,
                                      "compact_bits": 10}}
 
 if triton is not None:
@@ -227,6 +232,36 @@ if triton is not None:
             cnt = tl.where(take, n, cnt)
             k += 1
         return th, cnt, hi, k
+
+    @triton.jit
+    def _sum2(a, b, c, d):
+        return a + c, b + d
+
+    @triton.jit
+    def _digit_code(e, th, s):
+        """Per entry: (t >= 1) + (t >= 2) << 5 + (t >= 3) << 10 for t = (e - th) >> s clamped to [0, 3], i.e. which of
+        th + 1 / 2 / 3 << s it reaches (entries below th: none, above th + 4 << s: all), as 0x421 >> 5 (3 - t)."""
+        t = tl.minimum(tl.maximum((e - th) >> s, 0), 3)
+        return 0x421 >> (15 - 5 * t)
+
+    @triton.jit
+    def _row_bits2(e0, e1, th, cnt, hi, k, KEND, NSEL, NBP: tl.constexpr):
+        """``_row_bits_hi`` two bits per step while two remain before KEND: the counts of th + 1 / 2 / 3 << (29 - k)
+        (``_digit_code``: 5-bit fields per 16-block; over the row as two int32 operands of ONE reduction: 16-bit
+        fields, counts <= max_k = 32768) and the largest whose count reaches NSEL; then one-bit steps.
+        Returns (th, cnt, hi, k)."""
+        while (k < KEND - 1) & (cnt != NSEL):
+            s = 29 - k
+            part = tl.sum(_digit_code(e0, th, s) + _digit_code(e1, th, s), axis=1)
+            f12, f3 = tl.reduce(((part & 31) | (((part >> 5) & 31) << 16), part >> 10), 0, _sum2)
+            n1 = f12 & 0xFFFF
+            n2 = (f12 >> 16) & 0xFFFF  # 32768 << 16 is negative as int32
+            d = tl.where(f3 >= NSEL, 3, tl.where(n2 >= NSEL, 2, tl.where(n1 >= NSEL, 1, 0)))
+            hi = tl.where(d == 3, hi, tl.where(d == 2, f3, tl.where(d == 1, n2, n1)))
+            cnt = tl.where(d == 3, f3, tl.where(d == 2, n2, tl.where(d == 1, n1, cnt)))
+            th = th + (d << s)
+            k += 2
+        return _row_bits_hi(e0, e1, th, cnt, hi, k, KEND, NSEL, NBP)
 
     @triton.jit
     def _sum_max(a, b, c, d):
@@ -371,7 +406,8 @@ if triton is not None:
     @triton.jit
     def _compact_threshold(e0, e1, c, NSEL, NVALID, scr, NBP: tl.constexpr, J: tl.constexpr, CAP: tl.constexpr,
                            TR: tl.constexpr = 1, PHASE: tl.constexpr = 0, WT: tl.constexpr = False,
-                           TA: tl.constexpr = False, rpart=None, RA: tl.constexpr = False, AT: tl.constexpr = False):
+                           TA: tl.constexpr = False, rpart=None, RA: tl.constexpr = False, AT: tl.constexpr = False,
+                           R2: tl.constexpr = False):
         """Threshold of the row's NSEL highest scores and its tie cut: returns (th, cstar) int32 scalars such that
         the selection is ``e > th | (e == th & channel <= cstar)`` -- the NSEL highest scores, ties to the lower
         channels (the reference's stable descending sort), the same set as ``_bits_threshold`` + ``_half_ranks``.
@@ -394,7 +430,8 @@ if triton is not None:
         TA: the candidate count from the tracked "above" count (``_row_bits_hi``: one row reduction less).
         RA (rpart: int32 [NBP], per thread the largest |R| bits): the first full-row step's reduction also takes
         rpart's max, returned as rmx (the row's largest |R| bits; else 0). AT (WT): the warp tile's chunks past the
-        candidates are not counted (2 / 4 / 8 chunks for <= 64 / 128 / 256 candidates). Returns (th, cstar, rmx)."""
+        candidates are not counted (2 / 4 / 8 chunks for <= 64 / 128 / 256 candidates). R2: the full-row bits two
+        per reduction (``_row_bits2``; implies TA). Returns (th, cstar, rmx)."""
         th = tl.full((), 0, tl.int32)
         cnt = th + NVALID
         hi = th * 0
@@ -407,7 +444,9 @@ if triton is not None:
             th = tl.where(take, th | (1 << 30), th)
             cnt = tl.where(take, n0, cnt)
             k = k + 1
-        if TA:
+        if R2:
+            th, cnt, hi, k = _row_bits2(e0, e1, th, cnt, hi, k, J, NSEL, NBP)
+        elif TA:
             th, cnt, hi, k = _row_bits_hi(e0, e1, th, cnt, hi, k, J, NSEL, NBP)
         else:
             th, cnt, k = _row_bits(e0, e1, th, cnt, k, J, NSEL, NBP)
@@ -415,7 +454,7 @@ if triton is not None:
         if (cnt != NSEL) & (PHASE != 1):
             f0 = ((e0 >> (31 - J)) == (th >> (31 - J))).to(tl.int32)  # padding -1 >> s = -1 never equals th's
             f1 = ((e1 >> (31 - J)) == (th >> (31 - J))).to(tl.int32)
-            if TA:
+            if TA or R2:
                 ncand = cnt - hi
             else:
                 ncand = tl.sum(tl.sum(f0, axis=1) + tl.sum(f1, axis=1), axis=0)
@@ -485,7 +524,7 @@ if triton is not None:
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
         ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0, scr_ptr=None, COMPACT: tl.constexpr = 0,
         CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False, TA: tl.constexpr = False,
-        RA: tl.constexpr = False, AT: tl.constexpr = False,
+        RA: tl.constexpr = False, AT: tl.constexpr = False, R2: tl.constexpr = False,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -550,7 +589,7 @@ if triton is not None:
                 rpart = tl.max(tl.maximum(tl.abs(r0), tl.abs(r1)).to(tl.int32, bitcast=True), axis=1)
             th, cstar, rmx = _compact_threshold(e0, e1, c, NSEL, NB * 16, scr_ptr + row * (2 * CAP), NBP, COMPACT,
                                                 CAP, TR, 1 if STOP == 4 else (2 if STOP == 5 else 0), WT, TA, rpart,
-                                                RA and not HAS_W, AT)
+                                                RA and not HAS_W, AT, R2)
             ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
             if (STOP == 2) | (STOP == 4) | (STOP == 5):
                 _store_halves(out_ptr, b, tl.where((e0 >= th) | (ch0 <= cstar), v0, 0.0),
@@ -729,6 +768,7 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
         bits, cap, tr, warp_tile = comp
         meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile, TA=bool(CHANNEL_CONFIG["compact_track_above"]),
                     RA=bool(CHANNEL_CONFIG["compact_rmax"]), AT=bool(CHANNEL_CONFIG["compact_tile_chunks"]),
+                    R2=bool(CHANNEL_CONFIG["compact_row_bits2"]) and nbp * BLOCK_SIZE < 65536,  # 16-bit counts
                     scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
