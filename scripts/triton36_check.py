@@ -239,7 +239,7 @@ def _ids(t, seed=0, local=True, experts=None):
 def scenarios_core():
     """verl_quads.nvfp4 on the triton backend: quantize / QDQ / dequantize (KERNELS default, v1, int bf16 store),
     residual block rule (the "auto" default by row length, per call, the long-row multi-kernel path, every
-    RESIDUAL_VARIANTS entry and "row"), guided quantize."""
+    RESIDUAL_VARIANTS entry and "row", the Gluon kernel "gluon" with its VARIANTS), guided quantize."""
     import torch
 
     from verl_quads import nvfp4
@@ -308,6 +308,28 @@ def scenarios_core():
                 else:
                     with tk.residual_variant(var):
                         residual(_x(m, k))
+
+    # the Gluon residual kernel (gluon_residual, KERNELS["residual_per_token"] = "gluon"; QDQ, bf16): every CONFIG
+    # row length, its VARIANTS, and the STOP probes of bench nvfp4 --residual-probe
+    from verl_quads.nvfp4 import gluon_residual as gr
+
+    for name in gr.VARIANTS:
+        for m, k in [(4, 512), (4, 1024), (16, 2048), (16, 4096), (64, 8192), (2, 16384), (3, 4144)]:
+            with scenario(f"core residual gluon {name} bfloat16 {m}x{k}"):
+                old = tk.KERNELS["residual_per_token"]
+                tk.KERNELS["residual_per_token"] = "gluon"
+                try:
+                    with gr.variant(name):
+                        for ratio in (0.5, 0.25):
+                            nvfp4.residual_fake_quantize(_x(m, k), ratio, amax="row", backend="triton",
+                                                         granularity="block")
+                        if name == "gluon":
+                            for stop in (1, 2, 3):
+                                x = _x(m, k)
+                                tk._residual_rows(x, nvfp4.per_row_global_scale(x), x, 0.5, None, packed=False,
+                                                  stop=stop)
+                finally:
+                    tk.KERNELS["residual_per_token"] = old
 
     for m, k in [(1, 2048), (16, 4096)]:
         for dt in DTYPES:

@@ -259,8 +259,9 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
 def run_residual_variants(shapes: list[tuple[int, int]] = ((8192, 8192), (4096, 2048)), dtype: torch.dtype = torch.bfloat16,
                           ratios: tuple[float, ...] = (0.5, 0.25), device: str = "cuda",
                           variants: list[str] | None = None) -> str:
-    """Every ``triton_kernels.RESIDUAL_VARIANTS`` entry (or those named in ``variants``), per shape and ratio,
-    per-row global scale: first
+    """Every ``triton_kernels.RESIDUAL_VARIANTS`` entry and every Gluon kernel variant (``gluon_residual.VARIANTS``,
+    ``KERNELS["residual_per_token"] = "gluon"``: QDQ only, its packed columns "-") (or those named in ``variants``),
+    per shape and ratio, per-row global scale: first
     checked against the default kernel's bytes on the device (``torch.equal`` of the QDQ output and of
     every field of the packed result; a mismatch is reported in the table and not timed), then timed
     (CUDA-graph replay, us). Ratios: residual QDQ / plain per-row-scale QDQ (v2) and residual_quantize /
@@ -274,10 +275,13 @@ def run_residual_variants(shapes: list[tuple[int, int]] = ((8192, 8192), (4096, 
             (a.second.block_scale.view(torch.uint8), b.second.block_scale.view(torch.uint8)),
             (a.second.global_scale, b.second.global_scale)))
 
-    names = list(tk.RESIDUAL_VARIANTS) if variants is None else list(variants)
-    unknown = [n for n in names if n not in tk.RESIDUAL_VARIANTS]
+    from verl_quads.nvfp4 import gluon_residual as gr
+
+    names = list(tk.RESIDUAL_VARIANTS) + list(gr.VARIANTS) if variants is None else list(variants)
+    unknown = [n for n in names if n not in tk.RESIDUAL_VARIANTS and n not in gr.VARIANTS]
     if unknown:
-        raise ValueError(f"--variants: unknown residual variant(s) {unknown}; known: {sorted(tk.RESIDUAL_VARIANTS)}")
+        raise ValueError(f"--variants: unknown residual variant(s) {unknown}; known: "
+                         f"{sorted(tk.RESIDUAL_VARIANTS) + sorted(gr.VARIANTS)}")
     rows = []
     tm = graph_time_s if device == "cuda" else (lambda f: median_time_s(f, 0, 1, 1))  # CPU: smoke run only
     for m, k in shapes:
@@ -288,6 +292,10 @@ def run_residual_variants(shapes: list[tuple[int, int]] = ((8192, 8192), (4096, 
             ref_qdq = nv.residual_fake_quantize(x, ratio, gs_row, backend="triton", check_finite=False)
             ref_q = nv.residual_quantize(x, ratio, gs_row, backend="triton", check_finite=False)
             for name in names:
+                if name in gr.VARIANTS:  # the Gluon kernel (gluon_residual): QDQ only, bf16
+                    rows.append(_gluon_variant_row(name, x, ratio, gs_row, ref_qdq, t_qdq, m, k, tm))
+                    print(rows[-1], flush=True)
+                    continue
                 try:
                     with tk.residual_variant(name):
                         same = torch.equal(nv.residual_fake_quantize(x, ratio, gs_row, backend="triton",
@@ -312,6 +320,25 @@ def run_residual_variants(shapes: list[tuple[int, int]] = ((8192, 8192), (4096, 
     return print_table(f"per-token residual kernel variants, per-row global scale, input {dtype} ({device_name()})",
                        ["shape", "k", "variant", "residual QDQ us", "x plain QDQ", "residual_quantize us",
                         "x plain quantize", "== default bytes"], rows)
+
+
+def _gluon_variant_row(name, x, ratio, gs_row, ref_qdq, t_qdq, m, k, tm) -> list:
+    """A ``run_residual_variants`` row of ``gluon_residual.VARIANTS[name]`` (``KERNELS["residual_per_token"] =
+    "gluon"``): its QDQ bytes checked against the default kernel's (``ref_qdq``), then timed; no packed form."""
+    from verl_quads.nvfp4 import gluon_residual as gr
+
+    def call():
+        with gr.variant(name), _kernels(residual_per_token="gluon"):
+            return nv.residual_fake_quantize(x, ratio, gs_row, backend="triton", check_finite=False)
+
+    try:
+        same = torch.equal(call().view(torch.int16), ref_qdq.view(torch.int16))
+    except Exception as e:  # e.g. no Gluon on this triton: reported, not timed
+        return [f"{m}x{k}", f"{ratio:g}", name, "ERROR", f"{type(e).__name__}: {str(e)[:120]!r}", "-", "-", "no"]
+    if not same:
+        return [f"{m}x{k}", f"{ratio:g}", name, "MISMATCH", "-", "-", "-", "no"]
+    t = tm(call)
+    return [f"{m}x{k}", f"{ratio:g}", name, t * 1e6, f"{t / t_qdq:.2f}x", "-", "-", "yes (QDQ)"]
 
 
 def _outlier_rows_and_plain_times(m: int, k: int, dtype: torch.dtype, device: str, tm):
@@ -550,6 +577,7 @@ def run_residual_probe(shapes=RESIDUAL_PROBE_SHAPES, dtype: torch.dtype = torch.
     storing one value per row that depends on it; NOT results, their bytes are not checked) timed like the whole
     kernel (CUDA-graph replay), next to plain v2 QDQ of the same input. ``device`` other than "cuda": functional
     smoke run only."""
+    from verl_quads.nvfp4 import gluon_residual as gr
     from verl_quads.nvfp4 import triton_kernels as tk
 
     tm = graph_time_s if device == "cuda" else (lambda f: median_time_s(f, 0, 1, 1))
@@ -561,16 +589,23 @@ def run_residual_probe(shapes=RESIDUAL_PROBE_SHAPES, dtype: torch.dtype = torch.
         print(rows[-1], flush=True)
         xc = x.contiguous()
         for ratio in ratios:
-            with tk.residual_variant(variant):
-                times = _phase_times(RESIDUAL_PROBE_PHASES, lambda stop: tk._residual_rows(
-                    x, gs_row, xc, ratio, None, packed=False, stop=stop), tm)
-            for stop, what, t, prev, err in times:
-                if err:
-                    rows.append([f"{m}x{k}", f"{ratio:g}", variant, f"STOP {stop}: {what}", "ERROR", err, "-"])
-                else:
-                    rows.append([f"{m}x{k}", f"{ratio:g}", variant, f"STOP {stop}: {what}", t, t / (t_qdq * 1e6),
-                                 f"{t - prev:+.1f}" if prev is not None else "-"])
-                print(rows[-1], flush=True)
+            # the default variant, then the Gluon kernel (gluon_residual: the same STOP phases; x staged in shared
+            # memory, so its step 1 also copies the row in, and its step 3 re-reads the selected blocks)
+            why = gr.check_supported(x, gs_row, None)
+            if why is not None:  # e.g. no Gluon / the interpreter: said once per ratio, not an error of the probe
+                rows.append([f"{m}x{k}", f"{ratio:g}", "gluon", "not run", why[:100], "-", "-"])
+            for name, ctx in ((variant, lambda: tk.residual_variant(variant)),
+                              ("gluon", lambda: _kernels(residual_per_token="gluon")))[:1 if why else 2]:
+                with ctx():
+                    times = _phase_times(RESIDUAL_PROBE_PHASES, lambda stop: tk._residual_rows(
+                        x, gs_row, xc, ratio, None, packed=False, stop=stop), tm)
+                for stop, what, t, prev, err in times:
+                    if err:
+                        rows.append([f"{m}x{k}", f"{ratio:g}", name, f"STOP {stop}: {what}", "ERROR", err, "-"])
+                    else:
+                        rows.append([f"{m}x{k}", f"{ratio:g}", name, f"STOP {stop}: {what}", t, t / (t_qdq * 1e6),
+                                     f"{t - prev:+.1f}" if prev is not None else "-"])
+                    print(rows[-1], flush=True)
     return print_table(f"per-token residual QDQ kernel phases (STOP timing probes), input {dtype} ({device_name()})",
                        ["shape", "k", "variant", "phase", "us", "x plain QDQ", "+us vs previous phase"], rows)
 
@@ -593,7 +628,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--row-sweep", action="store_true",
                    help="sweep the fused per-token residual kernel's warps (ROW_CONFIG) first and use the best")
     p.add_argument("--residual-variants", action="store_true",
-                   help="only time every per-token residual kernel variant (triton_kernels.RESIDUAL_VARIANTS) at "
+                   help="only time every per-token residual kernel variant (triton_kernels.RESIDUAL_VARIANTS, and the "
+                        "Gluon kernel's gluon_residual.VARIANTS) at "
                         "8192x8192 and 4096x2048 (or --shapes if given), k = 0.5 and 0.25, each checked against the "
                         "default kernel's bytes first")
     p.add_argument("--channel", action="store_true",

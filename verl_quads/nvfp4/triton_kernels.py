@@ -1096,7 +1096,9 @@ TILE_CONFIG = {"blocks": 128, "num_warps": 2, "split": True}
 #: (row walked in tiles twice, TILED_CONFIG), "auto" (the ``RESIDUAL_BY_BLOCKS`` variant for the row's
 #: padded block count: the default), "gather" (the same kernel, second walk over the
 #: selected blocks only) or "hold" (``_residual_hold_kernel``: one walk, the row in registers;
-#: TILED_CONFIG["hold"], longer rows run "gather"). ``verl-quads bench nvfp4`` times every variant side by side; the defaults
+#: TILED_CONFIG["hold"], longer rows run "gather") or "gluon" (:mod:`.gluon_residual`: the row staged in shared
+#: memory, bf16 QDQ only, per-row global scale, no score_weight; Gluon on a CUDA GPU, else a RuntimeError saying why:
+#: an explicit choice never falls back; not a default). ``verl-quads bench nvfp4`` times every variant side by side; the defaults
 #: are its H200 winners (docs/bench_nvfp4_h200_session3.txt: 8192x8192 quantize v2 76% of copy BW vs
 #: v1 66%; per-token residual QDQ k=0.5 gather 2.4x plain QDQ vs row 4.8x). "bf16_store":
 #: how v2 / tiled / gather write bfloat16 outputs on a GPU: "native" (one conversion instruction) or
@@ -1402,6 +1404,8 @@ def _fused_rows_ok(gs: torch.Tensor, m: int, nb: int) -> bool:
     """A fused per-token kernel (``KERNELS["residual_per_token"]``) applies when the second-pass
     global scale is per row: a per-row first-pass scale ``[M, 1]`` (or a single row), and the padded
     row fits that kernel's config (ROW_CONFIG / TILED_CONFIG ``max_blocks``)."""
+    if KERNELS["residual_per_token"] == "gluon":  # explicit: _residual_rows runs it or raises (no silent fallback)
+        return m > 0 and nb > 0
     per_row = gs.dim() == 2 and gs.shape[0] == m and gs.shape[1] == 1
     cfg = TILED_CONFIG if KERNELS["residual_per_token"] in ("tiled", "gather", "hold", "auto") else ROW_CONFIG
     return (per_row or m == 1) and m > 0 and nb > 0 and triton.next_power_of_2(nb) <= cfg["max_blocks"]
@@ -1420,6 +1424,8 @@ def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: f
     nbp = triton.next_power_of_2(nb)
     wt = w if w is not None else g1
     choice = KERNELS["residual_per_token"]
+    if choice == "gluon":
+        return _residual_rows_gluon(x, gs, xc, w, g1, div1, nbp, n_sel, packed, stop)
     over = {}
     if choice == "auto":
         choice, over = RESIDUAL_VARIANTS[_auto_residual_variant(nbp)]
@@ -1474,6 +1480,20 @@ def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: f
     first = NVFP4Tensor(codes, scale.view(torch.float8_e4m3fn), gs, x.shape, x.dtype)
     second = NVFP4Tensor(packed2, scale2.view(torch.float8_e4m3fn), gs2, torch.Size((m, n_sel * 16)), torch.float32)
     return ResidualNVFP4(first, second, idx, ratio)
+
+
+def _residual_rows_gluon(x, gs, xc, w, g1, div1, nbp: int, n_sel: int, packed: bool, stop: int):
+    """``KERNELS["residual_per_token"] == "gluon"``: :func:`verl_quads.nvfp4.gluon_residual.residual_qdq` with its
+    CONFIG for the padded row length, or a RuntimeError saying why it cannot run (explicitly chosen: no fallback)."""
+    from verl_quads.nvfp4 import gluon_residual as gr
+
+    why = gr.check_supported(x, gs, w)
+    if why is None and packed:
+        why = "the Gluon residual kernel writes the QDQ output only (no packed residual_quantize)"
+    if why is not None:
+        raise RuntimeError(f"triton_kernels.KERNELS['residual_per_token'] = 'gluon': {why}")
+    nw, reuse, unroll, maxnreg = gr.CONFIG.get(nbp, (None, False, False, None))
+    return gr.residual_qdq(xc, g1, div1, n_sel, nw, reuse, unroll, maxnreg, stop=stop)
 
 
 def _residual_first_pass(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: float, per_token: bool,

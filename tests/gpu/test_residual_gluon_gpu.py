@@ -1,0 +1,153 @@
+"""The Gluon per-token residual QDQ kernel (verl_quads.nvfp4.gluon_residual, KERNELS["residual_per_token"] = "gluon")
+on a CUDA GPU: the same bytes as the torch reference (bf16 output compared as int16: -0.0 vs +0.0 counts), at
+realistic shapes, every padded row length its CONFIG covers, ratios incl. 0 and 1, and rows with ties, zeros, huge
+and tiny values; every speed variant; the dispatch's explicit refusals (no silent fallback)."""
+
+import pytest
+import torch
+
+import verl_quads.nvfp4 as nv
+from verl_quads.nvfp4 import gluon_residual as gr
+from verl_quads.nvfp4 import triton_kernels as tk
+from verl_quads.nvfp4.residual import num_selected_blocks
+
+pytestmark = pytest.mark.gpu
+
+if gr.gluon is None or gr._MISSING is not None:
+    pytest.skip(f"the Gluon residual kernel cannot run here: {gr._MISSING or 'no triton.experimental.gluon'}",
+                allow_module_level=True)
+
+
+def _x(m, k, edge=False, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=g) / torch.rand(m, k, device="cuda", generator=g).clamp(min=0.02)
+    x[:, :: max(1, k // 8)] *= 30.0
+    if edge:  # rows 0..8 (m >= 9): the cases a selection / scale rule can get wrong
+        x[0] = 0.0  # all zero: every score ties at 0, global scale 1.0
+        x[1] = 1.0  # constant: zero residual everywhere, ties
+        x[2] *= 1e30  # huge (bf16 keeps float32's range)
+        x[3] = 0.0
+        x[3, 5] = 3.0  # one non-zero element
+        x[4] = (torch.arange(k, device="cuda") % 16) * 0.25  # every block the same: tied scores
+        x[5] *= 1e-30  # tiny (block scales underflow to subnormal / zero E4M3)
+        x[6, ::2] = -0.0  # signed zeros
+        x[7] = torch.repeat_interleave(torch.randn(k // 16, device="cuda", generator=g), 16)  # constant blocks
+        x[8, : k // 2] = 0.0  # half the row zero: more tied scores than n_sel at small ratios
+    return x.to(torch.bfloat16)
+
+
+def _gs(x):
+    return nv.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
+
+
+def _ref(x, ratio, gs):
+    return nv.residual_fake_quantize(x, ratio, gs, backend="torch", check_finite=False)
+
+
+def _gluon(x, ratio, gs):
+    with _use_gluon():
+        return nv.residual_fake_quantize(x, ratio, gs, backend="triton", check_finite=False)
+
+
+class _use_gluon:
+    def __enter__(self):
+        self.old = tk.KERNELS["residual_per_token"]
+        tk.KERNELS["residual_per_token"] = "gluon"
+
+    def __exit__(self, *exc):
+        tk.KERNELS["residual_per_token"] = self.old
+
+
+def _same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+# (M, K): padded blocks 512 (the bench's 8192x8192 rows), 128, 256, 1024, 32, 64, an odd K (259 blocks -> 512), one row
+SHAPES = [(1024, 8192), (4096, 2048), (512, 4096), (64, 16384), (16, 512), (16, 1024), (33, 4144), (1, 8192)]
+
+
+@pytest.mark.parametrize("m,k", SHAPES)
+@pytest.mark.parametrize("ratio", [0.5, 0.25, 0.0, 1.0])
+def test_gluon_residual_bytes_equal_reference(m, k, ratio):
+    x = _x(m, k, seed=m + k)
+    gs = _gs(x)
+    assert _same(_gluon(x, ratio, gs), _ref(x, ratio, gs))
+
+
+@pytest.mark.parametrize("m,k", [(64, 8192), (64, 2048), (16, 4096), (9, 16384), (9, 512), (40, 4144)])
+@pytest.mark.parametrize("ratio", [0.5, 0.25, 0.0, 1.0])
+def test_gluon_residual_edge_rows(m, k, ratio):
+    x = _x(m, k, edge=True, seed=k)
+    gs = _gs(x)
+    assert _same(_gluon(x, ratio, gs), _ref(x, ratio, gs))
+
+
+@pytest.mark.parametrize("m,k", [(64, 8192), (64, 2048), (40, 4144)])
+def test_gluon_residual_few_selected(m, k):
+    """k = 0.03: fewer selected blocks than tied scores in the edge rows (the tie scan)."""
+    x = _x(m, k, edge=True, seed=1)
+    gs = _gs(x)
+    assert _same(_gluon(x, 0.03, gs), _ref(x, 0.03, gs))
+
+
+def test_gluon_residual_full_bench_shape():
+    """The bench's shape (8192x8192, outlier channels as ``bench nvfp4 --residual-variants``), k = 0.5 and 0.25."""
+    x = torch.randn(8192, 8192, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    x[:, ::1024] *= 30.0
+    x = x.to(torch.bfloat16)
+    gs = _gs(x)
+    for ratio in (0.5, 0.25):
+        assert _same(_gluon(x, ratio, gs), _ref(x, ratio, gs))
+
+
+@pytest.mark.parametrize("name", list(gr.VARIANTS))
+@pytest.mark.parametrize("m,k", [(256, 8192), (300, 2048)])
+def test_gluon_residual_variants(name, m, k):
+    x = _x(m, k, edge=True, seed=7)
+    gs = _gs(x)
+    with gr.variant(name):
+        for ratio in (0.5, 0.25):
+            assert _same(_gluon(x, ratio, gs), _ref(x, ratio, gs)), (name, ratio)
+
+
+@pytest.mark.parametrize("nw", [1, 2, 4])
+def test_gluon_residual_warps(nw):
+    """Other warp counts than CONFIG's (direct launch): same bytes."""
+    x = _x(128, 8192, edge=True, seed=nw)
+    gs = _gs(x)
+    for ratio in (0.5, 0.25):
+        out = gr.residual_qdq(x, gs.reshape(-1), 1, num_selected_blocks(8192, ratio), nw)
+        assert _same(out, _ref(x, ratio, gs))
+
+
+def test_gluon_residual_refuses_what_it_cannot_run():
+    """Requested explicitly, the Gluon kernel raises (with the reason) instead of running another kernel."""
+    x = _x(16, 2048)
+    gs = _gs(x)
+    with _use_gluon():
+        with pytest.raises(RuntimeError, match="QDQ output only"):
+            nv.residual_quantize(x, 0.5, gs, backend="triton", check_finite=False)
+        with pytest.raises(RuntimeError, match="bfloat16 input only"):
+            nv.residual_fake_quantize(x.half(), 0.5, gs, backend="triton", check_finite=False)
+        with pytest.raises(RuntimeError, match="score_weight"):
+            nv.residual_fake_quantize(x, 0.5, gs, score_weight=torch.ones(2048, device="cuda"), backend="triton",
+                                      check_finite=False)
+        with pytest.raises(RuntimeError, match="per-row global scale"):
+            nv.residual_fake_quantize(x, 0.5, torch.tensor(10.0, device="cuda"), backend="triton", check_finite=False)
+        with pytest.raises(RuntimeError, match="padded 16-blocks"):
+            nv.residual_fake_quantize(_x(4, 32768), 0.5, _gs(_x(4, 32768)), backend="triton", check_finite=False)
+    # per-call selection is not a per-token kernel's business: unchanged under the choice
+    ref = nv.residual_fake_quantize(x, 0.5, gs, per_token=False, backend="torch", check_finite=False)
+    with _use_gluon():
+        got = nv.residual_fake_quantize(x, 0.5, gs, per_token=False, backend="triton", check_finite=False)
+    assert _same(got, ref)
+
+
+def test_gluon_residual_stop_probes_run():
+    """``bench nvfp4 --residual-probe``'s STOP launches compile and run (their outputs are not results)."""
+    x = _x(64, 8192)
+    gs = _gs(x)
+    with _use_gluon():
+        for stop in (1, 2, 3):
+            tk._residual_rows(x, gs, x, 0.5, None, packed=False, stop=stop)
+    torch.cuda.synchronize()

@@ -1,0 +1,375 @@
+"""Gluon (explicit-layout Triton) per-token QUADS residual QDQ, block rule, bf16 (issue #2: k = 0.5 <= 1.5x plain QDQ).
+
+``Q(x) + Q(R_sel)`` of :func:`verl_quads.nvfp4.residual.residual_fake_quantize` (per-token selection, per-row
+global scale, no ``score_weight``), the same bytes as the torch reference and the Triton kernels of
+:mod:`.triton_kernels` (the same float32 formulas in the same order; tests/gpu/test_residual_gluon_gpu.py).
+
+One program per row of x ``[M, K]`` (``NB = K / 16`` blocks, padded to ``NBP``), ``NW`` warps, one 16-block per
+thread and tile (a tile is ``CT = 32 NW`` blocks); x and the output are read / written as int32 words (two bf16
+elements, the low half the even one), so a block is 8 words, two 16-byte accesses, and the output pair is one
+``cvt.rn.bf16x2.f32``:
+
+0. the whole row is copied into SHARED memory by cp.async at once (16 KB for K = 8192: all of it in flight);
+1. per tile, from shared memory: first pass, Q(x) written to the output, residual R = x - Q(x), per-block score
+   (the reference's pairwise tree of R**2) and residual amax kept in shared memory (REUSE: also the first pass's
+   per-block output scale and factor);
+2. the row's scores: the early-stopped bitwise threshold search of ``triton_kernels._bits_threshold`` (ties to the
+   lower block index as ``_select_top`` with FAST), the second-pass global scale from the selected blocks'
+   residual amax, and the selected block indices in ascending order through an int32 scratch ``[M, NSEL]``
+   (global, L2), read back after a CTA barrier (triton 3.6's Gluon has no scatter into shared memory);
+3. per chunk of ``CT`` selected blocks: x re-read from global memory (L2: the row was just read), first pass
+   recomputed (REUSE: its per-block values gathered instead), ``Q(R)`` under the row's second-pass scale, and
+   ``Q(x) + Q(R)`` (float32 sum, one cast) written over step 1's Q(x) of those blocks.
+
+DRAM traffic is plain QDQ's when the row stays in L2 between steps 1 and 3.
+
+Measured (H200, session 10, k = 0.5 bf16, CUDA-graph us, all bytes equal to the torch reference): 8192x8192
+138-144 vs the default Triton kernel's 142-143 (plain QDQ 72.5: 1.91-1.98x); 32768x2048 110-113 vs 119 (1.64-1.68x);
+4096x2048 20.7-22 vs 19.2 (slower); 4096x4096 41-42 vs 40.8. Phases at 8192x8192 (STOP probes): step 0+1 74 us,
++ search 87, + selection 92, whole 138: the walk over the selected half costs ~46 us. Tried and slower (same
+bytes): step 3 gathering the selected blocks from the staged row (``gl.gather`` of the row loaded from shared
+memory; its lowering goes through shared memory again: 166-174 us, 128 registers), step 3 over every block from
+shared memory with a mask (no indices; 164-204 us), a persistent grid double-buffering the next row (cp.async)
+(178-222 us), the search's counts as warp reductions of a row replicated in every warp (no CTA barrier; +-2%).
+
+Needs Gluon (:func:`verl_quads.nvfp4.gluon_gemm.gluon_available`) and a CUDA GPU (not the interpreter); bf16
+only, QDQ only (no packed ``residual_quantize``). Opt-in: ``triton_kernels.KERNELS["residual_per_token"] =
+"gluon"`` (not the default: not measured faster everywhere); :func:`check_supported` says why it cannot run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from verl_quads.nvfp4.format import BLOCK_SIZE
+from verl_quads.nvfp4.gluon_gemm import gluon, gluon_available
+
+_MISSING: str | None = None  # what this kernel needs beyond gluon_gemm.gluon_available, if absent
+if gluon is not None:
+    from triton.experimental.gluon import language as gl
+
+    try:
+        from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+        _missing = [nm for nm in ("gather", "associative_scan", "allocate_shared_memory", "SwizzledSharedLayout")
+                    if not hasattr(gl, nm)]
+        _MISSING = f"Gluon lacks {', '.join(_missing)}" if _missing else None
+    except Exception as e:  # pragma: no cover - depends on the triton version
+        _MISSING = f"Gluon has no ampere async_copy ({type(e).__name__}: {e})"
+    _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+
+#: Longest row (padded 16-blocks) the kernel takes: shared memory 40 (REUSE: 48) bytes per padded block.
+MAX_BLOCKS = 1024
+
+#: Launch options per padded row length (16-blocks): warps, REUSE, UNROLL, register cap (None: the compiler's).
+#: H200 session 10 (module docstring), measured on an earlier form of this kernel (the same steps inside a
+#: row loop, 72-80 registers; this form compiles to 56-64 at 512 / 128 blocks, so the cap of 64 that won there is
+#: not set): 512: 4 warps (2 warps and 8 warps slower), REUSE 148 vs 144; 128: 1 warp, REUSE 110.4 vs 113.2 at
+#: 32768x2048, 20.7 vs 22.2 at 4096x2048; 256: 2 warps (1 warp within 3%); 32, 64, 1024: not timed.
+CONFIG = {32: (1, False, False, None), 64: (1, False, False, None), 128: (1, True, False, None),
+          256: (2, False, False, None), 512: (4, False, False, None), 1024: (8, False, False, None)}
+
+
+#: Named speed variants (overrides of every CONFIG entry; same bytes), timed by ``bench nvfp4 --residual-variants``
+#: next to the Triton variants: "gluon" = CONFIG itself.
+VARIANTS = {"gluon": {}, "gluon-reuse": {"reuse": True}, "gluon-recompute": {"reuse": False},
+            "gluon-unroll": {"unroll": True}, "gluon-r64": {"maxnreg": 64}}
+_FIELDS = ("num_warps", "reuse", "unroll", "maxnreg")
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """Run with ``VARIANTS[name]`` applied to every CONFIG entry (CONFIG restored after)."""
+    over = VARIANTS[name]
+    old = dict(CONFIG)
+    for nbp, cfg in old.items():
+        CONFIG[nbp] = tuple(over.get(f, v) for f, v in zip(_FIELDS, cfg))
+    try:
+        yield
+    finally:
+        CONFIG.clear()
+        CONFIG.update(old)
+
+
+def default_warps(nbp: int) -> int:
+    """Warps per row program when not in :data:`CONFIG`: one 16-block per thread and tile, tiles of 32 * warps
+    blocks <= the padded row."""
+    return int(max(1, min(8, nbp // 128)))
+
+
+if gluon is not None and _MISSING is None:
+
+    @gluon.jit
+    def _e4m3_round(s):
+        """``triton_kernels._e4m3_round``: positive float32 ``s`` (<= 448) to E4M3, RNE -> (value, byte)."""
+        bits = s.to(gl.int32, bitcast=True)
+        e = ((bits >> 23) & 0xFF) - 127
+        mant = (bits & 0x7FFFFF) | 0x800000
+        normal = e >= -6
+        drop = gl.where(normal, 20, gl.minimum(14 - e, 25))
+        half = (1 << (drop - 1)) - 1
+        q = (mant + half + ((mant >> drop) & 1)) >> drop
+        exp = gl.where(normal, e - 3, -9)
+        pow2 = ((exp + 127) << 23).to(gl.float32, bitcast=True)
+        value = q.to(gl.float32) * pow2
+        byte = gl.where(normal, (e + 6) * 8 + q, q)
+        return value, byte
+
+    @gluon.jit
+    def _scales_inv(vec_max, gs, inv_gs):
+        """``triton_kernels._scales_inv``: (scale value, scale byte, output scale) per block."""
+        s = gs * (vec_max * 0.16666666666666666)
+        s = gl.minimum(s, 448.0)
+        sval, sbyte = _e4m3_round(s)
+        denom = sval * inv_gs
+        safe = gl.where(denom == 0, 1.0, denom)
+        os_ = gl.where(denom == 0, 0.0, gl.div_rn(safe * 0.0 + 1.0, safe))
+        return sval, sbyte, os_
+
+    @gluon.jit
+    def _qdq(x, os_, factor):
+        """``triton_kernels._hold_qdq_half`` with FAST: ``±e2m1(min(|x os|, 6)) * factor`` (sign of x os), [CT, 8]."""
+        p = x * gl.expand_dims(os_, 1)
+        a = gl.minimum(gl.abs(p), 6.0)
+        mb = gl.maximum((a.to(gl.int32, bitcast=True) & 0x7F800000) + 0x0B000000, 0x4A800000)
+        magic = mb.to(gl.float32, bitcast=True)
+        r = (a + magic) - magic
+        v = (r * gl.expand_dims(factor, 1)).to(gl.int32, bitcast=True) | (p.to(gl.int32, bitcast=True) & -2147483648)
+        return v.to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _unpack(w):
+        """int32 words [CT, 8] (bf16 pairs) -> even / odd elements as float32 [CT, 8] (exact)."""
+        xe = (w << 16).to(gl.float32, bitcast=True)
+        xo = (w & -65536).to(gl.float32, bitcast=True)
+        return xe, xo
+
+    @gluon.jit
+    def _pack(ve, vo):
+        """float32 even / odd elements -> bf16 pair words (``cvt.rn.bf16x2.f32``: round-to-nearest-even, as torch)."""
+        return gl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [ve, vo], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+
+    @gluon.jit
+    def _first(w, gs, inv):
+        """First pass of blocks given as words [CT, 8]: x halves, QDQ halves (float32 [CT, 8])."""
+        xe, xo = _unpack(w)
+        vec_max = gl.maximum(gl.max(gl.abs(xe), axis=1), gl.max(gl.abs(xo), axis=1))
+        sval, _, os_ = _scales_inv(vec_max, gs, inv)
+        factor = gl.div_rn(sval, gs)
+        return xe, xo, _qdq(xe, os_, factor), _qdq(xo, os_, factor)
+
+    @gluon.jit
+    def _tree8(v, LB: gl.constexpr):
+        """Sum of [CT, 8] along axis 1 as the pairwise tree of adjacent pairs (8 -> 4 -> 2 -> 1), in layout LB
+        (the per-block slice of v's layout: the same registers, a trivial conversion)."""
+        a, b = gl.split(gl.reshape(v, (v.shape[0], 4, 2)))
+        s = a + b
+        a, b = gl.split(gl.reshape(s, (s.shape[0], 2, 2)))
+        a, b = gl.split(a + b)
+        return gl.convert_layout(a + b, LB, assert_trivial=True)
+
+    @gluon.jit
+    def _add(a, b):
+        return a + b
+
+    @gluon.jit
+    def _second_chunk(x_ptr, out_ptr, idx_ptr, row, rbase, s0, ci, jw, gs, inv, os_r, fa_r, ra_r, gs2, inv2,
+                      NSEL: gl.constexpr, REUSE: gl.constexpr):
+        """Step 3 for the selected blocks of slots ``s0 + ci``: their x words re-read from global memory (L2: the row
+        was just read), first pass (REUSE: its output scale / factor and the residual amax gathered from the row's
+        [NBP] vectors ``os_r`` / ``fa_r`` / ``ra_r``; else recomputed), Q(R) and Q(x) + Q(R) written over them."""
+        sl = s0 + ci
+        smask = sl < NSEL
+        blk = gl.load(idx_ptr + row * NSEL + sl, mask=smask, other=0)
+        boff = rbase + gl.expand_dims(blk * 8, 1) + jw
+        w = gl.load(x_ptr + boff, mask=gl.expand_dims(smask, 1), other=0)
+        if REUSE:
+            os1 = gl.gather(os_r, blk, 0)
+            fa1 = gl.gather(fa_r, blk, 0)
+            ra = gl.gather(ra_r, blk, 0)
+            xe, xo = _unpack(w)
+            ve = _qdq(xe, os1, fa1)
+            vo = _qdq(xo, os1, fa1)
+            re = xe - ve
+            ro = xo - vo
+        else:
+            xe, xo, ve, vo = _first(w, gs, inv)
+            re = xe - ve
+            ro = xo - vo
+            ra = gl.maximum(gl.max(gl.abs(re), axis=1), gl.max(gl.abs(ro), axis=1))
+        s2, _, os2 = _scales_inv(ra, gs2, inv2)
+        f2 = gl.div_rn(s2, gs2)
+        ve = ve + _qdq(re, os2, f2)
+        vo = vo + _qdq(ro, os2, f2)
+        gl.store(out_ptr + boff, _pack(ve, vo), mask=gl.expand_dims(smask, 1))
+
+    @gluon.jit
+    def _gluon_residual_qdq_kernel(x_ptr, gs_ptr, out_ptr, idx_ptr, GS_DIV, NSEL: gl.constexpr,
+                                   NB: gl.constexpr, NBP: gl.constexpr, NW: gl.constexpr, REUSE: gl.constexpr = 0,
+                                   UNROLL: gl.constexpr = 0, STOP: gl.constexpr = 0):
+        """Module docstring; one program per row. ``x_ptr`` / ``out_ptr``: int32 views of the bf16 ``[M, K]`` input
+        / output; ``gs_ptr`` float32 first-pass global scales (row r's at ``r // GS_DIV``); ``idx_ptr`` int32
+        scratch ``[M, NSEL]``. Speed options (same bytes): REUSE: step 3 gathers the first pass's per-block output
+        scale / factor and residual amax (kept in shared memory by step 1) instead of recomputing them; UNROLL:
+        step 3's chunk loop unrolled (NSEL is a compile-time constant). STOP (timing probe of
+        ``bench nvfp4 --residual-probe``, not a result): 1 = return after step 1, 2 = after the threshold search
+        (its threshold stored at ``idx_ptr``'s row), 3 = after the selection and its index store."""
+        CT: gl.constexpr = 32 * NW
+        NT: gl.constexpr = NBP // CT
+        LT: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NW, 1], [1, 0])  # [blocks, 8 words]: a block per thread
+        LB: gl.constexpr = gl.SliceLayout(1, LT)  # per block [CT]
+        LJ: gl.constexpr = gl.SliceLayout(0, LT)  # word index [8]
+        LR: gl.constexpr = gl.BlockedLayout([NBP // CT], [32], [NW], [0])  # the row's blocks [NBP]
+        S2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+        S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
+
+        row = gl.program_id(0).to(gl.int64)
+        xs = gl.allocate_shared_memory(gl.int32, [NBP, 8], S2)
+        ebs = gl.allocate_shared_memory(gl.int32, [NBP], S1)
+        ras = gl.allocate_shared_memory(gl.float32, [NBP], S1)
+        if REUSE:
+            oss = gl.allocate_shared_memory(gl.float32, [NBP], S1)
+            fas = gl.allocate_shared_memory(gl.float32, [NBP], S1)
+        ci = gl.arange(0, CT, layout=LB)
+        jw = gl.expand_dims(gl.arange(0, 8, layout=LJ), 0)
+        rbase = row * (NB * 8)
+        # the whole row in flight at once: cp.async into shared memory (padding blocks zero-filled)
+        for t in gl.static_range(NT):
+            c = t * CT + ci
+            async_copy.async_copy_global_to_shared(xs.slice(t * CT, CT), x_ptr + rbase + gl.expand_dims(c * 8, 1) + jw,
+                                                   mask=gl.expand_dims(c < NB, 1))
+        async_copy.commit_group()
+        g = gl.load(gs_ptr + row // GS_DIV)
+        gs = gl.zeros([CT], gl.float32, LB) + g
+        inv = gl.zeros([CT], gl.float32, LB) + gl.div_rn(g * 0.0 + 1.0, g)
+        async_copy.wait_group(0)
+        _cta_barrier()  # every thread's copies landed
+
+        # 1. first pass per tile from the staged row: Q(x) written, scores and residual amax kept
+        for t in gl.static_range(NT):
+            c = t * CT + ci
+            cmask = c < NB
+            off = rbase + gl.expand_dims(c * 8, 1) + jw
+            w = xs.slice(t * CT, CT).load(LT)
+            xe, xo = _unpack(w)
+            vec_max = gl.maximum(gl.max(gl.abs(xe), axis=1), gl.max(gl.abs(xo), axis=1))
+            sval, _, os1 = _scales_inv(vec_max, gs, inv)
+            fa1 = gl.div_rn(sval, gs)
+            ve = _qdq(xe, os1, fa1)
+            vo = _qdq(xo, os1, fa1)
+            if REUSE:
+                oss.slice(t * CT, CT).store(os1)
+                fas.slice(t * CT, CT).store(fa1)
+            gl.store(out_ptr + off, _pack(ve, vo), mask=gl.expand_dims(cmask, 1))
+            re = xe - ve
+            ro = xo - vo
+            e = _tree8(re * re + ro * ro, LB)
+            ra = gl.maximum(gl.max(gl.abs(re), axis=1), gl.max(gl.abs(ro), axis=1))
+            ebs.slice(t * CT, CT).store(gl.where(cmask, e.to(gl.int32, bitcast=True), -1))  # padding: never taken
+            ras.slice(t * CT, CT).store(ra)
+        _cta_barrier()
+        if STOP == 1:
+            return
+
+        # 2. selection: early-stopped bitwise threshold search on the score bits (triton_kernels._bits_threshold),
+        # ties to the lower block index (_select_top with FAST)
+        eb = ebs.load(LR)
+        cnt = gl.sum((eb >= 0).to(gl.int32), axis=0)
+        th = cnt * 0
+        k = cnt * 0
+        while (k < 31) & (cnt != NSEL):
+            cand = th | (1 << (30 - k))
+            cc = gl.sum((eb >= cand).to(gl.int32), axis=0)
+            take = cc >= NSEL
+            th = gl.where(take, cand, th)
+            cnt = gl.where(take, cc, cnt)
+            k += 1
+        if STOP == 2:
+            gl.store(idx_ptr + row * NSEL, th)
+            return
+        if cnt == NSEL:
+            sel = eb >= th
+        else:
+            gt = eb > th
+            eq = (eb == th).to(gl.int32)
+            need = NSEL - gl.sum(gt.to(gl.int32), axis=0)
+            sel = gt | ((eq != 0) & (gl.associative_scan(eq, 0, _add) <= need))
+        ra_r = ras.load(LR)
+        amax = gl.max(gl.where(sel, ra_r, 0.0), axis=0)
+        a = gl.maximum(amax, 1.1754943508222875e-38)
+        g2 = gl.div_rn(a * 0.0 + 1.0, a) * 2688.0
+        g2 = gl.where(g2 == float("inf"), 1.0, g2)
+        gs2 = gl.zeros([CT], gl.float32, LB) + g2
+        inv2 = gl.zeros([CT], gl.float32, LB) + gl.div_rn(g2 * 0.0 + 1.0, g2)
+        slot = gl.associative_scan(sel.to(gl.int32), 0, _add) - 1
+        gl.store(idx_ptr + row * NSEL + slot, gl.arange(0, NBP, layout=LR), mask=sel)
+        _cta_barrier()  # the indices were written by other threads of this program
+        if STOP == 3:
+            return
+
+        # 3. the selected blocks, in chunks of CT slots
+        if REUSE:
+            os_r = oss.load(LR)
+            fa_r = fas.load(LR)
+        else:
+            os_r = ra_r
+            fa_r = ra_r
+        if UNROLL:
+            for s0 in gl.static_range(0, NSEL, CT):
+                _second_chunk(x_ptr, out_ptr, idx_ptr, row, rbase, s0, ci, jw, gs, inv, os_r, fa_r, ra_r, gs2, inv2,
+                              NSEL, REUSE)
+        else:
+            for s0 in range(0, NSEL, CT):
+                _second_chunk(x_ptr, out_ptr, idx_ptr, row, rbase, s0, ci, jw, gs, inv, os_r, fa_r, ra_r, gs2, inv2,
+                              NSEL, REUSE)
+
+
+def check_supported(x: torch.Tensor, gs: torch.Tensor, score_weight) -> str | None:
+    """None if :func:`residual_qdq` can run for these arguments, else why not (a sentence)."""
+    ok, why = gluon_available()
+    if not ok or _MISSING is not None:
+        return f"the Gluon residual kernel needs Gluon: {why or _MISSING}"
+    if os.environ.get("TRITON_INTERPRET") == "1" or not x.is_cuda:
+        return "the Gluon residual kernel runs on a CUDA GPU only (Gluon has no interpreter)"
+    if x.dtype != torch.bfloat16:
+        return f"the Gluon residual kernel takes bfloat16 input only, got {x.dtype}"
+    if score_weight is not None:
+        return "the Gluon residual kernel has no score_weight (output-aware score)"
+    if x.dim() != 2 or x.shape[-1] % BLOCK_SIZE:
+        return f"the Gluon residual kernel needs x [M, K] with K % 16 == 0, got {tuple(x.shape)}"
+    nb = x.shape[-1] // BLOCK_SIZE
+    nbp = 1 << max(0, (nb - 1).bit_length())
+    if nbp < 32 or nbp > MAX_BLOCKS:
+        return f"the Gluon residual kernel takes rows of 32..{MAX_BLOCKS} padded 16-blocks, got {nbp} (K={x.shape[-1]})"
+    m = x.shape[0]
+    if not ((gs.dim() == 2 and tuple(gs.shape) == (m, 1)) or (m == 1 and gs.numel() == 1)):
+        return (f"the Gluon residual kernel needs a per-row global scale [M, 1] (its second pass is per row), got "
+                f"{tuple(gs.shape)} for {m} rows")
+    return None
+
+
+def residual_qdq(x: torch.Tensor, gs_flat: torch.Tensor, gs_div: int, n_sel: int, num_warps: int | None = None,
+                 reuse: bool = False, unroll: bool = False, maxnreg: int | None = None, stop: int = 0,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``Q(x) + Q(R_sel)`` of bf16 ``x`` ``[M, K]`` (contiguous) with first-pass global scales ``gs_flat`` (float32,
+    row r's at ``r // gs_div``) and ``n_sel`` blocks per row; the caller checked :func:`check_supported`. Launch
+    options: warps (default :func:`default_warps`), the kernel's REUSE / UNROLL, a register cap; ``stop``: the
+    STOP timing probe (the output is then not a result)."""
+    m, k = x.shape
+    nb = k // BLOCK_SIZE
+    nbp = 1 << max(0, (nb - 1).bit_length())
+    nw = num_warps or default_warps(nbp)
+    if 32 * nw > nbp:
+        raise ValueError(f"gluon residual: {nw} warps need rows of >= {32 * nw} padded blocks, got {nbp}")
+    out = torch.empty_like(x) if out is None else out
+    scratch = torch.empty(m, max(n_sel, 1), dtype=torch.int32, device=x.device)
+    if m:
+        _gluon_residual_qdq_kernel[(m,)](x.view(torch.int32), gs_flat, out.view(torch.int32), scratch, gs_div,
+                                         NSEL=n_sel, NB=nb, NBP=nbp, NW=nw, REUSE=int(reuse), UNROLL=int(unroll),
+                                         STOP=int(stop), num_warps=nw, enable_fp_fusion=False,
+                                         **({"maxnreg": maxnreg} if maxnreg else {}))
+    return out
