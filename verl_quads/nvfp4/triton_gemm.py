@@ -1421,16 +1421,30 @@ def decode_bucket(rows: int) -> int | None:
 #: Dense bf16 W4A16 decode GEMMs on sm_90 taken by the Gluon standard-layout kernel
 #: (:func:`verl_quads.nvfp4.gluon_gemm.gluon_w4a16_std`: mma.sync tiles decoded from the plain packed layout):
 #: ``(bucket, n, k) -> GluonConfig`` for M <= bucket (:data:`DECODE_BUCKETS`), checked before DECODE_TABLE /
-#: MID_TABLE. H200, cold L2, us (session 9 calls 3-5, gluon_probe), the entry vs the previous default dispatch:
-#: d8192 M=2/4/8 18.7/19.3/21.1 (8 warps, no prefetch; 4 warps with prefetch: 20.3/20.9/21.7) vs 33.5/38.2/38.0,
-#: M=16 29.7 (4 warps, prefetch; 8 warps: 35.2/41.2) vs 38.0; d4096 M=2/4 7.9/8.0 (4 warps, prefetch; 8 warps: 8.5/8.7)
-#: vs 13.2/13.3, M=8/16 8.6/12.2 (4 warps, no prefetch; with: 8.9/13.3) vs 17.5/17.6.
-#: M=1: the stream kernel (17.2 / 6.9 us) stays faster than this kernel (17.8 / 7.5 at 8 warps).
-_G4_PF, _G4, _G8 = (GluonConfig(num_warps=4, kc=1, occ=2), GluonConfig(num_warps=4, kc=1, occ=2, prefetch=False),
-                    GluonConfig(num_warps=8, kc=1, occ=2, prefetch=False))
+#: MID_TABLE. Measured entries only: H200, session 10 call 1 (gluon_probe, cold / warm L2, us; every config checked
+#: against the torch reference), the entry vs the session-9 entry / previous default dispatch:
+#: d8192 M=2/4 18.3/18.8 cold, 16.0/17.0 warm (w8 pf0 d3; session 9's w8 pf0: 18.6/19.3, 17.3/18.0); M=8 20.1 / 17.7
+#: (w4 rg2 pf1 d3; w8 pf0 21.1 / 20.9); M=16 24.2 / 23.0 (w4 rg2 pf0 d3; w4 pf1 30.0 / 30.0).
+#: d4096 M=2/4 7.7/7.9 cold, 7.4/8.0 warm (w4 kc2 pf0 d3; w4 pf1 7.9/8.0, 8.2/8.3); M=8/16 w4 pf0 kept (8.5/12.2;
+#: kc2 d3 8.5/12.1, ev2 d3 M=16 12.0: ties).
+#: Qwen3-30B-A3B attention (default dispatch before: the stream / tensor-core kernels, 13.2-14.2 us at M=2..16):
+#: qkv_proj 5120x2048 M=2/4 6.4/6.7 (w8 pf0 d3), M=8 7.6 / 7.5 (w4 pf0 d3; w4 pf1 7.5 / 8.0), M=16 9.4 / 9.8 (w4 kc2
+#: pf0 d3; cuBLAS BF16 8.0 / 6.7: still slower); o_proj 2048x4096 M=2 5.9 / 6.6 (w4 pf1), M=4/8 6.2/7.0 (w4 kc2 pf0
+#: d3), M=16 9.7 / 9.4 (w4 pf0 d3 occ 1: split 8; occ 2's split 16: 11.2 / 12.1).
+#: M=1 (all four shapes): the stream kernel (17.1 / 6.9 / 5.4 / 5.3 us) stays at least as fast as this kernel's best
+#: (17.1 / 7.3 / 5.9 / 5.4). d3 (mask + multiply decode), rg (row groups per warp): same bytes as the plain kernel.
+_G4_PF, _G4 = GluonConfig(num_warps=4, kc=1, occ=2), GluonConfig(num_warps=4, kc=1, occ=2, prefetch=False)
+_G8_D3 = GluonConfig(num_warps=8, kc=1, occ=2, prefetch=False, dec=3)
+_G4_D3, _G4_D3_O1 = (GluonConfig(num_warps=4, kc=1, occ=2, prefetch=False, dec=3),
+                     GluonConfig(num_warps=4, kc=1, occ=1, prefetch=False, dec=3))
+_G4_KC2_D3 = GluonConfig(num_warps=4, kc=2, occ=2, prefetch=False, dec=3)
+_G4_RG2_PF_D3, _G4_RG2_D3 = (GluonConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3),
+                             GluonConfig(num_warps=4, kc=1, occ=2, prefetch=False, rg=2, dec=3))
 GLUON_TABLE: dict[tuple[int, int, int], GluonConfig] = {
-    (2, 8192, 8192): _G8, (4, 8192, 8192): _G8, (8, 8192, 8192): _G8, (16, 8192, 8192): _G4_PF,
-    (2, 4096, 4096): _G4_PF, (4, 4096, 4096): _G4_PF, (8, 4096, 4096): _G4, (16, 4096, 4096): _G4,
+    (2, 8192, 8192): _G8_D3, (4, 8192, 8192): _G8_D3, (8, 8192, 8192): _G4_RG2_PF_D3, (16, 8192, 8192): _G4_RG2_D3,
+    (2, 4096, 4096): _G4_KC2_D3, (4, 4096, 4096): _G4_KC2_D3, (8, 4096, 4096): _G4, (16, 4096, 4096): _G4,
+    (2, 5120, 2048): _G8_D3, (4, 5120, 2048): _G8_D3, (8, 5120, 2048): _G4_D3, (16, 5120, 2048): _G4_KC2_D3,
+    (2, 2048, 4096): _G4_PF, (4, 2048, 4096): _G4_KC2_D3, (8, 2048, 4096): _G4_KC2_D3, (16, 2048, 4096): _G4_D3_O1,
 }
 
 
@@ -1482,19 +1496,35 @@ def _gluon_runs(warned: list[str], kernel: str, gemms: str, cost: str) -> bool:
 
 #: Grouped (MoE expert) bf16 W4A16 GEMMs on sm_90 taken by the grouped Gluon kernel
 #: (:func:`verl_quads.nvfp4.gluon_moe.gluon_w4a16_grouped`: the dense standard-layout kernel's tiles over moe_align's
-#: tile table): ``(slots bucket, n, k) -> GroupedConfig`` for token-slots S with :func:`decode_bucket` (S) == bucket
+#: tile table): ``(slots bucket, n, k) -> GroupedConfig`` for token-slots S with :func:`gluon_moe_bucket` (S) == bucket
 #: exactly (an unmeasured bucket keeps the current dispatch), checked before DECODE_TABLE / MID_TABLE. H200, cold L2,
 #: us (session 9 call 6 at fb1d1d2, ``python -m verl_quads.bench.gluon_moe_probe``; Qwen3-30B-A3B experts, 128 x top-8
 #: random routing, block_m 16, every config within the reference bound), entry vs the default dispatch it replaces:
 #: w13 [1536, 2048] T=4 (S=32) 25.8 vs 30.1, T=16 (S=128) 62.5 vs 106, T=64 (S=512) 91.8 vs 190; w2 [2048, 768]
 #: 13.7 vs 17.2, 31.9 vs 53.0, 46.3 vs 96.0. Layer (probe, cold): 106 vs 168 us at T=16 (3.11x BF16), 172 vs 314 at
-#: T=64 (2.83x), 50.6 vs 56.2 at T=4. Not taken: T=256 (S=2048; w13 1.02x, w2 1.09x: within noise of one run), T=1..2.
+#: T=64 (2.83x), 50.6 vs 56.2 at T=4. Not taken: T=1..2.
+#: T=256 (S=2048, bucket 2048, routing block_m 32; session 10 call 1 at f000b13, same probe, cold / warm): the wide
+#: kernel (gluon_moe: activation staged in shared memory, ``xs``). w13: 8 warps, adaptive n-tiles (tiles of <= 16
+#: rows 2 n-tiles, else 4; ``nts`` 2), K staged 4 chunks at a time in 2 buffers: 157.2 / 157.9 us vs the default
+#: dispatch it replaces 213.1 / 212.4 (BF16 torch._grouped_mm 261.8; 4 warps: 160.4; session 9's best one-group
+#: config 209.6). w2: 4 warps, the whole K staged once, 4 n-tiles: 77.5 / 78.6 vs 106.1 / 107.1 (BF16 150.7; 2 n-tiles
+#: 77.3). Same bytes as the one-group kernel (GPU tests). T=1024 (block_m 64) and 1024 / 4096 slots: not measured.
 _GM, _GM_K2 = (GroupedConfig(num_warps=4, kc=1, occ=2, prefetch=False, nt=1), GroupedConfig(num_warps=4, kc=2, occ=2, nt=1))
+_GM_XS13 = GroupedConfig(num_warps=8, kc=1, occ=2, xs=True, nts=2, xsc=4, xsb=2)
+_GM_XS2 = GroupedConfig(num_warps=4, kc=1, occ=2, xs=True)
 GLUON_MOE_TABLE: dict[tuple[int, int, int], GluonConfig] = {
     (32, 1536, 2048): _GM_K2, (32, 2048, 768): _GM,  # T=4
     (128, 1536, 2048): _GM, (128, 2048, 768): _GM,  # T=16
     (512, 1536, 2048): _GM, (512, 2048, 768): _GM,  # T=64
+    (2048, 1536, 2048): _GM_XS13, (2048, 2048, 768): _GM_XS2,  # T=256
 }
+#: slot buckets of GLUON_MOE_TABLE: DECODE_BUCKETS, then powers of two to 8192 slots
+GLUON_MOE_BUCKETS = DECODE_BUCKETS + (1024, 2048, 4096, 8192)
+
+
+def gluon_moe_bucket(slots: int) -> int | None:
+    """The smallest of :data:`GLUON_MOE_BUCKETS` >= ``slots`` (None past the last)."""
+    return next((b for b in GLUON_MOE_BUCKETS if slots <= b), None)
 _GLUON_MOE_WARNED: list[str] = []
 
 
@@ -1504,7 +1534,7 @@ def gluon_moe_table_entry(slots: int, n: int, k: int, block_m: int, capability: 
     have an entry, K % 128 == 0, block_m 8 / 16 / 32 and capability 9.0 (where the entries were measured) only."""
     from verl_quads.nvfp4.gluon_moe import BLOCK_M_NT
 
-    bucket = decode_bucket(slots)
+    bucket = gluon_moe_bucket(slots)
     cfg = GLUON_MOE_TABLE.get((bucket, n, k)) if bucket is not None else None
     if cfg is None or k % 128 or block_m not in BLOCK_M_NT or tuple(capability) != (9, 0):
         return None
@@ -1523,7 +1553,7 @@ def gluon_grouped_config(x: torch.Tensor, w_packed: torch.Tensor, routing: Group
                                 torch.cuda.get_device_capability(x.device))
     if cfg is None:
         return None
-    return cfg if _gluon_runs(_GLUON_MOE_WARNED, "MoE kernel", "grouped W4A16 expert GEMMs at 4..64 tokens",
+    return cfg if _gluon_runs(_GLUON_MOE_WARNED, "MoE kernel", "grouped W4A16 expert GEMMs at 4..256 tokens",
                               "Qwen3-30B-A3B MoE layer at 16 tokens: 168 us instead of 106") else None
 
 
@@ -1909,8 +1939,10 @@ MOE_ALIGN_REGISTER_MAX = 256
 #: 48.8 us, three launches 17.6 / 28.7 / 28.3 / 25.9 us: past 256 slots three launches are fastest.
 MOE_ALIGN_ONE_PROGRAM_MAX = 256
 #: past MOE_ALIGN_ONE_PROGRAM_MAX slots: hist + one scan-and-scatter launch (every scatter program redoes the tiny scan
-#: from the chunk histograms) instead of hist, scan, scatter
-MOE_ALIGN_TWO_LAUNCHES = False
+#: from the chunk histograms) instead of hist, scan, scatter. H200, 2048 slots, 128 experts, block_m 32 (session 10
+#: call 1, gluon_moe_probe layer parts, CUDA graph): 14.8 us vs 33.9 (hist 3.3, scan 20.3, scatter 10.8; scan +
+#: scatter in one launch 11.1), both == moe_align_reference
+MOE_ALIGN_TWO_LAUNCHES = True
 
 
 def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> GroupedRouting:
