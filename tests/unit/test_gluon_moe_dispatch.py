@@ -14,8 +14,8 @@ from verl_quads.nvfp4 import triton_gemm as tg
 def test_table_entries_and_exact_bucket_lookup():
     assert tg.GLUON_MOE_TABLE and all(isinstance(c, gm.GroupedConfig) for c in tg.GLUON_MOE_TABLE.values())
     for (b, n, k), cfg in tg.GLUON_MOE_TABLE.items():
-        assert b in tg.DECODE_BUCKETS and k % 128 == 0
-        lower = max((x for x in tg.DECODE_BUCKETS if x < b), default=0)
+        assert b in tg.GLUON_MOE_BUCKETS and k % 128 == 0
+        lower = max((x for x in tg.GLUON_MOE_BUCKETS if x < b), default=0)
         for slots in (lower + 1, b):
             for bm in (8, 16, 32):
                 if (bm // 8) % (cfg.nt or 1) == 0:
@@ -26,7 +26,9 @@ def test_table_entries_and_exact_bucket_lookup():
         if (lower, n, k) not in tg.GLUON_MOE_TABLE and lower:
             assert tg.gluon_moe_table_entry(lower, n, k, 16, (9, 0)) is None  # an unmeasured bucket: no entry
     assert tg.gluon_moe_table_entry(8, 1536, 2048, 16, (9, 0)) is None  # T=1 (8 slots): the stream entries stay
-    assert tg.gluon_moe_table_entry(4096, 1536, 2048, 32, (9, 0)) is None  # past the last bucket
+    assert tg.gluon_moe_table_entry(4096, 1536, 2048, 32, (9, 0)) is None  # an unmeasured bucket (T=512)
+    assert tg.gluon_moe_table_entry(16384, 1536, 2048, 32, (9, 0)) is None  # past the last bucket
+    assert tg.gluon_moe_bucket(2048) == tg.gluon_moe_bucket(1025) == 2048 and tg.gluon_moe_bucket(512) == 512
 
 
 def _grouped_case(e=4, n=32, k=128, tokens=3, topk=2):

@@ -324,17 +324,16 @@ class GroupedConfig(GluonConfig):
     cheaper MMA / activation work per pass where tiles hold few rows, e.g. 1 token-slot per expert)."""
 
     nt: int = 0
-    rg: int = 1  # 16-row groups per warp (BN = 16 num_warps rg weight rows per program; > 1: the wide kernel)
+    # inherited: rg (16-row groups per warp: BN = 16 num_warps rg weight rows per program; > 1: the wide kernel),
+    # pfd (xs only here: weight prefetch depth; 0: 1 if prefetch else 0; 2: two iterations ahead)
     xs: bool = False  # stage the pass's activation rows in shared memory once per program (the wide kernel; kc 1)
-    pfd: int = 0  # xs: weight prefetch depth (0: 1 if prefetch else 0; 2: two iterations ahead)
     nts: int = 0  # the wide kernel: a pass with <= 8 nts rows left runs nts n-tiles (0, or nts >= nt: always nt)
     xsc: int = 0  # xs: chunks (128 K elements) staged at a time (0: the program's whole K range)
     xsb: int = 1  # xs: stage buffers (2: the next stage is copied while this one is used)
 
     @property
     def label(self) -> str:
-        return super().label + (f" nt{self.nt}" if self.nt else "") + (f" rg{self.rg}" if self.rg != 1 else "") + (
-            " xs" if self.xs else "") + (f" pd{self.pfd}" if self.pfd else "") + (
+        return super().label + (f" nt{self.nt}" if self.nt else "") + (" xs" if self.xs else "") + (
             f" nts{self.nts}" if self.nts else "") + (f" xsc{self.xsc}" if self.xsc else "") + (
             f" xsb{self.xsb}" if self.xsb != 1 else "")
 
@@ -395,9 +394,10 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
     rg, xs, pfd = getattr(cfg, "rg", 1), getattr(cfg, "xs", False), getattr(cfg, "pfd", 0)
     nts, xsc, xsb = getattr(cfg, "nts", 0), getattr(cfg, "xsc", 0), getattr(cfg, "xsb", 1)
     if (rg not in (1, 2, 4) or (xs and cfg.kc != 1) or pfd not in (0, 1, 2) or xsb not in (1, 2) or xsc < 0
-            or ((pfd or xsc or xsb != 1) and not xs) or nts not in (0, 1, 2)):
+            or ((pfd or xsc or xsb != 1) and not xs) or nts not in (0, 1, 2)
+            or getattr(cfg, "wev", 0) or getattr(cfg, "dec", 1) != 1):
         raise ValueError(f"gluon_w4a16_grouped: rg 1 / 2 / 4, xs with kc 1 only, pfd 0..2 / xsc / xsb 1..2 with xs "
-                         f"only, nts 0 / 1 / 2; got {cfg}")
+                         f"only, nts 0 / 1 / 2, the dense kernel's wev / dec options not taken; got {cfg}")
     if nts >= nt:  # tiles of this routing never hold more than 8 nts rows per pass: plain nt passes
         nts = 0
     passes = BLOCK_M_NT[bm] // nt
