@@ -75,8 +75,10 @@ CONFIG = {32: (1, False, False, None), 64: (1, False, False, None), 128: (1, Tru
 
 #: Named speed variants (overrides of every CONFIG entry; same bytes), timed by ``bench nvfp4 --residual-variants``
 #: next to the Triton variants: "gluon" = CONFIG itself.
+#: "-w2" / "-w8": 2 / 8 warps per row program where the row has enough blocks (else its most).
 VARIANTS = {"gluon": {}, "gluon-reuse": {"reuse": True}, "gluon-recompute": {"reuse": False},
-            "gluon-unroll": {"unroll": True}, "gluon-r64": {"maxnreg": 64}}
+            "gluon-unroll": {"unroll": True}, "gluon-r64": {"maxnreg": 64}, "gluon-w2": {"num_warps": 2},
+            "gluon-w8": {"num_warps": 8}}
 _FIELDS = ("num_warps", "reuse", "unroll", "maxnreg")
 
 
@@ -86,7 +88,9 @@ def variant(name: str):
     over = VARIANTS[name]
     old = dict(CONFIG)
     for nbp, cfg in old.items():
-        CONFIG[nbp] = tuple(over.get(f, v) for f, v in zip(_FIELDS, cfg))
+        new = dict(zip(_FIELDS, cfg), **over)
+        new["num_warps"] = min(new["num_warps"], max(1, nbp // 32))  # a tile (32 blocks per warp) fits the row
+        CONFIG[nbp] = tuple(new[f] for f in _FIELDS)
     try:
         yield
     finally:
