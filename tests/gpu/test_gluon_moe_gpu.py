@@ -34,7 +34,9 @@ WIDE = [G(4, 1, 0, 2, prefetch=False, nt=2, rg=2), G(4, 2, 0, 2, nt=2, rg=2), G(
         G(4, 1, 0, 2, prefetch=False, nts=2, rg=2), G(8, 1, 0, 2, nts=1, xs=True, xsc=3),
         # GLUON_MOE_TABLE's T=256 entries and the candidates timed next to them (session 10 call 2)
         G(8, 1, 0, 2, xs=True, nts=2, xsc=4, xsb=2), G(4, 1, 0, 2, xs=True), G(8, 1, 0, 2, pfd=2, xs=True, nts=2, xsc=4, xsb=2),
-        G(4, 1, 0, 2, rg=2, xs=True, nts=2, xsc=4, xsb=2), G(4, 1, 0, 2, rg=2, nt=2, xs=True), G(4, 1, 0, 2, pfd=2, xs=True)]
+        G(4, 1, 0, 2, rg=2, xs=True, nts=2, xsc=4, xsb=2), G(4, 1, 0, 2, rg=2, nt=2, xs=True), G(4, 1, 0, 2, pfd=2, xs=True),
+        G(8, 1, 0, 2, dec=3, xs=True, nts=2, xsc=4, xsb=2), G(4, 1, 0, 2, rg=2, dec=3, xs=True, nts=2, xsc=4, xsb=2),
+        G(4, 1, 0, 2, dec=3, xs=True), G(4, 1, 0, 2, rg=2, dec=3, nt=2, xs=True), G(4, 1, 0, 2, prefetch=False, dec=3)]
 
 
 def _x(m, k, seed=0):
@@ -203,7 +205,7 @@ def test_grouped_rejects_unsupported():
         gm.gluon_w4a16_grouped(_x(3, k).float(), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16))
     with pytest.raises(ValueError):  # nt 4 does not divide block_m / 8 = 2
         gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16), cfg=G(nt=4))
-    for bad in (G(kc=2, xs=True), G(rg=3), G(pfd=2), G(xsb=2), G(nts=4)):  # xs: kc 1; rg 1/2/4; pfd/xsb: xs; nts
+    for bad in (G(kc=2, xs=True), G(rg=3), G(pfd=2), G(xsb=2), G(nts=4), G(dec=2), G(wev=1)):
         with pytest.raises(ValueError):
             gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16), cfg=bad)
     with pytest.raises(ValueError):  # K % 128 != 0

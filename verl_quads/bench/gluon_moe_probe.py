@@ -45,11 +45,12 @@ def _configs(which: str):
 
 
 #: the --configs wide selection (session 10 call 1: 15 configs per GEMM fit one ~150 s H200 command)
-#: session 10 call 2: GLUON_MOE_TABLE's T=256 entries (w13: w8 ... xs nts2 xsc4 xsb2, w2: w4 ... xs) and two candidates
-#: each (call 1's label filter had dropped every rg / pd config: GluonConfig grew rg / pfd labels, names doubled)
-_WIDE_PICK = ("w8 kc1 sa2 pf1 xs nts2 xsc4 xsb2", "w8 kc1 sa2 pf1 pd2 xs nts2 xsc4 xsb2",
-              "w4 kc1 sa2 pf1 rg2 xs nts2 xsc4 xsb2", "w4 kc1 sa2 pf1 xs", "w4 kc1 sa2 pf1 pd2 xs",
-              "w4 kc1 sa2 pf1 rg2 nt2 xs")
+#: session 10 call 2: GLUON_MOE_TABLE's T=256 entries (w13: w8 ... xs nts2 xsc4 xsb2, w2: w4 ... xs) and candidates:
+#: gluon_gemm's mask + multiply decode (d3), 2 row groups per warp (rg2; call 1's label filter had dropped every rg / pd
+#: config: GluonConfig grew rg / pfd labels, names doubled)
+_WIDE_PICK = ("w8 kc1 sa2 pf1 xs nts2 xsc4 xsb2", "w8 kc1 sa2 pf1 d3 xs nts2 xsc4 xsb2",
+              "w4 kc1 sa2 pf1 rg2 d3 xs nts2 xsc4 xsb2", "w4 kc1 sa2 pf1 rg2 xs nts2 xsc4 xsb2", "w4 kc1 sa2 pf1 xs",
+              "w4 kc1 sa2 pf1 d3 xs", "w4 kc1 sa2 pf1 rg2 d3 nt2 xs")
 
 
 def _wide_configs():
@@ -72,7 +73,9 @@ def _wide_configs():
             C(4, 1, 0, 2, nts=2, xs=True, xsc=8, xsb=2), C(4, 1, 0, 2, nt=2, xs=True, xsc=4, xsb=2),
             C(4, 1, 0, 2, nts=2, rg=2, xs=True, xsc=4, xsb=2), C(8, 1, 0, 2, nts=2, xs=True, xsc=4, xsb=2),
             C(4, 1, 0, 2, prefetch=False, nts=2, rg=2), C(4, 1, 0, 2, nts=2, xs=True, xsc=4),
-            C(8, 1, 0, 2, pfd=2, xs=True, nts=2, xsc=4, xsb=2), C(4, 1, 0, 2, pfd=2, xs=True)]
+            C(8, 1, 0, 2, pfd=2, xs=True, nts=2, xsc=4, xsb=2), C(4, 1, 0, 2, pfd=2, xs=True),
+            C(8, 1, 0, 2, dec=3, xs=True, nts=2, xsc=4, xsb=2), C(4, 1, 0, 2, rg=2, dec=3, xs=True, nts=2, xsc=4, xsb=2),
+            C(4, 1, 0, 2, dec=3, xs=True), C(4, 1, 0, 2, rg=2, dec=3, nt=2, xs=True)]
 
 
 def _check(y, xf, wf_of, slots_of, rows_of, k):

@@ -21,7 +21,8 @@ the activation tile rivals the weight tile): each warp computes ``rg`` 16-row gr
 rows) on one load of its activation fragments; ``xs`` stages the pass's activation rows in shared memory once per
 program (cp.async, swizzled) and the warps read their fragments from there (one L2 read of the activation per program
 instead of one per warp), with weight prefetch depth ``pfd`` (2: two iterations ahead). Same loads / decode / mma.sync
-per row group and the same summation order as the kernel above: the same bytes at the same kc / nt / split.
+per row group and the same summation order as the kernel above: the same bytes at the same kc / nt / split. ``dec`` 3
+(the wide kernel): gluon_gemm's mask + multiply pair decode (the same registers as the shifts).
 
 Needs triton >= 3.6 with Gluon and an sm_80+ GPU; never runs under the Triton interpreter (no fallback here:
 :func:`gluon_w4a16_grouped` raises where it cannot run). tests/gpu/test_gluon_moe_gpu.py checks it;
@@ -132,16 +133,16 @@ if gluon is not None:
 
     @gluon.jit
     def _wide_mma(acc, wd, sc, xv, NW: gl.constexpr, RG: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr,
-                  WPT: gl.constexpr):
+                  WPT: gl.constexpr, DEC: gl.constexpr):
         """The dense kernel's decode + mma.sync of one iteration (gluon_gemm._std_chunk_mma) over NW RG row groups."""
         wd = gl.convert_layout(gl.reshape(wd, (NW * RG, 2, 8, 4, KC, WPT // 2, 2)), std_pair_layout(NW, WPT),
                                assert_trivial=True)
-        return _std_chunk_mma(acc, wd, sc, xv, dot_layout(NW, 0), dot_layout(NW, 1), NW * RG, KC, NT, WPT)
+        return _std_chunk_mma(acc, wd, sc, xv, dot_layout(NW, 0), dot_layout(NW, 1), NW * RG, KC, NT, WPT, DEC)
 
     @gluon.jit
     def _wide_k_loop(acc, w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, NW: gl.constexpr,
                      RG: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr,
-                     WPT: gl.constexpr):
+                     WPT: gl.constexpr, DEC: gl.constexpr):
         """gluon_gemm.k_loop (standard layout) over NW RG row groups: each warp's activation fragments (loaded
         once per iteration, from global) feed its RG row groups' MMAs."""
         c_last = c_hi - KC
@@ -157,7 +158,7 @@ if gluon is not None:
             else:
                 cur = _std_chunk_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c0, c_hi, EVEN, WPT)
             wd, sc, xv = cur
-            acc = _wide_mma(acc, wd, sc, xv, NW, RG, KC, NT, WPT)
+            acc = _wide_mma(acc, wd, sc, xv, NW, RG, KC, NT, WPT, DEC)
         return acc
 
     @gluon.constexpr_function
@@ -184,7 +185,7 @@ if gluon is not None:
     @gluon.jit
     def _xs_k_loop(acc, w_ptr, s_ptr, x_s, x_ptr, arow_ptr, rs, r1, K, woff, soff, c_lo, c_hi, NW: gl.constexpr,
                    RG: gl.constexpr, NT: gl.constexpr, PF: gl.constexpr, WPT: gl.constexpr, XC: gl.constexpr,
-                   XB: gl.constexpr):
+                   XB: gl.constexpr, DEC: gl.constexpr):
         """K loop (one 128-element chunk per iteration) with the activation from shared memory and the weights from
         global, PF (0, 1, 2) iterations of weight loads ahead (register prefetch; loads past the range re-read the
         last chunk). The pass's activation rows ``arow[rs + j]`` (j < 8 NT; rows >= r1 are not read: their smem
@@ -228,7 +229,7 @@ if gluon is not None:
                 wd, sc = cur
                 xv = gl.convert_layout(gl.reshape(x_s.index(b0 + c0 - s0).slice(0, NT * 32).load(LR),
                                                   (NT, 8, 4, 1, 8 * WPT)), LX, assert_trivial=True)
-                acc = _wide_mma(acc, wd, sc, xv, NW, RG, 1, NT, WPT)
+                acc = _wide_mma(acc, wd, sc, xv, NW, RG, 1, NT, WPT, DEC)
             if XB == 1:
                 if s0 + XC < c_hi:
                     _cta_barrier()  # every warp is done with this stage's buffers
@@ -241,7 +242,7 @@ if gluon is not None:
     def _wide_pass(x_s, x_ptr, w_e, s_e, gw, out_ptr, part_ptr, cnt_ptr, arow_ptr, orow_ptr, woff, kcw, soff, kcs,
                    rs, r1, K, N, OUT_ROWS, c_lo, c_hi, pid_n, pid_k, ci, NW: gl.constexpr, RG: gl.constexpr,
                    KC: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr,
-                   WPT: gl.constexpr, XS: gl.constexpr, XC: gl.constexpr, XB: gl.constexpr):
+                   WPT: gl.constexpr, XS: gl.constexpr, XC: gl.constexpr, XB: gl.constexpr, DEC: gl.constexpr):
         """One pass of 8 NT sorted rows from ``rs``: K loop (activation from global, or staged in smem: XS) and the
         epilogue."""
         MMA: gl.constexpr = mma_layout(NW)
@@ -249,12 +250,12 @@ if gluon is not None:
         acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
         if XS:
             acc = _xs_k_loop(acc, w_e, s_e, x_s, x_ptr, arow_ptr, rs, r1, K, woff, soff, c_lo, c_hi, NW, RG, NT, PF,
-                             WPT, XC, XB)
+                             WPT, XC, XB, DEC)
         else:
             xoff, kcx = std_x_offsets(gl.load(arow_ptr + gl.minimum(rs + std_x_rows(NT, NW, WPT), r1 - 1)), K, NW, KC,
                                       WPT)
             acc = _wide_k_loop(acc, w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, NW, RG, KC, NT, EVEN,
-                               PF, WPT)
+                               PF, WPT, DEC)
         _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, rs, r1, N, OUT_ROWS, pid_n, pid_k, ci, MMA, BN,
                       NT, SPLIT)
 
@@ -265,7 +266,7 @@ if gluon is not None:
                                NW: gl.constexpr, RG: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr,
                                NTS: gl.constexpr, PASSES: gl.constexpr, SPLIT: gl.constexpr, EVEN: gl.constexpr,
                                PF: gl.constexpr, WPT: gl.constexpr, XS: gl.constexpr, XC: gl.constexpr,
-                               XB: gl.constexpr):
+                               XB: gl.constexpr, DEC: gl.constexpr):
         """:func:`_w4a16_moe_kernel` with RG 16-row groups per warp (``GroupedConfig.rg``): program (pid_n, pid_m,
         pid_k) computes rows ``16 NW RG pid_n + [0, 16 NW RG)``, warp w the row groups w, w + NW, ..., each with the
         dense kernel's loads, decode and mma.sync, on the same activation fragments (RG times fewer activation
@@ -301,15 +302,15 @@ if gluon is not None:
                         if r1 - rs <= NTS * 8:
                             _wide_pass(x_s, x_ptr, w_e, s_e, gw, out_ptr, part_ptr, cnt_ptr, arow_ptr, orow_ptr, woff,
                                        kcw, soff, kcs, rs, r1, K, N, OUT_ROWS, c_lo, c_hi, pid_n, pid_k, ci, NW, RG,
-                                       KC, NTS, SPLIT, EVEN, PF, WPT, XS, XC, XB)
+                                       KC, NTS, SPLIT, EVEN, PF, WPT, XS, XC, XB, DEC)
                         else:
                             _wide_pass(x_s, x_ptr, w_e, s_e, gw, out_ptr, part_ptr, cnt_ptr, arow_ptr, orow_ptr, woff,
                                        kcw, soff, kcs, rs, r1, K, N, OUT_ROWS, c_lo, c_hi, pid_n, pid_k, ci, NW, RG,
-                                       KC, NT, SPLIT, EVEN, PF, WPT, XS, XC, XB)
+                                       KC, NT, SPLIT, EVEN, PF, WPT, XS, XC, XB, DEC)
                     else:
                         _wide_pass(x_s, x_ptr, w_e, s_e, gw, out_ptr, part_ptr, cnt_ptr, arow_ptr, orow_ptr, woff, kcw,
                                    soff, kcs, rs, r1, K, N, OUT_ROWS, c_lo, c_hi, pid_n, pid_k, ci, NW, RG, KC, NT,
-                                   SPLIT, EVEN, PF, WPT, XS, XC, XB)
+                                   SPLIT, EVEN, PF, WPT, XS, XC, XB, DEC)
 
 # ----------------------------------------------------------------------------------------------- host
 
@@ -395,9 +396,9 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
     nts, xsc, xsb = getattr(cfg, "nts", 0), getattr(cfg, "xsc", 0), getattr(cfg, "xsb", 1)
     if (rg not in (1, 2, 4) or (xs and cfg.kc != 1) or pfd not in (0, 1, 2) or xsb not in (1, 2) or xsc < 0
             or ((pfd or xsc or xsb != 1) and not xs) or nts not in (0, 1, 2)
-            or getattr(cfg, "wev", 0) or getattr(cfg, "dec", 1) != 1):
+            or getattr(cfg, "wev", 0) or getattr(cfg, "dec", 1) not in (1, 3)):
         raise ValueError(f"gluon_w4a16_grouped: rg 1 / 2 / 4, xs with kc 1 only, pfd 0..2 / xsc / xsb 1..2 with xs "
-                         f"only, nts 0 / 1 / 2, the dense kernel's wev / dec options not taken; got {cfg}")
+                         f"only, nts 0 / 1 / 2, dec 1 / 3 (the dense kernel's wev not taken); got {cfg}")
     if nts >= nt:  # tiles of this routing never hold more than 8 nts rows per pass: plain nt passes
         nts = 0
     passes = BLOCK_M_NT[bm] // nt
@@ -433,7 +434,8 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
             arow, orow, routing.tile_expert, routing.tile_row0, routing.tile_row1,
             n, k, k // 8, k // BLOCK_SIZE, k // STD_CHUNK, cps, rows_out, grid_n)
     opts = dict(num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
-    if rg == 1 and not xs and not nts:
+    dec = getattr(cfg, "dec", 1)
+    if rg == 1 and not xs and not nts and dec == 1:
         _w4a16_moe_kernel[(grid_n, t_max, split)](
             *args, NW=cfg.num_warps, KC=cfg.kc, NT=nt, PASSES=passes, SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
             WPT=4, **opts)
@@ -441,7 +443,7 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
         _w4a16_moe_wide_kernel[(grid_n, t_max, split)](
             *args, NW=cfg.num_warps, RG=rg, KC=cfg.kc, NT=nt, NTS=nts, PASSES=passes, SPLIT=split, EVEN=even,
             PF=(pfd or int(cfg.prefetch)) if xs else int(cfg.prefetch), WPT=4, XS=bool(xs),
-            XC=min(xsc or cps, cps) if xs else 1, XB=xsb if xs else 1, **opts)
+            XC=min(xsc or cps, cps) if xs else 1, XB=xsb if xs else 1, DEC=dec, **opts)
     return out
 
 
