@@ -203,16 +203,19 @@ def test_channel_residual_bit_exact(dtype):
         _same_channel(t, ratio, nv.per_row_global_scale(t))
 
 
-@pytest.mark.parametrize("variant", ["default", "compact cta", "compact fallback"])
+@pytest.mark.parametrize("variant", ["default", "compact cta", "compact fallback", "at ta ra", "r2 at ra",
+                                     "r2 at ra b10"])
 def test_channel_compact_search_variants_bit_exact_at_decode(variant):
     """The compacted threshold search (CHANNEL_CONFIG compact_*; the default at <= 256 rows, K >= 2048: the warp tile)
     gives the reference's bytes at decode sizes: 1 / 16 / 64 x 8192 and 16 x 2048 at k = 0.5, 16 x 8192 at k = 0.125
     / 1 (bf16 rows end their search in the tile with ties at the threshold), fp32 rows, a score weight, a per-tensor
     scale (two launches), amax='row' (in _same_channel), rows of ulp-apart ties with more candidates than the tile
     (the full-row continuation). "compact cta": run 2's CTA-wide tile; "compact fallback": the continuation on every
-    row. (Few cases: every case compiles its own launches, ~1-3 s each on the H200.)"""
+    row. Session 10's options (warp tile of the candidates' chunks only, tracked above count, R_sel amax from the
+    row's largest |R|, two full-row bits per reduction): the same cases + 16 / 4 x 4096 (dense d4096 decode).
+    (Few cases: every case compiles its own launches, ~1-3 s each on the H200.)"""
     with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
-        for m, k in ((1, 8192), (16, 8192), (64, 8192), (16, 2048), (192, 4096)):  # 192 x 4096: 4 warps (many rows)
+        for m, k in ((1, 8192), (16, 8192), (64, 8192), (16, 2048), (192, 4096), (16, 4096), (4, 4096)):  # 192: 4 warps
             xk = _x(m, k, torch.bfloat16, seed=20 + m + k)
             assert tc._compact_args(m, k, tc._check_row(k)) is not None, (variant, m, k)
             _same_channel(xk, 0.5, nv.per_row_global_scale(xk))
@@ -227,6 +230,19 @@ def test_channel_compact_search_variants_bit_exact_at_decode(variant):
         xl[1::2, 1::2] = -1.25
         wl = 1.0 + (torch.arange(4096, device="cuda") % 8).float() * 2.0**-23
         _same_channel(xl, 0.3, nv.per_row_global_scale(xl), score_weight=wl)
+        # residuals whose squares underflow to +0 (every score ties at 0; the largest |R| is cut by channel order),
+        # and 60 / 120 / 180 tied candidates (R = +-0.25 in 4 / 8 / 12 blocks, zero elsewhere) with k = 1/64 .. 1/32
+        g = torch.Generator(device="cuda").manual_seed(23)
+        xt = (torch.randn(4, 4096, device="cuda", generator=g) * 1e-25).to(torch.bfloat16)
+        xt[1, :64] = 0.0
+        for ratio in (0.25, 0.5):
+            _same_channel(xt, ratio, nv.per_row_global_scale(xt))
+        for nblk, ratio in ((4, 32 / 4096), (8, 77 / 4096), (12, 128 / 4096)):
+            xr = torch.zeros(4, 4096, device="cuda")
+            xr[:, 1024: 1024 + nblk * 16] = 1.25
+            xr[:, 1024: 1024 + nblk * 16: 16] = 6.0
+            xr[1::2, 1025: 1024 + nblk * 16: 2] = -1.25
+            _same_channel(xr.to(torch.bfloat16), ratio, nv.per_row_global_scale(xr.to(torch.bfloat16)))
 
 
 @pytest.mark.parametrize("variant", ["default", "uncapped", "full", "compact"])
