@@ -334,9 +334,16 @@ class GroupedConfig(GluonConfig):
 
     @property
     def label(self) -> str:
-        return super().label + (f" nt{self.nt}" if self.nt else "") + (" xs" if self.xs else "") + (
-            f" nts{self.nts}" if self.nts else "") + (f" xsc{self.xsc}" if self.xsc else "") + (
-            f" xsb{self.xsb}" if self.xsb != 1 else "")
+        """Built here field by field (not from GluonConfig.label, which grows options of the dense kernel, some
+        with the same names): stable labels for the probe's picks and the GPU tests' ids."""
+        rg, wev, dec, pfd = (getattr(self, "rg", 1), getattr(self, "wev", 0), getattr(self, "dec", 1),
+                             getattr(self, "pfd", 0))
+        return (f"w{self.num_warps} kc{self.kc} s{self.split or 'a'}{self.occ} pf{int(self.prefetch)}"
+                f"{f' r{self.maxnreg}' if self.maxnreg else ''}{'' if self.asm else ' noasm'}"
+                f"{f' rg{rg}' if rg != 1 else ''}{f' ev{wev}' if wev else ''}{f' d{dec}' if dec != 1 else ''}"
+                f"{f' pd{pfd}' if pfd else ''}{f' nt{self.nt}' if self.nt else ''}{' xs' if self.xs else ''}"
+                f"{f' nts{self.nts}' if self.nts else ''}{f' xsc{self.xsc}' if self.xsc else ''}"
+                f"{f' xsb{self.xsb}' if self.xsb != 1 else ''}")
 
 
 def _nt(cfg: GluonConfig, block_m: int) -> int:
