@@ -195,7 +195,9 @@ def test_std_split_deterministic_and_graph():
 OPT_CFGS = [G(4, 1, 2, 2, rg=2), G(4, 1, 2, 2, rg=4), G(8, 1, 2, 2, prefetch=False, rg=2), G(4, 1, 2, 2, wev=1),
             G(4, 1, 2, 2, wev=2), G(4, 1, 2, 2, dec=3), G(8, 1, 2, 2, prefetch=False, dec=3, wev=2),
             G(4, 1, 2, 2, rg=2, wev=2, dec=3), G(4, 1, 1, 2, rg=2, dec=3), G(4, 1, 3, 2, prefetch=False, rg=4, dec=3),
-            G(8, 1, 2, 2, pfd=2, dec=3), G(4, 2, 3, 2, pfd=2)]
+            G(8, 1, 2, 2, pfd=2, dec=3), G(4, 2, 3, 2, pfd=2),
+            G(4, 1, 2, 2, xs=True, dec=3), G(8, 1, 2, 2, prefetch=False, xs=True, xsc=2, xsb=2, dec=3),
+            G(4, 1, 2, 2, prefetch=False, rg=2, xs=True, dec=3), G(4, 1, 3, 2, pfd=2, xs=True, xsc=3)]
 
 
 def _plain(cfg):
@@ -218,7 +220,8 @@ def test_std_options_bit_equal_plain(cfg, m, n, k, bias):
     _check(y, em.gemm(xf, wf, b, x.dtype), xf, wf, f"std {cfg.label} M={m} N={n} K={k}")
 
 
-@pytest.mark.parametrize("cfg", [G(4, 1, 0, 2, rg=2, dec=3), G(8, 1, 0, 2, prefetch=False, dec=3, wev=2)],
+@pytest.mark.parametrize("cfg", [G(4, 1, 0, 2, rg=2, dec=3), G(8, 1, 0, 2, prefetch=False, dec=3, wev=2),
+                                 G(4, 1, 0, 2, prefetch=False, rg=2, xs=True, dec=3)],
                          ids=lambda c: c.label)
 def test_std_options_one_hot_exact(cfg):
     _one_hot_case(lambda p, s, gs, x: gg.gluon_w4a16_std(x, p, s, gs, None, cfg), f"std {cfg.label}")

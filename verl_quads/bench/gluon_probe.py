@@ -27,12 +27,13 @@ from verl_quads.bench.rollout import L2_FLUSH_BYTES, _err, _rotating, _time
 NAMED_SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "d8192": (8192, 8192), "d4096": (4096, 4096)}
 
 _SPEC_KEYS = {"w": "num_warps", "kc": "kc", "s": "split", "o": "occ", "pf": "prefetch", "rg": "rg", "ev": "wev",
-              "d": "dec", "r": "maxnreg", "pd": "pfd"}
+              "d": "dec", "r": "maxnreg", "pd": "pfd", "xs": "xs", "xsc": "xsc", "xsb": "xsb"}
 
 
 def parse_std(spec: str):
     """``w8:pf0,w4:rg2:ev2:d3`` -> GluonConfigs of the standard-layout kernel: colon-separated ``<key><int>`` with
-    keys w (num_warps), kc, s (split, 0 auto), o (occ), pf (prefetch), pd (pfd), rg, ev (wev), d (dec), r (maxnreg);
+    keys w (num_warps), kc, s (split, 0 auto), o (occ), pf (prefetch), pd (pfd), rg, ev (wev), d (dec), r (maxnreg),
+    xs (0/1), xsc, xsb;
     defaults
     w4 kc1 s0 o2 pf1 rg1 ev0 d1."""
     import re
@@ -47,7 +48,7 @@ def parse_std(spec: str):
             if not m or m.group(1) not in _SPEC_KEYS:
                 raise ValueError(f"gluon_probe: bad std config part {part!r} in {tok!r}")
             key, val = _SPEC_KEYS[m.group(1)], int(m.group(2))
-            kw[key] = bool(val) if key == "prefetch" else val
+            kw[key] = bool(val) if key in ("prefetch", "xs") else val
         out.append(G(**kw))
     return out
 

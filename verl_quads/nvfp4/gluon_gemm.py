@@ -52,7 +52,7 @@ try:  # triton >= 3.6 with Gluon; the torch layout functions below work without 
     import triton as _triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
     # CTA barrier: gl.thread_barrier in triton 3.6 (the H200's), gl.barrier in later versions (offline compiles)
     _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -645,12 +645,109 @@ if gluon is not None:
             split_fixup(y, part_ptr, xr, rows, M, N, pid_k, om, out_ptr, xr * N + rows, cnt_ptr, pid_n, bias_ptr, cols,
                         SPLIT, HAS_BIAS)
 
+    @gluon.constexpr_function
+    def xs_layout():
+        """Shared layout of a staged activation chunk ``[buffers, 32 NT, 32]`` (row ``4 (8 nt + g) + t``: thread (g,
+        t)'s 32 elements of a 128-element chunk): 16-byte vectors XOR-swizzled by (row / 2) % 4, so that the 8
+        threads of each 16-byte access phase hit distinct banks (rank 2: the leading dim indexes the buffers)."""
+        return gl.SwizzledSharedLayout(8, 2, 4, [1, 0])
+
+    @gluon.constexpr_function
+    def xs_stage_layout(nw):
+        """cp.async layout of one staged chunk ``[32 NT, 32]``: 16 bytes per thread, a warp covers 8 rows (two
+        activation rows: 256 contiguous bytes each)."""
+        return gl.BlockedLayout([1, 8], [8, 4], [nw, 1], [1, 0])
+
+    @gluon.jit
+    def xs_slots(NT: gl.constexpr, NW: gl.constexpr):
+        """The activation slot ``8 nt + g`` (the MMA's N index) of every row ``4 (8 nt + g) + t`` of a staged chunk,
+        in :func:`xs_stage_layout`'s row slice (map it to activation rows, then :func:`xs_k_loop`)."""
+        return gl.arange(0, NT * 32, layout=gl.SliceLayout(1, xs_stage_layout(NW))) // 4
+
+    @gluon.jit
+    def _xs_issue(x_s, buf0, x_ptr, off, live, cs, c_hi, XC: gl.constexpr):
+        """cp.async chunks ``cs .. cs + XC`` (those < c_hi) of the staged rows (``off``: element offsets at chunk 0,
+        ``live``: rows to read; the others are left as they are) into buffers ``buf0 ..`` of ``x_s``; one commit
+        group."""
+        for c in gl.static_range(XC):
+            async_copy.async_copy_global_to_shared(x_s.index(buf0 + c), x_ptr + off + (cs + c) * 128,
+                                                   mask=live & (cs + c < c_hi))
+        async_copy.commit_group()
+
+    @gluon.jit
+    def xs_k_loop(acc, w_ptr, s_ptr, x_s, x_ptr, xrow, live, K, woff, soff, c_lo, c_hi, NW: gl.constexpr,
+                  NT: gl.constexpr, PF: gl.constexpr, XC: gl.constexpr, XB: gl.constexpr, RG: gl.constexpr = 1,
+                  DEC: gl.constexpr = 1, WEV: gl.constexpr = 0):
+        """Standard layout K loop (one 128-element chunk per iteration, WPT 4) with the activation staged in shared
+        memory ``x_s`` ``[XB XC, 32 NT, 32]`` (:func:`xs_layout`) by cp.async, once per program -- coalesced 256-byte
+        rows instead of every warp's own 16-byte pieces of 8 rows (4x the L1 wavefronts) -- and the weights from
+        global with PF (0, 1, 2) iterations of register prefetch (loads past the range re-read the last chunk: no
+        masks). ``xrow`` / ``live`` ([32 NT] in :func:`xs_stage_layout`'s row slice, e.g. from :func:`xs_slots`):
+        the activation row of each staged row and whether to read it (rows not read leave their smem as it was:
+        their outputs must not be stored). Stages of XC chunks; XB 2: the next stage is copied while this one is
+        used. Same decode / MMA / summation order as :func:`k_loop` (the same bytes)."""
+        LR: gl.constexpr = gl.BlockedLayout([1, 32], [32, 1], [1, NW], [1, 0])
+        LX: gl.constexpr = std_x_layout(NW, 4)
+        L2: gl.constexpr = xs_stage_layout(NW)
+        r2 = gl.arange(0, NT * 32, layout=gl.SliceLayout(1, L2))
+        off = (gl.expand_dims(xrow * K + (r2 % 4) * 32, 1)
+               + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L2)), 0))
+        live2 = gl.expand_dims(live, 1)
+        _xs_issue(x_s, 0, x_ptr, off, live2, c_lo, c_hi, XC)
+        c_last = c_hi - 1
+        if PF >= 1:
+            n1w = _load_hint(w_ptr + woff + c_lo * 16, 0, False, WEV)
+            n1s = _load_hint(s_ptr + soff + c_lo * 8, 0, False, WEV)
+        if PF >= 2:
+            c2 = gl.minimum(c_lo + 1, c_last)
+            n2w = _load_hint(w_ptr + woff + c2 * 16, 0, False, WEV)
+            n2s = _load_hint(s_ptr + soff + c2 * 8, 0, False, WEV)
+        for s0 in range(c_lo, c_hi, XC):
+            b0 = (((s0 - c_lo) // XC) % XB) * XC
+            if XB == 2:
+                _xs_issue(x_s, XC - b0, x_ptr, off, live2, s0 + XC, c_hi, XC)  # the next stage (if any)
+                async_copy.wait_group(1)
+            else:
+                async_copy.wait_group(0)
+            _cta_barrier()  # every thread's copies of this stage are in smem
+            for c0 in range(s0, gl.minimum(s0 + XC, c_hi)):
+                if PF == 0:
+                    wd = _load_hint(w_ptr + woff + c0 * 16, 0, False, WEV)
+                    sc = _load_hint(s_ptr + soff + c0 * 8, 0, False, WEV)
+                elif PF == 1:
+                    wd = n1w
+                    sc = n1s
+                    cn = gl.minimum(c0 + 1, c_last)
+                    n1w = _load_hint(w_ptr + woff + cn * 16, 0, False, WEV)
+                    n1s = _load_hint(s_ptr + soff + cn * 8, 0, False, WEV)
+                else:
+                    wd = n1w
+                    sc = n1s
+                    n1w = n2w
+                    n1s = n2s
+                    cn = gl.minimum(c0 + 2, c_last)
+                    n2w = _load_hint(w_ptr + woff + cn * 16, 0, False, WEV)
+                    n2s = _load_hint(s_ptr + soff + cn * 8, 0, False, WEV)
+                xv = gl.convert_layout(gl.reshape(x_s.index(b0 + c0 - s0).load(LR), (NT, 8, 4, 1, 32)), LX,
+                                       assert_trivial=True)
+                wd = gl.convert_layout(gl.reshape(wd, (NW * RG, 2, 8, 4, 1, 2, 2)), std_pair_layout(NW, 4),
+                                       assert_trivial=True)
+                acc = _std_chunk_mma(acc, wd, sc, xv, dot_layout(NW, 0), dot_layout(NW, 1), NW * RG, 1, NT, 4, DEC)
+            if XB == 1:
+                if s0 + XC < c_hi:
+                    _cta_barrier()  # every warp is done with this stage's buffers
+                    _xs_issue(x_s, 0, x_ptr, off, live2, s0 + XC, c_hi, XC)
+            else:
+                _cta_barrier()  # this stage's buffers are refilled (two stages later) only after every warp used them
+        return acc
+
     @gluon.jit
     def _w4a16_std_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
                           M, N, K, KW, KB, C, CPS,
                           NW: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
                           EVEN: gl.constexpr, PF: gl.constexpr, HAS_BIAS: gl.constexpr, WPT: gl.constexpr = 4,
-                          RG: gl.constexpr = 1, WEV: gl.constexpr = 0, DEC: gl.constexpr = 1):
+                          RG: gl.constexpr = 1, WEV: gl.constexpr = 0, DEC: gl.constexpr = 1, XS: gl.constexpr = 0,
+                          XC: gl.constexpr = 1, XB: gl.constexpr = 1):
         """The STANDARD NVFP4 layout (``w_ptr``: the packed codes as int32 ``[N, K/8]`` = KW words per row,
         ``s_ptr``: e4m3 bytes ``[N, K/16]`` = KB per row; chunks of 32 WPT elements, K % (32 WPT) == 0, C chunks):
         warp w owns rows ``16 (pid_n NW + w) + [0, 16)``, thread (g, t) loads 4 WPT bytes of rows g and g + 8 per
@@ -658,7 +755,8 @@ if gluon is not None:
         identically on both MMA operands (:func:`_std_chunk_mma`). Grid, split-K, EVEN, PF as :func:`_w4a16_kernel`.
         RG: row groups per warp (a program: 16 NW RG rows, warp w the groups w, w + NW, ...; each warp's activation
         fragments feed RG MMAs), WEV: the weight loads' cache hint (:func:`_std_chunk_loads`), DEC: the pair decode
-        (1 shifts, 3 mask + multiply: :func:`_pair_asm`; the same registers)."""
+        (1 shifts, 3 mask + multiply: :func:`_pair_asm`; the same registers). XS: the activation staged in shared
+        memory once per program (:func:`xs_k_loop`: XC chunks per stage, XB stage buffers; KC 1, WPT 4)."""
         MMA: gl.constexpr = mma_layout(NW)
         BN: gl.constexpr = NW * RG * 16
         pid_n = gl.program_id(0)
@@ -666,10 +764,16 @@ if gluon is not None:
         c_lo, c_hi = _k_range(pid_k, CPS, C)
 
         woff, kcw, soff, kcs = std_weight_offsets(pid_n, N, KW, KB, NW, KC, WPT, RG)
-        xoff, kcx = std_x_offsets(gl.minimum(std_x_rows(NT, NW, WPT), M - 1), K, NW, KC, WPT)
-
-        acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kcx,
-                     c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT, True, DEC, RG, WEV)
+        if XS:
+            gl.static_assert(KC == 1 and WPT == 4, "activation staging: KC 1, WPT 4")
+            x_s = gl.allocate_shared_memory(gl.bfloat16, [XB * XC, NT * 32, 32], xs_layout())
+            j = xs_slots(NT, NW)
+            acc = xs_k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr, s_ptr, x_s, x_ptr, gl.minimum(j, M - 1),
+                            j < M, K, woff, soff, c_lo, c_hi, NW, NT, PF, XC, XB, RG, DEC, WEV)
+        else:
+            xoff, kcx = std_x_offsets(gl.minimum(std_x_rows(NT, NW, WPT), M - 1), K, NW, KC, WPT)
+            acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs,
+                         kcx, c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT, True, DEC, RG, WEV)
         _epilogue(acc, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, HAS_BIAS)
 
 
@@ -694,6 +798,9 @@ class GluonConfig:
     wev: int = 0  # standard-layout kernel: weight-load cache hint (0 none, 1 evict_first, 2 .cg: L2 only)
     dec: int = 1  # standard-layout kernel: pair decode (1 shifts, 3 mask + multiply; the same bf16 registers)
     pfd: int = 0  # register prefetch depth (0: 1 if prefetch else 0; 2: two iterations ahead)
+    xs: bool = False  # standard-layout kernel: activation staged in shared memory once per program (kc 1)
+    xsc: int = 0  # xs: chunks (128 K elements) staged at a time (0: the program's whole K range, <= 64 KB of smem)
+    xsb: int = 1  # xs: stage buffers (2: the next stage is copied while this one is used)
 
     @property
     def label(self) -> str:
@@ -701,7 +808,8 @@ class GluonConfig:
                 f"{f' r{self.maxnreg}' if self.maxnreg else ''}"
                 f"{'' if self.asm else ' noasm'}{f' rg{self.rg}' if self.rg != 1 else ''}"
                 f"{f' ev{self.wev}' if self.wev else ''}{f' d{self.dec}' if self.dec != 1 else ''}"
-                f"{f' pd{self.pfd}' if self.pfd else ''}")
+                f"{f' pd{self.pfd}' if self.pfd else ''}{' xs' if self.xs else ''}"
+                f"{f' xsc{self.xsc}' if self.xsc else ''}{f' xsb{self.xsb}' if self.xsb != 1 else ''}")
 
 
 _COUNTERS: dict = {}
@@ -748,8 +856,8 @@ def gluon_w4a16(x: torch.Tensor, w: GluonWeight, cfg: GluonConfig = GluonConfig(
         raise ValueError(f"gluon_w4a16: x bf16 [M <= 16, {w.k}], got {x.dtype} {tuple(x.shape)}")
     if w.fmt != 1 and not cfg.asm:
         raise ValueError("gluon_w4a16: format 2 needs the inline-PTX decode (asm=True)")
-    if cfg.rg != 1 or cfg.wev or cfg.dec != 1 or cfg.pfd:
-        raise ValueError("gluon_w4a16: rg / wev / dec / pfd are options of the standard-layout kernel "
+    if cfg.rg != 1 or cfg.wev or cfg.dec != 1 or cfg.pfd or cfg.xs:
+        raise ValueError("gluon_w4a16: rg / wev / dec / pfd / xs are options of the standard-layout kernel "
                          "(gluon_w4a16_std)")
     x = x.contiguous()
     nt = 1 if m <= 8 else 2
@@ -810,9 +918,10 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
                          f"[N, K/2] uint8 weight; got x {x.dtype} {tuple(x.shape)}, w {tuple(w_packed.shape)}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"gluon_w4a16_std: bias must be [{n}], got {tuple(bias.shape)}")
-    if cfg.rg not in (1, 2, 4) or cfg.wev not in (0, 1, 2) or cfg.dec not in (1, 3) or cfg.pfd not in (0, 1, 2):
-        raise ValueError(f"gluon_w4a16_std: rg must be 1, 2 or 4, wev 0, 1 or 2, dec 1 or 3, pfd 0, 1 or 2; got "
-                         f"{cfg.rg} / {cfg.wev} / {cfg.dec} / {cfg.pfd}")
+    if (cfg.rg not in (1, 2, 4) or cfg.wev not in (0, 1, 2) or cfg.dec not in (1, 3) or cfg.pfd not in (0, 1, 2)
+            or cfg.xsb not in (1, 2) or cfg.xsc < 0 or (cfg.xs and cfg.kc != 1)):
+        raise ValueError(f"gluon_w4a16_std: rg must be 1, 2 or 4, wev 0, 1 or 2, dec 1 or 3, pfd 0, 1 or 2, xsb 1 or "
+                         f"2, xs with kc 1; got {cfg.rg} / {cfg.wev} / {cfg.dec} / {cfg.pfd} / {cfg.xsb} / {cfg.kc}")
     x = x.contiguous()
     nt = 1 if m <= 8 else 2
     grid_n, split, cps, even = std_plan(n, k, cfg, _num_sms(x.device))
@@ -829,11 +938,13 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
     else:
         part, cnt = out, out
     gs = w_gs.reshape(1)
+    xc = max(1, min(cfg.xsc or cps, cps, 32 // (cfg.xsb * nt))) if cfg.xs else 1  # <= 64 KB of staged activation
     _w4a16_std_kernel[(grid_n, split)](
         x, w_packed.view(torch.int32), w_scale.view(torch.uint8), gs, bias if bias is not None else gs, out, part,
         cnt, m, n, k, k // 8, k // BLOCK_SIZE, k // STD_CHUNK, cps,
         NW=cfg.num_warps, KC=cfg.kc, NT=nt, SPLIT=split, EVEN=even, PF=cfg.pfd or int(cfg.prefetch),
-        HAS_BIAS=bias is not None, RG=cfg.rg, WEV=cfg.wev, DEC=cfg.dec, num_warps=cfg.num_warps,
+        HAS_BIAS=bias is not None, RG=cfg.rg, WEV=cfg.wev, DEC=cfg.dec, XS=int(cfg.xs), XC=xc,
+        XB=cfg.xsb if cfg.xs else 1, num_warps=cfg.num_warps,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 
