@@ -49,7 +49,7 @@ def _configs(which: str):
 #: gluon_gemm's mask + multiply decode (d3), 2 row groups per warp (rg2; call 1's label filter had dropped every rg / pd
 #: config: GluonConfig grew rg / pfd labels, names doubled)
 _WIDE_PICK = ("w8 kc1 sa2 pf1 xs nts2 xsc4 xsb2", "w8 kc1 sa2 pf1 d3 xs nts2 xsc4 xsb2",
-              "w4 kc1 sa2 pf1 rg2 d3 xs nts2 xsc4 xsb2", "w4 kc1 sa2 pf1 rg2 xs nts2 xsc4 xsb2", "w4 kc1 sa2 pf1 xs",
+              "w4 kc1 sa2 pf1 rg2 d3 xs nts2 xsc4 xsb2", "w4 kc1 sa2 pf1 xs",
               "w4 kc1 sa2 pf1 d3 xs", "w4 kc1 sa2 pf1 rg2 d3 nt2 xs")
 
 
