@@ -85,3 +85,16 @@ def test_default_dispatch_on_a_hopper_without_usable_gluon_warns_once(monkeypatc
         assert tg.gluon_grouped_config(x, w, routing) is None
     warns = [r.getMessage() for r in caplog.records if "Gluon W4A16 MoE kernel" in r.getMessage()]
     assert len(warns) == 1 and "triton 3.5.0" in warns[0] and "grouped W4A16 expert GEMMs" in warns[0]
+
+
+def test_grouped_config_labels_are_stable():
+    """GroupedConfig builds its label itself (GluonConfig.label grows the dense kernel's options, some with the same
+    names): the probe's picks and the GPU tests' ids rely on these exact labels (session 10: doubled names dropped
+    configs from a probe run silently)."""
+    G = gm.GroupedConfig
+    assert G(8, 1, 0, 2, xs=True, nts=2, xsc=4, xsb=2).label == "w8 kc1 sa2 pf1 xs nts2 xsc4 xsb2"
+    assert G(4, 1, 0, 2, xs=True).label == "w4 kc1 sa2 pf1 xs"
+    assert G(4, 1, 0, 2, rg=2, dec=3, nt=2, xs=True).label == "w4 kc1 sa2 pf1 rg2 d3 nt2 xs"
+    assert G(4, 1, 0, 2, prefetch=False, nt=1).label == "w4 kc1 sa2 pf0 nt1"
+    for key, cfg in tg.GLUON_MOE_TABLE.items():
+        assert len(cfg.label.split()) == len(set(cfg.label.split())), (key, cfg.label)  # no option printed twice
