@@ -254,3 +254,29 @@ def test_gluon_table_entry_dispatch(key):
         assert torch.equal(y, gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, None, cfg)), f"{key} M={m}"
         xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
         _check(y, em.gemm(xf, wf, None, x.dtype), xf, wf, f"table {key} {cfg.label} M={m}")
+
+
+#: session 10 call 2: activation-staging (xs) twins of GLUON_TABLE entries, validated through the dispatch here and
+#: timed by gluon_probe in the same call; adopted into GLUON_TABLE only where they win (measured entries only)
+_XS_W8, _XS_W4, _XS_W4_PF = (G(8, 1, 0, 2, prefetch=False, dec=3, xs=True), G(4, 1, 0, 2, prefetch=False, dec=3, xs=True),
+                             G(4, 1, 0, 2, dec=3, xs=True))
+XS_CANDIDATES = {
+    (2, 8192, 8192): _XS_W8, (4, 8192, 8192): _XS_W8, (8, 8192, 8192): G(4, 1, 0, 2, rg=2, dec=3, xs=True),
+    (16, 8192, 8192): G(4, 1, 0, 2, prefetch=False, rg=2, dec=3, xs=True),
+    (2, 4096, 4096): _XS_W4, (4, 4096, 4096): _XS_W4, (8, 4096, 4096): _XS_W4, (16, 4096, 4096): _XS_W4,
+    (2, 5120, 2048): _XS_W8, (4, 5120, 2048): _XS_W8, (8, 5120, 2048): _XS_W4, (16, 5120, 2048): _XS_W4,
+    (2, 2048, 4096): _XS_W4_PF, (4, 2048, 4096): _XS_W4, (8, 2048, 4096): _XS_W4,
+    (16, 2048, 4096): G(4, 1, 0, 1, prefetch=False, dec=3, xs=True),
+}
+
+
+@pytest.mark.parametrize("key", sorted(XS_CANDIDATES), ids=lambda kk: f"b{kk[0]}-{kk[1]}x{kk[2]}")
+def test_xs_candidate_dispatch(key, monkeypatch):
+    """The xs twin of each GLUON_TABLE entry put in the table: the same checks as test_gluon_table_entry_dispatch
+    (bytes of gluon_w4a16_std with the config, bound vs the torch reference) at the bucket's smallest and largest M."""
+    from verl_quads.nvfp4 import triton_gemm as tg
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("GLUON_TABLE entries are taken on sm_90 only")
+    monkeypatch.setitem(tg.GLUON_TABLE, key, XS_CANDIDATES[key])
+    test_gluon_table_entry_dispatch(key)
