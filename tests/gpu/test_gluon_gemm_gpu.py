@@ -11,6 +11,7 @@ import torch
 from _gemm_helpers import check_close as _check
 from _gemm_helpers import rand_w as _w
 from _gemm_helpers import rand_x as _x
+from verl_quads.bench.gluon_probe import xs_candidates
 from verl_quads.nvfp4 import gluon_gemm as gg
 from verl_quads.rollout import emulation as em
 
@@ -256,18 +257,10 @@ def test_gluon_table_entry_dispatch(key):
         _check(y, em.gemm(xf, wf, None, x.dtype), xf, wf, f"table {key} {cfg.label} M={m}")
 
 
-#: session 10 call 2: activation-staging (xs) twins of GLUON_TABLE entries, validated through the dispatch here and
-#: timed by gluon_probe in the same call; adopted into GLUON_TABLE only where they win (measured entries only)
-_XS_W8, _XS_W4, _XS_W4_PF = (G(8, 1, 0, 2, prefetch=False, dec=3, xs=True), G(4, 1, 0, 2, prefetch=False, dec=3, xs=True),
-                             G(4, 1, 0, 2, dec=3, xs=True))
-XS_CANDIDATES = {
-    (2, 8192, 8192): _XS_W8, (4, 8192, 8192): _XS_W8, (8, 8192, 8192): G(4, 1, 0, 2, rg=2, dec=3, xs=True),
-    (16, 8192, 8192): G(4, 1, 0, 2, prefetch=False, rg=2, dec=3, xs=True),
-    (2, 4096, 4096): _XS_W4, (4, 4096, 4096): _XS_W4, (8, 4096, 4096): _XS_W4, (16, 4096, 4096): _XS_W4,
-    (2, 5120, 2048): _XS_W8, (4, 5120, 2048): _XS_W8, (8, 5120, 2048): _XS_W4, (16, 5120, 2048): _XS_W4,
-    (2, 2048, 4096): _XS_W4_PF, (4, 2048, 4096): _XS_W4, (8, 2048, 4096): _XS_W4,
-    (16, 2048, 4096): G(4, 1, 0, 1, prefetch=False, dec=3, xs=True),
-}
+#: session 10 call 2: the activation-staging (xs) twin of every GLUON_TABLE entry (gluon_probe.xs_candidates),
+#: validated through the dispatch here and timed by gluon_probe --configs table-xs in the same call; adopted into
+#: GLUON_TABLE only where they win (measured entries only)
+XS_CANDIDATES = xs_candidates()
 
 
 @pytest.mark.parametrize("key", sorted(XS_CANDIDATES), ids=lambda kk: f"b{kk[0]}-{kk[1]}x{kk[2]}")

@@ -53,6 +53,45 @@ def parse_std(spec: str):
     return out
 
 
+def xs_candidates() -> dict:
+    """Session 10 call 2: the activation-staging (xs) twin of every GLUON_TABLE entry (same warps / rg / prefetch /
+    decode; kc 1: xs stages 128-element chunks), keyed like GLUON_TABLE. tests/gpu/test_gluon_gemm_gpu.py validates
+    each through the dispatch; ``--configs table-xs`` times it next to the entry."""
+    from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
+
+    w8, w4, w4pf = (G(8, 1, 0, 2, prefetch=False, dec=3, xs=True), G(4, 1, 0, 2, prefetch=False, dec=3, xs=True),
+                    G(4, 1, 0, 2, dec=3, xs=True))
+    return {
+        (2, 8192, 8192): w8, (4, 8192, 8192): w8, (8, 8192, 8192): G(4, 1, 0, 2, rg=2, dec=3, xs=True),
+        (16, 8192, 8192): G(4, 1, 0, 2, prefetch=False, rg=2, dec=3, xs=True),
+        (2, 4096, 4096): w4, (4, 4096, 4096): w4, (8, 4096, 4096): w4, (16, 4096, 4096): w4,
+        (2, 5120, 2048): w8, (4, 5120, 2048): w8, (8, 5120, 2048): w4, (16, 5120, 2048): w4,
+        (2, 2048, 4096): w4pf, (4, 2048, 4096): w4, (8, 2048, 4096): w4, (16, 2048, 4096): G(4, 1, 0, 1, prefetch=False,
+                                                                                             dec=3, xs=True),
+    }
+
+
+def session9_entries() -> dict:
+    """GLUON_TABLE as session 9 left it (d8192 / d4096 only): the baseline rows of ``--configs table-xs``."""
+    from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
+
+    g4pf, g4, g8 = G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=False), G(8, 1, 0, 2, prefetch=False)
+    return {(2, 8192, 8192): g8, (4, 8192, 8192): g8, (8, 8192, 8192): g8, (16, 8192, 8192): g4pf,
+            (2, 4096, 4096): g4pf, (4, 4096, 4096): g4pf, (8, 4096, 4096): g4, (16, 4096, 4096): g4}
+
+
+def _point_configs(which: str, cfgs: list, m: int, n: int, k: int) -> list:
+    """The configs timed at one (shape, M): ``table-xs``: the xs candidate of the GLUON_TABLE key and the session-9
+    entry (where there was one); else ``cfgs``."""
+    if which != "table-xs":
+        return cfgs
+    from verl_quads.nvfp4.triton_gemm import decode_bucket
+
+    key = (decode_bucket(m), n, k)
+    out = [("std", c, 0) for c in (xs_candidates().get(key), session9_entries().get(key)) if c is not None]
+    return out
+
+
 def _configs(which: str, std_spec: str = ""):
     """(kind, config, weight format) triples: ``std`` = the standard-layout kernel (gluon_w4a16_std, the one the
     dispatch uses), ``perm`` = the permuted-layout prototype (format 2; format 1 once, for comparison).
@@ -61,6 +100,8 @@ def _configs(which: str, std_spec: str = ""):
 
     if which == "std":
         return [("std", c, 0) for c in parse_std(std_spec)]
+    if which == "table-xs":
+        return []
 
     std = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=False), G(8, 1, 0, 2, prefetch=False), G(8, 1, 0, 2),
            G(4, 1, 0, 4), G(4, 2, 0, 2)]
@@ -138,7 +179,7 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
                              "ok" if ok else "WRONG", t_def * 1e6, t_cub / t_def, tw_def * 1e6, tw_cub / tw_def,
                              f"{rel:.2e}"])
             best = bestw = None
-            for kind, cfg, fmt in cfgs:
+            for kind, cfg, fmt in _point_configs(which, cfgs, m, n, k):
                 if kind == "std":
                     label = f"std {cfg.label}"
 
@@ -237,7 +278,9 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="8192x8192,4096x4096", help=f"NxK list or names {list(NAMED_SHAPES)}")
     ap.add_argument("--ms", default="1,2,4,8,16")
-    ap.add_argument("--configs", default="all", choices=["all", "quick", "std"])
+    ap.add_argument("--configs", default="all", choices=["all", "quick", "std", "table-xs"],
+                    help="table-xs: per (shape, M) the GLUON_TABLE entry (default dispatch row), its xs twin "
+                         "(xs_candidates) and the session-9 entry")
     ap.add_argument("--std", default="", help="--configs std: the std configs (parse_std syntax)")
     ap.add_argument("--no-bare-default", action="store_true",
                     help="skip the 'default dispatch without GLUON_TABLE' rows")
