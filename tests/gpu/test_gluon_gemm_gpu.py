@@ -11,7 +11,7 @@ import torch
 from _gemm_helpers import check_close as _check
 from _gemm_helpers import rand_w as _w
 from _gemm_helpers import rand_x as _x
-from verl_quads.bench.gluon_probe import xs_candidates
+from verl_quads.bench.gluon_probe import xs_alternatives, xs_candidates
 from verl_quads.nvfp4 import gluon_gemm as gg
 from verl_quads.rollout import emulation as em
 
@@ -260,16 +260,16 @@ def test_gluon_table_entry_dispatch(key):
 #: session 10 call 2: the activation-staging (xs) twin of every GLUON_TABLE entry (gluon_probe.xs_candidates),
 #: validated through the dispatch here and timed by gluon_probe --configs table-xs in the same call; adopted into
 #: GLUON_TABLE only where they win (measured entries only)
-XS_CANDIDATES = xs_candidates()
+XS_CANDIDATES = sorted(xs_candidates().items()) + sorted(xs_alternatives().items())
 
 
-@pytest.mark.parametrize("key", sorted(XS_CANDIDATES), ids=lambda kk: f"b{kk[0]}-{kk[1]}x{kk[2]}")
-def test_xs_candidate_dispatch(key, monkeypatch):
+@pytest.mark.parametrize("key, cfg", XS_CANDIDATES, ids=[f"b{k[0]}-{k[1]}x{k[2]}-{c.label}" for k, c in XS_CANDIDATES])
+def test_xs_candidate_dispatch(key, cfg, monkeypatch):
     """The xs twin of each GLUON_TABLE entry put in the table: the same checks as test_gluon_table_entry_dispatch
     (bytes of gluon_w4a16_std with the config, bound vs the torch reference) at the bucket's smallest and largest M."""
     from verl_quads.nvfp4 import triton_gemm as tg
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("GLUON_TABLE entries are taken on sm_90 only")
-    monkeypatch.setitem(tg.GLUON_TABLE, key, XS_CANDIDATES[key])
+    monkeypatch.setitem(tg.GLUON_TABLE, key, cfg)
     test_gluon_table_entry_dispatch(key)

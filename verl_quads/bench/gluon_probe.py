@@ -71,6 +71,15 @@ def xs_candidates() -> dict:
     }
 
 
+def xs_alternatives() -> dict:
+    """Second xs candidates where call 1 suggests one: d8192 M <= 4 with 4 warps x 2 row groups (rg2 was within 3% of
+    8 warps there), d8192 M=16 with 8 warps (slow at NT 2 without xs: 39-44 us, the activation loads)."""
+    from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
+
+    return {(2, 8192, 8192): G(4, 1, 0, 2, rg=2, dec=3, xs=True), (4, 8192, 8192): G(4, 1, 0, 2, rg=2, dec=3, xs=True),
+            (16, 8192, 8192): G(8, 1, 0, 2, prefetch=False, dec=3, xs=True)}
+
+
 def session9_entries() -> dict:
     """GLUON_TABLE as session 9 left it (d8192 / d4096 only): the baseline rows of ``--configs table-xs``."""
     from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
@@ -81,14 +90,15 @@ def session9_entries() -> dict:
 
 
 def _point_configs(which: str, cfgs: list, m: int, n: int, k: int) -> list:
-    """The configs timed at one (shape, M): ``table-xs``: the xs candidate of the GLUON_TABLE key and the session-9
-    entry (where there was one); else ``cfgs``."""
+    """The configs timed at one (shape, M): ``table-xs``: the xs candidate(s) of the GLUON_TABLE key and the
+    session-9 entry (where there was one); else ``cfgs``."""
     if which != "table-xs":
         return cfgs
     from verl_quads.nvfp4.triton_gemm import decode_bucket
 
     key = (decode_bucket(m), n, k)
-    out = [("std", c, 0) for c in (xs_candidates().get(key), session9_entries().get(key)) if c is not None]
+    out = [("std", c, 0) for c in (xs_candidates().get(key), xs_alternatives().get(key), session9_entries().get(key))
+           if c is not None]
     return out
 
 
