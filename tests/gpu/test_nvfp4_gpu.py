@@ -203,8 +203,7 @@ def test_channel_residual_bit_exact(dtype):
         _same_channel(t, ratio, nv.per_row_global_scale(t))
 
 
-@pytest.mark.parametrize("variant", ["default", "compact cta", "compact fallback", "at ta ra", "r2 at ra",
-                                     "r2 at ra b10"])
+@pytest.mark.parametrize("variant", ["default", "compact cta", "compact fallback", "s9", "at ta ra", "r2 at ra"])
 def test_channel_compact_search_variants_bit_exact_at_decode(variant):
     """The compacted threshold search (CHANNEL_CONFIG compact_*; the default at <= 256 rows, K >= 2048: the warp tile)
     gives the reference's bytes at decode sizes: 1 / 16 / 64 x 8192 and 16 x 2048 at k = 0.5, 16 x 8192 at k = 0.125
@@ -243,6 +242,39 @@ def test_channel_compact_search_variants_bit_exact_at_decode(variant):
             xr[:, 1024: 1024 + nblk * 16: 16] = 6.0
             xr[1::2, 1025: 1024 + nblk * 16: 2] = -1.25
             _same_channel(xr.to(torch.bfloat16), ratio, nv.per_row_global_scale(xr.to(torch.bfloat16)))
+
+
+def test_channel_default_at_4096_bit_exact():
+    """Session 10's default at K = 4096 (CHANNEL_CONFIG compact_tile_chunks / compact_rmax for NBP = 256: the warp
+    tile counts only its candidate chunks, R_sel's amax from the first step's reduction where the largest |R| is
+    selected) gives the reference's bytes at the dense d4096 decode launches (1 / 4 / 16 / 64 rows, 8 warps; the
+    4-warp launches of > 132 rows: the decode variants test at 192 x 4096) at k = 0.5 (per-row scale given and
+    amax='row'), 16 rows at k = 0.125 / 1, a score weight with fp32
+    rows, a per-tensor scale (two launches), rows whose R^2 underflow to +0 (the largest |R| cut by channel order: the
+    amax reduction must run) and rows with 60 / 120 / 180 tied candidates (each chunk count). Kept to one K so that
+    it compiles few launches (~11; the decode variants test covers the other K)."""
+    assert tc._on("compact_tile_chunks", 256) and tc._on("compact_rmax", 256)
+    for m in (1, 4, 16, 64):
+        xk = _x(m, 4096, torch.bfloat16, seed=40 + m)
+        _same_channel(xk, 0.5, nv.per_row_global_scale(xk))
+    xs = _x(16, 4096, torch.bfloat16, seed=41)
+    for ratio in (0.125, 1.0):
+        _same_channel(xs, ratio, nv.per_row_global_scale(xs))
+    _same_channel(xs, 0.5, nv.global_scale_from_amax(xs.float().abs().amax()))
+    xd = _x(16, 4096, torch.float32, seed=42)
+    _same_channel(xd, 0.5, nv.per_row_global_scale(xd), score_weight=torch.rand(4096, device="cuda"))
+    g = torch.Generator(device="cuda").manual_seed(43)
+    xt = (torch.randn(4, 4096, device="cuda", generator=g) * 1e-25).to(torch.bfloat16)
+    xt[1, :64] = 0.0
+    for ratio in (0.25, 0.5):
+        _same_channel(xt, ratio, nv.per_row_global_scale(xt))
+    for nblk, ratio in ((4, 32 / 4096), (8, 77 / 4096), (12, 128 / 4096)):
+        xr = torch.zeros(4, 4096, device="cuda")
+        xr[:, 1024: 1024 + nblk * 16] = 1.25
+        xr[:, 1024: 1024 + nblk * 16: 16] = 6.0
+        xr[1::2, 1025: 1024 + nblk * 16: 2] = -1.25
+        xr = xr.to(torch.bfloat16)
+        _same_channel(xr, ratio, nv.per_row_global_scale(xr))
 
 
 @pytest.mark.parametrize("variant", ["default", "uncapped", "full", "compact"])

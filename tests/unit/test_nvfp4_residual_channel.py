@@ -568,9 +568,11 @@ sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16",
        "scale1_ptr": "*u8", "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
        "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr", "STOP": "constexpr", "scr_ptr": "*i32",
-       "COMPACT": "constexpr", "CAP": "constexpr", "TR": "constexpr", "WT": "constexpr"}
+       "COMPACT": "constexpr", "CAP": "constexpr", "TR": "constexpr", "WT": "constexpr", "TA": "constexpr",
+       "RA": "constexpr", "AT": "constexpr", "R2": "constexpr"}
 # the last fields: (COMPACT bits, CAP) of the compacted search (0, 1: the full-row search; 8 bits: with 2 tile bits per
-# step, TR = 2; 11 bits: the warp tile, WT)
+# step, TR = 2; 11 bits: the warp tile, WT, with session 10's candidate chunks (AT) and R_sel amax (RA); the packed
+# one also with two full-row bits per reduction (R2))
 for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in (
         ("*bf16", "*i16", False, 3, 0, False, 128, 4, 64, False, 0, 0, 1),
         ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64, False, 0, 0, 1),
@@ -590,7 +592,8 @@ for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in 
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
         "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "ROW_GS": row_gs, "STOP": stop,
-        "COMPACT": comp, "CAP": cap, "TR": 2 if comp in (8, 11) else 1, "WT": comp == 11}),
+        "COMPACT": comp, "CAP": cap, "TR": 2 if comp in (8, 11) else 1, "WT": comp == 11, "TA": False,
+        "RA": comp == 11 and not has_w, "AT": comp == 11, "R2": comp == 11 and pack}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
     # the compacted search's tile round trip: scratch stores, a barrier, scratch loads

@@ -44,7 +44,9 @@ threshold) is the floor of this design: every measured way to take fewer, longer
 default at <= 256 rows, K >= 2048; 12 full-row bits, a 256-entry tile in every warp, two bits per tile step, 8
 warps at K = 8192): 16x8192 11.3 us (full-row search 17.7), 64x8192 11.5, 16x2048 7.41, 256x8192 21.7. Session 9
 (docs/bench_nvfp4_h200_channel_s9.txt): launches of more rows than SMs at K <= 4096 take 4 warps (two rows per SM:
-256x4096 16.2 -> 10.7 us); wider search steps (2-3 bits per full-row or tile step) measured slower. Rows longer than
+256x4096 16.2 -> 10.7 us); wider search steps (2-3 bits per full-row or tile step) measured slower. Session 10
+(``CHANNEL_CONFIG`` comment): at K = 4096 the warp tile counts only its chunks that hold candidates and R_sel's amax
+comes from the first full-row step's reduction where the row's largest |R| is selected. Rows longer than
 ``CHANNEL_CONFIG["max_k"]`` channels raise NotImplementedError (no tiled variant yet; never the block rule, never a
 silent switch to torch). Kernels run with ``enable_fp_fusion=False`` and use no float negation (triton 3.6 lowers
 ``-v`` to ``0.0 - v``), as :mod:`.triton_kernels`.
@@ -111,11 +113,24 @@ tl = tk.tl
 #: that timed these caps is gone: no entry used it). 1-132 rows are unchanged (one row per SM at most). Run 3 (the adopted default vs
 #: "s8", bytes == torch reference on the device): 256x4096 10.8 / 17.7 vs 16.4 / 22.2, 192x4096 10.9 / 16.2 vs
 #: 15.7 / 20.9, 4x4096 9.13 / 11.8 vs 9.17 / 11.8.
+#: Session 10 (issue #5: QUADS-bf16 at dense d4096 M=16 was 1.11x naive W4A4; ``python -m verl_quads.bench.channel_probe``,
+#: H200 call 1 at f000b13, warm L2 graph replay as bench rollout's main table, us): the whole quads-bf16 call 21.0-21.2
+#: = channel kernel 9.2 + the bf16-operand w4a16 GEMM 12.6 (Gluon); naive 18.7 = activation quantize 3.7 + W4A4 GEMM
+#: 15.5. Kernel phases at 16x4096 (STOP probes): load + first pass 3.06 (plain QDQ 2.94), 12 full-row bits +2.64,
+#: compaction +0.67, warp-tile search +1.98 (10 steps, ~0.2 us each: eight 32-entry chunks per warp although the
+#: rows have <= 62 candidates), tie cut / selection / amax +0.42, second pass +0.21. Hence ``compact_tile_chunks``
+#: (count only the chunks holding candidates: 2 / 4 / 8 for <= 64 / 128 / 256) and ``compact_rmax`` (R_sel's amax from
+#: the first full-row step's reduction when the row's largest |R| is selected; measured alone: kernel 8.9-9.2 vs
+#: 9.0-9.6), both as True (every launch), False, or a collection of padded block counts NBP where they apply: (256,) =
+#: K = 4096 rows only (where measured). ``compact_track_above`` (the candidate count without its reduction),
+#: ``compact_row_bits2`` (two full-row bits per reduction) and 11 / 10 full-row bits, 16 warps at K = 4096: opt-in /
+#: measured no better (call 1: within 0.1-0.2 us of the default; 10 bits 11.1 us at 4x4096: rows past 256 candidates;
+#: 16 warps 12.5 us).
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
                   "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4},
-                  "compact_track_above": False, "compact_rmax": False, "compact_tile_chunks": False,
+                  "compact_track_above": False, "compact_rmax": (256,), "compact_tile_chunks": (256,),
                   "compact_row_bits2": False}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
@@ -143,26 +158,16 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     "compact fallback": {"compact_max_rows": 1 << 30, "compact_min_k": 16, "compact_bits": 2,
                                          "compact_cap": 16, "compact_warp_tile": False},
                     "s8": {"compact_many_rows": None},
-                    # session 10 (issue #5: dense d4096 M=16, rows < SMs), timed by bench.channel_probe: fewer
-                    # full-row bits (K = 4096 rows of the bench: 69 / 143 mean candidates at 11 / 10 bits, <= 256)
-                    # and 16 warps at K = 4096 (8 channels per thread)
-                    "b11": {"compact_bits": 11}, "b10": {"compact_bits": 10},
-                    "w16": {"compact_warps": {512: 8, 256: 16}},
-                    # two row reductions less (compact_track_above: the candidate count; compact_rmax: R_sel's amax)
-                    "ta": {"compact_track_above": True}, "ra": {"compact_rmax": True},
-                    "ta ra": {"compact_track_above": True, "compact_rmax": True},
-                    "ta ra b11": {"compact_track_above": True, "compact_rmax": True, "compact_bits": 11},
-                    # the warp tile counts only the chunks that hold candidates (2 / 4 / 8 of 32 entries)
-                    "at": {"compact_tile_chunks": True},
+                    # session 10 (issue #5: dense d4096 M=16; python -m verl_quads.bench.channel_probe, H200 call 1):
+                    # "s9" = the launches before session 10's compact_tile_chunks / compact_rmax defaults; opt-in
+                    # options: b11 = 11 full-row bits, ra / ta = R_sel's amax / the candidate count without their own
+                    # reduction, at = the warp tile's candidate chunks only, r2 = two full-row bits per reduction
+                    "s9": {"compact_tile_chunks": False, "compact_rmax": False},
+                    "b11": {"compact_bits": 11}, "ra": {"compact_rmax": True, "compact_tile_chunks": False},
+                    "ta ra": {"compact_track_above": True, "compact_rmax": True, "compact_tile_chunks": False},
+                    "at": {"compact_tile_chunks": True, "compact_rmax": False},
                     "at ta ra": {"compact_tile_chunks": True, "compact_track_above": True, "compact_rmax": True},
-                    "at ta ra b11": {"compact_tile_chunks": True, "compact_track_above": True, "compact_rmax": True,
-                                     "compact_bits": 11},
-                    "at ta ra b10": {"compact_tile_chunks": True, "compact_track_above": True, "compact_rmax": True,
-                                     "compact_bits": 10},
-                    # + the full-row bits two per reduction
-                    "r2 at ra": {"compact_row_bits2": True, "compact_tile_chunks": True, "compact_rmax": True},
-                    "r2 at ra b10": {"compact_row_bits2": True, "compact_tile_chunks": True, "compact_rmax": True,
-                                     "compact_bits": 10}}
+                    "r2 at ra": {"compact_row_bits2": True, "compact_tile_chunks": True, "compact_rmax": True}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -674,6 +679,13 @@ def _many(m: int) -> bool:
     return r is not None and m > int(r)
 
 
+def _on(key: str, nbp: int) -> bool:
+    """A CHANNEL_CONFIG option that is a bool (every launch) or a collection of padded block counts NBP (launches of
+    those rows only: where it was measured)."""
+    v = CHANNEL_CONFIG[key]
+    return bool(v) if isinstance(v, bool) or v is None else nbp in v
+
+
 def _maxnreg(packed: bool, num_warps: int, compact: bool = False) -> int | None:
     """The register cap of a launch (``CHANNEL_CONFIG``): compact_maxnreg for the compacted search, else
     qdq_maxnreg, or pack_maxnreg from pack_maxnreg_min_warps warps on; None = uncapped."""
@@ -767,7 +779,7 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
     if comp is not None:
         bits, cap, tr, warp_tile = comp
         meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile, TA=bool(CHANNEL_CONFIG["compact_track_above"]),
-                    RA=bool(CHANNEL_CONFIG["compact_rmax"]), AT=bool(CHANNEL_CONFIG["compact_tile_chunks"]),
+                    RA=_on("compact_rmax", nbp), AT=_on("compact_tile_chunks", nbp),
                     R2=bool(CHANNEL_CONFIG["compact_row_bits2"]) and nbp * BLOCK_SIZE < 65536,  # 16-bit counts
                     scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
     kern = _channel_row_kernel
