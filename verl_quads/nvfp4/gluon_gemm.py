@@ -30,8 +30,11 @@ other kernels: exact products, float32 summation order (<= 1 bf16 ulp + 4 K eps_
 Split-K across programs (``split``): float32 partials ``[split, M, N]``; the last program of each N tile
 (per-tile counter, acq_rel atomic) sums them in the fixed order 0, 1, ... (deterministic).
 
-Needs triton >= 3.6 with Gluon (``triton.experimental.gluon``) and an sm_80+ GPU (mma.sync); not wired into
-the dispatch. ``verl_quads.bench.gluon_probe`` times it; tests/gpu/test_gluon_gemm_gpu.py checks it.
+Needs triton >= 3.6 with Gluon (``triton.experimental.gluon``) and an sm_80+ GPU (mma.sync). The permuted-layout
+kernel is a prototype (not in the dispatch); the standard-layout kernel (:func:`gluon_w4a16_std`) serves the dense
+dispatch's ``triton_gemm.GLUON_TABLE`` and, through its shared helpers, the grouped kernel of
+:mod:`verl_quads.nvfp4.gluon_moe`. ``verl_quads.bench.gluon_probe`` times them; tests/gpu/test_gluon_gemm_gpu.py
+checks them.
 """
 
 from __future__ import annotations
@@ -782,10 +785,13 @@ if gluon is not None:
 
 @dataclass(frozen=True)
 class GluonConfig:
-    """``num_warps`` (row groups per program: BN = 16 num_warps weight rows), ``kc`` (64-element chunks per
-    iteration), ``split`` (programs along K; 0 = auto: fill ``occ`` programs per SM), ``prefetch`` (register
-    prefetch of the next iteration), ``maxnreg`` (standard-layout kernel: ptxas register cap), ``asm``
-    (inline-PTX pair decode, permuted layout)."""
+    """``num_warps`` (row groups per program: BN = 16 num_warps rg weight rows), ``kc`` (chunks per iteration: 64
+    elements in the permuted layout, 128 in the standard one), ``split`` (programs along K; 0 = auto: fill ``occ``
+    programs per SM), ``prefetch`` (register prefetch of the next iteration), ``maxnreg`` (standard-layout kernel:
+    ptxas register cap), ``asm`` (inline-PTX pair decode, permuted layout). Standard-layout kernel only (session
+    10): ``rg`` row groups per warp, ``wev`` weight-load cache hint, ``dec`` pair decode (3: mask + multiply),
+    ``pfd`` prefetch depth, ``xs`` / ``xsc`` / ``xsb`` activation staged in shared memory -- none changes the bytes
+    of the result at a given split (same decoded registers, same MMA / summation order per output row)."""
 
     num_warps: int = 4
     kc: int = 2
