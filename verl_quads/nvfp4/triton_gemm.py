@@ -1503,15 +1503,18 @@ def _gluon_runs(warned: list[str], kernel: str, gemms: str, cost: str) -> bool:
 #: w13 [1536, 2048] T=4 (S=32) 25.8 vs 30.1, T=16 (S=128) 62.5 vs 106, T=64 (S=512) 91.8 vs 190; w2 [2048, 768]
 #: 13.7 vs 17.2, 31.9 vs 53.0, 46.3 vs 96.0. Layer (probe, cold): 106 vs 168 us at T=16 (3.11x BF16), 172 vs 314 at
 #: T=64 (2.83x), 50.6 vs 56.2 at T=4. Not taken: T=1..2.
-#: T=256 (S=2048, bucket 2048, routing block_m 32; session 10 call 1 at f000b13, same probe, cold / warm): the wide
-#: kernel (gluon_moe: activation staged in shared memory, ``xs``). w13: 8 warps, adaptive n-tiles (tiles of <= 16
-#: rows 2 n-tiles, else 4; ``nts`` 2), K staged 4 chunks at a time in 2 buffers: 157.2 / 157.9 us vs the default
-#: dispatch it replaces 213.1 / 212.4 (BF16 torch._grouped_mm 261.8; 4 warps: 160.4; session 9's best one-group
-#: config 209.6). w2: 4 warps, the whole K staged once, 4 n-tiles: 77.5 / 78.6 vs 106.1 / 107.1 (BF16 150.7; 2 n-tiles
-#: 77.3). Same bytes as the one-group kernel (GPU tests). T=1024 (block_m 64) and 1024 / 4096 slots: not measured.
+#: T=256 (S=2048, bucket 2048, routing block_m 32): the wide kernel (gluon_moe: activation staged in shared memory,
+#: ``xs``; 2 row groups per warp, ``rg`` 2; gluon_gemm's mask + multiply decode, ``dec`` 3). Session 10 call 2 at
+#: cc9b7ef (same probe, cold / warm, one run): w13 4 warps, adaptive n-tiles (tiles of <= 16 rows 2 n-tiles, else 4;
+#: ``nts`` 2), K staged 4 chunks at a time in 2 buffers: 137.3 / 138.1 us vs 212 / 213 for the dispatch it replaces
+#: (BF16 torch._grouped_mm 268; call 1's entry, 8 warps rg 1: 157 / 158; 8 warps d3: 168). w2 4 warps, 2 n-tiles, the
+#: whole K staged once: 69.0 / 69.9 vs 106 / 107 (BF16 150; call 1's entry, rg 1 d1 4 n-tiles: 77.7 / 78.8). Layer
+#: (probe, cold): 233.6 us with these two (2.26x BF16 528.4) vs 361.4 before (MID_TABLE kernels + 3-launch moe_align)
+#: and 257.2 with call 1's entries. Same bytes as the one-group kernel (GPU tests). T=1024 (block_m 64) and 1024 /
+#: 4096 slots: not measured.
 _GM, _GM_K2 = (GroupedConfig(num_warps=4, kc=1, occ=2, prefetch=False, nt=1), GroupedConfig(num_warps=4, kc=2, occ=2, nt=1))
-_GM_XS13 = GroupedConfig(num_warps=8, kc=1, occ=2, xs=True, nts=2, xsc=4, xsb=2)
-_GM_XS2 = GroupedConfig(num_warps=4, kc=1, occ=2, xs=True)
+_GM_XS13 = GroupedConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3, xs=True, nts=2, xsc=4, xsb=2)
+_GM_XS2 = GroupedConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3, nt=2, xs=True)
 GLUON_MOE_TABLE: dict[tuple[int, int, int], GluonConfig] = {
     (32, 1536, 2048): _GM_K2, (32, 2048, 768): _GM,  # T=4
     (128, 1536, 2048): _GM, (128, 2048, 768): _GM,  # T=16
