@@ -122,7 +122,10 @@ tl = tk.tl
 #: (count only the chunks holding candidates: 2 / 4 / 8 for <= 64 / 128 / 256) and ``compact_rmax`` (R_sel's amax from
 #: the first full-row step's reduction when the row's largest |R| is selected; measured alone: kernel 8.9-9.2 vs
 #: 9.0-9.6), both as True (every launch), False, or a collection of padded block counts NBP where they apply: (256,) =
-#: K = 4096 rows only (where measured). ``compact_track_above`` (the candidate count without its reduction),
+#: K = 4096 rows only (where measured). H200 call 2 at cc9b7ef (same probe, the new default vs "s9" = the launches
+#: before, bytes == torch reference on the device first): channel kernel 8.51 vs 9.57 us at 16x4096, 8.81 vs 9.64 at
+#: 64x4096, 10.65 vs 11.58 at 256x4096 (4 warps); quads-bf16 / naive d4096 M=16 20.39 / 18.87 us = 1.081x (s9 21.56 =
+#: 1.143x), M=64 26.60 / 25.73 = 1.034x (1.067x), M=256 53.79 / 52.85 = 1.018x (1.036x). ``compact_track_above`` (the candidate count without its reduction),
 #: ``compact_row_bits2`` (two full-row bits per reduction) and 11 / 10 full-row bits, 16 warps at K = 4096: opt-in /
 #: measured no better (call 1: within 0.1-0.2 us of the default; 10 bits 11.1 us at 4x4096: rows past 256 candidates;
 #: 16 warps 12.5 us).
