@@ -1421,29 +1421,34 @@ def decode_bucket(rows: int) -> int | None:
 #: Dense bf16 W4A16 decode GEMMs on sm_90 taken by the Gluon standard-layout kernel
 #: (:func:`verl_quads.nvfp4.gluon_gemm.gluon_w4a16_std`: mma.sync tiles decoded from the plain packed layout):
 #: ``(bucket, n, k) -> GluonConfig`` for M <= bucket (:data:`DECODE_BUCKETS`), checked before DECODE_TABLE /
-#: MID_TABLE. Measured entries only: H200, session 10 call 1 (gluon_probe, cold / warm L2, us; every config checked
-#: against the torch reference), the entry vs the session-9 entry / previous default dispatch:
-#: d8192 M=2/4 18.3/18.8 cold, 16.0/17.0 warm (w8 pf0 d3; session 9's w8 pf0: 18.6/19.3, 17.3/18.0); M=8 20.1 / 17.7
-#: (w4 rg2 pf1 d3; w8 pf0 21.1 / 20.9); M=16 24.2 / 23.0 (w4 rg2 pf0 d3; w4 pf1 30.0 / 30.0).
-#: d4096 M=2/4 7.7/7.9 cold, 7.4/8.0 warm (w4 kc2 pf0 d3; w4 pf1 7.9/8.0, 8.2/8.3); M=8/16 w4 pf0 kept (8.5/12.2;
-#: kc2 d3 8.5/12.1, ev2 d3 M=16 12.0: ties).
-#: Qwen3-30B-A3B attention (default dispatch before: the stream / tensor-core kernels, 13.2-14.2 us at M=2..16):
-#: qkv_proj 5120x2048 M=2/4 6.4/6.7 (w8 pf0 d3), M=8 7.6 / 7.5 (w4 pf0 d3; w4 pf1 7.5 / 8.0), M=16 9.4 / 9.8 (w4 kc2
-#: pf0 d3; cuBLAS BF16 8.0 / 6.7: still slower); o_proj 2048x4096 M=2 5.9 / 6.6 (w4 pf1), M=4/8 6.2/7.0 (w4 kc2 pf0
-#: d3), M=16 9.7 / 9.4 (w4 pf0 d3 occ 1: split 8; occ 2's split 16: 11.2 / 12.1).
+#: MID_TABLE. Measured entries only: H200, session 10, gluon_probe cold / warm L2, us (every config checked against
+#: the torch reference); call 2 timed each call-1 entry next to its xs twin (activation staged in shared memory once
+#: per program: coalesced, instead of each warp's 4x-wavefront loads) in the same run; xs taken where it won:
+#: d8192 M=2/4/8 16.6/16.9/18.2 cold, 15.5/15.5/16.1 warm (w4 rg2 pf1 d3 xs; call-1 entries w8 pf0 d3 / w4 rg2 pf1 d3:
+#: 18.2/18.9/20.2, 16.7/17.2/17.9; session 9's w8 pf0 18.7/19.4/21.2); M=16 23.8 / 21.8 (w4 rg2 pf0 d3 xs; without xs
+#: 24.3 / 23.1; session 9's w4 pf1 29.9 / 30.5): 2.05/2.05/1.87/1.45x cuBLAS BF16 (34.0-34.6 us).
+#: d4096 M=2/4 7.8/8.0 (w4 kc2 pf0 d3, call 1: 7.7/7.9; xs 8.1/8.1: not taken); M=8/16 8.4/10.7 cold, 8.1/10.4 warm
+#: (w4 pf0 d3 xs; w4 pf0 8.6/12.3, 8.8/13.0).
+#: Qwen3-30B-A3B attention (the default dispatch before: stream / tensor-core kernels, 13.2-14.2 us at M=2..16,
+#: slower than cuBLAS BF16): qkv_proj 5120x2048 M=2/4 6.4/6.7 (w8 pf0 d3; xs 6.5/6.6: ties), M=8/16 7.5/8.7 cold,
+#: 7.2/8.7 warm (w4 pf0 d3 xs; w4 pf0 d3 7.7 / 7.8, w4 kc2 pf0 d3 9.5 / 10.2; cuBLAS 8.0 / 6.7-6.8); o_proj 2048x4096
+#: M=2 6.0 (w4 pf1), M=4/8 6.3/7.0 (w4 kc2 pf0 d3; xs 6.3/6.9: ties), M=16 9.7 (w4 pf0 d3 occ 1: split 8; its xs twin
+#: 9.2 cold but 20.0 warm in a run whose warm rows were noisy: not taken).
 #: M=1 (all four shapes): the stream kernel (17.1 / 6.9 / 5.4 / 5.3 us) stays at least as fast as this kernel's best
-#: (17.1 / 7.3 / 5.9 / 5.4). d3 (mask + multiply decode), rg (row groups per warp): same bytes as the plain kernel.
-_G4_PF, _G4 = GluonConfig(num_warps=4, kc=1, occ=2), GluonConfig(num_warps=4, kc=1, occ=2, prefetch=False)
+#: (call 1: 17.1 / 7.3 / 5.9 / 5.4). d3 (mask + multiply decode), rg (row groups per warp), xs: same bytes as the
+#: plain kernel at the same split.
+_G4_PF = GluonConfig(num_warps=4, kc=1, occ=2)
 _G8_D3 = GluonConfig(num_warps=8, kc=1, occ=2, prefetch=False, dec=3)
-_G4_D3, _G4_D3_O1 = (GluonConfig(num_warps=4, kc=1, occ=2, prefetch=False, dec=3),
-                     GluonConfig(num_warps=4, kc=1, occ=1, prefetch=False, dec=3))
+_G4_D3_O1 = GluonConfig(num_warps=4, kc=1, occ=1, prefetch=False, dec=3)
 _G4_KC2_D3 = GluonConfig(num_warps=4, kc=2, occ=2, prefetch=False, dec=3)
-_G4_RG2_PF_D3, _G4_RG2_D3 = (GluonConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3),
-                             GluonConfig(num_warps=4, kc=1, occ=2, prefetch=False, rg=2, dec=3))
+_G4_D3_XS = GluonConfig(num_warps=4, kc=1, occ=2, prefetch=False, dec=3, xs=True)
+_G4_RG2_PF_D3_XS, _G4_RG2_D3_XS = (GluonConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3, xs=True),
+                                   GluonConfig(num_warps=4, kc=1, occ=2, prefetch=False, rg=2, dec=3, xs=True))
 GLUON_TABLE: dict[tuple[int, int, int], GluonConfig] = {
-    (2, 8192, 8192): _G8_D3, (4, 8192, 8192): _G8_D3, (8, 8192, 8192): _G4_RG2_PF_D3, (16, 8192, 8192): _G4_RG2_D3,
-    (2, 4096, 4096): _G4_KC2_D3, (4, 4096, 4096): _G4_KC2_D3, (8, 4096, 4096): _G4, (16, 4096, 4096): _G4,
-    (2, 5120, 2048): _G8_D3, (4, 5120, 2048): _G8_D3, (8, 5120, 2048): _G4_D3, (16, 5120, 2048): _G4_KC2_D3,
+    (2, 8192, 8192): _G4_RG2_PF_D3_XS, (4, 8192, 8192): _G4_RG2_PF_D3_XS, (8, 8192, 8192): _G4_RG2_PF_D3_XS,
+    (16, 8192, 8192): _G4_RG2_D3_XS,
+    (2, 4096, 4096): _G4_KC2_D3, (4, 4096, 4096): _G4_KC2_D3, (8, 4096, 4096): _G4_D3_XS, (16, 4096, 4096): _G4_D3_XS,
+    (2, 5120, 2048): _G8_D3, (4, 5120, 2048): _G8_D3, (8, 5120, 2048): _G4_D3_XS, (16, 5120, 2048): _G4_D3_XS,
     (2, 2048, 4096): _G4_PF, (4, 2048, 4096): _G4_KC2_D3, (8, 2048, 4096): _G4_KC2_D3, (16, 2048, 4096): _G4_D3_O1,
 }
 
