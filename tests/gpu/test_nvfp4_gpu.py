@@ -247,14 +247,13 @@ def test_channel_compact_search_variants_bit_exact_at_decode(variant):
 def test_channel_default_at_4096_bit_exact():
     """Session 10's default at K = 4096 (CHANNEL_CONFIG compact_tile_chunks / compact_rmax for NBP = 256: the warp
     tile counts only its candidate chunks, R_sel's amax from the first step's reduction where the largest |R| is
-    selected) gives the reference's bytes at the dense d4096 decode launches (1 / 4 / 16 / 64 rows, 8 warps; the
-    4-warp launches of > 132 rows: the decode variants test at 192 x 4096) at k = 0.5 (per-row scale given and
-    amax='row'), 16 rows at k = 0.125 / 1, a score weight with fp32 rows, rows whose R^2 underflow to +0 (the largest
+    selected) gives the reference's bytes at the dense d4096 decode launches (1 / 4 / 16 / 64 rows, 8 warps; 192
+    rows, 4 warps) at k = 0.5 (per-row scale given and amax='row'), 16 rows at k = 0.125 / 1, a score weight with fp32 rows, rows whose R^2 underflow to +0 (the largest
     |R| cut by channel order: the amax reduction must run) and rows with 60 / 120 / 180 tied candidates (each chunk
-    count). Kept to one K and no per-tensor scale so that it compiles few launches (8; the decode variants test covers
-    the other K, the per-tensor launches and the 4-warp ones)."""
+    count). Kept to one K and no per-tensor scale so that it compiles few launches (12; the decode variants test covers
+    the other K and the per-tensor launches)."""
     assert tc._on("compact_tile_chunks", 256) and tc._on("compact_rmax", 256)
-    for m in (1, 4, 16, 64):
+    for m in (1, 4, 16, 64, 192):  # 192 rows: the 4-warp launch of > 132 rows
         xk = _x(m, 4096, torch.bfloat16, seed=40 + m)
         _same_channel(xk, 0.5, nv.per_row_global_scale(xk))
     xs = _x(16, 4096, torch.bfloat16, seed=41)
