@@ -118,7 +118,9 @@ def test_grouped_configs(gemm, tokens, cfg):
 
 @pytest.mark.parametrize("cfg", [CFGS[0], CFGS[2], G(4, 1, 3, 2), G(4, 1, 3, 2, nt=1), G(4, 1, 3, 2, rg=2, xs=True),
                                  G(4, 1, 0, 2, nt=1, rg=2), G(8, 1, 0, 2, nt=1, xs=True, pfd=2),
-                                 G(4, 1, 2, 2, nts=1, rg=2, xs=True, xsc=2, xsb=2)], ids=lambda c: c.label)
+                                 G(4, 1, 2, 2, nts=1, rg=2, xs=True, xsc=2, xsb=2),
+                                 tg.GLUON_MOE_TABLE[(2048, 1536, 2048)], tg.GLUON_MOE_TABLE[(2048, 2048, 768)]],
+                         ids=lambda c: c.label.replace(" ", "_"))
 @pytest.mark.parametrize("n, k, block_m, e, topk, tokens", [
     (200, 384, 8, 8, 2, 40),  # N % 64 != 0, 3 chunks, ~10 rows per expert in 8-row tiles (2 tiles per expert)
     (1536, 2048, 16, 16, 4, 37),  # ~9 rows per expert, 16-row tiles (some experts 2 tiles)
@@ -126,6 +128,8 @@ def test_grouped_configs(gemm, tokens, cfg):
     (96, 128, 16, 4, 1, 3),  # one chunk, 1.5 row groups
 ])
 def test_grouped_odd_shapes(cfg, n, k, block_m, e, topk, tokens):
+    if cfg.nt and (block_m // 8) % cfg.nt:
+        pytest.skip(f"nt {cfg.nt} does not divide block_m / 8 = {block_m // 8} (the kernel raises; the dispatch skips)")
     _gemm_case("w13", tokens, cfg, e=e, topk=topk, n=n, k=k, block_m=block_m, dead_frac=0.2, seed=tokens)
 
 

@@ -20,6 +20,8 @@ def test_table_entries_and_exact_bucket_lookup():
             for bm in (8, 16, 32):
                 if (bm // 8) % (cfg.nt or 1) == 0:
                     assert tg.gluon_moe_table_entry(slots, n, k, bm, (9, 0)) is cfg
+                else:  # the entry's n-tiles do not fit this routing's tiles: the current dispatch
+                    assert tg.gluon_moe_table_entry(slots, n, k, bm, (9, 0)) is None
         assert tg.gluon_moe_table_entry(b, n, k, 16, (10, 0)) is None  # measured on sm_90 only
         assert tg.gluon_moe_table_entry(b, n, k, 16, (8, 0)) is None
         assert tg.gluon_moe_table_entry(b, n, k, 64, (9, 0)) is None  # routing tile height the kernel does not take

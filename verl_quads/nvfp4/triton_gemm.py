@@ -1539,12 +1539,15 @@ _GLUON_MOE_WARNED: list[str] = []
 def gluon_moe_table_entry(slots: int, n: int, k: int, block_m: int, capability: tuple[int, int]) -> GluonConfig | None:
     """The :data:`GLUON_MOE_TABLE` entry for a grouped bf16 w4a16 GEMM of ``slots`` token-slots and ``[E, n, k]``
     experts with routing ``block_m`` on a CUDA device of ``capability``, or None: the bucket of ``slots`` itself must
-    have an entry, K % 128 == 0, block_m 8 / 16 / 32 and capability 9.0 (where the entries were measured) only."""
+    have an entry, K % 128 == 0, block_m 8 / 16 / 32 (a multiple of 8 times the entry's ``nt``) and capability 9.0
+    (where the entries were measured) only."""
     from verl_quads.nvfp4.gluon_moe import BLOCK_M_NT
 
     bucket = gluon_moe_bucket(slots)
     cfg = GLUON_MOE_TABLE.get((bucket, n, k)) if bucket is not None else None
     if cfg is None or k % 128 or block_m not in BLOCK_M_NT or tuple(capability) != (9, 0):
+        return None
+    if getattr(cfg, "nt", 0) and BLOCK_M_NT[block_m] % cfg.nt:  # the entry's n-tiles do not fit this routing's tiles
         return None
     return cfg
 
