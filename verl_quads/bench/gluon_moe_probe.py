@@ -230,7 +230,8 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
                                f"({dw / res[(bw, 'warm')]:.2f}x default, {base_w / res[(bw, 'warm')]:.2f}x bf16)")
     out = print_table("Grouped W4A16 expert GEMMs (us; x bf16 = torch._grouped_mm BF16 time / time, same L2 state; "
                       "TB/s = active NVFP4 weight bytes / cold time; ulp = worst |err| in bf16 ulps)",
-                      ["point", "kernel", "check", "cold us", "x bf16", "warm us", "x bf16 warm", "TB/s", "ulp"], rows)
+                      ["point", "kernel", "check", "cold us", "x bf16", "warm us", "x bf16 warm", "TB/s", "ulp"],
+                      rows) if rows else ""
     print("\n".join(summary), flush=True)
     if layer:
         for (name, t), c in (layer_cfgs or {}).items():
@@ -391,7 +392,7 @@ def _align_kernels(ids, bm):
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="4,16,64,256")
-    ap.add_argument("--gemms", default="w13,w2")
+    ap.add_argument("--gemms", default="w13,w2", help="GEMM rows to time ('': none, the layer only)")
     ap.add_argument("--configs", default="quick", choices=["quick", "all", "wide"])
     ap.add_argument("--only", default="", help="regex: only the configs whose label matches")
     ap.add_argument("--no-layer", action="store_true")
@@ -403,7 +404,8 @@ def main(argv=None) -> None:
     for item in filter(None, a.layer.split(";")):
         name, tt, label = item.split(":", 2)
         layer_cfgs[(name, int(tt.removeprefix("T=")))] = by_label[label]
-    run([int(v) for v in a.tokens.split(",")], a.gemms.split(","), a.configs, not a.no_layer, a.only, layer_cfgs)
+    run([int(v) for v in a.tokens.split(",")], [g for g in a.gemms.split(",") if g], a.configs, not a.no_layer, a.only,
+        layer_cfgs)  # --gemms '': the layer only
 
 
 if __name__ == "__main__":
