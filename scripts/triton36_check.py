@@ -313,6 +313,10 @@ def scenarios_core():
     # row length, its VARIANTS, and the STOP probes of bench nvfp4 --residual-probe
     from verl_quads.nvfp4 import gluon_residual as gr
 
+    for m, k in [(8192, 8192), (32768, 2048)]:  # the "auto" default takes it at these sizes (GLUON_RESIDUAL_AUTO)
+        with scenario(f"core residual auto (Gluon) bfloat16 {m}x{k}"):
+            residual(_x(m, k))
+            residual(_x(m, k), ratio=0.25)
     for name in gr.VARIANTS:
         for m, k in [(4, 512), (4, 1024), (16, 2048), (16, 4096), (64, 8192), (2, 16384), (3, 4144)]:
             with scenario(f"core residual gluon {name} bfloat16 {m}x{k}"):

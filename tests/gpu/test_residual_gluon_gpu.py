@@ -151,3 +151,29 @@ def test_gluon_residual_stop_probes_run():
         for stop in (1, 2, 3):
             tk._residual_rows(x, gs, x, 0.5, None, packed=False, stop=stop)
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("m,k", [(8192, 8192), (32768, 2048)])
+def test_auto_takes_gluon_where_measured_faster(m, k):
+    """The default ("auto") dispatch runs the Gluon kernel at GLUON_RESIDUAL_AUTO's sizes (bf16 QDQ, per-row scale):
+    same bytes as the reference; the packed residual_quantize (which it does not write) keeps the Triton kernel."""
+    assert tk.KERNELS["residual_per_token"] == "auto"
+    x = _x(m, k, seed=5)
+    gs = _gs(x)
+    nbp = 1 << ((k // 16 - 1).bit_length())
+    assert tk._auto_gluon(x, gs, None, nbp, False, 0)
+    assert not tk._auto_gluon(x, gs, None, nbp, True, 0)  # packed
+    assert not tk._auto_gluon(x.half(), gs, None, nbp, False, 0)  # fp16
+    assert not tk._auto_gluon(x, gs, torch.ones(k, device="cuda"), nbp, False, 0)  # score_weight
+    assert not tk._auto_gluon(x[: GLUON_ROWS[nbp] // 2], gs[: GLUON_ROWS[nbp] // 2], None, nbp, False, 0)  # fewer rows
+    for ratio in (0.5, 0.25):
+        assert _same(nv.residual_fake_quantize(x, ratio, gs, backend="triton", check_finite=False), _ref(x, ratio, gs))
+    q, r = (nv.residual_quantize(x, 0.5, gs, backend=b, check_finite=False) for b in ("triton", "torch"))
+    for a, b in ((q.first.packed, r.first.packed), (q.second.packed, r.second.packed), (q.block_idx, r.block_idx),
+                 (q.first.block_scale.view(torch.uint8), r.first.block_scale.view(torch.uint8)),
+                 (q.second.block_scale.view(torch.uint8), r.second.block_scale.view(torch.uint8)),
+                 (q.second.global_scale, r.second.global_scale)):
+        assert torch.equal(a, b)
+
+
+GLUON_ROWS = tk.GLUON_RESIDUAL_AUTO

@@ -23,18 +23,24 @@ elements, the low half the even one), so a block is 8 words, two 16-byte accesse
 
 DRAM traffic is plain QDQ's when the row stays in L2 between steps 1 and 3.
 
-Measured (H200, session 10, k = 0.5 bf16, CUDA-graph us, all bytes equal to the torch reference): 8192x8192
-138-144 vs the default Triton kernel's 142-143 (plain QDQ 72.5: 1.91-1.98x); 32768x2048 110-113 vs 119 (1.64-1.68x);
-4096x2048 20.7-22 vs 19.2 (slower); 4096x4096 41-42 vs 40.8. Phases at 8192x8192 (STOP probes): step 0+1 74 us,
-+ search 87, + selection 92, whole 138: the walk over the selected half costs ~46 us. Tried and slower (same
+Measured (H200, session 10, bf16, CUDA-graph us, bytes equal to the torch reference / the default kernel): this form
+(call 2 at 0977c5c): 8192x8192 k=0.25 110 vs the Triton default's 123 (plain QDQ 72.5: 1.50x vs 1.69x); 32768x2048
+k=0.5 109 vs 121 (plain 68.7: 1.58x vs 1.76x), k=0.25 95.7 vs 104. An earlier form (the same steps inside a row
+loop, 72-80 registers instead of 56-64; my probe scripts): 8192x8192 k=0.5 138-144 vs 142-143 (1.91-1.98x);
+4096x2048 20.7-22 vs 19.2 (slower); 4096x4096 41-42 vs 40.8. Its phases at 8192x8192 k=0.5 (STOP probes): step
+0+1 74 us, + search 87, + selection 92, whole 138: the walk over the selected half ~46 us. Static sm_90 SASS of
+this form (512 blocks, 4 warps): search step 39 instructions (3 CTA barriers), step-3 chunk 477 (~30 per element of
+the selected blocks); ~2900 per thread and row in all, i.e. ~90 us of pure issue at 8192x8192 on 132 SMs: the
+kernel is issue-bound, not DRAM-bound, so 1.5x at k = 0.5 needs fewer instructions, not fewer bytes. Tried and slower (same
 bytes): step 3 gathering the selected blocks from the staged row (``gl.gather`` of the row loaded from shared
 memory; its lowering goes through shared memory again: 166-174 us, 128 registers), step 3 over every block from
 shared memory with a mask (no indices; 164-204 us), a persistent grid double-buffering the next row (cp.async)
 (178-222 us), the search's counts as warp reductions of a row replicated in every warp (no CTA barrier; +-2%).
 
 Needs Gluon (:func:`verl_quads.nvfp4.gluon_gemm.gluon_available`) and a CUDA GPU (not the interpreter); bf16
-only, QDQ only (no packed ``residual_quantize``). Opt-in: ``triton_kernels.KERNELS["residual_per_token"] =
-"gluon"`` (not the default: not measured faster everywhere); :func:`check_supported` says why it cannot run.
+only, QDQ only (no packed ``residual_quantize``). The default per-token dispatch ("auto") takes it at the sizes of
+``triton_kernels.GLUON_RESIDUAL_AUTO`` where it can run; ``KERNELS["residual_per_token"] = "gluon"`` forces it (a
+RuntimeError with :func:`check_supported`'s reason where it cannot run).
 """
 
 from __future__ import annotations

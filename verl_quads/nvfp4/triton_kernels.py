@@ -1098,7 +1098,7 @@ TILE_CONFIG = {"blocks": 128, "num_warps": 2, "split": True}
 #: selected blocks only) or "hold" (``_residual_hold_kernel``: one walk, the row in registers;
 #: TILED_CONFIG["hold"], longer rows run "gather") or "gluon" (:mod:`.gluon_residual`: the row staged in shared
 #: memory, bf16 QDQ only, per-row global scale, no score_weight; Gluon on a CUDA GPU, else a RuntimeError saying why:
-#: an explicit choice never falls back; not a default). ``verl-quads bench nvfp4`` times every variant side by side; the defaults
+#: an explicit choice never falls back; "auto" takes it where GLUON_RESIDUAL_AUTO says and it can run). ``verl-quads bench nvfp4`` times every variant side by side; the defaults
 #: are its H200 winners (docs/bench_nvfp4_h200_session3.txt: 8192x8192 quantize v2 76% of copy BW vs
 #: v1 66%; per-token residual QDQ k=0.5 gather 2.4x plain QDQ vs row 4.8x). "bf16_store":
 #: how v2 / tiled / gather write bfloat16 outputs on a GPU: "native" (one conversion instruction) or
@@ -1170,6 +1170,26 @@ RESIDUAL_VARIANTS = {
 # 138 us) and faster at every other measured point.
 RESIDUAL_BY_BLOCKS = ((128, "gather-early-t32w1-fast"), (256, "gather-early-fast"), (512, "gather-early-t128w4-fast"),
                       (None, "gather-early-fast"))
+
+
+#: ``KERNELS["residual_per_token"] == "auto"``: padded 16-blocks per row -> the fewest rows from which the Gluon kernel
+#: (:mod:`.gluon_residual`, the row staged in shared memory) serves the QDQ, where it can: bf16, per-row global scale,
+#: no score_weight, Gluon runs (``gluon_residual.check_supported``); else (and for the packed residual_quantize, which
+#: it does not write) the RESIDUAL_BY_BLOCKS variant. Same bytes either way (tests/gpu/test_residual_gluon_gpu.py).
+# H200 session 10 call 2 (at 0977c5c, CUDA-graph us, bytes checked against the default first): 8192x8192 k=0.25 110 vs
+# 123 (t128w4-fast); 32768x2048 k=0.5 109 vs 121, k=0.25 95.7 vs 104 (t32w1-fast). Not taken where not measured
+# faster: 4096x2048 (an earlier form of the kernel 20.7-22 vs 19.2), 4096x4096 (41-42 vs 40.8), fewer rows (not timed).
+GLUON_RESIDUAL_AUTO = {512: 8192, 128: 32768}
+
+
+def _auto_gluon(x: torch.Tensor, gs: torch.Tensor, w, nbp: int, packed: bool, stop: int) -> bool:
+    """Whether the "auto" per-token path runs the Gluon kernel (GLUON_RESIDUAL_AUTO and what it can run)."""
+    rows = GLUON_RESIDUAL_AUTO.get(nbp)
+    if rows is None or packed or stop or x.shape[0] < rows:
+        return False
+    from verl_quads.nvfp4 import gluon_residual as gr
+
+    return gr.check_supported(x, gs, w) is None
 
 
 def _auto_residual_variant(nbp: int) -> str:
@@ -1424,7 +1444,7 @@ def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: f
     nbp = triton.next_power_of_2(nb)
     wt = w if w is not None else g1
     choice = KERNELS["residual_per_token"]
-    if choice == "gluon":
+    if choice == "gluon" or (choice == "auto" and _auto_gluon(x, gs, w, nbp, packed, stop)):
         return _residual_rows_gluon(x, gs, xc, w, g1, div1, nbp, n_sel, packed, stop)
     over = {}
     if choice == "auto":
