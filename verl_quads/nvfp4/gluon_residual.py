@@ -23,9 +23,10 @@ elements, the low half the even one), so a block is 8 words, two 16-byte accesse
 
 DRAM traffic is plain QDQ's when the row stays in L2 between steps 1 and 3.
 
-Measured (H200, session 10, bf16, CUDA-graph us, bytes equal to the torch reference / the default kernel): this form
-(call 2 at 0977c5c): 8192x8192 k=0.25 110 vs the Triton default's 123 (plain QDQ 72.5: 1.50x vs 1.69x); 32768x2048
-k=0.5 109 vs 121 (plain 68.7: 1.58x vs 1.76x), k=0.25 95.7 vs 104. An earlier form (the same steps inside a row
+Measured (H200, session 10, bf16, CUDA-graph us, bytes equal to the torch reference / the Triton kernel): this form
+(calls 2-3 at 0977c5c / b506982): 8192x8192 k=0.5 131 vs the Triton kernel's 142 (plain QDQ 71.9: 1.82x vs 1.97x;
+issue #2's 1.5x NOT met), k=0.25 109-110 vs 123 (1.51x vs 1.71x); 32768x2048 k=0.5 109 vs 121 (plain 68.7: 1.58x vs
+1.76x), k=0.25 95.7 vs 104. An earlier form (the same steps inside a row
 loop, 72-80 registers instead of 56-64; my probe scripts): 8192x8192 k=0.5 138-144 vs 142-143 (1.91-1.98x);
 4096x2048 20.7-22 vs 19.2 (slower); 4096x4096 41-42 vs 40.8. Its phases at 8192x8192 k=0.5 (STOP probes): step
 0+1 74 us, + search 87, + selection 92, whole 138: the walk over the selected half ~46 us. Static sm_90 SASS of

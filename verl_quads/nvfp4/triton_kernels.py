@@ -1176,9 +1176,11 @@ RESIDUAL_BY_BLOCKS = ((128, "gather-early-t32w1-fast"), (256, "gather-early-fast
 #: (:mod:`.gluon_residual`, the row staged in shared memory) serves the QDQ, where it can: bf16, per-row global scale,
 #: no score_weight, Gluon runs (``gluon_residual.check_supported``); else (and for the packed residual_quantize, which
 #: it does not write) the RESIDUAL_BY_BLOCKS variant. Same bytes either way (tests/gpu/test_residual_gluon_gpu.py).
-# H200 session 10 call 2 (at 0977c5c, CUDA-graph us, bytes checked against the default first): 8192x8192 k=0.25 110 vs
-# 123 (t128w4-fast); 32768x2048 k=0.5 109 vs 121, k=0.25 95.7 vs 104 (t32w1-fast). Not taken where not measured
-# faster: 4096x2048 (an earlier form of the kernel 20.7-22 vs 19.2), 4096x4096 (41-42 vs 40.8), fewer rows (not timed).
+# H200 session 10 (CUDA-graph us, bytes checked against the default first; plain QDQ 71.9 / 68.7): call 3 at b506982
+# 8192x8192 k=0.5 131 vs 142 (t128w4-fast; 1.82x vs 1.97x plain QDQ), k=0.25 109 vs 123; call 2 at 0977c5c 32768x2048
+# k=0.5 109 vs 121 (t32w1-fast), k=0.25 95.7 vs 104. GPU tests of this path passed in call 3 (2 passed: 8192x8192 and
+# 32768x2048 bytes == torch reference). Not taken where not measured faster: 4096x2048 (an earlier form of the
+# kernel 20.7-22 vs 19.2), 4096x4096 (41-42 vs 40.8), fewer rows (not timed).
 GLUON_RESIDUAL_AUTO = {512: 8192, 128: 32768}
 
 
