@@ -125,7 +125,11 @@ tl = tk.tl
 #: K = 4096 rows only (where measured). H200 call 2 at cc9b7ef (same probe, the new default vs "s9" = the launches
 #: before, bytes == torch reference on the device first): channel kernel 8.51 vs 9.57 us at 16x4096, 8.81 vs 9.64 at
 #: 64x4096, 10.65 vs 11.58 at 256x4096 (4 warps); quads-bf16 / naive d4096 M=16 20.39 / 18.87 us = 1.081x (s9 21.56 =
-#: 1.143x), M=64 26.60 / 25.73 = 1.034x (1.067x), M=256 53.79 / 52.85 = 1.018x (1.036x). ``compact_track_above`` (the candidate count without its reduction),
+#: 1.143x), M=64 26.60 / 25.73 = 1.034x (1.067x), M=256 53.79 / 52.85 = 1.018x (1.036x). Call 3 at b506982: GPU bytes
+#: test tests/gpu test_channel_default_at_4096_bit_exact passed (1 / 4 / 16 / 64 / 192 rows, ties, underflow, fp32 +
+#: weight); kernel 8.35 vs 9.55 us at 4x4096, 7.55 vs 7.40 at 1x4096 (a tie: whole call 14.01 vs 14.08 us); the main
+#: bench (with session 10's GLUON_TABLE) d4096 quads-bf16 / naive 0.80 / 0.82 / 0.93 / 1.06 / 1.02x at M = 1 / 4 / 16 /
+#: 64 / 256 (goal <= 1.10x: met at every M). ``compact_track_above`` (the candidate count without its reduction),
 #: ``compact_row_bits2`` (two full-row bits per reduction) and 11 / 10 full-row bits, 16 warps at K = 4096: opt-in /
 #: measured no better (call 1: within 0.1-0.2 us of the default; 10 bits 11.1 us at 4x4096: rows past 256 candidates;
 #: 16 warps 12.5 us).
