@@ -203,15 +203,15 @@ def test_channel_residual_bit_exact(dtype):
         _same_channel(t, ratio, nv.per_row_global_scale(t))
 
 
-@pytest.mark.parametrize("variant", ["default", "compact cta", "compact fallback", "s9", "at ta ra", "r2 at ra"])
+@pytest.mark.parametrize("variant", ["default", "compact cta", "compact fallback", "s9", "ra", "at"])
 def test_channel_compact_search_variants_bit_exact_at_decode(variant):
     """The compacted threshold search (CHANNEL_CONFIG compact_*; the default at <= 256 rows, K >= 2048: the warp tile)
     gives the reference's bytes at decode sizes: 1 / 16 / 64 x 8192 and 16 x 2048 at k = 0.5, 16 x 8192 at k = 0.125
     / 1 (bf16 rows end their search in the tile with ties at the threshold), fp32 rows, a score weight, a per-tensor
     scale (two launches), amax='row' (in _same_channel), rows of ulp-apart ties with more candidates than the tile
     (the full-row continuation). "compact cta": run 2's CTA-wide tile; "compact fallback": the continuation on every
-    row. Session 10's options (warp tile of the candidates' chunks only, tracked above count, R_sel amax from the
-    row's largest |R|, two full-row bits per reduction): the same cases + 16 / 4 x 4096 (dense d4096 decode).
+    row. Session 10's options at every K ("ra": R_sel amax from the row's largest |R|; "at": warp tile of the
+    candidates' chunks only; both are the K = 4096 default): the same cases + 16 / 4 x 4096 (dense d4096 decode).
     (Few cases: every case compiles its own launches, ~1-3 s each on the H200.)"""
     with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
         for m, k in ((1, 8192), (16, 8192), (64, 8192), (16, 2048), (192, 4096), (16, 4096), (4, 4096)):  # 192: 4 warps

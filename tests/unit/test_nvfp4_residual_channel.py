@@ -395,23 +395,18 @@ def test_triton_channel_compacted_search_matches_reference(bits, cap, tr, wt):
 
 
 @_needs_interp
-@pytest.mark.parametrize("ta, ra, at, r2, bits", [(True, False, False, False, 12), (False, True, False, False, 12),
-                                                  (True, True, False, False, 12), (False, False, True, False, 12),
-                                                  (True, True, True, False, 12), (False, True, True, True, 12),
-                                                  (False, False, False, True, 11)])
-def test_triton_channel_compact_fewer_reductions_match_reference(ta, ra, at, r2, bits):
-    """CHANNEL_CONFIG compact_track_above (the candidate count from the tracked count above the prefix) and
-    compact_rmax (R_sel's amax = the row's largest |R| where that entry is selected, else the reduction) keep the
-    reference's bytes in the warp-tile search (K = 256, forced at K >= 16): random rows (the shortcut), hand ties cut
-    by channel, all-zero rows, rows whose residuals square to +0 (every score ties at 0, the largest |R| is NOT
-    selected at k = 0.25: the reduction must run; a shortcut taken there changes the second-pass scale), ratios 0 / 1,
-    a score weight (compact_rmax does not apply), a per-tensor scale (two launches), fp32 rows. compact_tile_chunks
-    (at): rows whose tie runs put 60 / 120 / 180 candidates in the tile (its 2-, 4- and 8-chunk searches).
-    compact_row_bits2 (r2): the full-row bits two per reduction (12 bits: six steps; 11: five + one)."""
+@pytest.mark.parametrize("ra, at", [(True, False), (False, True), (True, True)])
+def test_triton_channel_compact_fewer_reductions_match_reference(ra, at):
+    """CHANNEL_CONFIG compact_rmax (R_sel's amax = the row's largest |R| where that entry is selected, else the
+    reduction) keeps the reference's bytes in the warp-tile search (K = 256, forced at K >= 16): random rows (the
+    shortcut), hand ties cut by channel, all-zero rows, rows whose residuals square to +0 (every score ties at 0, the
+    largest |R| is NOT selected at k = 0.25: the reduction must run; a shortcut taken there changes the second-pass
+    scale), ratios 0 / 1, a score weight (compact_rmax does not apply), a per-tensor scale (two launches), fp32 rows.
+    compact_tile_chunks (at): rows whose tie runs put 60 / 120 / 180 candidates in the tile (its 2-, 4- and 8-chunk
+    searches). Both together: the options of the K = 4096 default."""
     from verl_quads.nvfp4 import triton_channel as tc
 
-    with tc.channel_config(compact_max_rows=1 << 30, compact_min_k=16, compact_track_above=ta, compact_rmax=ra,
-                           compact_tile_chunks=at, compact_row_bits2=r2, compact_bits=bits):
+    with tc.channel_config(compact_max_rows=1 << 30, compact_min_k=16, compact_rmax=ra, compact_tile_chunks=at):
         # blocks of |x| = 1.25 with one 6.0 (R = +-0.25: 15 tied scores per block) in 4 / 8 / 12 of 16 blocks, the
         # others zero (score 0): with k = 0.125 / 0.3 / 0.5 the threshold lies in the ties
         for nblk, ratio in ((4, 0.125), (8, 0.3), (12, 0.5)):
@@ -422,7 +417,7 @@ def test_triton_channel_compact_fewer_reductions_match_reference(ta, ra, at, r2,
             xr = xr.to(torch.bfloat16).to(_DEV)
             t = _same_channel_result(xr, ratio, nv.per_row_global_scale(xr))
             assert t.channel_idx.shape[1] < nblk * 15 and int((t.channel_idx % 16 == 0).sum()) == 0
-        assert tc._compact_args(3, 256, 16) == (bits, 256, 2, True)
+        assert tc._compact_args(3, 256, 16) == (12, 256, 2, True)
         x = _rows(3, 256, torch.bfloat16, seed=31)
         for ratio in (0.0, 0.25, 0.5, 1.0):
             _same_channel_result(x, ratio, nv.per_row_global_scale(x))
@@ -568,11 +563,10 @@ sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16",
        "scale1_ptr": "*u8", "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
        "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr", "STOP": "constexpr", "scr_ptr": "*i32",
-       "COMPACT": "constexpr", "CAP": "constexpr", "TR": "constexpr", "WT": "constexpr", "TA": "constexpr",
-       "RA": "constexpr", "AT": "constexpr", "R2": "constexpr"}
+       "COMPACT": "constexpr", "CAP": "constexpr", "TR": "constexpr", "WT": "constexpr", "RA": "constexpr",
+       "AT": "constexpr"}
 # the last fields: (COMPACT bits, CAP) of the compacted search (0, 1: the full-row search; 8 bits: with 2 tile bits per
-# step, TR = 2; 11 bits: the warp tile, WT, with session 10's candidate chunks (AT) and R_sel amax (RA); the packed
-# one also with two full-row bits per reduction (R2))
+# step, TR = 2; 11 bits: the warp tile, WT, with session 10's candidate chunks (AT) and R_sel amax (RA))
 for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in (
         ("*bf16", "*i16", False, 3, 0, False, 128, 4, 64, False, 0, 0, 1),
         ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64, False, 0, 0, 1),
@@ -592,8 +586,8 @@ for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in 
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
         "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "ROW_GS": row_gs, "STOP": stop,
-        "COMPACT": comp, "CAP": cap, "TR": 2 if comp in (8, 11) else 1, "WT": comp == 11, "TA": False,
-        "RA": comp == 11 and not has_w, "AT": comp == 11, "R2": comp == 11 and pack}),
+        "COMPACT": comp, "CAP": cap, "TR": 2 if comp in (8, 11) else 1, "WT": comp == 11,
+        "RA": comp == 11 and not has_w, "AT": comp == 11}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
     # the compacted search's tile round trip: scratch stores, a barrier, scratch loads

@@ -129,16 +129,18 @@ tl = tk.tl
 #: test tests/gpu test_channel_default_at_4096_bit_exact passed (1 / 4 / 16 / 64 / 192 rows, ties, underflow, fp32 +
 #: weight); kernel 8.35 vs 9.55 us at 4x4096, 7.55 vs 7.40 at 1x4096 (a tie: whole call 14.01 vs 14.08 us); the main
 #: bench (with session 10's GLUON_TABLE) d4096 quads-bf16 / naive 0.80 / 0.82 / 0.93 / 1.06 / 1.02x at M = 1 / 4 / 16 /
-#: 64 / 256 (goal <= 1.10x: met at every M). ``compact_track_above`` (the candidate count without its reduction),
-#: ``compact_row_bits2`` (two full-row bits per reduction) and 11 / 10 full-row bits, 16 warps at K = 4096: opt-in /
-#: measured no better (call 1: within 0.1-0.2 us of the default; 10 bits 11.1 us at 4x4096: rows past 256 candidates;
-#: 16 warps 12.5 us).
+#: 64 / 256 (goal <= 1.10x: met at every M). 11 / 10 full-row bits, 16 warps at K = 4096: opt-in / measured no
+#: better (call 1: within 0.1-0.2 us of the default; 10 bits 11.1 us at 4x4096: rows past 256 candidates; 16 warps
+#: 12.5 us). Measured and removed (session 10): ``compact_track_above`` (the candidate count from a tracked count
+#: above the prefix, without its own reduction; call 1 at f000b13, d4096 channel kernel at M = 16 / 64 / 4 / 1: 'ta'
+#: 9.18 / 9.34 / 9.13 / 9.11 us, 'ta ra' 9.15 / 9.55 / 9.11 / 8.94, the then-default's two runs 9.16-9.26 / 9.29-9.58
+#: / 9.24-9.25 / 9.03-9.06: within noise) and ``compact_row_bits2`` (two full-row bits per reduction: never timed on
+#: a GPU, 12 B of spills in the offline sm_90 compile).
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
                   "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4},
-                  "compact_track_above": False, "compact_rmax": (256,), "compact_tile_chunks": (256,),
-                  "compact_row_bits2": False}
+                  "compact_rmax": (256,), "compact_tile_chunks": (256,)}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -167,14 +169,11 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     "s8": {"compact_many_rows": None},
                     # session 10 (issue #5: dense d4096 M=16; python -m verl_quads.bench.channel_probe, H200 call 1):
                     # "s9" = the launches before session 10's compact_tile_chunks / compact_rmax defaults; opt-in
-                    # options: b11 = 11 full-row bits, ra / ta = R_sel's amax / the candidate count without their own
-                    # reduction, at = the warp tile's candidate chunks only, r2 = two full-row bits per reduction
+                    # options: b11 = 11 full-row bits, ra = R_sel's amax without its own reduction, at = the warp
+                    # tile's candidate chunks only (both at every K)
                     "s9": {"compact_tile_chunks": False, "compact_rmax": False},
                     "b11": {"compact_bits": 11}, "ra": {"compact_rmax": True, "compact_tile_chunks": False},
-                    "ta ra": {"compact_track_above": True, "compact_rmax": True, "compact_tile_chunks": False},
-                    "at": {"compact_tile_chunks": True, "compact_rmax": False},
-                    "at ta ra": {"compact_tile_chunks": True, "compact_track_above": True, "compact_rmax": True},
-                    "r2 at ra": {"compact_row_bits2": True, "compact_tile_chunks": True, "compact_rmax": True}}
+                    "at": {"compact_tile_chunks": True, "compact_rmax": False}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -228,52 +227,6 @@ if triton is not None:
             cnt = tl.where(take, n, cnt)
             k += 1
         return th, cnt, k
-
-    @triton.jit
-    def _row_bits_hi(e0, e1, th, cnt, hi, k, KEND: tl.constexpr, NSEL, NBP: tl.constexpr):
-        """``_row_bits`` that also tracks hi = #(e >= th + 2**(31 - k)), the entries above the accepted prefix's
-        range (unchanged when bit 30 - k is accepted, the rejected candidate's count otherwise; 0 at k = 0), so the
-        candidates sharing the prefix after the last step number cnt - hi without a count of their own.
-        Returns (th, cnt, hi, k)."""
-        while (k < KEND) & (cnt != NSEL):
-            cand = th | (1 << (30 - k))
-            n = _count_ge(e0, e1, cand, NBP)
-            take = n >= NSEL
-            th = tl.where(take, cand, th)
-            hi = tl.where(take, hi, n)
-            cnt = tl.where(take, n, cnt)
-            k += 1
-        return th, cnt, hi, k
-
-    @triton.jit
-    def _sum2(a, b, c, d):
-        return a + c, b + d
-
-    @triton.jit
-    def _digit_code(e, th, s):
-        """Per entry: (t >= 1) + (t >= 2) << 5 + (t >= 3) << 10 for t = (e - th) >> s clamped to [0, 3], i.e. which of
-        th + 1 / 2 / 3 << s it reaches (entries below th: none, above th + 4 << s: all), as 0x421 >> 5 (3 - t)."""
-        t = tl.minimum(tl.maximum((e - th) >> s, 0), 3)
-        return 0x421 >> (15 - 5 * t)
-
-    @triton.jit
-    def _row_bits2(e0, e1, th, cnt, hi, k, KEND, NSEL, NBP: tl.constexpr):
-        """``_row_bits_hi`` two bits per step while two remain before KEND: the counts of th + 1 / 2 / 3 << (29 - k)
-        (``_digit_code``: 5-bit fields per 16-block; over the row as two int32 operands of ONE reduction: 16-bit
-        fields, counts <= max_k = 32768) and the largest whose count reaches NSEL; then one-bit steps.
-        Returns (th, cnt, hi, k)."""
-        while (k < KEND - 1) & (cnt != NSEL):
-            s = 29 - k
-            part = tl.sum(_digit_code(e0, th, s) + _digit_code(e1, th, s), axis=1)
-            f12, f3 = tl.reduce(((part & 31) | (((part >> 5) & 31) << 16), part >> 10), 0, _sum2)
-            n1 = f12 & 0xFFFF
-            n2 = (f12 >> 16) & 0xFFFF  # 32768 << 16 is negative as int32
-            d = tl.where(f3 >= NSEL, 3, tl.where(n2 >= NSEL, 2, tl.where(n1 >= NSEL, 1, 0)))
-            hi = tl.where(d == 3, hi, tl.where(d == 2, f3, tl.where(d == 1, n2, n1)))
-            cnt = tl.where(d == 3, f3, tl.where(d == 2, n2, tl.where(d == 1, n1, cnt)))
-            th = th + (d << s)
-            k += 2
-        return _row_bits_hi(e0, e1, th, cnt, hi, k, KEND, NSEL, NBP)
 
     @triton.jit
     def _sum_max(a, b, c, d):
@@ -418,8 +371,7 @@ if triton is not None:
     @triton.jit
     def _compact_threshold(e0, e1, c, NSEL, NVALID, scr, NBP: tl.constexpr, J: tl.constexpr, CAP: tl.constexpr,
                            TR: tl.constexpr = 1, PHASE: tl.constexpr = 0, WT: tl.constexpr = False,
-                           TA: tl.constexpr = False, rpart=None, RA: tl.constexpr = False, AT: tl.constexpr = False,
-                           R2: tl.constexpr = False):
+                           rpart=None, RA: tl.constexpr = False, AT: tl.constexpr = False):
         """Threshold of the row's NSEL highest scores and its tie cut: returns (th, cstar) int32 scalars such that
         the selection is ``e > th | (e == th & channel <= cstar)`` -- the NSEL highest scores, ties to the lower
         channels (the reference's stable descending sort), the same set as ``_bits_threshold`` + ``_half_ranks``.
@@ -439,37 +391,25 @@ if triton is not None:
         WT (CAP = 256): steps 2-3 by ``_warp_tile_search`` (every warp holds the whole tile; two bits per step).
         PHASE (the kernel's STOP 4 / 5 timing probes; 0 = all): 1 returns after step 1's full-row bits, 2 after the
         tile is stored and read back (cstar = the tile's largest channel, to keep the load); not a selection.
-        TA: the candidate count from the tracked "above" count (``_row_bits_hi``: one row reduction less).
         RA (rpart: int32 [NBP], per thread the largest |R| bits): the first full-row step's reduction also takes
         rpart's max, returned as rmx (the row's largest |R| bits; else 0). AT (WT): the warp tile's chunks past the
-        candidates are not counted (2 / 4 / 8 chunks for <= 64 / 128 / 256 candidates). R2: the full-row bits two
-        per reduction (``_row_bits2``; implies TA). Returns (th, cstar, rmx)."""
+        candidates are not counted (2 / 4 / 8 chunks for <= 64 / 128 / 256 candidates). Returns (th, cstar, rmx)."""
         th = tl.full((), 0, tl.int32)
         cnt = th + NVALID
-        hi = th * 0
         k = th * 0
         rmx = th * 0
         if RA:  # step 0 by hand (its count and the row's max |R| in one reduction); a no-op once cnt == NSEL
             n0, rmx = _count_ge_max(e0, e1, th | (1 << 30), rpart, NBP)
             take = (n0 >= NSEL) & (cnt != NSEL)
-            hi = tl.where(take | (cnt == NSEL), hi, n0)
             th = tl.where(take, th | (1 << 30), th)
             cnt = tl.where(take, n0, cnt)
             k = k + 1
-        if R2:
-            th, cnt, hi, k = _row_bits2(e0, e1, th, cnt, hi, k, J, NSEL, NBP)
-        elif TA:
-            th, cnt, hi, k = _row_bits_hi(e0, e1, th, cnt, hi, k, J, NSEL, NBP)
-        else:
-            th, cnt, k = _row_bits(e0, e1, th, cnt, k, J, NSEL, NBP)
+        th, cnt, k = _row_bits(e0, e1, th, cnt, k, J, NSEL, NBP)
         cstar = th * 0 + 0x7FFFFFFF
         if (cnt != NSEL) & (PHASE != 1):
             f0 = ((e0 >> (31 - J)) == (th >> (31 - J))).to(tl.int32)  # padding -1 >> s = -1 never equals th's
             f1 = ((e1 >> (31 - J)) == (th >> (31 - J))).to(tl.int32)
-            if TA or R2:
-                ncand = cnt - hi
-            else:
-                ncand = tl.sum(tl.sum(f0, axis=1) + tl.sum(f1, axis=1), axis=0)
+            ncand = tl.sum(tl.sum(f0, axis=1) + tl.sum(f1, axis=1), axis=0)
             ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
             ch1 = ch0 + 8
             if (ncand <= CAP) & ((TR == 1) | (ncand < 1024)):  # TR 2: a count must fit 10 bits
@@ -535,8 +475,8 @@ if triton is not None:
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
         ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0, scr_ptr=None, COMPACT: tl.constexpr = 0,
-        CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False, TA: tl.constexpr = False,
-        RA: tl.constexpr = False, AT: tl.constexpr = False, R2: tl.constexpr = False,
+        CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False, RA: tl.constexpr = False,
+        AT: tl.constexpr = False,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -558,10 +498,9 @@ if triton is not None:
         COMPACT = J > 0: the selection by ``_compact_threshold`` (J full-row bits, then a [CAP] candidate tile in
         scr_ptr: int32 [M, 2 * CAP] scratch, row r's at r * 2 * CAP; TR: bits per tile step, 1 or 2; WT: the tile
         in every warp, CAP = 256); 0:
-        ``_bits_threshold`` + ``_row_ties``. TA (COMPACT > 0): the candidate count without its own reduction
-        (``_compact_threshold``). RA (COMPACT > 0, no HAS_W): R_sel's row amax without its own reduction where the
-        row's largest |R| is selected (its score fl(|R|**2) is the row's largest: selected when > th, or == th with
-        every entry >= th selected); else the reduction."""
+        ``_bits_threshold`` + ``_row_ties``. RA (COMPACT > 0, no HAS_W): R_sel's row amax without its own reduction
+        where the row's largest |R| is selected (its score fl(|R|**2) is the row's largest: selected when > th, or
+        == th with every entry >= th selected); else the reduction."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
         cmask = c < NB
@@ -600,8 +539,8 @@ if triton is not None:
             if RA and not HAS_W:
                 rpart = tl.max(tl.maximum(tl.abs(r0), tl.abs(r1)).to(tl.int32, bitcast=True), axis=1)
             th, cstar, rmx = _compact_threshold(e0, e1, c, NSEL, NB * 16, scr_ptr + row * (2 * CAP), NBP, COMPACT,
-                                                CAP, TR, 1 if STOP == 4 else (2 if STOP == 5 else 0), WT, TA, rpart,
-                                                RA and not HAS_W, AT, R2)
+                                                CAP, TR, 1 if STOP == 4 else (2 if STOP == 5 else 0), WT, rpart,
+                                                RA and not HAS_W, AT)
             ch0 = c[:, None] * 16 + tl.arange(0, 8)[None, :]
             if (STOP == 2) | (STOP == 4) | (STOP == 5):
                 _store_halves(out_ptr, b, tl.where((e0 >= th) | (ch0 <= cstar), v0, 0.0),
@@ -785,10 +724,8 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
     comp = _compact_args(m, k, nbp)
     if comp is not None:
         bits, cap, tr, warp_tile = comp
-        meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile, TA=bool(CHANNEL_CONFIG["compact_track_above"]),
-                    RA=_on("compact_rmax", nbp), AT=_on("compact_tile_chunks", nbp),
-                    R2=bool(CHANNEL_CONFIG["compact_row_bits2"]) and nbp * BLOCK_SIZE < 65536,  # 16-bit counts
-                    scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
+        meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile, RA=_on("compact_rmax", nbp),
+                    AT=_on("compact_tile_chunks", nbp), scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
     if not per_row and m > 1:  # per-tensor second-pass scale: amax of R_sel over all rows first
