@@ -28,8 +28,8 @@ def quant_variant(request, monkeypatch):
 
 
 #: per-token residual kernels: "row", "auto" (the default: RESIDUAL_BY_BLOCKS per row length),
-#: "gather-int-bf16-store" and every named speed variant of the tiled / gather / hold kernels
-#: (triton_kernels.RESIDUAL_VARIANTS: radix / early-stopped threshold search, pipelined walks, tiles, FAST, one walk)
+#: "gather-int-bf16-store" (KERNELS "gather": TILED_CONFIG["gather"]) and every named tile variant of the gather
+#: kernel (triton_kernels.RESIDUAL_VARIANTS: the ones RESIDUAL_BY_BLOCKS uses; the others removed in session 10)
 RESIDUAL_KERNELS = ["row", "auto", "gather-int-bf16-store"] + list(tk.RESIDUAL_VARIANTS)
 
 

@@ -313,25 +313,15 @@ def test_v2_e2m1_index_around_every_threshold_and_binade_edge(tk, fp):
     assert torch.equal(nv.fake_quantize(x, gs, backend="triton"), nv.fake_quantize(x, gs, backend="torch"))
 
 
-# speed variants of the tiled / gather kernel (triton_kernels.RESIDUAL_VARIANTS options): the threshold search
-# with 2 / 4 bits per step (top digit cut to 1 / 3 bits) or stopped early once the count is exact (the random
-# row stops early, the tie and zero rows run all 31 steps, ratio 0 stops at once); "stages" (software-pipelined
-# tile walks) only changes the GPU compile: here it checks that the loops still run under the interpreter
-TILED_VARIANTS = {"tiled": ("tiled", {}), "gather": ("gather", {}),
-                  "gather-early-stages2": ("gather", {"early": True, "stages": 2}),
-                  "gather-radix4": ("gather", {"radix": 4}), "tiled-radix2": ("tiled", {"radix": 2}),
-                  # one walk, row in registers (_residual_hold_kernel; tile_blocks is ignored there): one
-                  # warp with 1 block / thread (16 padded blocks), and the early stop switched off
-                  "hold-late": ("hold", {"early": False}), "gather-fast": ("gather", {"early": True, "fast": True}),
-                  # FAST: the random rows take the exact-count branch, the tie / zero rows the tie scan
-                  "hold-fast": ("hold", {"fast": True})}
-
-
-@pytest.mark.parametrize("variant", list(TILED_VARIANTS))
-def test_tiled_per_token_residual_matches_reference(tk, variant):
-    # tiles of 4 blocks over 10: several tiles per row, a partial last tile, a padded tile slot (NTP * CT > NB);
-    # "gather": the second walk reads back the selected indices (chunks of 4 slots)
-    kernel, over = TILED_VARIANTS[variant]
+@pytest.mark.parametrize("variant", ["gather", "gather-early-fast", "gather-early-t32w1-fast", "gather-early-t128w4-fast"])
+def test_gather_per_token_residual_matches_reference(tk, variant):
+    # the gather kernel (KERNELS "gather" and the RESIDUAL_VARIANTS the "auto" default uses; under the interpreter
+    # they differ only in warps, so every one also runs tiles of 4 blocks over 10: several tiles per row, a partial
+    # last tile, a padded tile slot (NTP * CT > NB)); the second walk reads back the selected indices (chunks of 4
+    # slots); the early-stopped search: the random rows take the exact-count branch, the tie / zero rows the tie
+    # scan, ratio 0 stops at once
+    assert set(tk.RESIDUAL_VARIANTS) == {"gather-early-fast", "gather-early-t32w1-fast", "gather-early-t128w4-fast"}
+    kernel, over = ("gather", {}) if variant == "gather" else tk.RESIDUAL_VARIANTS[variant]
     tk.KERNELS["residual_per_token"] = kernel
     tk.TILED_CONFIG[kernel].update(over, tile_blocks=4)
     g = torch.Generator().manual_seed(11)
@@ -353,9 +343,8 @@ def test_tiled_per_token_residual_matches_reference(tk, variant):
     assert r.block_idx[1].tolist() == [0, 1, 2] and r.block_idx[2].tolist() == [0, 1, 2]
 
 
-@pytest.mark.parametrize("kernel", ["tiled", "gather"])
-def test_tiled_kernel_is_the_path_taken_when_chosen(tk, monkeypatch, kernel):
-    tk.KERNELS["residual_per_token"] = kernel
+def test_gather_kernel_is_the_path_taken_when_chosen(tk, monkeypatch):
+    tk.KERNELS["residual_per_token"] = "gather"
     x = _x((3, 96), torch.bfloat16, seed=5)
     gs = nv.per_row_global_scale(x)
     launched = []
@@ -372,55 +361,43 @@ def test_tiled_kernel_is_the_path_taken_when_chosen(tk, monkeypatch, kernel):
     assert launched == [(3,)]
 
 
-def test_hold_kernel_is_taken_when_the_row_fits_else_gather(tk, monkeypatch):
-    # "hold" runs _residual_hold_kernel for rows of up to TILED_CONFIG["hold"]["max_blocks"] padded blocks and
-    # the gather kernel (same bytes) for longer ones
-    tk.KERNELS["residual_per_token"] = "hold"
-    x = _x((3, 96), torch.bfloat16, seed=5)  # 6 blocks, padded to 8
+@pytest.mark.parametrize("choice", ["tiled", "hold", "gather-early-fast"])
+def test_removed_or_unknown_residual_choice_is_an_error_naming_the_allowed_ones(tk, choice):
+    # session 10 removed the "tiled" and "hold" kernels (measured slower); a RESIDUAL_VARIANTS name is not a KERNELS
+    # value either: each is a ValueError listing what is allowed, never a silent run of another kernel
+    tk.KERNELS["residual_per_token"] = choice
+    x = _x((3, 96), torch.bfloat16, seed=5)
     gs = nv.per_row_global_scale(x)
-    launched = []
-
-    def spy(name):
-        real = getattr(tk, name)
-
-        class Spy:
-            def __getitem__(self, grid):
-                launched.append((name, grid))
-                return real[grid]
-        monkeypatch.setattr(tk, name, Spy())
-
-    spy("_residual_hold_kernel")
-    spy("_residual_tiled_kernel")
-    want = nv.residual_fake_quantize(x, 0.5, gs, backend="torch")
-    assert torch.equal(nv.residual_fake_quantize(x, 0.5, gs, backend="triton"), want)
-    assert launched == [("_residual_hold_kernel", (3,))]
-    tk.TILED_CONFIG["hold"]["max_blocks"] = 4
-    launched.clear()
-    assert torch.equal(nv.residual_fake_quantize(x, 0.5, gs, backend="triton"), want)
-    assert launched == [("_residual_tiled_kernel", (3,))]
+    allowed = r"\['auto', 'gather', 'row', 'gluon'\]"
+    for fn in (nv.residual_fake_quantize, nv.residual_quantize):
+        with pytest.raises(ValueError, match=rf"KERNELS\['residual_per_token'\] = '{choice}': must be one of {allowed}"):
+            fn(x, 0.5, gs, backend="triton")
 
 
 def test_auto_residual_kernel_follows_the_row_length_rule(tk, monkeypatch):
-    # the default ("auto") serves a row by RESIDUAL_BY_BLOCKS (first entry whose padded block count fits)
+    # the default ("auto") serves a row by RESIDUAL_BY_BLOCKS (first entry whose padded block count fits): seen in
+    # the gather kernel's launch (tile = min(tile_blocks, padded blocks), warps)
     assert tk.KERNELS["residual_per_token"] == "auto"
-    monkeypatch.setattr(tk, "RESIDUAL_BY_BLOCKS", ((8, "hold-b4-fast"), (None, "gather-early")))
+    monkeypatch.setattr(tk, "RESIDUAL_BY_BLOCKS", ((8, "gather-early-t32w1-fast"), (None, "gather-early-t128w4-fast")))
     launched = []
-    for name in ("_residual_hold_kernel", "_residual_tiled_kernel"):
-        real = getattr(tk, name)
+    real = tk._residual_tiled_kernel
 
-        class Spy:
-            def __getitem__(self, grid, name=name, real=real):
-                launched.append(name)
-                return real[grid]
-        monkeypatch.setattr(tk, name, Spy())
-    for k, want_kernel in ((96, "_residual_hold_kernel"), (160, "_residual_tiled_kernel")):  # 8 / 16 padded blocks
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((kw["CT"], kw["NTP"], kw["num_warps"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(tk, "_residual_tiled_kernel", Spy())
+    for k, want in ((96, (8, 1, 1)), (160, (16, 1, 4)), (2064, (128, 2, 4))):  # 6 / 10 / 129 blocks: 8 / 16 / 256 padded
         x = _x((3, k), torch.bfloat16, seed=5)
         gs = nv.per_row_global_scale(x)
         launched.clear()
         assert torch.equal(nv.residual_fake_quantize(x, 0.5, gs, backend="triton"),
                            nv.residual_fake_quantize(x, 0.5, gs, backend="torch"))
-        assert launched == [want_kernel], (k, launched)
-    monkeypatch.setattr(tk, "RESIDUAL_BY_BLOCKS", ((8, "hold-b4-fast"),))
+        assert launched == [want], (k, launched)
+    monkeypatch.setattr(tk, "RESIDUAL_BY_BLOCKS", ((8, "gather-early-t32w1-fast"),))
     with pytest.raises(ValueError, match="RESIDUAL_BY_BLOCKS has no entry for rows of 16 padded 16-blocks"):
         nv.residual_fake_quantize(_x((3, 160), torch.bfloat16, seed=5), 0.5, gs, backend="triton")
 
@@ -461,37 +438,21 @@ comp(tk._quant2_kernel, dict(q2, out_ptr="*fp32"), {"RT": 4, "CT": 128, "ONE_GS"
      "GSRC": 2, "NG": 1, "WRITE_GS": True}, 4)
 r = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16", "packed1_ptr": "*i64", "scale1_ptr": "*u8",
      "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32", "NB": "i32", "NSEL": "i32",
-     "GS_DIV": "i32", "NTP": "constexpr", "CT": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr", "OUT": "constexpr",
-     "GATHER": "constexpr"}
+     "GS_DIV": "i32", "NTP": "constexpr", "CT": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr", "OUT": "constexpr"}
 for pack in (True, False):
-    for gather in (True, False):
+    for has_w in (True, False):
         sig = r if pack else dict(r, idx_ptr="*i32")  # the wrappers' idx types (PACK: int64 even when NSEL = 0)
-        comp(tk._residual_tiled_kernel, sig, {"NTP": 2, "CT": 256, "HAS_W": gather, "PACK": pack, "OUT": 0 if pack else 3,
-                                              "GATHER": gather}, 4)
+        comp(tk._residual_tiled_kernel, sig, {"NTP": 2, "CT": 256, "HAS_W": has_w, "PACK": pack, "OUT": 0 if pack else 3}, 4)
 comp(tk._residual_tiled_kernel, dict(r, x_ptr="*fp16", out_ptr="*fp16", idx_ptr="*i32"),
-     {"NTP": 4, "CT": 64, "HAS_W": False, "PACK": False, "OUT": 2, "GATHER": True}, 8)
-# speed variants (RESIDUAL_VARIANTS options): radix-2/4 threshold search, early-stopped search, pipelined tile walks
-rv = dict(r, RADIX="constexpr", STAGES="constexpr", EARLY="constexpr")
-for pack, gather, radix, early, stages in ((False, True, 4, False, 2), (True, False, 1, True, 2)):
-    comp(tk._residual_tiled_kernel, rv if pack else dict(rv, idx_ptr="*i32"), {"NTP": 8, "CT": 64, "HAS_W": False,
-         "PACK": pack, "OUT": 0 if pack else 3, "GATHER": gather, "RADIX": radix, "EARLY": early, "STAGES": stages}, 2)
-# FAST (gather-early-*-fast variants): fused E2M1 magic + the tie scan only when the early count is not exact
+     {"NTP": 4, "CT": 64, "HAS_W": False, "PACK": False, "OUT": 2}, 8)
+# the RESIDUAL_BY_BLOCKS tiles: 32 blocks x 1 warp (QDQ), 128 blocks x 4 warps (packed)
 for pack, ct, ntp, nw in ((False, 32, 4, 1), (True, 128, 4, 4)):
-    comp(tk._residual_tiled_kernel, dict(rv, FAST="constexpr") if pack else dict(rv, idx_ptr="*i32", FAST="constexpr"),
-         {"NTP": ntp, "CT": ct, "HAS_W": False, "PACK": pack, "OUT": 0 if pack else 3, "GATHER": True, "RADIX": 1,
-          "EARLY": True, "STAGES": None, "FAST": True}, nw)
+    comp(tk._residual_tiled_kernel, r if pack else dict(r, idx_ptr="*i32"),
+         {"NTP": ntp, "CT": ct, "HAS_W": False, "PACK": pack, "OUT": 0 if pack else 3}, nw)
 # the STOP timing probes of `bench nvfp4 --residual-probe` (gather QDQ launch of the 8192-wide default tile)
 for stop in (1, 2, 3):
-    comp(tk._residual_tiled_kernel, dict(rv, idx_ptr="*i32", FAST="constexpr", STOP="constexpr"),
-         {"NTP": 4, "CT": 128, "HAS_W": False, "PACK": False, "OUT": 3, "GATHER": True, "RADIX": 1, "EARLY": True,
-          "STAGES": None, "FAST": True, "STOP": stop}, 4)
-# the one-walk kernel (RESIDUAL_VARIANTS "hold-*"): packed / bf16 QDQ / fp16 QDQ with weights, early stop on and off
-h = dict(list(r.items())[:13], NBP="constexpr", HAS_W="constexpr", PACK="constexpr", OUT="constexpr", EARLY="constexpr",
-         FAST="constexpr")
-for pack, out, xt, has_w, early, fast, nbp, nw in ((True, 0, "*bf16", True, True, True, 256, 4),
-                                                   (False, 2, "*fp16", True, False, False, 64, 2)):
-    comp(tk._residual_hold_kernel, dict(h, x_ptr=xt, out_ptr="*i16" if out == 3 else xt, idx_ptr="*i64" if pack else "*i32"),
-         {"NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "EARLY": early, "FAST": fast}, nw)
+    comp(tk._residual_tiled_kernel, dict(r, idx_ptr="*i32", STOP="constexpr"),
+         {"NTP": 4, "CT": 128, "HAS_W": False, "PACK": False, "OUT": 3, "STOP": stop}, 4)
 # TRACE guided quantize (MODE 0: packed words) and one-launch guided QDQ (MODE 1, bf16 by cvt.rn / fp16 / fp32)
 gd = {"x_ptr": "*bf16", "bits_ptr": "*i16", "scale_ptr": "*u8", "gs_ptr": "*fp32", "packed_ptr": "*i64", "NBLK": "i32",
       "NBK": "i32", "GS_DIV": "i32", "BLK": "constexpr", "SPLIT": "constexpr", "MODE": "constexpr", "OUT": "constexpr"}
@@ -521,7 +482,7 @@ print("compiled")
 
 def test_new_kernels_compile_for_sm90_without_a_gpu():
     # The interpreter does not run the GPU compiler's checks (e.g. a loop-carried variable changing type is
-    # accepted there and rejected by the compiler): compile the v2 / tiled / gather kernels for sm_90 with the
+    # accepted there and rejected by the compiler): compile the v2 / gather kernels for sm_90 with the
     # ptxas bundled with triton, in a subprocess without TRITON_INTERPRET. Compiles only; nothing runs.
     compile_for_sm90_in_subprocess(_SM90_COMPILE, "on a GPU the kernels are compiled and run by the other tests")
 
@@ -537,5 +498,6 @@ def test_residual_probe_runs_and_refuses_non_gather_or_packed(tk):
     gs = nv.global_scale_from_amax(x.abs().amax(-1, keepdim=True))
     with pytest.raises(ValueError, match="STOP timing probe"):
         tk._residual_rows(x, gs, x, 0.5, None, packed=True, stop=2)
-    with tk.residual_variant("tiled"), pytest.raises(ValueError, match="STOP timing probe"):
+    tk.KERNELS["residual_per_token"] = "row"
+    with pytest.raises(ValueError, match="STOP timing probe"):
         tk._residual_rows(x, gs, x, 0.5, None, packed=False, stop=2)

@@ -65,7 +65,7 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
         device: str = "cuda", sweep_new: bool = False) -> str:
     """The benchmark (``device``: "cuda"; anything else only for a functional smoke run of this code
     under the Triton interpreter with stand-in timers). ``sweep``: tune every variant's configuration
-    first; ``sweep_new``: only the v2 / tiled / gather ones."""
+    first; ``sweep_new``: only the v2 / gather ones."""
     from verl_quads.nvfp4 import triton_kernels as tk
 
     dev = device
@@ -116,10 +116,10 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
         tk.QUANT2_CONFIG["qdq"].update(bd[1])
         out.append(f"chosen QUANT2_CONFIG: {tk.QUANT2_CONFIG}")
         print(out[-1], flush=True)
-        # tiled / gather per-token residual kernel
+        # gather per-token residual kernel (TILED_CONFIG["gather"]; "tiled" was removed in session 10)
         gs_row = nv.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
         rows = []
-        for kern in ("tiled", "gather"):
+        for kern in ("gather",):
             best = None
             for tb in (64, 128, 256):
                 for nw in (2, 4, 8):
@@ -131,7 +131,7 @@ def run(shapes: list[tuple[int, int]], dtype: torch.dtype, with_torch: bool, swe
                     if best is None or t + t2 < best[0]:
                         best = (t + t2, dict(tile_blocks=tb, num_warps=nw))
             tk.TILED_CONFIG[kern].update(best[1])
-        out.append(print_table(f"tiled / gather per-token residual kernel sweep, k=0.5, {m}x{k} {dtype}",
+        out.append(print_table(f"gather per-token residual kernel sweep, k=0.5, {m}x{k} {dtype}",
                                ["kernel", "blocks/tile", "warps", "residual QDQ us", "residual_quantize us"], rows))
         out.append(f"chosen TILED_CONFIG: {tk.TILED_CONFIG}")
         print(out[-1], flush=True)
@@ -624,7 +624,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-torch", action="store_true", help="skip the torch reference rows")
     p.add_argument("--sweep", action="store_true", help="sweep tile configs first and use the best")
     p.add_argument("--sweep-new", action="store_true",
-                   help="sweep only the v2 / tiled / gather kernels' configs (the v1 ones keep their tuned defaults)")
+                   help="sweep only the v2 / gather kernels' configs (the v1 ones keep their tuned defaults)")
     p.add_argument("--row-sweep", action="store_true",
                    help="sweep the fused per-token residual kernel's warps (ROW_CONFIG) first and use the best")
     p.add_argument("--residual-variants", action="store_true",

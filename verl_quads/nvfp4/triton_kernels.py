@@ -742,7 +742,7 @@ if triton is not None:
         bit) >= NSEL, and the search stops as soon as the count of th is exactly NSEL (then the selection is
         ``eb >= th``: the NSEL highest scores); else, after the last bit, th = T, the largest value with #(eb >= T)
         >= NSEL, and the caller breaks the ties at T. NSEL = 0 stops at the first th no entry reaches. The
-        early-stopped search of ``_topn_threshold`` (block scores) and of ``triton_channel._channel_row_kernel``
+        early-stopped search of ``_residual_tiled_kernel`` (block scores) and of ``triton_channel._channel_row_kernel``
         (channel scores).
 
         Channel rule: bf16 inputs repeat R**2 values, so the count at T is rarely exact and the search usually
@@ -763,49 +763,16 @@ if triton is not None:
         return th, cnt
 
     @triton.jit
-    def _topn_threshold(eb, NSEL, RADIX: tl.constexpr, EARLY: tl.constexpr = False):
-        """Selection threshold of a row: the largest T in [0, 2**31) with #(eb >= T) >= NSEL, where ``eb``
-        [N] int32 are the non-negative float32 block scores' bit patterns (they order like the values;
-        padding -1 never counts). NSEL = 0 gives 0x7FFFFFFF (nothing is above it). Built MSB first,
-        RADIX bits per dependent step: RADIX 1 is the 31-step bitwise search; RADIX r > 1 takes
-        ceil(31 / r) steps, each counting eb against the 2**r candidate digits at once (one [2**r, N]
-        compare and one reduction along N) and keeping the largest digit whose count still reaches
-        NSEL; the top digit is cut at bit 30. Every RADIX returns the same T (T is defined by the
-        counts alone).
-
-        EARLY (RADIX 1 only): stop as soon as the accepted prefix P has #(eb >= P) == NSEL exactly (a
-        data-dependent loop; random rows stop after ~log2(N) + a few steps, ties run all 31). It then
-        returns P instead of T, which selects the same blocks in the caller's rule: #(> P) + #(== P) =
-        NSEL, so ``need`` = #(== P) and exactly the NSEL blocks >= P are taken (the top NSEL)."""
-        th = tl.max(eb, axis=0) * 0
-        if EARLY:
-            th, _ = _bits_threshold(eb, NSEL, tl.sum((eb >= 0).to(tl.int32), axis=0))
-        elif RADIX == 1:
-            for k in tl.static_range(31):
-                cand = th | (1 << (30 - k))
-                cnt = tl.sum((eb >= cand).to(tl.int32), axis=0)
-                th = tl.where(cnt >= NSEL, cand, th)
-        else:
-            jv = tl.arange(0, 1 << RADIX)
-            for k in tl.static_range((31 + RADIX - 1) // RADIX):
-                lo = ((31 + RADIX - 1) // RADIX - 1 - k) * RADIX  # the digit's lowest bit
-                cand = th | (jv << lo)
-                cnt = tl.sum((eb[None, :] >= cand[:, None]).to(tl.int32), axis=1)
-                ok = (cnt >= NSEL) & ((jv >> (31 - lo)) == 0)  # digit 0 always qualifies (count(th) >= NSEL)
-                th = th | (tl.max(tl.where(ok, jv, 0), axis=0) << lo)
-        return th
-
-    @triton.jit
-    def _tile_qdq(x_ptr, b, m, gs, inv, FAST: tl.constexpr = False):
+    def _tile_qdq(x_ptr, b, m, gs, inv):
         """First pass of 16-blocks ``b`` ([CT] int64 indices in the block layout, mask ``m``) under the
         row's global scale ``gs`` [CT] and its reciprocal ``inv``: returns x's halves (float32 [CT, 8]),
-        E4M3 scale bytes (int32 [CT]), output scales [CT] and the QDQ halves (float32 [CT, 8]).
-        FAST: ``_hold_qdq_half``'s fused E2M1 magic (same values)."""
+        E4M3 scale bytes (int32 [CT]), output scales [CT] and the QDQ halves (float32 [CT, 8]), the latter by
+        ``_hold_qdq_half``'s fused E2M1 magic (FAST; same values as ``_qdq_half``)."""
         x0, x1 = _load_halves(x_ptr, b, m)
         vec_max = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
         sval, sbyte, os = _scales_inv(vec_max, gs, inv)
         factor = tl.math.div_rn(sval, gs)
-        return x0, x1, sbyte, os, _hold_qdq_half(x0, os, factor, FAST), _hold_qdq_half(x1, os, factor, FAST)
+        return x0, x1, sbyte, os, _hold_qdq_half(x0, os, factor, True), _hold_qdq_half(x1, os, factor, True)
 
     @triton.jit
     def _tile_word(x0, x1, os):
@@ -816,11 +783,11 @@ if triton is not None:
         return (w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)
 
     @triton.jit
-    def _tile_second(x_ptr, b, m, gs, inv, gs2, inv2, FAST: tl.constexpr = False):
+    def _tile_second(x_ptr, b, m, gs, inv, gs2, inv2):
         """First pass, residual and second-pass scales of 16-blocks ``b`` (see ``_tile_qdq``): returns the
         QDQ halves v0, v1, residual halves r0, r1 (float32 [CT, 8]) and the residual's E4M3 scale value,
         byte and output scale [CT] under the row's second-pass global scale gs2 (reciprocal inv2)."""
-        x0, x1, _, os, v0, v1 = _tile_qdq(x_ptr, b, m, gs, inv, FAST)
+        x0, x1, _, os, v0, v1 = _tile_qdq(x_ptr, b, m, gs, inv)
         r0 = x0 - v0
         r1 = x1 - v1
         ra = tl.maximum(tl.max(tl.abs(r0), axis=1), tl.max(tl.abs(r1), axis=1))
@@ -830,18 +797,18 @@ if triton is not None:
     @triton.jit
     def _tiled_first(x_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, row, t, NB, gs, inv, ebits, ram,
                      CT: tl.constexpr, NTP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr,
-                     OUT: tl.constexpr, GATHER: tl.constexpr, FAST: tl.constexpr = False):
+                     OUT: tl.constexpr):
         """Step 1 of ``_residual_tiled_kernel`` for tile ``t`` of the row: returns ``ebits`` / ``ram``
         ([NTP, CT] int32 score bits / float32 residual amax) with row ``t`` filled in."""
         ci = tl.arange(0, CT)
         c = t * CT + ci
         cmask = c < NB
         b = row * NB + c
-        x0, x1, sbyte, os, v0, v1 = _tile_qdq(x_ptr, b, cmask, gs, inv, FAST)
+        x0, x1, sbyte, os, v0, v1 = _tile_qdq(x_ptr, b, cmask, gs, inv)
         if PACK:
             tl.store(packed1_ptr + b, _tile_word(x0, x1, os), mask=cmask)
             tl.store(scale1_ptr + b, sbyte.to(tl.uint8), mask=cmask)
-        if GATHER and not PACK:
+        if not PACK:  # Q(x) of every block; the gather walk overwrites the selected ones
             _store_halves(out_ptr, b, v0, v1, cmask, OUT)
         r0 = x0 - v0
         r1 = x1 - v1
@@ -863,110 +830,82 @@ if triton is not None:
         x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
         NB, NSEL, GS_DIV,
         NTP: tl.constexpr, CT: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr,
-        GATHER: tl.constexpr, RADIX: tl.constexpr = 1, STAGES: tl.constexpr = None, EARLY: tl.constexpr = False,
-        FAST: tl.constexpr = False, STOP: tl.constexpr = 0,
+        STOP: tl.constexpr = 0,
     ):
-        """Per-token QUADS residual compensation, one program per row of x [M, K] (NB = K / 16
-        blocks) walking the row in tiles of CT blocks twice, so only a tile's data is in registers:
+        """Per-token QUADS residual compensation ("gather" kernel), one program per row of x [M, K] (NB = K / 16
+        blocks) walking the row in tiles of CT blocks, so only a tile's data is in registers:
 
-        1. per tile (``_tiled_first``): first pass (PACK: its codes and scales are written here),
-           residual, per-block score (``_tree8`` of the halves = the reference's pairwise order) and
-           residual amax, kept for the whole row as [NTP, CT] vectors (NTP * CT >= NB, a power of two);
-        2. the row's NSEL highest scores (ties to the lower block index): threshold T by
-           ``_topn_threshold`` (RADIX bits per step), blocks above T selected, and of those equal to T
-           the first NSEL - #(above T) in index order (a cumulative count); the row's second-pass global
-           scale from the selected blocks' residual amax;
-        3. per tile again (the row was just read: the second read is served by L2): first-pass QDQ
-           and residual recomputed, Q(R) for the selected blocks; PACK: their words / scale bytes /
-           indices at their slot (running count of selected blocks), else Q(x) + Q(R_sel) (float32
-           sum, one cast).
+        1. per tile (``_tiled_first``): first pass (PACK: its codes and scales are written here; QDQ: Q(x) of every
+           block is written here), residual, per-block score (``_tree8`` of the halves = the reference's pairwise
+           order) and residual amax, kept for the whole row as [NTP, CT] vectors (NTP * CT >= NB, a power of two);
+        2. the row's NSEL highest scores (ties to the lower block index): the early-stopped bitwise threshold
+           search ``_bits_threshold`` (MSB first; stops once the count of the accepted prefix P is exactly NSEL,
+           then the blocks >= P are the top NSEL) and ``_select_top`` (blocks above T, and of those equal to T the
+           first NSEL - #(above T) in index order, a cumulative count; skipped when the stopped search already
+           counts exactly NSEL); the row's second-pass global scale from the selected blocks' residual amax; the
+           selected block indices are written (``idx_ptr``: the result's [M, NSEL] int64 when PACK, else an int32
+           scratch [M, NSEL]);
+        3. after a CTA barrier (the indices were written by other threads of this program) the selected blocks
+           only, read back in chunks of CT (the row was just read: served by L2): first-pass QDQ and residual
+           recomputed, Q(R); PACK: their words / scale bytes at their slot, else Q(x) + Q(R) (float32 sum, one
+           cast) over the Q(x) written in step 1.
 
-        GATHER: step 3 visits only the selected blocks: step 1 also writes Q(x) of every block (QDQ),
-        step 2 writes the selected block indices (``idx_ptr``: the result's [M, NSEL] int64 when
-        PACK, else an int32 scratch [M, NSEL]), and after a CTA barrier (the indices were written by
-        other threads of this program) step 3 reads them back in chunks of CT, recomputes those
-        blocks and writes Q(R) (PACK) or overwrites them with Q(x) + Q(R).
+        The E2M1 rounding is ``_hold_qdq_half``'s fused magic (FAST: same values as ``_qdq_half``). Session 10
+        removed the measured-slower speed options (radix-4 search, pipelined walks, the non-early search, the
+        non-fast rounding, the all-blocks second walk "tiled", the one-walk ``_residual_hold_kernel``): README.
 
-        Speed-only options (same bytes): RADIX / EARLY: bits per step of the threshold search / stop it
-        once the count is exact (``_topn_threshold``). STAGES: None = plain loops; an int =
-        ``tl.range(num_stages=STAGES)`` for the tile walks (software-pipelined loads). FAST: the E2M1
-        magic of ``_hold_qdq_half`` and, with EARLY, the tie scan only when the stopped threshold does not
-        count exactly NSEL blocks (as ``_residual_hold_kernel``).
-
-        STOP (timing probe of ``bench nvfp4 --residual-probe`` only; GATHER QDQ launches; 0 = the kernel): return after
+        STOP (timing probe of ``bench nvfp4 --residual-probe`` only; QDQ launches; 0 = the kernel): return after
         step 1 (1), the threshold search (2), or the selection and its index store (3), storing one value per row that
         depends on the phase (``idx_ptr``'s row: NOT a result)."""
         row = tl.program_id(0).to(tl.int64)
         ci = tl.arange(0, CT)
-        ti = tl.arange(0, NTP)
         g = tl.load(gs_ptr + row // GS_DIV)
         gs = tl.zeros([CT], tl.float32) + g
         inv = tl.zeros([CT], tl.float32) + tl.math.div_rn(g * 0.0 + 1.0, g)
         ebits = tl.full([NTP, CT], -1, tl.int32)
         ram = tl.zeros([NTP, CT], tl.float32)
         nt = tl.cdiv(NB, CT)
-        for t in tl.range(0, nt, num_stages=STAGES):
+        for t in tl.range(0, nt):
             ebits, ram = _tiled_first(x_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, row, t, NB, gs, inv, ebits, ram,
-                                      CT, NTP, HAS_W, PACK, OUT, GATHER, FAST)
+                                      CT, NTP, HAS_W, PACK, OUT)
         eb = tl.reshape(ebits, (NTP * CT,))
         if STOP == 1:
             tl.store(idx_ptr + row * NSEL, tl.max(eb, axis=0) + tl.max(tl.reshape(ram, (NTP * CT,)), axis=0).to(tl.int32))
             return
-        th = _topn_threshold(eb, NSEL, RADIX, EARLY)
+        # padding: bits -1, never counted nor selected
+        th, _ = _bits_threshold(eb, NSEL, tl.sum((eb >= 0).to(tl.int32), axis=0))
         if STOP == 2:
             tl.store(idx_ptr + row * NSEL, th)
             return
-        # padding: bits -1, never selected
-        sel = _select_top(eb, th, NSEL, FAST, EARLY)
+        sel = _select_top(eb, th, NSEL)
         amax = tl.max(tl.where(sel, tl.reshape(ram, (NTP * CT,)), 0.0), axis=0)
         a = tl.maximum(amax, 1.1754943508222875e-38)
         g2 = tl.math.div_rn(a * 0.0 + 1.0, a) * 2688.0
         g2 = tl.where(g2 == float("inf"), 1.0, g2)
         gs2 = tl.zeros([CT], tl.float32) + g2
         inv2 = tl.zeros([CT], tl.float32) + tl.math.div_rn(g2 * 0.0 + 1.0, g2)
-        sel2 = tl.reshape(sel.to(tl.int32), (NTP, CT))
-        if PACK or GATHER:
-            fi = tl.arange(0, NTP * CT)
-            slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
-            tl.store(idx_ptr + row * NSEL + slot, fi, mask=sel)  # cast to idx_ptr's int64 / int32
+        fi = tl.arange(0, NTP * CT)
+        slot = tl.cumsum(sel.to(tl.int32), axis=0) - 1
+        tl.store(idx_ptr + row * NSEL + slot, fi, mask=sel)  # cast to idx_ptr's int64 / int32
         if PACK:
             tl.store(gs2_ptr + row, g2)
         if STOP == 3:
             tl.store(idx_ptr + row * NSEL, tl.sum(sel.to(tl.int32), axis=0) + g2.to(tl.int32))
             return
-        if GATHER:
-            tl.debug_barrier()
-            for s0 in tl.range(0, NSEL, CT, num_stages=STAGES):
-                sl = s0 + ci
-                smask = sl < NSEL
-                blk = tl.load(idx_ptr + row * NSEL + sl, mask=smask, other=0)
-                b = row * NB + blk
-                v0, v1, r0, r1, s2, sb2, os2 = _tile_second(x_ptr, b, smask, gs, inv, gs2, inv2, FAST)
-                if PACK:
-                    tl.store(packed2_ptr + row * NSEL + sl, _tile_word(r0, r1, os2), mask=smask)
-                    tl.store(scale2_ptr + row * NSEL + sl, sb2.to(tl.uint8), mask=smask)
-                else:
-                    f2 = tl.math.div_rn(s2, gs2)
-                    _store_halves(out_ptr, b, v0 + _hold_qdq_half(r0, os2, f2, FAST),
-                                  v1 + _hold_qdq_half(r1, os2, f2, FAST), smask, OUT)
-        else:
-            base = row * NSEL
-            for t in tl.range(0, nt, num_stages=STAGES):
-                c = t * CT + ci
-                cmask = c < NB
-                b = row * NB + c
-                st = tl.sum(tl.where(ti[:, None] == t, sel2, 0), axis=0) != 0
-                v0, v1, r0, r1, s2, sb2, os2 = _tile_second(x_ptr, b, cmask, gs, inv, gs2, inv2)
-                if PACK:
-                    slot2 = base + tl.cumsum(st.to(tl.int32), axis=0) - 1
-                    tl.store(packed2_ptr + slot2, _tile_word(r0, r1, os2), mask=st)
-                    tl.store(scale2_ptr + slot2, sb2.to(tl.uint8), mask=st)
-                    base += tl.sum(st.to(tl.int32), axis=0)
-                else:
-                    f2 = tl.math.div_rn(s2, gs2)
-                    v0 = tl.where(st[:, None], v0 + _qdq_half(r0, os2, f2), v0)
-                    v1 = tl.where(st[:, None], v1 + _qdq_half(r1, os2, f2), v1)
-                    _store_halves(out_ptr, b, v0, v1, cmask, OUT)
+        tl.debug_barrier()
+        for s0 in tl.range(0, NSEL, CT):
+            sl = s0 + ci
+            smask = sl < NSEL
+            blk = tl.load(idx_ptr + row * NSEL + sl, mask=smask, other=0)
+            b = row * NB + blk
+            v0, v1, r0, r1, s2, sb2, os2 = _tile_second(x_ptr, b, smask, gs, inv, gs2, inv2)
+            if PACK:
+                tl.store(packed2_ptr + row * NSEL + sl, _tile_word(r0, r1, os2), mask=smask)
+                tl.store(scale2_ptr + row * NSEL + sl, sb2.to(tl.uint8), mask=smask)
+            else:
+                f2 = tl.math.div_rn(s2, gs2)
+                _store_halves(out_ptr, b, v0 + _hold_qdq_half(r0, os2, f2, True),
+                              v1 + _hold_qdq_half(r1, os2, f2, True), smask, OUT)
 
     @triton.jit
     def _hold_qdq_half(x, os, factor, FAST: tl.constexpr):
@@ -994,95 +933,16 @@ if triton is not None:
         return gt | (eq & (tl.cumsum(eq.to(tl.int32), axis=0) <= need))
 
     @triton.jit
-    def _select_top(eb, th, NSEL, FAST: tl.constexpr, EARLY: tl.constexpr):
-        """:func:`_tie_select` of the threshold ``th`` of ``_topn_threshold``; with FAST and the early-stopped
-        search (EARLY): when exactly NSEL scores are >= th (the early stop's usual case) those are the
-        selection and the tie scan is skipped (same blocks)."""
-        if FAST and EARLY:
-            ge = eb >= th
-            if tl.sum(ge.to(tl.int32), axis=0) == NSEL:
-                sel = ge
-            else:
-                sel = _tie_select(eb, th, NSEL)
+    def _select_top(eb, th, NSEL):
+        """:func:`_tie_select` of the early-stopped search's threshold ``th`` (``_bits_threshold``): when exactly
+        NSEL scores are >= th (the early stop's usual case) those are the selection and the tie scan is skipped
+        (same blocks; FAST)."""
+        ge = eb >= th
+        if tl.sum(ge.to(tl.int32), axis=0) == NSEL:
+            sel = ge
         else:
             sel = _tie_select(eb, th, NSEL)
         return sel
-
-    @triton.jit
-    def _residual_hold_kernel(
-        x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
-        NB, NSEL, GS_DIV,
-        NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, EARLY: tl.constexpr = True,
-        FAST: tl.constexpr = False,
-    ):
-        """Per-token QUADS residual compensation in ONE walk, one program per row of x [M, K] (NB = K / 16
-        blocks, padded to NBP): the whole row is held on chip as two float32 [NBP, 8] halves (one thread
-        per 16-block, ``_load_halves`` layout; each thread holds NBP / (32 * num_warps) blocks), so nothing
-        is read twice and the first pass is computed once:
-
-        1. first pass (``_tile_qdq``; PACK: its words and scale bytes are written), residual R = x - Q(x),
-           per-block score (``_tree8`` of the halves: the reference's pairwise order) and residual amax,
-           all kept in registers;
-        2. the row's NSEL highest scores as in ``_residual_tiled_kernel`` (threshold ``_topn_threshold``,
-           EARLY: stopped once the count is exact; ties to the lower block index by a cumulative count)
-           and the second-pass global scale of the row from the selected blocks' residual amax;
-        3. from the kept residuals: PACK: Q(R) words / scale bytes / block indices of the selected blocks
-           at their slot (cumulative count) and gs2; else Q(x) + Q(R_sel) (float32 sum, one cast), every
-           output element written once.
-
-        Same bytes as the tiled / gather kernels (the same formulas on the same values). Q(R) is
-        computed for every block of the row and kept where selected (SIMT: no compaction), so its cost
-        does not fall with the ratio; in exchange there is no second read of x, no recomputed first pass,
-        no index round trip through memory and no double write of the selected blocks.
-
-        FAST (speed only, same bytes): ``_hold_qdq_half``'s fused magic, and the tie scan skipped when the
-        early-stopped threshold already counts exactly NSEL blocks (then the selection is ``score >= T``)."""
-        row = tl.program_id(0).to(tl.int64)
-        c = tl.arange(0, NBP)
-        cmask = c < NB
-        b = row * NB + c
-        g = tl.load(gs_ptr + row // GS_DIV)
-        gs = tl.zeros([NBP], tl.float32) + g
-        inv = tl.zeros([NBP], tl.float32) + tl.math.div_rn(g * 0.0 + 1.0, g)
-        x0, x1 = _load_halves(x_ptr, b, cmask)
-        vec_max = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
-        sval, sbyte, os = _scales_inv(vec_max, gs, inv)
-        factor = tl.math.div_rn(sval, gs)
-        v0 = _hold_qdq_half(x0, os, factor, FAST)
-        v1 = _hold_qdq_half(x1, os, factor, FAST)
-        if PACK:
-            tl.store(packed1_ptr + b, _tile_word(x0, x1, os), mask=cmask)
-            tl.store(scale1_ptr + b, sbyte.to(tl.uint8), mask=cmask)
-        r0 = x0 - v0
-        r1 = x1 - v1
-        s0 = r0 * r0
-        s1 = r1 * r1
-        if HAS_W:
-            wv0, wv1 = _load_halves(w_ptr, c, cmask)
-            s0 = s0 * wv0
-            s1 = s1 * wv1
-        eb = tl.where(cmask, (_tree8(s0) + _tree8(s1)).to(tl.int32, bitcast=True), -1)  # padding: never selected
-        th = _topn_threshold(eb, NSEL, 1, EARLY)
-        sel = _select_top(eb, th, NSEL, FAST, EARLY)
-        ra = tl.maximum(tl.max(tl.abs(r0), axis=1), tl.max(tl.abs(r1), axis=1))
-        amax = tl.max(tl.where(sel, ra, 0.0), axis=0)
-        a = tl.maximum(amax, 1.1754943508222875e-38)
-        g2 = tl.math.div_rn(a * 0.0 + 1.0, a) * 2688.0
-        g2 = tl.where(g2 == float("inf"), 1.0, g2)
-        gs2 = tl.zeros([NBP], tl.float32) + g2
-        inv2 = tl.zeros([NBP], tl.float32) + tl.math.div_rn(g2 * 0.0 + 1.0, g2)
-        s2, sb2, os2 = _scales_inv(ra, gs2, inv2)
-        if PACK:
-            slot = row * NSEL + tl.cumsum(sel.to(tl.int32), axis=0) - 1
-            tl.store(packed2_ptr + slot, _tile_word(r0, r1, os2), mask=sel)
-            tl.store(scale2_ptr + slot, sb2.to(tl.uint8), mask=sel)
-            tl.store(idx_ptr + slot, c, mask=sel)  # cast to idx_ptr's int64
-            tl.store(gs2_ptr + row, g2)
-        else:
-            f2 = tl.math.div_rn(s2, gs2)
-            v0 = tl.where(sel[:, None], v0 + _hold_qdq_half(r0, os2, f2, FAST), v0)
-            v1 = tl.where(sel[:, None], v1 + _hold_qdq_half(r1, os2, f2, FAST), v1)
-            _store_halves(out_ptr, b, v0, v1, cmask, OUT)
 
 #: Blocks (of 16 elements) per program, warps, and the load style of ``_load_pairs`` for the
 #: elementwise kernels. Tuned on the H200 by ``verl-quads bench nvfp4 --sweep``.
@@ -1092,18 +952,22 @@ TILE_CONFIG = {"blocks": 128, "num_warps": 2, "split": True}
 #: quantize / fake_quantize: "v1" = ``_quant_kernel`` (a block's 16 elements spread over threads,
 #: TILE_CONFIG) or "v2" = ``_quant2_kernel`` (one thread per block, global scale and its reciprocal
 #: once per program, QUANT2_CONFIG); residual_per_token (per-row global scale): "row" =
-#: ``_residual_row_kernel`` (whole row in registers, ROW_CONFIG), "tiled" = ``_residual_tiled_kernel``
-#: (row walked in tiles twice, TILED_CONFIG), "auto" (the ``RESIDUAL_BY_BLOCKS`` variant for the row's
-#: padded block count: the default), "gather" (the same kernel, second walk over the
-#: selected blocks only) or "hold" (``_residual_hold_kernel``: one walk, the row in registers;
-#: TILED_CONFIG["hold"], longer rows run "gather") or "gluon" (:mod:`.gluon_residual`: the row staged in shared
+#: ``_residual_row_kernel`` (whole row in registers, ROW_CONFIG), "gather" = ``_residual_tiled_kernel`` (row
+#: walked in tiles, second walk over the selected blocks only; TILED_CONFIG["gather"]), "auto" (the
+#: ``RESIDUAL_BY_BLOCKS`` variant of the gather kernel for the row's padded block count: the default) or
+#: "gluon" (:mod:`.gluon_residual`: the row staged in shared
 #: memory, bf16 QDQ only, per-row global scale, no score_weight; Gluon on a CUDA GPU, else a RuntimeError saying why:
-#: an explicit choice never falls back; "auto" takes it where GLUON_RESIDUAL_AUTO says and it can run). ``verl-quads bench nvfp4`` times every variant side by side; the defaults
+#: an explicit choice never falls back; "auto" takes it where GLUON_RESIDUAL_AUTO says and it can run) -- see
+#: RESIDUAL_PER_TOKEN_CHOICES ("tiled" and "hold" were removed in session 10: measured slower). ``verl-quads bench
+#: nvfp4`` times every variant side by side; the defaults
 #: are its H200 winners (docs/bench_nvfp4_h200_session3.txt: 8192x8192 quantize v2 76% of copy BW vs
 #: v1 66%; per-token residual QDQ k=0.5 gather 2.4x plain QDQ vs row 4.8x). "bf16_store":
 #: how v2 / tiled / gather write bfloat16 outputs on a GPU: "native" (one conversion instruction) or
 #: "int" (integer rounding, as v1 and always under the interpreter, whose cast truncates).
 KERNELS = {"quantize": "v2", "fake_quantize": "v2", "residual_per_token": "auto", "bf16_store": "native"}
+
+#: The allowed values of ``KERNELS["residual_per_token"]`` (anything else is a ValueError naming these).
+RESIDUAL_PER_TOKEN_CHOICES = ("auto", "gather", "row", "gluon")
 
 #: ``_quant2_kernel``: 16-blocks per program, warps, and the float formulation of the E2M1 index
 #: (``_e2m1_code`` FP=True) for quantize; tuned by ``verl-quads bench nvfp4 --sweep`` (values below:
@@ -1112,50 +976,36 @@ KERNELS = {"quantize": "v2", "fake_quantize": "v2", "residual_per_token": "auto"
 #: E2M1; 25.0 with the float one), v2 QDQ 19.6 (bf16 written by cvt.rn).
 QUANT2_CONFIG = {"quantize": {"blocks": 512, "num_warps": 4, "fp": False}, "qdq": {"blocks": 256, "num_warps": 8}}
 
-#: ``_residual_tiled_kernel``, per variant ("tiled", "gather"): 16-blocks per tile and warps per row
-#: program; rows longer than ``max_blocks`` blocks use the multi-kernel path.
+#: ``_residual_tiled_kernel`` ("gather"): 16-blocks per tile and warps per row program; rows longer than
+#: ``max_blocks`` blocks use the multi-kernel path.
 # "gather" early=True: H200 2026-11-30 (docs/bench_nvfp4_h200_residual_variants_s4.txt), same bytes, k=0.5 bf16
 # residual QDQ 176 -> 151 us at 8192x8192, 28.2 -> 22.1 us at 4096x2048. The default ("auto") picks tile / warps
-# per row length from RESIDUAL_BY_BLOCKS (session 5).
-TILED_CONFIG = {"tiled": {"tile_blocks": 64, "num_warps": 2},
-                "gather": {"tile_blocks": 64, "num_warps": 2, "early": True},
-                # ``_residual_hold_kernel`` (one walk, row in registers): warps = padded blocks / (32 *
-                # blocks_per_thread), clamped to [1, 16]; rows over its "max_blocks" (padded) run "gather"
-                "hold": {"blocks_per_thread": 2, "early": True, "max_blocks": 1024},
-                "max_blocks": 8192}
+# per row length from RESIDUAL_BY_BLOCKS (session 5). Since session 10 the kernel always runs the early-stopped
+# search and the FAST rounding / selection (every default did), so plain "gather" is "gather-early-fast".
+TILED_CONFIG = {"gather": {"tile_blocks": 64, "num_warps": 2}, "max_blocks": 8192}
 
-#: Named speed variants of the tiled / gather per-token residual kernel (kernel, TILED_CONFIG overrides), all
-#: bit-identical to the default (tests/unit/test_nvfp4_triton.py, tests/gpu/test_nvfp4_gpu.py); timed side by
-#: side by ``python -m verl_quads.bench.nvfp4 --residual-variants``. Optional TILED_CONFIG keys: "radix" (bits
-#: per step of the threshold search, default 1: 31 steps), "early" (stop the search once the count is exact),
-#: "stages" (``tl.range(num_stages=...)`` for the tile walks; default None: plain loops).
+#: Named speed variants of the gather per-token residual kernel (kernel, TILED_CONFIG overrides): the ones
+#: RESIDUAL_BY_BLOCKS uses, all bit-identical to the torch reference (tests/unit/test_nvfp4_triton.py,
+#: tests/gpu/test_nvfp4_gpu.py); timed side by side by ``python -m verl_quads.bench.nvfp4 --residual-variants``.
+# Removed in session 10 (never a default, measured slower on the H200 -- bf16 residual QDQ us at k=0.5, H200,
+# docs/bench_nvfp4_h200_residual_variants_s4.txt / _s5.txt -- with the kernel options only they used):
+#   "gather" (full 31-step search): 176 vs 151 (gather-early) at 8192x8192, 28.2 vs 22.1 at 4096x2048 (s4);
+#   "gather-radix4" (radix-4 search): 278 / 36.7 (s4); "gather-early-stages2" (pipelined walks): 180 / 26.5 (s4);
+#   "tiled" (second walk over every block): 192 / 31.2; "tiled-early-stages2": 192 / 28.7 (s4);
+#   "gather-early-t64w1": 181 / 22.1; "-t128w2": 156 / 30.7; "-t256w4": 170 / 33.0 (s4; the defaults 142 / 19.3);
+#   the non-FAST twins of the defaults, "gather-early" (t64w2) 152 vs 145, "gather-early-t128w4" 148 vs 142 at
+#   8192x8192, "gather-early-t32w1" 20.3 vs 19.3 at 4096x2048 and 125 vs 119 at 32768x2048 (s5; the one point where
+#   a non-FAST twin measured faster: packed residual_quantize at 32768x2048, t32w1 138-139 vs t32w1-fast 143 us);
+#   "hold-b2-fast" / "hold-b4-fast" (``_residual_hold_kernel``: one walk, the row in registers): 229 / 239 vs 142 at
+#   8192x8192, 22.1 / 21.8 vs 19.3 at 4096x2048, 150 / 135 vs 119 at 32768x2048 (s5).
+# Tried and removed earlier (session 8, H200, docs/bench_nvfp4_h200_residual_probe_s8.txt, bytes == default): L2
+# eviction hints (x evict_last in the first walk, evict_first in the gather walk) 142 -> 140 us at 8192x8192 k=0.5,
+# 32.2 -> 32.2 / 19.5 -> 19.5 at 4096x2048; reusing the search's counts (two reductions fewer) 142 -> 146 / 19.5 -> 19.0
 RESIDUAL_VARIANTS = {
-    "gather": ("gather", {"early": False}),
-    "gather-early": ("gather", {"early": True}),
-    "gather-radix4": ("gather", {"radix": 4}),
-    "gather-early-stages2": ("gather", {"early": True, "stages": 2}),
+    "gather-early-fast": ("gather", {}),
     # one warp per row: every reduction is warp shuffles only (no shared memory, no CTA barrier in the search)
-    "gather-early-t32w1": ("gather", {"early": True, "tile_blocks": 32, "num_warps": 1}),
-    "gather-early-t64w1": ("gather", {"early": True, "tile_blocks": 64, "num_warps": 1}),
-    "gather-early-t128w2": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 2}),
-    "gather-early-t128w4": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 4}),
-    "gather-early-t256w4": ("gather", {"early": True, "tile_blocks": 256, "num_warps": 4}),
-    # + FAST (``_residual_tiled_kernel``): fused E2M1 magic, tie scan only when the early count is not exact
-    "gather-early-fast": ("gather", {"early": True, "fast": True}),
-    "gather-early-t32w1-fast": ("gather", {"early": True, "tile_blocks": 32, "num_warps": 1, "fast": True}),
-    "gather-early-t128w4-fast": ("gather", {"early": True, "tile_blocks": 128, "num_warps": 4, "fast": True}),
-    "tiled": ("tiled", {}),
-    "tiled-early-stages2": ("tiled", {"early": True, "stages": 2}),
-    # one walk, the row held in registers (``_residual_hold_kernel``): 1 / 2 / 4 blocks (16 / 32 / 64 elements)
-    # per thread, i.e. K=8192: 16 / 8 / 4 warps, K=2048: 4 / 2 / 1 warps
-    # + FAST: fused E2M1 magic, tie scan only when the early-stopped count is not exact. Measured SLOWER than
-    # gather on the H200 (session 5, k=0.5 bf16: 229-239 us vs 148 at 8192^2, 21.8 vs 20.3 at 4096x2048, 135 vs
-    # 125 at 32768x2048; hold-b1/b2/b4 without FAST were slower still and are gone): kept as a measured option
-    # Tried and removed (session 8, H200, docs/bench_nvfp4_h200_residual_probe_s8.txt, bytes == default): L2 eviction
-    # hints (x evict_last in the first walk, evict_first in the gather walk) 142 -> 140 us at 8192x8192 k=0.5, 32.2 ->
-    # 32.2 / 19.5 -> 19.5 at 4096x2048; reusing the search's counts (two reductions fewer) 142 -> 146 / 19.5 -> 19.0
-    "hold-b2-fast": ("hold", {"blocks_per_thread": 2, "fast": True}),
-    "hold-b4-fast": ("hold", {"blocks_per_thread": 4, "fast": True}),
+    "gather-early-t32w1-fast": ("gather", {"tile_blocks": 32, "num_warps": 1}),
+    "gather-early-t128w4-fast": ("gather", {"tile_blocks": 128, "num_warps": 4}),
 }
 
 
@@ -1422,20 +1272,31 @@ def _row_warps(nbp: int) -> int:
     return int(min(16, max(1, triton.next_power_of_2(max(1, nbp * BLOCK_SIZE // (32 * ROW_CONFIG["elems_per_thread"]))))))
 
 
+def _residual_choice() -> str:
+    """``KERNELS["residual_per_token"]``, checked against RESIDUAL_PER_TOKEN_CHOICES."""
+    choice = KERNELS["residual_per_token"]
+    if choice not in RESIDUAL_PER_TOKEN_CHOICES:
+        raise ValueError(f"triton_kernels.KERNELS['residual_per_token'] = {choice!r}: must be one of "
+                         f"{list(RESIDUAL_PER_TOKEN_CHOICES)} (\"tiled\" and \"hold\" were removed in session 10; "
+                         f"named gather variants: RESIDUAL_VARIANTS {list(RESIDUAL_VARIANTS)})")
+    return choice
+
+
 def _fused_rows_ok(gs: torch.Tensor, m: int, nb: int) -> bool:
     """A fused per-token kernel (``KERNELS["residual_per_token"]``) applies when the second-pass
     global scale is per row: a per-row first-pass scale ``[M, 1]`` (or a single row), and the padded
     row fits that kernel's config (ROW_CONFIG / TILED_CONFIG ``max_blocks``)."""
-    if KERNELS["residual_per_token"] == "gluon":  # explicit: _residual_rows runs it or raises (no silent fallback)
+    choice = _residual_choice()
+    if choice == "gluon":  # explicit: _residual_rows runs it or raises (no silent fallback)
         return m > 0 and nb > 0
     per_row = gs.dim() == 2 and gs.shape[0] == m and gs.shape[1] == 1
-    cfg = TILED_CONFIG if KERNELS["residual_per_token"] in ("tiled", "gather", "hold", "auto") else ROW_CONFIG
+    cfg = TILED_CONFIG if choice in ("gather", "auto") else ROW_CONFIG
     return (per_row or m == 1) and m > 0 and nb > 0 and triton.next_power_of_2(nb) <= cfg["max_blocks"]
 
 
 def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: float, w, packed: bool,
                    stop: int = 0):
-    """Fused per-token path (``_residual_row_kernel`` or ``_residual_tiled_kernel``, see KERNELS):
+    """Fused per-token path (``_residual_row_kernel``, ``_residual_tiled_kernel`` or the Gluon kernel, see KERNELS):
     ResidualNVFP4 if ``packed`` else the QDQ tensor. Both kernels take the same arguments. ``stop`` > 0: the
     gather kernel's STOP timing probe (``bench nvfp4 --residual-probe``; QDQ only, the output is not a result)."""
     m, k = x.shape
@@ -1445,30 +1306,20 @@ def _residual_rows(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: f
     g1, div1 = _gs_rows(gs, (m,))
     nbp = triton.next_power_of_2(nb)
     wt = w if w is not None else g1
-    choice = KERNELS["residual_per_token"]
+    choice = _residual_choice()
     if choice == "gluon" or (choice == "auto" and _auto_gluon(x, gs, w, nbp, packed, stop)):
         return _residual_rows_gluon(x, gs, xc, w, g1, div1, nbp, n_sel, packed, stop)
     over = {}
     if choice == "auto":
         choice, over = RESIDUAL_VARIANTS[_auto_residual_variant(nbp)]
-    if choice == "hold" and nbp > dict(TILED_CONFIG["hold"], **over)["max_blocks"]:
-        choice, over = "gather", {}  # the same bytes; the row does not fit the one-walk kernel's registers
     scratch = None
-    if choice == "hold":
-        kernel = _residual_hold_kernel
-        cfg = dict(TILED_CONFIG["hold"], **over)
-        meta = dict(NBP=nbp, HAS_W=w is not None, EARLY=cfg.get("early", True), FAST=cfg.get("fast", False),
-                    enable_fp_fusion=False,
-                    num_warps=int(min(16, max(1, nbp // (32 * cfg["blocks_per_thread"])))))
-    elif choice in ("tiled", "gather"):
+    if choice == "gather":
         kernel = _residual_tiled_kernel
         cfg = dict(TILED_CONFIG[choice], **over)
         ct = min(cfg["tile_blocks"], nbp)
         meta = dict(NTP=triton.next_power_of_2(triton.cdiv(nb, ct)), CT=ct, HAS_W=w is not None,
-                    GATHER=choice == "gather", RADIX=cfg.get("radix", 1), STAGES=cfg.get("stages"),
-                    EARLY=cfg.get("early", False), FAST=cfg.get("fast", False),
                     enable_fp_fusion=False, num_warps=cfg["num_warps"])
-        if choice == "gather" and not packed:  # selected block indices, read back by the same program
+        if not packed:  # selected block indices, read back by the same program
             scratch = torch.empty(m, max(n_sel, 1), dtype=torch.int32, device=dev)
         if stop:
             meta["STOP"] = int(stop)
