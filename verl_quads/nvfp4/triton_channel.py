@@ -4,8 +4,7 @@
 
 One program per row of ``x`` ``[M, K]`` (``_channel_row_kernel``), the whole row held on chip as two float32
 ``[NBP, 8]`` halves (elements 0..7 / 8..15 of each 16-block; NB = K / 16 blocks padded to a power of two NBP), one
-thread per block as in the block rule's ``triton_kernels._residual_hold_kernel``, so block maxima, scales, packed
-words and QDQ stay in the thread:
+thread per block, so block maxima, scales, packed words and QDQ stay in the thread:
 
 1. first pass ``Q(x)`` under the row's global scale (the shared helpers of :mod:`.triton_kernels`: E4M3 block
    scale ``_scales_inv``, E2M1 rounding ``_hold_qdq_half``, packed words ``_tile_word``), ``R = x - deq(Q(x))`` in
