@@ -266,15 +266,13 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
         def default(i):
             return tg.moe_forward(x, sw, ids, *w13[i], *w2[i], "w4a16")
 
-        def before(i):  # moe_forward without this bucket's GLUON_MOE_TABLE entries and with 3-launch moe_align
+        def before(i):  # moe_forward without this bucket's GLUON_MOE_TABLE entries
             keys = [k for k in tg.GLUON_MOE_TABLE if k[0] == tg.gluon_moe_bucket(s)]
             saved = {k: tg.GLUON_MOE_TABLE.pop(k) for k in keys}
-            two, tg.MOE_ALIGN_TWO_LAUNCHES = tg.MOE_ALIGN_TWO_LAUNCHES, False
             try:
                 return tg.moe_forward(x, sw, ids, *w13[i], *w2[i], "w4a16")
             finally:
                 tg.GLUON_MOE_TABLE.update(saved)
-                tg.MOE_ALIGN_TWO_LAUNCHES = two
 
         def gluon(i):
             r = tg.moe_align(ids, E, bm)
@@ -299,7 +297,7 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
         variants = [("bf16 layer (torch._grouped_mm)", bf16), ("default moe_forward w4a16", default),
                     (f"gluon GEMMs layer (w13 {c13.label}; w2 {c2.label})", gluon)]
         if hasattr(tg, "gluon_moe_bucket") and any(k[0] == tg.gluon_moe_bucket(s) for k in tg.GLUON_MOE_TABLE):
-            variants.insert(2, ("moe_forward before (no GLUON_MOE_TABLE entries here, 3-launch moe_align)", before))
+            variants.insert(2, ("moe_forward without the GLUON_MOE_TABLE entries here", before))
         for lb, fn in variants:
             try:
                 res[lb] = (_time_rot(fn, copies), _time_rot(fn, 1))
@@ -339,7 +337,8 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
 
 
 def _align_kernels(ids, bm):
-    """moe_align's three launches (S > MOE_ALIGN_ONE_PROGRAM_MAX) timed one by one, as moe_align launches them."""
+    """moe_align's two launches (S > MOE_ALIGN_ONE_PROGRAM_MAX) timed one by one, as moe_align launches them, an
+    empty launch, and moe_align itself (checked == moe_align_reference)."""
     import triton
 
     from verl_quads.nvfp4 import triton_gemm as tg
@@ -354,39 +353,21 @@ def _align_kernels(ids, bm):
     ep = triton.next_power_of_2(E + 2)
     chunk = 128 * max(1, -(-s // (128 * 64)))
     p = -(-s // chunk)
-    hist, base, start = torch.empty(p, ep, **i32), torch.empty(p, ep, **i32), torch.empty(ep, **i32)
+    hist, start = torch.empty(p, ep, **i32), torch.empty(ep, **i32)
     te, tr0, tr1, so, st = (torch.empty(t_max, **i32), torch.empty(t_max, **i32), torch.empty(t_max, **i32),
                             torch.empty(s, **i32), torch.empty(s, **i32))
     tg._moe_hist_kernel[(p,)](flat, hist, s, E, C=chunk, EP=ep)
-    tg._moe_scan_kernel[(1,)](hist, base, start, te, tr0, tr1, p, E, t_max, BM=bm, PP=triton.next_power_of_2(p), EP=ep,
-                              TT=32, num_warps=8)
-    out = [(f"  align: hist ({p} programs)", _time_rot(
+    ref = tg.moe_align_reference(ids, E, bm)
+    same = all(torch.equal(getattr(r, f), getattr(ref, f)) for f in
+               ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"))
+    return [(f"  align: hist ({p} programs)", _time_rot(
         lambda i: tg._moe_hist_kernel[(p,)](flat, hist, s, E, C=chunk, EP=ep), 1)),
-        ("  align: scan + tile table (1 program)", _time_rot(
-            lambda i: tg._moe_scan_kernel[(1,)](hist, base, start, te, tr0, tr1, p, E, t_max, BM=bm,
-                                                PP=triton.next_power_of_2(p), EP=ep, TT=32, num_warps=8), 1)),
-        (f"  align: scatter ({p} programs)", _time_rot(
-            lambda i: tg._moe_scatter_kernel[(p,)](flat, base, start, so, st, s, E, TOP_K, C=chunk, EP=ep,
-                                                   num_warps=8), 1)),
-        ("  align: empty launch (torch add 1 elt)", _time_rot(lambda i: start[:1].add_(0), 1))]
-    if hasattr(tg, "_moe_scan_scatter_kernel"):
-        out.append((f"  align: scan + scatter in one launch ({p} programs)", _time_rot(
+        (f"  align: scan + tile table + scatter ({p} programs)", _time_rot(
             lambda i: tg._moe_scan_scatter_kernel[(p,)](flat, hist, te, tr0, tr1, so, st, s, E, TOP_K, p, t_max,
                                                         C=chunk, EP=ep, PP=triton.next_power_of_2(p), BM=bm, TT=32,
-                                                        num_warps=8), 1)))
-        old = tg.MOE_ALIGN_TWO_LAUNCHES
-        try:
-            for two in (False, True):
-                tg.MOE_ALIGN_TWO_LAUNCHES = two
-                ref = tg.moe_align_reference(ids, E, bm)
-                got = tg.moe_align(ids, E, bm)
-                same = all(torch.equal(getattr(got, f), getattr(ref, f)) for f in
-                           ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"))
-                out.append((f"  moe_align, {'2' if two else '3'} launches ({'== reference' if same else 'WRONG'})",
-                            _time_rot(lambda i: tg.moe_align(ids, E, bm), 1)))
-        finally:
-            tg.MOE_ALIGN_TWO_LAUNCHES = old
-    return out
+                                                        num_warps=8), 1)),
+        ("  align: empty launch (torch add 1 elt)", _time_rot(lambda i: start[:1].add_(0), 1)),
+        (f"  moe_align ({'== reference' if same else 'WRONG'})", _time_rot(lambda i: tg.moe_align(ids, E, bm), 1))]
 
 
 def main(argv=None) -> None:

@@ -44,10 +44,9 @@ if gluon is not None:
 
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from verl_quads.nvfp4.gluon_gemm import (_k_range, k_loop, mma_layout, split_fixup, std_weight_offsets,
-                                             std_x_offsets, std_x_rows)
-    from verl_quads.nvfp4.gluon_gemm import (_cta_barrier, _iota, _std_chunk_loads, _std_chunk_mma, dot_layout,
-                                             std_pair_layout, std_word_layout, std_x_layout)
+    from verl_quads.nvfp4.gluon_gemm import (_cta_barrier, _k_range, _std_chunk_loads, _std_chunk_mma, dot_layout,
+                                             k_loop, mma_layout, split_fixup, std_pair_layout, std_weight_offsets,
+                                             std_x_layout, std_x_offsets, std_x_rows)
 
     @gluon.jit
     def _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, r0, r1, N, OUT_ROWS, pid_n, pid_k, ci,
@@ -111,25 +110,6 @@ if gluon is not None:
 
 
     # ---- wide variant: RG row groups per warp, optional activation staging in shared memory (XS)
-
-    @gluon.jit
-    def _wide_weight_offsets(pid_n, N, KW, KB, NW: gl.constexpr, RG: gl.constexpr, KC: gl.constexpr,
-                             WPT: gl.constexpr):
-        """:func:`~verl_quads.nvfp4.gluon_gemm.std_weight_offsets` for ``NW RG`` row groups per program (the layouts
-        of NW warps wrap: warp w holds row groups w, w + NW, ...)."""
-        L6: gl.constexpr = std_word_layout(NW, WPT)
-        LS: gl.constexpr = gl.SliceLayout(6, std_pair_layout(NW, WPT))
-        IB: gl.constexpr = WPT // 2
-        R: gl.constexpr = NW * RG
-        roww = gl.minimum(pid_n * R * 16 + _iota(R, 0, 6, L6) * 16 + _iota(2, 1, 6, L6) * 8 + _iota(8, 2, 6, L6),
-                          N - 1)
-        kcw = _iota(KC, 4, 6, L6)
-        woff = roww * KW + kcw * (4 * WPT) + _iota(4, 3, 6, L6) * WPT + _iota(WPT, 5, 6, L6)
-        rows_s = gl.minimum(pid_n * R * 16 + _iota(R, 0, 6, LS) * 16 + _iota(2, 1, 6, LS) * 8 + _iota(8, 2, 6, LS),
-                            N - 1)
-        kcs = _iota(KC, 4, 6, LS)
-        soff = rows_s * KB + kcs * (2 * WPT) + _iota(4, 3, 6, LS) * IB + _iota(IB, 5, 6, LS)
-        return woff, kcw, soff, kcs
 
     @gluon.jit
     def _wide_mma(acc, wd, sc, xv, NW: gl.constexpr, RG: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr,
@@ -292,7 +272,7 @@ if gluon is not None:
             e64 = e.to(gl.int64)
             w_e = w_ptr + e64 * N * KW
             s_e = s_ptr + e64 * N * KB
-            woff, kcw, soff, kcs = _wide_weight_offsets(pid_n, N, KW, KB, NW, RG, KC, WPT)
+            woff, kcw, soff, kcs = std_weight_offsets(pid_n, N, KW, KB, NW, KC, WPT, RG)
             gw = gl.load(gs_ptr + e + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)) * 0)
             for p in gl.static_range(PASSES):
                 rs = r0 + p * (NT * 8)

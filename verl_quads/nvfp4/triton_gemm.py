@@ -390,25 +390,13 @@ if triton is not None:
         tl.store(hist_ptr + p * EP + tl.arange(0, EP), hist)
 
     @triton.jit
-    def _moe_scan_kernel(hist_ptr, base_ptr, start_ptr, te_ptr, tr0_ptr, tr1_ptr, P, E, T_MAX,
-                         BM: tl.constexpr, PP: tl.constexpr, EP: tl.constexpr, TT: tl.constexpr):
-        """One program: ``base[p, e]`` = slots of key e in chunks before p (exclusive scan over chunks),
-        ``start[e]`` = first sorted row of key e (keys in order; E, not local, last), and the tile table
-        (expert, row range) of ``T_MAX`` M-tiles of height BM; tiles past the last expert's get expert -1
-        and an empty range."""
-        pp = tl.arange(0, PP)
+    def _moe_tile_table(tend, tiles, start, cloc, te_ptr, tr0_ptr, tr1_ptr, t_first, t_step, E, T_MAX,
+                        BM: tl.constexpr, EP: tl.constexpr, TT: tl.constexpr):
+        """Tile-table blocks ``t_first, t_first + t_step, ...`` (TT entries each) of ``T_MAX`` M-tiles of height
+        BM: expert (searchsorted of the tile ends ``tend``), row range; tiles past the last expert's get expert -1
+        and an empty range. ``tiles`` / ``start`` / ``cloc``: tiles, first sorted row and local count per key."""
         ee = tl.arange(0, EP)
-        hmask = (pp < P)[:, None]
-        h = tl.load(hist_ptr + pp[:, None] * EP + ee[None, :], mask=hmask, other=0)
-        tl.store(base_ptr + pp[:, None] * EP + ee[None, :], tl.cumsum(h, axis=0) - h, mask=hmask)
-        counts = tl.sum(h, axis=0)
-        cl = tl.where(ee <= E, counts, 0)
-        start = tl.cumsum(cl, axis=0) - cl
-        tl.store(start_ptr + ee, start)
-        cloc = tl.where(ee < E, counts, 0)
-        tiles = (cloc + BM - 1) // BM
-        tend = tl.cumsum(tiles, axis=0)
-        for t0 in range(0, T_MAX, TT):
+        for t0 in range(t_first, T_MAX, t_step):
             t = t0 + tl.arange(0, TT)
             ex = tl.sum((tend[None, :] <= t[:, None]).to(tl.int32), axis=1)  # searchsorted(tend, t, right)
             live = ex < E
@@ -424,62 +412,11 @@ if triton is not None:
             tl.store(tr1_ptr + t, tl.where(live, r1, 0), mask=tm)
 
     @triton.jit
-    def _moe_scatter_kernel(ids_ptr, base_ptr, start_ptr, sorted_ptr, tok_ptr, S, E, TOPK,
-                            C: tl.constexpr, EP: tl.constexpr):
-        """Program p: each slot i of its chunk goes to sorted row ``start[key] + base[p, key] + (slots of
-        key earlier in the chunk)`` (a stable counting sort): ``sorted[row] = i``, ``tok[row] = i // TOPK``."""
-        p = tl.program_id(0)
+    def _moe_scatter_run(ids_ptr, sorted_ptr, tok_ptr, run, p, S, E, TOPK, C: tl.constexpr, EP: tl.constexpr):
+        """Program p's chunk of C slots (stable counting sort): slot i goes to sorted row ``run[key] + (slots of key
+        earlier in its 64-slot step)``, ``run[key]`` (the next sorted row of each key: start + slots of the key in
+        earlier chunks on entry) advanced by each step's histogram: ``sorted[row] = i``, ``tok[row] = i // TOPK``."""
         ee = tl.arange(0, EP)
-        ii = tl.arange(0, 64)
-        run = tl.zeros([EP], tl.int32)
-        for c0 in range(0, C, 64):
-            i = p * C + c0 + ii
-            valid = i < S
-            e = tl.load(ids_ptr + i, mask=valid, other=-1).to(tl.int32)
-            key = tl.where(valid, tl.where(e < 0, E, e), EP - 1)
-            rank = tl.sum(((key[:, None] == key[None, :]) & (ii[None, :] < ii[:, None])).to(tl.int32), axis=1)
-            prior = tl.sum(tl.where(ee[None, :] == key[:, None], run[None, :], 0), axis=1)
-            run += tl.histogram(key, EP)
-            kc = tl.minimum(key, EP - 1)
-            pos = (tl.load(start_ptr + kc, mask=valid, other=0) + tl.load(base_ptr + p * EP + kc, mask=valid, other=0)
-                   + prior + rank)
-            tl.store(sorted_ptr + pos, i, mask=valid)
-            tl.store(tok_ptr + pos, i // TOPK, mask=valid)
-
-    @triton.jit
-    def _moe_scan_scatter_kernel(ids_ptr, hist_ptr, te_ptr, tr0_ptr, tr1_ptr, sorted_ptr, tok_ptr, S, E, TOPK, P,
-                                 T_MAX, C: tl.constexpr, EP: tl.constexpr, PP: tl.constexpr, BM: tl.constexpr,
-                                 TT: tl.constexpr):
-        """:func:`_moe_scan_kernel` + :func:`_moe_scatter_kernel` in ONE launch of P programs (the scan is tiny:
-        every program redoes it from the P chunk histograms instead of reading it back from a second launch):
-        program p takes ``start`` (first sorted row of each key) and ``base[p]`` (slots of each key in chunks
-        before p) in registers, scatters its chunk (stable counting sort, as the scatter kernel), and writes the
-        tile-table blocks ``p, p + P, ...`` of TT entries (the scan kernel's formulas)."""
-        p = tl.program_id(0)
-        pp = tl.arange(0, PP)
-        ee = tl.arange(0, EP)
-        h = tl.load(hist_ptr + pp[:, None] * EP + ee[None, :], mask=(pp < P)[:, None], other=0)
-        counts = tl.sum(h, axis=0)
-        cl = tl.where(ee <= E, counts, 0)
-        start = tl.cumsum(cl, axis=0) - cl
-        run = start + tl.sum(tl.where((pp < p)[:, None], h, 0), axis=0)  # next sorted row of each key
-        cloc = tl.where(ee < E, counts, 0)
-        tiles = (cloc + BM - 1) // BM
-        tend = tl.cumsum(tiles, axis=0)
-        for t0 in range(p * TT, T_MAX, P * TT):
-            t = t0 + tl.arange(0, TT)
-            ex = tl.sum((tend[None, :] <= t[:, None]).to(tl.int32), axis=1)  # searchsorted(tend, t, right)
-            live = ex < E
-            oh = ee[None, :] == ex[:, None]
-            first = tl.sum(tl.where(oh, (tend - tiles)[None, :], 0), axis=1)
-            st = tl.sum(tl.where(oh, start[None, :], 0), axis=1)
-            cnt = tl.sum(tl.where(oh, cloc[None, :], 0), axis=1)
-            r0 = st + (t - first) * BM
-            r1 = tl.minimum(st + cnt, r0 + BM)
-            tm = t < T_MAX
-            tl.store(te_ptr + t, tl.where(live, ex, -1), mask=tm)
-            tl.store(tr0_ptr + t, tl.where(live, r0, 0), mask=tm)
-            tl.store(tr1_ptr + t, tl.where(live, r1, 0), mask=tm)
         ii = tl.arange(0, 64)
         for c0 in range(0, C, 64):
             i = p * C + c0 + ii
@@ -491,6 +428,58 @@ if triton is not None:
             run += tl.histogram(key, EP)
             tl.store(sorted_ptr + pos, i, mask=valid)
             tl.store(tok_ptr + pos, i // TOPK, mask=valid)
+
+    @triton.jit
+    def _moe_scan(hist_ptr, base_ptr, start_ptr, te_ptr, tr0_ptr, tr1_ptr, P, E, T_MAX,
+                  BM: tl.constexpr, PP: tl.constexpr, EP: tl.constexpr, TT: tl.constexpr):
+        """One program: ``base[p, e]`` = slots of key e in chunks before p (exclusive scan over chunks),
+        ``start[e]`` = first sorted row of key e (keys in order; E, not local, last), and the tile table
+        (:func:`_moe_tile_table`, all blocks)."""
+        pp = tl.arange(0, PP)
+        ee = tl.arange(0, EP)
+        hmask = (pp < P)[:, None]
+        h = tl.load(hist_ptr + pp[:, None] * EP + ee[None, :], mask=hmask, other=0)
+        tl.store(base_ptr + pp[:, None] * EP + ee[None, :], tl.cumsum(h, axis=0) - h, mask=hmask)
+        counts = tl.sum(h, axis=0)
+        cl = tl.where(ee <= E, counts, 0)
+        start = tl.cumsum(cl, axis=0) - cl
+        tl.store(start_ptr + ee, start)
+        cloc = tl.where(ee < E, counts, 0)
+        tiles = (cloc + BM - 1) // BM
+        _moe_tile_table(tl.cumsum(tiles, axis=0), tiles, start, cloc, te_ptr, tr0_ptr, tr1_ptr, 0, TT, E, T_MAX, BM,
+                        EP, TT)
+
+    @triton.jit
+    def _moe_scatter(ids_ptr, base_ptr, start_ptr, sorted_ptr, tok_ptr, S, E, TOPK, C: tl.constexpr,
+                     EP: tl.constexpr):
+        """Program p: :func:`_moe_scatter_run` of its chunk from ``start + base[p]`` (written by :func:`_moe_scan`)."""
+        p = tl.program_id(0)
+        ee = tl.arange(0, EP)
+        run = tl.load(start_ptr + ee) + tl.load(base_ptr + p * EP + ee)
+        _moe_scatter_run(ids_ptr, sorted_ptr, tok_ptr, run, p, S, E, TOPK, C, EP)
+
+    @triton.jit
+    def _moe_scan_scatter_kernel(ids_ptr, hist_ptr, te_ptr, tr0_ptr, tr1_ptr, sorted_ptr, tok_ptr, S, E, TOPK, P,
+                                 T_MAX, C: tl.constexpr, EP: tl.constexpr, PP: tl.constexpr, BM: tl.constexpr,
+                                 TT: tl.constexpr):
+        """moe_align past MOE_ALIGN_ONE_PROGRAM_MAX slots, after :func:`_moe_hist_kernel`: ONE launch of P programs
+        (the scan is tiny: every program redoes it from the P chunk histograms in registers instead of a separate
+        one-program launch): program p takes ``start`` (first sorted row of each key) and the slots of each key in
+        chunks before p, scatters its chunk (:func:`_moe_scatter_run`) and writes the tile-table blocks ``p, p + P,
+        ...`` (:func:`_moe_tile_table`)."""
+        p = tl.program_id(0)
+        pp = tl.arange(0, PP)
+        ee = tl.arange(0, EP)
+        h = tl.load(hist_ptr + pp[:, None] * EP + ee[None, :], mask=(pp < P)[:, None], other=0)
+        counts = tl.sum(h, axis=0)
+        cl = tl.where(ee <= E, counts, 0)
+        start = tl.cumsum(cl, axis=0) - cl
+        cloc = tl.where(ee < E, counts, 0)
+        tiles = (cloc + BM - 1) // BM
+        _moe_tile_table(tl.cumsum(tiles, axis=0), tiles, start, cloc, te_ptr, tr0_ptr, tr1_ptr, p * TT, P * TT, E,
+                        T_MAX, BM, EP, TT)
+        run = start + tl.sum(tl.where((pp < p)[:, None], h, 0), axis=0)  # next sorted row of each key
+        _moe_scatter_run(ids_ptr, sorted_ptr, tok_ptr, run, p, S, E, TOPK, C, EP)
 
     # ----------------------------------------------------------------------------------------------
     # W4A16 decode: weight streaming (issue #5). The GEMM at M <= 16 is bound by reading the packed
@@ -973,15 +962,15 @@ if triton is not None:
     def _moe_align_small_kernel(ids_ptr, hist_ptr, base_ptr, start_ptr, te_ptr, tr0_ptr, tr1_ptr, sorted_ptr, tok_ptr,
                                 S, E, TOPK, T_MAX, C: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
                                 TT: tl.constexpr):
-        """moe_align in ONE program (decode: S <= C slots, one chunk): the histogram, scan + tile table
-        and scatter kernels run back to back in this program, separated by barriers (their global
-        scratch writes are then visible to all its threads); saves two launches (~10 us of ~18 us at
-        M=1 on the H200)."""
+        """moe_align in ONE program (decode: S <= C slots, one chunk): the histogram kernel's body, the scan +
+        tile table (:func:`_moe_scan`) and the scatter (:func:`_moe_scatter`) run back to back in this program,
+        separated by barriers (their global scratch writes are then visible to all its threads); saves two
+        launches (~10 us of ~18 us at M=1 on the H200)."""
         _moe_hist_kernel(ids_ptr, hist_ptr, S, E, C, EP)
         tl.debug_barrier()
-        _moe_scan_kernel(hist_ptr, base_ptr, start_ptr, te_ptr, tr0_ptr, tr1_ptr, 1, E, T_MAX, BM, 1, EP, TT)
+        _moe_scan(hist_ptr, base_ptr, start_ptr, te_ptr, tr0_ptr, tr1_ptr, 1, E, T_MAX, BM, 1, EP, TT)
         tl.debug_barrier()
-        _moe_scatter_kernel(ids_ptr, base_ptr, start_ptr, sorted_ptr, tok_ptr, S, E, TOPK, C, EP)
+        _moe_scatter(ids_ptr, base_ptr, start_ptr, sorted_ptr, tok_ptr, S, E, TOPK, C, EP)
 
     # ----------------------------------------------------------------------------------------------
     # MoE decode tails (issue #5): moe_align in registers, the gate and the router-weighted combine.
@@ -1944,22 +1933,21 @@ def moe_align_reference(expert_ids: torch.Tensor, num_experts: int, block_m: int
 
 #: moe_align in registers (one program, no global scratch) up to this many token-slots AND experts
 MOE_ALIGN_REGISTER_MAX = 256
-#: token-slots up to which moe_align (past the register path: more than 256 experts) runs its three kernels in
-#: one program through global scratch. H200, 128 experts, CUDA graph (tests/gpu test_moe_align_paths_timed,
+#: token-slots up to which moe_align (past the register path: more than 256 experts) runs histogram, scan and
+#: scatter in one program through global scratch. H200, 128 experts, CUDA graph (tests/gpu test_moe_align_paths_timed,
 #: session 7): registers 5.4 / 7.6 / 12.7 / 40.1 us at S = 8 / 128 / 256 / 512, one program 16.8 / 29.3 / 33.8 /
-#: 48.8 us, three launches 17.6 / 28.7 / 28.3 / 25.9 us: past 256 slots three launches are fastest.
+#: 48.8 us, three launches (then: hist, scan, scatter) 17.6 / 28.7 / 28.3 / 25.9 us. Past it: two launches, the
+#: histogram and _moe_scan_scatter_kernel (every scatter program redoes the tiny scan from the chunk histograms).
+#: H200, 2048 slots, 128 experts, block_m 32 (session 10 calls 1-3, gluon_moe_probe, CUDA graph): 14.4-14.8 us vs
+#: 33.7-33.9 for the three launches (hist 3.3-6.6, scan 20.3-20.8, scatter 10.8-11.1; scan + scatter in one launch
+#: 11.1), both == moe_align_reference.
 MOE_ALIGN_ONE_PROGRAM_MAX = 256
-#: past MOE_ALIGN_ONE_PROGRAM_MAX slots: hist + one scan-and-scatter launch (every scatter program redoes the tiny scan
-#: from the chunk histograms) instead of hist, scan, scatter. H200, 2048 slots, 128 experts, block_m 32 (session 10
-#: call 1, gluon_moe_probe layer parts, CUDA graph): 14.8 us vs 33.9 (hist 3.3, scan 20.3, scatter 10.8; scan +
-#: scatter in one launch 11.1), both == moe_align_reference
-MOE_ALIGN_TWO_LAUNCHES = True
 
 
 def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> GroupedRouting:
-    """Sort token-slots by expert (stable) and build the tile table: three small Triton launches on
-    the ids' device (chunk histograms; one-program scan + tile table; stable counting-sort scatter;
-    up to :data:`MOE_ALIGN_ONE_PROGRAM_MAX` slots the three run in one program, one launch; up to
+    """Sort token-slots by expert (stable) and build the tile table: two small Triton launches on
+    the ids' device (chunk histograms; then scan + tile table + stable counting-sort scatter in one launch;
+    up to :data:`MOE_ALIGN_ONE_PROGRAM_MAX` slots all in one program, one launch; up to
     :data:`MOE_ALIGN_REGISTER_MAX` slots and experts one program ranks the slots in registers, no scratch),
     no host synchronization (graph-capturable). ``expert_ids``: int ``[T, top_k]`` local expert ids,
     -1 = not local. Same result as :func:`moe_align_reference` (tested)."""
@@ -1987,23 +1975,16 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Group
         if s <= MOE_ALIGN_ONE_PROGRAM_MAX:  # decode: one launch, one chunk of all slots
             chunk, p = 128 * -(-s // 128), 1
         hist = torch.empty(p, ep, **i32)
-        base = torch.empty(p, ep, **i32)
-        start = torch.empty(ep, **i32)
         if s <= MOE_ALIGN_ONE_PROGRAM_MAX:
+            base, start = torch.empty(p, ep, **i32), torch.empty(ep, **i32)
             _moe_align_small_kernel[(1,)](flat, hist, base, start, te, tr0, tr1, sorted_slots, sorted_tokens, s,
                                           num_experts, top_k, t_max, C=chunk, EP=ep, BM=block_m, TT=32, num_warps=8)
             return GroupedRouting(sorted_slots=sorted_slots, tile_expert=te, tile_row0=tr0, tile_row1=tr1,
                                   block_m=block_m, num_experts=num_experts, sorted_tokens=sorted_tokens)
         _moe_hist_kernel[(p,)](flat, hist, s, num_experts, C=chunk, EP=ep)
-        if MOE_ALIGN_TWO_LAUNCHES:  # the scan redone by every scatter program: no scan launch
-            _moe_scan_scatter_kernel[(p,)](flat, hist, te, tr0, tr1, sorted_slots, sorted_tokens, s, num_experts,
-                                           top_k, p, t_max, C=chunk, EP=ep, PP=triton.next_power_of_2(p), BM=block_m,
-                                           TT=32, num_warps=8)
-        else:
-            _moe_scan_kernel[(1,)](hist, base, start, te, tr0, tr1, p, num_experts, t_max, BM=block_m,
-                                   PP=triton.next_power_of_2(p), EP=ep, TT=32, num_warps=8)
-            _moe_scatter_kernel[(p,)](flat, base, start, sorted_slots, sorted_tokens, s, num_experts, top_k,
-                                      C=chunk, EP=ep, num_warps=8)
+        _moe_scan_scatter_kernel[(p,)](flat, hist, te, tr0, tr1, sorted_slots, sorted_tokens, s, num_experts, top_k,
+                                       p, t_max, C=chunk, EP=ep, PP=triton.next_power_of_2(p), BM=block_m, TT=32,
+                                       num_warps=8)
     return GroupedRouting(sorted_slots=sorted_slots, tile_expert=te, tile_row0=tr0, tile_row1=tr1,
                           block_m=block_m, num_experts=num_experts, sorted_tokens=sorted_tokens)
 
