@@ -324,8 +324,8 @@ def test_moe_align_in_registers_real_sizes(tokens, e, block_m):
 
 
 def test_moe_align_paths_timed(monkeypatch):
-    """Each moe_align path (registers; one program through global scratch; three launches) at S = 8..512
-    slots, 128 experts, top-8 (block_m as moe_forward picks it): == the torch reference, and its CUDA-graph
+    """Each moe_align path (registers; one program through global scratch; two launches: histogram, then scan +
+    scatter) at S = 8..512 slots, 128 experts, top-8 (block_m as moe_forward picks it): == the torch reference, and its CUDA-graph
     time printed (us; informational: where MOE_ALIGN_REGISTER_MAX / MOE_ALIGN_ONE_PROGRAM_MAX belong). The
     register kernel is forced past its default limit here (S = 512) to measure it."""
     e, topk = 128, 8
@@ -345,7 +345,7 @@ def test_moe_align_paths_timed(monkeypatch):
                 assert torch.equal(getattr(got, f), getattr(ref, f)), (s, reg_max, one_max, f)
             times.append(_graph_us(lambda: tg.moe_align(ids, e, bm)))
         rows.append(f"S={s:4d} bm={bm:3d}: registers {times[0]:6.1f} us | one program (scratch) {times[1]:6.1f} us | "
-                    f"three launches {times[2]:6.1f} us")
+                    f"two launches {times[2]:6.1f} us")
     print("moe_align, 128 experts, CUDA-graph replay of one call:\n" + "\n".join(rows))
 
 
