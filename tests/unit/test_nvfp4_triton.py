@@ -374,6 +374,17 @@ def test_removed_or_unknown_residual_choice_is_an_error_naming_the_allowed_ones(
             fn(x, 0.5, gs, backend="triton")
 
 
+def test_auto_takes_the_gluon_residual_kernel_only_where_it_was_measured(tk):
+    # GLUON_RESIDUAL_AUTO was measured on the H200 (sm_90) only: other GPUs keep the Triton kernels under "auto"
+    assert tk.gluon_residual_measured_on((9, 0))
+    for cap in ((8, 0), (8, 9), (9, 1), (10, 0), (12, 0)):
+        assert not tk.gluon_residual_measured_on(cap), cap
+    # on CPU tensors "auto" never picks it, whatever the size
+    nbp = next(iter(tk.GLUON_RESIDUAL_AUTO))
+    x = torch.zeros(1, nbp * 16, dtype=torch.bfloat16).expand(tk.GLUON_RESIDUAL_AUTO[nbp], -1)  # no 128 MB buffer
+    assert not tk._auto_gluon(x, torch.ones(x.shape[0], 1), None, nbp, False, 0)
+
+
 def test_auto_residual_kernel_follows_the_row_length_rule(tk, monkeypatch):
     # the default ("auto") serves a row by RESIDUAL_BY_BLOCKS (first entry whose padded block count fits): seen in
     # the gather kernel's launch (tile = min(tile_blocks, padded blocks), warps)

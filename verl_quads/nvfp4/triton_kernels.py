@@ -1034,10 +1034,19 @@ RESIDUAL_BY_BLOCKS = ((128, "gather-early-t32w1-fast"), (256, "gather-early-fast
 GLUON_RESIDUAL_AUTO = {512: 8192, 128: 32768}
 
 
+def gluon_residual_measured_on(capability: tuple[int, int]) -> bool:
+    """Whether GLUON_RESIDUAL_AUTO's entries hold on a GPU of this compute ``capability``: only where they were
+    measured (the H200, sm_90). Elsewhere "auto" keeps the Triton kernels; an explicit "gluon" still runs."""
+    return tuple(capability) == (9, 0)
+
+
 def _auto_gluon(x: torch.Tensor, gs: torch.Tensor, w, nbp: int, packed: bool, stop: int) -> bool:
-    """Whether the "auto" per-token path runs the Gluon kernel (GLUON_RESIDUAL_AUTO and what it can run)."""
+    """Whether the "auto" per-token path runs the Gluon kernel (GLUON_RESIDUAL_AUTO, a GPU where it was measured
+    (:func:`gluon_residual_measured_on`) and what it can run)."""
     rows = GLUON_RESIDUAL_AUTO.get(nbp)
-    if rows is None or packed or stop or x.shape[0] < rows:
+    if rows is None or packed or stop or x.shape[0] < rows or not x.is_cuda:
+        return False
+    if not gluon_residual_measured_on(torch.cuda.get_device_capability(x.device)):
         return False
     from verl_quads.nvfp4 import gluon_residual as gr
 
