@@ -1522,6 +1522,8 @@ GLUON_MOE_BUCKETS = DECODE_BUCKETS + (1024, 2048, 4096, 8192)
 def gluon_moe_bucket(slots: int) -> int | None:
     """The smallest of :data:`GLUON_MOE_BUCKETS` >= ``slots`` (None past the last)."""
     return next((b for b in GLUON_MOE_BUCKETS if slots <= b), None)
+
+
 _GLUON_MOE_WARNED: list[str] = []
 
 
