@@ -27,7 +27,7 @@ Measured (H200, session 10, bf16, CUDA-graph us, bytes equal to the torch refere
 (calls 2-3 at 0977c5c / b506982): 8192x8192 k=0.5 131 vs the Triton kernel's 142 (plain QDQ 71.9: 1.82x vs 1.97x;
 issue #2's 1.5x NOT met), k=0.25 109-110 vs 123 (1.51x vs 1.71x); 32768x2048 k=0.5 109 vs 121 (plain 68.7: 1.58x vs
 1.76x), k=0.25 95.7 vs 104. An earlier form (the same steps inside a row
-loop, 72-80 registers instead of 56-64; my probe scripts): 8192x8192 k=0.5 138-144 vs 142-143 (1.91-1.98x);
+loop, 72-80 registers instead of 56-64; probe scripts outside the repo): 8192x8192 k=0.5 138-144 vs 142-143 (1.91-1.98x);
 4096x2048 20.7-22 vs 19.2 (slower); 4096x4096 41-42 vs 40.8. Its phases at 8192x8192 k=0.5 (STOP probes): step
 0+1 74 us, + search 87, + selection 92, whole 138: the walk over the selected half ~46 us. Static sm_90 SASS of
 this form (512 blocks, 4 warps): search step 39 instructions (3 CTA barriers), step-3 chunk 477 (~30 per element of
@@ -40,7 +40,7 @@ shared memory with a mask (no indices; 164-204 us), a persistent grid double-buf
 
 Needs Gluon (:func:`verl_quads.nvfp4.gluon_gemm.gluon_available`) and a CUDA GPU (not the interpreter); bf16
 only, QDQ only (no packed ``residual_quantize``). The default per-token dispatch ("auto") takes it at the sizes of
-``triton_kernels.GLUON_RESIDUAL_AUTO`` where it can run; ``KERNELS["residual_per_token"] = "gluon"`` forces it (a
+``triton_kernels.GLUON_RESIDUAL_AUTO`` on sm_90 (where they were measured) where it can run; ``KERNELS["residual_per_token"] = "gluon"`` forces it (a
 RuntimeError with :func:`check_supported`'s reason where it cannot run).
 """
 
