@@ -203,6 +203,24 @@ def test_channel_residual_bit_exact(dtype):
         _same_channel(t, ratio, nv.per_row_global_scale(t))
 
 
+def _same_channel_underflow_and_tied_candidates(seed: int) -> None:
+    """4 x 4096 bf16 rows: residuals whose squares underflow to +0 (every score ties at 0; the largest |R| is cut by
+    channel order), and 60 / 120 / 180 tied candidates (R = +-0.25 in 4 / 8 / 12 blocks, zero elsewhere) with
+    k = 1/64 .. 1/32: the channel kernel's bytes == the torch reference (:func:`_same_channel`)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    xt = (torch.randn(4, 4096, device="cuda", generator=g) * 1e-25).to(torch.bfloat16)
+    xt[1, :64] = 0.0
+    for ratio in (0.25, 0.5):
+        _same_channel(xt, ratio, nv.per_row_global_scale(xt))
+    for nblk, ratio in ((4, 32 / 4096), (8, 77 / 4096), (12, 128 / 4096)):
+        xr = torch.zeros(4, 4096, device="cuda")
+        xr[:, 1024: 1024 + nblk * 16] = 1.25
+        xr[:, 1024: 1024 + nblk * 16: 16] = 6.0
+        xr[1::2, 1025: 1024 + nblk * 16: 2] = -1.25
+        xr = xr.to(torch.bfloat16)
+        _same_channel(xr, ratio, nv.per_row_global_scale(xr))
+
+
 @pytest.mark.parametrize("variant", ["default", "compact cta", "compact fallback", "s9", "ra", "at"])
 def test_channel_compact_search_variants_bit_exact_at_decode(variant):
     """The compacted threshold search (CHANNEL_CONFIG compact_*; the default at <= 256 rows, K >= 2048: the warp tile)
@@ -229,19 +247,7 @@ def test_channel_compact_search_variants_bit_exact_at_decode(variant):
         xl[1::2, 1::2] = -1.25
         wl = 1.0 + (torch.arange(4096, device="cuda") % 8).float() * 2.0**-23
         _same_channel(xl, 0.3, nv.per_row_global_scale(xl), score_weight=wl)
-        # residuals whose squares underflow to +0 (every score ties at 0; the largest |R| is cut by channel order),
-        # and 60 / 120 / 180 tied candidates (R = +-0.25 in 4 / 8 / 12 blocks, zero elsewhere) with k = 1/64 .. 1/32
-        g = torch.Generator(device="cuda").manual_seed(23)
-        xt = (torch.randn(4, 4096, device="cuda", generator=g) * 1e-25).to(torch.bfloat16)
-        xt[1, :64] = 0.0
-        for ratio in (0.25, 0.5):
-            _same_channel(xt, ratio, nv.per_row_global_scale(xt))
-        for nblk, ratio in ((4, 32 / 4096), (8, 77 / 4096), (12, 128 / 4096)):
-            xr = torch.zeros(4, 4096, device="cuda")
-            xr[:, 1024: 1024 + nblk * 16] = 1.25
-            xr[:, 1024: 1024 + nblk * 16: 16] = 6.0
-            xr[1::2, 1025: 1024 + nblk * 16: 2] = -1.25
-            _same_channel(xr.to(torch.bfloat16), ratio, nv.per_row_global_scale(xr.to(torch.bfloat16)))
+        _same_channel_underflow_and_tied_candidates(seed=23)
 
 
 def test_channel_default_at_4096_bit_exact():
@@ -261,18 +267,7 @@ def test_channel_default_at_4096_bit_exact():
         _same_channel(xs, ratio, nv.per_row_global_scale(xs))
     xd = _x(16, 4096, torch.float32, seed=42)
     _same_channel(xd, 0.5, nv.per_row_global_scale(xd), score_weight=torch.rand(4096, device="cuda"))
-    g = torch.Generator(device="cuda").manual_seed(43)
-    xt = (torch.randn(4, 4096, device="cuda", generator=g) * 1e-25).to(torch.bfloat16)
-    xt[1, :64] = 0.0
-    for ratio in (0.25, 0.5):
-        _same_channel(xt, ratio, nv.per_row_global_scale(xt))
-    for nblk, ratio in ((4, 32 / 4096), (8, 77 / 4096), (12, 128 / 4096)):
-        xr = torch.zeros(4, 4096, device="cuda")
-        xr[:, 1024: 1024 + nblk * 16] = 1.25
-        xr[:, 1024: 1024 + nblk * 16: 16] = 6.0
-        xr[1::2, 1025: 1024 + nblk * 16: 2] = -1.25
-        xr = xr.to(torch.bfloat16)
-        _same_channel(xr, ratio, nv.per_row_global_scale(xr))
+    _same_channel_underflow_and_tied_candidates(seed=43)
 
 
 @pytest.mark.parametrize("variant", ["default", "uncapped", "full", "compact"])
