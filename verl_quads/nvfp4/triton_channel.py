@@ -128,7 +128,7 @@ tl = tk.tl
 #: test tests/gpu test_channel_default_at_4096_bit_exact passed (1 / 4 / 16 / 64 / 192 rows, ties, underflow, fp32 +
 #: weight); kernel 8.35 vs 9.55 us at 4x4096, 7.55 vs 7.40 at 1x4096 (a tie: whole call 14.01 vs 14.08 us); the main
 #: bench (with session 10's GLUON_TABLE) d4096 quads-bf16 / naive 0.80 / 0.82 / 0.93 / 1.06 / 1.02x at M = 1 / 4 / 16 /
-#: 64 / 256 (goal <= 1.10x: met at every M). 11 / 10 full-row bits, 16 warps at K = 4096: opt-in / measured no
+#: 64 / 256 (goal <= 1.10x: met at every M). 11 / 10 full-row bits, 16 warps at K = 4096: measured no
 #: better (call 1: within 0.1-0.2 us of the default; 10 bits 11.1 us at 4x4096: rows past 256 candidates; 16 warps
 #: 12.5 us). Measured and removed (session 10): ``compact_track_above`` (the candidate count from a tracked count
 #: above the prefix, without its own reduction; call 1 at f000b13, d4096 channel kernel at M = 16 / 64 / 4 / 1: 'ta'
@@ -168,10 +168,10 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     "s8": {"compact_many_rows": None},
                     # session 10 (issue #5: dense d4096 M=16; python -m verl_quads.bench.channel_probe, H200 call 1):
                     # "s9" = the launches before session 10's compact_tile_chunks / compact_rmax defaults; opt-in
-                    # options: b11 = 11 full-row bits, ra = R_sel's amax without its own reduction, at = the warp
-                    # tile's candidate chunks only (both at every K)
+                    # options: ra = R_sel's amax without its own reduction, at = the warp tile's candidate chunks only
+                    # (both at every K). 11 full-row bits ("b11") measured within 0.1-0.2 us of the default: removed
                     "s9": {"compact_tile_chunks": False, "compact_rmax": False},
-                    "b11": {"compact_bits": 11}, "ra": {"compact_rmax": True, "compact_tile_chunks": False},
+                    "ra": {"compact_rmax": True, "compact_tile_chunks": False},
                     "at": {"compact_tile_chunks": True, "compact_rmax": False}}
 
 if triton is not None:
