@@ -10,7 +10,13 @@ fits, as ``bench rollout``'s main table). Every Gluon config is checked against 
 
     python -m verl_quads.bench.gluon_probe [--shapes 8192x8192,4096x4096,qkv,o] [--ms 1,2,4,8,16] [--configs all|quick]
     python -m verl_quads.bench.gluon_probe --configs std --std w8:pf0,w4:rg2:ev2:d3   # only these std configs
+    python -m verl_quads.bench.gluon_probe --configs std --std w4:rg2:d3:xs1 --grp rg2:d3:xs1:xsc2:xsb2:r128
     python -m verl_quads.bench.gluon_probe --sass   # offline sm_90 compile, K-loop SASS counts (no GPU)
+
+``--grp``: the dense GEMM run by the grouped wide kernel (:mod:`verl_quads.nvfp4.gluon_moe`) as ONE expert, with its
+options. H200 session 11 (batches D1 / D2; then also with a cp.async weight ring, ring 2-4, since removed from
+gluon_moe): at the same split the same bytes as the std kernel, slower at every measured point (d8192 / d4096 / qkv /
+o_proj, M = 1, 4, 16): not in the dispatch.
 """
 
 from __future__ import annotations
@@ -30,27 +36,56 @@ _SPEC_KEYS = {"w": "num_warps", "kc": "kc", "s": "split", "o": "occ", "pf": "pre
               "d": "dec", "r": "maxnreg", "pd": "pfd", "xs": "xs", "xsc": "xsc", "xsb": "xsb"}
 
 
-def parse_std(spec: str):
+#: extra keys of :func:`parse_grp` (the grouped kernel's GroupedConfig): nt (n-tiles per pass), nts
+_GRP_KEYS = {**_SPEC_KEYS, "nt": "nt", "nts": "nts"}
+
+
+def parse_std(spec: str, grouped: bool = False):
     """``w8:pf0,w4:rg2:ev2:d3`` -> GluonConfigs of the standard-layout kernel: colon-separated ``<key><int>`` with
     keys w (num_warps), kc, s (split, 0 auto), o (occ), pf (prefetch), pd (pfd), rg, ev (wev), d (dec), r (maxnreg),
     xs (0/1), xsc, xsb;
     defaults
-    w4 kc1 s0 o2 pf1 rg1 ev0 d1."""
+    w4 kc1 s0 o2 pf1 rg1 ev0 d1. ``grouped``: GroupedConfigs (:func:`parse_grp`)."""
     import re
 
     from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
 
+    if grouped:
+        from verl_quads.nvfp4.gluon_moe import GroupedConfig as G
+    keys = _GRP_KEYS if grouped else _SPEC_KEYS
     out = []
     for tok in filter(None, spec.split(",")):
         kw = {"num_warps": 4, "kc": 1, "split": 0, "occ": 2, "prefetch": True}
         for part in tok.split(":"):
             m = re.fullmatch(r"([a-z]+)(\d+)", part)
-            if not m or m.group(1) not in _SPEC_KEYS:
-                raise ValueError(f"gluon_probe: bad std config part {part!r} in {tok!r}")
-            key, val = _SPEC_KEYS[m.group(1)], int(m.group(2))
+            if not m or m.group(1) not in keys:
+                raise ValueError(f"gluon_probe: bad {'grp' if grouped else 'std'} config part {part!r} in {tok!r}")
+            key, val = keys[m.group(1)], int(m.group(2))
             kw[key] = bool(val) if key in ("prefetch", "xs") else val
         out.append(G(**kw))
     return out
+
+
+def parse_grp(spec: str):
+    """``--grp`` configs: the dense GEMM run through the grouped wide kernel
+    (:func:`verl_quads.nvfp4.gluon_moe.gluon_w4a16_grouped`) as ONE expert (one M-tile of rows [0, M)):
+    :func:`parse_std`'s keys plus nt, nts (e.g. ``rg2:d3:xs1:xsc2:xsb2:r128``)."""
+    return parse_std(spec, grouped=True)
+
+
+def dense_routing(m: int, dev):
+    """The routing of a dense GEMM of ``m`` (1..16) activation rows run by the grouped kernel as ONE expert
+    (``--grp``): one M-tile of sorted rows ``[0, m)``, sorted row i = activation row i = output row i; block_m 8 for
+    m <= 8, else 16 (one pass of 1 / 2 MMA n-tiles, as the dense kernel's NT). Every index tensor starts 16-byte
+    aligned (``tile_row1``: element 4 m of ``arange(17)`` repeated 4 times), so all m share one specialization."""
+    from verl_quads.nvfp4.triton_gemm import GroupedRouting
+
+    if not 1 <= m <= 16:
+        raise ValueError(f"dense_routing: m must be 1..16, got {m}")
+    rows = torch.arange(16, dtype=torch.int32, device=dev)
+    ends = torch.arange(17, dtype=torch.int32, device=dev).repeat_interleave(4)
+    return GroupedRouting(sorted_slots=rows[:m], tile_expert=rows[:1], tile_row0=rows[:1],
+                          tile_row1=ends[4 * m:4 * m + 1], block_m=8 if m <= 8 else 16, num_experts=1)
 
 
 def xs_candidates() -> dict:
@@ -102,14 +137,15 @@ def _point_configs(which: str, cfgs: list, m: int, n: int, k: int) -> list:
     return out
 
 
-def _configs(which: str, std_spec: str = ""):
+def _configs(which: str, std_spec: str = "", grp_spec: str = ""):
     """(kind, config, weight format) triples: ``std`` = the standard-layout kernel (gluon_w4a16_std, the one the
-    dispatch uses), ``perm`` = the permuted-layout prototype (format 2; format 1 once, for comparison).
-    ``which == "std"``: only the std configs of ``std_spec`` (:func:`parse_std`)."""
+    dispatch uses), ``perm`` = the permuted-layout prototype (format 2; format 1 once, for comparison), ``grp`` =
+    the grouped wide kernel as one expert (:func:`parse_grp`). ``which == "std"``: only the std configs of
+    ``std_spec`` (:func:`parse_std`) and the grp configs of ``grp_spec``."""
     from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
 
     if which == "std":
-        return [("std", c, 0) for c in parse_std(std_spec)]
+        return [("std", c, 0) for c in parse_std(std_spec)] + [("grp", c, 0) for c in parse_grp(grp_spec)]
     if which == "table-xs":
         return []
 
@@ -133,7 +169,7 @@ def _time_rot(fn_of_copy, copies: int) -> float:
 
 
 def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_spec: str = "",
-        defaults: bool = True) -> str:
+        defaults: bool = True, grp_spec: str = "") -> str:
     from verl_quads.bench.timing import device_name, print_table
     from verl_quads.nvfp4 import gluon_gemm as gg
     from verl_quads.nvfp4 import triton_gemm as tg
@@ -143,7 +179,7 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
     print(device_name(), flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
     rows, summary = [], []
-    cfgs = _configs(which, std_spec)
+    cfgs = _configs(which, std_spec, grp_spec)
     for n, k in shapes:
         w = torch.randn(n, k, device=dev, generator=g) * 0.02
         q = em.quantize_weight(w)
@@ -197,6 +233,17 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
                         return gg.gluon_w4a16_std(x, wps[i], wscs[i], wgs, None, cfg)
 
                     gn, split, cps, even = gg.std_plan(n, k, cfg, gg._num_sms(x.device))
+                elif kind == "grp":
+                    from verl_quads.nvfp4 import gluon_moe as gm
+
+                    label = f"grp {cfg.label}"
+                    rt, gs1 = dense_routing(m, x.device), wgs.reshape(1)
+
+                    def call(i, cfg=cfg, rt=rt, gs1=gs1):  # one expert: every row routed, no zero fill
+                        return gm.gluon_w4a16_grouped(x, wps[i].unsqueeze(0), wscs[i].unsqueeze(0), gs1, rt,
+                                                      out_rows=m, cfg=cfg, zero_unrouted=False)
+
+                    gn, split, cps, even = gm.grouped_plan(n, k, 1, cfg, gg._num_sms(x.device))
                 else:
                     gw = gws[fmt]
                     label = f"perm {cfg.label} f{fmt}"
@@ -292,6 +339,7 @@ def main(argv=None) -> None:
                     help="table-xs: per (shape, M) the GLUON_TABLE entry (default dispatch row), its xs twin "
                          "(xs_candidates) and the session-9 entry")
     ap.add_argument("--std", default="", help="--configs std: the std configs (parse_std syntax)")
+    ap.add_argument("--grp", default="", help="--configs std: grouped-kernel configs run as one expert (parse_grp)")
     ap.add_argument("--no-bare-default", action="store_true",
                     help="skip the 'default dispatch without GLUON_TABLE' rows")
     ap.add_argument("--sass", action="store_true", help="offline sm_90 compile (no GPU): K-loop SASS counts")
@@ -301,7 +349,7 @@ def main(argv=None) -> None:
         return
     shapes = [NAMED_SHAPES[s] if s in NAMED_SHAPES else tuple(int(v) for v in s.split("x"))
               for s in a.shapes.split(",")]
-    run(shapes, [int(v) for v in a.ms.split(",")], a.configs, a.std, not a.no_bare_default)
+    run(shapes, [int(v) for v in a.ms.split(",")], a.configs, a.std, not a.no_bare_default, a.grp)
 
 
 if __name__ == "__main__":
