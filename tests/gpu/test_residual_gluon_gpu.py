@@ -120,6 +120,56 @@ def test_gluon_residual_warps(nw):
         assert _same(out, _ref(x, ratio, gs))
 
 
+# the session-11 launch options (gluon_residual.EXTRA_CONFIG), alone and together, at every padded row length the
+# kernel takes (32 .. 1024 blocks: one warp at 32 / 64 / 128, 1 / 2 / 4 tiles) with the edge rows, REUSE / UNROLL
+OPTIONS = [dict(hwe=0, msel=0), dict(hwe=1, msel=0), dict(hwe=0, msel=1), dict(hwe=1, msel=1),
+           dict(hwe=1, msel=1, reuse=True), dict(hwe=1, msel=1, unroll=True)]
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
+@pytest.mark.parametrize("m,k", [(64, 8192), (64, 2048), (9, 16384), (9, 512), (12, 1024), (40, 4144)])
+def test_gluon_residual_options(opts, m, k):
+    x = _x(m, k, edge=True, seed=k + 1)
+    gs = _gs(x)
+    for ratio in (0.5, 0.25, 0.03):  # 1.0 / 0.0 (no search step): the default options' tests above
+        out = gr.residual_qdq(x, gs.reshape(-1), 1, num_selected_blocks(k, ratio), **opts)
+        assert _same(out, _ref(x, ratio, gs)), (opts, ratio)
+
+
+def test_gluon_residual_option_refusals():
+    x = _x(4, 2048)
+    gs = _gs(x).reshape(-1)
+    for bad in (dict(hwe=2), dict(msel=2)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            gr.residual_qdq(x, gs, 1, 32, **bad)
+
+
+if gr.gluon is not None:
+    from triton.experimental.gluon import language as _gl
+
+    @gr.gluon.jit
+    def _e4m3_compare_kernel(bad_ptr, LAST, BLOCK: _gl.constexpr):
+        """Per program: how many float32 bit patterns ``pid * BLOCK + i`` (<= LAST) round to a different E4M3 value
+        by the hardware conversion (gluon_residual._e4m3_value_hw) than by the integer rounding (_e4m3_round)."""
+        bits = _gl.program_id(0) * BLOCK + _gl.arange(0, BLOCK, layout=_gl.BlockedLayout([4], [32], [4], [0]))
+        s = bits.to(_gl.float32, bitcast=True)
+        hw = gr._e4m3_value_hw(s)
+        sw, _ = gr._e4m3_round(s)
+        bad = (hw.to(_gl.int32, bitcast=True) != sw.to(_gl.int32, bitcast=True)) & (bits <= LAST)
+        _gl.store(bad_ptr + _gl.program_id(0), _gl.sum(bad.to(_gl.int32), axis=0))
+
+
+def test_hw_e4m3_equals_integer_rounding():
+    """HWE's premise: for EVERY float32 in [+0, 448] (the block scales' range; 1.14e9 bit patterns) the hardware
+    E4M3 conversion gives the value of the integer rounding the reference formulas use (bit-equal float32)."""
+    last = 0x43E00000  # 448.0
+    block = 4096
+    grid = last // block + 1
+    bad = torch.zeros(grid, dtype=torch.int32, device="cuda")
+    _e4m3_compare_kernel[(grid,)](bad, last, BLOCK=block, num_warps=4)
+    assert int(bad.sum()) == 0
+
+
 def test_gluon_residual_refuses_what_it_cannot_run():
     """Requested explicitly, the Gluon kernel raises (with the reason) instead of running another kernel."""
     x = _x(16, 2048)

@@ -14,14 +14,24 @@ elements, the low half the even one), so a block is 8 words, two 16-byte accesse
    (the reference's pairwise tree of R**2) and residual amax kept in shared memory (REUSE: also the first pass's
    per-block output scale and factor);
 2. the row's scores: the early-stopped bitwise threshold search of ``triton_kernels._bits_threshold`` (ties to the
-   lower block index as ``_select_top`` with FAST), the second-pass global scale from the selected blocks'
-   residual amax, and the selected block indices in ascending order through an int32 scratch ``[M, NSEL]``
-   (global, L2), read back after a CTA barrier (triton 3.6's Gluon has no scatter into shared memory);
+   lower block index as ``_select_top`` with FAST; one CTA barrier per step: per-warp counts in shared memory,
+   every thread adds them), the second-pass global scale from the selected blocks' residual amax, and the selected
+   block indices in ascending order through an int32 scratch ``[M, NSEL]`` (global, L2), read back after a CTA
+   barrier (triton 3.6's Gluon has no scatter into shared memory); MSEL: the amax and the slots with one CTA
+   barrier (per-warp amax / scan / count, warp offsets through shared memory);
 3. per chunk of ``CT`` selected blocks: x re-read from global memory (L2: the row was just read), first pass
    recomputed (REUSE: its per-block values gathered instead), ``Q(R)`` under the row's second-pass scale, and
    ``Q(x) + Q(R)`` (float32 sum, one cast) written over step 1's Q(x) of those blocks.
 
 DRAM traffic is plain QDQ's when the row stays in L2 between steps 1 and 3.
+
+Session 11 (H200, bf16, CUDA-graph us, every row's bytes == the session-10 kernel's, which the GPU tests check
+against the torch reference; results R3 / R4 / R7 / R8 / R11 / R12 / R15): the search with one CTA barrier per step
+(was 3: a CTA reduction per step; 39 -> 27 SASS instructions per step), at 512 blocks the block scales' E4M3 rounding
+by ``cvt.rn.satfinite.e4m3x2.f32`` (HWE) and the one-barrier selection (MSEL): 8192x8192 k=0.5 118-120 vs 130-131
+(plain QDQ 71.7-72.2: 1.64-1.66x vs 1.80-1.83x; issue #2's 1.5x still NOT met), k=0.25 98.8-99.1 vs 109-110 (1.38x
+vs 1.50-1.54x); 32768x2048 (1 warp per row: the search without shared memory; HWE / MSEL off) k=0.5 105-106 vs
+107-108 (1.57-1.58x vs 1.60-1.62x), k=0.25 94.4-94.7 vs 94.1-95 (equal).
 
 Measured (H200, session 10, bf16, CUDA-graph us, bytes equal to the torch reference / the Triton kernel): this form
 (calls 2-3 at 0977c5c / b506982): 8192x8192 k=0.5 131 vs the Triton kernel's 142 (plain QDQ 71.9: 1.82x vs 1.97x;
@@ -88,21 +98,46 @@ VARIANTS = {"gluon": {}, "gluon-reuse": {"reuse": True}, "gluon-recompute": {"re
             "gluon-w8": {"num_warps": 8}}
 _FIELDS = ("num_warps", "reuse", "unroll", "maxnreg")
 
+#: More launch options per padded row length (same bytes), kept apart from CONFIG (whose 4-tuples
+#: triton_kernels unpacks): "hwe": the block scales' E4M3 rounding by the hardware conversion
+#: (:func:`_e4m3_value_hw`) instead of integer arithmetic; "msel": the R_sel amax and the selected blocks' slots with
+#: one CTA barrier instead of five. The threshold search takes one CTA barrier per step at every row length (it was
+#: a CTA reduction per step, 3 barriers: "search 0" below, removed).
+#: Session 11, H200, CUDA-graph us, k = 0.5 / 0.25, every row's bytes == the session-10 kernel's (results R3 R4 R7
+#: R8 R11 R12 R15): 8192x8192 search 0 130-131 / 109-110, search 1 123-124 / 102, + hwe 119-120 / 100-101, + hwe +
+#: msel 118-120 / 98.8-99.1 (adopted at 512 blocks); 32768x2048 search 0 106-108 / 94-95.4, search 1 105-108 /
+#: 93.8-95.5 (taken: one search at every length), + hwe 106-108 / 99.1-99.6 (slower: hwe off at 128), + msel
+#: 104-109 / 93.5-94.9 (equal: off); 32 / 64 / 256 / 1024 blocks not timed (hwe / msel off). With search 1 + hwe at
+#: 8192x8192, reuse 124 / 106 and unroll 120 / 102 (slower, not taken). Measured slower and removed: radix-4 search
+#: (2 bits per round, 3 packed counts) 127 / 106 and 112 / 96.2; step 3 reading the first pass's scale / factor /
+#: amax from 16-byte scratch entries instead of recomputing them 134 / 113 and 118 / 97.5; "lean" (the row's
+#: cp.async as one op, step 1's kept vectors stored once: 6 fewer compiler CTA barriers) with search 1 + hwe
+#: 123 / 106 and 109 / 93.8.
+EXTRA_CONFIG = {nbp: {"hwe": int(nbp == 512), "msel": int(nbp == 512)} for nbp in CONFIG}
+_EXTRA_FIELDS = ("hwe", "msel")
+#: "-hwe" / "-msel": that option at every row length; "-base": neither (the session-11 search only).
+VARIANTS.update({"gluon-hwe": {"hwe": 1}, "gluon-msel": {"msel": 1}, "gluon-base": {"hwe": 0, "msel": 0}})
+
 
 @contextlib.contextmanager
 def variant(name: str):
     """Run with ``VARIANTS[name]`` applied to every CONFIG entry (CONFIG restored after)."""
-    over = VARIANTS[name]
+    over = dict(VARIANTS[name])
+    extra = {f: over.pop(f) for f in _EXTRA_FIELDS if f in over}
     old = dict(CONFIG)
+    old_extra = {nbp: dict(v) for nbp, v in EXTRA_CONFIG.items()}
     for nbp, cfg in old.items():
         new = dict(zip(_FIELDS, cfg), **over)
         new["num_warps"] = min(new["num_warps"], max(1, nbp // 32))  # a tile (32 blocks per warp) fits the row
         CONFIG[nbp] = tuple(new[f] for f in _FIELDS)
+        EXTRA_CONFIG.setdefault(nbp, dict.fromkeys(_EXTRA_FIELDS, 0)).update(extra)
     try:
         yield
     finally:
         CONFIG.clear()
         CONFIG.update(old)
+        EXTRA_CONFIG.clear()
+        EXTRA_CONFIG.update(old_extra)
 
 
 def default_warps(nbp: int) -> int:
@@ -130,11 +165,27 @@ if gluon is not None and _MISSING is None:
         return value, byte
 
     @gluon.jit
-    def _scales_inv(vec_max, gs, inv_gs):
-        """``triton_kernels._scales_inv``: (scale value, scale byte, output scale) per block."""
+    def _e4m3_value_hw(s):
+        """:func:`_e4m3_round`'s value by the hardware conversion (sm_89+): ``cvt.rn.satfinite.e4m3x2.f32`` (RNE, E4M3
+        subnormals) and back through f16 (exact: every E4M3 value is an f16), for float32 ``s`` in [0, 448]: 3
+        instructions instead of ~20 (equal to the integer rounding for every such float32: the GPU test
+        ``test_hw_e4m3_equals_integer_rounding`` checks all 1.1e9 of them)."""
+        return gl.inline_asm_elementwise(
+            "{ .reg .b16 e; .reg .b32 h; .reg .f16 l, u; cvt.rn.satfinite.e4m3x2.f32 e, $1, $1; "
+            "cvt.rn.f16x2.e4m3x2 h, e; mov.b32 {l, u}, h; cvt.f32.f16 $0, l; }",
+            "=r,r", [s], dtype=gl.float32, is_pure=True, pack=1)
+
+    @gluon.jit
+    def _scales_inv(vec_max, gs, inv_gs, HWE: gl.constexpr = 0):
+        """``triton_kernels._scales_inv``: (scale value, scale byte, output scale) per block (HWE: the value by
+        :func:`_e4m3_value_hw`; the byte is then 0, unused by this module's QDQ)."""
         s = gs * (vec_max * 0.16666666666666666)
         s = gl.minimum(s, 448.0)
-        sval, sbyte = _e4m3_round(s)
+        if HWE:
+            sval = _e4m3_value_hw(s)
+            sbyte = gl.zeros_like(s).to(gl.int32)
+        else:
+            sval, sbyte = _e4m3_round(s)
         denom = sval * inv_gs
         safe = gl.where(denom == 0, 1.0, denom)
         os_ = gl.where(denom == 0, 0.0, gl.div_rn(safe * 0.0 + 1.0, safe))
@@ -165,11 +216,11 @@ if gluon is not None and _MISSING is None:
                                          is_pure=True, pack=1)
 
     @gluon.jit
-    def _first(w, gs, inv):
+    def _first(w, gs, inv, HWE: gl.constexpr = 0):
         """First pass of blocks given as words [CT, 8]: x halves, QDQ halves (float32 [CT, 8])."""
         xe, xo = _unpack(w)
         vec_max = gl.maximum(gl.max(gl.abs(xe), axis=1), gl.max(gl.abs(xo), axis=1))
-        sval, _, os_ = _scales_inv(vec_max, gs, inv)
+        sval, _, os_ = _scales_inv(vec_max, gs, inv, HWE)
         factor = gl.div_rn(sval, gs)
         return xe, xo, _qdq(xe, os_, factor), _qdq(xo, os_, factor)
 
@@ -188,8 +239,30 @@ if gluon is not None and _MISSING is None:
         return a + b
 
     @gluon.jit
+    def _cta_sum(part, buf, LA: gl.constexpr, NW: gl.constexpr):
+        """Total over the CTA of per-warp int32 partials ``part`` [NW] (warp w's value in its lanes), through the [NW]
+        shared buffer ``buf``: ONE CTA barrier, then every thread sums the NW words itself. The caller alternates two
+        buffers between consecutive calls (the next call's store is behind this call's barrier for every warp). One
+        warp: ``part`` is the total (no shared memory, no barrier)."""
+        if NW == 1:
+            return gl.sum(part, axis=0)
+        else:
+            buf.store(part)
+            _cta_barrier()
+            return gl.sum(buf.load(LA), axis=0)
+
+    @gluon.jit
+    def _bit_step(eb2, th, cnt, bit, buf, NSEL: gl.constexpr, LA: gl.constexpr, NW: gl.constexpr):
+        """One step of the bitwise threshold search (``bit``: the candidate bit, ``1 << b``; 0: a no-op step,
+        cnt = #(scores >= th) >= NSEL is taken unchanged), the count through :func:`_cta_sum`."""
+        cand = th | bit
+        cc = _cta_sum(gl.sum((eb2 >= cand).to(gl.int32), axis=1), buf, LA, NW)
+        take = cc >= NSEL
+        return gl.where(take, cand, th), gl.where(take, cc, cnt)
+
+    @gluon.jit
     def _second_chunk(x_ptr, out_ptr, idx_ptr, row, rbase, s0, ci, jw, gs, inv, os_r, fa_r, ra_r, gs2, inv2,
-                      NSEL: gl.constexpr, REUSE: gl.constexpr):
+                      NSEL: gl.constexpr, REUSE: gl.constexpr, HWE: gl.constexpr):
         """Step 3 for the selected blocks of slots ``s0 + ci``: their x words re-read from global memory (L2: the row
         was just read), first pass (REUSE: its output scale / factor and the residual amax gathered from the row's
         [NBP] vectors ``os_r`` / ``fa_r`` / ``ra_r``; else recomputed), Q(R) and Q(x) + Q(R) written over them."""
@@ -208,11 +281,11 @@ if gluon is not None and _MISSING is None:
             re = xe - ve
             ro = xo - vo
         else:
-            xe, xo, ve, vo = _first(w, gs, inv)
+            xe, xo, ve, vo = _first(w, gs, inv, HWE)
             re = xe - ve
             ro = xo - vo
             ra = gl.maximum(gl.max(gl.abs(re), axis=1), gl.max(gl.abs(ro), axis=1))
-        s2, _, os2 = _scales_inv(ra, gs2, inv2)
+        s2, _, os2 = _scales_inv(ra, gs2, inv2, HWE)
         f2 = gl.div_rn(s2, gs2)
         ve = ve + _qdq(re, os2, f2)
         vo = vo + _qdq(ro, os2, f2)
@@ -221,14 +294,17 @@ if gluon is not None and _MISSING is None:
     @gluon.jit
     def _gluon_residual_qdq_kernel(x_ptr, gs_ptr, out_ptr, idx_ptr, GS_DIV, NSEL: gl.constexpr,
                                    NB: gl.constexpr, NBP: gl.constexpr, NW: gl.constexpr, REUSE: gl.constexpr = 0,
-                                   UNROLL: gl.constexpr = 0, STOP: gl.constexpr = 0):
+                                   UNROLL: gl.constexpr = 0, STOP: gl.constexpr = 0, HWE: gl.constexpr = 0,
+                                   MSEL: gl.constexpr = 0):
         """Module docstring; one program per row. ``x_ptr`` / ``out_ptr``: int32 views of the bf16 ``[M, K]`` input
         / output; ``gs_ptr`` float32 first-pass global scales (row r's at ``r // GS_DIV``); ``idx_ptr`` int32
         scratch ``[M, NSEL]``. Speed options (same bytes): REUSE: step 3 gathers the first pass's per-block output
         scale / factor and residual amax (kept in shared memory by step 1) instead of recomputing them; UNROLL:
-        step 3's chunk loop unrolled (NSEL is a compile-time constant). STOP (timing probe of
-        ``bench nvfp4 --residual-probe``, not a result): 1 = return after step 1, 2 = after the threshold search
-        (its threshold stored at ``idx_ptr``'s row), 3 = after the selection and its index store."""
+        step 3's chunk loop unrolled (NSEL is a compile-time constant); HWE: block scales rounded to E4M3 by the
+        hardware conversion; MSEL: the R_sel amax and the slots with one CTA barrier (:data:`EXTRA_CONFIG`).
+        STOP (timing probe of ``bench nvfp4 --residual-probe``, not a result): 1 = return after step 1, 2 = after
+        the threshold search (its threshold stored at ``idx_ptr``'s row), 3 = after the selection and its index
+        store."""
         CT: gl.constexpr = 32 * NW
         NT: gl.constexpr = NBP // CT
         LT: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [NW, 1], [1, 0])  # [blocks, 8 words]: a block per thread
@@ -245,6 +321,9 @@ if gluon is not None and _MISSING is None:
         if REUSE:
             oss = gl.allocate_shared_memory(gl.float32, [NBP], S1)
             fas = gl.allocate_shared_memory(gl.float32, [NBP], S1)
+        if MSEL and NW > 1:  # allocated here: memory no earlier op used, so no compiler barrier before its stores
+            tmat = gl.allocate_shared_memory(gl.int32, [NW, NW], S2)
+            amb = gl.allocate_shared_memory(gl.float32, [NW], S1)
         ci = gl.arange(0, CT, layout=LB)
         jw = gl.expand_dims(gl.arange(0, 8, layout=LJ), 0)
         rbase = row * (NB * 8)
@@ -268,7 +347,7 @@ if gluon is not None and _MISSING is None:
             w = xs.slice(t * CT, CT).load(LT)
             xe, xo = _unpack(w)
             vec_max = gl.maximum(gl.max(gl.abs(xe), axis=1), gl.max(gl.abs(xo), axis=1))
-            sval, _, os1 = _scales_inv(vec_max, gs, inv)
+            sval, _, os1 = _scales_inv(vec_max, gs, inv, HWE)
             fa1 = gl.div_rn(sval, gs)
             ve = _qdq(xe, os1, fa1)
             vo = _qdq(xo, os1, fa1)
@@ -289,35 +368,78 @@ if gluon is not None and _MISSING is None:
         # 2. selection: early-stopped bitwise threshold search on the score bits (triton_kernels._bits_threshold),
         # ties to the lower block index (_select_top with FAST)
         eb = ebs.load(LR)
-        cnt = gl.sum((eb >= 0).to(gl.int32), axis=0)
-        th = cnt * 0
-        k = cnt * 0
-        while (k < 31) & (cnt != NSEL):
-            cand = th | (1 << (30 - k))
-            cc = gl.sum((eb >= cand).to(gl.int32), axis=0)
-            take = cc >= NSEL
-            th = gl.where(take, cand, th)
-            cnt = gl.where(take, cc, cnt)
-            k += 1
+        LW: gl.constexpr = gl.BlockedLayout([1, NBP // CT], [1, 32], [NW, 1], [1, 0])  # [NW, NBP / NW]: warp w row w
+        LA: gl.constexpr = gl.BlockedLayout([NW], [32], [NW], [0])  # [NW] in every thread
+        eb2 = ebs._reinterpret(gl.int32, [NW, NBP // NW], S2).load(LW)  # the same blocks per thread as eb
+        # one CTA barrier per step: each warp's count in shared memory (two buffers alternating, hence two steps per
+        # loop trip; a step after the count reached NSEL keeps the same selected set: c >= NSEL and c <= cnt = NSEL),
+        # every thread adds the NW counts. Valid scores are >= +0 (bits >= 0): cnt starts at NB.
+        r0a = gl.allocate_shared_memory(gl.int32, [NW], S1)
+        r1a = gl.allocate_shared_memory(gl.int32, [NW], S1)
+        th = gl.sum(gl.zeros([NW], gl.int32, LA), axis=0)
+        cnt = th + NB
+        bit = th + (1 << 30)
+        while (bit != 0) & (cnt != NSEL):  # bits 30 .. 0 in pairs (the last pair's second step: bit 0, a no-op)
+            th, cnt = _bit_step(eb2, th, cnt, bit, r0a, NSEL, LA, NW)
+            th, cnt = _bit_step(eb2, th, cnt, bit >> 1, r1a, NSEL, LA, NW)
+            bit = bit >> 2
         if STOP == 2:
             gl.store(idx_ptr + row * NSEL, th)
             return
-        if cnt == NSEL:
-            sel = eb >= th
+        if MSEL:
+            # the R_sel amax and the slots with ONE CTA barrier: per warp (row w of LW) the amax, an inclusive scan
+            # of the selection and its total; the totals as T[r, c] = total of warp c (each warp writes its column)
+            # next to the amaxes in shared memory; after the barrier warp w adds row w's columns c < w
+            if cnt == NSEL:
+                sel2 = eb2 >= th
+            else:  # ties at the threshold (rare): as below, in LR, then as LW (the same blocks per thread)
+                gt = eb > th
+                eq = (eb == th).to(gl.int32)
+                need = NSEL - gl.sum(gt.to(gl.int32), axis=0)
+                sel = gt | ((eq != 0) & (gl.associative_scan(eq, 0, _add) <= need))
+                sel2 = gl.convert_layout(gl.reshape(sel, [NW, NBP // NW]), LW)
+            s2i = sel2.to(gl.int32)
+            am_w = gl.max(gl.where(sel2, ras._reinterpret(gl.float32, [NW, NBP // NW], S2).load(LW), 0.0), axis=1)
+            tot_w = gl.sum(s2i, axis=1)
+            if NW == 1:
+                amax = gl.max(am_w, axis=0)
+                excl = tot_w * 0
+            else:
+                PT: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [1, NW], [0, 1])  # [NW, NW]: column c in warp c
+                LQ: gl.constexpr = gl.BlockedLayout([1, NW], [1, 32], [NW, 1], [1, 0])  # [NW, NW]: row w in warp w
+                tmat.store(gl.expand_dims(gl.convert_layout(tot_w, gl.SliceLayout(0, PT)), 0)
+                           + gl.zeros([NW, NW], gl.int32, PT))
+                amb.store(am_w)
+                _cta_barrier()
+                amax = gl.max(amb.load(LA), axis=0)
+                tq = tmat.load(LQ)
+                before = (gl.expand_dims(gl.arange(0, NW, gl.SliceLayout(0, LQ)), 0)
+                          < gl.expand_dims(gl.arange(0, NW, gl.SliceLayout(1, LQ)), 1))
+                excl = gl.convert_layout(gl.sum(gl.where(before, tq, 0), axis=1), gl.SliceLayout(1, LW))
+            slot2 = gl.associative_scan(s2i, 1, _add) - 1 + gl.expand_dims(excl, 1)
+            blk2 = (gl.expand_dims(gl.arange(0, NW, gl.SliceLayout(1, LW)), 1) * (NBP // NW)
+                    + gl.expand_dims(gl.arange(0, NBP // NW, gl.SliceLayout(0, LW)), 0))
+            ra_r = ras.load(LR) if REUSE else gl.zeros([NBP], gl.float32, LR)
         else:
-            gt = eb > th
-            eq = (eb == th).to(gl.int32)
-            need = NSEL - gl.sum(gt.to(gl.int32), axis=0)
-            sel = gt | ((eq != 0) & (gl.associative_scan(eq, 0, _add) <= need))
-        ra_r = ras.load(LR)
-        amax = gl.max(gl.where(sel, ra_r, 0.0), axis=0)
+            if cnt == NSEL:
+                sel = eb >= th
+            else:
+                gt = eb > th
+                eq = (eb == th).to(gl.int32)
+                need = NSEL - gl.sum(gt.to(gl.int32), axis=0)
+                sel = gt | ((eq != 0) & (gl.associative_scan(eq, 0, _add) <= need))
+            ra_r = ras.load(LR)
+            amax = gl.max(gl.where(sel, ra_r, 0.0), axis=0)
         a = gl.maximum(amax, 1.1754943508222875e-38)
         g2 = gl.div_rn(a * 0.0 + 1.0, a) * 2688.0
         g2 = gl.where(g2 == float("inf"), 1.0, g2)
         gs2 = gl.zeros([CT], gl.float32, LB) + g2
         inv2 = gl.zeros([CT], gl.float32, LB) + gl.div_rn(g2 * 0.0 + 1.0, g2)
-        slot = gl.associative_scan(sel.to(gl.int32), 0, _add) - 1
-        gl.store(idx_ptr + row * NSEL + slot, gl.arange(0, NBP, layout=LR), mask=sel)
+        if MSEL:
+            gl.store(idx_ptr + row * NSEL + slot2, blk2, mask=sel2)
+        else:
+            slot = gl.associative_scan(sel.to(gl.int32), 0, _add) - 1
+            gl.store(idx_ptr + row * NSEL + slot, gl.arange(0, NBP, layout=LR), mask=sel)
         _cta_barrier()  # the indices were written by other threads of this program
         if STOP == 3:
             return
@@ -332,11 +454,11 @@ if gluon is not None and _MISSING is None:
         if UNROLL:
             for s0 in gl.static_range(0, NSEL, CT):
                 _second_chunk(x_ptr, out_ptr, idx_ptr, row, rbase, s0, ci, jw, gs, inv, os_r, fa_r, ra_r, gs2, inv2,
-                              NSEL, REUSE)
+                              NSEL, REUSE, HWE)
         else:
             for s0 in range(0, NSEL, CT):
                 _second_chunk(x_ptr, out_ptr, idx_ptr, row, rbase, s0, ci, jw, gs, inv, os_r, fa_r, ra_r, gs2, inv2,
-                              NSEL, REUSE)
+                              NSEL, REUSE, HWE)
 
 
 def check_supported(x: torch.Tensor, gs: torch.Tensor, score_weight) -> str | None:
@@ -365,22 +487,29 @@ def check_supported(x: torch.Tensor, gs: torch.Tensor, score_weight) -> str | No
 
 def residual_qdq(x: torch.Tensor, gs_flat: torch.Tensor, gs_div: int, n_sel: int, num_warps: int | None = None,
                  reuse: bool = False, unroll: bool = False, maxnreg: int | None = None, stop: int = 0,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, hwe: int | None = None, msel: int | None = None) -> torch.Tensor:
     """``Q(x) + Q(R_sel)`` of bf16 ``x`` ``[M, K]`` (contiguous) with first-pass global scales ``gs_flat`` (float32,
     row r's at ``r // gs_div``) and ``n_sel`` blocks per row; the caller checked :func:`check_supported`. Launch
-    options: warps (default :func:`default_warps`), the kernel's REUSE / UNROLL, a register cap; ``stop``: the
-    STOP timing probe (the output is then not a result)."""
+    options: warps (default :func:`default_warps`), the kernel's REUSE / UNROLL, a register cap, its HWE / MSEL
+    (0 / 1; default: :data:`EXTRA_CONFIG`'s); ``stop``: the STOP timing probe (the output is then not a result)."""
     m, k = x.shape
     nb = k // BLOCK_SIZE
     nbp = 1 << max(0, (nb - 1).bit_length())
     nw = num_warps or default_warps(nbp)
     if 32 * nw > nbp:
         raise ValueError(f"gluon residual: {nw} warps need rows of >= {32 * nw} padded blocks, got {nbp}")
+    extra = EXTRA_CONFIG.get(nbp, dict.fromkeys(_EXTRA_FIELDS, 0))
+    hwe = extra["hwe"] if hwe is None else hwe
+    msel = extra["msel"] if msel is None else msel
+    for nm, v in (("hwe", hwe), ("msel", msel)):
+        if v not in (0, 1):
+            raise ValueError(f"gluon residual: {nm} must be 0 or 1, got {v!r}")
     out = torch.empty_like(x) if out is None else out
     scratch = torch.empty(m, max(n_sel, 1), dtype=torch.int32, device=x.device)
     if m:
         _gluon_residual_qdq_kernel[(m,)](x.view(torch.int32), gs_flat, out.view(torch.int32), scratch, gs_div,
                                          NSEL=n_sel, NB=nb, NBP=nbp, NW=nw, REUSE=int(reuse), UNROLL=int(unroll),
-                                         STOP=int(stop), num_warps=nw, enable_fp_fusion=False,
+                                         STOP=int(stop), HWE=int(hwe), MSEL=int(msel),
+                                         num_warps=nw, enable_fp_fusion=False,
                                          **({"maxnreg": maxnreg} if maxnreg else {}))
     return out
