@@ -432,6 +432,8 @@ def scenarios_gemm():
     with scenario("moe_align 512 experts"):  # > MOE_ALIGN_REGISTER_MAX experts at decode: the one-program kernel
         for t in (1, 16):
             tg.moe_align(_ids(t, experts=512), 512, 16)
+    with scenario("moe_align past MOE_ALIGN_ONE_LAUNCH_MAX slots"):  # the two launches: histogram, scan + scatter
+        tg.moe_align(_ids(tg.MOE_ALIGN_ONE_LAUNCH_MAX // MOE["top_k"] + 1), MOE["experts"], 128)
 
     # every DECODE_TABLE / MID_TABLE entry at its own shape, explicitly
     for (grouped, b, n, k), cfg in tg.DECODE_TABLE.items():

@@ -6,7 +6,8 @@ reference per active expert with the bound of tests/gpu/test_nvfp4_gemm_gpu.py::
 (|y - ref| <= 1 bf16 ulp(ref) + 4 K eps_f32 (|x| @ |w|.T)); odd shapes (N not a multiple of the tile, 3 chunks of K,
 several tiles per expert, slots routed to no local expert, block_m 8 / 16 / 32); each expert's rows bit for bit equal
 to the dense Gluon kernel (gluon_w4a16_std, same split) on the gathered rows; the split-K fixup deterministic over
-many launches and under CUDA-graph replay; the rejections."""
+many launches and under CUDA-graph replay; the rejections. The gate fused into the w13 epilogue (silu_mul) bit for
+bit equal to moe_silu_mul of the unfused GEMM, and moe_forward fused == unfused."""
 
 import pytest
 import torch
@@ -234,3 +235,123 @@ def test_default_dispatch_takes_the_table(key):
     yd = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing,
                        a_rows=routing.sorted_tokens if gemm == "w13" else None, out_rows=tokens * 8)
     assert torch.equal(yd, y)
+
+
+# ---- the gate fused into the w13 GEMM's epilogue (gluon_w4a16_grouped(silu_mul=True), moe_forward's fuse_gate)
+
+def _fused_vs_unfused(tokens, cfg, e=128, topk=8, inter=768, k=2048, block_m=None, dead_frac=0.0, seed=0,
+                      zero_unrouted=True):
+    """``a`` of the fused launch and moe_silu_mul(h) of the unfused one (same config, routing, inputs)."""
+    q_w = em.quantize_weight(_w((e, 2 * inter, k), seed=seed + 1), reduce_dims=(1, 2))
+    gs = q_w.global_scale.reshape(-1)
+    ids = _ids(tokens, e, topk, seed + 2)
+    if dead_frac:
+        g = torch.Generator(device=DEV).manual_seed(seed + 3)
+        ids = torch.where(torch.rand(ids.shape, device=DEV, generator=g) < dead_frac, -1, ids)
+    s = tokens * topk
+    x = _x(tokens, k, seed)
+    routing = tg.moe_align(ids, e, block_m or tg.grouped_block_m(-(-s // min(e, s))))
+    args = (x, q_w.packed, q_w.block_scale, gs, routing)
+    h = gm.gluon_w4a16_grouped(*args, a_rows=routing.sorted_tokens, out_rows=s, cfg=cfg)
+    ref = tg.moe_silu_mul(h, ids)
+    a = gm.gluon_w4a16_grouped(*args, a_rows=routing.sorted_tokens, out_rows=s, cfg=cfg, silu_mul=True,
+                               zero_unrouted=zero_unrouted)
+    assert a.shape == (s, inter) and a.dtype == torch.bfloat16
+    return a, ref, ids
+
+
+#: T=1 has no GLUON_MOE_TABLE entry: an explicit one-K-range config (the planned split of G(4, 1, 0, 2) is > 1 there)
+FUSED_POINTS = [(1, G(4, 1, 1, 2, nt=1))] + [(key[0] // 8, cfg) for key, cfg in sorted(tg.GLUON_MOE_TABLE.items())
+                                              if key[1:] == (1536, 2048)]
+
+
+@pytest.mark.parametrize("tokens, cfg", FUSED_POINTS, ids=lambda v: str(v) if isinstance(v, int) else v.label)
+def test_fused_gate_equals_unfused(tokens, cfg):
+    """Qwen3-30B-A3B w13 at T = 1 and each GLUON_MOE_TABLE w13 entry's point: the fused epilogue's ``a`` is bit for
+    bit moe_silu_mul of the unfused GEMM's h."""
+    a, ref, _ = _fused_vs_unfused(tokens, cfg)
+    assert torch.equal(a, ref)
+
+
+@pytest.mark.parametrize("cfg", [G(4, 1, 1, 2), G(4, 1, 1, 2, nt=1), G(4, 2, 1, 2, prefetch=False), G(8, 1, 1, 2),
+                                 G(1, 1, 1, 2, nt=1),
+                                 G(2, 1, 1, 4, nt=1), G(4, 1, 1, 2, nt=2, rg=2), G(2, 1, 1, 2, nt=2, rg=4),
+                                 G(4, 1, 1, 2, nts=1, rg=2, xs=True, xsc=2, xsb=2),
+                                 G(4, 1, 1, 2, rg=2, dec=3, xs=True, nts=2, xsc=4, xsb=2),
+                                 G(4, 1, 1, 2, rg=2, dec=3, nt=2, xs=True), G(8, 1, 1, 2, nt=1, xs=True, pfd=2)],
+                         ids=lambda c: c.label.replace(" ", "_"))
+@pytest.mark.parametrize("inter, k, block_m, e, topk, tokens", [
+    (192, 384, 8, 8, 2, 40),  # 3 chunks, ~10 rows per expert in 8-row tiles (2 tiles per expert)
+    (128, 2048, 16, 16, 4, 37),  # ~9 rows per expert, 16-row tiles (some experts 2 tiles)
+    (768, 768, 32, 8, 2, 100),  # ~25 rows per expert, 32-row tiles (nts passes)
+])
+def test_fused_gate_odd_shapes(cfg, inter, k, block_m, e, topk, tokens):
+    """Several programs along I, passes, adaptive n-tiles, slots of no local expert (rows 0, as moe_silu_mul writes
+    them): fused == unfused bit for bit; zero_unrouted=False leaves the unrouted rows and writes the same routed
+    rows."""
+    if cfg.nt and (block_m // 8) % cfg.nt:
+        pytest.skip(f"nt {cfg.nt} does not divide block_m / 8 = {block_m // 8}")
+    a, ref, ids = _fused_vs_unfused(tokens, cfg, e=e, topk=topk, inter=inter, k=k, block_m=block_m, dead_frac=0.2,
+                                    seed=tokens)
+    assert torch.equal(a, ref)
+    flat = ids.reshape(-1)
+    assert bool((flat < 0).any()) and bool((a[flat < 0] == 0).all())
+    a2, _, _ = _fused_vs_unfused(tokens, cfg, e=e, topk=topk, inter=inter, k=k, block_m=block_m, dead_frac=0.2,
+                                 seed=tokens, zero_unrouted=False)
+    assert torch.equal(a2[flat >= 0], ref[flat >= 0])
+
+
+def test_fused_gate_rejects():
+    e, k, inter = 8, 256, 96
+    q_w = em.quantize_weight(_w((e, 2 * inter, k)), reduce_dims=(1, 2))
+    gs = q_w.global_scale.reshape(-1)
+    routing = tg.moe_align(_ids(3, e, 2), e, 16)
+    args = (_x(3, k), q_w.packed, q_w.block_scale, gs, routing)
+    with pytest.raises(ValueError, match="multiple of BN / 2"):  # I = 96, BN / 2 = 64 (4 warps, rg 2)
+        gm.gluon_w4a16_grouped(*args, cfg=G(4, 1, 1, 2, rg=2), silu_mul=True)
+    with pytest.raises(ValueError, match="split"):  # two K ranges: no fused split-K fixup
+        gm.gluon_w4a16_grouped(*args, cfg=G(4, 1, 2, 2), silu_mul=True)
+    with pytest.raises(ValueError, match="multiple of BN / 2"):  # 8 warps: BN / 2 = 64
+        gm.gluon_w4a16_grouped(*args, cfg=G(8, 1, 1, 2), silu_mul=True)
+
+
+def _moe_weights(e=128, hidden=2048, inter=768, seed=11):
+    q13 = em.quantize_weight(_w((e, 2 * inter, hidden), seed=seed), reduce_dims=(1, 2))
+    q2 = em.quantize_weight(_w((e, hidden, inter), seed=seed + 1), reduce_dims=(1, 2))
+    return (q13.packed, q13.block_scale, q13.global_scale.reshape(-1), q2.packed, q2.block_scale,
+            q2.global_scale.reshape(-1))
+
+
+@pytest.mark.parametrize("mode, pt, comb, gran", [("w4a16", False, "fp4x2", "block"),
+                                                  ("quads", True, "bf16", "channel"), ("quads", False, "bf16", "block")])
+@pytest.mark.parametrize("tokens, dead", [(4, 0.0), (16, 0.0), (64, 0.0), (256, 0.0), (16, 0.3), (256, 0.3)])
+def test_moe_forward_fused_gate_equals_unfused(tokens, dead, mode, pt, comb, gran):
+    """moe_forward (Qwen3-30B-A3B experts) with the gate fused (default where it applies; fuse_gate=True must not
+    raise here: each T has GLUON_MOE_TABLE entries) == fuse_gate=False, bit for bit, for every act_mode that takes the
+    fused path; with slots of no local expert (expert parallelism) too."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("GLUON_MOE_TABLE entries are for sm_90")
+    w = _moe_weights()
+    ids = _ids(tokens, 128, 8, seed=tokens)
+    if dead:
+        g = torch.Generator(device=DEV).manual_seed(7)
+        ids = torch.where(torch.rand(ids.shape, device=DEV, generator=g) < dead, -1, ids)
+    sw = torch.softmax(torch.randn(tokens, 8, device=DEV, generator=torch.Generator(device=DEV).manual_seed(3)), -1)
+    x = _x(tokens, 2048, seed=tokens)
+    kw = dict(residual_per_token=pt, residual_combine=comb, residual_granularity=gran)
+    y_u = tg.moe_forward(x, sw, ids, *w, mode, fuse_gate=False, **kw)
+    y_f = tg.moe_forward(x, sw, ids, *w, mode, fuse_gate=True, **kw)
+    y_d = tg.moe_forward(x, sw, ids, *w, mode, **kw)
+    assert torch.equal(y_f, y_u) and torch.equal(y_d, y_u)
+
+
+def test_moe_forward_fuse_gate_true_refuses():
+    """fuse_gate=True where the fused path does not apply raises (no silent unfused run): T=1 (no GLUON_MOE_TABLE
+    entry) and an FP4 GEMM1 operand (naive)."""
+    w = _moe_weights()
+    sw = torch.full((1, 8), 0.125, device=DEV)
+    with pytest.raises(ValueError, match="fuse_gate"):
+        tg.moe_forward(_x(1, 2048), sw, _ids(1, 128, 8), *w, "w4a16", fuse_gate=True)
+    sw = torch.full((16, 8), 0.125, device=DEV)
+    with pytest.raises(ValueError, match="fuse_gate"):
+        tg.moe_forward(_x(16, 2048), sw, _ids(16, 128, 8), *w, "naive", fuse_gate=True)

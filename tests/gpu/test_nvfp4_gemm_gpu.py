@@ -325,7 +325,7 @@ def test_moe_align_in_registers_real_sizes(tokens, e, block_m):
 
 def test_moe_align_paths_timed(monkeypatch):
     """Each moe_align path (registers; one program through global scratch; two launches: histogram, then scan +
-    scatter) at S = 8..512 slots, 128 experts, top-8 (block_m as moe_forward picks it): == the torch reference, and its CUDA-graph
+    scatter; one launch without scratch) at S = 8..512 slots, 128 experts, top-8 (block_m as moe_forward picks it): == the torch reference, and its CUDA-graph
     time printed (us; informational: where MOE_ALIGN_REGISTER_MAX / MOE_ALIGN_ONE_PROGRAM_MAX belong). The
     register kernel is forced past its default limit here (S = 512) to measure it."""
     e, topk = 128, 8
@@ -337,15 +337,16 @@ def test_moe_align_paths_timed(monkeypatch):
         ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
         ref = tg.moe_align_reference(ids, e, bm)
         times = []
-        for reg_max, one_max in ((512, 1024), (0, 1024), (0, 0)):
+        for reg_max, one_max, launch_max in ((512, 1024, 0), (0, 1024, 0), (0, 0, 0), (0, 0, 1 << 14)):
             monkeypatch.setattr(tg, "MOE_ALIGN_REGISTER_MAX", reg_max)
             monkeypatch.setattr(tg, "MOE_ALIGN_ONE_PROGRAM_MAX", one_max)
+            monkeypatch.setattr(tg, "MOE_ALIGN_ONE_LAUNCH_MAX", launch_max)
             got = tg.moe_align(ids, e, bm)
             for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
-                assert torch.equal(getattr(got, f), getattr(ref, f)), (s, reg_max, one_max, f)
+                assert torch.equal(getattr(got, f), getattr(ref, f)), (s, reg_max, one_max, launch_max, f)
             times.append(_graph_us(lambda: tg.moe_align(ids, e, bm)))
         rows.append(f"S={s:4d} bm={bm:3d}: registers {times[0]:6.1f} us | one program (scratch) {times[1]:6.1f} us | "
-                    f"two launches {times[2]:6.1f} us")
+                    f"two launches {times[2]:6.1f} us | one launch, no scratch {times[3]:6.1f} us")
     print("moe_align, 128 experts, CUDA-graph replay of one call:\n" + "\n".join(rows))
 
 

@@ -199,7 +199,7 @@ def test_dispatch_takes_gluon_only_where_it_can_run(monkeypatch, caplog):
 
     assert tg.gluon_table_entry(4, 8192, 8192, (9, 0)) is tg.GLUON_TABLE[(4, 8192, 8192)]
     assert tg.gluon_table_entry(3, 8192, 8192, (9, 0)) is tg.GLUON_TABLE[(4, 8192, 8192)]  # next bucket
-    for args in [(4, 8192, 8192, (10, 0)), (4, 8192, 8192, (8, 0)), (1, 8192, 8192, (9, 0)), (32, 8192, 8192, (9, 0)),
+    for args in [(4, 8192, 8192, (10, 0)), (4, 8192, 8192, (8, 0)), (1, 4096, 4096, (9, 0)), (32, 8192, 8192, (9, 0)),
                  (4, 8192, 8000, (9, 0)), (4, 1234, 8192, (9, 0))]:
         assert tg.gluon_table_entry(*args) is None, args
 

@@ -2,8 +2,10 @@
 Qwen3-30B-A3B width (128 experts, top-8 random routing; w13 [128, 1536, 2048], w2 [128, 2048, 768]) vs BF16
 ``torch._grouped_mm`` and the current default W4A16 dispatch (``triton_gemm.nvfp4_gemm`` with the routing as
 ``moe_forward`` builds it), per token count (default 4, 16, 64, 256), and the whole routed-experts layer: the
-default ``triton_gemm.moe_forward`` (w4a16) vs the same layer with the two expert GEMMs on the Gluon kernel vs the
-BF16 layer (``torch._grouped_mm``).
+default ``triton_gemm.moe_forward`` (w4a16; gate fused into the w13 GEMM where it applies) vs the same with
+``fuse_gate=False`` (the separate ``moe_silu_mul`` launch) vs the same layer with the two expert GEMMs on the Gluon
+kernel (gate separate, and fused: ``silu_mul``) vs the BF16 layer (``torch._grouped_mm``); the fused layers are
+checked ``torch.equal`` to their unfused twins before they are timed.
 
 Timing (CUDA graph replays, :func:`verl_quads.bench.timing.graph_time_s`): ``warm`` = one call per replay (the
 active experts' weights stay in L2 between replays when they fit, as in the main bench); ``cold`` = one call per
@@ -41,6 +43,9 @@ def _configs(which: str):
     more = [C(4, 1, 0, 8), C(8, 1, 0, 4), C(2, 1, 0, 4), C(2, 1, 0, 4, nt=1), C(8, 2, 0, 2, nt=1),
             C(4, 1, 0, 2, maxnreg=128, nt=1)]
     wide = _wide_configs()
+    if which == "fused13":  # the w13 T=256 candidates under the fused gate (--w13-fused): register caps x K stages
+        return [C(4, 1, 0, 2, maxnreg=r, rg=2, dec=3, xs=True, nts=2, xsc=xc, xsb=2) for r in (0, 128, 160, 168)
+                for xc in (1, 2, 4)]
     return {"quick": quick, "all": quick + more + wide, "wide": [c for c in wide if c.label in _WIDE_PICK]}[which]
 
 
@@ -50,7 +55,12 @@ def _configs(which: str):
 #: config: GluonConfig grew rg / pfd labels, names doubled)
 _WIDE_PICK = ("w8 kc1 sa2 pf1 xs nts2 xsc4 xsb2", "w8 kc1 sa2 pf1 d3 xs nts2 xsc4 xsb2",
               "w4 kc1 sa2 pf1 rg2 d3 xs nts2 xsc4 xsb2", "w4 kc1 sa2 pf1 xs",
-              "w4 kc1 sa2 pf1 d3 xs", "w4 kc1 sa2 pf1 rg2 d3 nt2 xs")
+              "w4 kc1 sa2 pf1 d3 xs", "w4 kc1 sa2 pf1 rg2 d3 nt2 xs",
+              # session 11: GLUON_MOE_TABLE's T=256 / 64 entries (w13 r128 ... nts2 xsc1 xsb2, w2 r128 ... xs nts2; T=64
+              # both r128 ... nts1 xsc1 xsb2) and runners-up (x staged in 2-chunk stages; 8 warps)
+              "w4 kc1 sa2 pf1 r128 rg2 d3 xs nts2 xsc1 xsb2", "w4 kc1 sa2 pf1 r128 rg2 d3 xs nts2",
+              "w4 kc1 sa2 pf1 r128 rg2 d3 xs nts1 xsc1 xsb2", "w4 kc1 sa2 pf1 r128 rg2 d3 xs nts2 xsc2 xsb2",
+              "w8 kc1 sa2 pf1 r128 rg2 d3 xs nts2 xsc1 xsb2")
 
 
 def _wide_configs():
@@ -75,7 +85,14 @@ def _wide_configs():
             C(4, 1, 0, 2, prefetch=False, nts=2, rg=2), C(4, 1, 0, 2, nts=2, xs=True, xsc=4),
             C(8, 1, 0, 2, pfd=2, xs=True, nts=2, xsc=4, xsb=2), C(4, 1, 0, 2, pfd=2, xs=True),
             C(8, 1, 0, 2, dec=3, xs=True, nts=2, xsc=4, xsb=2), C(4, 1, 0, 2, rg=2, dec=3, xs=True, nts=2, xsc=4, xsb=2),
-            C(4, 1, 0, 2, dec=3, xs=True), C(4, 1, 0, 2, rg=2, dec=3, nt=2, xs=True)]
+            C(4, 1, 0, 2, dec=3, xs=True), C(4, 1, 0, 2, rg=2, dec=3, nt=2, xs=True),
+            # session 11: 1-2 chunk activation stages, register caps for 4 CTAs / SM (2 at 8 warps), nts2 for w2,
+            # nts1 at T=64
+            C(4, 1, 0, 2, rg=2, dec=3, xs=True, nts=2, xsc=2, xsb=2, maxnreg=128),
+            C(4, 1, 0, 2, rg=2, dec=3, xs=True, nts=2, xsc=1, xsb=2, maxnreg=128),
+            C(8, 1, 0, 2, rg=2, dec=3, xs=True, nts=2, xsc=1, xsb=2, maxnreg=128),
+            C(4, 1, 0, 2, rg=2, dec=3, xs=True, nts=2, maxnreg=128),
+            C(4, 1, 0, 2, rg=2, dec=3, xs=True, nts=1, xsc=1, xsb=2, maxnreg=128)]
 
 
 def _check(y, xf, wf_of, slots_of, rows_of, k):
@@ -95,7 +112,10 @@ def _check(y, xf, wf_of, slots_of, rows_of, k):
 
 
 def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool = True, only: str = "",
-        layer_cfgs: dict | None = None) -> str:
+        layer_cfgs: dict | None = None, fused13: bool = False) -> str:
+    """``fused13``: each w13 Gluon config also with the gate fused into its epilogue (``silu_mul``; rows "fused gate
+    ...", where :func:`~verl_quads.nvfp4.gluon_moe.silu_mul_refusal` allows it; check = bytes equal to moe_silu_mul
+    of the unfused result)."""
     from verl_quads.bench.timing import device_name, print_table
     from verl_quads.nvfp4 import gluon_moe as gm
     from verl_quads.nvfp4 import triton_gemm as tg
@@ -131,6 +151,7 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
         weights[name] = (q, wq, bf)
         print(f"{name}: [{E}, {n}, {k}], {copies} weight copies", flush=True)
     cfgs = [c for c in _configs(which) if not only or re.search(only, c.label)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     cfg_of = {f"gluon {c.label}": c for c in cfgs}
     best = {}  # (gemm, tokens) -> the fastest correct config (cold)
     for name in gemms:
@@ -204,6 +225,17 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
                     res[(label, "check")] = (werr, ok)
                     plan = gm.grouped_plan(n, k, min(E, s), cfg, torch.cuda.get_device_properties(0).multi_processor_count)
                     res[(label, "plan")] = f"grid {plan[0]}x{grouting.tile_expert.numel()}x{plan[1]}"
+                    if fused13 and name == "w13" and not gm.silu_mul_refusal(n, k, min(E, s), cfg, sms):
+                        # the same config with the gate in its epilogue: check: == moe_silu_mul of y, bit for bit
+                        fl = f"fused gate {cfg.label}"
+                        a_f = gm.gluon_w4a16_grouped(x, *wq[0], grouting, a_rows=ga_rows, out_rows=s, cfg=cfg,
+                                                     silu_mul=True)
+                        res[(fl, "check")] = (float("nan"), torch.equal(a_f, tg.moe_silu_mul(y, ids_of[t])))
+                        for mode, cp in (("cold", copies), ("warm", 1)):
+                            res[(fl, mode)] = _time_rot(
+                                lambda i, cfg=cfg: gm.gluon_w4a16_grouped(x, *wq[i], grouting, a_rows=ga_rows,
+                                                                          out_rows=s, cfg=cfg, zero_unrouted=False,
+                                                                          silu_mul=True), cp)
                 except Exception as ex:
                     print(f"{tag} {label}: FAILED {type(ex).__name__}: {str(ex)[:300]}", flush=True)
             base_c = res.get(("bf16 torch._grouped_mm", "cold"), float("nan"))
@@ -241,9 +273,11 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
 
 
 def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
-    """The whole routed-experts layer, w4a16: default moe_forward vs the same steps with the Gluon GEMMs (per GEMM
-    and token count the fastest correct config of the GEMM rows above, else GroupedConfig(4, 1, 0, 2)) vs BF16
-    (torch._grouped_mm)."""
+    """The whole routed-experts layer, w4a16: default moe_forward (fused gate where it applies) and with
+    ``fuse_gate=False`` vs the same steps with the Gluon GEMMs (per GEMM and token count the fastest correct config
+    of the GEMM rows above, else the GLUON_MOE_TABLE entry, else GroupedConfig(4, 1, 0, 2)), gate separate and fused
+    into the w13 GEMM, vs BF16 (torch._grouped_mm). Column ``same``: the fused layer ``torch.equal`` its unfused
+    twin (checked before timing)."""
     from verl_quads.bench.timing import print_table
     from verl_quads.nvfp4 import gluon_moe as gm
     from verl_quads.nvfp4 import triton_gemm as tg
@@ -261,10 +295,17 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
         counts = torch.bincount(flat, minlength=E)
         offs = torch.cumsum(counts, 0).to(torch.int32)
         bm = routings[t].block_m
-        c13, c2 = best.get(("w13", t), dflt), best.get(("w2", t), dflt)
+        cap = torch.cuda.get_device_capability()
+        c13 = best.get(("w13", t)) or tg.gluon_moe_table_entry(s, *SHAPES["w13"], bm, cap) or dflt
+        c2 = best.get(("w2", t)) or tg.gluon_moe_table_entry(s, *SHAPES["w2"], bm, cap) or dflt
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        why13 = gm.silu_mul_refusal(*SHAPES["w13"], min(E, s), c13, sms)
 
         def default(i):
             return tg.moe_forward(x, sw, ids, *w13[i], *w2[i], "w4a16")
+
+        def unfused(i):
+            return tg.moe_forward(x, sw, ids, *w13[i], *w2[i], "w4a16", fuse_gate=False)
 
         def before(i):  # moe_forward without this bucket's GLUON_MOE_TABLE entries
             keys = [k for k in tg.GLUON_MOE_TABLE if k[0] == tg.gluon_moe_bucket(s)]
@@ -282,6 +323,13 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
             y = gm.gluon_w4a16_grouped(a, *w2[i], r, out_rows=s, cfg=c2, zero_unrouted=False)
             return tg.moe_combine(y, sw, ids)
 
+        def gluon_fused(i):
+            r = tg.moe_align(ids, E, bm)
+            a = gm.gluon_w4a16_grouped(x, *w13[i], r, a_rows=r.sorted_tokens, out_rows=s, cfg=c13,
+                                       zero_unrouted=False, silu_mul=True)
+            y = gm.gluon_w4a16_grouped(a, *w2[i], r, out_rows=s, cfg=c2, zero_unrouted=False)
+            return tg.moe_combine(y, sw, ids)
+
         def bf16(i):
             order = torch.sort(flat, stable=True).indices
             tok = torch.div(order, TOP_K, rounding_mode="floor")
@@ -291,13 +339,21 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
             out = torch.zeros(t, HIDDEN, dtype=torch.float32, device=x.device)
             return out.index_add_(0, tok, y.float() * sw.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)
 
-        yd, yg = default(0).float(), gluon(0).float()
-        rel = float((yd - yg).norm() / yd.norm().clamp_min(1e-30))
+        yd, yg = default(0), gluon(0)
+        rel = float((yd.float() - yg.float()).norm() / yd.float().norm().clamp_min(1e-30))
+        same = {"default moe_forward w4a16": str(torch.equal(yd, unfused(0)))}
         res = {}
         variants = [("bf16 layer (torch._grouped_mm)", bf16), ("default moe_forward w4a16", default),
+                    ("moe_forward w4a16 fuse_gate=False", unfused),
                     (f"gluon GEMMs layer (w13 {c13.label}; w2 {c2.label})", gluon)]
+        if not why13:
+            lb = f"gluon GEMMs layer, gate fused (w13 {c13.label}; w2 {c2.label})"
+            same[lb] = str(torch.equal(gluon_fused(0), yg))
+            variants.append((lb, gluon_fused))
+        else:
+            print(f"layer T={t}: no fused gate with w13 {c13.label}: {why13}", flush=True)
         if hasattr(tg, "gluon_moe_bucket") and any(k[0] == tg.gluon_moe_bucket(s) for k in tg.GLUON_MOE_TABLE):
-            variants.insert(2, ("moe_forward without the GLUON_MOE_TABLE entries here", before))
+            variants.insert(3, ("moe_forward without the GLUON_MOE_TABLE entries here", before))
         for lb, fn in variants:
             try:
                 res[lb] = (_time_rot(fn, copies), _time_rot(fn, 1))
@@ -306,7 +362,7 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
         bc, bw = res.get("bf16 layer (torch._grouped_mm)", (float("nan"),) * 2)
         for lb, (tc, tw) in res.items():
             rows.append([f"moe layer T={t}", lb, tc * 1e6, bc / tc, tw * 1e6, bw / tw,
-                         f"{rel:.1e}" if lb.startswith("gluon") else "-"])
+                         f"{rel:.1e}" if lb.startswith("gluon") else "-", same.get(lb, "-")])
             print(f"  layer T={t} {lb}: cold {tc * 1e6:.1f} us ({bc / tc:.2f}x bf16), warm {tw * 1e6:.1f} us "
                   f"({bw / tw:.2f}x)", flush=True)
         # the Gluon layer's parts, each launched alone on the outputs of the previous ones (cold: GEMMs over the
@@ -315,30 +371,46 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
         h = gm.gluon_w4a16_grouped(x, *w13[0], r, a_rows=r.sorted_tokens, out_rows=s, cfg=c13, zero_unrouted=False)
         a = tg.moe_silu_mul(h, ids)
         y = gm.gluon_w4a16_grouped(a, *w2[0], r, out_rows=s, cfg=c2, zero_unrouted=False)
+
         steps = (("moe_align", lambda i: tg.moe_align(ids, E, bm), 1),
                  ("w13 gluon", lambda i: gm.gluon_w4a16_grouped(x, *w13[i], r, a_rows=r.sorted_tokens, out_rows=s,
                                                                 cfg=c13, zero_unrouted=False), copies),
                  ("moe_silu_mul", lambda i: tg.moe_silu_mul(h, ids), 1),
+                 *((("w13 gluon + gate fused (replaces the two above)",
+                     lambda i: gm.gluon_w4a16_grouped(x, *w13[i], r, a_rows=r.sorted_tokens, out_rows=s, cfg=c13,
+                                                      zero_unrouted=False, silu_mul=True), copies),)
+                   if not why13 else ()),
                  ("w2 gluon", lambda i: gm.gluon_w4a16_grouped(a, *w2[i], r, out_rows=s, cfg=c2, zero_unrouted=False),
                   copies),
                  ("moe_combine", lambda i: tg.moe_combine(y, sw, ids), 1))
-        total = 0.0
+        if not why13:
+            a_f = gm.gluon_w4a16_grouped(x, *w13[0], r, a_rows=r.sorted_tokens, out_rows=s, cfg=c13, silu_mul=True)
+            a_u = tg.moe_silu_mul(gm.gluon_w4a16_grouped(x, *w13[0], r, a_rows=r.sorted_tokens, out_rows=s, cfg=c13),
+                                  ids)
+            print(f"layer T={t}: w13 + gate fused == unfused: {torch.equal(a_f, a_u)}", flush=True)
+        tp_of = {}
         for lb, fn, cp in steps:
-            tp = _time_rot(fn, cp)
-            total += tp
+            tp_of[lb] = tp = _time_rot(fn, cp)
             parts.append([f"moe layer T={t}", lb, tp * 1e6, tp / bc])
+        fused = [lb for lb in tp_of if lb.startswith("w13 gluon + gate fused")]
+        total = sum(tp for lb, tp in tp_of.items() if lb not in fused)
         parts.append([f"moe layer T={t}", "sum of parts", total * 1e6, total / bc])
+        if fused:
+            tf = total - tp_of["w13 gluon"] - tp_of["moe_silu_mul"] + tp_of[fused[0]]
+            parts.append([f"moe layer T={t}", "sum of parts, gate fused", tf * 1e6, tf / bc])
         for lb, tp in _align_kernels(ids, bm):
             parts.append([f"moe layer T={t}", lb, tp * 1e6, tp / bc])
     out = print_table("MoE layer, w4a16 (us; x bf16 = BF16 layer time / time; rel = ||y_gluon - y_default|| / "
-                      "||y_default||)", ["point", "layer", "cold us", "x bf16", "warm us", "x bf16 warm", "rel"], rows)
+                      "||y_default||; same = torch.equal to the unfused twin)",
+                      ["point", "layer", "cold us", "x bf16", "warm us", "x bf16 warm", "rel", "same"], rows)
     return out + "\n" + print_table("Gluon layer parts (us, each alone; GEMMs cold L2; share = time / BF16 layer cold)",
                                     ["point", "part", "us", "share"], parts)
 
 
 def _align_kernels(ids, bm):
-    """moe_align's two launches (S > MOE_ALIGN_ONE_PROGRAM_MAX) timed one by one, as moe_align launches them, an
-    empty launch, and moe_align itself (checked == moe_align_reference)."""
+    """moe_align's two launches (S > MOE_ALIGN_ONE_PROGRAM_MAX) timed one by one, as moe_align launches them, its
+    one launch (``_moe_align_one_launch``: moe_align's up to MOE_ALIGN_ONE_LAUNCH_MAX slots), an empty launch, and
+    moe_align itself (checked == moe_align_reference)."""
     import triton
 
     from verl_quads.nvfp4 import triton_gemm as tg
@@ -360,12 +432,17 @@ def _align_kernels(ids, bm):
     ref = tg.moe_align_reference(ids, E, bm)
     same = all(torch.equal(getattr(r, f), getattr(ref, f)) for f in
                ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"))
+    tg._moe_align_one_launch(flat, E, TOP_K, bm, (te, tr0, tr1, so, st))
+    one_same = all(torch.equal(a, getattr(ref, f)) for a, f in zip(
+        (te, tr0, tr1, so, st), ("tile_expert", "tile_row0", "tile_row1", "sorted_slots", "sorted_tokens")))
     return [(f"  align: hist ({p} programs)", _time_rot(
         lambda i: tg._moe_hist_kernel[(p,)](flat, hist, s, E, C=chunk, EP=ep), 1)),
         (f"  align: scan + tile table + scatter ({p} programs)", _time_rot(
             lambda i: tg._moe_scan_scatter_kernel[(p,)](flat, hist, te, tr0, tr1, so, st, s, E, TOP_K, p, t_max,
                                                         C=chunk, EP=ep, PP=triton.next_power_of_2(p), BM=bm, TT=32,
                                                         num_warps=8), 1)),
+        (f"  align: one launch ({'== reference' if one_same else 'WRONG'})", _time_rot(
+            lambda i: tg._moe_align_one_launch(flat, E, TOP_K, bm, (te, tr0, tr1, so, st)), 1)),
         ("  align: empty launch (torch add 1 elt)", _time_rot(lambda i: start[:1].add_(0), 1)),
         (f"  moe_align ({'== reference' if same else 'WRONG'})", _time_rot(lambda i: tg.moe_align(ids, E, bm), 1))]
 
@@ -374,9 +451,10 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", default="4,16,64,256")
     ap.add_argument("--gemms", default="w13,w2", help="GEMM rows to time ('': none, the layer only)")
-    ap.add_argument("--configs", default="quick", choices=["quick", "all", "wide"])
+    ap.add_argument("--configs", default="quick", choices=["quick", "all", "wide", "fused13"])
     ap.add_argument("--only", default="", help="regex: only the configs whose label matches")
     ap.add_argument("--no-layer", action="store_true")
+    ap.add_argument("--w13-fused", action="store_true", help="w13 rows: each config also with the gate fused")
     ap.add_argument("--layer", default="", help="layer configs by label, e.g. 'w13:T=256:w4 kc1 sa2 pf1 nt2;w2:...' "
                     "(else the fastest correct config of this run's GEMM rows, else w4 kc1 sa2 pf1)")
     a = ap.parse_args(argv)
@@ -386,7 +464,7 @@ def main(argv=None) -> None:
         name, tt, label = item.split(":", 2)
         layer_cfgs[(name, int(tt.removeprefix("T=")))] = by_label[label]
     run([int(v) for v in a.tokens.split(",")], [g for g in a.gemms.split(",") if g], a.configs, not a.no_layer, a.only,
-        layer_cfgs)  # --gemms '': the layer only
+        layer_cfgs, a.w13_fused)  # --gemms '': the layer only
 
 
 if __name__ == "__main__":

@@ -24,6 +24,12 @@ instead of one per warp), with weight prefetch depth ``pfd`` (2: two iterations 
 per row group and the same summation order as the kernel above: the same bytes at the same kc / nt / split. ``dec`` 3
 (the wide kernel): gluon_gemm's mask + multiply pair decode (the same registers as the shifts).
 
+Fused gate (``silu_mul``, the MoE w13 GEMM; ``FUSE``): a program reads BN / 2 gate rows and the matching BN / 2 up
+rows of w13 (instead of BN consecutive rows; in each 16-row MMA group 8 gate rows and their 8 up rows, which land in
+the same threads' accumulator registers) and its epilogue writes ``a = bf16(silu(g) * u)`` [S, I] from the bf16 GEMM
+outputs g / u (moe_silu_mul's float32 arithmetic: the same bytes), not h [S, 2I]. Split 1 only
+(:func:`silu_mul_refusal`).
+
 Needs triton >= 3.6 with Gluon and an sm_80+ GPU; never runs under the Triton interpreter (no fallback here:
 :func:`gluon_w4a16_grouped` raises where it cannot run). tests/gpu/test_gluon_moe_gpu.py checks it;
 ``python -m verl_quads.bench.gluon_moe_probe`` times it.
@@ -42,11 +48,13 @@ from verl_quads.nvfp4.gluon_gemm import ROWS, STD_CHUNK, GluonConfig, _num_sms, 
 if gluon is not None:
     from triton.experimental.gluon import language as gl
 
+    from triton.experimental.gluon.language.extra import libdevice
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from verl_quads.nvfp4.gluon_gemm import (_cta_barrier, _k_range, _std_chunk_loads, _std_chunk_mma, dot_layout,
-                                             k_loop, mma_layout, split_fixup, std_pair_layout, std_weight_offsets,
-                                             std_x_layout, std_x_offsets, std_x_rows)
+    from verl_quads.nvfp4.gluon_gemm import (_cta_barrier, _iota, _k_range, _std_chunk_loads, _std_chunk_mma,
+                                             dot_layout, k_loop, mma_layout, split_fixup, std_pair_layout,
+                                             std_weight_offsets, std_word_layout, std_x_layout, std_x_offsets,
+                                             std_x_rows)
 
     @gluon.jit
     def _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, r0, r1, N, OUT_ROWS, pid_n, pid_k, ci,
@@ -72,16 +80,66 @@ if gluon is not None:
                         cols, SPLIT, False)
 
     @gluon.jit
+    def _gate_up_offsets(pid_n, N, KW, KB, NW: gl.constexpr, KC: gl.constexpr, WPT: gl.constexpr,
+                         RG: gl.constexpr = 1):
+        """:func:`~verl_quads.nvfp4.gluon_gemm.std_weight_offsets` of a fused gate program: in each of its R = NW RG
+        16-row groups r, rows 8 rb3 + g (the MMA accumulator's rows g and 8 + g: one thread's registers) read the gate
+        row ``8 (R pid_n + r) + g`` (rb3 0) and its up row ``N/2 + 8 (R pid_n + r) + g`` (rb3 1) of w13 (gate rows
+        then up rows, N = 2I; the host checks I % (8 R) == 0, so no row is clamped)."""
+        woff, kcw, soff, kcs = std_weight_offsets(0, N, KW, KB, NW, KC, WPT, RG)
+        R: gl.constexpr = NW * RG
+        L6: gl.constexpr = std_word_layout(NW, WPT)
+        LS: gl.constexpr = gl.SliceLayout(6, std_pair_layout(NW, WPT))
+        # std_weight_offsets(0, ...) reads row 16 r + 8 rb3 + g: shift it to 8 (R pid_n + r) + g + rb3 N/2
+        shift_w = pid_n * (8 * R) - _iota(R, 0, 6, L6) * 8 + _iota(2, 1, 6, L6) * (N // 2 - 8)
+        shift_s = pid_n * (8 * R) - _iota(R, 0, 6, LS) * 8 + _iota(2, 1, 6, LS) * (N // 2 - 8)
+        return woff + shift_w * KW, kcw, soff + shift_s * KB, kcs
+
+    @gluon.jit
+    def _row_halves(v, BN: gl.constexpr, C: gl.constexpr):
+        """[BN, C] (MMA accumulator layout) -> its rows 16 q + j and 16 q + 8 + j (j < 8) as two [BN / 16, 8, C]
+        tensors: row bit 3 is a register bit of the layout, so this is a relabeling of each thread's registers."""
+        return gl.split(gl.permute(gl.reshape(v, [BN // 16, 2, 8, C]), [0, 2, 3, 1]))
+
+    @gluon.jit
+    def _moe_silu_epilogue(acc, gw, out_ptr, orow_ptr, r0, r1, I, pid_n, MMA: gl.constexpr, BN: gl.constexpr,
+                           NT: gl.constexpr):
+        """Fused gate: acc [BN weight rows, 8 NT sorted rows from r0], row ``16 q + j`` the gate row ``n0 + 8 q + j``
+        and row ``16 q + 8 + j`` its up row (:func:`_gate_up_offsets`, n0 = BN/2 pid_n, j < 8) -> ``a[sorted_slots[r0
+        + c], n0 + 8 q + j] = bf16(silu(float32(g)) * float32(u))`` (``a`` bf16 [out rows, I]; rows < r1), g / u =
+        bf16(acc * 256 / gs_e): GEMM1's bf16 output as the unfused path stores it in h, then moe_silu_mul's arithmetic
+        (silu(g) = div_rn(g, 1 + libdevice expf(-g)), the float32 product, one cast). Gate and up values are the same
+        thread's registers (:func:`_row_halves`): no shared memory, no barrier."""
+        LR: gl.constexpr = gl.SliceLayout(1, MMA)
+        C: gl.constexpr = NT * 8
+        post = gl.div_rn(gl.full([BN], 1.0, gl.float32, LR), gw) * 256.0
+        hf = (acc * gl.expand_dims(post, 1)).to(gl.bfloat16).to(gl.float32)
+        rows = gl.arange(0, BN, layout=LR)
+        r = r0 + gl.arange(0, C, layout=gl.SliceLayout(0, MMA))
+        valid = r < r1
+        o = gl.load(orow_ptr + r, mask=valid, other=0)
+        off = gl.expand_dims(o, 0) * I + gl.expand_dims(pid_n * (BN // 2) + (rows // 16) * 8 + rows % 8, 1)
+        live = gl.expand_dims(valid.to(gl.int32), 0) + gl.zeros([BN, C], gl.int32, MMA)
+        g, u = _row_halves(hf, BN, C)
+        off, _ = _row_halves(off, BN, C)
+        live, _ = _row_halves(live, BN, C)
+        a = gl.div_rn(g, libdevice.exp(-g) + 1.0) * u
+        gl.store(out_ptr + off, a.to(gl.bfloat16), mask=live != 0)
+
+    @gluon.jit
     def _w4a16_moe_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
                           arow_ptr, orow_ptr, te_ptr, tr0_ptr, tr1_ptr,
                           N, K, KW, KB, C, CPS, OUT_ROWS, GRID_N,
                           NW: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr, PASSES: gl.constexpr,
-                          SPLIT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr, WPT: gl.constexpr):
+                          SPLIT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr, WPT: gl.constexpr,
+                          FUSE: gl.constexpr):
         """Grouped standard-layout W4A16: program (pid_n, pid_m, pid_k) computes rows ``16 (pid_n NW + w) + [0, 16)``
         of expert ``tile_expert[pid_m]``'s output for the tile's sorted rows, in passes of 8 NT rows (at most PASSES
         = block_m / (8 NT); each pass runs the K loop, later passes re-read the weight tile, mostly from L2), chunks
         ``[pid_k CPS, ...)``; ``w_ptr`` int32 ``[E, N, KW]``, ``s_ptr`` uint8 ``[E, N, KB]``, ``x_ptr`` bf16 ``[rows, K]``. Offsets, loads, decode, MMA and K loop: the dense kernel's (gluon_gemm
-        std_weight_offsets / k_loop) on the expert's weight pointers and the pass's gathered activation rows."""
+        std_weight_offsets / k_loop) on the expert's weight pointers and the pass's gathered activation rows.
+        FUSE (w13, SPLIT 1): the program's rows are NW 8 gate rows and their up rows (:func:`_gate_up_offsets`)
+        and the epilogue writes ``silu(gate) * up`` to ``out`` bf16 [OUT_ROWS, N / 2] (:func:`_moe_silu_epilogue`)."""
         MMA: gl.constexpr = mma_layout(NW)
         BN: gl.constexpr = NW * 16
         pid_n = gl.program_id(0)
@@ -95,7 +153,10 @@ if gluon is not None:
             e64 = e.to(gl.int64)
             w_e = w_ptr + e64 * N * KW
             s_e = s_ptr + e64 * N * KB
-            woff, kcw, soff, kcs = std_weight_offsets(pid_n, N, KW, KB, NW, KC, WPT)
+            if FUSE:
+                woff, kcw, soff, kcs = _gate_up_offsets(pid_n, N, KW, KB, NW, KC, WPT)
+            else:
+                woff, kcw, soff, kcs = std_weight_offsets(pid_n, N, KW, KB, NW, KC, WPT)
             gw = gl.load(gs_ptr + e + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)) * 0)
             slot = std_x_rows(NT, NW, WPT)
             for p in gl.static_range(PASSES):
@@ -105,8 +166,11 @@ if gluon is not None:
                     xoff, kcx = std_x_offsets(gl.load(arow_ptr + gl.minimum(rs + slot, r1 - 1)), K, NW, KC, WPT)
                     acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs,
                                  kcx, c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT)
-                    _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, rs, r1, N, OUT_ROWS, pid_n, pid_k,
-                                  (pid_m * GRID_N + pid_n) * PASSES + p, MMA, BN, NT, SPLIT)
+                    if FUSE:
+                        _moe_silu_epilogue(acc, gw, out_ptr, orow_ptr, rs, r1, N // 2, pid_n, MMA, BN, NT)
+                    else:
+                        _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, rs, r1, N, OUT_ROWS, pid_n,
+                                      pid_k, (pid_m * GRID_N + pid_n) * PASSES + p, MMA, BN, NT, SPLIT)
 
 
     # ---- wide variant: RG row groups per warp, optional activation staging in shared memory (XS)
@@ -222,9 +286,10 @@ if gluon is not None:
     def _wide_pass(x_s, x_ptr, w_e, s_e, gw, out_ptr, part_ptr, cnt_ptr, arow_ptr, orow_ptr, woff, kcw, soff, kcs,
                    rs, r1, K, N, OUT_ROWS, c_lo, c_hi, pid_n, pid_k, ci, NW: gl.constexpr, RG: gl.constexpr,
                    KC: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr,
-                   WPT: gl.constexpr, XS: gl.constexpr, XC: gl.constexpr, XB: gl.constexpr, DEC: gl.constexpr):
+                   WPT: gl.constexpr, XS: gl.constexpr, XC: gl.constexpr, XB: gl.constexpr, DEC: gl.constexpr,
+                   FUSE: gl.constexpr):
         """One pass of 8 NT sorted rows from ``rs``: K loop (activation from global, or staged in smem: XS) and the
-        epilogue."""
+        epilogue (FUSE: the fused gate, :func:`_moe_silu_epilogue`)."""
         MMA: gl.constexpr = mma_layout(NW)
         BN: gl.constexpr = NW * RG * 16
         acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
@@ -236,8 +301,11 @@ if gluon is not None:
                                       WPT)
             acc = _wide_k_loop(acc, w_e, s_e, x_ptr, woff, soff, xoff, kcw, kcs, kcx, c_lo, c_hi, NW, RG, KC, NT, EVEN,
                                PF, WPT, DEC)
-        _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, rs, r1, N, OUT_ROWS, pid_n, pid_k, ci, MMA, BN,
-                      NT, SPLIT)
+        if FUSE:
+            _moe_silu_epilogue(acc, gw, out_ptr, orow_ptr, rs, r1, N // 2, pid_n, MMA, BN, NT)
+        else:
+            _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, rs, r1, N, OUT_ROWS, pid_n, pid_k, ci, MMA,
+                          BN, NT, SPLIT)
 
     @gluon.jit
     def _w4a16_moe_wide_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr,
@@ -246,14 +314,15 @@ if gluon is not None:
                                NW: gl.constexpr, RG: gl.constexpr, KC: gl.constexpr, NT: gl.constexpr,
                                NTS: gl.constexpr, PASSES: gl.constexpr, SPLIT: gl.constexpr, EVEN: gl.constexpr,
                                PF: gl.constexpr, WPT: gl.constexpr, XS: gl.constexpr, XC: gl.constexpr,
-                               XB: gl.constexpr, DEC: gl.constexpr):
+                               XB: gl.constexpr, DEC: gl.constexpr, FUSE: gl.constexpr):
         """:func:`_w4a16_moe_kernel` with RG 16-row groups per warp (``GroupedConfig.rg``): program (pid_n, pid_m,
         pid_k) computes rows ``16 NW RG pid_n + [0, 16 NW RG)``, warp w the row groups w, w + NW, ..., each with the
         dense kernel's loads, decode and mma.sync, on the same activation fragments (RG times fewer activation
         loads per weight byte). NTS > 0 (``nts``): a pass with at most 8 NTS rows left runs NTS n-tiles (else NT).
         XS (``xs``; KC 1, WPT 4): the pass's activation rows are staged in shared memory by cp.async, XC chunks per
         stage (``xsc``), XB (``xsb``) stage buffers, and the warps read their fragments from there (one global / L2
-        read of the activation per program instead of one per warp); PF 0 / 1 / 2 weight prefetch depth."""
+        read of the activation per program instead of one per warp); PF 0 / 1 / 2 weight prefetch depth. FUSE: the
+        fused gate, as :func:`_w4a16_moe_kernel`'s (NW RG 8 gate rows + their up rows per program)."""
         MMA: gl.constexpr = mma_layout(NW)
         BN: gl.constexpr = NW * RG * 16
         pid_n = gl.program_id(0)
@@ -272,7 +341,10 @@ if gluon is not None:
             e64 = e.to(gl.int64)
             w_e = w_ptr + e64 * N * KW
             s_e = s_ptr + e64 * N * KB
-            woff, kcw, soff, kcs = std_weight_offsets(pid_n, N, KW, KB, NW, KC, WPT, RG)
+            if FUSE:
+                woff, kcw, soff, kcs = _gate_up_offsets(pid_n, N, KW, KB, NW, KC, WPT, RG)
+            else:
+                woff, kcw, soff, kcs = std_weight_offsets(pid_n, N, KW, KB, NW, KC, WPT, RG)
             gw = gl.load(gs_ptr + e + gl.arange(0, BN, layout=gl.SliceLayout(1, MMA)) * 0)
             for p in gl.static_range(PASSES):
                 rs = r0 + p * (NT * 8)
@@ -282,15 +354,15 @@ if gluon is not None:
                         if r1 - rs <= NTS * 8:
                             _wide_pass(x_s, x_ptr, w_e, s_e, gw, out_ptr, part_ptr, cnt_ptr, arow_ptr, orow_ptr, woff,
                                        kcw, soff, kcs, rs, r1, K, N, OUT_ROWS, c_lo, c_hi, pid_n, pid_k, ci, NW, RG,
-                                       KC, NTS, SPLIT, EVEN, PF, WPT, XS, XC, XB, DEC)
+                                       KC, NTS, SPLIT, EVEN, PF, WPT, XS, XC, XB, DEC, FUSE)
                         else:
                             _wide_pass(x_s, x_ptr, w_e, s_e, gw, out_ptr, part_ptr, cnt_ptr, arow_ptr, orow_ptr, woff,
                                        kcw, soff, kcs, rs, r1, K, N, OUT_ROWS, c_lo, c_hi, pid_n, pid_k, ci, NW, RG,
-                                       KC, NT, SPLIT, EVEN, PF, WPT, XS, XC, XB, DEC)
+                                       KC, NT, SPLIT, EVEN, PF, WPT, XS, XC, XB, DEC, FUSE)
                     else:
                         _wide_pass(x_s, x_ptr, w_e, s_e, gw, out_ptr, part_ptr, cnt_ptr, arow_ptr, orow_ptr, woff, kcw,
                                    soff, kcs, rs, r1, K, N, OUT_ROWS, c_lo, c_hi, pid_n, pid_k, ci, NW, RG, KC, NT,
-                                   SPLIT, EVEN, PF, WPT, XS, XC, XB, DEC)
+                                   SPLIT, EVEN, PF, WPT, XS, XC, XB, DEC, FUSE)
 
 # ----------------------------------------------------------------------------------------------- host
 
@@ -355,15 +427,37 @@ def grouped_plan(n: int, k: int, live: int, cfg: GluonConfig, sms: int = 132) ->
     return grid_n, split, cps, even
 
 
+def silu_mul_refusal(n: int, k: int, live: int, cfg: GluonConfig, sms: int = 132) -> str:
+    """Why :func:`gluon_w4a16_grouped` cannot fuse the gate (``silu_mul=True``) into a w13 GEMM of ``[E, n, k]``
+    experts (n = 2I: gate rows then up rows) with ~``live`` live M-tiles under ``cfg``; "" where it can: a program
+    pairs BN / 2 gate rows with their up rows (BN = 16 num_warps rg weight rows), so I % (BN / 2) == 0; and one K
+    range (split 1: the fused epilogue has no split-K fixup)."""
+    bn = 16 * cfg.num_warps * getattr(cfg, "rg", 1)
+    if n % 2 or (n // 2) % (bn // 2):
+        return (f"I = N / 2 = {n / 2:g} must be a multiple of BN / 2 = {bn // 2} (BN = 16 num_warps rg = {bn} "
+                f"weight rows per program)")
+    split = grouped_plan(n, k, live, cfg, sms)[1]
+    if split != 1:
+        return f"the config's plan splits K in {split} (the fused epilogue needs split 1: no split-K fixup)"
+    return ""
+
+
 def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
                         routing, a_rows: torch.Tensor | None = None, out_rows: int | None = None,
-                        cfg: GluonConfig = GluonConfig(kc=1, occ=2), zero_unrouted: bool = True) -> torch.Tensor:
+                        cfg: GluonConfig = GluonConfig(kc=1, occ=2), zero_unrouted: bool = True,
+                        silu_mul: bool = False) -> torch.Tensor:
     """Grouped W4A16: ``x`` bf16 ``[rows, K]``, NVFP4 experts ``w_packed`` uint8 ``[E, N, K/2]``, ``w_scale`` e4m3
     ``[E, N, K/16]``, ``w_gs`` float32 ``[E]``; ``routing`` a :class:`~verl_quads.nvfp4.triton_gemm.GroupedRouting`
     (block_m 8, 16 or 32); sorted row i reads ``x[a_rows[i]]`` (default ``routing.sorted_slots[i]``, as
     :func:`~verl_quads.nvfp4.triton_gemm.nvfp4_gemm`) and is written to row ``routing.sorted_slots[i]`` of the bf16
     ``[out_rows, N]`` result (default S rows); rows of slots with no local expert are 0 (``zero_unrouted=False``:
-    left unset). Raises where the kernel cannot run (no fallback)."""
+    left unset). Raises where the kernel cannot run (no fallback).
+
+    ``silu_mul`` (the MoE w13 GEMM, ``w_packed`` rows = I gate rows then I up rows): returns ``a`` bf16 ``[out_rows,
+    I]`` = ``cast(silu(float32(h[:, :I])) * float32(h[:, I:]))`` of the bf16 result h this call would return
+    otherwise -- bit for bit :func:`~verl_quads.nvfp4.triton_gemm.moe_silu_mul` (h) -- without writing h (the gate
+    in the GEMM's epilogue, one launch); ``zero_unrouted`` as above (rows of unrouted slots: 0, as moe_silu_mul
+    writes them). Raises ValueError where :func:`silu_mul_refusal` says why it cannot."""
     if gluon is None:
         raise RuntimeError("gluon_w4a16_grouped needs triton >= 3.6 (triton.experimental.gluon)")
     if x.dim() != 2 or w_packed.dim() != 3:
@@ -400,10 +494,15 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
     t_max = routing.tile_expert.numel()
     if t_max >= 65536:
         raise ValueError(f"gluon_w4a16_grouped: {t_max} M-tiles exceed the grid's y dimension")
-    out = (torch.zeros if zero_unrouted else torch.empty)(rows_out, n, dtype=torch.bfloat16, device=dev)
+    live = min(routing.num_experts, s)
+    if silu_mul:
+        why = silu_mul_refusal(n, k, live, cfg, _num_sms(dev))
+        if why:
+            raise ValueError(f"gluon_w4a16_grouped: silu_mul=True cannot run: {why}; got {cfg}")
+    out = (torch.zeros if zero_unrouted else torch.empty)(rows_out, n // 2 if silu_mul else n, dtype=torch.bfloat16,
+                                                          device=dev)
     if rows_out == 0 or n == 0 or t_max == 0:
         return out
-    live = min(routing.num_experts, s)
     grid_n, split, cps, even = grouped_plan(n, k, live, cfg, _num_sms(dev))
     if split > 1:
         part = torch.empty(split, rows_out, n, dtype=torch.float32, device=dev)
@@ -425,13 +524,14 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
     if rg == 1 and not xs and not nts and dec == 1:
         _w4a16_moe_kernel[(grid_n, t_max, split)](
             *args, NW=cfg.num_warps, KC=cfg.kc, NT=nt, PASSES=passes, SPLIT=split, EVEN=even, PF=int(cfg.prefetch),
-            WPT=4, **opts)
+            WPT=4, FUSE=bool(silu_mul), **opts)
     else:
         _w4a16_moe_wide_kernel[(grid_n, t_max, split)](
             *args, NW=cfg.num_warps, RG=rg, KC=cfg.kc, NT=nt, NTS=nts, PASSES=passes, SPLIT=split, EVEN=even,
             PF=(pfd or int(cfg.prefetch)) if xs else int(cfg.prefetch), WPT=4, XS=bool(xs),
-            XC=min(xsc or cps, cps) if xs else 1, XB=xsb if xs else 1, DEC=dec, **opts)
+            XC=min(xsc or cps, cps) if xs else 1, XB=xsb if xs else 1, DEC=dec, FUSE=bool(silu_mul), **opts)
     return out
 
 
-__all__ = ["BLOCK_M_NT", "GroupedConfig", "grouped_supported", "grouped_plan", "gluon_w4a16_grouped"]
+__all__ = ["BLOCK_M_NT", "GroupedConfig", "grouped_supported", "grouped_plan", "silu_mul_refusal",
+           "gluon_w4a16_grouped"]

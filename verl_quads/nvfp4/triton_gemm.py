@@ -481,6 +481,78 @@ if triton is not None:
         run = start + tl.sum(tl.where((pp < p)[:, None], h, 0), axis=0)  # next sorted row of each key
         _moe_scatter_run(ids_ptr, sorted_ptr, tok_ptr, run, p, S, E, TOPK, C, EP)
 
+    @triton.jit
+    def _moe_table_part(e, q, te_ptr, tr0_ptr, tr1_ptr, T_MAX, EP: tl.constexpr, BM: tl.constexpr,
+                        EB: tl.constexpr, MT: tl.constexpr, TD: tl.constexpr):
+        """Part q of the tile table from all expert ids ``e`` (int32 [SP] in registers, < 0 = not local or padding):
+        per-expert counts by a masked histogram ([EP], bins E .. EP-1 stay 0), tiles = ceil(count / BM), then the
+        tiles of experts ``q*EB .. q*EB + EB`` scattered (tile j of expert x is entry ``first[x] + j``, ``first`` =
+        exclusive cumsum of tiles: an [EB, MT] store, MT >= the most tiles of one expert; the block's counts read
+        by ``tl.gather``) and the dead entries ``q*TD .. q*TD + TD`` at or past the experts' tiles (expert -1, empty
+        range). Over the parts ``q = 0 .. EP/EB - 1`` (TD * EP/EB >= T_MAX) every entry is written exactly once, and
+        no part searches: programs writing blocks of the searched table (:func:`_moe_tile_table`, [TT, EP]
+        compare-sums) made the launch 1.6 / 1.5 / 1.8 / 6.6 us slower on the H200 at 512 / 2048 / 4096 / 8192 slots
+        (session 11, helper A batch 2)."""
+        loc = e >= 0
+        counts = tl.histogram(tl.where(loc, e, 0), EP, mask=loc)
+        tiles = (counts + BM - 1) // BM
+        tend = tl.cumsum(tiles, axis=0)
+        start = tl.cumsum(counts, axis=0) - counts
+        eq = q * EB + tl.arange(0, EB)
+        nq = tl.gather(tiles, eq, 0)
+        fq = tl.gather(tend - tiles, eq, 0)
+        sq = tl.gather(start, eq, 0)
+        cq = tl.gather(counts, eq, 0)
+        jt = tl.arange(0, MT)
+        live = jt[None, :] < nq[:, None]  # [EB, MT]
+        t = fq[:, None] + jt[None, :]
+        r0 = sq[:, None] + jt[None, :] * BM
+        tl.store(te_ptr + t, eq[:, None] + jt[None, :] * 0, mask=live)
+        tl.store(tr0_ptr + t, r0, mask=live)
+        tl.store(tr1_ptr + t, tl.minimum((sq + cq)[:, None], r0 + BM), mask=live)
+        total = tl.sum(tiles, axis=0)
+        td = q * TD + tl.arange(0, TD)
+        dead = (td >= total) & (td < T_MAX)
+        tl.store(te_ptr + td, tl.full([TD], -1, tl.int32), mask=dead)
+        tl.store(tr0_ptr + td, tl.zeros([TD], tl.int32), mask=dead)
+        tl.store(tr1_ptr + td, tl.zeros([TD], tl.int32), mask=dead)
+
+    @triton.jit
+    def _moe_align_fused_kernel(ids_ptr, te_ptr, tr0_ptr, tr1_ptr, sorted_ptr, tok_ptr, S, E, TOPK, T_MAX, P,
+                                SP: tl.constexpr, C: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
+                                EB: tl.constexpr, MT: tl.constexpr, TD: tl.constexpr):
+        """moe_align in ONE launch with no global scratch (S <= SP slots, E <= EP experts, EP a power of two):
+        programs ``0 .. P-1`` scatter chunk p (C slots), programs ``P .. P + EP/EB - 1`` write part ``p - P`` of the
+        tile table (:func:`_moe_table_part`). Every program loads all S expert ids (int32 [SP] in registers) and
+        histograms them itself instead of reading chunk histograms of an earlier launch. Scatter (stable): local
+        slot i of chunk p (lo = p*C) goes to row ``run[e_i] + #(slots of e_i earlier in the chunk: a [C, C]
+        compare-sum)``, ``run[x]`` = #(local slots of experts < x) + #(slots of x before lo) = the inclusive cumsum
+        of ONE masked histogram of ``e_j + (j >= lo)`` (slot j counts for run[x] iff e_j < x, or e_j == x and
+        j < lo), read by ``tl.gather``; a slot with id < 0 (not local) goes to row ``n_local + #(non-local slots
+        before i)``. Int32 throughout; same outputs as :func:`moe_align_reference`; rows from counts, so the result
+        does not depend on program order. (Two histograms instead, all slots + the slots before lo: 18.1-18.3 vs
+        15.9-16.1 us at 8192 slots with the searched table, H200 batch 2.)"""
+        pid = tl.program_id(0)
+        ii = tl.arange(0, SP)
+        e = tl.load(ids_ptr + ii, mask=ii < S, other=-1).to(tl.int32)
+        loc = e >= 0
+        if pid < P:
+            lo = pid * C
+            kp = tl.where(loc, e, 0) + (ii >= lo).to(tl.int32)
+            run = tl.cumsum(tl.histogram(kp, EP, mask=loc & (kp < EP)), axis=0)
+            nl_base = tl.sum(tl.where(loc, 1, (ii < lo).to(tl.int32)), axis=0)  # lo < S: slots before lo are valid
+            cc = tl.arange(0, C)
+            jj = lo + cc
+            vj = jj < S
+            ej = tl.load(ids_ptr + jj, mask=vj, other=-1).to(tl.int32)
+            kj = tl.where(ej >= 0, ej, E)  # padding (j >= S) ranks after every valid slot: larger index
+            rank = tl.sum(((kj[:, None] == kj[None, :]) & (cc[None, :] < cc[:, None])).to(tl.int32), axis=1)
+            pos = tl.where(ej >= 0, tl.gather(run, tl.where(ej >= 0, ej, 0), 0), nl_base) + rank
+            tl.store(sorted_ptr + pos, jj, mask=vj)
+            tl.store(tok_ptr + pos, jj // TOPK, mask=vj)
+        else:
+            _moe_table_part(e, pid - P, te_ptr, tr0_ptr, tr1_ptr, T_MAX, EP, BM, EB, MT, TD)
+
     # ----------------------------------------------------------------------------------------------
     # W4A16 decode: weight streaming (issue #5). The GEMM at M <= 16 is bound by reading the packed
     # weight; the kernel above decodes 1 byte (2 elements) at a time into the tensor-core operand
@@ -1426,19 +1498,35 @@ def decode_bucket(rows: int) -> int | None:
 #: M=1 (all four shapes): the stream kernel (17.1 / 6.9 / 5.4 / 5.3 us) stays at least as fast as this kernel's best
 #: (call 1: 17.1 / 7.3 / 5.9 / 5.4). d3 (mask + multiply decode), rg (row groups per warp), xs: same bytes as the
 #: plain kernel at the same split.
+#: Session 11 (H200 batch D1, gluon_probe, one run): d8192 M=16 w4 rg2 pf1 d3 xs 21.1 / 20.5 us (cold / warm) vs the
+#: pf0 entry 24.1 / 22.2; d8192 M=1 the same config 17.0 / 15.1 vs the stream kernel 17.2 / 17.3 (cold: a tie; warm
+#: 2.35x instead of 2.05x cuBLAS 35.0 / 35.5): both taken. d8192 through the grouped kernel as one expert
+#: (gluon_probe --grp; W's cp.async weight ring 2-4, maxnreg 128, xsc2 xsb2): 18.0-20.9 cold at M=1 / 4, 22.5-30.1 at
+#: M=16, slower than this kernel at every point; maxnreg 128 on this kernel: 17.1-21.1, no gain. Batch D2 (one run,
+#: cold / warm): d8192 M=1 16.9 / 15.1 (stream kernel 17.3 / 17.5), M=16 21.1 / 20.3 (pf0 entry 24.2 / 21.5; pd2 27.8,
+#: xsc4 xsb2 21.6, w8 pf1 xs 26.7 cold); the pf1 twin of the xs entries (w4 pf1 d3 xs) taken where it won: qkv M=4
+#: 6.38 / 6.67 (w8 pf0 d3 6.67 / 7.24), M=16 7.91 / 7.68 (pf0 8.56 / 7.98); o_proj M=4 6.10 / 6.40 (w4 kc2 pf0 d3
+#: 6.25 / 6.71; M=16 its 10.2 vs 9.65: not taken); d4096 M=8 7.64 / 7.76 (pf0 8.36 / 7.71), M=16 9.9 / 10.2 (10.7 /
+#: 10.3). M=1 of qkv / o_proj / d4096: the stream kernel stays (5.43 / 5.29 / 6.9 vs 6.1 / 5.5 / 7.4 cold).
+#: Batch D4 (one run; the D2 picks as "default dispatch" next to the entries they replaced): qkv M=4 6.41 / 6.76 (w8
+#: pf0 d3 6.72 / 7.30), M=16 7.96 / 8.08 (pf0 xs 8.58 / 8.20); o_proj M=4 6.04 / 6.45 (kc2 6.20 / 6.68); d4096 M=8
+#: 7.72 / 7.92 (pf0 xs 8.39 / 8.02), M=16 9.91 / 10.4 (10.7 / 10.2) -- and the pf1 xs twin taken at: qkv M=8 6.69 /
+#: 6.91 (pf0 xs 7.46 / 7.00), o_proj M=8 6.60 / 6.62 (kc2 pf0 d3 6.91 / 7.85), d4096 M=2 7.27 / 7.81 (kc2 pf0 d3
+#: 7.77 / 7.70), M=4 7.32 / 7.67 (7.94 / 7.99); not at qkv M=2 (6.35 / 6.64 vs w8 pf0 d3 6.41 / 6.84) or o_proj M=2
+#: (5.90 / 6.35 vs w4 pf1 5.90 / 6.47): ties.
 _G4_PF = GluonConfig(num_warps=4, kc=1, occ=2)
 _G8_D3 = GluonConfig(num_warps=8, kc=1, occ=2, prefetch=False, dec=3)
 _G4_D3_O1 = GluonConfig(num_warps=4, kc=1, occ=1, prefetch=False, dec=3)
-_G4_KC2_D3 = GluonConfig(num_warps=4, kc=2, occ=2, prefetch=False, dec=3)
-_G4_D3_XS = GluonConfig(num_warps=4, kc=1, occ=2, prefetch=False, dec=3, xs=True)
-_G4_RG2_PF_D3_XS, _G4_RG2_D3_XS = (GluonConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3, xs=True),
-                                   GluonConfig(num_warps=4, kc=1, occ=2, prefetch=False, rg=2, dec=3, xs=True))
+_G4_PF_D3_XS, _G4_RG2_PF_D3_XS = (GluonConfig(num_warps=4, kc=1, occ=2, dec=3, xs=True),
+                                   GluonConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3, xs=True))
 GLUON_TABLE: dict[tuple[int, int, int], GluonConfig] = {
-    (2, 8192, 8192): _G4_RG2_PF_D3_XS, (4, 8192, 8192): _G4_RG2_PF_D3_XS, (8, 8192, 8192): _G4_RG2_PF_D3_XS,
-    (16, 8192, 8192): _G4_RG2_D3_XS,
-    (2, 4096, 4096): _G4_KC2_D3, (4, 4096, 4096): _G4_KC2_D3, (8, 4096, 4096): _G4_D3_XS, (16, 4096, 4096): _G4_D3_XS,
-    (2, 5120, 2048): _G8_D3, (4, 5120, 2048): _G8_D3, (8, 5120, 2048): _G4_D3_XS, (16, 5120, 2048): _G4_D3_XS,
-    (2, 2048, 4096): _G4_PF, (4, 2048, 4096): _G4_KC2_D3, (8, 2048, 4096): _G4_KC2_D3, (16, 2048, 4096): _G4_D3_O1,
+    (1, 8192, 8192): _G4_RG2_PF_D3_XS, (2, 8192, 8192): _G4_RG2_PF_D3_XS, (4, 8192, 8192): _G4_RG2_PF_D3_XS,
+    (8, 8192, 8192): _G4_RG2_PF_D3_XS, (16, 8192, 8192): _G4_RG2_PF_D3_XS,
+    (2, 4096, 4096): _G4_PF_D3_XS, (4, 4096, 4096): _G4_PF_D3_XS, (8, 4096, 4096): _G4_PF_D3_XS,
+    (16, 4096, 4096): _G4_PF_D3_XS,
+    (2, 5120, 2048): _G8_D3, (4, 5120, 2048): _G4_PF_D3_XS, (8, 5120, 2048): _G4_PF_D3_XS,
+    (16, 5120, 2048): _G4_PF_D3_XS,
+    (2, 2048, 4096): _G4_PF, (4, 2048, 4096): _G4_PF_D3_XS, (8, 2048, 4096): _G4_PF_D3_XS, (16, 2048, 4096): _G4_D3_O1,
 }
 
 
@@ -1467,7 +1555,7 @@ def gluon_dense_config(x: torch.Tensor, w_packed: torch.Tensor) -> GluonConfig |
     cfg = gluon_table_entry(x.shape[0], w_packed.shape[0], x.shape[1], torch.cuda.get_device_capability(x.device))
     if cfg is None:
         return None
-    return cfg if _gluon_runs(_GLUON_WARNED, "decode kernel", "dense W4A16 decode GEMMs at M 2..16", "8192x8192 at "
+    return cfg if _gluon_runs(_GLUON_WARNED, "decode kernel", "dense W4A16 decode GEMMs at M <= 16", "8192x8192 at "
                                 "M=4: 0.9x cuBLAS BF16 instead of 1.8x") else None
 
 
@@ -1506,13 +1594,24 @@ def _gluon_runs(warned: list[str], kernel: str, gemms: str, cost: str) -> bool:
 #: (probe, cold): 233.6 us with these two (2.26x BF16 528.4) vs 361.4 before (MID_TABLE kernels + 3-launch moe_align)
 #: and 257.2 with call 1's entries. Same bytes as the one-group kernel (GPU tests). T=1024 (block_m 64) and 1024 /
 #: 4096 slots: not measured.
+#: Session 11 (H200, gluon_moe_probe, cold / warm us; each in one run with the entry it replaces): T=256 w13 with x
+#: staged one chunk at a time (``xsc`` 1, 2 buffers: 16 KB of shared memory instead of 64) and a 128-register cap
+#: (``maxnreg``: 4 CTAs / SM instead of 3, no spills in the K loop): 107 / 111 vs 137 / 138 (batch 3; batch 2: 106.3 /
+#: 108 vs 136.7 / 137.5; xsc 2 r128: 109; 8 warps: 111; deeper prefetch, L2 prefetch-size hints: no faster). T=256 w2
+#: with adaptive n-tiles (``nts`` 2: the 17..32-row tiles in one pass instead of two, each pass decoding the weights
+#: again), x staged once, r128: 56.6 / 57.6 vs 69.5 / 70.4 (batch 4; a cp.async ring K loop measured ~2% faster
+#: twice, not kept). T=64 (block_m 16), both GEMMs, one-chunk x stages, r128, ``nts`` 1: w13 88.8 / 89.2 vs 90.0 /
+#: 90.3, w2 44.4 / 45.2 vs 45.4 / 46.3 (batch 4; batch 3: 88.9 vs 91.1, 44.7 vs 46.1). T=16: no option faster than _GM.
+#: Layer (batch 4, default moe_forward, gate fused): T=256 175 / 181 us (3.01x BF16 528; session-10 entries: 218 in
+#: batch 2), T=64 140 / 141 (3.48x BF16 488). Same bytes as the explicit kernel (GPU tests, default dispatch).
 _GM, _GM_K2 = (GroupedConfig(num_warps=4, kc=1, occ=2, prefetch=False, nt=1), GroupedConfig(num_warps=4, kc=2, occ=2, nt=1))
-_GM_XS13 = GroupedConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3, xs=True, nts=2, xsc=4, xsb=2)
-_GM_XS2 = GroupedConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3, nt=2, xs=True)
+_GM_XS64 = GroupedConfig(num_warps=4, kc=1, occ=2, maxnreg=128, rg=2, dec=3, xs=True, nts=1, xsc=1, xsb=2)
+_GM_XS13 = GroupedConfig(num_warps=4, kc=1, occ=2, maxnreg=128, rg=2, dec=3, xs=True, nts=2, xsc=1, xsb=2)
+_GM_XS2 = GroupedConfig(num_warps=4, kc=1, occ=2, maxnreg=128, rg=2, dec=3, xs=True, nts=2)
 GLUON_MOE_TABLE: dict[tuple[int, int, int], GluonConfig] = {
     (32, 1536, 2048): _GM_K2, (32, 2048, 768): _GM,  # T=4
     (128, 1536, 2048): _GM, (128, 2048, 768): _GM,  # T=16
-    (512, 1536, 2048): _GM, (512, 2048, 768): _GM,  # T=64
+    (512, 1536, 2048): _GM_XS64, (512, 2048, 768): _GM_XS64,  # T=64
     (2048, 1536, 2048): _GM_XS13, (2048, 2048, 768): _GM_XS2,  # T=256
 }
 #: slot buckets of GLUON_MOE_TABLE: DECODE_BUCKETS, then powers of two to 8192 slots
@@ -1944,15 +2043,58 @@ MOE_ALIGN_REGISTER_MAX = 256
 #: 33.7-33.9 for the three launches (hist 3.3-6.6, scan 20.3-20.8, scatter 10.8-11.1; scan + scatter in one launch
 #: 11.1), both == moe_align_reference.
 MOE_ALIGN_ONE_PROGRAM_MAX = 256
+#: token-slots up to which moe_align (past the register path) is ONE launch with no global scratch,
+#: :func:`_moe_align_one_launch`; past it the two launches. H200, 128 experts, top-8, CUDA graph of one call, us
+#: (session 11, helper A batches 1-4; tests/gpu/test_moe_align_one_launch_gpu.py sweep; each == moe_align_reference):
+#: one launch 3.4 / 3.9-4.2 / 5.2-5.5 / 8.7-9.0 / 16.7-16.9 / 41.8-42.4 at S = 512 / 2048 / 4096 / 8192 / 16384 /
+#: 32768 vs the two launches 14.1-14.3 / 12.5-13.0 / 12.7-13.1 / 13.0-13.5 / 18.0-18.4 / 28.3 (an empty launch:
+#: 3.3-6.3, it varies between runs). Also measured there and dropped: one program sorting ``expert * S + slot`` keys
+#: with tl.sort (15 us at 2048 slots, 34-46 at 4096) and chunk programs that rank their slots against all slots by a
+#: [C, S] compare-sum (5.4 / 8.0 / 16.5 us at 2048 / 4096 / 8192 with the scattered tile table).
+MOE_ALIGN_ONE_LAUNCH_MAX = 16384
+
+
+def _moe_align_chunk(slots: int) -> int:
+    """Scatter chunk of :func:`_moe_align_one_launch` at ``slots`` token-slots: ``slots / 64`` rounded up to a power
+    of two, clamped to 32..128 (every scatter program histograms all slots, so more programs cost more; a [C, C]
+    rank compare per program, so larger chunks cost more too). H200, 128 experts, CUDA graph (session 11, helper A
+    batches 2-3), fastest chunk at 512 / 2048 / 4096 / 8192 / 16384 slots: 32 / 32 / 64 / 128 / 128 (16384: 16.9 us
+    vs 18.1-18.3 with chunk 256 or 64)."""
+    return min(128, max(32, triton.next_power_of_2(-(-slots // 64))))
+
+
+def _moe_align_one_launch(flat: torch.Tensor, num_experts: int, top_k: int, block_m: int, outs,
+                          chunk: int | None = None, num_warps: int = 8, eb: int = 16) -> None:
+    """moe_align of the int ids ``flat`` [S] in ONE launch of :func:`_moe_align_fused_kernel` into ``outs`` =
+    (tile_expert, tile_row0, tile_row1, sorted_slots, sorted_tokens) (int32, [T_max] x 3 and [S] x 2):
+    S / ``chunk`` scatter programs (default :func:`_moe_align_chunk`) and EP / ``eb`` tile-table programs
+    (``eb`` experts each; EP = E rounded up to a power of two >= 16)."""
+    s = flat.numel()
+    te, tr0, tr1, sorted_slots, sorted_tokens = outs
+    t_max = te.numel()
+    chunk = _moe_align_chunk(s) if chunk is None else chunk
+    if chunk < 16 or chunk & (chunk - 1):
+        raise ValueError(f"moe_align: chunk must be a power of two >= 16, got {chunk}")
+    if eb < 1 or eb & (eb - 1):
+        raise ValueError(f"moe_align: eb (experts per tile-table program) must be a power of two, got {eb}")
+    ep = max(16, triton.next_power_of_2(num_experts))
+    eb = min(eb, ep)
+    p, nq = -(-s // chunk), ep // eb
+    _moe_align_fused_kernel[(p + nq,)](
+        flat, te, tr0, tr1, sorted_slots, sorted_tokens, s, num_experts, top_k, t_max, p,
+        SP=max(16, triton.next_power_of_2(s)), C=chunk, EP=ep, BM=block_m, EB=eb,
+        MT=max(2, triton.next_power_of_2(-(-s // block_m))), TD=max(16, triton.next_power_of_2(-(-t_max // nq))),
+        num_warps=num_warps)
 
 
 def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> GroupedRouting:
-    """Sort token-slots by expert (stable) and build the tile table: two small Triton launches on
-    the ids' device (chunk histograms; then scan + tile table + stable counting-sort scatter in one launch;
-    up to :data:`MOE_ALIGN_ONE_PROGRAM_MAX` slots all in one program, one launch; up to
-    :data:`MOE_ALIGN_REGISTER_MAX` slots and experts one program ranks the slots in registers, no scratch),
-    no host synchronization (graph-capturable). ``expert_ids``: int ``[T, top_k]`` local expert ids,
-    -1 = not local. Same result as :func:`moe_align_reference` (tested)."""
+    """Sort token-slots by expert (stable) and build the tile table with small Triton launches on the ids' device,
+    no host synchronization (graph-capturable): up to :data:`MOE_ALIGN_REGISTER_MAX` slots and experts one program
+    ranks the slots in registers; up to :data:`MOE_ALIGN_ONE_PROGRAM_MAX` slots (more experts) one program through
+    global scratch; up to :data:`MOE_ALIGN_ONE_LAUNCH_MAX` slots ONE launch of :func:`_moe_align_fused_kernel`
+    (scatter programs and tile-table programs, each histogramming all ids, no scratch); past it two launches
+    (chunk histograms; then scan + tile table + stable counting-sort scatter). ``expert_ids``: int ``[T, top_k]``
+    local expert ids, -1 = not local. Same result as :func:`moe_align_reference` (tested)."""
     flat = expert_ids.reshape(-1).contiguous()
     check_available(flat)
     s = flat.numel()
@@ -1976,6 +2118,10 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Group
         p = -(-s // chunk)
         if s <= MOE_ALIGN_ONE_PROGRAM_MAX:  # decode: one launch, one chunk of all slots
             chunk, p = 128 * -(-s // 128), 1
+        if MOE_ALIGN_ONE_PROGRAM_MAX < s <= MOE_ALIGN_ONE_LAUNCH_MAX:
+            _moe_align_one_launch(flat, num_experts, top_k, block_m, (te, tr0, tr1, sorted_slots, sorted_tokens))
+            return GroupedRouting(sorted_slots=sorted_slots, tile_expert=te, tile_row0=tr0, tile_row1=tr1,
+                                  block_m=block_m, num_experts=num_experts, sorted_tokens=sorted_tokens)
         hist = torch.empty(p, ep, **i32)
         if s <= MOE_ALIGN_ONE_PROGRAM_MAX:
             base, start = torch.empty(p, ep, **i32), torch.empty(ep, **i32)
@@ -2202,6 +2348,7 @@ def moe_forward(
     on_record=None,
     residual_combine: str = "fp4x2",
     residual_granularity: str = "block",
+    fuse_gate: bool | None = None,
 ) -> torch.Tensor:
     """Routed experts (gated silu) with ONE grouped launch per expert GEMM; ``[T, H]`` in x's dtype.
 
@@ -2220,7 +2367,17 @@ def moe_forward(
 
     ``on_record(gemm, record)`` (trace): receives the guidance record of GEMM1's input
     (``"mlp.experts.w13"``, ``[T, H]``) and of GEMM2's input (``"mlp.experts.w2"``, ``[T * k, I]`` in
-    slot order)."""
+    slot order).
+
+    ``fuse_gate``: ``silu(gate) * up`` in GEMM1's epilogue (:func:`verl_quads.nvfp4.gluon_moe.gluon_w4a16_grouped`
+    with ``silu_mul``: no separate gate launch, no ``[S, 2I]`` h; the same bytes). It applies where GEMM1 is a bf16
+    ``w4a16`` operand (act_mode ``w4a16``, or ``quads`` with ``residual_combine="bf16"``) that the default dispatch
+    runs on the grouped Gluon kernel (:func:`gluon_grouped_config`: a GLUON_MOE_TABLE entry, sm_90) and
+    :func:`~verl_quads.nvfp4.gluon_moe.silu_mul_refusal` finds nothing against it. None (default): fused where it
+    applies, else the two launches; True: fused, ValueError where it does not apply; False: never. Rows of
+    unrouted slots (expert -1) of the gate output: act_mode ``w4a16`` leaves them unset (GEMM2 reads only the
+    routed rows, the sorted slots; the combine skips them), ``quads`` zero-fills them first, as the unfused gate
+    writes them (its activation quantization reads every row)."""
     t, hidden = x.shape
     k = expert_ids.shape[1]
     if t == 0:
@@ -2239,9 +2396,27 @@ def moe_forward(
     token_rows = routing.sorted_tokens
     # rows of slots with no local expert: h and y leave them unset (no zero-fill launches); the gate writes
     # them as 0 without reading h (what it computed from the zero rows before) and the combine skips them
-    h = nvfp4_gemm(op1, w13_packed, w13_scale, w13_gs, routing=routing, a_rows=token_rows, out_rows=s,
-                   zero_unrouted=False)
-    a = moe_silu_mul(h, expert_ids)  # (silu(h[:, :I].float()) * h[:, I:].float()).to(x.dtype), one launch
+    fused_cfg, why = None, "fuse_gate=False"
+    if fuse_gate is not False:
+        from verl_quads.nvfp4.gluon_moe import silu_mul_refusal
+
+        why = f"GEMM1's operand is {op1.mode}, not a bf16 w4a16 one"
+        if op1.mode == "w4a16":
+            fused_cfg = gluon_grouped_config(op1.values, w13_packed, routing)
+            why = ("the default dispatch does not run GEMM1 on the grouped Gluon kernel here (no GLUON_MOE_TABLE "
+                   "entry, not sm_90, not bf16 or no Gluon)") if fused_cfg is None else silu_mul_refusal(
+                w13_packed.shape[1], hidden, min(n_exp, s), fused_cfg, _num_sms(x.device))
+    if fuse_gate and why:
+        raise ValueError(f"moe_forward: fuse_gate=True does not apply: {why}")
+    if not why:  # GEMM1 + gate in one launch; unrouted rows of a: unset for w4a16 (never read), 0 for quads
+        from verl_quads.nvfp4.gluon_moe import gluon_w4a16_grouped
+
+        a = gluon_w4a16_grouped(op1.values, w13_packed, w13_scale, w13_gs, routing, token_rows, s, fused_cfg,
+                                zero_unrouted=act_mode != "w4a16", silu_mul=True)
+    else:
+        h = nvfp4_gemm(op1, w13_packed, w13_scale, w13_gs, routing=routing, a_rows=token_rows, out_rows=s,
+                       zero_unrouted=False)
+        a = moe_silu_mul(h, expert_ids)  # (silu(h[:, :I].float()) * h[:, I:].float()).to(x.dtype), one launch
     if act_mode == "quads" and not residual_per_token:
         flat = expert_ids.reshape(-1)
         counts = torch.bincount(flat[flat >= 0], minlength=n_exp).tolist()  # host sync

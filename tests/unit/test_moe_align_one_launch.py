@@ -1,0 +1,145 @@
+"""moe_align in ONE launch past the register path (verl_quads/nvfp4/triton_gemm.py, issue #5):
+``_moe_align_one_launch`` (``_moe_align_fused_kernel``) and the dispatch of
+``moe_align`` at MOE_ALIGN_ONE_PROGRAM_MAX < S <= MOE_ALIGN_ONE_LAUNCH_MAX token-slots.
+
+On CPU under TRITON_INTERPRET=1. Every output tensor of GroupedRouting (sorted slots, sorted tokens, the tile table
+incl. its dead entries) is compared with torch.equal against the torch reference (``moe_align_reference``); the
+outputs start filled with a sentinel, so an entry the kernel does not write fails the comparison.
+"""
+
+import os
+
+import pytest
+import torch
+
+from verl_quads.nvfp4 import triton_gemm as tg
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it on CPU)",
+)
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+FIELDS = ("tile_expert", "tile_row0", "tile_row1", "sorted_slots", "sorted_tokens")
+
+
+def _ids(tokens, top_k, e, local_frac, seed, one_expert=None, dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, e, (tokens, top_k), generator=g)
+    if one_expert is not None:
+        ids.fill_(one_expert)
+    ids[torch.rand(tokens, top_k, generator=g) >= local_frac] = -1
+    return ids.to(dtype).to(DEV)
+
+
+def _run(ids, e, block_m, **kw):
+    """(_moe_align_one_launch outputs, reference) with the outputs pre-filled with -7 (unwritten entries show)."""
+    ref = tg.moe_align_reference(ids, e, block_m)
+    flat = ids.reshape(-1).contiguous()
+    outs = tuple(torch.full_like(getattr(ref, f), -7) for f in FIELDS)
+    tg._moe_align_one_launch(flat, e, ids.shape[-1], block_m, outs, **kw)
+    return outs, ref
+
+
+def _assert_same(outs, ref, tag):
+    for got, f in zip(outs, FIELDS):
+        assert torch.equal(got, getattr(ref, f)), (tag, f)
+
+
+CASES = [  # tokens, top_k, E, block_m, local fraction, all on one expert
+    (33, 8, 128, 16, 0.9, None),    # 264 slots: just past the register path, -1 ids
+    (257, 1, 128, 32, 1.0, None),   # 257 slots (top-1), every slot local
+    (256, 8, 128, 32, 0.9, None),   # 2048 slots: T = 256 at Qwen3-30B-A3B routing (block_m 32 as moe_forward)
+    (512, 8, 128, 64, 0.85, None),  # 4096 slots
+    (1024, 8, 128, 64, 0.9, None),  # 8192 slots
+    (256, 8, 8, 64, 0.8, None),     # E = 8: ~256 slots per expert, several tiles each
+    (100, 4, 100, 16, 0.7, None),   # E not a power of two
+    (40, 8, 128, 16, 1.0, 127),     # every slot on the last expert: 20 tiles of one expert
+    (40, 8, 128, 32, 0.0, None),    # no slot local: every tile dead, all slots in index order
+    (300, 1, 257, 16, 0.9, None),   # more experts than the register path takes
+]
+
+
+@pytest.mark.parametrize("kw", [{}, dict(chunk=16), dict(chunk=128), dict(eb=1), dict(eb=8), dict(eb=256)],
+                         ids=lambda kw: "-".join(f"{k}{v}" for k, v in kw.items()) or "default")
+@pytest.mark.parametrize("tokens, top_k, e, block_m, local_frac, one_expert", CASES)
+def test_one_launch_equals_torch_reference(kw, tokens, top_k, e, block_m, local_frac, one_expert):
+    """Every chunk / tile-table split: == the reference (stable order, -1 last, same tile table)."""
+    ids = _ids(tokens, top_k, e, local_frac, seed=tokens * 13 + e + block_m, one_expert=one_expert)
+    outs, ref = _run(ids, e, block_m, **kw)
+    _assert_same(outs, ref, kw)
+    flat = ids.reshape(-1).long()  # the reference itself: keys ascending (-1 last), stable
+    key = torch.where(flat < 0, e, flat)[ref.sorted_slots.long()]
+    assert bool((key[1:] >= key[:-1]).all())
+    assert bool((ref.sorted_slots[key == e].diff() > 0).all())
+
+
+def test_one_launch_int32_ids_and_block_m_128():
+    """Routing ids as vLLM passes them (int32), a tall M-tile."""
+    ids = _ids(200, 8, 128, 0.95, seed=5, dtype=torch.int32)
+    outs, ref = _run(ids, 128, 128)
+    _assert_same(outs, ref, "int32")
+
+
+class _Spy:
+    """Counts launches of a Triton kernel (``kernel[grid](...)``) and forwards them."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("tokens, e, block_m", [(33, 128, 16), (256, 128, 32), (1024, 128, 64), (2048, 128, 128),
+                                                (40, 300, 16)])
+def test_moe_align_dispatch_is_one_launch(monkeypatch, tokens, e, block_m):
+    """moe_align at MOE_ALIGN_ONE_PROGRAM_MAX < S <= MOE_ALIGN_ONE_LAUNCH_MAX: one launch of the
+    fused kernel, nothing else; == the reference."""
+    spies = {n: _Spy(getattr(tg, n)) for n in ("_moe_align_fused_kernel",
+                                              "_moe_hist_kernel", "_moe_scan_scatter_kernel",
+                                              "_moe_align_small_kernel", "_moe_align_reg_kernel")}
+    for n, sp in spies.items():
+        monkeypatch.setattr(tg, n, sp)
+    ids = _ids(tokens, 8, e, 0.9, seed=tokens)
+    s = ids.numel()
+    assert tg.MOE_ALIGN_ONE_PROGRAM_MAX < s <= tg.MOE_ALIGN_ONE_LAUNCH_MAX
+    got, ref = tg.moe_align(ids, e, block_m), tg.moe_align_reference(ids, e, block_m)
+    want = {n: 0 for n in spies}
+    want["_moe_align_fused_kernel"] = 1
+    assert {n: sp.launches for n, sp in spies.items()} == want
+    _assert_same(tuple(getattr(got, f) for f in FIELDS), ref, "moe_align")
+
+
+def test_past_the_one_launch_limit_two_launches(monkeypatch):
+    """Past MOE_ALIGN_ONE_LAUNCH_MAX slots (lowered to 512 here, to keep the interpreter quick): the histogram
+    launch, then scan + scatter; same result."""
+    monkeypatch.setattr(tg, "MOE_ALIGN_ONE_LAUNCH_MAX", 512)
+    hist, one = _Spy(tg._moe_hist_kernel), _Spy(tg._moe_align_fused_kernel)
+    monkeypatch.setattr(tg, "_moe_hist_kernel", hist)
+    monkeypatch.setattr(tg, "_moe_align_fused_kernel", one)
+    ids = _ids(80, 8, 128, 0.9, seed=9)
+    got, ref = tg.moe_align(ids, 128, 16), tg.moe_align_reference(ids, 128, 16)
+    assert (hist.launches, one.launches) == (1, 0)
+    _assert_same(tuple(getattr(got, f) for f in FIELDS), ref, "two launches")
+
+
+def test_one_launch_rejects_bad_options():
+    ids = _ids(40, 8, 128, 1.0, seed=1)
+    flat = ids.reshape(-1)
+    ref = tg.moe_align_reference(ids, 128, 16)
+    outs = tuple(torch.empty_like(getattr(ref, f)) for f in FIELDS)
+    for chunk in (48, 8):
+        with pytest.raises(ValueError, match="chunk"):
+            tg._moe_align_one_launch(flat, 128, 8, 16, outs, chunk=chunk)
+    with pytest.raises(ValueError, match="eb"):
+        tg._moe_align_one_launch(flat, 128, 8, 16, outs, eb=12)
+
+
+def test_chunk_rule():
+    """Chunks of 32..128 slots, at most 64 scatter programs up to 8192 slots (the H200 measurement behind
+    _moe_align_chunk: the fastest chunk at 512 / 2048 / 4096 / 8192 / 16384 slots)."""
+    for s in (257, 512, 2048, 2049, 4096, 8192, 16384):
+        c = tg._moe_align_chunk(s)
+        assert 32 <= c <= 128 and c & (c - 1) == 0 and (-(-s // c) <= 64 or c == 128), (s, c)
+    assert [tg._moe_align_chunk(s) for s in (512, 2048, 4096, 8192, 16384)] == [32, 32, 64, 128, 128]
