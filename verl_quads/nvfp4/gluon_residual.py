@@ -239,6 +239,15 @@ if gluon is not None and _MISSING is None:
         return a + b
 
     @gluon.jit
+    def _tied_select(eb, th, NSEL: gl.constexpr):
+        """Selection flags when more than NSEL scores are >= the threshold ``th`` (ties at it): every score above
+        ``th``, then the lowest-index tied blocks up to NSEL in all (``_select_top`` with FAST)."""
+        gt = eb > th
+        eq = (eb == th).to(gl.int32)
+        need = NSEL - gl.sum(gt.to(gl.int32), axis=0)
+        return gt | ((eq != 0) & (gl.associative_scan(eq, 0, _add) <= need))
+
+    @gluon.jit
     def _cta_sum(part, buf, LA: gl.constexpr, NW: gl.constexpr):
         """Total over the CTA of per-warp int32 partials ``part`` [NW] (warp w's value in its lanes), through the [NW]
         shared buffer ``buf``: ONE CTA barrier, then every thread sums the NW words itself. The caller alternates two
@@ -392,12 +401,8 @@ if gluon is not None and _MISSING is None:
             # next to the amaxes in shared memory; after the barrier warp w adds row w's columns c < w
             if cnt == NSEL:
                 sel2 = eb2 >= th
-            else:  # ties at the threshold (rare): as below, in LR, then as LW (the same blocks per thread)
-                gt = eb > th
-                eq = (eb == th).to(gl.int32)
-                need = NSEL - gl.sum(gt.to(gl.int32), axis=0)
-                sel = gt | ((eq != 0) & (gl.associative_scan(eq, 0, _add) <= need))
-                sel2 = gl.convert_layout(gl.reshape(sel, [NW, NBP // NW]), LW)
+            else:  # ties at the threshold (rare): in LR, then as LW (the same blocks per thread)
+                sel2 = gl.convert_layout(gl.reshape(_tied_select(eb, th, NSEL), [NW, NBP // NW]), LW)
             s2i = sel2.to(gl.int32)
             am_w = gl.max(gl.where(sel2, ras._reinterpret(gl.float32, [NW, NBP // NW], S2).load(LW), 0.0), axis=1)
             tot_w = gl.sum(s2i, axis=1)
@@ -424,10 +429,7 @@ if gluon is not None and _MISSING is None:
             if cnt == NSEL:
                 sel = eb >= th
             else:
-                gt = eb > th
-                eq = (eb == th).to(gl.int32)
-                need = NSEL - gl.sum(gt.to(gl.int32), axis=0)
-                sel = gt | ((eq != 0) & (gl.associative_scan(eq, 0, _add) <= need))
+                sel = _tied_select(eb, th, NSEL)
             ra_r = ras.load(LR)
             amax = gl.max(gl.where(sel, ra_r, 0.0), axis=0)
         a = gl.maximum(amax, 1.1754943508222875e-38)
