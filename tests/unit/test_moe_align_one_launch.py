@@ -8,11 +8,15 @@ outputs start filled with a sentinel, so an entry the kernel does not write fail
 """
 
 import os
+import sys
 
 import pytest
 import torch
 
 from verl_quads.nvfp4 import triton_gemm as tg
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch_spy import LaunchSpy  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -80,23 +84,12 @@ def test_one_launch_int32_ids_and_block_m_128():
     _assert_same(outs, ref, "int32")
 
 
-class _Spy:
-    """Counts launches of a Triton kernel (``kernel[grid](...)``) and forwards them."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
-
-
 @pytest.mark.parametrize("tokens, e, block_m", [(33, 128, 16), (256, 128, 32), (1024, 128, 64), (2048, 128, 128),
                                                 (40, 300, 16)])
 def test_moe_align_dispatch_is_one_launch(monkeypatch, tokens, e, block_m):
     """moe_align at MOE_ALIGN_ONE_PROGRAM_MAX < S <= MOE_ALIGN_ONE_LAUNCH_MAX: one launch of the
     fused kernel, nothing else; == the reference."""
-    spies = {n: _Spy(getattr(tg, n)) for n in ("_moe_align_fused_kernel",
+    spies = {n: LaunchSpy(getattr(tg, n)) for n in ("_moe_align_fused_kernel",
                                               "_moe_hist_kernel", "_moe_scan_scatter_kernel",
                                               "_moe_align_small_kernel", "_moe_align_reg_kernel")}
     for n, sp in spies.items():
@@ -115,7 +108,7 @@ def test_past_the_one_launch_limit_two_launches(monkeypatch):
     """Past MOE_ALIGN_ONE_LAUNCH_MAX slots (lowered to 512 here, to keep the interpreter quick): the histogram
     launch, then scan + scatter; same result."""
     monkeypatch.setattr(tg, "MOE_ALIGN_ONE_LAUNCH_MAX", 512)
-    hist, one = _Spy(tg._moe_hist_kernel), _Spy(tg._moe_align_fused_kernel)
+    hist, one = LaunchSpy(tg._moe_hist_kernel), LaunchSpy(tg._moe_align_fused_kernel)
     monkeypatch.setattr(tg, "_moe_hist_kernel", hist)
     monkeypatch.setattr(tg, "_moe_align_fused_kernel", one)
     ids = _ids(80, 8, 128, 0.9, seed=9)

@@ -20,6 +20,7 @@ import torch
 from verl_quads.nvfp4 import triton_gemm as tg
 
 sys.path.insert(0, os.path.dirname(__file__))
+from launch_spy import LaunchSpy  # noqa: E402
 from sm90_compile import compile_for_sm90_in_subprocess  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -28,17 +29,6 @@ pytestmark = pytest.mark.skipif(
 )
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FIELDS = ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens")
-
-
-class _Spy:
-    """Counts launches of a Triton kernel (``kernel[grid](...)``) and forwards them."""
-
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
-
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
 
 
 def _ids(tokens, top_k, e, local_frac, seed, one_expert=None):
@@ -64,7 +54,7 @@ def test_moe_align_in_registers_equals_torch_reference(monkeypatch, tokens, top_
     """Decode routing (S, E <= MOE_ALIGN_REGISTER_MAX) is ONE launch of the register kernel and equals the
     torch reference bit for bit (stable order within an expert, -1 last, same tile table)."""
     assert tokens * top_k <= tg.MOE_ALIGN_REGISTER_MAX and e <= tg.MOE_ALIGN_REGISTER_MAX
-    spy, old = _Spy(tg._moe_align_reg_kernel), _Spy(tg._moe_align_small_kernel)
+    spy, old = LaunchSpy(tg._moe_align_reg_kernel), LaunchSpy(tg._moe_align_small_kernel)
     monkeypatch.setattr(tg, "_moe_align_reg_kernel", spy)
     monkeypatch.setattr(tg, "_moe_align_small_kernel", old)
     ids = _ids(tokens, top_k, e, local_frac, seed=tokens * 31 + e, one_expert=one_expert)
@@ -84,7 +74,7 @@ def test_moe_align_in_registers_equals_torch_reference(monkeypatch, tokens, top_
 def test_moe_align_past_the_register_limits(monkeypatch, tokens, top_k, e, launches):
     """Past MOE_ALIGN_REGISTER_MAX slots or experts: the one-program scratch kernel up to
     MOE_ALIGN_ONE_PROGRAM_MAX slots, else the three launches (hist, scan, scatter); same result."""
-    spy, old = _Spy(tg._moe_align_reg_kernel), _Spy(tg._moe_align_small_kernel)
+    spy, old = LaunchSpy(tg._moe_align_reg_kernel), LaunchSpy(tg._moe_align_small_kernel)
     monkeypatch.setattr(tg, "_moe_align_reg_kernel", spy)
     monkeypatch.setattr(tg, "_moe_align_small_kernel", old)
     ids = _ids(tokens, top_k, e, 0.9, seed=3)
