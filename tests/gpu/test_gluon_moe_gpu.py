@@ -80,9 +80,10 @@ def _check_experts(y, x, q_w, gs, ids, rows_of, what):
     print(f"{what}: max |diff| {worst:.2f} bf16 ulp")
 
 
-def _gemm_case(gemm, tokens, cfg, e=128, topk=8, n=None, k=None, block_m=None, dead_frac=0.0, seed=0):
-    n0, k0 = (1536, 2048) if gemm == "w13" else (2048, 768)
-    n, k = n or n0, k or k0
+def _routed_inputs(tokens, e, topk, n, k, per_token, block_m=None, dead_frac=0.0, seed=0):
+    """Quantized experts ``[e, n, k]``, routing ids (a ``dead_frac`` share of slots -1: not local), the activation
+    (``per_token``: one row per token, as w13 reads it; else one per token-slot, as w2) and the routing of block_m
+    (default: moe_forward's pick): ``(q_w, gs, ids, s, x, bm, routing)``, s = tokens * topk."""
     q_w = em.quantize_weight(_w((e, n, k), seed=seed + 1), reduce_dims=(1, 2))
     gs = q_w.global_scale.reshape(-1)
     ids = _ids(tokens, e, topk, seed + 2)
@@ -90,14 +91,19 @@ def _gemm_case(gemm, tokens, cfg, e=128, topk=8, n=None, k=None, block_m=None, d
         g = torch.Generator(device=DEV).manual_seed(seed + 3)
         ids = torch.where(torch.rand(ids.shape, device=DEV, generator=g) < dead_frac, -1, ids)
     s = tokens * topk
+    x = _x(tokens if per_token else s, k, seed)
+    bm = block_m or tg.grouped_block_m(-(-s // min(e, s)))
+    return q_w, gs, ids, s, x, bm, tg.moe_align(ids, e, bm)
+
+
+def _gemm_case(gemm, tokens, cfg, e=128, topk=8, n=None, k=None, block_m=None, dead_frac=0.0, seed=0):
+    n0, k0 = (1536, 2048) if gemm == "w13" else (2048, 768)
+    n, k = n or n0, k or k0
+    q_w, gs, ids, s, x, bm, routing = _routed_inputs(tokens, e, topk, n, k, gemm == "w13", block_m, dead_frac, seed)
     if gemm == "w13":
-        x = _x(tokens, k, seed)
         rows_of = lambda slots: torch.div(slots, topk, rounding_mode="floor")  # noqa: E731
     else:
-        x = _x(s, k, seed)
         rows_of = lambda slots: slots  # noqa: E731
-    bm = block_m or tg.grouped_block_m(-(-s // min(e, s)))
-    routing = tg.moe_align(ids, e, bm)
     a_rows = routing.sorted_tokens if gemm == "w13" else None
     y = gm.gluon_w4a16_grouped(x, q_w.packed, q_w.block_scale, gs, routing, a_rows=a_rows, out_rows=s, cfg=cfg)
     assert y.shape == (s, n) and y.dtype == torch.bfloat16
@@ -242,15 +248,7 @@ def test_default_dispatch_takes_the_table(key):
 def _fused_vs_unfused(tokens, cfg, e=128, topk=8, inter=768, k=2048, block_m=None, dead_frac=0.0, seed=0,
                       zero_unrouted=True):
     """``a`` of the fused launch and moe_silu_mul(h) of the unfused one (same config, routing, inputs)."""
-    q_w = em.quantize_weight(_w((e, 2 * inter, k), seed=seed + 1), reduce_dims=(1, 2))
-    gs = q_w.global_scale.reshape(-1)
-    ids = _ids(tokens, e, topk, seed + 2)
-    if dead_frac:
-        g = torch.Generator(device=DEV).manual_seed(seed + 3)
-        ids = torch.where(torch.rand(ids.shape, device=DEV, generator=g) < dead_frac, -1, ids)
-    s = tokens * topk
-    x = _x(tokens, k, seed)
-    routing = tg.moe_align(ids, e, block_m or tg.grouped_block_m(-(-s // min(e, s))))
+    q_w, gs, ids, s, x, _, routing = _routed_inputs(tokens, e, topk, 2 * inter, k, True, block_m, dead_frac, seed)
     args = (x, q_w.packed, q_w.block_scale, gs, routing)
     h = gm.gluon_w4a16_grouped(*args, a_rows=routing.sorted_tokens, out_rows=s, cfg=cfg)
     ref = tg.moe_silu_mul(h, ids)
@@ -303,10 +301,8 @@ def test_fused_gate_odd_shapes(cfg, inter, k, block_m, e, topk, tokens):
 
 def test_fused_gate_rejects():
     e, k, inter = 8, 256, 96
-    q_w = em.quantize_weight(_w((e, 2 * inter, k)), reduce_dims=(1, 2))
-    gs = q_w.global_scale.reshape(-1)
-    routing = tg.moe_align(_ids(3, e, 2), e, 16)
-    args = (_x(3, k), q_w.packed, q_w.block_scale, gs, routing)
+    q_w, gs, _, _, x, _, routing = _routed_inputs(3, e, 2, 2 * inter, k, True, block_m=16)
+    args = (x, q_w.packed, q_w.block_scale, gs, routing)
     with pytest.raises(ValueError, match="multiple of BN / 2"):  # I = 96, BN / 2 = 64 (4 warps, rg 2)
         gm.gluon_w4a16_grouped(*args, cfg=G(4, 1, 1, 2, rg=2), silu_mul=True)
     with pytest.raises(ValueError, match="split"):  # two K ranges: no fused split-K fixup
