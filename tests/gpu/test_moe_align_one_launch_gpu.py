@@ -140,11 +140,9 @@ def test_moe_align_one_launch_sweep(monkeypatch, slots):
     assert not bad, f"!= moe_align_reference: {bad}"
 
 
-@pytest.mark.parametrize("slots", [8, 128, 256])
-def test_moe_align_many_experts_timed(slots):
-    """512 experts (past MOE_ALIGN_REGISTER_MAX) at decode: moe_align's default dispatch vs the one launch, CUDA-graph
-    time (us; printed, informational), each == reference first."""
-    e, topk = 512, 8
+def _checked_one_launch_and_dispatch(slots, e, topk):
+    """Ids of ``slots`` token-slots over ``e`` experts and moe_forward's block_m; the one launch (into fresh outputs)
+    and moe_align's default dispatch, each == moe_align_reference: ``(ids, block_m, the one launch's outputs)``."""
     bm = tg.grouped_block_m(-(-slots // min(e, slots)))
     ids = _ids(slots // topk, e, seed=slots)
     ref = tg.moe_align_reference(ids, e, bm)
@@ -152,6 +150,15 @@ def test_moe_align_many_experts_timed(slots):
     tg._moe_align_one_launch(ids.reshape(-1), e, topk, bm, outs)
     got = tg.moe_align(ids, e, bm)
     assert _same(outs, ref) and all(torch.equal(getattr(got, f), getattr(ref, f)) for f in FIELDS)
+    return ids, bm, outs
+
+
+@pytest.mark.parametrize("slots", [8, 128, 256])
+def test_moe_align_many_experts_timed(slots):
+    """512 experts (past MOE_ALIGN_REGISTER_MAX) at decode: moe_align's default dispatch vs the one launch, CUDA-graph
+    time (us; printed, informational), each == reference first."""
+    e, topk = 512, 8
+    ids, bm, outs = _checked_one_launch_and_dispatch(slots, e, topk)
     t = [(_graph_us(lambda: tg.moe_align(ids, e, bm)),
           _graph_us(lambda: tg._moe_align_one_launch(ids.reshape(-1), e, topk, bm, outs))) for _ in range(2)]
     print(f"\nmoe_align S={slots} E={e} block_m {bm}: default dispatch {t[0][0]:.2f} / {t[1][0]:.2f} us, "
@@ -163,13 +170,7 @@ def test_moe_align_decode_paths_timed(slots):
     """128 experts at decode: moe_align's default dispatch (the register kernel) vs the one launch, 5 alternating
     CUDA-graph timings each (us; min / median printed, informational), each == reference first."""
     e, topk = 128, 8
-    bm = tg.grouped_block_m(-(-slots // min(e, slots)))
-    ids = _ids(slots // topk, e, seed=slots)
-    ref = tg.moe_align_reference(ids, e, bm)
-    outs = _outs(ref)
-    tg._moe_align_one_launch(ids.reshape(-1), e, topk, bm, outs)
-    got = tg.moe_align(ids, e, bm)
-    assert _same(outs, ref) and all(torch.equal(getattr(got, f), getattr(ref, f)) for f in FIELDS)
+    ids, bm, outs = _checked_one_launch_and_dispatch(slots, e, topk)
     fns = (lambda: tg.moe_align(ids, e, bm), lambda: tg._moe_align_one_launch(ids.reshape(-1), e, topk, bm, outs))
     t = [[_graph_us(f) for f in fns] for _ in range(5)]
     med = [sorted(col)[2] for col in zip(*t)]
