@@ -2112,16 +2112,14 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Group
                                     BM=block_m, MT=max(2, triton.next_power_of_2(-(-sp // block_m))),
                                     TP=max(16, triton.next_power_of_2(t_max)),
                                     num_warps=4 if sp <= 128 else 8)  # H200 sweep: JC 32, 4 warps to S=128
+    elif MOE_ALIGN_ONE_PROGRAM_MAX < s <= MOE_ALIGN_ONE_LAUNCH_MAX:
+        _moe_align_one_launch(flat, num_experts, top_k, block_m, (te, tr0, tr1, sorted_slots, sorted_tokens))
     elif s > 0:
         ep = triton.next_power_of_2(num_experts + 2)  # keys 0..E-1, E (not local), EP-1 (padding)
         chunk = 128 * max(1, -(-s // (128 * 64)))  # <= 64 chunks
         p = -(-s // chunk)
         if s <= MOE_ALIGN_ONE_PROGRAM_MAX:  # decode: one launch, one chunk of all slots
             chunk, p = 128 * -(-s // 128), 1
-        if MOE_ALIGN_ONE_PROGRAM_MAX < s <= MOE_ALIGN_ONE_LAUNCH_MAX:
-            _moe_align_one_launch(flat, num_experts, top_k, block_m, (te, tr0, tr1, sorted_slots, sorted_tokens))
-            return GroupedRouting(sorted_slots=sorted_slots, tile_expert=te, tile_row0=tr0, tile_row1=tr1,
-                                  block_m=block_m, num_experts=num_experts, sorted_tokens=sorted_tokens)
         hist = torch.empty(p, ep, **i32)
         if s <= MOE_ALIGN_ONE_PROGRAM_MAX:
             base, start = torch.empty(p, ep, **i32), torch.empty(ep, **i32)
