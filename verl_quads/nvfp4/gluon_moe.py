@@ -57,19 +57,34 @@ if gluon is not None:
                                              std_x_rows)
 
     @gluon.jit
-    def _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, r0, r1, N, OUT_ROWS, pid_n, pid_k, ci,
-                      MMA: gl.constexpr, BN: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr):
-        """acc [BN weight rows, 8 NT sorted rows from r0] times ``256 / gs_e`` -> out[sorted_slots[r0 + j], n] in
-        bf16 (rows < r1); SPLIT > 1: float32 partials at ``part[pid_k, out row, n]``, the last program of the (tile,
-        N tile, row pass) -- counter ``ci`` -- sums them in the fixed order 0, 1, ..."""
+    def _moe_scaled_rows(acc, gw, orow_ptr, n0, r0, r1, MMA: gl.constexpr, BN: gl.constexpr, NT: gl.constexpr,
+                         ROUND: gl.constexpr):
+        """The grouped epilogues' common part (both call it, so the fused gate reads exactly the values the unfused
+        path stores): acc float32 [BN weight rows, 8 NT sorted rows from r0] (MMA layout) times ``256 / gs_e``
+        (``gw``: gs_e per weight row, float32 [BN]; ``div_rn(1, gs_e) * 256`` per row, then one multiply per element:
+        the numerics of every kernel) -> ``y`` float32 [BN, 8 NT] (ROUND: ``float32(bf16(y))``, the bf16 h the
+        unfused split-1 path stores, for the fused gate's arithmetic); ``cols`` int32 [BN]: ``n0 + [0, BN)`` (the
+        caller's column of each accumulator row); ``valid`` [8 NT]: sorted rows ``r0 + j < r1``; ``o`` int32 [8 NT]:
+        their output rows ``sorted_slots[r0 + j]`` (0 where not valid). The ops in this order: the order of the
+        two epilogues before they shared this (the same PTX)."""
         LR: gl.constexpr = gl.SliceLayout(1, MMA)
-        LC: gl.constexpr = gl.SliceLayout(0, MMA)
         post = gl.div_rn(gl.full([BN], 1.0, gl.float32, LR), gw) * 256.0
         y = acc * gl.expand_dims(post, 1)
-        cols = pid_n * BN + gl.arange(0, BN, layout=LR)
-        r = r0 + gl.arange(0, NT * 8, layout=LC)
+        if ROUND:
+            y = y.to(gl.bfloat16).to(gl.float32)
+        cols = n0 + gl.arange(0, BN, layout=LR)
+        r = r0 + gl.arange(0, NT * 8, layout=gl.SliceLayout(0, MMA))
         valid = r < r1
         o = gl.load(orow_ptr + r, mask=valid, other=0)
+        return y, cols, valid, o
+
+    @gluon.jit
+    def _moe_epilogue(acc, gw, out_ptr, part_ptr, cnt_ptr, orow_ptr, r0, r1, N, OUT_ROWS, pid_n, pid_k, ci,
+                      MMA: gl.constexpr, BN: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr):
+        """acc [BN weight rows, 8 NT sorted rows from r0] times ``256 / gs_e`` (:func:`_moe_scaled_rows`) ->
+        out[sorted_slots[r0 + j], n] in bf16 (rows < r1); SPLIT > 1: float32 partials at ``part[pid_k, out row, n]``,
+        the last program of the (tile, N tile, row pass) -- counter ``ci`` -- sums them in the fixed order 0, 1, ..."""
+        y, cols, valid, o = _moe_scaled_rows(acc, gw, orow_ptr, pid_n * BN, r0, r1, MMA, BN, NT, False)
         ncol = gl.expand_dims(cols, 1)
         orow = gl.expand_dims(o, 0)
         om = (ncol < N) & gl.expand_dims(valid, 0)
@@ -109,15 +124,10 @@ if gluon is not None:
         + c], n0 + 8 q + j] = bf16(silu(float32(g)) * float32(u))`` (``a`` bf16 [out rows, I]; rows < r1), g / u =
         bf16(acc * 256 / gs_e): GEMM1's bf16 output as the unfused path stores it in h, then moe_silu_mul's arithmetic
         (silu(g) = div_rn(g, 1 + libdevice expf(-g)), the float32 product, one cast). Gate and up values are the same
-        thread's registers (:func:`_row_halves`): no shared memory, no barrier."""
-        LR: gl.constexpr = gl.SliceLayout(1, MMA)
+        thread's registers (:func:`_row_halves`): no shared memory, no barrier. The scaling, rounding and output rows:
+        :func:`_moe_scaled_rows`, as the unfused epilogue's."""
         C: gl.constexpr = NT * 8
-        post = gl.div_rn(gl.full([BN], 1.0, gl.float32, LR), gw) * 256.0
-        hf = (acc * gl.expand_dims(post, 1)).to(gl.bfloat16).to(gl.float32)
-        rows = gl.arange(0, BN, layout=LR)
-        r = r0 + gl.arange(0, C, layout=gl.SliceLayout(0, MMA))
-        valid = r < r1
-        o = gl.load(orow_ptr + r, mask=valid, other=0)
+        hf, rows, valid, o = _moe_scaled_rows(acc, gw, orow_ptr, 0, r0, r1, MMA, BN, NT, True)
         off = gl.expand_dims(o, 0) * I + gl.expand_dims(pid_n * (BN // 2) + (rows // 16) * 8 + rows % 8, 1)
         live = gl.expand_dims(valid.to(gl.int32), 0) + gl.zeros([BN, C], gl.int32, MMA)
         g, u = _row_halves(hf, BN, C)
