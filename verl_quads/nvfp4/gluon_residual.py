@@ -25,6 +25,41 @@ elements, the low half the even one), so a block is 8 words, two 16-byte accesse
 
 DRAM traffic is plain QDQ's when the row stays in L2 between steps 1 and 3.
 
+SMR (:data:`EXTRA_CONFIG`, on at 512 and 128 padded blocks): step 3 without a first pass. Step 1 writes each block's
+signed E2M1 values ``±r`` (exact in bf16; ``Q(x) = ±r * factor`` has the bits of ``_qdq``'s ``r * factor | sign``,
+factor being >= +0 and finite) as bf16 pairs over the block's x words in shared memory, and its factor, residual amax
+and score to a second buffer (frs), by inline-asm ``st.shared`` at byte addresses from triton's ``global_smem``
+(triton 3.6's Gluon has no indexed shared-memory access); the selection writes the slots there too. Step 3 reads a
+selected block's slot, E2M1 words, factor and amax from shared memory (``ld.shared`` at the block's address), x from
+global memory (L2) as before, and computes ``R = x - Q(x)`` directly (~175 fewer instructions per selected block:
+the step-3 loop body is 270-280 sm_90 SASS instructions instead of 441 at 512 blocks). The tiles' cp.async after the
+first and step 1's per-tile stores are inline asm too: triton's barrier analysis put a CTA barrier between every two
+tiles (6 per row). The buffers' addresses are where triton 3.6 places them (the row buffer at offset 0, frs right
+after it); two guards compare an inline-asm read with triton's own access of the same element and trap (a launch
+error, never wrong bytes) if another triton placed them elsewhere. Registers 72 (was 56) at 512 blocks: 7 programs
+per SM.
+
+Session 12 (H200, bf16, CUDA-graph us, every variant's bytes == the default kernel's before timing; results R2-R5, R7,
+R9; plain QDQ 71.7-73.3 / 66.7-67.7): 8192x8192 k=0.5 / 0.25: SMR 110 / 97.9-99 (R4, R9; with the prefix search
+below 111 / 98.6, R2) vs 118 / 98.1-99.9: 1.49x (R9, plain 73.3) to 1.53x (R4, plain 71.7), issue #2's 1.5x met only
+within run-to-run noise at this shape; 32768x2048 98.9-99.7 / 87.8-88.6 (R5, R9; 99.5 / 87.8, R3) vs 105 / 94.3-94.7
+(1.46-1.49x: met). SMR without the asm stores 114 / 101 and 104 / 89. GPU tests of this form: R8 (22 passed). Static
+sm_90 SASS at 512 blocks (4 warps, one block per thread and tile): step 1 ~300 instructions per tile (the E2M1
+rounding ``_qdq`` is 8 per element: FMUL, FMNMX, LOP3, VIADDMNMX, FADD, FADD, FMUL, LOP3; ~15 per element in all),
+the search 27 per step, the selection ~130, step 3 441 -> 276 per chunk; per thread and row at k=0.5 ~2800 -> ~2300.
+Phases (STOP probes, R7, k=0.5): step 1 76 -> 70 us, search + selection +4 -> +16, whole 119 -> 115 (8192x8192; the
+probe's SMR form without the asm stores). Tried and slower or equal (same bytes), removed: the E2M1 words in a
+separate buffer with x kept in shared memory (step 3 without the L2 read; 41 KB per program at 8192: 5 programs per
+SM) 117-121 / 108-110 at 8192x8192; the search started below the common prefix of the row's largest and smallest
+score (bits above it are every score's) 115-119 / 101-109 (equal); the slots in shared memory alone 118 / 109
+(equal); a register cap of 64 / 56 (8 / 9 programs per SM) 115 / 117 and 99.7 / 103; the row buffer swizzled (16-byte
+halves XOR bit 2 of the block: no 2-way bank conflicts) 114 / 102 vs 114 / 101 (32768x2048 101 / 89.8 vs 104 / 89),
+both without the asm stores; HWE with SMR at 128 blocks 103 / 88 vs 104 / 89 (equal). Not found on sm_90: a cheaper
+exact E2M1 rounding (``cvt.rn.satfinite.e2m1x2.f32`` is sm_100+;
+the E4M3 / E5M2 conversions keep 3 / 2 mantissa bits, double rounding; rounding signed values needs two clamps, 9
+instructions; dropping the clamp for blocks whose largest ``|x| * os`` is < 7 needs a warp-uniform branch that Gluon
+cannot express without a CTA reduction).
+
 Session 11 (H200, bf16, CUDA-graph us, every row's bytes == the session-10 kernel's, which the GPU tests check
 against the torch reference; results R3 / R4 / R7 / R8 / R11 / R12 / R15): the search with one CTA barrier per step
 (was 3: a CTA reduction per step; 39 -> 27 SASS instructions per step), at 512 blocks the block scales' E4M3 rounding
@@ -78,27 +113,28 @@ if gluon is not None:
         _MISSING = f"Gluon has no ampere async_copy ({type(e).__name__}: {e})"
     _cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 
-#: Longest row (padded 16-blocks) the kernel takes: shared memory 40 (REUSE: 48) bytes per padded block.
+#: Longest row (padded 16-blocks) the kernel takes: shared memory 40 (REUSE: 48, SMR: 48) bytes per padded block.
 MAX_BLOCKS = 1024
 
-#: Launch options per padded row length (16-blocks): warps, REUSE, UNROLL, register cap (None: the compiler's).
+#: Launch options per padded row length (16-blocks): warps, REUSE, register cap (None: the compiler's).
 #: H200 session 10 (module docstring), measured on an earlier form of this kernel (the same steps inside a
 #: row loop, 72-80 registers; this form compiles to 56-64 at 512 / 128 blocks, so the cap of 64 that won there is
 #: not set): 512: 4 warps (2 warps and 8 warps slower), REUSE 148 vs 144; 128: 1 warp, REUSE 110.4 vs 113.2 at
 #: 32768x2048, 20.7 vs 22.2 at 4096x2048; 256: 2 warps (1 warp within 3%); 32, 64, 1024: not timed.
-CONFIG = {32: (1, False, False, None), 64: (1, False, False, None), 128: (1, True, False, None),
-          256: (2, False, False, None), 512: (4, False, False, None), 1024: (8, False, False, None)}
+#: (Step 3's chunk loop unrolled, "UNROLL", measured slower twice, sessions 10 and 11 (session 11, 8192x8192 k = 0.5
+#: / 0.25: 120 / 102 vs 119-120 / 100-101): removed in session 12.)
+CONFIG = {32: (1, False, None), 64: (1, False, None), 128: (1, False, None), 256: (2, False, None),
+          512: (4, False, None), 1024: (8, False, None)}
 
 
 #: Named speed variants (overrides of every CONFIG entry; same bytes), timed by ``bench nvfp4 --residual-variants``
 #: next to the Triton variants: "gluon" = CONFIG itself.
 #: "-w2" / "-w8": 2 / 8 warps per row program where the row has enough blocks (else its most).
-VARIANTS = {"gluon": {}, "gluon-reuse": {"reuse": True}, "gluon-recompute": {"reuse": False},
-            "gluon-unroll": {"unroll": True}, "gluon-r64": {"maxnreg": 64}, "gluon-w2": {"num_warps": 2},
-            "gluon-w8": {"num_warps": 8}}
-_FIELDS = ("num_warps", "reuse", "unroll", "maxnreg")
+VARIANTS = {"gluon": {}, "gluon-reuse": {"reuse": True, "smr": 0}, "gluon-recompute": {"reuse": False, "smr": 0},
+            "gluon-r64": {"maxnreg": 64}, "gluon-w2": {"num_warps": 2}, "gluon-w8": {"num_warps": 8}}
+_FIELDS = ("num_warps", "reuse", "maxnreg")
 
-#: More launch options per padded row length (same bytes), kept apart from CONFIG (whose 4-tuples
+#: More launch options per padded row length (same bytes), kept apart from CONFIG (whose 3-tuples
 #: triton_kernels unpacks): "hwe": the block scales' E4M3 rounding by the hardware conversion
 #: (:func:`_e4m3_value_hw`) instead of integer arithmetic; "msel": the R_sel amax and the selected blocks' slots with
 #: one CTA barrier instead of five. The threshold search takes one CTA barrier per step at every row length (it was
@@ -112,11 +148,15 @@ _FIELDS = ("num_warps", "reuse", "unroll", "maxnreg")
 #: (2 bits per round, 3 packed counts) 127 / 106 and 112 / 96.2; step 3 reading the first pass's scale / factor /
 #: amax from 16-byte scratch entries instead of recomputing them 134 / 113 and 118 / 97.5; "lean" (the row's
 #: cp.async as one op, step 1's kept vectors stored once: 6 fewer compiler CTA barriers) with search 1 + hwe
-#: 123 / 106 and 109 / 93.8.
-EXTRA_CONFIG = {nbp: {"hwe": int(nbp == 512), "msel": int(nbp == 512)} for nbp in CONFIG}
-_EXTRA_FIELDS = ("hwe", "msel")
-#: "-hwe" / "-msel": that option at every row length; "-base": neither (the session-11 search only).
-VARIANTS.update({"gluon-hwe": {"hwe": 1}, "gluon-msel": {"msel": 1}, "gluon-base": {"hwe": 0, "msel": 0}})
+#: 123 / 106 and 109 / 93.8. "smr": step 3 from shared memory (module docstring; session 12, on at 512 and 128
+#: blocks, where it was timed; 32 / 64 / 256 / 1024 blocks: not timed, off; excludes REUSE, off at 128 now).
+EXTRA_CONFIG = {nbp: {"hwe": int(nbp == 512), "msel": int(nbp == 512), "smr": int(nbp in (128, 512))}
+                for nbp in CONFIG}
+_EXTRA_FIELDS = ("hwe", "msel", "smr")
+#: "-hwe" / "-msel": that option at every row length; "-base": neither (the session-11 search only); "-smr" / "-smr0":
+#: SMR at every row length / at none (the session-11 kernel, REUSE off).
+VARIANTS.update({"gluon-hwe": {"hwe": 1}, "gluon-msel": {"msel": 1}, "gluon-base": {"hwe": 0, "msel": 0},
+                 "gluon-smr": {"smr": 1, "reuse": False}, "gluon-smr0": {"smr": 0}})
 
 
 @contextlib.contextmanager
@@ -201,6 +241,84 @@ if gluon is not None and _MISSING is None:
         r = (a + magic) - magic
         v = (r * gl.expand_dims(factor, 1)).to(gl.int32, bitcast=True) | (p.to(gl.int32, bitcast=True) & -2147483648)
         return v.to(gl.float32, bitcast=True)
+
+    @gluon.jit
+    def _qdq_r(x, os_, factor):
+        """:func:`_qdq` and the signed E2M1 value: (``r * factor``, ``±r``) [CT, 8] float32, ``r`` the rounded
+        ``min(|x os|, 6)`` with the sign of ``x os`` (exact in bf16). ``±r * factor`` has :func:`_qdq`'s bits: factor
+        is >= +0 and finite (an E4M3 value over a positive global scale), so the product's sign is r's."""
+        p = x * gl.expand_dims(os_, 1)
+        a = gl.minimum(gl.abs(p), 6.0)
+        mb = gl.maximum((a.to(gl.int32, bitcast=True) & 0x7F800000) + 0x0B000000, 0x4A800000)
+        magic = mb.to(gl.float32, bitcast=True)
+        r = (a + magic) - magic
+        rs = (r.to(gl.int32, bitcast=True) | (p.to(gl.int32, bitcast=True) & -2147483648)).to(gl.float32, bitcast=True)
+        return rs * gl.expand_dims(factor, 1), rs
+
+    @gluon.jit
+    def _smem_base(like):
+        """The shared-space address (u32) of triton's dynamic shared memory (``global_smem``), one per element of
+        ``like`` (the input only gives the shape / layout)."""
+        return gl.inline_asm_elementwise("mov.u32 $0, global_smem;", "=r,r", [like], dtype=gl.int32, is_pure=True,
+                                         pack=1)
+
+    @gluon.jit
+    def _lds1(addr):
+        """``ld.shared.b32`` at the shared-space byte addresses ``addr`` (int32, any layout) -> int32."""
+        return gl.inline_asm_elementwise("ld.shared.b32 $0, [$1];", "=r,r", [addr], dtype=gl.int32, is_pure=False,
+                                         pack=1)
+
+    @gluon.jit
+    def _lds8(addr):
+        """[CT, 8] int32 words from shared memory, ``addr`` [CT, 8] their byte addresses (16-byte aligned per 4
+        consecutive words of a thread: two ``ld.shared.v4.b32``; only every 4th address is read)."""
+        return gl.inline_asm_elementwise("ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r,r,r,r", [addr],
+                                         dtype=gl.int32, is_pure=False, pack=4)
+
+    @gluon.jit
+    def _sts8(addr, w):
+        """Store [CT, 8] int32 words ``w`` at the shared byte addresses ``addr`` (as :func:`_lds8`: two
+        ``st.shared.v4.b32``); returns a dummy (int32 zeros)."""
+        return gl.inline_asm_elementwise("st.shared.v4.b32 [$4], {$8, $9, $10, $11}; mov.b32 $0, 0; mov.b32 $1, 0; "
+                                         "mov.b32 $2, 0; mov.b32 $3, 0;",
+                                         "=r,=r,=r,=r,r,r,r,r,r,r,r,r", [addr, w], dtype=gl.int32, is_pure=False,
+                                         pack=4)
+
+    @gluon.jit
+    def _sts1(addr, v):
+        """``st.shared.b32`` of int32 ``v`` at the shared byte addresses ``addr``; returns a dummy (int32 zeros)."""
+        return gl.inline_asm_elementwise("st.shared.b32 [$1], $2; mov.b32 $0, 0;", "=r,r,r", [addr, v],
+                                         dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _cp_async8(saddr, gptr, m):
+        """cp.async of [CT, 8] int32 words from global ``gptr`` to the shared byte addresses ``saddr`` (two 16-byte
+        copies per thread, as :func:`_lds8`), zero-filled where ``m`` (int32 [CT, 8], 0 / 16: the bytes to read) is
+        0; committed by the next ``async_copy.commit_group``. Returns a dummy (int32 zeros)."""
+        return gl.inline_asm_elementwise("cp.async.cg.shared.global [$4], [$8], 16, $12; mov.b32 $0, 0; "
+                                         "mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0;",
+                                         "=r,=r,=r,=r,r,r,r,r,l,l,l,l,r,r,r,r", [saddr, gptr, m], dtype=gl.int32,
+                                         is_pure=False, pack=4)
+
+    @gluon.jit
+    def _word_addr(base, b, jw):
+        """Shared byte addresses [CT, 8] of the 8 words of blocks ``b`` [CT] in the row buffer at ``base`` (32 bytes
+        per block, as the [NBP, 8] int32 buffer with SwizzledSharedLayout(1, 1, 1): no swizzle)."""
+        return gl.expand_dims(base + b * 32, 1) + jw * 4
+
+    @gluon.jit
+    def _sts1_if(addr, v, m):
+        """:func:`_sts1` where ``m`` (bool) is set."""
+        return gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $3, 0; @p st.shared.b32 [$1], $2; "
+                                         "mov.b32 $0, 0; }", "=r,r,r,r", [addr, v, m.to(gl.int32)], dtype=gl.int32,
+                                         is_pure=False, pack=1)
+
+    @gluon.jit
+    def _smem_guard(got, want):
+        """Trap (the launch fails with an error) where ``got != want``: the shared-space address arithmetic of SMR
+        read another word than triton's own load of the same element."""
+        return gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $1, $2; @p trap; mov.b32 $0, 0; }",
+                                         "=r,r,r", [got, want], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _unpack(w):
@@ -301,16 +419,45 @@ if gluon is not None and _MISSING is None:
         gl.store(out_ptr + boff, _pack(ve, vo), mask=gl.expand_dims(smask, 1))
 
     @gluon.jit
+    def _second_chunk_smr(x_ptr, out_ptr, row, rbase, s0, ci, jw, base, gs2, inv2, NSEL: gl.constexpr,
+                          NBP: gl.constexpr, HWE: gl.constexpr):
+        """Step 3 (SMR) for the selected blocks of slots ``s0 + ci``: their slots, the signed E2M1 values of the first
+        pass (bf16 pairs, over the block's x words), its factor and the residual amax read from the row buffer at
+        shared byte address ``base`` (``_gluon_residual_qdq_kernel``'s SMR layout), x re-read from global memory (L2:
+        the row was just read): ``Q(x) = ±r * factor`` and ``R = x - Q(x)`` (no first pass again), Q(R) and Q(x) +
+        Q(R) written over the blocks."""
+        sl = s0 + ci
+        smask = sl < NSEL
+        blk = gl.where(smask, _lds1(base + NBP * 40 + sl * 4), 0)  # slots >= NSEL: not written, masked
+        aw = _word_addr(base, blk, jw)
+        boff = rbase + gl.expand_dims(blk * 8, 1) + jw
+        w = gl.load(x_ptr + boff, mask=gl.expand_dims(smask, 1), other=0)
+        rw = _lds8(aw)
+        fa1 = _lds1(base + blk * 4 + NBP * 32).to(gl.float32, bitcast=True)
+        ra = _lds1(base + blk * 4 + NBP * 36).to(gl.float32, bitcast=True)
+        xe, xo = _unpack(w)
+        re1, ro1 = _unpack(rw)
+        ve = re1 * gl.expand_dims(fa1, 1)
+        vo = ro1 * gl.expand_dims(fa1, 1)
+        re = xe - ve
+        ro = xo - vo
+        s2, _, os2 = _scales_inv(ra, gs2, inv2, HWE)
+        f2 = gl.div_rn(s2, gs2)
+        ve = ve + _qdq(re, os2, f2)
+        vo = vo + _qdq(ro, os2, f2)
+        gl.store(out_ptr + boff, _pack(ve, vo), mask=gl.expand_dims(smask, 1))
+
+    @gluon.jit
     def _gluon_residual_qdq_kernel(x_ptr, gs_ptr, out_ptr, idx_ptr, GS_DIV, NSEL: gl.constexpr,
                                    NB: gl.constexpr, NBP: gl.constexpr, NW: gl.constexpr, REUSE: gl.constexpr = 0,
-                                   UNROLL: gl.constexpr = 0, STOP: gl.constexpr = 0, HWE: gl.constexpr = 0,
-                                   MSEL: gl.constexpr = 0):
+                                   STOP: gl.constexpr = 0, HWE: gl.constexpr = 0,
+                                   MSEL: gl.constexpr = 0, SMR: gl.constexpr = 0):
         """Module docstring; one program per row. ``x_ptr`` / ``out_ptr``: int32 views of the bf16 ``[M, K]`` input
         / output; ``gs_ptr`` float32 first-pass global scales (row r's at ``r // GS_DIV``); ``idx_ptr`` int32
         scratch ``[M, NSEL]``. Speed options (same bytes): REUSE: step 3 gathers the first pass's per-block output
-        scale / factor and residual amax (kept in shared memory by step 1) instead of recomputing them; UNROLL:
-        step 3's chunk loop unrolled (NSEL is a compile-time constant); HWE: block scales rounded to E4M3 by the
-        hardware conversion; MSEL: the R_sel amax and the slots with one CTA barrier (:data:`EXTRA_CONFIG`).
+        scale / factor and residual amax (kept in shared memory by step 1) instead of recomputing them; HWE: block
+        scales rounded to E4M3 by the hardware conversion; MSEL: the R_sel amax and the slots with one CTA barrier;
+        SMR: step 3 from shared memory, the first pass not recomputed (module docstring; :data:`EXTRA_CONFIG`).
         STOP (timing probe of ``bench nvfp4 --residual-probe``, not a result): 1 = return after step 1, 2 = after
         the threshold search (its threshold stored at ``idx_ptr``'s row), 3 = after the selection and its index
         store."""
@@ -324,9 +471,22 @@ if gluon is not None and _MISSING is None:
         S1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
 
         row = gl.program_id(0).to(gl.int64)
-        xs = gl.allocate_shared_memory(gl.int32, [NBP, 8], S2)
-        ebs = gl.allocate_shared_memory(gl.int32, [NBP], S1)
-        ras = gl.allocate_shared_memory(gl.float32, [NBP], S1)
+        if SMR:
+            # the row buffer: x words [NBP, 8] (each block's words replaced by its signed E2M1 values, bf16 pairs, in
+            # step 1), then frs: first-pass factor | residual amax | selected slots | scores, [NBP] words each. Inline
+            # asm reads / writes them at shared byte addresses from ``_smem_base`` (triton 3.6's Gluon has no indexed
+            # shared-memory load): rowb at offset 0 and frs right after it, where triton 3.6 places them; two guards
+            # check both against triton's own accesses (a trap, not wrong bytes, if another triton places them
+            # elsewhere). Both kept alive to the end (the asm reads are invisible to triton's liveness).
+            rowb = gl.allocate_shared_memory(gl.int32, [NBP, 8], S2)
+            frs = gl.allocate_shared_memory(gl.float32, [4 * NBP], S1)
+            xs = rowb.slice(0, NBP)
+            ebs = frs.slice(3 * NBP, NBP)._reinterpret(gl.int32, [NBP], S1)
+            ras = frs.slice(NBP, NBP)
+        else:
+            xs = gl.allocate_shared_memory(gl.int32, [NBP, 8], S2)
+            ebs = gl.allocate_shared_memory(gl.int32, [NBP], S1)
+            ras = gl.allocate_shared_memory(gl.float32, [NBP], S1)
         if REUSE:
             oss = gl.allocate_shared_memory(gl.float32, [NBP], S1)
             fas = gl.allocate_shared_memory(gl.float32, [NBP], S1)
@@ -336,11 +496,19 @@ if gluon is not None and _MISSING is None:
         ci = gl.arange(0, CT, layout=LB)
         jw = gl.expand_dims(gl.arange(0, 8, layout=LJ), 0)
         rbase = row * (NB * 8)
-        # the whole row in flight at once: cp.async into shared memory (padding blocks zero-filled)
+        if SMR:
+            base = _smem_base(ci)
+        # the whole row in flight at once: cp.async into shared memory (padding blocks zero-filled); SMR: tiles >= 1
+        # by inline asm, which triton's barrier analysis does not see (no CTA barrier between the tiles' copies)
         for t in gl.static_range(NT):
             c = t * CT + ci
-            async_copy.async_copy_global_to_shared(xs.slice(t * CT, CT), x_ptr + rbase + gl.expand_dims(c * 8, 1) + jw,
-                                                   mask=gl.expand_dims(c < NB, 1))
+            if SMR and t > 0:
+                _cp_async8(_word_addr(base, c, jw), x_ptr + rbase + gl.expand_dims(c * 8, 1) + jw,
+                           gl.where(gl.expand_dims(c < NB, 1), 16, 0) + jw * 0)
+            else:
+                async_copy.async_copy_global_to_shared(xs.slice(t * CT, CT),
+                                                       x_ptr + rbase + gl.expand_dims(c * 8, 1) + jw,
+                                                       mask=gl.expand_dims(c < NB, 1))
         async_copy.commit_group()
         g = gl.load(gs_ptr + row // GS_DIV)
         gs = gl.zeros([CT], gl.float32, LB) + g
@@ -358,8 +526,18 @@ if gluon is not None and _MISSING is None:
             vec_max = gl.maximum(gl.max(gl.abs(xe), axis=1), gl.max(gl.abs(xo), axis=1))
             sval, _, os1 = _scales_inv(vec_max, gs, inv, HWE)
             fa1 = gl.div_rn(sval, gs)
-            ve = _qdq(xe, os1, fa1)
-            vo = _qdq(xo, os1, fa1)
+            if SMR:
+                ve, rse = _qdq_r(xe, os1, fa1)
+                vo, rso = _qdq_r(xo, os1, fa1)
+                aw = _word_addr(base, c, jw)
+                if t == 0:  # the row buffer's address: the word triton loaded from xs, read back through it
+                    _smem_guard(_lds1(gl.sum(gl.where(jw == 0, aw, 0), axis=1)),
+                                gl.sum(gl.where(jw == 0, w, 0), axis=1))
+                _sts8(aw, _pack(rse, rso))  # over this thread's own x words, read above (step 3 re-reads x from L2)
+                _sts1(base + c * 4 + NBP * 32, fa1.to(gl.int32, bitcast=True))
+            else:
+                ve = _qdq(xe, os1, fa1)
+                vo = _qdq(xo, os1, fa1)
             if REUSE:
                 oss.slice(t * CT, CT).store(os1)
                 fas.slice(t * CT, CT).store(fa1)
@@ -368,9 +546,20 @@ if gluon is not None and _MISSING is None:
             ro = xo - vo
             e = _tree8(re * re + ro * ro, LB)
             ra = gl.maximum(gl.max(gl.abs(re), axis=1), gl.max(gl.abs(ro), axis=1))
-            ebs.slice(t * CT, CT).store(gl.where(cmask, e.to(gl.int32, bitcast=True), -1))  # padding: never taken
-            ras.slice(t * CT, CT).store(ra)
+            eb_t = gl.where(cmask, e.to(gl.int32, bitcast=True), -1)  # padding: never taken
+            if SMR:  # inline asm stores (no compiler CTA barrier per tile); tile 0's amax by triton (the guard's)
+                _sts1(base + c * 4 + NBP * 44, eb_t)
+                if t == 0:
+                    ras.slice(t * CT, CT).store(ra)
+                    ra0 = ra
+                else:
+                    _sts1(base + c * 4 + NBP * 36, ra.to(gl.int32, bitcast=True))
+            else:
+                ebs.slice(t * CT, CT).store(eb_t)
+                ras.slice(t * CT, CT).store(ra)
         _cta_barrier()
+        if SMR:  # frs right after rowb: the residual amax triton stored, read back at that address
+            _smem_guard(_lds1(base + ci * 4 + NBP * 36), ra0.to(gl.int32, bitcast=True))
         if STOP == 1:
             return
 
@@ -437,7 +626,13 @@ if gluon is not None and _MISSING is None:
         g2 = gl.where(g2 == float("inf"), 1.0, g2)
         gs2 = gl.zeros([CT], gl.float32, LB) + g2
         inv2 = gl.zeros([CT], gl.float32, LB) + gl.div_rn(g2 * 0.0 + 1.0, g2)
-        if MSEL:
+        if SMR:  # the slots in shared memory (frs[2 NBP:]), by inline asm
+            if MSEL:
+                _sts1_if(_smem_base(slot2) + NBP * 40 + slot2 * 4, blk2, sel2)
+            else:
+                slot = gl.associative_scan(sel.to(gl.int32), 0, _add) - 1
+                _sts1_if(_smem_base(slot) + NBP * 40 + slot * 4, gl.arange(0, NBP, layout=LR), sel)
+        elif MSEL:
             gl.store(idx_ptr + row * NSEL + slot2, blk2, mask=sel2)
         else:
             slot = gl.associative_scan(sel.to(gl.int32), 0, _add) - 1
@@ -453,10 +648,11 @@ if gluon is not None and _MISSING is None:
         else:
             os_r = ra_r
             fa_r = ra_r
-        if UNROLL:
-            for s0 in gl.static_range(0, NSEL, CT):
-                _second_chunk(x_ptr, out_ptr, idx_ptr, row, rbase, s0, ci, jw, gs, inv, os_r, fa_r, ra_r, gs2, inv2,
-                              NSEL, REUSE, HWE)
+        if SMR:
+            for s0 in range(0, NSEL, CT):
+                _second_chunk_smr(x_ptr, out_ptr, row, rbase, s0, ci, jw, base, gs2, inv2, NSEL, NBP, HWE)
+            rowb._keep_alive()  # read by inline asm above, invisible to triton's liveness
+            frs._keep_alive()
         else:
             for s0 in range(0, NSEL, CT):
                 _second_chunk(x_ptr, out_ptr, idx_ptr, row, rbase, s0, ci, jw, gs, inv, os_r, fa_r, ra_r, gs2, inv2,
@@ -488,11 +684,12 @@ def check_supported(x: torch.Tensor, gs: torch.Tensor, score_weight) -> str | No
 
 
 def residual_qdq(x: torch.Tensor, gs_flat: torch.Tensor, gs_div: int, n_sel: int, num_warps: int | None = None,
-                 reuse: bool = False, unroll: bool = False, maxnreg: int | None = None, stop: int = 0,
-                 out: torch.Tensor | None = None, hwe: int | None = None, msel: int | None = None) -> torch.Tensor:
+                 reuse: bool = False, maxnreg: int | None = None, stop: int = 0,
+                 out: torch.Tensor | None = None, hwe: int | None = None, msel: int | None = None,
+                 smr: int | None = None) -> torch.Tensor:
     """``Q(x) + Q(R_sel)`` of bf16 ``x`` ``[M, K]`` (contiguous) with first-pass global scales ``gs_flat`` (float32,
     row r's at ``r // gs_div``) and ``n_sel`` blocks per row; the caller checked :func:`check_supported`. Launch
-    options: warps (default :func:`default_warps`), the kernel's REUSE / UNROLL, a register cap, its HWE / MSEL
+    options: warps (default :func:`default_warps`), the kernel's REUSE, a register cap, its HWE / MSEL
     (0 / 1; default: :data:`EXTRA_CONFIG`'s); ``stop``: the STOP timing probe (the output is then not a result)."""
     m, k = x.shape
     nb = k // BLOCK_SIZE
@@ -503,15 +700,19 @@ def residual_qdq(x: torch.Tensor, gs_flat: torch.Tensor, gs_div: int, n_sel: int
     extra = EXTRA_CONFIG.get(nbp, dict.fromkeys(_EXTRA_FIELDS, 0))
     hwe = extra["hwe"] if hwe is None else hwe
     msel = extra["msel"] if msel is None else msel
-    for nm, v in (("hwe", hwe), ("msel", msel)):
+    smr = extra["smr"] if smr is None else smr
+    for nm, v in (("hwe", hwe), ("msel", msel), ("smr", smr)):
         if v not in (0, 1):
             raise ValueError(f"gluon residual: {nm} must be 0 or 1, got {v!r}")
+    if smr and reuse:
+        raise ValueError("gluon residual: reuse (step 3 gathers the first pass's scales) and smr (step 3 reads them "
+                         "from shared memory) exclude each other; pass reuse=False with smr=1")
     out = torch.empty_like(x) if out is None else out
     scratch = torch.empty(m, max(n_sel, 1), dtype=torch.int32, device=x.device)
     if m:
         _gluon_residual_qdq_kernel[(m,)](x.view(torch.int32), gs_flat, out.view(torch.int32), scratch, gs_div,
-                                         NSEL=n_sel, NB=nb, NBP=nbp, NW=nw, REUSE=int(reuse), UNROLL=int(unroll),
-                                         STOP=int(stop), HWE=int(hwe), MSEL=int(msel),
+                                         NSEL=n_sel, NB=nb, NBP=nbp, NW=nw, REUSE=int(reuse),
+                                         STOP=int(stop), HWE=int(hwe), MSEL=int(msel), SMR=int(smr),
                                          num_warps=nw, enable_fp_fusion=False,
                                          **({"maxnreg": maxnreg} if maxnreg else {}))
     return out

@@ -1374,8 +1374,8 @@ def _residual_rows_gluon(x, gs, xc, w, g1, div1, nbp: int, n_sel: int, packed: b
         why = "the Gluon residual kernel writes the QDQ output only (no packed residual_quantize)"
     if why is not None:
         raise RuntimeError(f"triton_kernels.KERNELS['residual_per_token'] = 'gluon': {why}")
-    nw, reuse, unroll, maxnreg = gr.CONFIG.get(nbp, (None, False, False, None))
-    return gr.residual_qdq(xc, g1, div1, n_sel, nw, reuse, unroll, maxnreg, stop=stop)
+    nw, reuse, maxnreg = gr.CONFIG.get(nbp, (None, False, None))
+    return gr.residual_qdq(xc, g1, div1, n_sel, nw, reuse, maxnreg, stop=stop)
 
 
 def _residual_first_pass(x: torch.Tensor, gs: torch.Tensor, xc: torch.Tensor, ratio: float, per_token: bool,
