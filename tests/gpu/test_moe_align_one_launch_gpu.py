@@ -1,11 +1,12 @@
 """moe_align in ONE launch past the register path (issue #5; verl_quads/nvfp4/triton_gemm.py
 ``_moe_align_one_launch``, ``_moe_align_fused_kernel``) on a CUDA GPU (the H200): every output tensor == the torch
 reference (``moe_align_reference``, torch.equal) at Qwen3-30B-A3B routing (128 experts, top-8, some ids -1) and at
-E = 8 / 257, also replayed from a CUDA graph with new ids. Timings (CUDA graph of one call, us; printed with pytest
--s; informational: where MOE_ALIGN_ONE_LAUNCH_MAX and _moe_align_chunk belong): the one launch with options around
-its default vs the two launches (histogram, then scan + scatter) at S = 512 .. 32768 slots, and at decode (8..256
-slots) vs the register kernel (128 experts) / the one-program kernel (512 experts) that moe_align takes there. Each
-variant is checked against the reference before it is timed.
+E = 8 / 256 / 257 / 512 / 1024, also replayed from a CUDA graph with new ids; moe_align's default dispatch (every
+path) == the reference at 128 experts x T = 1..4096 tokens and at 256 / 512 experts. Timings (CUDA graph of one
+call, us; printed with pytest -s; informational: where MOE_ALIGN_ONE_LAUNCH_MAX and _moe_align_chunk belong): the
+one launch with options around its default vs the two launches (histogram, then scan + scatter) at S = 512 .. 32768
+slots (decode sizes: tests/gpu/test_nvfp4_gemm_gpu.py::test_moe_align_paths_timed). Each variant is checked against
+the reference before it is timed.
 """
 
 import pytest
@@ -54,7 +55,9 @@ def _label(kw):
 
 
 @pytest.mark.parametrize("tokens, e, block_m", [(33, 128, 16), (64, 128, 16), (256, 128, 32), (512, 128, 64),
-                                                (1024, 128, 64), (256, 8, 64), (40, 257, 16), (2, 128, 16)])
+                                                (1024, 128, 64), (256, 8, 64), (40, 257, 16), (2, 128, 16),
+                                                (17, 128, 16), (32, 256, 16), (1, 512, 16), (16, 512, 16),
+                                                (32, 512, 16), (2, 1024, 16)])
 @pytest.mark.parametrize("kw", [{}, dict(chunk=16, eb=8)], ids=["default", "chunk16-eb8"])
 def test_one_launch_equals_torch_reference(tokens, e, block_m, kw):
     ids = _ids(tokens, e, seed=tokens + e)
@@ -65,11 +68,12 @@ def test_one_launch_equals_torch_reference(tokens, e, block_m, kw):
         assert torch.equal(o, getattr(ref, f)), f
 
 
-@pytest.mark.parametrize("tokens, block_m", [(33, 16), (256, 32), (512, 64)])
-def test_moe_align_one_launch_graph_replay(tokens, block_m):
+@pytest.mark.parametrize("tokens, e, block_m", [(33, 128, 16), (256, 128, 32), (512, 128, 64), (17, 128, 16),
+                                                (1, 512, 16), (32, 512, 16), (8, 128, 16)])
+def test_moe_align_one_launch_graph_replay(tokens, e, block_m):
     """moe_align (default dispatch: one launch at these sizes) captured once, replayed with new ids == reference."""
-    e = 128
-    assert tg.MOE_ALIGN_ONE_PROGRAM_MAX < tokens * 8 <= tg.MOE_ALIGN_ONE_LAUNCH_MAX
+    assert tokens * 8 > tg.MOE_ALIGN_REGISTER_MAX or e > tg.MOE_ALIGN_REGISTER_EXPERTS
+    assert tokens * 8 <= tg.MOE_ALIGN_ONE_LAUNCH_MAX
     ids = _ids(tokens, e, seed=1)
     graph = torch.cuda.CUDAGraph()
     tg.moe_align(ids, e, block_m)  # compile outside the capture
@@ -90,6 +94,20 @@ def _graph_us(fn):
     t = graph_time_s(fn)
     assert t is not None, "not capturable in a CUDA graph"
     return t * 1e6
+
+
+@pytest.mark.parametrize("e, tokens", [(128, t) for t in (1, 2, 4, 5, 6, 8, 16, 17, 24, 32, 33, 64, 128, 256, 512,
+                                                             1024, 2048, 4096)]
+                         + [(256, t) for t in (1, 16, 17, 32, 64)] + [(512, t) for t in (1, 16, 32, 64, 256)])
+def test_moe_align_dispatch_equals_reference(e, tokens):
+    """moe_align's default dispatch (registers, the one launch or the two launches, as the sizes fall) at top-8 with
+    moe_forward's block_m == moe_align_reference, every output (torch.equal)."""
+    s = tokens * 8
+    bm = tg.grouped_block_m(-(-s // min(e, s)))
+    ids = _ids(tokens, e, seed=s + e)
+    got, ref = tg.moe_align(ids, e, bm), tg.moe_align_reference(ids, e, bm)
+    for f in FIELDS:
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
 
 
 @pytest.mark.parametrize("slots", [512, 2048, 4096, 8192, 16384, 32768])
@@ -138,41 +156,3 @@ def test_moe_align_one_launch_sweep(monkeypatch, slots):
           "CUDA graph, us (two runs):\n" + "\n".join(
               f"  {k.ljust(w)} | " + " | ".join(f"{v:6.2f}" for v in vs) for k, vs in rows.items()), flush=True)
     assert not bad, f"!= moe_align_reference: {bad}"
-
-
-def _checked_one_launch_and_dispatch(slots, e, topk):
-    """Ids of ``slots`` token-slots over ``e`` experts and moe_forward's block_m; the one launch (into fresh outputs)
-    and moe_align's default dispatch, each == moe_align_reference: ``(ids, block_m, the one launch's outputs)``."""
-    bm = tg.grouped_block_m(-(-slots // min(e, slots)))
-    ids = _ids(slots // topk, e, seed=slots)
-    ref = tg.moe_align_reference(ids, e, bm)
-    outs = _outs(ref)
-    tg._moe_align_one_launch(ids.reshape(-1), e, topk, bm, outs)
-    got = tg.moe_align(ids, e, bm)
-    assert _same(outs, ref) and all(torch.equal(getattr(got, f), getattr(ref, f)) for f in FIELDS)
-    return ids, bm, outs
-
-
-@pytest.mark.parametrize("slots", [8, 128, 256])
-def test_moe_align_many_experts_timed(slots):
-    """512 experts (past MOE_ALIGN_REGISTER_MAX) at decode: moe_align's default dispatch vs the one launch, CUDA-graph
-    time (us; printed, informational), each == reference first."""
-    e, topk = 512, 8
-    ids, bm, outs = _checked_one_launch_and_dispatch(slots, e, topk)
-    t = [(_graph_us(lambda: tg.moe_align(ids, e, bm)),
-          _graph_us(lambda: tg._moe_align_one_launch(ids.reshape(-1), e, topk, bm, outs))) for _ in range(2)]
-    print(f"\nmoe_align S={slots} E={e} block_m {bm}: default dispatch {t[0][0]:.2f} / {t[1][0]:.2f} us, "
-          f"one launch {t[0][1]:.2f} / {t[1][1]:.2f} us", flush=True)
-
-
-@pytest.mark.parametrize("slots", [8, 16, 32, 64, 128, 256])
-def test_moe_align_decode_paths_timed(slots):
-    """128 experts at decode: moe_align's default dispatch (the register kernel) vs the one launch, 5 alternating
-    CUDA-graph timings each (us; min / median printed, informational), each == reference first."""
-    e, topk = 128, 8
-    ids, bm, outs = _checked_one_launch_and_dispatch(slots, e, topk)
-    fns = (lambda: tg.moe_align(ids, e, bm), lambda: tg._moe_align_one_launch(ids.reshape(-1), e, topk, bm, outs))
-    t = [[_graph_us(f) for f in fns] for _ in range(5)]
-    med = [sorted(col)[2] for col in zip(*t)]
-    print(f"\nmoe_align S={slots} E={e} block_m {bm}: default dispatch min {min(r[0] for r in t):.2f} median "
-          f"{med[0]:.2f} us, one launch min {min(r[1] for r in t):.2f} median {med[1]:.2f} us", flush=True)

@@ -175,8 +175,8 @@ def test_mid_table_natural_tiles_real_shapes(key, cfg, dtype):
 
 @pytest.mark.parametrize("tokens, block_m", [(1, 16), (64, 16), (4096, 128)])
 def test_moe_align_triton_equals_torch_reference(tokens, block_m):
-    """The three-launch Triton moe_align == the torch reference at Qwen3-30B-A3B routing sizes
-    (128 experts, top-8; some slots not local)."""
+    """The Triton moe_align == the torch reference at Qwen3-30B-A3B routing sizes (128 experts, top-8; some slots
+    not local): the register path at T = 1, the one launch at 64, the two launches at 4096 tokens."""
     e, topk = 128, 8
     g = torch.Generator(device=DEV).manual_seed(7)
     ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
@@ -300,12 +300,14 @@ def _graph_us(fn):
     return t * 1e6
 
 
-@pytest.mark.parametrize("tokens, e, block_m", [(1, 128, 16), (2, 128, 16), (16, 128, 32), (32, 128, 16),
-                                                (32, 256, 16), (5, 100, 16)])
+@pytest.mark.parametrize("tokens, e, block_m", [(1, 128, 16), (2, 128, 16), (2, 128, 32), (1, 128, 64),
+                                                (tg.MOE_ALIGN_REGISTER_MAX // 8, tg.MOE_ALIGN_REGISTER_EXPERTS, 16),
+                                                (2, 100, 16)])
 def test_moe_align_in_registers_real_sizes(tokens, e, block_m):
-    """Decode routing (top-8, S = 8 * tokens <= MOE_ALIGN_REGISTER_MAX): the register kernel == the torch
-    reference bit for bit, also replayed from a CUDA graph with new ids."""
+    """Decode routing (top-8, S = 8 * tokens <= MOE_ALIGN_REGISTER_MAX, E <= MOE_ALIGN_REGISTER_EXPERTS): the
+    register kernel == the torch reference bit for bit, also replayed from a CUDA graph with new ids."""
     topk = 8
+    assert tokens * topk <= tg.MOE_ALIGN_REGISTER_MAX and e <= tg.MOE_ALIGN_REGISTER_EXPERTS
     g = torch.Generator(device=DEV).manual_seed(tokens + e)
     ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
     ids[torch.rand(tokens, topk, device=DEV, generator=g) > 0.9] = -1
@@ -323,31 +325,52 @@ def test_moe_align_in_registers_real_sizes(tokens, e, block_m):
         assert torch.equal(getattr(cap, f), getattr(ref, f)), f
 
 
-def test_moe_align_paths_timed(monkeypatch):
-    """Each moe_align path (registers; one program through global scratch; two launches: histogram, then scan +
-    scatter; one launch without scratch) at S = 8..512 slots, 128 experts, top-8 (block_m as moe_forward picks it): == the torch reference, and its CUDA-graph
-    time printed (us; informational: where MOE_ALIGN_REGISTER_MAX / MOE_ALIGN_ONE_PROGRAM_MAX belong). The
-    register kernel is forced past its default limit here (S = 512) to measure it."""
-    e, topk = 128, 8
+#: moe_align's paths, forced by (MOE_ALIGN_REGISTER_MAX, MOE_ALIGN_REGISTER_EXPERTS, MOE_ALIGN_ONE_LAUNCH_MAX)
+_ALIGN_PATHS = {"registers": (1 << 14, 1 << 14, 1 << 14), "one launch": (0, 0, 1 << 14), "two launches": (0, 0, 0)}
+
+
+@pytest.mark.parametrize("e, slots", [(128, (8, 16, 24, 32, 40, 48, 64, 128, 256)), (256, (8, 16, 32, 48, 64)),
+                                      (512, (8, 128, 256))])
+def test_moe_align_paths_timed(monkeypatch, e, slots):
+    """Each moe_align path (registers: one program, no scratch; the one launch; two launches: histogram, then scan
+    + scatter) at ``slots`` token-slots, ``e`` experts, top-8 (block_m as moe_forward picks it): == the torch
+    reference, then 5 alternating CUDA-graph timings of one call each (us; min / median printed; informational:
+    where MOE_ALIGN_REGISTER_MAX / MOE_ALIGN_REGISTER_EXPERTS belong), and which path the default dispatch takes.
+    The register kernel is forced past its default limits here (not at 512 experts: its [S, 512] count compare)."""
+    topk = 8
+    paths = {k: v for k, v in _ALIGN_PATHS.items() if k != "registers" or e <= 256}
+    default = (tg.MOE_ALIGN_REGISTER_MAX, tg.MOE_ALIGN_REGISTER_EXPERTS, tg.MOE_ALIGN_ONE_LAUNCH_MAX)
     rows = []
-    for tokens in (1, 4, 16, 32, 64):
-        s = tokens * topk
+    for s in slots:
+        tokens = s // topk
         bm = tg.grouped_block_m(-(-s // min(e, s)))
-        g = torch.Generator(device=DEV).manual_seed(tokens)
+        g = torch.Generator(device=DEV).manual_seed(s + e)
         ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
+        ids[torch.rand(tokens, topk, device=DEV, generator=g) > 0.9] = -1
         ref = tg.moe_align_reference(ids, e, bm)
-        times = []
-        for reg_max, one_max, launch_max in ((512, 1024, 0), (0, 1024, 0), (0, 0, 0), (0, 0, 1 << 14)):
-            monkeypatch.setattr(tg, "MOE_ALIGN_REGISTER_MAX", reg_max)
-            monkeypatch.setattr(tg, "MOE_ALIGN_ONE_PROGRAM_MAX", one_max)
-            monkeypatch.setattr(tg, "MOE_ALIGN_ONE_LAUNCH_MAX", launch_max)
+
+        def force(limits):
+            for name, v in zip(("MOE_ALIGN_REGISTER_MAX", "MOE_ALIGN_REGISTER_EXPERTS", "MOE_ALIGN_ONE_LAUNCH_MAX"),
+                               limits):
+                monkeypatch.setattr(tg, name, v)
+
+        for name, limits in paths.items():
+            force(limits)
             got = tg.moe_align(ids, e, bm)
             for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
-                assert torch.equal(getattr(got, f), getattr(ref, f)), (s, reg_max, one_max, launch_max, f)
-            times.append(_graph_us(lambda: tg.moe_align(ids, e, bm)))
-        rows.append(f"S={s:4d} bm={bm:3d}: registers {times[0]:6.1f} us | one program (scratch) {times[1]:6.1f} us | "
-                    f"two launches {times[2]:6.1f} us | one launch, no scratch {times[3]:6.1f} us")
-    print("moe_align, 128 experts, CUDA-graph replay of one call:\n" + "\n".join(rows))
+                assert torch.equal(getattr(got, f), getattr(ref, f)), (s, e, name, f)
+        times = {name: [] for name in paths}
+        for _ in range(5):
+            for name, limits in paths.items():
+                force(limits)
+                times[name].append(_graph_us(lambda: tg.moe_align(ids, e, bm)))
+        force(default)
+        took = ("registers" if s <= default[0] and e <= default[1] else
+                "one launch" if s <= default[2] else "two launches")
+        rows.append(f"S={s:4d} bm={bm:3d} (default: {took:12s}): " + " | ".join(
+            f"{name} {min(t):6.2f} / {sorted(t)[2]:6.2f}" for name, t in times.items()))
+    print(f"\nmoe_align, {e} experts, top-8, CUDA-graph replay of one call, us (min / median of 5):\n"
+          + "\n".join(rows), flush=True)
 
 
 class _LaunchOverride:

@@ -1,6 +1,6 @@
 """The MoE layer's decode kernels (verl_quads/nvfp4/triton_gemm.py, issue #5): moe_align in registers
-(``_moe_align_reg_kernel``, S <= MOE_ALIGN_REGISTER_MAX slots and experts), the gate ``moe_silu_mul`` and the
-router-weighted combine ``moe_combine``, each one launch.
+(``_moe_align_reg_kernel``, S <= MOE_ALIGN_REGISTER_MAX slots, E <= MOE_ALIGN_REGISTER_EXPERTS; past that the
+one launch, counted here), the gate ``moe_silu_mul`` and the router-weighted combine ``moe_combine``, each one launch.
 
 On CPU under TRITON_INTERPRET=1 at small shapes. The routing is compared with torch.equal against the torch
 reference (``moe_align_reference``). The gate's exp under the interpreter is numpy's float32 exp (libdevice
@@ -44,22 +44,22 @@ def _ids(tokens, top_k, e, local_frac, seed, one_expert=None):
     (1, 1, 3, 16, 1.0, None),     # S = 1, E not a power of two
     (1, 8, 128, 16, 1.0, None),   # decode M=1 at Qwen3-30B-A3B routing
     (3, 2, 5, 16, 0.7, None),     # -1 ids (not local), E = 5
-    (5, 4, 7, 2, 1.0, 6),         # every slot on one expert (the last), 10 tiles of 2 rows
+    (4, 4, 7, 2, 1.0, 6),         # every slot on one expert (the last), 8 tiles of 2 rows
     (4, 4, 7, 16, 0.0, None),     # no slot local: every tile empty
-    (16, 8, 100, 32, 0.9, None),  # decode M=16, E = 100
-    (32, 8, 256, 16, 0.8, None),  # S = 256 slots and E = 256 experts: the register path's limit
+    (2, 8, 100, 32, 0.9, None),   # decode M=2, E = 100
+    (tg.MOE_ALIGN_REGISTER_MAX // 8, 8, tg.MOE_ALIGN_REGISTER_EXPERTS, 16, 0.8, None),  # the register path's limits
 ])
 def test_moe_align_in_registers_equals_torch_reference(monkeypatch, tokens, top_k, e, block_m, local_frac,
                                                        one_expert):
-    """Decode routing (S, E <= MOE_ALIGN_REGISTER_MAX) is ONE launch of the register kernel and equals the
-    torch reference bit for bit (stable order within an expert, -1 last, same tile table)."""
-    assert tokens * top_k <= tg.MOE_ALIGN_REGISTER_MAX and e <= tg.MOE_ALIGN_REGISTER_MAX
-    spy, old = LaunchSpy(tg._moe_align_reg_kernel), LaunchSpy(tg._moe_align_small_kernel)
+    """Decode routing (S <= MOE_ALIGN_REGISTER_MAX, E <= MOE_ALIGN_REGISTER_EXPERTS) is ONE launch of the register
+    kernel and equals the torch reference bit for bit (stable order within an expert, -1 last, same tile table)."""
+    assert tokens * top_k <= tg.MOE_ALIGN_REGISTER_MAX and e <= tg.MOE_ALIGN_REGISTER_EXPERTS
+    spy, one = LaunchSpy(tg._moe_align_reg_kernel), LaunchSpy(tg._moe_align_fused_kernel)
     monkeypatch.setattr(tg, "_moe_align_reg_kernel", spy)
-    monkeypatch.setattr(tg, "_moe_align_small_kernel", old)
+    monkeypatch.setattr(tg, "_moe_align_fused_kernel", one)
     ids = _ids(tokens, top_k, e, local_frac, seed=tokens * 31 + e, one_expert=one_expert)
     got, ref = tg.moe_align(ids, e, block_m), tg.moe_align_reference(ids, e, block_m)
-    assert (spy.launches, old.launches) == (1, 0)
+    assert (spy.launches, one.launches) == (1, 0)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
     flat = ids.reshape(-1).long()  # the reference itself: keys ascending, stable
@@ -67,19 +67,25 @@ def test_moe_align_in_registers_equals_torch_reference(monkeypatch, tokens, top_
     assert bool((key[1:] >= key[:-1]).all())
 
 
-@pytest.mark.parametrize("tokens, top_k, e, launches", [
-    (33, 8, 128, (0, 0)),  # 264 slots: the three launches (faster than one program past 256 slots on the H200)
-    (2, 8, 257, (0, 1)),   # 257 experts, 16 slots: the one-program global-scratch kernel
+@pytest.mark.parametrize("tokens, top_k, e", [
+    (tg.MOE_ALIGN_REGISTER_MAX // 8 + 1, 8, 128),  # just past MOE_ALIGN_REGISTER_MAX slots
+    (16, 8, 128),  # 128 slots (registers until session 12)
+    (4, 8, 128),   # 32 slots
+    (32, 8, 256),  # 256 slots, 256 experts
+    (33, 8, 128),  # 264 slots
+    (2, 8, 257),   # 16 slots, 257 experts: past MOE_ALIGN_REGISTER_EXPERTS
+    (1, 1, 512),   # 1 slot, 512 experts
 ])
-def test_moe_align_past_the_register_limits(monkeypatch, tokens, top_k, e, launches):
-    """Past MOE_ALIGN_REGISTER_MAX slots or experts: the one-program scratch kernel up to
-    MOE_ALIGN_ONE_PROGRAM_MAX slots, else the three launches (hist, scan, scatter); same result."""
-    spy, old = LaunchSpy(tg._moe_align_reg_kernel), LaunchSpy(tg._moe_align_small_kernel)
-    monkeypatch.setattr(tg, "_moe_align_reg_kernel", spy)
-    monkeypatch.setattr(tg, "_moe_align_small_kernel", old)
+def test_moe_align_past_the_register_limits(monkeypatch, tokens, top_k, e):
+    """Past MOE_ALIGN_REGISTER_MAX slots or MOE_ALIGN_REGISTER_EXPERTS experts (up to MOE_ALIGN_ONE_LAUNCH_MAX
+    slots): ONE launch of the fused kernel, nothing else; same result."""
+    names = ("_moe_align_reg_kernel", "_moe_align_fused_kernel", "_moe_hist_kernel", "_moe_scan_scatter_kernel")
+    spies = {n: LaunchSpy(getattr(tg, n)) for n in names}
+    for n, sp in spies.items():
+        monkeypatch.setattr(tg, n, sp)
     ids = _ids(tokens, top_k, e, 0.9, seed=3)
     got, ref = tg.moe_align(ids, e, 16), tg.moe_align_reference(ids, e, 16)
-    assert (spy.launches, old.launches) == launches
+    assert [spies[n].launches for n in names] == [0, 1, 0, 0]
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
 

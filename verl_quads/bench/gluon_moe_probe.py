@@ -408,16 +408,17 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
 
 
 def _align_kernels(ids, bm):
-    """moe_align's two launches (S > MOE_ALIGN_ONE_PROGRAM_MAX) timed one by one, as moe_align launches them, its
-    one launch (``_moe_align_one_launch``: moe_align's up to MOE_ALIGN_ONE_LAUNCH_MAX slots), an empty launch, and
-    moe_align itself (checked == moe_align_reference)."""
+    """Past MOE_ALIGN_REGISTER_MAX slots (else none): moe_align's two launches (its path past
+    MOE_ALIGN_ONE_LAUNCH_MAX slots) timed one by one, as moe_align launches them, its one launch
+    (``_moe_align_one_launch``: moe_align's up to MOE_ALIGN_ONE_LAUNCH_MAX slots), an empty launch, and moe_align
+    itself (checked == moe_align_reference)."""
     import triton
 
     from verl_quads.nvfp4 import triton_gemm as tg
 
     flat = ids.reshape(-1).contiguous()
     s = flat.numel()
-    if s <= tg.MOE_ALIGN_ONE_PROGRAM_MAX:
+    if s <= tg.MOE_ALIGN_REGISTER_MAX:
         return []
     r = tg.moe_align(ids, E, bm)
     i32 = dict(dtype=torch.int32, device=flat.device)

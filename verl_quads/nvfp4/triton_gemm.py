@@ -430,39 +430,10 @@ if triton is not None:
             tl.store(tok_ptr + pos, i // TOPK, mask=valid)
 
     @triton.jit
-    def _moe_scan(hist_ptr, base_ptr, start_ptr, te_ptr, tr0_ptr, tr1_ptr, P, E, T_MAX,
-                  BM: tl.constexpr, PP: tl.constexpr, EP: tl.constexpr, TT: tl.constexpr):
-        """One program: ``base[p, e]`` = slots of key e in chunks before p (exclusive scan over chunks),
-        ``start[e]`` = first sorted row of key e (keys in order; E, not local, last), and the tile table
-        (:func:`_moe_tile_table`, all blocks)."""
-        pp = tl.arange(0, PP)
-        ee = tl.arange(0, EP)
-        hmask = (pp < P)[:, None]
-        h = tl.load(hist_ptr + pp[:, None] * EP + ee[None, :], mask=hmask, other=0)
-        tl.store(base_ptr + pp[:, None] * EP + ee[None, :], tl.cumsum(h, axis=0) - h, mask=hmask)
-        counts = tl.sum(h, axis=0)
-        cl = tl.where(ee <= E, counts, 0)
-        start = tl.cumsum(cl, axis=0) - cl
-        tl.store(start_ptr + ee, start)
-        cloc = tl.where(ee < E, counts, 0)
-        tiles = (cloc + BM - 1) // BM
-        _moe_tile_table(tl.cumsum(tiles, axis=0), tiles, start, cloc, te_ptr, tr0_ptr, tr1_ptr, 0, TT, E, T_MAX, BM,
-                        EP, TT)
-
-    @triton.jit
-    def _moe_scatter(ids_ptr, base_ptr, start_ptr, sorted_ptr, tok_ptr, S, E, TOPK, C: tl.constexpr,
-                     EP: tl.constexpr):
-        """Program p: :func:`_moe_scatter_run` of its chunk from ``start + base[p]`` (written by :func:`_moe_scan`)."""
-        p = tl.program_id(0)
-        ee = tl.arange(0, EP)
-        run = tl.load(start_ptr + ee) + tl.load(base_ptr + p * EP + ee)
-        _moe_scatter_run(ids_ptr, sorted_ptr, tok_ptr, run, p, S, E, TOPK, C, EP)
-
-    @triton.jit
     def _moe_scan_scatter_kernel(ids_ptr, hist_ptr, te_ptr, tr0_ptr, tr1_ptr, sorted_ptr, tok_ptr, S, E, TOPK, P,
                                  T_MAX, C: tl.constexpr, EP: tl.constexpr, PP: tl.constexpr, BM: tl.constexpr,
                                  TT: tl.constexpr):
-        """moe_align past MOE_ALIGN_ONE_PROGRAM_MAX slots, after :func:`_moe_hist_kernel`: ONE launch of P programs
+        """moe_align past MOE_ALIGN_ONE_LAUNCH_MAX slots, after :func:`_moe_hist_kernel`: ONE launch of P programs
         (the scan is tiny: every program redoes it from the P chunk histograms in registers instead of a separate
         one-program launch): program p takes ``start`` (first sorted row of each key) and the slots of each key in
         chunks before p, scatters its chunk (:func:`_moe_scatter_run`) and writes the tile-table blocks ``p, p + P,
@@ -1029,20 +1000,6 @@ if triton is not None:
             acc += tl.load(bias_ptr + offs % N, mask=m, other=0.0).to(tl.float32)
         _store_out(out_ptr + offs, acc, m, OUT)
 
-
-    @triton.jit
-    def _moe_align_small_kernel(ids_ptr, hist_ptr, base_ptr, start_ptr, te_ptr, tr0_ptr, tr1_ptr, sorted_ptr, tok_ptr,
-                                S, E, TOPK, T_MAX, C: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
-                                TT: tl.constexpr):
-        """moe_align in ONE program (decode: S <= C slots, one chunk): the histogram kernel's body, the scan +
-        tile table (:func:`_moe_scan`) and the scatter (:func:`_moe_scatter`) run back to back in this program,
-        separated by barriers (their global scratch writes are then visible to all its threads); saves two
-        launches (~10 us of ~18 us at M=1 on the H200)."""
-        _moe_hist_kernel(ids_ptr, hist_ptr, S, E, C, EP)
-        tl.debug_barrier()
-        _moe_scan(hist_ptr, base_ptr, start_ptr, te_ptr, tr0_ptr, tr1_ptr, 1, E, T_MAX, BM, 1, EP, TT)
-        tl.debug_barrier()
-        _moe_scatter(ids_ptr, base_ptr, start_ptr, sorted_ptr, tok_ptr, S, E, TOPK, C, EP)
 
     # ----------------------------------------------------------------------------------------------
     # MoE decode tails (issue #5): moe_align in registers, the gate and the router-weighted combine.
@@ -2032,25 +1989,33 @@ def moe_align_reference(expert_ids: torch.Tensor, num_experts: int, block_m: int
     )
 
 
-#: moe_align in registers (one program, no global scratch) up to this many token-slots AND experts
-MOE_ALIGN_REGISTER_MAX = 256
-#: token-slots up to which moe_align (past the register path: more than 256 experts) runs histogram, scan and
-#: scatter in one program through global scratch. H200, 128 experts, CUDA graph (tests/gpu test_moe_align_paths_timed,
-#: session 7): registers 5.4 / 7.6 / 12.7 / 40.1 us at S = 8 / 128 / 256 / 512, one program 16.8 / 29.3 / 33.8 /
-#: 48.8 us, three launches (then: hist, scan, scatter) 17.6 / 28.7 / 28.3 / 25.9 us. Past it: two launches, the
-#: histogram and _moe_scan_scatter_kernel (every scatter program redoes the tiny scan from the chunk histograms).
-#: H200, 2048 slots, 128 experts, block_m 32 (session 10 calls 1-3, gluon_moe_probe, CUDA graph): 14.4-14.8 us vs
-#: 33.7-33.9 for the three launches (hist 3.3-6.6, scan 20.3-20.8, scatter 10.8-11.1; scan + scatter in one launch
-#: 11.1), both == moe_align_reference.
-MOE_ALIGN_ONE_PROGRAM_MAX = 256
+#: moe_align in registers (:func:`_moe_align_reg_kernel`: one program, no global scratch) up to this many
+#: token-slots, with at most :data:`MOE_ALIGN_REGISTER_EXPERTS` experts; every other case up to
+#: :data:`MOE_ALIGN_ONE_LAUNCH_MAX` slots takes the one launch. H200 (2026-12-01, session 12 helper A batches 1-3,
+#: tests/gpu test_moe_align_paths_timed: top-8, CUDA graph of one call, min of 5 alternating, each ==
+#: moe_align_reference). The floor moves between runs (128 experts, S = 8: 3.4 / 5.5 / 6.1 us in the three), so the
+#: paths are compared within a run, registers minus one launch, us: 128 experts +0.02 / -0.01 / -0.05 at S = 8,
+#: +0.11 / -0.02 at 16, +0.59 / 0.00 at 24, +0.41 / +0.06 at 32, +0.76 / +0.39 at 48, +1.0 at 64 (5.05-5.10 vs
+#: 4.03-4.15), +1.3-1.4 at 128, +3.5-4.2 at 256 (8.6-8.7 vs 4.4-5.3); 256 experts 0.00 / +0.40 at 8, -0.09 / +0.31
+#: at 16, +0.23 at 32, +1.2 at 64. The register kernel ties the one launch up to 16 slots and is slower past them.
+MOE_ALIGN_REGISTER_MAX = 16
+#: experts up to which moe_align may take the register path (its per-expert counts: an [S, EP] compare-sum).
+MOE_ALIGN_REGISTER_EXPERTS = 256
 #: token-slots up to which moe_align (past the register path) is ONE launch with no global scratch,
-#: :func:`_moe_align_one_launch`; past it the two launches. H200, 128 experts, top-8, CUDA graph of one call, us
-#: (session 11, helper A batches 1-4; tests/gpu/test_moe_align_one_launch_gpu.py sweep; each == moe_align_reference):
-#: one launch 3.4 / 3.9-4.2 / 5.2-5.5 / 8.7-9.0 / 16.7-16.9 / 41.8-42.4 at S = 512 / 2048 / 4096 / 8192 / 16384 /
-#: 32768 vs the two launches 14.1-14.3 / 12.5-13.0 / 12.7-13.1 / 13.0-13.5 / 18.0-18.4 / 28.3 (an empty launch:
-#: 3.3-6.3, it varies between runs). Also measured there and dropped: one program sorting ``expert * S + slot`` keys
-#: with tl.sort (15 us at 2048 slots, 34-46 at 4096) and chunk programs that rank their slots against all slots by a
-#: [C, S] compare-sum (5.4 / 8.0 / 16.5 us at 2048 / 4096 / 8192 with the scattered tile table).
+#: :func:`_moe_align_one_launch`, at any number of experts; past it the two launches, the histogram and
+#: _moe_scan_scatter_kernel (every scatter program redoes the tiny scan from the chunk histograms; H200, 2048 slots,
+#: session 10: 14.4-14.8 us vs 33.7-33.9 for histogram, scan and scatter as three launches). The one launch replaced
+#: (session 12) the one-program kernel through global scratch that took S <= 256 slots with more than 256 experts:
+#: H200, 512 experts, CUDA graph, us (session 11 helper A, tests/gpu/test_moe_align_one_launch_gpu.py): that kernel
+#: 32.4-33.0 / 61.7-62.7 / 86.2-87.3 at S = 8 / 128 / 256, the one launch 4.0-5.2 / 4.2-11.3 / 4.3-11.4 (session 12
+#: batches 1-3, test_moe_align_paths_timed: 4.0-4.1 / 5.4 / 5.6-5.8, the two launches 38.0-38.4 / 60.2-60.3 /
+#: 60.5-60.9). H200, 128 experts, top-8, CUDA graph of one call, us (session 11, helper A batches 1-4;
+#: tests/gpu/test_moe_align_one_launch_gpu.py sweep; each == moe_align_reference): one launch 3.4 / 3.9-4.2 /
+#: 5.2-5.5 / 8.7-9.0 / 16.7-16.9 / 41.8-42.4 at S = 512 / 2048 / 4096 / 8192 / 16384 / 32768 vs the two launches
+#: 14.1-14.3 / 12.5-13.0 / 12.7-13.1 / 13.0-13.5 / 18.0-18.4 / 28.3 (an empty launch: 3.3-6.3, it varies between
+#: runs). Also measured there and dropped: one program sorting ``expert * S + slot`` keys with tl.sort (15 us at 2048
+#: slots, 34-46 at 4096) and chunk programs that rank their slots against all slots by a [C, S] compare-sum (5.4 /
+#: 8.0 / 16.5 us at 2048 / 4096 / 8192 with the scattered tile table).
 MOE_ALIGN_ONE_LAUNCH_MAX = 16384
 
 
@@ -2089,11 +2054,11 @@ def _moe_align_one_launch(flat: torch.Tensor, num_experts: int, top_k: int, bloc
 
 def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> GroupedRouting:
     """Sort token-slots by expert (stable) and build the tile table with small Triton launches on the ids' device,
-    no host synchronization (graph-capturable): up to :data:`MOE_ALIGN_REGISTER_MAX` slots and experts one program
-    ranks the slots in registers; up to :data:`MOE_ALIGN_ONE_PROGRAM_MAX` slots (more experts) one program through
-    global scratch; up to :data:`MOE_ALIGN_ONE_LAUNCH_MAX` slots ONE launch of :func:`_moe_align_fused_kernel`
-    (scatter programs and tile-table programs, each histogramming all ids, no scratch); past it two launches
-    (chunk histograms; then scan + tile table + stable counting-sort scatter). ``expert_ids``: int ``[T, top_k]``
+    no host synchronization (graph-capturable): up to :data:`MOE_ALIGN_REGISTER_MAX` slots and
+    :data:`MOE_ALIGN_REGISTER_EXPERTS` experts one program ranks the slots in registers; else up to
+    :data:`MOE_ALIGN_ONE_LAUNCH_MAX` slots ONE launch of :func:`_moe_align_fused_kernel` (scatter programs and
+    tile-table programs, each histogramming all ids, no scratch; any number of experts); past it two launches (chunk
+    histograms; then scan + tile table + stable counting-sort scatter). ``expert_ids``: int ``[T, top_k]``
     local expert ids, -1 = not local. Same result as :func:`moe_align_reference` (tested)."""
     flat = expert_ids.reshape(-1).contiguous()
     check_available(flat)
@@ -2105,28 +2070,20 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Group
     sorted_slots = torch.empty(s, **i32)
     sorted_tokens = torch.empty(s, **i32)
     te, tr0, tr1 = torch.empty(t_max, **i32), torch.empty(t_max, **i32), torch.empty(t_max, **i32)
-    if 0 < s <= MOE_ALIGN_REGISTER_MAX and num_experts <= MOE_ALIGN_REGISTER_MAX:  # decode: registers only
+    if 0 < s <= MOE_ALIGN_REGISTER_MAX and num_experts <= MOE_ALIGN_REGISTER_EXPERTS:  # decode: registers only
         sp = max(16, triton.next_power_of_2(s))
         _moe_align_reg_kernel[(1,)](flat, te, tr0, tr1, sorted_slots, sorted_tokens, s, num_experts, top_k, t_max,
                                     SP=sp, JC=min(sp, 32), EP=max(16, triton.next_power_of_2(num_experts)),
                                     BM=block_m, MT=max(2, triton.next_power_of_2(-(-sp // block_m))),
                                     TP=max(16, triton.next_power_of_2(t_max)),
                                     num_warps=4 if sp <= 128 else 8)  # H200 sweep: JC 32, 4 warps to S=128
-    elif MOE_ALIGN_ONE_PROGRAM_MAX < s <= MOE_ALIGN_ONE_LAUNCH_MAX:
+    elif 0 < s <= MOE_ALIGN_ONE_LAUNCH_MAX:
         _moe_align_one_launch(flat, num_experts, top_k, block_m, (te, tr0, tr1, sorted_slots, sorted_tokens))
     elif s > 0:
         ep = triton.next_power_of_2(num_experts + 2)  # keys 0..E-1, E (not local), EP-1 (padding)
         chunk = 128 * max(1, -(-s // (128 * 64)))  # <= 64 chunks
         p = -(-s // chunk)
-        if s <= MOE_ALIGN_ONE_PROGRAM_MAX:  # decode: one launch, one chunk of all slots
-            chunk, p = 128 * -(-s // 128), 1
         hist = torch.empty(p, ep, **i32)
-        if s <= MOE_ALIGN_ONE_PROGRAM_MAX:
-            base, start = torch.empty(p, ep, **i32), torch.empty(ep, **i32)
-            _moe_align_small_kernel[(1,)](flat, hist, base, start, te, tr0, tr1, sorted_slots, sorted_tokens, s,
-                                          num_experts, top_k, t_max, C=chunk, EP=ep, BM=block_m, TT=32, num_warps=8)
-            return GroupedRouting(sorted_slots=sorted_slots, tile_expert=te, tile_row0=tr0, tile_row1=tr1,
-                                  block_m=block_m, num_experts=num_experts, sorted_tokens=sorted_tokens)
         _moe_hist_kernel[(p,)](flat, hist, s, num_experts, C=chunk, EP=ep)
         _moe_scan_scatter_kernel[(p,)](flat, hist, te, tr0, tr1, sorted_slots, sorted_tokens, s, num_experts, top_k,
                                        p, t_max, C=chunk, EP=ep, PP=triton.next_power_of_2(p), BM=block_m, TT=32,
