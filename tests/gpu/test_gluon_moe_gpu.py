@@ -9,6 +9,8 @@ to the dense Gluon kernel (gluon_w4a16_std, same split) on the gathered rows; th
 many launches and under CUDA-graph replay; the rejections. The gate fused into the w13 epilogue (silu_mul) bit for
 bit equal to moe_silu_mul of the unfused GEMM, and moe_forward fused == unfused."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -205,18 +207,57 @@ def test_grouped_wide_equals_base(gemm, tokens, cfg):
     assert torch.equal(y, yb)
 
 
+#: routing block_m 64 (T=1024 at Qwen3-30B-A3B: ~64 slots per expert): one pass of 8 n-tiles (the one-group kernel,
+#: the wide kernel with rg 1 / 2 and staged x), adaptive n-tiles (nts 4: a tile of <= 32 rows runs 4), passes of nt 4
+#: / 2, split-K over passes
+BM64 = [G(4, 1, 0, 2, maxnreg=128, dec=3, xs=True, nts=4, xsc=1, xsb=2),
+        G(8, 1, 0, 2, maxnreg=128, dec=3, xs=True, nts=4, xsc=1, xsb=2),
+        G(4, 1, 0, 2, rg=2, dec=3, xs=True, nts=4, xsc=1, xsb=2),
+        G(4, 1, 0, 2, maxnreg=128, rg=2, dec=3, xs=True, nt=4, nts=2, xsc=1, xsb=2),
+        G(4, 1, 0, 2), G(4, 1, 0, 2, nt=2), G(4, 1, 2, 2, nt=4, rg=2)]
+
+
+@pytest.mark.parametrize("cfg", BM64, ids=lambda c: c.label.replace(" ", "_"))
+@pytest.mark.parametrize("gemm, tokens, e, dead", [("w13", 1024, 128, 0.0), ("w2", 1024, 128, 0.0),
+                                                   ("w13", 64, 8, 0.1)])
+def test_block_m64_equals_block_m32(gemm, tokens, e, dead, cfg):
+    """Routing block_m 64: within the reference bound per active expert, and bit for bit the same config on block_m
+    32 routing of the same ids (nt capped at 4; same kc / split / decode: the same loads, mma.sync and summation
+    order per output element -- only which program computes a row, in how many n-tiles, differs)."""
+    y, x, q_w, gs, ids, routing = _gemm_case(gemm, tokens, cfg, e=e, block_m=64, dead_frac=dead, seed=tokens)
+    assert routing.block_m == 64
+    r32 = tg.moe_align(ids, e, 32)
+    y32 = gm.gluon_w4a16_grouped(x, q_w.packed, q_w.block_scale, gs, r32,
+                                 a_rows=r32.sorted_tokens if gemm == "w13" else None, out_rows=ids.numel(),
+                                 cfg=dataclasses.replace(cfg, nt=min(cfg.nt, 4)))
+    assert torch.equal(y, y32)
+
+
+@pytest.mark.parametrize("cfg", BM64, ids=lambda c: c.label.replace(" ", "_"))
+@pytest.mark.parametrize("tokens, e, dead", [(1024, 128, 0.0), (64, 8, 0.1)])
+def test_fused_gate_block_m64(tokens, e, dead, cfg):
+    """The fused gate on block_m 64 routing: ``a`` bit for bit moe_silu_mul of the unfused GEMM's h (each config with
+    split 1: the fused epilogue has no split-K fixup, and 8 experts' plan would split K)."""
+    cfg = dataclasses.replace(cfg, split=1)
+    assert not gm.silu_mul_refusal(1536, 2048, min(e, tokens * 8), cfg)
+    a, ref, _ = _fused_vs_unfused(tokens, cfg, e=e, block_m=64, dead_frac=dead, seed=tokens)
+    assert torch.equal(a, ref)
+
+
 def test_grouped_rejects_unsupported():
     e, n, k = 4, 64, 1024
     q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
     gs = q_w.global_scale.reshape(-1)
     ids = _ids(3, e, 2)
-    with pytest.raises(ValueError):  # block_m 64
-        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 64))
+    with pytest.raises(ValueError):  # block_m 128
+        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 128))
     with pytest.raises(ValueError):  # float32 activation
         gm.gluon_w4a16_grouped(_x(3, k).float(), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16))
     with pytest.raises(ValueError):  # nt 4 does not divide block_m / 8 = 2
         gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16), cfg=G(nt=4))
-    for bad in (G(kc=2, xs=True), G(rg=3), G(pfd=2), G(xsb=2), G(nts=4), G(dec=2), G(wev=1)):
+    with pytest.raises(ValueError):  # nt 8 does not divide block_m / 8 = 4
+        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 32), cfg=G(nt=8))
+    for bad in (G(kc=2, xs=True), G(rg=3), G(pfd=2), G(xsb=2), G(nts=3), G(nt=3), G(dec=2), G(wev=1)):
         with pytest.raises(ValueError):
             gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16), cfg=bad)
     with pytest.raises(ValueError):  # K % 128 != 0

@@ -24,7 +24,11 @@ def test_table_entries_and_exact_bucket_lookup():
                     assert tg.gluon_moe_table_entry(slots, n, k, bm, (9, 0)) is None
         assert tg.gluon_moe_table_entry(b, n, k, 16, (10, 0)) is None  # measured on sm_90 only
         assert tg.gluon_moe_table_entry(b, n, k, 16, (8, 0)) is None
-        assert tg.gluon_moe_table_entry(b, n, k, 64, (9, 0)) is None  # routing tile height the kernel does not take
+        if b in tg.GLUON_MOE_BM64_BUCKETS:  # measured on 64-row tiles
+            assert tg.gluon_moe_table_entry(b, n, k, 64, (9, 0)) is (cfg if 8 % (cfg.nt or 1) == 0 else None)
+        else:  # measured on 8..32-row tiles only: not applied to 64-row tiles
+            assert tg.gluon_moe_table_entry(b, n, k, 64, (9, 0)) is None
+        assert tg.gluon_moe_table_entry(b, n, k, 128, (9, 0)) is None  # routing tile height the kernel does not take
         if (lower, n, k) not in tg.GLUON_MOE_TABLE and lower:
             assert tg.gluon_moe_table_entry(lower, n, k, 16, (9, 0)) is None  # an unmeasured bucket: no entry
     assert tg.gluon_moe_table_entry(8, 1536, 2048, 16, (9, 0)) is None  # T=1 (8 slots): the stream entries stay

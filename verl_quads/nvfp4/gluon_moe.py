@@ -1,4 +1,4 @@
-"""Gluon W4A16 kernel for the GROUPED MoE expert GEMMs (issue #5: 4..256 tokens, ~1..16 token-slots per expert), Hopper.
+"""Gluon W4A16 kernel for the GROUPED MoE expert GEMMs (issue #5: 4..1024 tokens, ~1..64 slots per expert), Hopper.
 
 The grouped twin of :func:`verl_quads.nvfp4.gluon_gemm.gluon_w4a16_std` (the dense standard-layout kernel): same
 weight layout (the standard packed NVFP4 ``[E, N, K/2]`` uint8 + e4m3 ``[E, N, K/16]`` + float32 ``[E]``), the same
@@ -10,9 +10,10 @@ the same bound vs the torch reference as every other kernel.
 Routing: the tile table of :func:`verl_quads.nvfp4.triton_gemm.moe_align` (``GroupedRouting``, as the stream and
 tensor-core kernels get it). One launch per GEMM, grid ``(N tiles, M-tiles T_max, split)``: program (n, t, k) reads
 expert ``tile_expert[t]`` (tiles with expert -1, past the last expert's, do nothing) and its sorted rows
-``[tile_row0[t], tile_row1[t])`` (at most ``block_m`` rows) in passes of 8 NT rows (the MMA's N; ``GroupedConfig.nt``,
-default block_m / 8: one pass; each further pass re-reads the weight tile), activation row ``a_rows[r]`` of sorted
-row r (rows past the tile's end read the tile's last row; not stored), output row ``sorted_slots[r]``.
+``[tile_row0[t], tile_row1[t])`` (at most ``block_m`` rows: 8, 16, 32 or 64) in passes of 8 NT rows (the MMA's N;
+``GroupedConfig.nt``, default block_m / 8: one pass; each further pass re-reads the weight tile), activation row
+``a_rows[r]`` of sorted row r (rows past the tile's end read the tile's last row; not stored), output row
+``sorted_slots[r]``.
 Split-K (``split`` > 1): float32 partials ``[split, out_rows, N]``; the last program of each (tile, N tile) (per-tile
 counter, acq_rel atomic) sums them in the fixed order 0, 1, ... (deterministic), as the dense kernel.
 
@@ -377,7 +378,7 @@ if gluon is not None:
 # ----------------------------------------------------------------------------------------------- host
 
 #: routing block_m (the tile's row count) -> NT (8-row MMA n-tiles) of a one-pass launch
-BLOCK_M_NT = {8: 1, 16: 2, 32: 4}
+BLOCK_M_NT = {8: 1, 16: 2, 32: 4, 64: 8}
 
 
 @dataclass(frozen=True)
@@ -411,8 +412,8 @@ class GroupedConfig(GluonConfig):
 def _nt(cfg: GluonConfig, block_m: int) -> int:
     full = BLOCK_M_NT[block_m]
     nt = getattr(cfg, "nt", 0) or full
-    if nt not in (1, 2, 4) or full % nt:
-        raise ValueError(f"gluon_w4a16_grouped: nt {nt} must be 1, 2 or 4 and divide block_m / 8 = {full}")
+    if nt not in (1, 2, 4, 8) or full % nt:
+        raise ValueError(f"gluon_w4a16_grouped: nt {nt} must be 1, 2, 4 or 8 and divide block_m / 8 = {full}")
     return nt
 
 _COUNTERS: dict = {}
@@ -458,7 +459,7 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
                         silu_mul: bool = False) -> torch.Tensor:
     """Grouped W4A16: ``x`` bf16 ``[rows, K]``, NVFP4 experts ``w_packed`` uint8 ``[E, N, K/2]``, ``w_scale`` e4m3
     ``[E, N, K/16]``, ``w_gs`` float32 ``[E]``; ``routing`` a :class:`~verl_quads.nvfp4.triton_gemm.GroupedRouting`
-    (block_m 8, 16 or 32); sorted row i reads ``x[a_rows[i]]`` (default ``routing.sorted_slots[i]``, as
+    (block_m 8, 16, 32 or 64); sorted row i reads ``x[a_rows[i]]`` (default ``routing.sorted_slots[i]``, as
     :func:`~verl_quads.nvfp4.triton_gemm.nvfp4_gemm`) and is written to row ``routing.sorted_slots[i]`` of the bf16
     ``[out_rows, N]`` result (default S rows); rows of slots with no local expert are 0 (``zero_unrouted=False``:
     left unset). Raises where the kernel cannot run (no fallback).
@@ -486,10 +487,10 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
     rg, xs, pfd = getattr(cfg, "rg", 1), getattr(cfg, "xs", False), getattr(cfg, "pfd", 0)
     nts, xsc, xsb = getattr(cfg, "nts", 0), getattr(cfg, "xsc", 0), getattr(cfg, "xsb", 1)
     if (rg not in (1, 2, 4) or (xs and cfg.kc != 1) or pfd not in (0, 1, 2) or xsb not in (1, 2) or xsc < 0
-            or ((pfd or xsc or xsb != 1) and not xs) or nts not in (0, 1, 2)
+            or ((pfd or xsc or xsb != 1) and not xs) or nts not in (0, 1, 2, 4)
             or getattr(cfg, "wev", 0) or getattr(cfg, "dec", 1) not in (1, 3)):
         raise ValueError(f"gluon_w4a16_grouped: rg 1 / 2 / 4, xs with kc 1 only, pfd 0..2 / xsc / xsb 1..2 with xs "
-                         f"only, nts 0 / 1 / 2, dec 1 / 3 (the dense kernel's wev not taken); got {cfg}")
+                         f"only, nts 0 / 1 / 2 / 4, dec 1 / 3 (the dense kernel's wev not taken); got {cfg}")
     if nts >= nt:  # tiles of this routing never hold more than 8 nts rows per pass: plain nt passes
         nts = 0
     passes = BLOCK_M_NT[bm] // nt

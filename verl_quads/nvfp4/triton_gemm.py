@@ -1565,14 +1565,31 @@ _GM, _GM_K2 = (GroupedConfig(num_warps=4, kc=1, occ=2, prefetch=False, nt=1), Gr
 _GM_XS64 = GroupedConfig(num_warps=4, kc=1, occ=2, maxnreg=128, rg=2, dec=3, xs=True, nts=1, xsc=1, xsb=2)
 _GM_XS13 = GroupedConfig(num_warps=4, kc=1, occ=2, maxnreg=128, rg=2, dec=3, xs=True, nts=2, xsc=1, xsb=2)
 _GM_XS2 = GroupedConfig(num_warps=4, kc=1, occ=2, maxnreg=128, rg=2, dec=3, xs=True, nts=2)
+#: Session 12 (helper M, H200, cold / warm us, one run each, every Gluon row torch.equal the block_m-32 baseline):
+#: T=1024 (8192 slots, routing block_m 64, the Gluon kernel's 64-row tiles). w13 by its fused-gate time: 8 n-tiles in
+#: one pass, 2 row groups per warp, adaptive n-tiles (tiles of <= 32 rows: 4), one-chunk x stages, no register cap
+#: (194-200 regs, no spills): 298 / 299 fused, 291 / 292 unfused vs the default dispatch 363 / 364 unfused (Triton
+#: on block_m 64; BF16 torch._grouped_mm 260 / 267); other 64-row candidates 299-312 fused. w2: the T=256 entry in
+#: two passes of 4 n-tiles (nt 4): 143 / 150 vs 181 / 183 (BF16 148 / 151; one-pass 64-row candidates 162-171).
+#: The same kernel on its own block_m-32 routing is faster still (w13 266 / 274, fused 276 / 277; w2 140 / 145):
+#: moe_forward builds block_m 64 here, so these are the entries for the routing it builds. Run 2 (gluon_moe_probe
+#: --tokens 1024, final tree): w13 294 / 293 vs 353 / 354 without the entry, w2 144 / 148 vs 170 / 171; the layer
+#: (moe_forward w4a16, gate fused, == fuse_gate=False) 461 / 462 us vs 552 / 555 without the bucket's entries (BF16
+#: 770: 1.67x vs 1.40x); parts: w13 + gate fused 298, w2 143, moe_align 11.
+_GM_BM64_13 = GroupedConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3, xs=True, nts=4, xsc=1, xsb=2)
+_GM_BM64_2 = GroupedConfig(num_warps=4, kc=1, occ=2, maxnreg=128, rg=2, dec=3, xs=True, nt=4, nts=2)
 GLUON_MOE_TABLE: dict[tuple[int, int, int], GluonConfig] = {
     (32, 1536, 2048): _GM_K2, (32, 2048, 768): _GM,  # T=4
     (128, 1536, 2048): _GM, (128, 2048, 768): _GM,  # T=16
     (512, 1536, 2048): _GM_XS64, (512, 2048, 768): _GM_XS64,  # T=64
     (2048, 1536, 2048): _GM_XS13, (2048, 2048, 768): _GM_XS2,  # T=256
+    (8192, 1536, 2048): _GM_BM64_13, (8192, 2048, 768): _GM_BM64_2,  # T=1024 (routing block_m 64)
 }
 #: slot buckets of GLUON_MOE_TABLE: DECODE_BUCKETS, then powers of two to 8192 slots
 GLUON_MOE_BUCKETS = DECODE_BUCKETS + (1024, 2048, 4096, 8192)
+#: buckets whose GLUON_MOE_TABLE entries were measured on routing block_m 64 (64-row tiles: 8 n-tiles per pass, a
+#: register budget of their own); elsewhere the entries (measured on 8..32-row tiles) are not applied to block_m 64
+GLUON_MOE_BM64_BUCKETS: tuple[int, ...] = (8192,)
 
 
 def gluon_moe_bucket(slots: int) -> int | None:
@@ -1586,13 +1603,15 @@ _GLUON_MOE_WARNED: list[str] = []
 def gluon_moe_table_entry(slots: int, n: int, k: int, block_m: int, capability: tuple[int, int]) -> GluonConfig | None:
     """The :data:`GLUON_MOE_TABLE` entry for a grouped bf16 w4a16 GEMM of ``slots`` token-slots and ``[E, n, k]``
     experts with routing ``block_m`` on a CUDA device of ``capability``, or None: the bucket of ``slots`` itself must
-    have an entry, K % 128 == 0, block_m 8 / 16 / 32 (a multiple of 8 times the entry's ``nt``) and capability 9.0
-    (where the entries were measured) only."""
+    have an entry, K % 128 == 0, block_m 8 / 16 / 32 (a multiple of 8 times the entry's ``nt``; 64 only in
+    :data:`GLUON_MOE_BM64_BUCKETS`) and capability 9.0 (where the entries were measured) only."""
     from verl_quads.nvfp4.gluon_moe import BLOCK_M_NT
 
     bucket = gluon_moe_bucket(slots)
     cfg = GLUON_MOE_TABLE.get((bucket, n, k)) if bucket is not None else None
     if cfg is None or k % 128 or block_m not in BLOCK_M_NT or tuple(capability) != (9, 0):
+        return None
+    if block_m == 64 and bucket not in GLUON_MOE_BM64_BUCKETS:
         return None
     if getattr(cfg, "nt", 0) and BLOCK_M_NT[block_m] % cfg.nt:  # the entry's n-tiles do not fit this routing's tiles
         return None
