@@ -385,6 +385,19 @@ def test_auto_takes_the_gluon_residual_kernel_only_where_it_was_measured(tk):
     assert not tk._auto_gluon(x, torch.ones(x.shape[0], 1), None, nbp, False, 0)
 
 
+def test_gluon_residual_smr_only_on_the_triton_it_was_verified_on(monkeypatch):
+    # SMR addresses triton's shared memory by byte offsets from global_smem (checked on the H200 with triton 3.6): on
+    # another triton the default falls back to SMR off (the same bytes) and an explicit smr=1 is an error naming it
+    gr = pytest.importorskip("verl_quads.nvfp4.gluon_residual")
+    monkeypatch.setattr(gr, "triton_version", lambda: (3, 6))
+    assert gr.resolve_smr(1, None) == 1 and gr.resolve_smr(0, None) == 0 and gr.resolve_smr(1, 0) == 0
+    assert gr.resolve_smr(0, 1) == 1
+    monkeypatch.setattr(gr, "triton_version", lambda: (3, 9))
+    assert gr.resolve_smr(1, None) == 0 and gr.resolve_smr(0, 0) == 0
+    with pytest.raises(RuntimeError, match=r"smr=1 .* verified only on triton 3\.6; the installed triton is 3\.9"):
+        gr.resolve_smr(1, 1)
+
+
 def test_auto_residual_kernel_follows_the_row_length_rule(tk, monkeypatch):
     # the default ("auto") serves a row by RESIDUAL_BY_BLOCKS (first entry whose padded block count fits): seen in
     # the gather kernel's launch (tile = min(tile_blocks, padded blocks), warps)

@@ -97,7 +97,7 @@ import os
 import torch
 
 from verl_quads.nvfp4.format import BLOCK_SIZE
-from verl_quads.nvfp4.gluon_gemm import gluon, gluon_available
+from verl_quads.nvfp4.gluon_gemm import gluon, gluon_available, triton_version
 
 _MISSING: str | None = None  # what this kernel needs beyond gluon_gemm.gluon_available, if absent
 if gluon is not None:
@@ -683,14 +683,34 @@ def check_supported(x: torch.Tensor, gs: torch.Tensor, score_weight) -> str | No
     return None
 
 
+#: triton (major, minor) versions on which SMR's shared-memory addressing (byte offsets from ``global_smem``: the row
+#: buffer at offset 0, the frs buffer right after it, where triton 3.6 allocates them) was checked on a GPU (the H200,
+#: session 12). Elsewhere the default is the session-11 kernel (SMR off: the same bytes, ~7% slower at k = 0.5), and an
+#: explicit ``smr=1`` raises -- the in-kernel guard would trap, which kills the CUDA context, not just the call.
+SMR_TRITON = ((3, 6),)
+
+
+def resolve_smr(default: int, smr: int | None) -> int:
+    """SMR for a launch: ``smr`` if given (1 only on a :data:`SMR_TRITON` version, else RuntimeError naming the installed
+    triton), else ``default`` (:data:`EXTRA_CONFIG`'s) where the installed triton is in :data:`SMR_TRITON`, else 0."""
+    verified = triton_version() in SMR_TRITON
+    if smr is None:
+        return default if verified else 0
+    if smr == 1 and not verified:
+        raise RuntimeError(f"gluon residual: smr=1 addresses triton's shared memory directly and was verified only on "
+                           f"triton {', '.join('.'.join(map(str, v)) for v in SMR_TRITON)}; the installed triton is "
+                           f"{'.'.join(map(str, triton_version() or ())) or 'missing'} (use smr=0)")
+    return smr
+
+
 def residual_qdq(x: torch.Tensor, gs_flat: torch.Tensor, gs_div: int, n_sel: int, num_warps: int | None = None,
                  reuse: bool = False, maxnreg: int | None = None, stop: int = 0,
                  out: torch.Tensor | None = None, hwe: int | None = None, msel: int | None = None,
                  smr: int | None = None) -> torch.Tensor:
     """``Q(x) + Q(R_sel)`` of bf16 ``x`` ``[M, K]`` (contiguous) with first-pass global scales ``gs_flat`` (float32,
     row r's at ``r // gs_div``) and ``n_sel`` blocks per row; the caller checked :func:`check_supported`. Launch
-    options: warps (default :func:`default_warps`), the kernel's REUSE, a register cap, its HWE / MSEL
-    (0 / 1; default: :data:`EXTRA_CONFIG`'s); ``stop``: the STOP timing probe (the output is then not a result)."""
+    options: warps (default :func:`default_warps`), the kernel's REUSE, a register cap, its HWE / MSEL / SMR
+    (0 / 1; default: :data:`EXTRA_CONFIG`'s, SMR through :func:`resolve_smr`); ``stop``: the STOP timing probe (the output is then not a result)."""
     m, k = x.shape
     nb = k // BLOCK_SIZE
     nbp = 1 << max(0, (nb - 1).bit_length())
@@ -700,7 +720,7 @@ def residual_qdq(x: torch.Tensor, gs_flat: torch.Tensor, gs_div: int, n_sel: int
     extra = EXTRA_CONFIG.get(nbp, dict.fromkeys(_EXTRA_FIELDS, 0))
     hwe = extra["hwe"] if hwe is None else hwe
     msel = extra["msel"] if msel is None else msel
-    smr = extra["smr"] if smr is None else smr
+    smr = resolve_smr(extra["smr"], smr)
     for nm, v in (("hwe", hwe), ("msel", msel), ("smr", smr)):
         if v not in (0, 1):
             raise ValueError(f"gluon residual: {nm} must be 0 or 1, got {v!r}")
