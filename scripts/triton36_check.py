@@ -429,7 +429,7 @@ def scenarios_gemm():
                     with scenario(f"moe T={t} local={local} {mode} pt={pt} {comb} {gran} {dt}"):
                         tg.moe_forward(_x(t, h, dt), sw, ids, *w13, *w2, mode, residual_per_token=pt,
                                        residual_combine=comb, residual_granularity=gran)
-    with scenario("moe_align 512 experts"):  # > MOE_ALIGN_REGISTER_EXPERTS at decode: the one launch
+    with scenario("moe_align 512 experts"):  # decode with more experts than the moe scenarios': the one launch
         for t in (1, 16):
             tg.moe_align(_ids(t, experts=512), 512, 16)
     with scenario("moe_align past MOE_ALIGN_ONE_LAUNCH_MAX slots"):  # the two launches: histogram, scan + scatter

@@ -176,7 +176,7 @@ def test_mid_table_natural_tiles_real_shapes(key, cfg, dtype):
 @pytest.mark.parametrize("tokens, block_m", [(1, 16), (64, 16), (4096, 128)])
 def test_moe_align_triton_equals_torch_reference(tokens, block_m):
     """The Triton moe_align == the torch reference at Qwen3-30B-A3B routing sizes (128 experts, top-8; some slots
-    not local): the register path at T = 1, the one launch at 64, the two launches at 4096 tokens."""
+    not local): the one launch at T = 1 and 64, the two launches at 4096 tokens."""
     e, topk = 128, 8
     g = torch.Generator(device=DEV).manual_seed(7)
     ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
@@ -288,7 +288,7 @@ def test_moe_layer_real_shape(mode, per_token, tokens):
     assert rel <= 2 ** -6
 
 
-# --- issue #5: the MoE layer's decode kernels (moe_align in registers, gate, combine) -------------------
+# --- issue #5: the MoE layer's decode kernels (moe_align at decode sizes, gate, combine) ----------------
 
 
 def _graph_us(fn):
@@ -301,13 +301,12 @@ def _graph_us(fn):
 
 
 @pytest.mark.parametrize("tokens, e, block_m", [(1, 128, 16), (2, 128, 16), (2, 128, 32), (1, 128, 64),
-                                                (tg.MOE_ALIGN_REGISTER_MAX // 8, tg.MOE_ALIGN_REGISTER_EXPERTS, 16),
-                                                (2, 100, 16)])
-def test_moe_align_in_registers_real_sizes(tokens, e, block_m):
-    """Decode routing (top-8, S = 8 * tokens <= MOE_ALIGN_REGISTER_MAX, E <= MOE_ALIGN_REGISTER_EXPERTS): the
-    register kernel == the torch reference bit for bit, also replayed from a CUDA graph with new ids."""
+                                                (2, 256, 16), (2, 100, 16), (1, 512, 16)])
+def test_moe_align_decode_real_sizes(tokens, e, block_m):
+    """Decode routing (top-8, S = 8 / 16 slots) through moe_align's default dispatch (the one launch since session
+    12) == the torch reference bit for bit, also replayed from a CUDA graph with new ids."""
     topk = 8
-    assert tokens * topk <= tg.MOE_ALIGN_REGISTER_MAX and e <= tg.MOE_ALIGN_REGISTER_EXPERTS
+    assert tokens * topk <= tg.MOE_ALIGN_ONE_LAUNCH_MAX
     g = torch.Generator(device=DEV).manual_seed(tokens + e)
     ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
     ids[torch.rand(tokens, topk, device=DEV, generator=g) > 0.9] = -1
@@ -325,21 +324,18 @@ def test_moe_align_in_registers_real_sizes(tokens, e, block_m):
         assert torch.equal(getattr(cap, f), getattr(ref, f)), f
 
 
-#: moe_align's paths, forced by (MOE_ALIGN_REGISTER_MAX, MOE_ALIGN_REGISTER_EXPERTS, MOE_ALIGN_ONE_LAUNCH_MAX)
-_ALIGN_PATHS = {"registers": (1 << 14, 1 << 14, 1 << 14), "one launch": (0, 0, 1 << 14), "two launches": (0, 0, 0)}
+#: moe_align's paths, forced by MOE_ALIGN_ONE_LAUNCH_MAX
+_ALIGN_PATHS = {"one launch": 1 << 14, "two launches": 0}
 
 
-@pytest.mark.parametrize("e, slots", [(128, (8, 16, 24, 32, 40, 48, 64, 128, 256)), (256, (8, 16, 32, 48, 64)),
-                                      (512, (8, 128, 256))])
+@pytest.mark.parametrize("e, slots", [(128, (8, 16, 32, 64, 128, 256)), (256, (8, 16, 64)), (512, (8, 128, 256))])
 def test_moe_align_paths_timed(monkeypatch, e, slots):
-    """Each moe_align path (registers: one program, no scratch; the one launch; two launches: histogram, then scan
-    + scatter) at ``slots`` token-slots, ``e`` experts, top-8 (block_m as moe_forward picks it): == the torch
-    reference, then 5 alternating CUDA-graph timings of one call each (us; min / median printed; informational:
-    where MOE_ALIGN_REGISTER_MAX / MOE_ALIGN_REGISTER_EXPERTS belong), and which path the default dispatch takes.
-    The register kernel is forced past its default limits here (not at 512 experts: its [S, 512] count compare)."""
+    """Each moe_align path (the one launch, no scratch; two launches: histogram, then scan + scatter) at ``slots``
+    token-slots, ``e`` experts, top-8 (block_m as moe_forward picks it): == the torch reference, then 5 alternating
+    CUDA-graph timings of one call each (us; min / median printed; informational: where MOE_ALIGN_ONE_LAUNCH_MAX
+    belongs at decode sizes), and which path the default dispatch takes."""
     topk = 8
-    paths = {k: v for k, v in _ALIGN_PATHS.items() if k != "registers" or e <= 256}
-    default = (tg.MOE_ALIGN_REGISTER_MAX, tg.MOE_ALIGN_REGISTER_EXPERTS, tg.MOE_ALIGN_ONE_LAUNCH_MAX)
+    default = tg.MOE_ALIGN_ONE_LAUNCH_MAX
     rows = []
     for s in slots:
         tokens = s // topk
@@ -348,67 +344,22 @@ def test_moe_align_paths_timed(monkeypatch, e, slots):
         ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
         ids[torch.rand(tokens, topk, device=DEV, generator=g) > 0.9] = -1
         ref = tg.moe_align_reference(ids, e, bm)
-
-        def force(limits):
-            for name, v in zip(("MOE_ALIGN_REGISTER_MAX", "MOE_ALIGN_REGISTER_EXPERTS", "MOE_ALIGN_ONE_LAUNCH_MAX"),
-                               limits):
-                monkeypatch.setattr(tg, name, v)
-
-        for name, limits in paths.items():
-            force(limits)
+        for name, limit in _ALIGN_PATHS.items():
+            monkeypatch.setattr(tg, "MOE_ALIGN_ONE_LAUNCH_MAX", limit)
             got = tg.moe_align(ids, e, bm)
             for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
                 assert torch.equal(getattr(got, f), getattr(ref, f)), (s, e, name, f)
-        times = {name: [] for name in paths}
+        times = {name: [] for name in _ALIGN_PATHS}
         for _ in range(5):
-            for name, limits in paths.items():
-                force(limits)
+            for name, limit in _ALIGN_PATHS.items():
+                monkeypatch.setattr(tg, "MOE_ALIGN_ONE_LAUNCH_MAX", limit)
                 times[name].append(_graph_us(lambda: tg.moe_align(ids, e, bm)))
-        force(default)
-        took = ("registers" if s <= default[0] and e <= default[1] else
-                "one launch" if s <= default[2] else "two launches")
+        monkeypatch.setattr(tg, "MOE_ALIGN_ONE_LAUNCH_MAX", default)
+        took = "one launch" if s <= default else "two launches"
         rows.append(f"S={s:4d} bm={bm:3d} (default: {took:12s}): " + " | ".join(
             f"{name} {min(t):6.2f} / {sorted(t)[2]:6.2f}" for name, t in times.items()))
     print(f"\nmoe_align, {e} experts, top-8, CUDA-graph replay of one call, us (min / median of 5):\n"
           + "\n".join(rows), flush=True)
-
-
-class _LaunchOverride:
-    """Stands in for a Triton kernel: ``kernel[grid](*args, **kw)`` with some launch keywords replaced."""
-
-    def __init__(self, kernel, fn):
-        self.kernel, self.fn = kernel, fn
-
-    def __getitem__(self, grid):
-        launch = self.kernel[grid]
-        return lambda *args, **kw: launch(*args, **self.fn(kw))
-
-
-def test_moe_align_register_launch_sweep(monkeypatch):
-    """The register moe_align kernel's launch options (compare chunk JC, warps) at S = 8..256 slots, 128 experts:
-    each == the torch reference; CUDA-graph times printed (informational: to tune the defaults)."""
-    e, topk = 128, 8
-    kernel = tg._moe_align_reg_kernel
-    lines = []
-    for tokens in (1, 16, 32):
-        s = tokens * topk
-        bm = tg.grouped_block_m(-(-s // min(e, s)))
-        g = torch.Generator(device=DEV).manual_seed(tokens)
-        ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
-        ref = tg.moe_align_reference(ids, e, bm)
-        cells = []
-        for jc in (32, 64, 128):
-            for warps in (4, 8):
-                def over(kw, jc=jc, warps=warps):
-                    return dict(kw, JC=min(jc, kw["SP"]), num_warps=warps)
-
-                monkeypatch.setattr(tg, "_moe_align_reg_kernel", _LaunchOverride(kernel, over))
-                got = tg.moe_align(ids, e, bm)
-                for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
-                    assert torch.equal(getattr(got, f), getattr(ref, f)), (s, jc, warps, f)
-                cells.append(f"jc{jc}/w{warps} {_graph_us(lambda: tg.moe_align(ids, e, bm)):5.1f}")
-        lines.append(f"S={s:4d}: " + " | ".join(cells))
-    print("register moe_align launch sweep (us, CUDA graph):\n" + "\n".join(lines))
 
 
 def _gate_input(s, inter, dtype, seed=0):

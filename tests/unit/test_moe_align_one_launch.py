@@ -1,8 +1,7 @@
-"""moe_align in ONE launch past the register path (verl_quads/nvfp4/triton_gemm.py, issue #5):
-``_moe_align_one_launch`` (``_moe_align_fused_kernel``) and the dispatch of ``moe_align`` to it at S <=
-MOE_ALIGN_ONE_LAUNCH_MAX token-slots past the register path's limits (MOE_ALIGN_REGISTER_MAX slots,
-MOE_ALIGN_REGISTER_EXPERTS experts), incl. the decode cases with more experts than the register path takes (the
-one-program scratch kernel's until session 12).
+"""moe_align in ONE launch (verl_quads/nvfp4/triton_gemm.py, issue #5): ``_moe_align_one_launch``
+(``_moe_align_fused_kernel``) and the dispatch of ``moe_align`` to it at 1 <= S <= MOE_ALIGN_ONE_LAUNCH_MAX
+token-slots at any number of experts, decode included (until session 12 a register kernel took S <= 16 slots at
+<= 256 experts, and a one-program scratch kernel S <= 256 slots at more experts; both are gone).
 
 On CPU under TRITON_INTERPRET=1. Every output tensor of GroupedRouting (sorted slots, sorted tokens, the tile table
 incl. its dead entries) is compared with torch.equal against the torch reference (``moe_align_reference``); the
@@ -52,7 +51,7 @@ def _assert_same(outs, ref, tag):
 
 
 CASES = [  # tokens, top_k, E, block_m, local fraction, all on one expert
-    (33, 8, 128, 16, 0.9, None),    # 264 slots: just past the register path, -1 ids
+    (33, 8, 128, 16, 0.9, None),    # 264 slots, -1 ids
     (257, 1, 128, 32, 1.0, None),   # 257 slots (top-1), every slot local
     (256, 8, 128, 32, 0.9, None),   # 2048 slots: T = 256 at Qwen3-30B-A3B routing (block_m 32 as moe_forward)
     (512, 8, 128, 64, 0.85, None),  # 4096 slots
@@ -61,15 +60,15 @@ CASES = [  # tokens, top_k, E, block_m, local fraction, all on one expert
     (100, 4, 100, 16, 0.7, None),   # E not a power of two
     (40, 8, 128, 16, 1.0, 127),     # every slot on the last expert: 20 tiles of one expert
     (40, 8, 128, 32, 0.0, None),    # no slot local: every tile dead, all slots in index order
-    (300, 1, 257, 16, 0.9, None),   # more experts than the register path takes
-    # S <= 256 past the register path (until session 12 the one-program scratch kernel's at E > 256):
+    (300, 1, 257, 16, 0.9, None),   # 257 experts
+    # S <= 256 (until session 12 the one-program scratch kernel's at E > 256):
     (1, 1, 257, 16, 1.0, None),     # S = 1, 257 experts
     (1, 8, 512, 16, 0.9, None),     # decode M=1, 512 experts
     (2, 8, 1024, 16, 1.0, None),    # E = 1024 (32+ tile-table programs of 16 experts)
     (32, 8, 300, 16, 0.8, None),    # S = 256, E not a power of two
     (16, 8, 512, 64, 0.0, None),    # no slot local, 512 experts
     (20, 8, 512, 16, 1.0, 511),     # every slot on the last expert, E == EP (its key + 1 falls off the histogram)
-    (17, 8, 128, 16, 0.9, None),    # 136 slots, 128 experts (registers until session 12)
+    (17, 8, 128, 16, 0.9, None),    # 136 slots, 128 experts
     (5, 8, 128, 16, 0.9, None),     # 40 slots, 128 experts
     (16, 8, 256, 32, 0.9, None),    # 128 slots, 256 experts
     (24, 8, 200, 32, 0.9, None),    # 192 slots, E = 200
@@ -103,19 +102,17 @@ def test_one_launch_int32_ids_and_block_m_128():
 @pytest.mark.parametrize("tokens, e, block_m", [(33, 128, 16), (256, 128, 32), (1024, 128, 64), (2048, 128, 128),
                                                 (40, 300, 16), (17, 128, 16), (32, 256, 16), (1, 257, 16),
                                                 (16, 512, 16), (32, 512, 16), (16, 128, 16),
-                                                (tg.MOE_ALIGN_REGISTER_MAX // 8 + 1, 128, 16)])
+                                                (1, 128, 16), (2, 256, 16), (3, 128, 16)])
 def test_moe_align_dispatch_is_one_launch(monkeypatch, tokens, e, block_m):
-    """moe_align past the register path (S > MOE_ALIGN_REGISTER_MAX or E > MOE_ALIGN_REGISTER_EXPERTS) up to
-    MOE_ALIGN_ONE_LAUNCH_MAX slots: one launch of the fused kernel, nothing else; == the reference."""
+    """moe_align at 1 <= S <= MOE_ALIGN_ONE_LAUNCH_MAX slots, decode included (8 / 16 / 24 slots at top-8): one
+    launch of the fused kernel, nothing else; == the reference."""
     spies = {n: LaunchSpy(getattr(tg, n)) for n in ("_moe_align_fused_kernel",
-                                              "_moe_hist_kernel", "_moe_scan_scatter_kernel",
-                                              "_moe_align_reg_kernel")}
+                                              "_moe_hist_kernel", "_moe_scan_scatter_kernel")}
     for n, sp in spies.items():
         monkeypatch.setattr(tg, n, sp)
     ids = _ids(tokens, 8, e, 0.9, seed=tokens)
     s = ids.numel()
-    assert s > tg.MOE_ALIGN_REGISTER_MAX or e > tg.MOE_ALIGN_REGISTER_EXPERTS
-    assert s <= tg.MOE_ALIGN_ONE_LAUNCH_MAX
+    assert 1 <= s <= tg.MOE_ALIGN_ONE_LAUNCH_MAX
     got, ref = tg.moe_align(ids, e, block_m), tg.moe_align_reference(ids, e, block_m)
     want = {n: 0 for n in spies}
     want["_moe_align_fused_kernel"] = 1

@@ -1,6 +1,7 @@
-"""The MoE layer's decode kernels (verl_quads/nvfp4/triton_gemm.py, issue #5): moe_align in registers
-(``_moe_align_reg_kernel``, S <= MOE_ALIGN_REGISTER_MAX slots, E <= MOE_ALIGN_REGISTER_EXPERTS; past that the
-one launch, counted here), the gate ``moe_silu_mul`` and the router-weighted combine ``moe_combine``, each one launch.
+"""The MoE layer's decode kernels (verl_quads/nvfp4/triton_gemm.py, issue #5): moe_align at decode sizes (ONE
+launch of ``_moe_align_fused_kernel``, counted here; the register kernel that took S <= 16 slots until session 12 tied
+it on the H200 and is gone), the gate ``moe_silu_mul`` and the router-weighted combine ``moe_combine``, each one
+launch.
 
 On CPU under TRITON_INTERPRET=1 at small shapes. The routing is compared with torch.equal against the torch
 reference (``moe_align_reference``). The gate's exp under the interpreter is numpy's float32 exp (libdevice
@@ -40,6 +41,16 @@ def _ids(tokens, top_k, e, local_frac, seed, one_expert=None):
     return ids.to(DEV)
 
 
+_ALIGN_KERNELS = ("_moe_align_fused_kernel", "_moe_hist_kernel", "_moe_scan_scatter_kernel")
+
+
+def _spy_align(monkeypatch):
+    spies = {n: LaunchSpy(getattr(tg, n)) for n in _ALIGN_KERNELS}
+    for n, sp in spies.items():
+        monkeypatch.setattr(tg, n, sp)
+    return spies
+
+
 @pytest.mark.parametrize("tokens, top_k, e, block_m, local_frac, one_expert", [
     (1, 1, 3, 16, 1.0, None),     # S = 1, E not a power of two
     (1, 8, 128, 16, 1.0, None),   # decode M=1 at Qwen3-30B-A3B routing
@@ -47,19 +58,24 @@ def _ids(tokens, top_k, e, local_frac, seed, one_expert=None):
     (4, 4, 7, 2, 1.0, 6),         # every slot on one expert (the last), 8 tiles of 2 rows
     (4, 4, 7, 16, 0.0, None),     # no slot local: every tile empty
     (2, 8, 100, 32, 0.9, None),   # decode M=2, E = 100
-    (tg.MOE_ALIGN_REGISTER_MAX // 8, 8, tg.MOE_ALIGN_REGISTER_EXPERTS, 16, 0.8, None),  # the register path's limits
+    (2, 8, 256, 16, 0.8, None),   # 16 slots, 256 experts (the register path's limits until session 12)
+    (3, 8, 128, 16, 0.9, None),   # 24 slots
+    (4, 8, 128, 16, 0.9, None),   # 32 slots
+    (16, 8, 128, 16, 0.9, None),  # 128 slots
+    (32, 8, 256, 16, 0.9, None),  # 256 slots, 256 experts
+    (33, 8, 128, 16, 0.9, None),  # 264 slots
+    (2, 8, 257, 16, 0.9, None),   # 16 slots, 257 experts
+    (1, 1, 512, 16, 0.9, None),   # 1 slot, 512 experts
 ])
-def test_moe_align_in_registers_equals_torch_reference(monkeypatch, tokens, top_k, e, block_m, local_frac,
-                                                       one_expert):
-    """Decode routing (S <= MOE_ALIGN_REGISTER_MAX, E <= MOE_ALIGN_REGISTER_EXPERTS) is ONE launch of the register
-    kernel and equals the torch reference bit for bit (stable order within an expert, -1 last, same tile table)."""
-    assert tokens * top_k <= tg.MOE_ALIGN_REGISTER_MAX and e <= tg.MOE_ALIGN_REGISTER_EXPERTS
-    spy, one = LaunchSpy(tg._moe_align_reg_kernel), LaunchSpy(tg._moe_align_fused_kernel)
-    monkeypatch.setattr(tg, "_moe_align_reg_kernel", spy)
-    monkeypatch.setattr(tg, "_moe_align_fused_kernel", one)
+def test_moe_align_decode_is_one_launch_equal_to_torch_reference(monkeypatch, tokens, top_k, e, block_m,
+                                                                  local_frac, one_expert):
+    """Decode routing (any S <= MOE_ALIGN_ONE_LAUNCH_MAX, any E) is ONE launch of the fused kernel, nothing else,
+    and equals the torch reference bit for bit (stable order within an expert, -1 last, same tile table)."""
+    assert tokens * top_k <= tg.MOE_ALIGN_ONE_LAUNCH_MAX
+    spies = _spy_align(monkeypatch)
     ids = _ids(tokens, top_k, e, local_frac, seed=tokens * 31 + e, one_expert=one_expert)
     got, ref = tg.moe_align(ids, e, block_m), tg.moe_align_reference(ids, e, block_m)
-    assert (spy.launches, one.launches) == (1, 0)
+    assert [spies[n].launches for n in _ALIGN_KERNELS] == [1, 0, 0]
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
     flat = ids.reshape(-1).long()  # the reference itself: keys ascending, stable
@@ -67,27 +83,16 @@ def test_moe_align_in_registers_equals_torch_reference(monkeypatch, tokens, top_
     assert bool((key[1:] >= key[:-1]).all())
 
 
-@pytest.mark.parametrize("tokens, top_k, e", [
-    (tg.MOE_ALIGN_REGISTER_MAX // 8 + 1, 8, 128),  # just past MOE_ALIGN_REGISTER_MAX slots
-    (16, 8, 128),  # 128 slots (registers until session 12)
-    (4, 8, 128),   # 32 slots
-    (32, 8, 256),  # 256 slots, 256 experts
-    (33, 8, 128),  # 264 slots
-    (2, 8, 257),   # 16 slots, 257 experts: past MOE_ALIGN_REGISTER_EXPERTS
-    (1, 1, 512),   # 1 slot, 512 experts
-])
-def test_moe_align_past_the_register_limits(monkeypatch, tokens, top_k, e):
-    """Past MOE_ALIGN_REGISTER_MAX slots or MOE_ALIGN_REGISTER_EXPERTS experts (up to MOE_ALIGN_ONE_LAUNCH_MAX
-    slots): ONE launch of the fused kernel, nothing else; same result."""
-    names = ("_moe_align_reg_kernel", "_moe_align_fused_kernel", "_moe_hist_kernel", "_moe_scan_scatter_kernel")
-    spies = {n: LaunchSpy(getattr(tg, n)) for n in names}
-    for n, sp in spies.items():
-        monkeypatch.setattr(tg, n, sp)
-    ids = _ids(tokens, top_k, e, 0.9, seed=3)
-    got, ref = tg.moe_align(ids, e, 16), tg.moe_align_reference(ids, e, 16)
-    assert [spies[n].launches for n in names] == [0, 1, 0, 0]
+def test_moe_align_no_slots_launches_nothing(monkeypatch):
+    """S == 0 (no token): empty int32 outputs on the ids' device, no launch; == the reference."""
+    spies = _spy_align(monkeypatch)
+    ids = torch.empty(0, 8, dtype=torch.int64, device=DEV)
+    got, ref = tg.moe_align(ids, 128, 16), tg.moe_align_reference(ids, 128, 16)
+    assert [spies[n].launches for n in _ALIGN_KERNELS] == [0, 0, 0]
     for f in FIELDS:
-        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+        t = getattr(got, f)
+        assert t.numel() == 0 and t.dtype == torch.int32 and t.device == ids.device, f
+        assert torch.equal(t, getattr(ref, f)), f
 
 
 def _gate_h(s, inter, dtype, seed=0):
@@ -229,10 +234,12 @@ def comp(fn, sig, const, nw):
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
 
 ptrs = {p: "*i32" for p in ("ids_ptr", "te_ptr", "tr0_ptr", "tr1_ptr", "sorted_ptr", "tok_ptr")}
-ints = {n: "i32" for n in ("S", "E", "TOPK", "T_MAX")}
-for sp, ep in ((16, 128), (256, 256)):  # decode M=1 (8 slots); the limit
-    k = comp(tg._moe_align_reg_kernel, dict(ptrs, **ints),
-             dict(SP=sp, JC=min(sp, 32), EP=ep, BM=16, MT=max(2, sp // 16), TP=512), 4 if sp <= 128 else 8)
+ints = {n: "i32" for n in ("S", "E", "TOPK", "T_MAX", "P")}
+for s, ep in ((8, 128), (16, 256), (8, 512)):  # decode M=1 / M=2 (8 / 16 slots) at 128 / 256 / 512 experts
+    t_max, nq = -(-s // 16) + min(ep, s), ep // 16  # as _moe_align_one_launch (eb 16) at block_m 16
+    k = comp(tg._moe_align_fused_kernel, dict(ptrs, **ints),
+             dict(SP=16, C=tg._moe_align_chunk(s), EP=ep, BM=16, EB=16, MT=2,
+                  TD=max(16, triton.next_power_of_2(-(-t_max // nq)))), 8)
     assert k.asm["cubin"] and "ld.global" in k.asm["ptx"]
 for dt, code in (("bf16", 3), ("fp16", 2), ("fp32", 0)):
     out = "*i16" if dt == "bf16" else "*" + dt
@@ -248,7 +255,8 @@ print("compiled")
 
 
 def test_moe_decode_kernels_compile_for_sm90_without_a_gpu():
-    """The register moe_align, the gate (libdevice expf: GPU only, the interpreter takes tl.exp) and the
-    combine compile for sm_90 with triton's bundled ptxas (subprocess without TRITON_INTERPRET). Compiles only."""
+    """moe_align's one launch at decode sizes, the gate (libdevice expf: GPU only, the interpreter takes tl.exp)
+    and the combine compile for sm_90 with triton's bundled ptxas (subprocess without TRITON_INTERPRET). Compiles
+    only."""
     compile_for_sm90_in_subprocess(
         _SM90_MOE, "on a GPU the kernels are compiled and run by tests/gpu/test_nvfp4_gemm_gpu.py")

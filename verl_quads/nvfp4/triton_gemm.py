@@ -1002,60 +1002,11 @@ if triton is not None:
 
 
     # ----------------------------------------------------------------------------------------------
-    # MoE decode tails (issue #5): moe_align in registers, the gate and the router-weighted combine.
+    # MoE decode tails (issue #5): the gate and the router-weighted combine.
     try:  # triton 3.x: the CUDA libdevice wrappers (accurate expf; not callable under the interpreter)
         from triton.language.extra.cuda import libdevice as _cuda_libdevice
     except ImportError:  # pragma: no cover - depends on the triton version
         from triton.language.extra import libdevice as _cuda_libdevice
-
-    @triton.jit
-    def _moe_align_reg_kernel(ids_ptr, te_ptr, tr0_ptr, tr1_ptr, sorted_ptr, tok_ptr, S, E, TOPK, T_MAX,
-                              SP: tl.constexpr, JC: tl.constexpr, EP: tl.constexpr, BM: tl.constexpr,
-                              MT: tl.constexpr, TP: tl.constexpr):
-        """moe_align in ONE program with no global scratch (decode: S <= SP slots, E <= EP experts).
-
-        Slot i has key = expert id (E for an id < 0: not local; E for padding i >= S, which ranks after
-        every real slot because its index is larger). Its sorted row is its stable rank: the number of
-        slots j with ``(key_j, j) < (key_i, i)`` = ``#(key_j*SP + j < key_i*SP + i)``, an ``[SP, JC]``
-        compare-sum per chunk of JC slots (the chunk's ids are re-loaded, nothing is written before).
-        Per-expert counts by an ``[SP, EP]`` compare-sum; tiles = ceil(count / BM); the tile table is
-        written by scatter, not searched: tile j < tiles[e] of expert e is table entry ``first[e] + j``
-        (``first`` = exclusive cumsum of tiles; an ``[EP, MT]`` store, MT >= ceil(S / BM)), and entries
-        ``total .. T_MAX - 1`` (``TP`` >= T_MAX at once) get expert -1 and an empty range: every entry is
-        written exactly once. Int32 throughout; same outputs as :func:`moe_align_reference`."""
-        ii = tl.arange(0, SP)
-        valid = ii < S
-        e = tl.load(ids_ptr + ii, mask=valid, other=-1).to(tl.int32)
-        key = tl.where(valid & (e >= 0), e, E)
-        c = key * SP + ii
-        rank = tl.zeros([SP], tl.int32)
-        for j0 in tl.static_range(0, SP, JC):
-            jj = j0 + tl.arange(0, JC)
-            vj = jj < S
-            ej = tl.load(ids_ptr + jj, mask=vj, other=-1).to(tl.int32)
-            cj = tl.where(vj & (ej >= 0), ej, E) * SP + jj
-            rank += tl.sum((cj[None, :] < c[:, None]).to(tl.int32), axis=1)
-        tl.store(sorted_ptr + rank, ii, mask=valid)
-        tl.store(tok_ptr + rank, ii // TOPK, mask=valid)
-        ee = tl.arange(0, EP)
-        counts = tl.sum((key[:, None] == ee[None, :]).to(tl.int32), axis=0)
-        cloc = tl.where(ee < E, counts, 0)
-        tiles = (cloc + BM - 1) // BM
-        first = tl.cumsum(tiles, axis=0) - tiles  # table entry of the expert's first tile
-        cend = tl.cumsum(cloc, axis=0)  # first sorted row of expert e + its count
-        jt = tl.arange(0, MT)
-        live = jt[None, :] < tiles[:, None]  # [EP, MT]
-        t = first[:, None] + jt[None, :]
-        r0 = (cend - cloc)[:, None] + jt[None, :] * BM
-        tl.store(te_ptr + t, ee[:, None] + jt[None, :] * 0, mask=live)
-        tl.store(tr0_ptr + t, r0, mask=live)
-        tl.store(tr1_ptr + t, tl.minimum(cend[:, None], r0 + BM), mask=live)
-        total = tl.sum(tiles, axis=0)
-        td = tl.arange(0, TP)
-        dead = (td >= total) & (td < T_MAX)
-        tl.store(te_ptr + td, tl.full([TP], -1, tl.int32), mask=dead)
-        tl.store(tr0_ptr + td, tl.zeros([TP], tl.int32), mask=dead)
-        tl.store(tr1_ptr + td, tl.zeros([TP], tl.int32), mask=dead)
 
     @triton.jit
     def _moe_silu_mul_kernel(h_ptr, out_ptr, ids_ptr, I, H_STRIDE, BLOCK: tl.constexpr, OUT: tl.constexpr,
@@ -2008,20 +1959,8 @@ def moe_align_reference(expert_ids: torch.Tensor, num_experts: int, block_m: int
     )
 
 
-#: moe_align in registers (:func:`_moe_align_reg_kernel`: one program, no global scratch) up to this many
-#: token-slots, with at most :data:`MOE_ALIGN_REGISTER_EXPERTS` experts; every other case up to
-#: :data:`MOE_ALIGN_ONE_LAUNCH_MAX` slots takes the one launch. H200 (2026-12-01, session 12 helper A batches 1-3,
-#: tests/gpu test_moe_align_paths_timed: top-8, CUDA graph of one call, min of 5 alternating, each ==
-#: moe_align_reference). The floor moves between runs (128 experts, S = 8: 3.4 / 5.5 / 6.1 us in the three), so the
-#: paths are compared within a run, registers minus one launch, us: 128 experts +0.02 / -0.01 / -0.05 at S = 8,
-#: +0.11 / -0.02 at 16, +0.59 / 0.00 at 24, +0.41 / +0.06 at 32, +0.76 / +0.39 at 48, +1.0 at 64 (5.05-5.10 vs
-#: 4.03-4.15), +1.3-1.4 at 128, +3.5-4.2 at 256 (8.6-8.7 vs 4.4-5.3); 256 experts 0.00 / +0.40 at 8, -0.09 / +0.31
-#: at 16, +0.23 at 32, +1.2 at 64. The register kernel ties the one launch up to 16 slots and is slower past them.
-MOE_ALIGN_REGISTER_MAX = 16
-#: experts up to which moe_align may take the register path (its per-expert counts: an [S, EP] compare-sum).
-MOE_ALIGN_REGISTER_EXPERTS = 256
-#: token-slots up to which moe_align (past the register path) is ONE launch with no global scratch,
-#: :func:`_moe_align_one_launch`, at any number of experts; past it the two launches, the histogram and
+#: token-slots up to which moe_align is ONE launch with no global scratch (:func:`_moe_align_one_launch`, decode
+#: included, at any number of experts); past it the two launches, the histogram and
 #: _moe_scan_scatter_kernel (every scatter program redoes the tiny scan from the chunk histograms; H200, 2048 slots,
 #: session 10: 14.4-14.8 us vs 33.7-33.9 for histogram, scan and scatter as three launches). The one launch replaced
 #: (session 12) the one-program kernel through global scratch that took S <= 256 slots with more than 256 experts:
@@ -2034,7 +1973,15 @@ MOE_ALIGN_REGISTER_EXPERTS = 256
 #: 14.1-14.3 / 12.5-13.0 / 12.7-13.1 / 13.0-13.5 / 18.0-18.4 / 28.3 (an empty launch: 3.3-6.3, it varies between
 #: runs). Also measured there and dropped: one program sorting ``expert * S + slot`` keys with tl.sort (15 us at 2048
 #: slots, 34-46 at 4096) and chunk programs that rank their slots against all slots by a [C, S] compare-sum (5.4 /
-#: 8.0 / 16.5 us at 2048 / 4096 / 8192 with the scattered tile table).
+#: 8.0 / 16.5 us at 2048 / 4096 / 8192 with the scattered tile table). Removed in session 12: the register path
+#: (one program ranking the slots in registers by an [S, S] compare-sum, no scratch; it took S <= 16 slots at <= 256
+#: experts, S <= 128 until then). H200 (2026-12-01, session 12 helper A batches 1-3, tests/gpu
+#: test_moe_align_paths_timed: top-8, CUDA graph of one call, min of 5 alternating, each == moe_align_reference;
+#: docs/bench_rollout_h200_session12.txt A1-A3). The floor moves between runs (128 experts, S = 8: 3.4 / 5.5 / 6.1 us
+#: in the three), so the paths are compared within a run, registers minus one launch, us: 128 experts +0.02 / -0.01
+#: / -0.05 at S = 8, +0.11 / -0.02 at 16, +0.59 / 0.00 at 24, +0.41 / +0.06 at 32, +0.76 / +0.39 at 48, +1.0 at 64
+#: (5.05-5.10 vs 4.03-4.15), +1.3-1.4 at 128, +3.5-4.2 at 256 (8.6-8.7 vs 4.4-5.3); 256 experts 0.00 / +0.40 at 8,
+#: -0.09 / +0.31 at 16, +0.23 at 32, +1.2 at 64: a tie at 8-16 slots, slower past them, so one path is kept.
 MOE_ALIGN_ONE_LAUNCH_MAX = 16384
 
 
@@ -2073,12 +2020,11 @@ def _moe_align_one_launch(flat: torch.Tensor, num_experts: int, top_k: int, bloc
 
 def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> GroupedRouting:
     """Sort token-slots by expert (stable) and build the tile table with small Triton launches on the ids' device,
-    no host synchronization (graph-capturable): up to :data:`MOE_ALIGN_REGISTER_MAX` slots and
-    :data:`MOE_ALIGN_REGISTER_EXPERTS` experts one program ranks the slots in registers; else up to
-    :data:`MOE_ALIGN_ONE_LAUNCH_MAX` slots ONE launch of :func:`_moe_align_fused_kernel` (scatter programs and
-    tile-table programs, each histogramming all ids, no scratch; any number of experts); past it two launches (chunk
-    histograms; then scan + tile table + stable counting-sort scatter). ``expert_ids``: int ``[T, top_k]``
-    local expert ids, -1 = not local. Same result as :func:`moe_align_reference` (tested)."""
+    no host synchronization (graph-capturable): up to :data:`MOE_ALIGN_ONE_LAUNCH_MAX` slots, decode included (at
+    S = 8 / 16 it ties the removed register path: H200, session 12), ONE launch of :func:`_moe_align_fused_kernel`
+    (scatter programs and tile-table programs, each histogramming all ids, no scratch; any number of experts); past
+    it two launches (chunk histograms; then scan + tile table + stable counting-sort scatter). ``expert_ids``: int
+    ``[T, top_k]`` local expert ids, -1 = not local. Same result as :func:`moe_align_reference` (tested)."""
     flat = expert_ids.reshape(-1).contiguous()
     check_available(flat)
     s = flat.numel()
@@ -2089,14 +2035,7 @@ def moe_align(expert_ids: torch.Tensor, num_experts: int, block_m: int) -> Group
     sorted_slots = torch.empty(s, **i32)
     sorted_tokens = torch.empty(s, **i32)
     te, tr0, tr1 = torch.empty(t_max, **i32), torch.empty(t_max, **i32), torch.empty(t_max, **i32)
-    if 0 < s <= MOE_ALIGN_REGISTER_MAX and num_experts <= MOE_ALIGN_REGISTER_EXPERTS:  # decode: registers only
-        sp = max(16, triton.next_power_of_2(s))
-        _moe_align_reg_kernel[(1,)](flat, te, tr0, tr1, sorted_slots, sorted_tokens, s, num_experts, top_k, t_max,
-                                    SP=sp, JC=min(sp, 32), EP=max(16, triton.next_power_of_2(num_experts)),
-                                    BM=block_m, MT=max(2, triton.next_power_of_2(-(-sp // block_m))),
-                                    TP=max(16, triton.next_power_of_2(t_max)),
-                                    num_warps=4 if sp <= 128 else 8)  # H200 sweep: JC 32, 4 warps to S=128
-    elif 0 < s <= MOE_ALIGN_ONE_LAUNCH_MAX:
+    if 0 < s <= MOE_ALIGN_ONE_LAUNCH_MAX:
         _moe_align_one_launch(flat, num_experts, top_k, block_m, (te, tr0, tr1, sorted_slots, sorted_tokens))
     elif s > 0:
         ep = triton.next_power_of_2(num_experts + 2)  # keys 0..E-1, E (not local), EP-1 (padding)
