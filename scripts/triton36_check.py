@@ -565,10 +565,47 @@ def scenarios_gluon_moe():
                     a_rows = routing.sorted_tokens if gemm == "w13" else None
                     gm.gluon_w4a16_grouped(_x(rows, k), *_weight(n, k, e), routing, a_rows=a_rows,
                                            out_rows=ids.numel(), cfg=cfg, zero_unrouted=False)
+    # every GLUON_MOE_TABLE entry at its own bucket (incl. the block_m-64 entries of GLUON_MOE_BM64_BUCKETS), through
+    # moe_forward's dispatch with the w13 gate fused into the epilogue (silu_mul) and without
+    for (bucket, n, k), cfg in sorted(tg.GLUON_MOE_TABLE.items()):
+        t = max(1, bucket // MOE["top_k"])
+        gemm = "w13" if k == MOE["hidden"] else "w2"
+        with scenario(f"GLUON_MOE_TABLE {(bucket, n, k)} {gemm} {cfg.label} unfused / fused gate"):
+            ids = _ids(t)
+            routing = tg.moe_align(ids, e, tg.grouped_block_m(-(-ids.numel() // min(e, ids.numel()))))
+            rows = t if gemm == "w13" else ids.numel()
+            a_rows = routing.sorted_tokens if gemm == "w13" else None
+            for fuse in ((False, True) if gemm == "w13" and not gm.silu_mul_refusal(n, k, min(e, ids.numel()), cfg)
+                         else (False,)):
+                gm.gluon_w4a16_grouped(_x(rows, k), *_weight(n, k, e), routing, a_rows=a_rows,
+                                       out_rows=ids.numel(), cfg=cfg, silu_mul=fuse)
+
+
+def scenarios_floor():
+    """The dense Gluon kernel's weight-read floor probe (verl_quads.bench.gluon_floor): every mode kind at the probe's
+    default grids, d8192 and d4096."""
+    from verl_quads.bench import gluon_floor as gf
+    from verl_quads.bench.gluon_probe import parse_std
+    from verl_quads.nvfp4 import gluon_gemm as gg
+
+    import torch
+
+    for cfg in parse_std("w4:rg2:o2,w4:o2"):
+        for n, k in ((8192, 8192), (4096, 4096)):
+            for spec in ("empty", "reg1", "reg2", "reg4", "ring3", "ring5", "emptyf", "reg2f"):
+                with scenario(f"floor {cfg.label} {spec} {n}x{k}"):
+                    wp, ws, _ = _weight(n, k)
+                    grid_n, split, cps, _ = gg.std_plan(n, k, cfg, 132)
+                    out = torch.empty(grid_n * split, dtype=torch.int32)
+                    mode = gf.parse_mode(spec)
+                    if mode[0] == 1 and cps > mode[1]:  # a ring loads <= UNR chunks' scales up front: not this grid
+                        continue
+                    gf.floor_launch(wp, ws, cfg, mode, out,
+                                    gf.fix_buffers(n, grid_n, split, wp.device) if mode[3] else None)
 
 
 SCENARIO_GROUPS = {"core": scenarios_core, "channel": scenarios_channel, "gemm": scenarios_gemm,
-                   "gluon": scenarios_gluon, "gluon_moe": scenarios_gluon_moe}
+                   "gluon": scenarios_gluon, "gluon_moe": scenarios_gluon_moe, "floor": scenarios_floor}
 
 
 # --------------------------------------------------------------------------------------------------------------
