@@ -388,6 +388,18 @@ if gluon is not None and _MISSING is None:
         return gl.where(take, cand, th), gl.where(take, cc, cnt)
 
     @gluon.jit
+    def _store_with_residual(out_ptr, boff, smask, ve, vo, re, ro, ra, gs2, inv2, HWE: gl.constexpr):
+        """Step 3's common tail: the second pass's block scales from the residual amax ``ra`` under the row's
+        second-pass global scale ``gs2`` (``inv2`` its reciprocal), ``Q(x) + Q(R)`` (even / odd elements ``ve`` + Q(re),
+        ``vo`` + Q(ro), float32) packed to bf16 pairs and stored at word offsets ``boff`` of the rows' blocks
+        (``smask``: the selected slots)."""
+        s2, _, os2 = _scales_inv(ra, gs2, inv2, HWE)
+        f2 = gl.div_rn(s2, gs2)
+        ve = ve + _qdq(re, os2, f2)
+        vo = vo + _qdq(ro, os2, f2)
+        gl.store(out_ptr + boff, _pack(ve, vo), mask=gl.expand_dims(smask, 1))
+
+    @gluon.jit
     def _second_chunk(x_ptr, out_ptr, idx_ptr, row, rbase, s0, ci, jw, gs, inv, os_r, fa_r, ra_r, gs2, inv2,
                       NSEL: gl.constexpr, REUSE: gl.constexpr, HWE: gl.constexpr):
         """Step 3 for the selected blocks of slots ``s0 + ci``: their x words re-read from global memory (L2: the row
@@ -412,11 +424,7 @@ if gluon is not None and _MISSING is None:
             re = xe - ve
             ro = xo - vo
             ra = gl.maximum(gl.max(gl.abs(re), axis=1), gl.max(gl.abs(ro), axis=1))
-        s2, _, os2 = _scales_inv(ra, gs2, inv2, HWE)
-        f2 = gl.div_rn(s2, gs2)
-        ve = ve + _qdq(re, os2, f2)
-        vo = vo + _qdq(ro, os2, f2)
-        gl.store(out_ptr + boff, _pack(ve, vo), mask=gl.expand_dims(smask, 1))
+        _store_with_residual(out_ptr, boff, smask, ve, vo, re, ro, ra, gs2, inv2, HWE)
 
     @gluon.jit
     def _second_chunk_smr(x_ptr, out_ptr, row, rbase, s0, ci, jw, base, gs2, inv2, NSEL: gl.constexpr,
@@ -441,11 +449,7 @@ if gluon is not None and _MISSING is None:
         vo = ro1 * gl.expand_dims(fa1, 1)
         re = xe - ve
         ro = xo - vo
-        s2, _, os2 = _scales_inv(ra, gs2, inv2, HWE)
-        f2 = gl.div_rn(s2, gs2)
-        ve = ve + _qdq(re, os2, f2)
-        vo = vo + _qdq(ro, os2, f2)
-        gl.store(out_ptr + boff, _pack(ve, vo), mask=gl.expand_dims(smask, 1))
+        _store_with_residual(out_ptr, boff, smask, ve, vo, re, ro, ra, gs2, inv2, HWE)
 
     @gluon.jit
     def _gluon_residual_qdq_kernel(x_ptr, gs_ptr, out_ptr, idx_ptr, GS_DIV, NSEL: gl.constexpr,
