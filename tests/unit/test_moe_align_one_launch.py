@@ -8,6 +8,7 @@ incl. its dead entries) is compared with torch.equal against the torch reference
 outputs start filled with a sentinel, so an entry the kernel does not write fails the comparison.
 """
 
+import functools
 import os
 import sys
 
@@ -17,7 +18,7 @@ import torch
 from verl_quads.nvfp4 import triton_gemm as tg
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch_spy import LaunchSpy  # noqa: E402
+from moe_routing import routing_ids, spy_align  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -25,15 +26,7 @@ pytestmark = pytest.mark.skipif(
 )
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FIELDS = ("tile_expert", "tile_row0", "tile_row1", "sorted_slots", "sorted_tokens")
-
-
-def _ids(tokens, top_k, e, local_frac, seed, one_expert=None, dtype=torch.int64):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, e, (tokens, top_k), generator=g)
-    if one_expert is not None:
-        ids.fill_(one_expert)
-    ids[torch.rand(tokens, top_k, generator=g) >= local_frac] = -1
-    return ids.to(dtype).to(DEV)
+_ids = functools.partial(routing_ids, device=DEV)
 
 
 def _run(ids, e, block_m, **kw):
@@ -106,10 +99,7 @@ def test_one_launch_int32_ids_and_block_m_128():
 def test_moe_align_dispatch_is_one_launch(monkeypatch, tokens, e, block_m):
     """moe_align at 1 <= S <= MOE_ALIGN_ONE_LAUNCH_MAX slots, decode included (8 / 16 / 24 slots at top-8): one
     launch of the fused kernel, nothing else; == the reference."""
-    spies = {n: LaunchSpy(getattr(tg, n)) for n in ("_moe_align_fused_kernel",
-                                              "_moe_hist_kernel", "_moe_scan_scatter_kernel")}
-    for n, sp in spies.items():
-        monkeypatch.setattr(tg, n, sp)
+    spies = spy_align(monkeypatch)
     ids = _ids(tokens, 8, e, 0.9, seed=tokens)
     s = ids.numel()
     assert 1 <= s <= tg.MOE_ALIGN_ONE_LAUNCH_MAX
@@ -124,12 +114,10 @@ def test_past_the_one_launch_limit_two_launches(monkeypatch):
     """Past MOE_ALIGN_ONE_LAUNCH_MAX slots (lowered to 512 here, to keep the interpreter quick): the histogram
     launch, then scan + scatter; same result."""
     monkeypatch.setattr(tg, "MOE_ALIGN_ONE_LAUNCH_MAX", 512)
-    hist, one = LaunchSpy(tg._moe_hist_kernel), LaunchSpy(tg._moe_align_fused_kernel)
-    monkeypatch.setattr(tg, "_moe_hist_kernel", hist)
-    monkeypatch.setattr(tg, "_moe_align_fused_kernel", one)
+    spies = spy_align(monkeypatch)
     ids = _ids(80, 8, 128, 0.9, seed=9)
     got, ref = tg.moe_align(ids, 128, 16), tg.moe_align_reference(ids, 128, 16)
-    assert (hist.launches, one.launches) == (1, 0)
+    assert (spies["_moe_hist_kernel"].launches, spies["_moe_align_fused_kernel"].launches) == (1, 0)
     _assert_same(tuple(getattr(got, f) for f in FIELDS), ref, "two launches")
 
 

@@ -11,6 +11,7 @@ differs from numpy's by an ulp in ~1/6 of the float32 values). Bit-identity to t
 the H200 (tests/gpu/test_nvfp4_gemm_gpu.py::test_moe_silu_mul_bit_identical_to_torch_cuda).
 """
 
+import functools
 import os
 import sys
 
@@ -21,7 +22,7 @@ import torch
 from verl_quads.nvfp4 import triton_gemm as tg
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch_spy import LaunchSpy  # noqa: E402
+from moe_routing import ALIGN_KERNELS, routing_ids, spy_align  # noqa: E402
 from sm90_compile import compile_for_sm90_in_subprocess  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
@@ -30,25 +31,7 @@ pytestmark = pytest.mark.skipif(
 )
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 FIELDS = ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens")
-
-
-def _ids(tokens, top_k, e, local_frac, seed, one_expert=None):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, e, (tokens, top_k), generator=g)
-    if one_expert is not None:
-        ids.fill_(one_expert)
-    ids[torch.rand(tokens, top_k, generator=g) >= local_frac] = -1
-    return ids.to(DEV)
-
-
-_ALIGN_KERNELS = ("_moe_align_fused_kernel", "_moe_hist_kernel", "_moe_scan_scatter_kernel")
-
-
-def _spy_align(monkeypatch):
-    spies = {n: LaunchSpy(getattr(tg, n)) for n in _ALIGN_KERNELS}
-    for n, sp in spies.items():
-        monkeypatch.setattr(tg, n, sp)
-    return spies
+_ids = functools.partial(routing_ids, device=DEV)
 
 
 @pytest.mark.parametrize("tokens, top_k, e, block_m, local_frac, one_expert", [
@@ -72,10 +55,10 @@ def test_moe_align_decode_is_one_launch_equal_to_torch_reference(monkeypatch, to
     """Decode routing (any S <= MOE_ALIGN_ONE_LAUNCH_MAX, any E) is ONE launch of the fused kernel, nothing else,
     and equals the torch reference bit for bit (stable order within an expert, -1 last, same tile table)."""
     assert tokens * top_k <= tg.MOE_ALIGN_ONE_LAUNCH_MAX
-    spies = _spy_align(monkeypatch)
+    spies = spy_align(monkeypatch)
     ids = _ids(tokens, top_k, e, local_frac, seed=tokens * 31 + e, one_expert=one_expert)
     got, ref = tg.moe_align(ids, e, block_m), tg.moe_align_reference(ids, e, block_m)
-    assert [spies[n].launches for n in _ALIGN_KERNELS] == [1, 0, 0]
+    assert [spies[n].launches for n in ALIGN_KERNELS] == [1, 0, 0]
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
     flat = ids.reshape(-1).long()  # the reference itself: keys ascending, stable
@@ -85,10 +68,10 @@ def test_moe_align_decode_is_one_launch_equal_to_torch_reference(monkeypatch, to
 
 def test_moe_align_no_slots_launches_nothing(monkeypatch):
     """S == 0 (no token): empty int32 outputs on the ids' device, no launch; == the reference."""
-    spies = _spy_align(monkeypatch)
+    spies = spy_align(monkeypatch)
     ids = torch.empty(0, 8, dtype=torch.int64, device=DEV)
     got, ref = tg.moe_align(ids, 128, 16), tg.moe_align_reference(ids, 128, 16)
-    assert [spies[n].launches for n in _ALIGN_KERNELS] == [0, 0, 0]
+    assert [spies[n].launches for n in ALIGN_KERNELS] == [0, 0, 0]
     for f in FIELDS:
         t = getattr(got, f)
         assert t.numel() == 0 and t.dtype == torch.int32 and t.device == ids.device, f
