@@ -232,13 +232,19 @@ if gluon is not None and _MISSING is None:
         return sval, sbyte, os_
 
     @gluon.jit
-    def _qdq(x, os_, factor):
-        """``triton_kernels._hold_qdq_half`` with FAST: ``±e2m1(min(|x os|, 6)) * factor`` (sign of x os), [CT, 8]."""
+    def _e2m1_round(x, os_):
+        """``(p, r)``: ``p = x * os`` (the block's output scale per row, [CT]) and ``r`` = ``min(|p|, 6)`` rounded to
+        the nearest E2M1 magnitude (ties to even) by the magic-number add, [CT, 8] float32."""
         p = x * gl.expand_dims(os_, 1)
         a = gl.minimum(gl.abs(p), 6.0)
         mb = gl.maximum((a.to(gl.int32, bitcast=True) & 0x7F800000) + 0x0B000000, 0x4A800000)
         magic = mb.to(gl.float32, bitcast=True)
-        r = (a + magic) - magic
+        return p, (a + magic) - magic
+
+    @gluon.jit
+    def _qdq(x, os_, factor):
+        """``triton_kernels._hold_qdq_half`` with FAST: ``±e2m1(min(|x os|, 6)) * factor`` (sign of x os), [CT, 8]."""
+        p, r = _e2m1_round(x, os_)
         v = (r * gl.expand_dims(factor, 1)).to(gl.int32, bitcast=True) | (p.to(gl.int32, bitcast=True) & -2147483648)
         return v.to(gl.float32, bitcast=True)
 
@@ -247,11 +253,7 @@ if gluon is not None and _MISSING is None:
         """:func:`_qdq` and the signed E2M1 value: (``r * factor``, ``±r``) [CT, 8] float32, ``r`` the rounded
         ``min(|x os|, 6)`` with the sign of ``x os`` (exact in bf16). ``±r * factor`` has :func:`_qdq`'s bits: factor
         is >= +0 and finite (an E4M3 value over a positive global scale), so the product's sign is r's."""
-        p = x * gl.expand_dims(os_, 1)
-        a = gl.minimum(gl.abs(p), 6.0)
-        mb = gl.maximum((a.to(gl.int32, bitcast=True) & 0x7F800000) + 0x0B000000, 0x4A800000)
-        magic = mb.to(gl.float32, bitcast=True)
-        r = (a + magic) - magic
+        p, r = _e2m1_round(x, os_)
         rs = (r.to(gl.int32, bitcast=True) | (p.to(gl.int32, bitcast=True) & -2147483648)).to(gl.float32, bitcast=True)
         return rs * gl.expand_dims(factor, 1), rs
 
