@@ -47,8 +47,7 @@ if gg.gluon is not None:
         partials ``part_ptr``, counters ``cnt_ptr``) -- the epilogue's chain of stores, atomic and re-reads."""
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
-        c_lo = pid_k * CPS
-        c_hi = gl.minimum(c_lo + CPS, C)
+        c_lo, c_hi = gg._k_range(pid_k, CPS, C)
         # MODE 0: UNR chunks per load (the KC dimension of the offsets: UNR 16-byte vectors per thread and row)
         woff, kcw, soff, kcs = gg.std_weight_offsets(pid_n, N, KW, KB, NW, UNR, 4, RG)
         accw = woff * 0
