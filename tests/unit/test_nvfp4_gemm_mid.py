@@ -477,3 +477,58 @@ def test_bench_rollout_rows_follow_the_default_rule_tiny_shapes(monkeypatch):
     with pytest.raises(SystemExit, match="unknown --variants"):
         br.main(["--variants", "naive,bogus"])
     assert n_all > len(calls) > 0
+
+
+def test_bench_rollout_model_graph_tiny_shapes(monkeypatch):
+    """``bench rollout --model-graph`` at tiny shapes on CPU (interpreter; timing faked as 1 ms per GEMM launched
+    inside the timed callable): the C-call timing walks C DISTINCT weight copies once each (C from
+    model_graph_copies: >= the flush bytes per replay), the per-call time is the replay time / C for both the
+    BF16 baseline and our GEMM (so equal fake costs give 1.00x), the 1-call timing uses one weight, and the goal
+    line judges the C-call ratios (FAIL here: 1.00x < 2.5x); grouped shapes are refused by name."""
+    if DEV != "cpu":
+        pytest.skip("timing is faked on CPU only; on a GPU run the bench itself")
+    assert br.model_graph_copies(10, 95) == 10 and br.model_graph_copies(10, 100) == 10
+    assert br.model_graph_copies(10, 101) == 11 and br.model_graph_copies(1000, 10) == 2
+    assert br.model_graph_copies(1, 10**9) == br.MODEL_GRAPH_MAX_COPIES
+    monkeypatch.setattr(br, "DEVICE", DEV)
+    monkeypatch.setattr(br, "SHAPES", {**br.SHAPES, "d4096": (False, 16, 64)})
+    seen: list = []
+    gemm = tg.nvfp4_gemm
+    monkeypatch.setattr(tg, "nvfp4_gemm", lambda op, wp, *a, **kw: (seen.append(wp.data_ptr()), gemm(op, wp, *a, **kw))[1])
+    mm = br._bf16_matmul
+    monkeypatch.setattr(br, "_bf16_matmul", lambda x, w: (seen.append(w.data_ptr()), mm(x, w))[1])
+
+    def fake_time(fn, eager=False):
+        seen.clear()
+        fn()
+        return 1e-3 * max(1, len(seen)), "fake"
+    monkeypatch.setattr(br, "_time", fake_time)
+    flush = 576 * 5  # five FP4 copies (16 x 64 weight: 512 code bytes + 64 scale bytes each), 2048 bf16 bytes: 2
+    text = br.run_model_graph(["d4096"], [1, 3], [0.5], ("w4a16",), flush_bytes=flush)
+    rows = [ln for ln in text.splitlines() if ln.startswith("d4096 M=")]
+    assert len(rows) == 4, rows
+    c4 = br.model_graph_copies(16 * 64 // 2 + 16 * 64 // 16, flush)
+    assert c4 == 5
+    for ln in rows:
+        cells = [c.strip() for c in ln.split("|")]
+        if cells[1] == "triton w4a16":
+            assert cells[2] == str(c4) and float(cells[4]) == 1000.0 and float(cells[7]) == 1000.0, cells
+        else:
+            assert cells[1] == "bf16 torch.matmul" and cells[2] == str(br.model_graph_copies(16 * 64 * 2, flush)) == "2"
+            assert float(cells[4]) == 1000.0 and float(cells[7]) == 1000.0, cells
+    # each C-call callable walked its C distinct weight copies, one call each
+    calls = []
+
+    def record_time(fn, eager=False):
+        seen.clear()
+        fn()
+        calls.append(list(seen))
+        return 1e-3, "fake"
+    monkeypatch.setattr(br, "_time", record_time)
+    br.run_model_graph(["d4096"], [1], [0.5], ("w4a16",), flush_bytes=flush)
+    walks = [c for c in calls if len(c) > 1]
+    assert [len(c) for c in walks] == [2, c4] and all(len(set(c)) == len(c) for c in walks), calls
+    assert "FAIL d4096: M=1: 1.00x" in text
+    monkeypatch.setattr(br, "SHAPES", {**br.SHAPES, "w13": (True, 32, 32)})
+    with pytest.raises(ValueError, match="dense shapes only, not 'w13'"):
+        br.run_model_graph(["w13"], [1], [0.5], ("w4a16",))
