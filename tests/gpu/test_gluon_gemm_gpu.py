@@ -273,3 +273,56 @@ def test_xs_candidate_dispatch(key, cfg, monkeypatch):
         pytest.skip("GLUON_TABLE entries are taken on sm_90 only")
     monkeypatch.setitem(tg.GLUON_TABLE, key, cfg)
     test_gluon_table_entry_dispatch(key)
+
+
+# --------------------------------------------------------------------------- split-K inside the program (ks, session 13)
+# ks K slices per program, summed through shared memory in the order 0, 1, ..: with one program along K (split 1)
+# the operations of the global split-K fixup at the same slice boundaries, so the bytes must equal the plain kernel
+# with split = ks; with split > 1 (two levels) only the reference bound applies.
+
+KS_CFGS = [G(8, 1, 1, 2, rg=2, dec=3, ks=8), G(8, 1, 1, 2, rg=4, dec=3, ks=8), G(4, 1, 1, 2, rg=2, dec=3, ks=4),
+           G(8, 1, 1, 2, rg=2, dec=3, ks=4), G(8, 1, 1, 2, prefetch=False, dec=3, ks=8), G(2, 1, 1, 2, ks=2)]
+
+
+@pytest.mark.parametrize("cfg", KS_CFGS, ids=lambda c: c.label)
+@pytest.mark.parametrize("m, n, k, bias", [(1, 8192, 8192, False), (4, 8192, 8192, False), (16, 4096, 4096, False),
+                                           (5, 1000, 2176, True), (11, 4104, 1152, False), (1, 24, 128, True)])
+def test_std_ks_bit_equal_global_split(cfg, m, n, k, bias):
+    q = em.quantize_weight(_w((n, k), seed=m + 3))
+    gs = q.global_scale.reshape(())
+    x = _x(m, k, m)
+    b = (_w((n,), seed=m + 7) * 10).to(torch.bfloat16) if bias else None
+    y = gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, b, cfg)
+    plain = G(4, 1, cfg.ks, 2, prefetch=cfg.prefetch, dec=cfg.dec)
+    assert gg.std_plan(n, k, plain)[2] * cfg.ks == gg.std_plan(n, k, cfg)[2]  # the same slice boundaries
+    want = gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, b, plain)
+    assert torch.equal(y, want), f"{cfg.label} M={m} N={n} K={k}: {int((y != want).sum())} outputs differ"
+    xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
+    wf = em.weight_f32(q.packed, q.block_scale, gs)
+    _check(y, em.gemm(xf, wf, b, x.dtype), xf, wf, f"std {cfg.label} M={m} N={n} K={k}")
+
+
+@pytest.mark.parametrize("cfg", [G(8, 1, 2, 2, rg=2, dec=3, ks=4), G(8, 1, 0, 2, rg=2, dec=3, ks=8),
+                                 G(4, 1, 3, 2, ks=2)], ids=lambda c: c.label)
+@pytest.mark.parametrize("m, n, k, bias", [(4, 8192, 8192, False), (16, 4096, 4096, True), (5, 1000, 2176, True)])
+def test_std_ks_with_global_split(cfg, m, n, k, bias):
+    """ks slices inside programs AND programs along K (the in-program sum is each program's partial of the global
+    fixup): within the reference bound, the same bytes over repeated launches."""
+    _std_case(m, n, k, cfg, seed=m, bias=bias)
+    q = em.quantize_weight(_w((n, k), seed=m + 1))
+    gs = q.global_scale.reshape(())
+    x = _x(m, k, m)
+    ref = gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, None, cfg)
+    assert all(torch.equal(gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, None, cfg), ref) for _ in range(20))
+
+
+def test_std_ks_one_hot_exact():
+    _one_hot_case(lambda p, s, gs, x: gg.gluon_w4a16_std(x, p, s, gs, None, KS_CFGS[0]), f"std {KS_CFGS[0].label}")
+
+
+def test_std_ks_rejects():
+    q = em.quantize_weight(_w((256, 1024)))
+    gs = q.global_scale.reshape(())
+    for cfg in (G(8, 1, 1, 2, ks=3), G(8, 1, 1, 2, ks=8, xs=True), G(8, 2, 1, 2, ks=8)):
+        with pytest.raises(ValueError):
+            gg.gluon_w4a16_std(_x(2, 1024), q.packed, q.block_scale, gs, None, cfg)

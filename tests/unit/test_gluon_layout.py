@@ -199,7 +199,7 @@ def test_dispatch_takes_gluon_only_where_it_can_run(monkeypatch, caplog):
 
     assert tg.gluon_table_entry(4, 8192, 8192, (9, 0)) is tg.GLUON_TABLE[(4, 8192, 8192)]
     assert tg.gluon_table_entry(3, 8192, 8192, (9, 0)) is tg.GLUON_TABLE[(4, 8192, 8192)]  # next bucket
-    for args in [(4, 8192, 8192, (10, 0)), (4, 8192, 8192, (8, 0)), (1, 4096, 4096, (9, 0)), (32, 8192, 8192, (9, 0)),
+    for args in [(4, 8192, 8192, (10, 0)), (4, 8192, 8192, (8, 0)), (1, 2048, 4096, (9, 0)), (32, 8192, 8192, (9, 0)),
                  (4, 8192, 8000, (9, 0)), (4, 1234, 8192, (9, 0))]:
         assert tg.gluon_table_entry(*args) is None, args
 
@@ -326,3 +326,16 @@ def test_probe_parse_std():
     assert G(4, 1, 0, 2, rg=2, wev=2, dec=3).label == "w4 kc1 sa2 pf1 rg2 ev2 d3"
     with pytest.raises(ValueError):
         parse_std("w4:x2")
+
+
+def test_std_plan_k_slices():
+    """GluonConfig.ks (K slices inside a program): ``num_warps / ks`` warps per slice set the rows of a program, each
+    program's range is ks slices of ``cps / ks`` chunks; split 1 at d8192 / d4096 = the table's global split 8
+    boundaries (8 / 4 chunks a slice)."""
+    G = gg.GluonConfig
+    assert gg.std_plan(8192, 8192, G(8, 1, 1, 2, rg=2, dec=3, ks=8)) == (256, 1, 64, True)
+    assert gg.std_plan(8192, 8192, G(4, 1, 0, 2, rg=2, dec=3, xs=True))[1:3] == (8, 8)
+    assert gg.std_plan(4096, 4096, G(8, 1, 1, 2, dec=3, ks=8)) == (256, 1, 32, True)
+    assert gg.std_plan(8192, 8192, G(8, 1, 2, 2, rg=2, ks=4)) == (128, 2, 32, True)
+    assert gg.std_plan(1000, 2176, G(8, 1, 1, 2, ks=8)) == (63, 1, 24, False)  # 17 chunks: slices of 3, 3, .., 2, 0, 0
+    assert G(8, 1, 1, 2, ks=8).label.endswith(" ks8")

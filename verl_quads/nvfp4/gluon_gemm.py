@@ -28,7 +28,10 @@ rounded once to bf16. Same bound vs the torch reference (:mod:`verl_quads.rollou
 other kernels: exact products, float32 summation order (<= 1 bf16 ulp + 4 K eps_f32 |x| |w|).
 
 Split-K across programs (``split``): float32 partials ``[split, M, N]``; the last program of each N tile
-(per-tile counter, acq_rel atomic) sums them in the fixed order 0, 1, ... (deterministic).
+(per-tile counter, acq_rel atomic) sums them in the fixed order 0, 1, ... (deterministic). Split-K inside a program
+(standard layout, ``GluonConfig.ks``, :func:`_w4a16_ks_kernel`): the K slices are the batch dimension of a 3-D
+mma.sync, summed through shared memory in the same fixed order (the same bytes as the global split at the same
+slice boundaries, without the global round trip).
 
 Needs triton >= 3.6 with Gluon (``triton.experimental.gluon``) and an sm_80+ GPU (mma.sync). The permuted-layout
 kernel is a prototype (not in the dispatch); the standard-layout kernel (:func:`gluon_w4a16_std`) serves the dense
@@ -779,6 +782,152 @@ if gluon is not None:
                          kcx, c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT, True, DEC, RG, WEV)
         _epilogue(acc, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, HAS_BIAS)
 
+    # ------------------------------------------------------------------- split-K inside the program (GluonConfig.ks)
+
+    @gluon.constexpr_function
+    def ks_mma_layout(ks, nwr):
+        """3-D (batched) mma.sync accumulator layout ``[KS, rows, activation rows]``: warp ``(s, w)`` holds K slice
+        s of row group w (the batch dimension carries the K slices, so each warp has its own activation operand)."""
+        return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[ks, nwr, 1], instr_shape=[1, 16, 8])
+
+    @gluon.constexpr_function
+    def ks_dot_layout(ks, nwr, operand):
+        """bf16 operand ``operand`` (0: weights, 1: activation) of :func:`ks_mma_layout`."""
+        return gl.DotOperandLayout(operand_index=operand, parent=ks_mma_layout(ks, nwr), k_width=2)
+
+    @gluon.constexpr_function
+    def ks_word_layout(ks, nwr):
+        """Weight words ``[KS, R, 2 rb3, 8 g, 4 t, 4]`` (one 128-element chunk, 16 bytes per thread and row)."""
+        return gl.BlockedLayout([1, 1, 1, 1, 1, 4], [1, 1, 1, 8, 4, 1], [ks, nwr, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0])
+
+    @gluon.constexpr_function
+    def ks_pair_layout(ks, nwr):
+        """The same words as ``[KS, R, 2, 8, 4, 2 ib, 2 il]`` (ib: the scale block); its slice 6: the scales."""
+        return gl.BlockedLayout([1, 1, 1, 1, 1, 2, 2], [1, 1, 1, 8, 4, 1, 1], [ks, nwr, 1, 1, 1, 1, 1],
+                                [6, 5, 4, 3, 2, 1, 0])
+
+    @gluon.constexpr_function
+    def ks_x_layout(ks, nwr):
+        """Activation bf16 ``[KS, NT, 8 g, 4 t, 32]``: thread (g, t) of slice s holds 32 elements of row g."""
+        return gl.BlockedLayout([1, 1, 1, 1, 32], [1, 1, 8, 4, 1], [ks, 1, 1, 1, nwr], [4, 3, 2, 1, 0])
+
+    @gluon.jit
+    def _ks_chunk_mma(acc, wd, sc, xv, KS: gl.constexpr, NWR: gl.constexpr, R: gl.constexpr, NT: gl.constexpr,
+                      DEC: gl.constexpr):
+        """:func:`_std_chunk_mma` (WPT 4, one chunk) with the K slice as the MMA's batch dimension: the same decoded
+        registers, the same k order inside the chunk, one mma.sync chain per slice."""
+        m = gl.expand_dims((sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622896e35)
+                           .to(gl.bfloat16), 6)  # scale * 2**118 (exact), broadcast over il
+        wd2 = gl.join(wd, wd)
+        m2 = gl.join(m, m)
+        q0 = gl.join(_pair_asm(wd2, m2, 0, DEC), _pair_asm(wd2, m2, 1, DEC))  # [.., e, kb3] (sh 0)
+        q1 = gl.join(_pair_asm(wd2, m2, 2, DEC), _pair_asm(wd2, m2, 3, DEC))  # sh 1
+        a = gl.join(q0, q1)  # [KS, R, rb3, g, t, ib, il, e, kb3, sh]
+        a = gl.reshape(gl.permute(a, (0, 1, 2, 3, 5, 6, 9, 8, 4, 7)), (KS, R * 16, 128))
+        a = gl.convert_layout(a, ks_dot_layout(KS, NWR, 0), assert_trivial=True)
+        b = gl.reshape(xv, (KS, NT, 8, 4, 2, 2, 2, 2, 2))  # [s, nt, g, t, ib, il, e, sh, kb3]
+        b = gl.reshape(gl.permute(b, (0, 4, 5, 7, 8, 3, 6, 1, 2)), (KS, 128, NT * 8))
+        b = gl.convert_layout(b, ks_dot_layout(KS, NWR, 1), assert_trivial=True)
+        return mma_v2(a, b, acc)
+
+    @gluon.jit
+    def _ks_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, lw, ls, lx, j, n, EVEN: gl.constexpr, WEV: gl.constexpr):
+        """Local chunk ``j`` of every K slice (offsets at the slice's first chunk; ``lw`` / ``ls`` / ``lx``: the
+        slice's first local chunk, per element); not EVEN: chunks at or past ``n`` (the program's range) read
+        zeros."""
+        if EVEN:
+            wd = _load_hint(w_ptr + woff + j * 16, 0, False, WEV)
+            sc = _load_hint(s_ptr + soff + j * 8, 0, False, WEV)
+            xv = gl.load(x_ptr + xoff + j * 128)
+        else:
+            wd = _load_hint(w_ptr + woff + j * 16, lw + j < n, True, WEV)
+            sc = _load_hint(s_ptr + soff + j * 8, ls + j < n, True, WEV)
+            xv = gl.load(x_ptr + xoff + j * 128, mask=lx + j < n, other=0.0)
+        return wd, sc, xv
+
+    @gluon.jit
+    def _w4a16_ks_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
+                         M, N, K, KW, KB, C, CPS, CPSL,
+                         KS: gl.constexpr, NWR: gl.constexpr, RG: gl.constexpr, NT: gl.constexpr,
+                         SPLIT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr, HAS_BIAS: gl.constexpr,
+                         DEC: gl.constexpr = 3, WEV: gl.constexpr = 0):
+        """The standard-layout kernel (:func:`_w4a16_std_kernel`, one 128-element chunk per iteration, WPT 4) with
+        split-K INSIDE the program: KS x NWR warps, warp ``(s, w)`` takes row groups ``w, w + NWR, ..`` (RG of them;
+        a program: 16 NWR RG weight rows) over K slice s, chunks ``c_lo + s CPSL + [0, CPSL)`` of the program's range
+        ``[c_lo, c_hi)`` (``pid_k`` of SPLIT, CPS chunks). The K slices are the batch dimension of a 3-D mma.sync
+        (:func:`ks_mma_layout`); each slice's float32 result times ``256 / gs`` goes to shared memory and the KS
+        slices are summed in the fixed order 0, 1, .. -- the operations of the split-K fixup (:func:`split_fixup`)
+        without the global round trip (partial stores, acq_rel counter, the last program's re-reads): with SPLIT 1
+        and the same slice boundaries the bytes equal the global split's. SPLIT > 1: that sum is the program's
+        partial of the global fixup. The activation comes straight from global memory (each warp its slice's
+        columns). PF: register prefetch of the next chunk (EVEN: the one past the last re-reads it)."""
+        MMA: gl.constexpr = ks_mma_layout(KS, NWR)
+        R: gl.constexpr = NWR * RG
+        BN: gl.constexpr = R * 16
+        NW: gl.constexpr = KS * NWR
+        L6: gl.constexpr = ks_word_layout(KS, NWR)
+        LP: gl.constexpr = ks_pair_layout(KS, NWR)
+        LS: gl.constexpr = gl.SliceLayout(6, LP)
+        LX: gl.constexpr = ks_x_layout(KS, NWR)
+        pid_n = gl.program_id(0)
+        pid_k = gl.program_id(1)
+        c_lo, c_hi = _k_range(pid_k, CPS, C)
+        n = c_hi - c_lo
+
+        # weight rows 16 (pid_n R + r) + 8 rb3 + g (past N: row N - 1, not stored) at the slice's first chunk
+        lw = _iota(KS, 0, 6, L6) * CPSL
+        roww = gl.minimum(pid_n * BN + _iota(R, 1, 6, L6) * 16 + _iota(2, 2, 6, L6) * 8 + _iota(8, 3, 6, L6), N - 1)
+        woff = roww * KW + (c_lo + lw) * 16 + _iota(4, 4, 6, L6) * 4 + _iota(4, 5, 6, L6)
+        ls = _iota(KS, 0, 6, LS) * CPSL
+        rows_s = gl.minimum(pid_n * BN + _iota(R, 1, 6, LS) * 16 + _iota(2, 2, 6, LS) * 8 + _iota(8, 3, 6, LS), N - 1)
+        soff = rows_s * KB + (c_lo + ls) * 8 + _iota(4, 4, 6, LS) * 2 + _iota(2, 5, 6, LS)
+        # activation rows 8 nt + g (rows >= M read row M - 1: not stored), elements 32 t + [0, 32) of each chunk
+        lx = _iota(KS, 0, 5, LX) * CPSL
+        xn = gl.minimum(_iota(NT, 1, 5, LX) * 8 + _iota(8, 2, 5, LX), M - 1)
+        xoff = xn * K + (c_lo + lx) * 128 + _iota(4, 3, 5, LX) * 32 + _iota(32, 4, 5, LX)
+
+        acc = gl.zeros([KS, BN, NT * 8], gl.float32, MMA)
+        jn = gl.minimum(CPSL, n)  # local chunks of the longest slice
+        if PF >= 1:
+            nxt = _ks_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, lw, ls, lx, 0, n, EVEN, WEV)
+        for j in range(0, jn):
+            if PF >= 1:
+                cur = nxt
+                jj = j + 1
+                if EVEN:
+                    jj = gl.minimum(jj, jn - 1)
+                nxt = _ks_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, lw, ls, lx, jj, n, EVEN, WEV)
+            else:
+                cur = _ks_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, lw, ls, lx, j, n, EVEN, WEV)
+            wd, sc, xv = cur
+            wd = gl.convert_layout(gl.reshape(wd, (KS, R, 2, 8, 4, 2, 2)), LP, assert_trivial=True)
+            acc = _ks_chunk_mma(acc, wd, sc, xv, KS, NWR, R, NT, DEC)
+
+        # each slice's result times 256 / gs (the epilogue's float32 product), then the slices summed in order
+        LR3: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, MMA))
+        gw = gl.load(gs_ptr + gl.arange(0, BN, layout=LR3) * 0)
+        post = gl.div_rn(gl.full([BN], 1.0, gl.float32, LR3), gw) * 256.0
+        y = acc * gl.expand_dims(gl.expand_dims(post, 0), 2)
+        red = gl.allocate_shared_memory(gl.float32, [KS, BN, NT * 8], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        red.store(y)
+        _cta_barrier()  # every slice's result is in shared memory
+        red2 = red.reshape([KS * BN, NT * 8])  # slice s: rows s BN + [0, BN)
+        LE: gl.constexpr = gl.BlockedLayout([1, NT * 8], [32, 1], [NW, 1], [0, 1])
+        z = red2.slice(0, BN).load(LE)
+        for s in gl.static_range(1, KS):
+            z += red2.slice(s * BN, BN).load(LE)
+        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LE))
+        rows = gl.expand_dims(cols, 1)
+        xr = gl.expand_dims(gl.arange(0, NT * 8, layout=gl.SliceLayout(0, LE)), 0)
+        om = (rows < N) & (xr < M)
+        if SPLIT == 1:
+            if HAS_BIAS:
+                z += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 1)
+            gl.store(out_ptr + xr * N + rows, z.to(gl.bfloat16), mask=om)
+        else:
+            split_fixup(z, part_ptr, xr, rows, M, N, pid_k, om, out_ptr, xr * N + rows, cnt_ptr, pid_n, bias_ptr,
+                        cols, SPLIT, HAS_BIAS)
+
 
 # ----------------------------------------------------------------------------------------------- host
 
@@ -791,7 +940,8 @@ class GluonConfig:
     ptxas register cap), ``asm`` (inline-PTX pair decode, permuted layout). Standard-layout kernel only (session
     10): ``rg`` row groups per warp, ``wev`` weight-load cache hint, ``dec`` pair decode (3: mask + multiply),
     ``pfd`` prefetch depth, ``xs`` / ``xsc`` / ``xsb`` activation staged in shared memory -- none changes the bytes
-    of the result at a given split (same decoded registers, same MMA / summation order per output row)."""
+    of the result at a given split (same decoded registers, same MMA / summation order per output row); ``ks`` K
+    slices inside a program (split 1: the bytes of the plain kernel at split ``ks`` with the same slice boundaries)."""
 
     num_warps: int = 4
     kc: int = 2
@@ -807,6 +957,7 @@ class GluonConfig:
     xs: bool = False  # standard-layout kernel: activation staged in shared memory once per program (kc 1)
     xsc: int = 0  # xs: chunks (128 K elements) staged at a time (0: the program's whole K range, <= 64 KB of smem)
     xsb: int = 1  # xs: stage buffers (2: the next stage is copied while this one is used)
+    ks: int = 1  # standard-layout kernel: K slices inside a program (num_warps / ks warps per slice; kc 1, no xs)
 
     @property
     def label(self) -> str:
@@ -815,7 +966,8 @@ class GluonConfig:
                 f"{'' if self.asm else ' noasm'}{f' rg{self.rg}' if self.rg != 1 else ''}"
                 f"{f' ev{self.wev}' if self.wev else ''}{f' d{self.dec}' if self.dec != 1 else ''}"
                 f"{f' pd{self.pfd}' if self.pfd else ''}{' xs' if self.xs else ''}"
-                f"{f' xsc{self.xsc}' if self.xsc else ''}{f' xsb{self.xsb}' if self.xsb != 1 else ''}")
+                f"{f' xsc{self.xsc}' if self.xsc else ''}{f' xsb{self.xsb}' if self.xsb != 1 else ''}"
+                f"{f' ks{self.ks}' if self.ks != 1 else ''}")
 
 
 _COUNTERS: dict = {}
@@ -901,10 +1053,19 @@ def std_supported(x: torch.Tensor, w_packed: torch.Tensor) -> bool:
 
 def std_plan(n: int, k: int, cfg: GluonConfig, sms: int = 132) -> tuple[int, int, int, bool]:
     """(grid_n, split, chunks per split, even) of a standard-layout launch for an ``[n, k]`` weight (programs of
-    ``cfg.rg`` row groups per warp)."""
+    ``cfg.rg`` row groups per warp). ``cfg.ks`` > 1 (K slices inside a program, ``num_warps / ks`` warps each):
+    ``split`` programs along K (0 = auto: at least ``occ`` programs per SM), each of ``ks`` slices of
+    ``cps / ks`` chunks; ``even``: every slice of every program full."""
     nw = cfg.num_warps
+    c = k // STD_CHUNK
+    if cfg.ks > 1:
+        grid_n = -(-(-(-n // ROWS)) // (nw // cfg.ks * cfg.rg))
+        split = cfg.split or max(1, min(c // cfg.ks, -(-(sms * cfg.occ) // grid_n)))
+        cpsl = -(-c // (split * cfg.ks))
+        cps = cpsl * cfg.ks
+        return grid_n, -(-c // cps), cps, c % cps == 0
     grid_n = -(-(-(-n // ROWS)) // (nw * cfg.rg))
-    _, split, cps, even = _plan(grid_n * nw, k // STD_CHUNK, cfg, sms)
+    _, split, cps, even = _plan(grid_n * nw, c, cfg, sms)
     return grid_n, split, cps, even
 
 
@@ -928,6 +1089,9 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
             or cfg.xsb not in (1, 2) or cfg.xsc < 0 or (cfg.xs and cfg.kc != 1)):
         raise ValueError(f"gluon_w4a16_std: rg must be 1, 2 or 4, wev 0, 1 or 2, dec 1 or 3, pfd 0, 1 or 2, xsb 1 or "
                          f"2, xs with kc 1; got {cfg.rg} / {cfg.wev} / {cfg.dec} / {cfg.pfd} / {cfg.xsb} / {cfg.kc}")
+    if cfg.ks != 1 and (cfg.ks < 1 or cfg.num_warps % cfg.ks or cfg.kc != 1 or cfg.xs or cfg.pfd > 1):
+        raise ValueError(f"gluon_w4a16_std: ks (K slices in a program) must divide num_warps, with kc 1, no xs, pfd "
+                         f"<= 1; got ks {cfg.ks}, num_warps {cfg.num_warps}, kc {cfg.kc}, xs {cfg.xs}, pfd {cfg.pfd}")
     x = x.contiguous()
     nt = 1 if m <= 8 else 2
     grid_n, split, cps, even = std_plan(n, k, cfg, _num_sms(x.device))
@@ -944,6 +1108,14 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
     else:
         part, cnt = out, out
     gs = w_gs.reshape(1)
+    if cfg.ks > 1:
+        _w4a16_ks_kernel[(grid_n, split)](
+            x, w_packed.view(torch.int32), w_scale.view(torch.uint8), gs, bias if bias is not None else gs, out, part,
+            cnt, m, n, k, k // 8, k // BLOCK_SIZE, k // STD_CHUNK, cps, cps // cfg.ks,
+            KS=cfg.ks, NWR=cfg.num_warps // cfg.ks, RG=cfg.rg, NT=nt, SPLIT=split, EVEN=even,
+            PF=int(cfg.prefetch or cfg.pfd > 0), HAS_BIAS=bias is not None, DEC=cfg.dec, WEV=cfg.wev,
+            num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+        return out
     xc = max(1, min(cfg.xsc or cps, cps, 32 // (cfg.xsb * nt))) if cfg.xs else 1  # <= 64 KB of staged activation
     _w4a16_std_kernel[(grid_n, split)](
         x, w_packed.view(torch.int32), w_scale.view(torch.uint8), gs, bias if bias is not None else gs, out, part,

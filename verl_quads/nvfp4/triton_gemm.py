@@ -1425,12 +1425,26 @@ def decode_bucket(rows: int) -> int | None:
 _G4_PF = GluonConfig(num_warps=4, kc=1, occ=2)
 _G8_D3 = GluonConfig(num_warps=8, kc=1, occ=2, prefetch=False, dec=3)
 _G4_D3_O1 = GluonConfig(num_warps=4, kc=1, occ=1, prefetch=False, dec=3)
+#: Session 13 (H200 batch D1, gluon_probe, one run): split-K inside the program (GluonConfig.ks: 8 K slices of 4 chunks
+#: summed in shared memory, one program per 16 rows covering all of K: no global partials / counter; the bytes of the
+#: global split 8) at d4096 M=1: w8 ks8 pf1 d3 s1 6.89 / 6.77 us cold / warm vs the stream kernel 6.89 / 7.36
+#: (rg2 7.73 / 6.94, w4 ks4 8.91 / 7.12); batch D3 (one run): the pf0 twin 6.78 / 6.06 vs pf1 6.94 / 6.93 and the
+#: stream kernel 6.95 / 7.47: w8 ks8 pf0 d3 s1 taken; batch D5 (this entry): 6.74 / 6.26 vs the stream kernel
+#: 6.93 / 7.40 and pf1 6.90 / 6.90; main bench d4096 M=1 6.52 us = 1.72x cuBLAS 11.2 (D3 with the pf1 entry: 6.96;
+#: session 12's stream kernel 7.28); at M=2 it is slower (7.97 / 7.35 vs the xs entry 7.27 / 7.53): not
+#: taken. Not taken elsewhere (activation straight from global instead of
+#: the xs staging): d8192 M=1 / 4 / 16 ks8 rg2 17.5 / 15.4, 18.8 / 16.7, 30.3 / 27.8 vs the table's 17.0 / 15.2,
+#: 17.6 / 15.4, 21.0 / 20.7 (ks8 rg4: 19.3 / 14.6, 20.9 / 17.2, 23.7 / 21.2; ks8 rg1, w4 ks4, w8 ks4 s2: slower);
+#: d4096 M=4 / 16 ks8 8.17 / 8.16, 14.3 / 15.6 vs 7.34 / 7.68, 9.97 / 10.3. Also D3: d8192 M=16 xs with 256-row
+#: programs (w8 rg2 xs, half the staged-activation traffic) 21.1 / 20.4 (split 8), 27.4 / 27.6 (split 16) vs the
+#: entry's 21.0 / 20.3: the activation traffic is not what M=16 costs over M=4.
+_G8_KS8_D3 = GluonConfig(num_warps=8, kc=1, split=1, occ=2, prefetch=False, dec=3, ks=8)
 _G4_PF_D3_XS, _G4_RG2_PF_D3_XS = (GluonConfig(num_warps=4, kc=1, occ=2, dec=3, xs=True),
                                    GluonConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3, xs=True))
 GLUON_TABLE: dict[tuple[int, int, int], GluonConfig] = {
     (1, 8192, 8192): _G4_RG2_PF_D3_XS, (2, 8192, 8192): _G4_RG2_PF_D3_XS, (4, 8192, 8192): _G4_RG2_PF_D3_XS,
     (8, 8192, 8192): _G4_RG2_PF_D3_XS, (16, 8192, 8192): _G4_RG2_PF_D3_XS,
-    (2, 4096, 4096): _G4_PF_D3_XS, (4, 4096, 4096): _G4_PF_D3_XS, (8, 4096, 4096): _G4_PF_D3_XS,
+    (1, 4096, 4096): _G8_KS8_D3, (2, 4096, 4096): _G4_PF_D3_XS, (4, 4096, 4096): _G4_PF_D3_XS, (8, 4096, 4096): _G4_PF_D3_XS,
     (16, 4096, 4096): _G4_PF_D3_XS,
     (2, 5120, 2048): _G8_D3, (4, 5120, 2048): _G4_PF_D3_XS, (8, 5120, 2048): _G4_PF_D3_XS,
     (16, 5120, 2048): _G4_PF_D3_XS,
