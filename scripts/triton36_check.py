@@ -592,7 +592,7 @@ def scenarios_floor():
 
     for cfg in parse_std("w4:rg2:o2,w4:o2"):
         for n, k in ((8192, 8192), (4096, 4096)):
-            for spec in ("empty", "reg1", "reg2", "reg4", "ring3", "ring5", "emptyf", "reg2f"):
+            for spec in ("empty", "reg1", "reg2", "reg4", "ring3", "ring5", "emptyf", "reg2f", "emptyf16"):
                 with scenario(f"floor {cfg.label} {spec} {n}x{k}"):
                     wp, ws, _ = _weight(n, k)
                     grid_n, split, cps, _ = gg.std_plan(n, k, cfg, 132)
@@ -601,7 +601,7 @@ def scenarios_floor():
                     if mode[0] == 1 and cps > mode[1]:  # a ring loads <= UNR chunks' scales up front: not this grid
                         continue
                     gf.floor_launch(wp, ws, cfg, mode, out,
-                                    gf.fix_buffers(n, grid_n, split, wp.device) if mode[3] else None)
+                                    gf.fix_buffers(n, grid_n, split, wp.device, mode[4]) if mode[3] else None)
 
 
 SCENARIO_GROUPS = {"core": scenarios_core, "channel": scenarios_channel, "gemm": scenarios_gemm,

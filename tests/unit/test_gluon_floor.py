@@ -11,12 +11,14 @@ from verl_quads.nvfp4 import gluon_gemm as gg
 
 
 def test_parse_mode():
-    assert gf.parse_mode("reg2") == (0, 2, 1, 0)
-    assert gf.parse_mode("reg") == (0, 1, 1, 0)
-    assert gf.parse_mode("ring4") == (1, 8, 4, 0)
-    assert gf.parse_mode("ring3u16f") == (1, 16, 3, 1)
-    assert gf.parse_mode("emptyf") == (2, 1, 1, 1)
-    for bad in ("ring1", "ring", "reg2x", "fast"):
+    assert gf.parse_mode("reg2") == (0, 2, 1, 0, 1)
+    assert gf.parse_mode("reg") == (0, 1, 1, 0, 1)
+    assert gf.parse_mode("ring4") == (1, 8, 4, 0, 1)
+    assert gf.parse_mode("ring3u16f") == (1, 16, 3, 1, 1)
+    assert gf.parse_mode("emptyf") == (2, 1, 1, 1, 1)
+    assert gf.parse_mode("emptyf16") == (2, 1, 1, 1, 16)
+    assert gf.parse_mode("reg2f9") == (0, 2, 1, 1, 9)
+    for bad in ("ring1", "ring", "reg2x", "fast", "emptyf17", "emptyf0", "emptyfv"):
         with pytest.raises(ValueError):
             gf.parse_mode(bad)
 
@@ -56,3 +58,5 @@ def test_floor_reference_matches_loop(spec, n, k):
     per_tile = [sum(float((int(v) & 255) * 256) for v in want[t * split:(t + 1) * split]) for t in range(grid_n)]
     exp = torch.tensor([per_tile[r // bn] for r in range(n)], dtype=torch.float32).to(torch.bfloat16).view(1, n)
     assert y.shape == (1, n) and torch.equal(y, exp)
+    y16 = gf.fix_reference(want, n, cfg, grid_n, split, 16)  # fM modes: the same row in each of the M rows
+    assert y16.shape == (16, n) and torch.equal(y16, exp.expand(16, n))

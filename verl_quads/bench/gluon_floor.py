@@ -13,7 +13,11 @@ in flight per thread); 1 ``ring``: the weight words through a per-thread ``WS``-
 refill), the scale bytes of the program's chunks (``UNR`` >= chunks per program) loaded into registers up front;
 2 ``empty``: no loads (the launch + one store per program: the graph-replay floor of the grid). Suffix ``f``: then
 the GEMM's epilogue for one activation row (split-K partial store, acq_rel counter, the last program's re-reads and
-bf16 store: the fixup chain's cost is ``regNf`` - ``regN``).
+bf16 store: the fixup chain's cost is ``regNf`` - ``regN``); ``fM`` (e.g. ``emptyf16``): for M activation rows (the
+GEMM's MMA tile of 8 or 16 rows). H200 session 13 (batch E1, d8192 grid w4 rg2 64 x 8, cold / warm us): empty 1.51 /
+5.72, emptyf 3.65 / 4.58, emptyf16 8.98 / 10.1 with the fixup of the time (split_fixup: 4-byte accesses, a loop of
+two partials per L2 round trip); with its replacement split_fixup_v (16-byte, unrolled) emptyf 3.33 / 5.82, emptyf16
+5.51 / 6.48: the 16-row fixup chain 7.5 -> 4.0 us.
 
 Timed as :mod:`verl_quads.bench.gluon_probe` times the GEMM: one CUDA graph of one call per weight copy (>= 256 MB
 per replay: cold L2) and one call alone (warm L2). Correctness check before timing: the int32 result of every
@@ -36,15 +40,16 @@ if gg.gluon is not None:
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
     @gluon.jit
-    def floor_kernel(w_ptr, s_ptr, out_ptr, gs_ptr, y_ptr, part_ptr, cnt_ptr, N, KW, KB, C, CPS, NW: gl.constexpr,
-                     RG: gl.constexpr, MODE: gl.constexpr, UNR: gl.constexpr, WS: gl.constexpr, FIX: gl.constexpr,
-                     SPLIT: gl.constexpr):
+    def floor_kernel(w_ptr, s_ptr, out_ptr, gs_ptr, y_ptr, part_ptr, cnt_ptr, N, KW, KB, C, CPS, FM,
+                     NW: gl.constexpr, RG: gl.constexpr, MODE: gl.constexpr, UNR: gl.constexpr, WS: gl.constexpr,
+                     FIX: gl.constexpr, SPLIT: gl.constexpr, NT: gl.constexpr = 1):
         """Program (pid_n, pid_k) of the std kernel's grid: the int32 sum of its weight words and scale bytes
         (chunks ``[pid_k CPS, min(C, (pid_k + 1) CPS))``, rows of :func:`std_weight_offsets`) to
         ``out_ptr[pid_n * split + pid_k]`` (int32). MODE / UNR / WS: module docstring. Chunks past the range are
-        not read (masked). FIX: then the GEMM's epilogue for one activation row (``y_ptr`` bf16 ``[1, N]``): every
-        weight row of the program gets ``(sum & 255) * 256 / gs``, through the split-K fixup when SPLIT > 1 (float32
-        partials ``part_ptr``, counters ``cnt_ptr``) -- the epilogue's chain of stores, atomic and re-reads."""
+        not read (masked). FIX: then the GEMM's epilogue for FM activation rows (``y_ptr`` bf16 ``[FM, N]``, an MMA tile
+        of 8 NT rows): every output of the program gets ``(sum & 255) * 256 / gs``, through
+        the split-K fixup when SPLIT > 1 (float32 partials ``part_ptr``, counters ``cnt_ptr``) -- the epilogue's chain
+        of stores, atomic and re-reads."""
         pid_n = gl.program_id(0)
         pid_k = gl.program_id(1)
         c_lo, c_hi = gg._k_range(pid_k, CPS, C)
@@ -85,34 +90,37 @@ if gg.gluon is not None:
         if FIX:
             MMA: gl.constexpr = gg.mma_layout(NW)
             BN: gl.constexpr = NW * RG * 16
-            acc = gl.zeros([BN, 8], gl.float32, MMA) + (tot & 255).to(gl.float32)
-            gg._epilogue(acc, gs_ptr, gs_ptr, y_ptr, part_ptr, cnt_ptr, 1, N, pid_n, pid_k, MMA, BN, 1, SPLIT, False)
+            acc = gl.zeros([BN, 8 * NT], gl.float32, MMA) + (tot & 255).to(gl.float32)
+            gg._epilogue(acc, gs_ptr, gs_ptr, y_ptr, part_ptr, cnt_ptr, FM, N, pid_n, pid_k, MMA, BN, NT, SPLIT, False,
+                         NW)
 
 
 MODES = {"reg": 0, "ring": 1, "empty": 2}
 
 
-def parse_mode(spec: str) -> tuple[int, int, int, int]:
-    """``reg2`` -> (MODE 0, UNR 2, WS 1, FIX 0); ``ring4`` -> (1, 8, 4, 0) (the scales of up to 8 chunks per program
-    loaded up front; ``ring4u16``: up to 16); ``empty`` -> (2, 1, 1, 0); suffix ``f`` (``reg2f``, ``emptyf``): FIX 1
-    (the GEMM's epilogue / split-K fixup for one activation row after the read)."""
+def parse_mode(spec: str) -> tuple[int, int, int, int, int]:
+    """``reg2`` -> (MODE 0, UNR 2, WS 1, FIX 0, rows 1); ``ring4`` -> (1, 8, 4, 0, 1) (the scales of up to 8 chunks
+    per program loaded up front; ``ring4u16``: up to 16); ``empty`` -> (2, 1, 1, 0, 1); suffix ``f`` (``reg2f``,
+    ``emptyf``): FIX 1 (the GEMM's epilogue / split-K fixup for one activation row after the read), ``fM``: for M
+    (1..16) rows (``emptyf16`` -> (2, 1, 1, 1, 16))."""
     import re
 
-    m = re.fullmatch(r"(reg|ring|empty)(\d*)(?:u(\d+))?(f?)", spec)
-    if not m:
-        raise ValueError(f"gluon_floor: mode must be regN, ringN[uM] or empty (+ f), got {spec!r}")
-    kind, a, u, fix = m.group(1), m.group(2), m.group(3), int(m.group(4) == "f")
+    m = re.fullmatch(r"(reg|ring|empty)(\d*)(?:u(\d+))?(?:f(\d*))?", spec)
+    if not m or not 1 <= int(m.group(4) or 1) <= 16:
+        raise ValueError(f"gluon_floor: mode must be regN, ringN[uM] or empty (+ f[M]), got {spec!r}")
+    kind, a, u = m.group(1), m.group(2), m.group(3)
+    fix = (1, int(m.group(4) or 1)) if m.group(4) is not None else (0, 1)
     if kind == "reg":
-        return 0, int(a or 1), 1, fix
+        return (0, int(a or 1), 1) + fix
     if kind == "ring":
         if int(a or 0) < 2:
             raise ValueError(f"gluon_floor: ring needs >= 2 stages, got {spec!r}")
-        return 1, int(u or 8), int(a), fix
-    return 2, 1, 1, fix
+        return (1, int(u or 8), int(a)) + fix
+    return (2, 1, 1) + fix
 
 
-def floor_launch(wp: torch.Tensor, wsc: torch.Tensor, cfg, mode: tuple[int, int, int, int], out: torch.Tensor,
-                 fix_bufs=None):
+def floor_launch(wp: torch.Tensor, wsc: torch.Tensor, cfg, mode: tuple[int, int, int, int, int],
+                 out: torch.Tensor, fix_bufs=None):
     """One floor-kernel launch over weight ``wp`` uint8 [N, K/2] / ``wsc`` e4m3 [N, K/16] with ``cfg``'s grid;
     ``out`` int32 [grid_n * split]; ``fix_bufs`` (FIX modes): :func:`fix_buffers`."""
     n, kh = wp.shape
@@ -122,26 +130,28 @@ def floor_launch(wp: torch.Tensor, wsc: torch.Tensor, cfg, mode: tuple[int, int,
         raise ValueError(f"gluon_floor: ring mode loads the scales of <= {mode[1]} chunks up front, the grid has {cps}")
     gs, y, part, cnt = fix_bufs if mode[3] else (out, out, out, out)
     floor_kernel[(grid_n, split)](wp.view(torch.int32), wsc.view(torch.uint8), out, gs, y, part, cnt, n, k // 8,
-                                  k // 16, k // gg.STD_CHUNK, cps, NW=cfg.num_warps, RG=cfg.rg, MODE=mode[0],
-                                  UNR=mode[1], WS=mode[2], FIX=mode[3], SPLIT=split, num_warps=cfg.num_warps)
+                                  k // 16, k // gg.STD_CHUNK, cps, mode[4], NW=cfg.num_warps, RG=cfg.rg, MODE=mode[0],
+                                  UNR=mode[1], WS=mode[2], FIX=mode[3], SPLIT=split, NT=1 if mode[4] <= 8 else 2,
+                                  num_warps=cfg.num_warps)
 
 
-def fix_buffers(n: int, grid_n: int, split: int, dev) -> tuple:
-    """(gs float32 [1] = 1, y bf16 [1, n], partials float32 [split, 1, n], counters int32 [grid_n] = 0)."""
-    return (torch.ones(1, dtype=torch.float32, device=dev), torch.empty(1, n, dtype=torch.bfloat16, device=dev),
-            torch.empty(split, 1, n, dtype=torch.float32, device=dev),
+def fix_buffers(n: int, grid_n: int, split: int, dev, m: int = 1) -> tuple:
+    """(gs float32 [1] = 1, y bf16 [m, n], partials float32 [split, m, n], counters int32 [grid_n] = 0)."""
+    return (torch.ones(1, dtype=torch.float32, device=dev), torch.empty(m, n, dtype=torch.bfloat16, device=dev),
+            torch.empty(split, m, n, dtype=torch.float32, device=dev),
             torch.zeros(grid_n, dtype=torch.int32, device=dev))
 
 
-def fix_reference(tot: torch.Tensor, n: int, cfg, grid_n: int, split: int) -> torch.Tensor:
-    """The FIX modes' ``y`` [1, n] bf16 from the per-program sums ``tot`` int32 [grid_n * split]: row r of tile
-    r // BN gets bf16(sum over splits, in order, of float32((tot & 255) * 256)) (exact in float32)."""
+def fix_reference(tot: torch.Tensor, n: int, cfg, grid_n: int, split: int, m: int = 1) -> torch.Tensor:
+    """The FIX modes' ``y`` [m, n] bf16 from the per-program sums ``tot`` int32 [grid_n * split]: weight row r of
+    tile r // BN gets bf16(sum over splits, in order, of float32((tot & 255) * 256)) (exact in float32), in every
+    activation row."""
     v = ((tot.view(grid_n, split).long() & 255).float() * 256.0)
     z = v[:, 0].clone()
     for sk in range(1, split):
         z = z + v[:, sk]
     bn = 16 * cfg.num_warps * cfg.rg
-    return z.repeat_interleave(bn)[:n].to(torch.bfloat16).view(1, n)
+    return z.repeat_interleave(bn)[:n].to(torch.bfloat16).view(1, n).expand(m, n)
 
 
 def floor_reference(wp: torch.Tensor, wsc: torch.Tensor, cfg, mode_kind: int) -> torch.Tensor:
@@ -184,14 +194,14 @@ def run(shapes, cfgs, modes) -> str:
         for cfg in cfgs:
             grid_n, split, cps, _ = gg.std_plan(n, k, cfg, gg._num_sms(wp.device))
             out = torch.empty(grid_n * split, dtype=torch.int32, device="cuda")
-            fb = fix_buffers(n, grid_n, split, wp.device)
             for ms in modes:
                 mode = parse_mode(ms)
+                fb = fix_buffers(n, grid_n, split, wp.device, mode[4])
                 floor_launch(wp, wsc, cfg, mode, out, fb)
                 want = floor_reference(wp, wsc, cfg, mode[0])
                 ok = torch.equal(out, want)
                 if mode[3]:
-                    ok = ok and torch.equal(fb[1], fix_reference(want, n, cfg, grid_n, split))
+                    ok = ok and torch.equal(fb[1], fix_reference(want, n, cfg, grid_n, split, mode[4]))
                 if not ok:
                     rows.append([name, cfg.label, ms, f"{grid_n}x{split}x{cps}", "WRONG", "-", "-", "-"])
                     print(f"{name} {cfg.label} {ms}: WRONG", flush=True)

@@ -28,7 +28,8 @@ rounded once to bf16. Same bound vs the torch reference (:mod:`verl_quads.rollou
 other kernels: exact products, float32 summation order (<= 1 bf16 ulp + 4 K eps_f32 |x| |w|).
 
 Split-K across programs (``split``): float32 partials ``[split, M, N]``; the last program of each N tile
-(per-tile counter, acq_rel atomic) sums them in the fixed order 0, 1, ... (deterministic). Split-K inside a program
+(per-tile counter, acq_rel atomic) sums them in the fixed order 0, 1, ... (deterministic; dense kernels:
+:func:`split_fixup_v`, 16-byte accesses and the partial loads unrolled). Split-K inside a program
 (standard layout, ``GluonConfig.ks``, :func:`_w4a16_ks_kernel`): the K slices are the batch dimension of a 3-D
 mma.sync, summed through shared memory in the same fixed order (the same bytes as the global split at the same
 slice boundaries, without the global round trip).
@@ -451,7 +452,7 @@ if gluon is not None:
 
         acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs, kx,
                      c_lo, c_hi, K, NW, KC, NT, EVEN, PF, False, 4, ASM, FMT)
-        _epilogue(acc, gs_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, False)
+        _epilogue(acc, gs_ptr, gs_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, False, NW)
 
 
     @gluon.jit
@@ -628,12 +629,50 @@ if gluon is not None:
             gl.store(out_ptr + ooff, z.to(gl.bfloat16), mask=om)
             gl.store(cnt_ptr + ci, 0)  # ready for the next launch (stream order)
 
+    @gluon.constexpr_function
+    def fixup_layout(bn, ntt, nw):
+        """Tile ``[bn weight rows, ntt activation rows]`` (weight rows contiguous in memory) with 4 consecutive weight
+        rows per thread: 16-byte partial stores / loads (the MMA layout gives each thread 4-byte pieces)."""
+        t0 = min(32, bn // 4)
+        return gl.BlockedLayout([4, 1], [t0, 32 // t0], [1, nw], [0, 1])
+
+    @gluon.jit
+    def split_fixup_v(y, part_ptr, M, N, pid_n, pid_k, out_ptr, cnt_ptr, bias_ptr, BN: gl.constexpr,
+                      NTT: gl.constexpr, NW: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """:func:`split_fixup` of a dense tile (weight rows ``pid_n BN + [0, BN)``, activation rows ``[0, NTT)``,
+        counter ``pid_n``) in :func:`fixup_layout` (16-byte accesses), the last program's SPLIT partial loads unrolled
+        (issued together where the registers allow, instead of split_fixup's loop: 4-byte loads, two partials per
+        iteration, one L2 round trip each), summed in the same fixed order 0, 1, ... (the same bytes: checked with
+        torch.equal on the H200 against split_fixup, session 13 batch E1). The dense kernels' fixup: H200 floor probe
+        (gluon_floor, d8192 grid 64 x 8, no weight reads; fixup chain = emptyfM - empty, cold L2) 1 row 1.8 us
+        (split_fixup 2.1), 16 rows 4.0 us (split_fixup 7.5: the "M = 16 costs 5 us more" of issue #5). Its unrolled
+        loads need registers: at BN 128 and 16 rows the std kernel goes 113 -> 138 registers (3 programs per SM
+        instead of 4: 25.6 us vs 21.0 at d8192 M=16) unless capped (GluonConfig.maxnreg 128: no spills, 19.6 us)."""
+        LF: gl.constexpr = fixup_layout(BN, NTT, NW)
+        z = gl.convert_layout(y, LF)
+        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LF))
+        rows = gl.expand_dims(cols, 1)
+        xr = gl.expand_dims(gl.arange(0, NTT, layout=gl.SliceLayout(0, LF)), 0)
+        om = (rows < N) & (xr < M)
+        off = xr * N + rows
+        gl.store(part_ptr + pid_k * M * N + off, z, mask=om)
+        _cta_barrier()  # every thread's partial stores precede the release below
+        done = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if done == SPLIT - 1:  # the last K range of this tile: sum the partials in the fixed order
+            z = gl.load(part_ptr + off, mask=om, other=0.0, cache_modifier=".cg")
+            for sk in gl.static_range(1, SPLIT):
+                z += gl.load(part_ptr + sk * M * N + off, mask=om, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                z += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 1)
+            gl.store(out_ptr + off, z.to(gl.bfloat16), mask=om)
+            gl.store(cnt_ptr + pid_n, 0)  # ready for the next launch (stream order)
+
     @gluon.jit
     def _epilogue(acc, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k,
                   MMA: gl.constexpr, BN: gl.constexpr, NT: gl.constexpr, SPLIT: gl.constexpr,
-                  HAS_BIAS: gl.constexpr):
+                  HAS_BIAS: gl.constexpr, NW: gl.constexpr):
         """acc [BN weight rows, 8 NT activation rows] times ``256 / gs`` (+ bias) -> out[row, n] in bf16; SPLIT > 1:
-        float32 partials ``[SPLIT, M, N]`` and :func:`split_fixup` (counter ``pid_n``)."""
+        float32 partials ``[SPLIT, M, N]`` and :func:`split_fixup_v` (counter ``pid_n``; NW warps)."""
         LR: gl.constexpr = gl.SliceLayout(1, MMA)
         LC: gl.constexpr = gl.SliceLayout(0, MMA)
         gw = gl.load(gs_ptr + gl.arange(0, BN, layout=LR) * 0)
@@ -648,8 +687,7 @@ if gluon is not None:
                 y += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 1)
             gl.store(out_ptr + xr * N + rows, y.to(gl.bfloat16), mask=om)
         else:
-            split_fixup(y, part_ptr, xr, rows, M, N, pid_k, om, out_ptr, xr * N + rows, cnt_ptr, pid_n, bias_ptr, cols,
-                        SPLIT, HAS_BIAS)
+            split_fixup_v(y, part_ptr, M, N, pid_n, pid_k, out_ptr, cnt_ptr, bias_ptr, BN, NT * 8, NW, SPLIT, HAS_BIAS)
 
     @gluon.constexpr_function
     def xs_layout():
@@ -780,7 +818,8 @@ if gluon is not None:
             xoff, kcx = std_x_offsets(gl.minimum(std_x_rows(NT, NW, WPT), M - 1), K, NW, KC, WPT)
             acc = k_loop(gl.zeros([BN, NT * 8], gl.float32, MMA), w_ptr, s_ptr, x_ptr, woff, soff, xoff, kcw, kcs,
                          kcx, c_lo, c_hi, K, NW, KC, NT, EVEN, PF, True, WPT, True, DEC, RG, WEV)
-        _epilogue(acc, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, HAS_BIAS)
+        _epilogue(acc, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr, M, N, pid_n, pid_k, MMA, BN, NT, SPLIT, HAS_BIAS,
+                  NW)
 
     # ------------------------------------------------------------------- split-K inside the program (GluonConfig.ks)
 

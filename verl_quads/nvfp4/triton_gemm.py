@@ -1441,11 +1441,30 @@ _G4_D3_O1 = GluonConfig(num_warps=4, kc=1, occ=1, prefetch=False, dec=3)
 _G8_KS8_D3 = GluonConfig(num_warps=8, kc=1, split=1, occ=2, prefetch=False, dec=3, ks=8)
 _G4_PF_D3_XS, _G4_RG2_PF_D3_XS = (GluonConfig(num_warps=4, kc=1, occ=2, dec=3, xs=True),
                                    GluonConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3, xs=True))
+#: Session 13 (issue #5: d8192 M=16 ~5 us slower than M=4; H200 batch E1, one run, cold / warm us): the split-K fixup
+#: at 16 rows was it -- floor probe (gluon_floor emptyfM - empty, d8192 grid 64 x 8) 2.1 us at 1 row, 7.5 at 16. The
+#: dense kernels now use gluon_gemm.split_fixup_v (16-byte accesses, partial loads unrolled; the same bytes, checked
+#: with torch.equal at d8192 M=1/4/9/16 and d4096 M=4/16, with and without bias): 16-row chain 4.0 us. Its unrolled
+#: loads raise this entry's kernel at 16 rows (BN 128, NT 2) from 113 to 138 registers (4 -> 3 programs per SM: 25.6 /
+#: 23.4 us) unless capped: maxnreg 128 (no spills) 19.6 / 19.1 vs the old fixup's 21.0 / 20.3 (M=1: 17.1 / 15.1 vs
+#: 17.2 / 15.2, M=4: 17.7 / 15.6 vs 17.9 / 15.7). d4096 M=16 (this fixup, no cap needed: 66 -> 72 registers) 8.84 /
+#: 8.78 vs 9.87 / 10.3; M=4 7.16 / 7.36 vs 7.27 / 7.49. Also E1 at d8192 M=8 / 9 / 16 (NT 1 -> 2 at M=9), old
+#: fixup unless noted: split 4 21.2 / 15.7, 25.2 / 18.7, 26.2 / 19.7; split 16 26.1 / 21.9, 26.0 / 24.5, 29.4 / 27.0;
+#: w4 rg4 xs 30.2 / 25.9, 29.1 / 27.7, 33.6 / 33.9; w2 rg4 xs 21.4 / 17.8, 22.7 / 20.5, 23.7 / 21.1, with the new
+#: fixup 19.8 / 16.0, 21.9 / 18.6, 21.9 / 18.3 (its kernel at 255 registers: 64-thread programs keep 4 per SM).
+#: Batch E2 (this tree, one run): d8192 M=1 / 4 / 9 / 16 entries 17.1 / 15.3, 17.4 / 15.8, 19.2 / 18.2, 19.7 / 19.4
+#: (uncapped twin at M=9 / 16: 24.7 / 21.9, 25.6 / 23.8; w2 rg4 xs 22.0 / 18.8, 22.1 / 19.6); main bench d8192 M=16
+#: 18.7 us = 1.88x cuBLAS (was 20.3 = 1.71x). d4096 M=16 with the new fixup 8.81 / 8.93, its maxnreg-128 twin 8.14 /
+#: 8.36 (E1: 8.84 / 8.78 vs 8.19 / 8.43; 72 registers either way, ptxas schedules differently under the cap): taken.
+#: Same run, not taken (one run each): qkv M=16 entry 7.52 / 7.32 vs its r128 twin 6.86 / 7.48; o_proj M=16 entry
+#: (w4 pf0 d3 o1) 8.04 / 7.73 vs w4 pf1 d3 xs r128 6.53 / 7.09.
+_G4_RG2_PF_D3_XS_R128 = GluonConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3, xs=True, maxnreg=128)
+_G4_PF_D3_XS_R128 = GluonConfig(num_warps=4, kc=1, occ=2, dec=3, xs=True, maxnreg=128)
 GLUON_TABLE: dict[tuple[int, int, int], GluonConfig] = {
     (1, 8192, 8192): _G4_RG2_PF_D3_XS, (2, 8192, 8192): _G4_RG2_PF_D3_XS, (4, 8192, 8192): _G4_RG2_PF_D3_XS,
-    (8, 8192, 8192): _G4_RG2_PF_D3_XS, (16, 8192, 8192): _G4_RG2_PF_D3_XS,
+    (8, 8192, 8192): _G4_RG2_PF_D3_XS, (16, 8192, 8192): _G4_RG2_PF_D3_XS_R128,
     (1, 4096, 4096): _G8_KS8_D3, (2, 4096, 4096): _G4_PF_D3_XS, (4, 4096, 4096): _G4_PF_D3_XS, (8, 4096, 4096): _G4_PF_D3_XS,
-    (16, 4096, 4096): _G4_PF_D3_XS,
+    (16, 4096, 4096): _G4_PF_D3_XS_R128,
     (2, 5120, 2048): _G8_D3, (4, 5120, 2048): _G4_PF_D3_XS, (8, 5120, 2048): _G4_PF_D3_XS,
     (16, 5120, 2048): _G4_PF_D3_XS,
     (2, 2048, 4096): _G4_PF, (4, 2048, 4096): _G4_PF_D3_XS, (8, 2048, 4096): _G4_PF_D3_XS, (16, 2048, 4096): _G4_D3_O1,
