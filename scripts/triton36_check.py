@@ -565,14 +565,16 @@ def scenarios_gluon_moe():
                     a_rows = routing.sorted_tokens if gemm == "w13" else None
                     gm.gluon_w4a16_grouped(_x(rows, k), *_weight(n, k, e), routing, a_rows=a_rows,
                                            out_rows=ids.numel(), cfg=cfg, zero_unrouted=False)
-    # every GLUON_MOE_TABLE entry at its own bucket (incl. the block_m-64 entries of GLUON_MOE_BM64_BUCKETS), through
-    # moe_forward's dispatch with the w13 gate fused into the epilogue (silu_mul) and without
+    # every GLUON_MOE_TABLE entry at its own bucket, routing as moe_forward builds it where both GEMMs run on the Gluon
+    # kernel (moe_block_m: GLUON_MOE_ROUTING_BLOCK_M, else grouped_block_m), with the w13 gate fused into the epilogue
+    # (silu_mul) and without
     for (bucket, n, k), cfg in sorted(tg.GLUON_MOE_TABLE.items()):
         t = max(1, bucket // MOE["top_k"])
         gemm = "w13" if k == MOE["hidden"] else "w2"
         with scenario(f"GLUON_MOE_TABLE {(bucket, n, k)} {gemm} {cfg.label} unfused / fused gate"):
             ids = _ids(t)
-            routing = tg.moe_align(ids, e, tg.grouped_block_m(-(-ids.numel() // min(e, ids.numel()))))
+            bm = tg.GLUON_MOE_ROUTING_BLOCK_M.get(bucket) or tg.grouped_block_m(-(-ids.numel() // min(e, ids.numel())))
+            routing = tg.moe_align(ids, e, bm)
             rows = t if gemm == "w13" else ids.numel()
             a_rows = routing.sorted_tokens if gemm == "w13" else None
             for fuse in ((False, True) if gemm == "w13" and not gm.silu_mul_refusal(n, k, min(e, ids.numel()), cfg)

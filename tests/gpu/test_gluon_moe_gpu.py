@@ -1,7 +1,7 @@
 """Grouped Gluon W4A16 kernel (verl_quads/nvfp4/gluon_moe.py) on a CUDA GPU (sm_80+, triton >= 3.6 with Gluon).
 
 Qwen3-30B-A3B expert GEMMs (128 experts, top-8 random routing; w13 [128, 1536, 2048], w2 [128, 2048, 768]) at 4 / 16 /
-64 / 256 tokens, routing built as moe_forward builds it (moe_align, grouped_block_m), against the rollout's torch
+64 / 256 tokens, routing built as moe_forward builds it (moe_align, grouped_block_m / moe_block_m), against the rollout's torch
 reference per active expert with the bound of tests/gpu/test_nvfp4_gemm_gpu.py::test_grouped_experts_real_shapes
 (|y - ref| <= 1 bf16 ulp(ref) + 4 K eps_f32 (|x| @ |w|.T)); odd shapes (N not a multiple of the tile, 3 chunks of K,
 several tiles per expert, slots routed to no local expert, block_m 8 / 16 / 32); each expert's rows bit for bit equal
@@ -260,6 +260,8 @@ def test_grouped_rejects_unsupported():
     for bad in (G(kc=2, xs=True), G(rg=3), G(pfd=2), G(xsb=2), G(nts=3), G(nt=3), G(dec=2), G(wev=1)):
         with pytest.raises(ValueError):
             gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16), cfg=bad)
+    with pytest.raises(ValueError, match="ks .split-K inside the program. is a dense-kernel option"):
+        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16), cfg=G(ks=8))
     with pytest.raises(ValueError):  # K % 128 != 0
         q2 = em.quantize_weight(_w((e, n, 1040)), reduce_dims=(1, 2))
         gm.gluon_w4a16_grouped(_x(3, 1040), q2.packed, q2.block_scale, q2.global_scale.reshape(-1),
@@ -276,7 +278,9 @@ def test_default_dispatch_takes_the_table(key):
     slots, n, k = key
     gemm = "w13" if (n, k) == (1536, 2048) else "w2"
     tokens = slots // 8
-    y, x, q_w, gs, ids, routing = _gemm_case(gemm, tokens, tg.GLUON_MOE_TABLE[key])
+    # routing as moe_forward builds it where both GEMMs run on this kernel (moe_block_m)
+    y, x, q_w, gs, ids, routing = _gemm_case(gemm, tokens, tg.GLUON_MOE_TABLE[key],
+                                             block_m=tg.GLUON_MOE_ROUTING_BLOCK_M.get(slots))
     assert tg.gluon_grouped_config(x, q_w.packed, routing) is tg.GLUON_MOE_TABLE[key]
     op, _ = tg.quantize_activation(x, "w4a16")
     yd = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing,
@@ -380,6 +384,38 @@ def test_moe_forward_fused_gate_equals_unfused(tokens, dead, mode, pt, comb, gra
     y_f = tg.moe_forward(x, sw, ids, *w, mode, fuse_gate=True, **kw)
     y_d = tg.moe_forward(x, sw, ids, *w, mode, **kw)
     assert torch.equal(y_f, y_u) and torch.equal(y_d, y_u)
+
+
+#: the session-12 GLUON_MOE_TABLE entries at T=1024 on routing block_m 64 (moe_forward's routing there until session 13)
+S12_BM64 = {"w13": G(4, 1, 0, 2, rg=2, dec=3, xs=True, nts=4, xsc=1, xsb=2),
+            "w2": G(4, 1, 0, 2, maxnreg=128, rg=2, dec=3, xs=True, nt=4, nts=2)}
+
+
+@pytest.mark.parametrize("mode, pt, comb, gran", [("w4a16", False, "fp4x2", "block"),
+                                                  ("quads", True, "bf16", "channel")])
+def test_moe_forward_t1024_block_m32_equals_session12_block_m64(mode, pt, comb, gran):
+    """T=1024 (8192 slots, ~64 per expert: grouped_block_m 64): moe_forward builds routing block_m 32 where both GEMMs
+    run on the Gluon kernel (GLUON_MOE_ROUTING_BLOCK_M; not for an FP4 GEMM1 operand) and returns the bytes of the
+    session-12 path, the 64-row entries on block_m-64 routing (gate fused, then w2, then the combine): the tile height
+    and n-tiling change which program computes a row, not its K loop (split 1, kc 1)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("GLUON_MOE_TABLE entries are for sm_90")
+    t, e, s = 1024, 128, 8192
+    w = _moe_weights()
+    ids = _ids(t, e, 8, seed=t)
+    sw = torch.softmax(torch.randn(t, 8, device=DEV, generator=torch.Generator(device=DEV).manual_seed(3)), -1)
+    x = _x(t, 2048, seed=t)
+    kw = dict(residual_ratio=0.5, residual_per_token=pt, residual_combine=comb, residual_granularity=gran)
+    op1, _ = tg.quantize_activation(x, mode, **kw)
+    assert op1.mode == "w4a16" and tg.grouped_block_m(s // e) == 64
+    assert tg.moe_block_m(s, e, op1.values, w[0], w[3]) == 32 and tg.moe_block_m(s, e, None, w[0], w[3]) == 64
+    y = tg.moe_forward(x, sw, ids, *w, mode, **kw)
+    r64 = tg.moe_align(ids, e, 64)
+    a = gm.gluon_w4a16_grouped(op1.values, *w[:3], r64, a_rows=r64.sorted_tokens, out_rows=s, cfg=S12_BM64["w13"],
+                               zero_unrouted=mode != "w4a16", silu_mul=True)  # as moe_forward
+    op2, _ = tg.quantize_activation(a, mode, **kw)
+    y2 = gm.gluon_w4a16_grouped(op2.values, *w[3:], r64, out_rows=s, cfg=S12_BM64["w2"], zero_unrouted=False)
+    assert torch.equal(y, tg.moe_combine(y2, sw, ids))
 
 
 def test_moe_forward_fuse_gate_true_refuses():

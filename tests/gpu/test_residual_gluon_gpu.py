@@ -120,12 +120,13 @@ def test_gluon_residual_warps(nw):
         assert _same(out, _ref(x, ratio, gs))
 
 
-# the launch options (gluon_residual.EXTRA_CONFIG: session 11's HWE / MSEL, session 12's SMR), alone and together, at
-# every padded row length the kernel takes (32 .. 1024 blocks: one warp at 32 / 64 / 128, 1 / 2 / 4 tiles) with the
-# edge rows, REUSE (without SMR)
+# the launch options (gluon_residual.EXTRA_CONFIG: session 11's HWE / MSEL, session 12's SMR, session 13's EVICT), alone
+# and together, at every padded row length the kernel takes (32 .. 1024 blocks: one warp at 32 / 64 / 128, 1 / 2 / 4
+# tiles) with the edge rows, REUSE (without SMR)
 OPTIONS = [dict(hwe=0, msel=0, smr=0), dict(hwe=1, msel=0, smr=0), dict(hwe=0, msel=1, smr=0),
-           dict(hwe=1, msel=1, smr=0), dict(hwe=1, msel=1, reuse=True, smr=0), dict(hwe=0, msel=0, smr=1),
-           dict(hwe=1, msel=1, smr=1)]
+           dict(hwe=1, msel=1, smr=0), dict(hwe=1, msel=1, reuse=True, smr=0), dict(hwe=0, msel=0, smr=1, evict=0),
+           dict(hwe=1, msel=1, smr=1, evict=0), dict(hwe=0, msel=0, smr=1, evict=1),
+           dict(hwe=1, msel=1, smr=1, evict=1)]
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(f"{k}{v}" for k, v in o.items()))
@@ -141,7 +142,8 @@ def test_gluon_residual_options(opts, m, k):
 def test_gluon_residual_option_refusals():
     x = _x(4, 2048)
     gs = _gs(x).reshape(-1)
-    for bad in (dict(hwe=2), dict(msel=2), dict(smr=2), dict(smr=1, reuse=True)):
+    for bad in (dict(hwe=2), dict(msel=2), dict(smr=2), dict(smr=1, reuse=True), dict(evict=2),
+                dict(evict=1, smr=0)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             gr.residual_qdq(x, gs, 1, 32, **bad)
 

@@ -24,10 +24,7 @@ def test_table_entries_and_exact_bucket_lookup():
                     assert tg.gluon_moe_table_entry(slots, n, k, bm, (9, 0)) is None
         assert tg.gluon_moe_table_entry(b, n, k, 16, (10, 0)) is None  # measured on sm_90 only
         assert tg.gluon_moe_table_entry(b, n, k, 16, (8, 0)) is None
-        if b in tg.GLUON_MOE_BM64_BUCKETS:  # measured on 64-row tiles
-            assert tg.gluon_moe_table_entry(b, n, k, 64, (9, 0)) is (cfg if 8 % (cfg.nt or 1) == 0 else None)
-        else:  # measured on 8..32-row tiles only: not applied to 64-row tiles
-            assert tg.gluon_moe_table_entry(b, n, k, 64, (9, 0)) is None
+        assert tg.gluon_moe_table_entry(b, n, k, 64, (9, 0)) is None  # measured on 8..32-row tiles only
         assert tg.gluon_moe_table_entry(b, n, k, 128, (9, 0)) is None  # routing tile height the kernel does not take
         if (lower, n, k) not in tg.GLUON_MOE_TABLE and lower:
             assert tg.gluon_moe_table_entry(lower, n, k, 16, (9, 0)) is None  # an unmeasured bucket: no entry
@@ -91,6 +88,36 @@ def test_default_dispatch_on_a_hopper_without_usable_gluon_warns_once(monkeypatc
         assert tg.gluon_grouped_config(x, w, routing) is None
     warns = [r.getMessage() for r in caplog.records if "Gluon W4A16 MoE kernel" in r.getMessage()]
     assert len(warns) == 1 and "triton 3.5.0" in warns[0] and "grouped W4A16 expert GEMMs" in warns[0]
+
+
+def test_moe_block_m_takes_the_gluon_routing_where_both_gemms_run_on_gluon(monkeypatch):
+    """moe_block_m (moe_forward's routing tile height): grouped_block_m, except at a GLUON_MOE_ROUTING_BLOCK_M bucket
+    where GEMM1's operand is bf16 w4a16 values and both expert GEMMs have a runnable GLUON_MOE_TABLE entry at that
+    block_m (sm_90 patched, no GPU): T=1024 at Qwen3-30B-A3B (8192 slots, 64 per expert) -> 32 instead of 64."""
+    from types import SimpleNamespace
+
+    from verl_quads.nvfp4 import gluon_gemm as gg
+
+    e, s = 128, 8192
+    w13 = torch.zeros(e, 1536, 1024, dtype=torch.uint8)  # [E, 2I, H/2]: H = 2048
+    w2 = torch.zeros(e, 2048, 384, dtype=torch.uint8)  # [E, H, I/2]: I = 768
+    x = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16, shape=(1024, 2048))
+    assert tg.grouped_block_m(s // e) == 64 and tg.GLUON_MOE_ROUTING_BLOCK_M[tg.gluon_moe_bucket(s)] == 32
+    assert tg.moe_block_m(s, e, x, w13, w2) == 64  # on CPU (not sm_90, the interpreter): grouped_block_m
+    monkeypatch.setattr(tg, "_interpreting", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    monkeypatch.setattr(gg, "gluon_available", lambda: (True, ""))
+    assert tg.moe_block_m(s, e, x, w13, w2) == 32
+    assert tg.moe_block_m(s, e, None, w13, w2) == 64  # GEMM1 an FP4 operand (naive, quads fp4x2): Triton kernels
+    assert tg.moe_block_m(s, e, SimpleNamespace(device=x.device, dtype=torch.float16, shape=x.shape), w13, w2) == 64
+    assert tg.moe_block_m(4097, e, x, w13, w2) == 32  # anywhere in the bucket (4097..8192 slots)
+    assert tg.moe_block_m(4096, e, x, w13, w2) == tg.grouped_block_m(32) == 32  # bucket 4096: no entries
+    assert tg.moe_block_m(2048, e, x, w13, w2) == tg.grouped_block_m(16) == 32  # no routing entry: grouped_block_m
+    assert tg.moe_block_m(32768, e, x, w13, w2) == tg.grouped_block_m(256)  # past the last bucket
+    w2_other = torch.zeros(e, 2048, 512, dtype=torch.uint8)  # another intermediate size: no w2 entry
+    assert tg.moe_block_m(s, e, x, w13, w2_other) == 64  # one GEMM off Gluon: grouped_block_m for both
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (10, 0))
+    assert tg.moe_block_m(s, e, x, w13, w2) == 64
 
 
 def test_grouped_config_labels_are_stable():

@@ -43,6 +43,16 @@ def _assert_same(outs, ref, tag):
         assert torch.equal(got, getattr(ref, f)), (tag, f)
 
 
+def _assert_stable(ids, e, ref):
+    """The reference itself: keys ascending (-1 last as key E), stable (slots of one key in index order)."""
+    flat = ids.reshape(-1).long()
+    slots = ref.sorted_slots.long()
+    key = torch.where(flat < 0, e, flat)[slots]
+    assert bool((key[1:] >= key[:-1]).all())
+    order = key * flat.numel() + slots  # (key, slot) lexicographic
+    assert bool((order[1:] > order[:-1]).all())
+
+
 CASES = [  # tokens, top_k, E, block_m, local fraction, all on one expert
     (33, 8, 128, 16, 0.9, None),    # 264 slots, -1 ids
     (257, 1, 128, 32, 1.0, None),   # 257 slots (top-1), every slot local
@@ -79,10 +89,7 @@ def test_one_launch_equals_torch_reference(kw, tokens, top_k, e, block_m, local_
     ids = _ids(tokens, top_k, e, local_frac, seed=tokens * 13 + e + block_m, one_expert=one_expert)
     outs, ref = _run(ids, e, block_m, **kw)
     _assert_same(outs, ref, kw)
-    flat = ids.reshape(-1).long()  # the reference itself: keys ascending (-1 last), stable
-    key = torch.where(flat < 0, e, flat)[ref.sorted_slots.long()]
-    assert bool((key[1:] >= key[:-1]).all())
-    assert bool((ref.sorted_slots[key == e].diff() > 0).all())
+    _assert_stable(ids, e, ref)
 
 
 def test_one_launch_int32_ids_and_block_m_128():
@@ -92,22 +99,43 @@ def test_one_launch_int32_ids_and_block_m_128():
     _assert_same(outs, ref, "int32")
 
 
-@pytest.mark.parametrize("tokens, e, block_m", [(33, 128, 16), (256, 128, 32), (1024, 128, 64), (2048, 128, 128),
-                                                (40, 300, 16), (17, 128, 16), (32, 256, 16), (1, 257, 16),
-                                                (16, 512, 16), (32, 512, 16), (16, 128, 16),
-                                                (1, 128, 16), (2, 256, 16), (3, 128, 16)])
-def test_moe_align_dispatch_is_one_launch(monkeypatch, tokens, e, block_m):
-    """moe_align at 1 <= S <= MOE_ALIGN_ONE_LAUNCH_MAX slots, decode included (8 / 16 / 24 slots at top-8): one
-    launch of the fused kernel, nothing else; == the reference."""
+#: moe_align's dispatch cases (tokens, top_k, E, block_m, local fraction, all on one expert, seed): until session 13
+#: two tests over two lists (this file's at top-8 / 0.9 local / seed = tokens, test_moe_decode_kernels.py's decode
+#: list at seed = tokens * 31 + E); merged here with each case's ids unchanged (hence the seed column)
+DISPATCH_CASES = [(t, 8, e, bm, 0.9, None, t) for t, e, bm in [
+    (33, 128, 16), (256, 128, 32), (1024, 128, 64), (2048, 128, 128), (40, 300, 16), (17, 128, 16), (32, 256, 16),
+    (1, 257, 16), (16, 512, 16), (32, 512, 16), (16, 128, 16), (1, 128, 16), (2, 256, 16), (3, 128, 16)]] + [
+    (t, k, e, bm, lf, one, t * 31 + e) for t, k, e, bm, lf, one in [
+        (1, 1, 3, 16, 1.0, None),     # S = 1, E not a power of two
+        (1, 8, 128, 16, 1.0, None),   # decode M=1 at Qwen3-30B-A3B routing
+        (3, 2, 5, 16, 0.7, None),     # -1 ids (not local), E = 5
+        (4, 4, 7, 2, 1.0, 6),         # every slot on one expert (the last), 8 tiles of 2 rows
+        (4, 4, 7, 16, 0.0, None),     # no slot local: every tile empty
+        (2, 8, 100, 32, 0.9, None),   # decode M=2, E = 100
+        (2, 8, 256, 16, 0.8, None),   # 16 slots, 256 experts (the register path's limits until session 12)
+        (3, 8, 128, 16, 0.9, None),   # 24 slots
+        (4, 8, 128, 16, 0.9, None),   # 32 slots
+        (16, 8, 128, 16, 0.9, None),  # 128 slots
+        (32, 8, 256, 16, 0.9, None),  # 256 slots, 256 experts
+        (33, 8, 128, 16, 0.9, None),  # 264 slots
+        (2, 8, 257, 16, 0.9, None),   # 16 slots, 257 experts
+        (1, 1, 512, 16, 0.9, None),   # 1 slot, 512 experts
+    ]]
+
+
+@pytest.mark.parametrize("tokens, top_k, e, block_m, local_frac, one_expert, seed", DISPATCH_CASES)
+def test_moe_align_dispatch_is_one_launch(monkeypatch, tokens, top_k, e, block_m, local_frac, one_expert, seed):
+    """moe_align at 1 <= S <= MOE_ALIGN_ONE_LAUNCH_MAX slots at any E, decode included: ONE launch of the fused
+    kernel, nothing else; == the reference bit for bit (stable order within an expert, -1 last, same tile table)."""
     spies = spy_align(monkeypatch)
-    ids = _ids(tokens, 8, e, 0.9, seed=tokens)
-    s = ids.numel()
-    assert 1 <= s <= tg.MOE_ALIGN_ONE_LAUNCH_MAX
+    ids = _ids(tokens, top_k, e, local_frac, seed=seed, one_expert=one_expert)
+    assert 1 <= ids.numel() <= tg.MOE_ALIGN_ONE_LAUNCH_MAX
     got, ref = tg.moe_align(ids, e, block_m), tg.moe_align_reference(ids, e, block_m)
     want = {n: 0 for n in spies}
     want["_moe_align_fused_kernel"] = 1
     assert {n: sp.launches for n, sp in spies.items()} == want
     _assert_same(tuple(getattr(got, f) for f in FIELDS), ref, "moe_align")
+    _assert_stable(ids, e, ref)
 
 
 def test_past_the_one_launch_limit_two_launches(monkeypatch):

@@ -130,8 +130,10 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
         ids_of[t] = torch.rand(t, E, device=dev, generator=g).argsort(-1)[:, :TOP_K]
         sw_of[t] = torch.softmax(torch.randn(t, TOP_K, device=dev, generator=g), -1)
         s = t * TOP_K
-        routings[t] = tg.moe_align(ids_of[t], E, tg.grouped_block_m(-(-s // min(E, s))))
-        # the Gluon kernel takes routing block_m 8 / 16 / 32: past 32 (T=1024: 64) its own 32-row tile table
+        # routing as moe_forward builds it for w4a16 on sm_90 (moe_block_m where both GEMMs have entries: T=1024 32)
+        bm = tg.GLUON_MOE_ROUTING_BLOCK_M.get(tg.gluon_moe_bucket(s)) or tg.grouped_block_m(-(-s // min(E, s)))
+        routings[t] = tg.moe_align(ids_of[t], E, bm)
+        # the Gluon kernel takes routing block_m 8 / 16 / 32 / 64: past 64 its own 64-row tile table
         groutings[t] = (routings[t] if routings[t].block_m in gm.BLOCK_M_NT
                         else tg.moe_align(ids_of[t], E, max(gm.BLOCK_M_NT)))
         x = torch.randn(t, HIDDEN, device=dev, generator=g)

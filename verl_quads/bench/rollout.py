@@ -179,7 +179,7 @@ def _moe_layer_rows(ms: list[int], ratios: list[float], bw: float, dev: str, g: 
         except Exception as ex:  # pragma: no cover - depends on the torch build
             print(f"{tag}: bf16 layer baseline failed ({type(ex).__name__}: {ex})", flush=True)
             t_base = float("nan")
-        bm = tg.grouped_block_m(-(-(m * TOP_K) // min(e, m * TOP_K)))
+        bm = tg.moe_block_m(m * TOP_K, e, x, qs["w13"][0], qs["w2"][0])  # w4a16's routing (w4a16 values = x)
         t_align, how = _time(lambda: tg.moe_align(ids, e, bm))
         rows.append([tag, "moe_align (routing sort + tile table)", how, t_align * 1e6, "-", "-", "-"])
         for label, mode, r, comb, gran in _variants(ratios, variants):
@@ -1062,9 +1062,11 @@ def _profile_moe_layer(m: int, modes: tuple[str, ...], calls: int = 5) -> str:
     s = m * TOP_K
     per = -(-s // min(e, s))
     bm = tg.grouped_block_m(per)
+    bm16 = tg.moe_block_m(s, e, x, qs["w13"][0], qs["w2"][0])  # w4a16's routing (w4a16 values = x)
     t_max = -(-s // bm) + min(e, s)
-    text = [f"where the time goes: moe_forward at M={m} ({s} token-slots, ~{per} rows per expert, block_m {bm}, "
-            f"{t_max} M-tiles in the grid); torch.profiler, {calls} eager calls per mode, device kernels only"]
+    text = [f"where the time goes: moe_forward at M={m} ({s} token-slots, ~{per} rows per expert, block_m {bm}"
+            f"{f' (w4a16: {bm16}, the Gluon kernels)' if bm16 != bm else ''}, {t_max} M-tiles in the grid); "
+            f"torch.profiler, {calls} eager calls per mode, device kernels only"]
     for name, n, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
         stream = tg.decode_config(s, n, k, True)
         tc, tc4 = (tg.pick_config(per, t_max, n, k, torch.device(dev), block_m=bm, grouped=True, a4=a4)

@@ -709,27 +709,30 @@ if gluon is not None:
         return gl.arange(0, NT * 32, layout=gl.SliceLayout(1, xs_stage_layout(NW))) // 4
 
     @gluon.jit
-    def _xs_issue(x_s, buf0, x_ptr, off, live, cs, c_hi, XC: gl.constexpr):
+    def _xs_issue(x_s, buf0, x_ptr, off, live, cs, c_hi, NT: gl.constexpr, XC: gl.constexpr):
         """cp.async chunks ``cs .. cs + XC`` (those < c_hi) of the staged rows (``off``: element offsets at chunk 0,
-        ``live``: rows to read; the others are left as they are) into buffers ``buf0 ..`` of ``x_s``; one commit
-        group."""
+        ``live``: rows to read; the others are left as they are) into rows ``[0, 32 NT)`` of buffers ``buf0 ..`` of
+        ``x_s``; one commit group."""
         for c in gl.static_range(XC):
-            async_copy.async_copy_global_to_shared(x_s.index(buf0 + c), x_ptr + off + (cs + c) * 128,
+            async_copy.async_copy_global_to_shared(x_s.index(buf0 + c).slice(0, NT * 32), x_ptr + off + (cs + c) * 128,
                                                    mask=live & (cs + c < c_hi))
         async_copy.commit_group()
 
     @gluon.jit
     def xs_k_loop(acc, w_ptr, s_ptr, x_s, x_ptr, xrow, live, K, woff, soff, c_lo, c_hi, NW: gl.constexpr,
                   NT: gl.constexpr, PF: gl.constexpr, XC: gl.constexpr, XB: gl.constexpr, RG: gl.constexpr = 1,
-                  DEC: gl.constexpr = 1, WEV: gl.constexpr = 0):
+                  DEC: gl.constexpr = 1, WEV: gl.constexpr = 0, SYNC: gl.constexpr = False):
         """Standard layout K loop (one 128-element chunk per iteration, WPT 4) with the activation staged in shared
-        memory ``x_s`` ``[XB XC, 32 NT, 32]`` (:func:`xs_layout`) by cp.async, once per program -- coalesced 256-byte
+        memory ``x_s`` ``[XB XC, >= 32 NT, 32]`` (:func:`xs_layout`; rows ``[0, 32 NT)`` of each buffer used: the
+        grouped kernel sizes its buffers for its widest pass) by cp.async, once per program -- coalesced 256-byte
         rows instead of every warp's own 16-byte pieces of 8 rows (4x the L1 wavefronts) -- and the weights from
         global with PF (0, 1, 2) iterations of register prefetch (loads past the range re-read the last chunk: no
         masks). ``xrow`` / ``live`` ([32 NT] in :func:`xs_stage_layout`'s row slice, e.g. from :func:`xs_slots`):
         the activation row of each staged row and whether to read it (rows not read leave their smem as it was:
         their outputs must not be stored). Stages of XC chunks; XB 2: the next stage is copied while this one is
-        used. Same decode / MMA / summation order as :func:`k_loop` (the same bytes)."""
+        used. SYNC: a CTA barrier before the first copy (``x_s`` was read before in this program: the grouped
+        kernel's passes). Same decode / MMA / summation order as :func:`k_loop` (the same bytes). Also the grouped
+        wide kernel's K loop (gluon_moe._wide_pass: ``x_s`` a slice of its buffers, rows from its routing)."""
         LR: gl.constexpr = gl.BlockedLayout([1, 32], [32, 1], [1, NW], [1, 0])
         LX: gl.constexpr = std_x_layout(NW, 4)
         L2: gl.constexpr = xs_stage_layout(NW)
@@ -737,7 +740,9 @@ if gluon is not None:
         off = (gl.expand_dims(xrow * K + (r2 % 4) * 32, 1)
                + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L2)), 0))
         live2 = gl.expand_dims(live, 1)
-        _xs_issue(x_s, 0, x_ptr, off, live2, c_lo, c_hi, XC)
+        if SYNC:
+            _cta_barrier()  # the previous readers of x_s are done
+        _xs_issue(x_s, 0, x_ptr, off, live2, c_lo, c_hi, NT, XC)
         c_last = c_hi - 1
         if PF >= 1:
             n1w = _load_hint(w_ptr + woff + c_lo * 16, 0, False, WEV)
@@ -749,7 +754,7 @@ if gluon is not None:
         for s0 in range(c_lo, c_hi, XC):
             b0 = (((s0 - c_lo) // XC) % XB) * XC
             if XB == 2:
-                _xs_issue(x_s, XC - b0, x_ptr, off, live2, s0 + XC, c_hi, XC)  # the next stage (if any)
+                _xs_issue(x_s, XC - b0, x_ptr, off, live2, s0 + XC, c_hi, NT, XC)  # the next stage (if any)
                 async_copy.wait_group(1)
             else:
                 async_copy.wait_group(0)
@@ -772,15 +777,15 @@ if gluon is not None:
                     cn = gl.minimum(c0 + 2, c_last)
                     n2w = _load_hint(w_ptr + woff + cn * 16, 0, False, WEV)
                     n2s = _load_hint(s_ptr + soff + cn * 8, 0, False, WEV)
-                xv = gl.convert_layout(gl.reshape(x_s.index(b0 + c0 - s0).load(LR), (NT, 8, 4, 1, 32)), LX,
-                                       assert_trivial=True)
+                xs = x_s.index(b0 + c0 - s0).slice(0, NT * 32)
+                xv = gl.convert_layout(gl.reshape(xs.load(LR), (NT, 8, 4, 1, 32)), LX, assert_trivial=True)
                 wd = gl.convert_layout(gl.reshape(wd, (NW * RG, 2, 8, 4, 1, 2, 2)), std_pair_layout(NW, 4),
                                        assert_trivial=True)
                 acc = _std_chunk_mma(acc, wd, sc, xv, dot_layout(NW, 0), dot_layout(NW, 1), NW * RG, 1, NT, 4, DEC)
             if XB == 1:
                 if s0 + XC < c_hi:
                     _cta_barrier()  # every warp is done with this stage's buffers
-                    _xs_issue(x_s, 0, x_ptr, off, live2, s0 + XC, c_hi, XC)
+                    _xs_issue(x_s, 0, x_ptr, off, live2, s0 + XC, c_hi, NT, XC)
             else:
                 _cta_barrier()  # this stage's buffers are refilled (two stages later) only after every warp used them
         return acc

@@ -50,12 +50,11 @@ if gluon is not None:
     from triton.experimental.gluon import language as gl
 
     from triton.experimental.gluon.language.extra import libdevice
-    from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from verl_quads.nvfp4.gluon_gemm import (_cta_barrier, _iota, _k_range, _std_chunk_loads, _std_chunk_mma,
-                                             dot_layout, k_loop, mma_layout, split_fixup, std_pair_layout,
-                                             std_weight_offsets, std_word_layout, std_x_layout, std_x_offsets,
-                                             std_x_rows)
+    from verl_quads.nvfp4.gluon_gemm import (_iota, _k_range, _std_chunk_loads, _std_chunk_mma, dot_layout, k_loop,
+                                             mma_layout, split_fixup, std_pair_layout, std_weight_offsets,
+                                             std_word_layout, std_x_offsets, std_x_rows, xs_k_loop, xs_layout,
+                                             xs_slots)
 
     @gluon.jit
     def _moe_scaled_rows(acc, gw, orow_ptr, n0, r0, r1, MMA: gl.constexpr, BN: gl.constexpr, NT: gl.constexpr,
@@ -216,83 +215,6 @@ if gluon is not None:
             acc = _wide_mma(acc, wd, sc, xv, NW, RG, KC, NT, WPT, DEC)
         return acc
 
-    @gluon.constexpr_function
-    def _xs_layout():
-        """Shared layout of the staged activation ``[buffers, 32 NT, 32]`` (row 4 (8 nt + g) + t: thread (g, t)'s
-        32 elements of a chunk): 16-byte vectors XOR-swizzled by (row / 2) % 4, so that the 8 threads of each
-        16-byte access phase hit distinct banks (rank 2: the leading dim indexes the chunk buffers)."""
-        return gl.SwizzledSharedLayout(8, 2, 4, [1, 0])
-
-    @gluon.jit
-    def _stage_issue(x_s, buf0, x_ptr, off, live, cs, c_hi, NT: gl.constexpr, XC: gl.constexpr):
-        """cp.async chunks ``cs .. cs + XC`` (those < c_hi) of the pass's rows (``off``: offsets at chunk 0, ``live``:
-        rows < r1; others are not read) into buffers ``buf0 .. buf0 + XC`` of ``x_s`` (rows 0 .. 32 NT), one commit
-        group."""
-        for c in gl.static_range(XC):
-            async_copy.async_copy_global_to_shared(x_s.index(buf0 + c).slice(0, NT * 32), x_ptr + off + (cs + c) * 128,
-                                                   mask=live & (cs + c < c_hi))
-        async_copy.commit_group()
-
-    @gluon.jit
-    def _wload(w_ptr, s_ptr, woff, soff, c, WPT: gl.constexpr):
-        return gl.load(w_ptr + woff + c * (4 * WPT)), gl.load(s_ptr + soff + c * (2 * WPT))
-
-    @gluon.jit
-    def _xs_k_loop(acc, w_ptr, s_ptr, x_s, x_ptr, arow_ptr, rs, r1, K, woff, soff, c_lo, c_hi, NW: gl.constexpr,
-                   RG: gl.constexpr, NT: gl.constexpr, PF: gl.constexpr, WPT: gl.constexpr, XC: gl.constexpr,
-                   XB: gl.constexpr, DEC: gl.constexpr):
-        """K loop (one 128-element chunk per iteration) with the activation from shared memory and the weights from
-        global, PF (0, 1, 2) iterations of weight loads ahead (register prefetch; loads past the range re-read the
-        last chunk). The pass's activation rows ``arow[rs + j]`` (j < 8 NT; rows >= r1 are not read: their smem
-        is zero or stale, their outputs are not stored) are staged by cp.async in stages of XC chunks (row ``4 j +
-        t`` of a chunk buffer: elements ``128 c + 32 t + [0, 32)``); XB 2: the next stage is copied while this one
-        is used (two sets of XC buffers)."""
-        LR: gl.constexpr = gl.BlockedLayout([1, 8 * WPT], [32, 1], [1, NW], [1, 0])
-        LX: gl.constexpr = std_x_layout(NW, WPT)
-        L2: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [NW, 1], [1, 0])
-        r2 = gl.arange(0, NT * 32, layout=gl.SliceLayout(1, L2))
-        j = rs + r2 // 4
-        row = gl.load(arow_ptr + gl.minimum(j, r1 - 1))
-        off = (gl.expand_dims(row * K + (r2 % 4) * 32, 1)
-               + gl.expand_dims(gl.arange(0, 32, layout=gl.SliceLayout(0, L2)), 0))
-        live = gl.expand_dims(j < r1, 1)
-        _cta_barrier()  # the previous pass's readers of x_s are done
-        _stage_issue(x_s, 0, x_ptr, off, live, c_lo, c_hi, NT, XC)
-        c_last = c_hi - 1
-        if PF >= 1:
-            n1 = _wload(w_ptr, s_ptr, woff, soff, c_lo, WPT)
-        if PF >= 2:
-            n2 = _wload(w_ptr, s_ptr, woff, soff, gl.minimum(c_lo + 1, c_last), WPT)
-        for s0 in range(c_lo, c_hi, XC):
-            b0 = (((s0 - c_lo) // XC) % XB) * XC
-            if XB == 2:
-                _stage_issue(x_s, XC - b0, x_ptr, off, live, s0 + XC, c_hi, NT, XC)  # the next stage (if any)
-                async_copy.wait_group(1)
-            else:
-                async_copy.wait_group(0)
-            _cta_barrier()  # every thread's copies of this stage are in smem
-            for c0 in range(s0, gl.minimum(s0 + XC, c_hi)):
-                if PF == 0:
-                    cur = _wload(w_ptr, s_ptr, woff, soff, c0, WPT)
-                elif PF == 1:
-                    cur = n1
-                    n1 = _wload(w_ptr, s_ptr, woff, soff, gl.minimum(c0 + 1, c_last), WPT)
-                else:
-                    cur = n1
-                    n1 = n2
-                    n2 = _wload(w_ptr, s_ptr, woff, soff, gl.minimum(c0 + 2, c_last), WPT)
-                wd, sc = cur
-                xv = gl.convert_layout(gl.reshape(x_s.index(b0 + c0 - s0).slice(0, NT * 32).load(LR),
-                                                  (NT, 8, 4, 1, 8 * WPT)), LX, assert_trivial=True)
-                acc = _wide_mma(acc, wd, sc, xv, NW, RG, 1, NT, WPT, DEC)
-            if XB == 1:
-                if s0 + XC < c_hi:
-                    _cta_barrier()  # every warp is done with this stage's buffers
-                    _stage_issue(x_s, 0, x_ptr, off, live, s0 + XC, c_hi, NT, XC)
-            else:
-                _cta_barrier()  # this stage's buffers are refilled (two stages later) only after every warp used them
-        return acc
-
     @gluon.jit
     def _wide_pass(x_s, x_ptr, w_e, s_e, gw, out_ptr, part_ptr, cnt_ptr, arow_ptr, orow_ptr, woff, kcw, soff, kcs,
                    rs, r1, K, N, OUT_ROWS, c_lo, c_hi, pid_n, pid_k, ci, NW: gl.constexpr, RG: gl.constexpr,
@@ -304,9 +226,10 @@ if gluon is not None:
         MMA: gl.constexpr = mma_layout(NW)
         BN: gl.constexpr = NW * RG * 16
         acc = gl.zeros([BN, NT * 8], gl.float32, MMA)
-        if XS:
-            acc = _xs_k_loop(acc, w_e, s_e, x_s, x_ptr, arow_ptr, rs, r1, K, woff, soff, c_lo, c_hi, NW, RG, NT, PF,
-                             WPT, XC, XB, DEC)
+        if XS:  # the dense kernel's staged K loop on the pass's rows (rows >= r1 not read, their outputs not stored)
+            j = rs + xs_slots(NT, NW)
+            acc = xs_k_loop(acc, w_e, s_e, x_s, x_ptr, gl.load(arow_ptr + gl.minimum(j, r1 - 1)), j < r1, K, woff, soff,
+                            c_lo, c_hi, NW, NT, PF, XC, XB, RG, DEC, 0, True)
         else:
             xoff, kcx = std_x_offsets(gl.load(arow_ptr + gl.minimum(rs + std_x_rows(NT, NW, WPT), r1 - 1)), K, NW, KC,
                                       WPT)
@@ -341,7 +264,7 @@ if gluon is not None:
         pid_k = gl.program_id(2)
         if XS:
             gl.static_assert(KC == 1 and WPT == 4, "activation staging: KC 1, WPT 4")
-            x_s = gl.allocate_shared_memory(gl.bfloat16, [XB * XC, NT * 32, 8 * WPT], _xs_layout())
+            x_s = gl.allocate_shared_memory(gl.bfloat16, [XB * XC, NT * 32, 8 * WPT], xs_layout())
         else:
             x_s = 0
         e = gl.load(te_ptr + pid_m)
@@ -495,6 +418,9 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
         nts = 0
     passes = BLOCK_M_NT[bm] // nt
     s = routing.sorted_slots.numel()
+    if getattr(cfg, "ks", 1) != 1:  # GroupedConfig inherits the dense kernel's in-program split-K; this kernel has none
+        raise ValueError(f"gluon_w4a16_grouped: ks (split-K inside the program) is a dense-kernel option; got ks "
+                         f"{cfg.ks} in {cfg}; use split for split-K here")
     rows_out = s if out_rows is None else out_rows
     if m * k >= 2**31 or e * n * k >= 2**33 or max(1, rows_out) * n * 64 >= 2**31:
         raise ValueError("gluon_w4a16_grouped: int32 offsets overflow at this size")

@@ -39,6 +39,43 @@ after it); two guards compare an inline-asm read with triton's own access of the
 error, never wrong bytes) if another triton placed them elsewhere. Registers 72 (was 56) at 512 blocks: 7 programs
 per SM.
 
+EVICT (:data:`EXTRA_CONFIG`, with SMR, on at 512 and 128 padded blocks): L2 cache hints. The row's cp.async (every
+tile by inline asm: triton 3.6's own async copy drops an ``eviction_policy``) under an ``evict_last`` policy
+(``createpolicy.fractional``), step 3's x re-read and its stores ``evict_first`` (triton's ``eviction_policy``):
+without them step 3's re-read missed L2 for ~60% of the selected blocks (ncu: the kernel read 175-177 MB from DRAM
+for x's 134 MB at 8192x8192 k=0.5; 146 MB with tiles >= 1 evict_last and the re-read evict_first, 137.5 MB with
+every tile evict_last).
+
+Session 13 (H200, bf16, CUDA-graph us, every variant's bytes == the default kernel's before timing; helper R's results
+R1-R8 of session 13): the kernel is issue-bound, not phase-serialised. ncu, one launch at 8192x8192 k=0.5: 78.1M warp
+instructions, 0.72 issued per scheduler cycle (28% of cycles no eligible warp; stall cycles per issue: long scoreboard
+1.78, short scoreboard 1.60, not selected 1.57, barrier 1.09, wait 0.93, math throttle 0.78), 6.5 of 7 possible warps
+per scheduler, DRAM 56% of peak; the hottest stall samples: step 3's first use of the re-read x (10%), the row copy's
+wait (7%), the search's per-step shared-memory load after the barrier (~14% with its adds). A per-program ``%clock64``
+trace (probe, removed; per SM 6.4 programs resident): median cycles per program row copy 2.5-3.1k, step 1 5.1-5.5k,
+search 7.2-7.6k, selection 1.3k, step 3 4.1-5.3k (21.5-22k); programs do NOT run in lock-step (some program on the SM is
+loading its row 60-65% of the time, all of them 2%), and starting the first wave's programs of SM slot j j * D cycles
+late (D = 1750 / 3500 / 7000) measured 109.0 / 111.2 / 114.8 vs 109.5 (R1; removed). EVICT (above), k=0.5: 8192x8192
+106.3-107.9 vs 112.2-113.5 (R2, R3: 1.47-1.49x vs 1.55-1.57x; the default's time varied 109.5-113.5 between runs, plain
+QDQ 71.8-72.5), k=0.25 97.1 vs 100.8-100.9 (R3); the hint bits alone (8192x8192 k=0.5): copies evict_last 109.1-109.2, +
+re-read evict_first 107.2-108.7, + stores evict_first 106.3-107.9, + step 1's stores evict_first too 106.9-108.6 (not
+taken); 32768x2048 copies + re-read 98.8-99.5 vs 101.2-101.8 (R2). With tile 0's copy by triton (no hint; the form of
+R5) ``bench nvfp4 --residual-variants`` twice (R5): 8192x8192 k=0.5 106 / 107 vs "gluon-ev0" 112 / 113 (plain QDQ 71.8 /
+72.4: 1.48x vs 1.56x), k=0.25 96.0 / 96.9 vs 99.4 / 99.6; 32768x2048 k=0.5 98.3 / 99.5 vs 101 / 102 (plain 67.5 / 67.8:
+1.46-1.47x vs 1.49-1.50x), k=0.25 87.9 / 88.1 vs 89.4 / 90.1; the register cap of 64 (8 programs per SM) still slower
+(108 / 109, 100 / 101). Tile 0 by inline asm too (this form), 8192x8192 k=0.5: 106.4 / 107.3 vs 107.1 / 107.9 (R3),
+105.5 / 106.7 / 106.1 vs 106.3 / 106.6 / 107.4 (R6, plain 71.9: 1.47x vs 1.48x; EVICT off 112.3-113.4), k=0.25 95.8-96.3
+vs 95.7-96.4 (equal); 32768x2048 k=0.5 97.6-97.7 (its own process) vs 99.0-101.3 (EVICT off 101.6-103.3; plain
+66.9-67.1); ``bench nvfp4 --residual-variants`` (R8): 8192x8192 k=0.5 106 vs 112 (plain 72.6: 1.46x vs 1.55x), k=0.25
+96.3 vs 100; 32768x2048 k=0.5 97.4 vs 101 (plain 68.1: 1.43x vs 1.49x), k=0.25 86.8 vs 89.3. Issue #2's 1.5x is met at
+both shapes in these runs, at 8192x8192 by ~2-3 us (1.46-1.48x), not by the ~5 us margin of <= 105 us. GPU tests of this
+form: R7 (137 of 146 run, all passed; cut by its time limit); the EVICT option / auto / refusal tests of the file re-run
+in the session's final verification. Measured slower or equal (same bytes), removed: per-tile cp.async waits (step 1's
+tile t waits for its own copies only; triton adds a CTA barrier after each wait) 114.8-115.1 (R2; with EVICT's first two
+hints 109.9-110.4); step 3's selected x blocks prefetched into L1 (``prefetch.global.L1`` right after the search, by the
+threads holding their scores) 108.3-109.1 vs 106.5-107.6 (R3; 32768x2048 not timed: that probe process died of an
+illegal instruction, not attributed; every EVICT form passed its byte checks there, R4 / R6 / R8).
+
 Session 12 (H200, bf16, CUDA-graph us, every variant's bytes == the default kernel's before timing; results R2-R5, R7,
 R9; plain QDQ 71.7-73.3 / 66.7-67.7): 8192x8192 k=0.5 / 0.25: SMR 110 / 97.9-99 (R4, R9; with the prefix search
 below 111 / 98.6, R2) vs 118 / 98.1-99.9: 1.49x (R9, plain 73.3) to 1.53x (R4, plain 71.7), issue #2's 1.5x met only
@@ -149,14 +186,17 @@ _FIELDS = ("num_warps", "reuse", "maxnreg")
 #: amax from 16-byte scratch entries instead of recomputing them 134 / 113 and 118 / 97.5; "lean" (the row's
 #: cp.async as one op, step 1's kept vectors stored once: 6 fewer compiler CTA barriers) with search 1 + hwe
 #: 123 / 106 and 109 / 93.8. "smr": step 3 from shared memory (module docstring; session 12, on at 512 and 128
-#: blocks, where it was timed; 32 / 64 / 256 / 1024 blocks: not timed, off; excludes REUSE, off at 128 now).
-EXTRA_CONFIG = {nbp: {"hwe": int(nbp == 512), "msel": int(nbp == 512), "smr": int(nbp in (128, 512))}
+#: blocks, where it was timed; 32 / 64 / 256 / 1024 blocks: not timed, off; excludes REUSE, off at 128 now). "evict":
+#: L2 cache hints on SMR's row copies and step 3 (module docstring; session 13, on where SMR is; needs SMR).
+EXTRA_CONFIG = {nbp: {"hwe": int(nbp == 512), "msel": int(nbp == 512), "smr": int(nbp in (128, 512)),
+                      "evict": int(nbp in (128, 512))}
                 for nbp in CONFIG}
-_EXTRA_FIELDS = ("hwe", "msel", "smr")
+_EXTRA_FIELDS = ("hwe", "msel", "smr", "evict")
 #: "-hwe" / "-msel": that option at every row length; "-base": neither (the session-11 search only); "-smr" / "-smr0":
-#: SMR at every row length / at none (the session-11 kernel, REUSE off).
+#: SMR at every row length / at none (the session-11 kernel, REUSE off); "-ev0": EVICT off (the session-12 kernel).
 VARIANTS.update({"gluon-hwe": {"hwe": 1}, "gluon-msel": {"msel": 1}, "gluon-base": {"hwe": 0, "msel": 0},
-                 "gluon-smr": {"smr": 1, "reuse": False}, "gluon-smr0": {"smr": 0}})
+                 "gluon-smr": {"smr": 1, "reuse": False}, "gluon-smr0": {"smr": 0},
+                 "gluon-ev0": {"evict": 0}})
 
 
 @contextlib.contextmanager
@@ -303,6 +343,16 @@ if gluon is not None and _MISSING is None:
                                          is_pure=False, pack=4)
 
     @gluon.jit
+    def _cp_async8_keep(saddr, gptr, m):
+        """:func:`_cp_async8` under an L2 evict_last cache policy (``createpolicy.fractional.L2::evict_last``, all of
+        the lines): EVICT's copies of the row, which step 3 re-reads from L2."""
+        return gl.inline_asm_elementwise("{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+                                         "cp.async.cg.shared.global.L2::cache_hint [$4], [$8], 16, $12, pol; "
+                                         "mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }",
+                                         "=r,=r,=r,=r,r,r,r,r,l,l,l,l,r,r,r,r", [saddr, gptr, m], dtype=gl.int32,
+                                         is_pure=False, pack=4)
+
+    @gluon.jit
     def _word_addr(base, b, jw):
         """Shared byte addresses [CT, 8] of the 8 words of blocks ``b`` [CT] in the row buffer at ``base`` (32 bytes
         per block, as the [NBP, 8] int32 buffer with SwizzledSharedLayout(1, 1, 1): no swizzle)."""
@@ -390,16 +440,18 @@ if gluon is not None and _MISSING is None:
         return gl.where(take, cand, th), gl.where(take, cc, cnt)
 
     @gluon.jit
-    def _store_with_residual(out_ptr, boff, smask, ve, vo, re, ro, ra, gs2, inv2, HWE: gl.constexpr):
+    def _store_with_residual(out_ptr, boff, smask, ve, vo, re, ro, ra, gs2, inv2, HWE: gl.constexpr,
+                             EVICT: gl.constexpr = 0):
         """Step 3's common tail: the second pass's block scales from the residual amax ``ra`` under the row's
         second-pass global scale ``gs2`` (``inv2`` its reciprocal), ``Q(x) + Q(R)`` (even / odd elements ``ve`` + Q(re),
         ``vo`` + Q(ro), float32) packed to bf16 pairs and stored at word offsets ``boff`` of the rows' blocks
-        (``smask``: the selected slots)."""
+        (``smask``: the selected slots; EVICT: stored evict_first, the output's last write)."""
         s2, _, os2 = _scales_inv(ra, gs2, inv2, HWE)
         f2 = gl.div_rn(s2, gs2)
         ve = ve + _qdq(re, os2, f2)
         vo = vo + _qdq(ro, os2, f2)
-        gl.store(out_ptr + boff, _pack(ve, vo), mask=gl.expand_dims(smask, 1))
+        gl.store(out_ptr + boff, _pack(ve, vo), mask=gl.expand_dims(smask, 1),
+                 eviction_policy="evict_first" if EVICT else "")
 
     @gluon.jit
     def _second_chunk(x_ptr, out_ptr, idx_ptr, row, rbase, s0, ci, jw, gs, inv, os_r, fa_r, ra_r, gs2, inv2,
@@ -430,18 +482,19 @@ if gluon is not None and _MISSING is None:
 
     @gluon.jit
     def _second_chunk_smr(x_ptr, out_ptr, row, rbase, s0, ci, jw, base, gs2, inv2, NSEL: gl.constexpr,
-                          NBP: gl.constexpr, HWE: gl.constexpr):
+                          NBP: gl.constexpr, HWE: gl.constexpr, EVICT: gl.constexpr = 0):
         """Step 3 (SMR) for the selected blocks of slots ``s0 + ci``: their slots, the signed E2M1 values of the first
         pass (bf16 pairs, over the block's x words), its factor and the residual amax read from the row buffer at
         shared byte address ``base`` (``_gluon_residual_qdq_kernel``'s SMR layout), x re-read from global memory (L2:
         the row was just read): ``Q(x) = ±r * factor`` and ``R = x - Q(x)`` (no first pass again), Q(R) and Q(x) +
-        Q(R) written over the blocks."""
+        Q(R) written over the blocks. EVICT: x re-read evict_first (its last use), the stores evict_first."""
         sl = s0 + ci
         smask = sl < NSEL
         blk = gl.where(smask, _lds1(base + NBP * 40 + sl * 4), 0)  # slots >= NSEL: not written, masked
         aw = _word_addr(base, blk, jw)
         boff = rbase + gl.expand_dims(blk * 8, 1) + jw
-        w = gl.load(x_ptr + boff, mask=gl.expand_dims(smask, 1), other=0)
+        w = gl.load(x_ptr + boff, mask=gl.expand_dims(smask, 1), other=0,
+                    eviction_policy="evict_first" if EVICT else "")
         rw = _lds8(aw)
         fa1 = _lds1(base + blk * 4 + NBP * 32).to(gl.float32, bitcast=True)
         ra = _lds1(base + blk * 4 + NBP * 36).to(gl.float32, bitcast=True)
@@ -451,19 +504,21 @@ if gluon is not None and _MISSING is None:
         vo = ro1 * gl.expand_dims(fa1, 1)
         re = xe - ve
         ro = xo - vo
-        _store_with_residual(out_ptr, boff, smask, ve, vo, re, ro, ra, gs2, inv2, HWE)
+        _store_with_residual(out_ptr, boff, smask, ve, vo, re, ro, ra, gs2, inv2, HWE, EVICT)
 
     @gluon.jit
     def _gluon_residual_qdq_kernel(x_ptr, gs_ptr, out_ptr, idx_ptr, GS_DIV, NSEL: gl.constexpr,
                                    NB: gl.constexpr, NBP: gl.constexpr, NW: gl.constexpr, REUSE: gl.constexpr = 0,
                                    STOP: gl.constexpr = 0, HWE: gl.constexpr = 0,
-                                   MSEL: gl.constexpr = 0, SMR: gl.constexpr = 0):
+                                   MSEL: gl.constexpr = 0, SMR: gl.constexpr = 0, EVICT: gl.constexpr = 0):
         """Module docstring; one program per row. ``x_ptr`` / ``out_ptr``: int32 views of the bf16 ``[M, K]`` input
         / output; ``gs_ptr`` float32 first-pass global scales (row r's at ``r // GS_DIV``); ``idx_ptr`` int32
         scratch ``[M, NSEL]``. Speed options (same bytes): REUSE: step 3 gathers the first pass's per-block output
         scale / factor and residual amax (kept in shared memory by step 1) instead of recomputing them; HWE: block
         scales rounded to E4M3 by the hardware conversion; MSEL: the R_sel amax and the slots with one CTA barrier;
-        SMR: step 3 from shared memory, the first pass not recomputed (module docstring; :data:`EXTRA_CONFIG`).
+        SMR: step 3 from shared memory, the first pass not recomputed (module docstring; :data:`EXTRA_CONFIG`);
+        EVICT (with SMR): L2 cache hints, the row's copies (tiles >= 1) evict_last, step 3's x re-read and stores
+        evict_first (module docstring).
         STOP (timing probe of ``bench nvfp4 --residual-probe``, not a result): 1 = return after step 1, 2 = after
         the threshold search (its threshold stored at ``idx_ptr``'s row), 3 = after the selection and its index
         store."""
@@ -508,9 +563,13 @@ if gluon is not None and _MISSING is None:
         # by inline asm, which triton's barrier analysis does not see (no CTA barrier between the tiles' copies)
         for t in gl.static_range(NT):
             c = t * CT + ci
-            if SMR and t > 0:
-                _cp_async8(_word_addr(base, c, jw), x_ptr + rbase + gl.expand_dims(c * 8, 1) + jw,
-                           gl.where(gl.expand_dims(c < NB, 1), 16, 0) + jw * 0)
+            if SMR and (t > 0 or EVICT):  # EVICT: tile 0 too (triton's own copy drops an eviction_policy hint)
+                if EVICT:  # the row kept in L2 for step 3's re-read
+                    _cp_async8_keep(_word_addr(base, c, jw), x_ptr + rbase + gl.expand_dims(c * 8, 1) + jw,
+                                    gl.where(gl.expand_dims(c < NB, 1), 16, 0) + jw * 0)
+                else:
+                    _cp_async8(_word_addr(base, c, jw), x_ptr + rbase + gl.expand_dims(c * 8, 1) + jw,
+                               gl.where(gl.expand_dims(c < NB, 1), 16, 0) + jw * 0)
             else:
                 async_copy.async_copy_global_to_shared(xs.slice(t * CT, CT),
                                                        x_ptr + rbase + gl.expand_dims(c * 8, 1) + jw,
@@ -656,7 +715,7 @@ if gluon is not None and _MISSING is None:
             fa_r = ra_r
         if SMR:
             for s0 in range(0, NSEL, CT):
-                _second_chunk_smr(x_ptr, out_ptr, row, rbase, s0, ci, jw, base, gs2, inv2, NSEL, NBP, HWE)
+                _second_chunk_smr(x_ptr, out_ptr, row, rbase, s0, ci, jw, base, gs2, inv2, NSEL, NBP, HWE, EVICT)
             rowb._keep_alive()  # read by inline asm above, invisible to triton's liveness
             frs._keep_alive()
         else:
@@ -712,11 +771,12 @@ def resolve_smr(default: int, smr: int | None) -> int:
 def residual_qdq(x: torch.Tensor, gs_flat: torch.Tensor, gs_div: int, n_sel: int, num_warps: int | None = None,
                  reuse: bool = False, maxnreg: int | None = None, stop: int = 0,
                  out: torch.Tensor | None = None, hwe: int | None = None, msel: int | None = None,
-                 smr: int | None = None) -> torch.Tensor:
+                 smr: int | None = None, evict: int | None = None) -> torch.Tensor:
     """``Q(x) + Q(R_sel)`` of bf16 ``x`` ``[M, K]`` (contiguous) with first-pass global scales ``gs_flat`` (float32,
     row r's at ``r // gs_div``) and ``n_sel`` blocks per row; the caller checked :func:`check_supported`. Launch
-    options: warps (default :func:`default_warps`), the kernel's REUSE, a register cap, its HWE / MSEL / SMR
-    (0 / 1; default: :data:`EXTRA_CONFIG`'s, SMR through :func:`resolve_smr`); ``stop``: the STOP timing probe (the output is then not a result)."""
+    options: warps (default :func:`default_warps`), the kernel's REUSE, a register cap, its HWE / MSEL / SMR / EVICT
+    (0 / 1; default: :data:`EXTRA_CONFIG`'s, SMR through :func:`resolve_smr`, EVICT only with SMR); ``stop``: the STOP
+    timing probe (the output is then not a result)."""
     m, k = x.shape
     nb = k // BLOCK_SIZE
     nbp = 1 << max(0, (nb - 1).bit_length())
@@ -727,18 +787,22 @@ def residual_qdq(x: torch.Tensor, gs_flat: torch.Tensor, gs_div: int, n_sel: int
     hwe = extra["hwe"] if hwe is None else hwe
     msel = extra["msel"] if msel is None else msel
     smr = resolve_smr(extra["smr"], smr)
-    for nm, v in (("hwe", hwe), ("msel", msel), ("smr", smr)):
+    evict = extra.get("evict", 0) * smr if evict is None else evict  # its hints are SMR's copies / step 3
+    for nm, v in (("hwe", hwe), ("msel", msel), ("smr", smr), ("evict", evict)):
         if v not in (0, 1):
             raise ValueError(f"gluon residual: {nm} must be 0 or 1, got {v!r}")
     if smr and reuse:
         raise ValueError("gluon residual: reuse (step 3 gathers the first pass's scales) and smr (step 3 reads them "
                          "from shared memory) exclude each other; pass reuse=False with smr=1")
+    if evict and not smr:
+        raise ValueError("gluon residual: evict (L2 hints on SMR's row copies and step 3) needs smr=1")
     out = torch.empty_like(x) if out is None else out
     scratch = torch.empty(m, max(n_sel, 1), dtype=torch.int32, device=x.device)
     if m:
         _gluon_residual_qdq_kernel[(m,)](x.view(torch.int32), gs_flat, out.view(torch.int32), scratch, gs_div,
                                          NSEL=n_sel, NB=nb, NBP=nbp, NW=nw, REUSE=int(reuse),
                                          STOP=int(stop), HWE=int(hwe), MSEL=int(msel), SMR=int(smr),
+                                         EVICT=int(evict),
                                          num_warps=nw, enable_fp_fusion=False,
                                          **({"maxnreg": maxnreg} if maxnreg else {}))
     return out

@@ -1550,30 +1550,30 @@ _GM_XS64 = GroupedConfig(num_warps=4, kc=1, occ=2, maxnreg=128, rg=2, dec=3, xs=
 _GM_XS13 = GroupedConfig(num_warps=4, kc=1, occ=2, maxnreg=128, rg=2, dec=3, xs=True, nts=2, xsc=1, xsb=2)
 _GM_XS2 = GroupedConfig(num_warps=4, kc=1, occ=2, maxnreg=128, rg=2, dec=3, xs=True, nts=2)
 #: Session 12 (helper M, H200, cold / warm us, one run each, every Gluon row torch.equal the block_m-32 baseline):
-#: T=1024 (8192 slots, routing block_m 64, the Gluon kernel's 64-row tiles). w13 by its fused-gate time: 8 n-tiles in
-#: one pass, 2 row groups per warp, adaptive n-tiles (tiles of <= 32 rows: 4), one-chunk x stages, no register cap
-#: (194-200 regs, no spills): 298 / 299 fused, 291 / 292 unfused vs the default dispatch 363 / 364 unfused (Triton
-#: on block_m 64; BF16 torch._grouped_mm 260 / 267); other 64-row candidates 299-312 fused. w2: the T=256 entry in
-#: two passes of 4 n-tiles (nt 4): 143 / 150 vs 181 / 183 (BF16 148 / 151; one-pass 64-row candidates 162-171).
-#: The same kernel on its own block_m-32 routing is faster still (w13 266 / 274, fused 276 / 277; w2 140 / 145):
-#: moe_forward builds block_m 64 here, so these are the entries for the routing it builds. Run 2 (gluon_moe_probe
-#: --tokens 1024, final tree): w13 294 / 293 vs 353 / 354 without the entry, w2 144 / 148 vs 170 / 171; the layer
-#: (moe_forward w4a16, gate fused, == fuse_gate=False) 461 / 462 us vs 552 / 555 without the bucket's entries (BF16
-#: 770: 1.67x vs 1.40x); parts: w13 + gate fused 298, w2 143, moe_align 11.
-_GM_BM64_13 = GroupedConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3, xs=True, nts=4, xsc=1, xsb=2)
-_GM_BM64_2 = GroupedConfig(num_warps=4, kc=1, occ=2, maxnreg=128, rg=2, dec=3, xs=True, nt=4, nts=2)
+#: T=1024 (8192 slots, 64 per expert: grouped_block_m 64). The Gluon kernel on routing block_m 64 (64-row tiles), best
+#: configs: w13 8 n-tiles in one pass, rg 2, nts 4, one-chunk x stages, no register cap: 291 / 292 unfused, 298 / 299
+#: fused (other 64-row candidates 299-312 fused); w2 the T=256 entry in two passes of 4 n-tiles (nt 4): 143 / 150
+#: (one-pass 64-row candidates 162-171); the Triton default dispatch on block_m 64: w13 363 / 364, w2 181 / 183; BF16
+#: torch._grouped_mm 260 / 267 and 148 / 151. The T=256 entries on block_m-32 routing of the same ids were faster
+#: still: w13 266 / 274, fused 276 / 277; w2 140 / 145. Session 12 kept the 64-row entries (moe_forward built block_m
+#: 64 there; layer 461 / 462 us vs 552 / 555 without them, BF16 770). Session 13: moe_forward builds block_m 32 at this
+#: bucket where both GEMMs run on the Gluon kernel (GLUON_MOE_ROUTING_BLOCK_M) and the bucket takes the T=256 entries;
+#: the 64-row entries are gone (measured slower than the 32-row ones on the same ids).
 GLUON_MOE_TABLE: dict[tuple[int, int, int], GluonConfig] = {
     (32, 1536, 2048): _GM_K2, (32, 2048, 768): _GM,  # T=4
     (128, 1536, 2048): _GM, (128, 2048, 768): _GM,  # T=16
     (512, 1536, 2048): _GM_XS64, (512, 2048, 768): _GM_XS64,  # T=64
     (2048, 1536, 2048): _GM_XS13, (2048, 2048, 768): _GM_XS2,  # T=256
-    (8192, 1536, 2048): _GM_BM64_13, (8192, 2048, 768): _GM_BM64_2,  # T=1024 (routing block_m 64)
+    (8192, 1536, 2048): _GM_XS13, (8192, 2048, 768): _GM_XS2,  # T=1024 (routing block_m 32: GLUON_MOE_ROUTING_BLOCK_M)
 }
 #: slot buckets of GLUON_MOE_TABLE: DECODE_BUCKETS, then powers of two to 8192 slots
 GLUON_MOE_BUCKETS = DECODE_BUCKETS + (1024, 2048, 4096, 8192)
-#: buckets whose GLUON_MOE_TABLE entries were measured on routing block_m 64 (64-row tiles: 8 n-tiles per pass, a
-#: register budget of their own); elsewhere the entries (measured on 8..32-row tiles) are not applied to block_m 64
-GLUON_MOE_BM64_BUCKETS: tuple[int, ...] = (8192,)
+#: bucket -> the routing block_m moe_forward builds (:func:`moe_block_m`) where both expert GEMMs run on the grouped
+#: Gluon kernel, when it differs from grouped_block_m: the tile height the bucket's GLUON_MOE_TABLE entries were
+#: measured fastest on. T=1024 (8192 slots, ~64 per expert, grouped_block_m 64): 32-row tiles (per-GEMM times in the
+#: session-12 note above; layer times in :func:`moe_block_m`). The Triton kernels keep grouped_block_m (their MID_TABLE
+#: / heuristic configs are per block_m).
+GLUON_MOE_ROUTING_BLOCK_M: dict[int, int] = {8192: 32}
 
 
 def gluon_moe_bucket(slots: int) -> int | None:
@@ -1587,15 +1587,16 @@ _GLUON_MOE_WARNED: list[str] = []
 def gluon_moe_table_entry(slots: int, n: int, k: int, block_m: int, capability: tuple[int, int]) -> GluonConfig | None:
     """The :data:`GLUON_MOE_TABLE` entry for a grouped bf16 w4a16 GEMM of ``slots`` token-slots and ``[E, n, k]``
     experts with routing ``block_m`` on a CUDA device of ``capability``, or None: the bucket of ``slots`` itself must
-    have an entry, K % 128 == 0, block_m 8 / 16 / 32 (a multiple of 8 times the entry's ``nt``; 64 only in
-    :data:`GLUON_MOE_BM64_BUCKETS`) and capability 9.0 (where the entries were measured) only."""
+    have an entry, K % 128 == 0, block_m 8 / 16 / 32 (a multiple of 8 times the entry's ``nt``; not 64: every entry
+    was measured on 8..32-row tiles, the 64-row entries of session 12 were slower than 32-row routing of the same ids)
+    and capability 9.0 (where the entries were measured) only."""
     from verl_quads.nvfp4.gluon_moe import BLOCK_M_NT
 
     bucket = gluon_moe_bucket(slots)
     cfg = GLUON_MOE_TABLE.get((bucket, n, k)) if bucket is not None else None
     if cfg is None or k % 128 or block_m not in BLOCK_M_NT or tuple(capability) != (9, 0):
         return None
-    if block_m == 64 and bucket not in GLUON_MOE_BM64_BUCKETS:
+    if block_m == 64:  # 64-row tiles: 8 n-tiles per pass, a register budget none of the entries was measured with
         return None
     if getattr(cfg, "nt", 0) and BLOCK_M_NT[block_m] % cfg.nt:  # the entry's n-tiles do not fit this routing's tiles
         return None
@@ -1608,14 +1609,45 @@ def gluon_grouped_config(x: torch.Tensor, w_packed: torch.Tensor, routing: Group
     (CUDA tensor, bf16 ``x``, not under the Triton interpreter, :func:`~verl_quads.nvfp4.gluon_gemm.gluon_available`),
     else None (the Triton kernels, as before; an entry that cannot run because of the installed triton logs ONE
     warning per process). Explicit GroupedConfig requests do not come here: they raise where the kernel cannot run."""
+    return _gluon_grouped_entry(x, w_packed, x.shape[1], routing.sorted_slots.numel(), routing.block_m)
+
+
+def _gluon_grouped_entry(x: torch.Tensor, w_packed: torch.Tensor, k: int, slots: int,
+                         block_m: int) -> GluonConfig | None:
+    """:func:`gluon_grouped_config` of a GEMM with reduction dim ``k`` (``x``: an activation of its device and
+    dtype, any width), ``slots`` token-slots and routing ``block_m``, before the routing exists (moe_block_m)."""
     if _interpreting() or x.device.type != "cuda" or x.dtype != torch.bfloat16 or w_packed.dim() != 3:
         return None
-    cfg = gluon_moe_table_entry(routing.sorted_slots.numel(), w_packed.shape[1], x.shape[1], routing.block_m,
-                                torch.cuda.get_device_capability(x.device))
+    cfg = gluon_moe_table_entry(slots, w_packed.shape[1], k, block_m, torch.cuda.get_device_capability(x.device))
     if cfg is None:
         return None
     return cfg if _gluon_runs(_GLUON_MOE_WARNED, "MoE kernel", "grouped W4A16 expert GEMMs at 4..256 tokens",
                               "Qwen3-30B-A3B MoE layer at 16 tokens: 168 us instead of 106") else None
+
+
+def moe_block_m(slots: int, n_exp: int, x: torch.Tensor | None = None, w13_packed: torch.Tensor | None = None,
+                w2_packed: torch.Tensor | None = None) -> int:
+    """The routing block_m (:func:`moe_align`'s M-tile height) :func:`moe_forward` builds for ``slots`` >= 1 token-slots
+    over ``n_exp`` experts: :func:`grouped_block_m` of the slots per expert, except where GEMM1's activation ``x``
+    (bf16 ``w4a16`` values; None: GEMM1 is no w4a16 operand) and both expert GEMMs (``w13_packed`` [E, 2I, H/2],
+    ``w2_packed`` [E, H, I/2]) run on the grouped Gluon kernel with the :data:`GLUON_MOE_ROUTING_BLOCK_M` of the
+    slots' bucket: then that one (ONE routing for both GEMMs; GEMM2's activation has x's device and dtype).
+    The tile height changes which program computes a row, not its bytes (split 1, the same K loop per element).
+
+    Session 13 (H200, Qwen3-30B-A3B MoE layer at M=1024: 8192 slots, 128 experts top-8; bench.rollout's layer rows,
+    CUDA graph, us, two runs alternated in one process): block_m 32 with the T=256 entries vs block_m 64 with the
+    session-12 64-row entries: w4a16 420 / 427 vs 464 / 464, quads-bf16 k=0.5 (channel) 512 / 510 vs 554 / 556 (naive:
+    the same path, 695 / 693 vs 688 / 688); output torch.equal for all three modes. ``bench.rollout --shapes moe`` after:
+    w4a16 413 us = 1.86x BF16 (session 12: 453, 1.68x), quads-bf16 505 (1.52x; was 546, 1.40x)."""
+    bm = grouped_block_m(-(-slots // min(n_exp, slots)))
+    gbm = GLUON_MOE_ROUTING_BLOCK_M.get(gluon_moe_bucket(slots))
+    if x is None or gbm is None or gbm == bm or w13_packed is None or w2_packed is None:
+        return bm
+    inter = w2_packed.shape[-1] * 2
+    if all(_gluon_grouped_entry(x, w, k, slots, gbm) is not None
+           for w, k in ((w13_packed, x.shape[1]), (w2_packed, inter))):
+        return gbm
+    return bm
 
 
 def decode_config(rows: int, n: int, k: int, grouped: bool, x_dtype: torch.dtype | None = None) -> StreamConfig | None:
@@ -2332,13 +2364,15 @@ def moe_forward(
     n_exp = w13_packed.shape[0]
     inter = w2_packed.shape[-1] * 2
     s = t * k
-    routing = moe_align(expert_ids, n_exp, grouped_block_m(-(-s // min(n_exp, s))))
     capture = on_record is not None
     op1, rec = quantize_activation(x, act_mode, residual_ratio=residual_ratio,
                                    residual_per_token=residual_per_token, capture=capture,
                                    residual_combine=residual_combine, residual_granularity=residual_granularity)
     if rec is not None:
         on_record("mlp.experts.w13", rec)
+    # the routing's tile height depends on which kernels run the GEMMs (moe_block_m), hence after GEMM1's operand
+    routing = moe_align(expert_ids, n_exp, moe_block_m(s, n_exp, op1.values if op1.mode == "w4a16" else None,
+                                                       w13_packed, w2_packed))
     token_rows = routing.sorted_tokens
     # rows of slots with no local expert: h and y leave them unset (no zero-fill launches); the gate writes
     # them as 0 without reading h (what it computed from the zero rows before) and the combine skips them
@@ -2506,6 +2540,7 @@ __all__ = [
     "decode_config",
     "GroupedRouting",
     "grouped_block_m",
+    "moe_block_m",
     "linear_op",
     "mid_config",
     "moe_align",
