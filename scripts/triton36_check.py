@@ -655,6 +655,37 @@ def _compile_one(i):
         err.close()
 
 
+def run_jobs(fn, n_jobs: int, workers: int):
+    """Yield ``fn(i)`` (a tuple ``(i, ok, msg, seconds)``) for i in range(n_jobs), computed in ``workers`` forked
+    processes, in completion order. A job that kills its process (triton 3.6 aborts the process on some LLVM
+    assertions, e.g. a 3-D shared-memory slice along dim 1) is reported as a failure of that job: a multiprocessing.Pool
+    would wait forever for the dead worker's task. After a death, the jobs not yet finished run again one per process,
+    so the failure names the job that kills its process, not its neighbours."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    from concurrent.futures.process import BrokenProcessPool
+
+    ctx = mp.get_context("fork")
+    pending = set(range(n_jobs))
+    with ProcessPoolExecutor(max(1, workers), mp_context=ctx) as ex:
+        futures = [ex.submit(fn, i) for i in range(n_jobs)]
+        try:
+            for f in as_completed(futures):
+                res = f.result()
+                pending.discard(res[0])
+                yield res
+        except BrokenProcessPool:
+            pass
+    for i in sorted(pending):
+        t0 = time.time()
+        with ProcessPoolExecutor(1, mp_context=ctx) as ex:
+            try:
+                res = ex.submit(fn, i).result()
+            except BrokenProcessPool:
+                res = (i, False, "the compiling process died (an abort in triton / LLVM: its message went to that "
+                              "process's stderr)\n", time.time() - t0)
+        yield res
+
+
 def _describe(r) -> str:
     fn = r["fn"]
     name = f"{fn.module.rsplit('.', 1)[-1]}.{fn.__name__}"
@@ -771,18 +802,16 @@ def main() -> int:
             jobs = jobs[: args.limit]
         _JOBS.extend(jobs)
         t1 = time.time()
-        ctx = mp.get_context("fork")
-        with ctx.Pool(max(1, args.jobs)) as pool:
-            for i, ok, msg, dt in pool.imap_unordered(_compile_one, range(len(jobs))):
-                r = jobs[i]
-                if ok:
-                    print(f"ok   {dt:5.1f}s {_describe(r)}", flush=True)
-                else:
-                    n_fail += 1
-                    short, full = msg.split("\n", 1)
-                    print(f"FAIL {dt:5.1f}s {_describe(r)}\n     {short}", flush=True)
-                    with open(LOG[0], "a") as f:
-                        f.write(f"=== FAIL {_describe(r)}\n{full}\n")
+        for i, ok, msg, dt in run_jobs(_compile_one, len(jobs), args.jobs):
+            r = jobs[i]
+            if ok:
+                print(f"ok   {dt:5.1f}s {_describe(r)}", flush=True)
+            else:
+                n_fail += 1
+                short, full = msg.split("\n", 1)
+                print(f"FAIL {dt:5.1f}s {_describe(r)}\n     {short}", flush=True)
+                with open(LOG[0], "a") as f:
+                    f.write(f"=== FAIL {_describe(r)}\n{full}\n")
         print(f"compiled {len(jobs) - n_fail} ok, {n_fail} FAIL of {len(jobs)} in {time.time() - t1:.0f} s "
               f"({args.jobs} processes)")
     per_kernel: dict = {}
