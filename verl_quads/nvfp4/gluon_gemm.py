@@ -493,6 +493,20 @@ if gluon is not None:
         return wd, sc, xv
 
     @gluon.jit
+    def _decode_words(wd, sc, DEC: gl.constexpr):
+        """Standard layout: a thread's weight words ``wd`` (int32, last dim il) and their E4M3 block scales ``sc`` (uint8,
+        one per word pair ib) -> the bf16 weights ``wd``'s shape + ``[e, kb3, sh]``: pair P = 2 sh + kb3 of each word
+        (nibbles P, P + 4, :func:`_pair_asm` with decode DEC) multiplied by the block scale * 2**118 (exact). Shared by
+        the chunk MMAs (:func:`_std_chunk_mma`, :func:`_ks_chunk_mma`), which permute it into their MMA operands."""
+        m = gl.expand_dims((sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622896e35)
+                           .to(gl.bfloat16), 6)  # scale * 2**118 (exact), broadcast over il
+        wd2 = gl.join(wd, wd)
+        m2 = gl.join(m, m)
+        q0 = gl.join(_pair_asm(wd2, m2, 0, DEC), _pair_asm(wd2, m2, 1, DEC))  # [.., e, kb3] (sh 0)
+        q1 = gl.join(_pair_asm(wd2, m2, 2, DEC), _pair_asm(wd2, m2, 3, DEC))  # sh 1
+        return gl.join(q0, q1)
+
+    @gluon.jit
     def _std_chunk_mma(acc, wd, sc, xv, DA: gl.constexpr, DB: gl.constexpr, NW: gl.constexpr, KC: gl.constexpr,
                        NT: gl.constexpr, WPT: gl.constexpr, DEC: gl.constexpr = 1):
         """Standard layout: word i = 2 ib + il of a thread's 4 WPT bytes of row g (or g + 8) holds elements
@@ -501,13 +515,7 @@ if gluon is not None:
         ``WPT / 2 t + ib``.
         The activation operand takes the same k order (its registers pair columns j and j + 4: byte permutes).
         DEC: the pair decode of :func:`_pair_asm` (1: shifts, 3: mask + multiply; the same registers)."""
-        m = gl.expand_dims((sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622896e35)
-                           .to(gl.bfloat16), 6)  # scale * 2**118 (exact), broadcast over il
-        wd2 = gl.join(wd, wd)
-        m2 = gl.join(m, m)
-        q0 = gl.join(_pair_asm(wd2, m2, 0, DEC), _pair_asm(wd2, m2, 1, DEC))  # [.., e, kb3] (sh 0)
-        q1 = gl.join(_pair_asm(wd2, m2, 2, DEC), _pair_asm(wd2, m2, 3, DEC))  # sh 1
-        a = gl.join(q0, q1)  # [NW, rb3, g, t, KC, ib, il, e, kb3, sh]
+        a = _decode_words(wd, sc, DEC)  # [NW, rb3, g, t, KC, ib, il, e, kb3, sh]
         a = gl.reshape(gl.permute(a, (0, 1, 2, 4, 5, 6, 9, 8, 3, 7)), (NW * 16, KC * 32 * WPT))
         a = gl.convert_layout(a, DA, assert_trivial=True)
         b = gl.reshape(xv, (NT, 8, 4, KC, WPT // 2, 2, 2, 2, 2))  # [nt, g, t, kc, ib, il, e, sh, kb3]
@@ -860,13 +868,7 @@ if gluon is not None:
                       DEC: gl.constexpr):
         """:func:`_std_chunk_mma` (WPT 4, one chunk) with the K slice as the MMA's batch dimension: the same decoded
         registers, the same k order inside the chunk, one mma.sync chain per slice."""
-        m = gl.expand_dims((sc.to(gl.float8e4nv, bitcast=True).to(gl.float32) * 3.3230699894622896e35)
-                           .to(gl.bfloat16), 6)  # scale * 2**118 (exact), broadcast over il
-        wd2 = gl.join(wd, wd)
-        m2 = gl.join(m, m)
-        q0 = gl.join(_pair_asm(wd2, m2, 0, DEC), _pair_asm(wd2, m2, 1, DEC))  # [.., e, kb3] (sh 0)
-        q1 = gl.join(_pair_asm(wd2, m2, 2, DEC), _pair_asm(wd2, m2, 3, DEC))  # sh 1
-        a = gl.join(q0, q1)  # [KS, R, rb3, g, t, ib, il, e, kb3, sh]
+        a = _decode_words(wd, sc, DEC)  # [KS, R, rb3, g, t, ib, il, e, kb3, sh]
         a = gl.reshape(gl.permute(a, (0, 1, 2, 3, 5, 6, 9, 8, 4, 7)), (KS, R * 16, 128))
         a = gl.convert_layout(a, ks_dot_layout(KS, NWR, 0), assert_trivial=True)
         b = gl.reshape(xv, (KS, NT, 8, 4, 2, 2, 2, 2, 2))  # [s, nt, g, t, ib, il, e, sh, kb3]
