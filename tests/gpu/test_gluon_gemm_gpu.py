@@ -124,8 +124,10 @@ STD_CFGS = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=False), G(8, 1, 0, 2, prefetch
             G(4, 1, 1, 4)]
 
 
-def _std_case(m, n, k, cfg, seed=0, bias=False):
-    q = em.quantize_weight(_w((n, k), seed=seed + 1))
+def _std_case(m, n, k, cfg, seed=0, bias=False, w_seed=None):
+    """gluon_w4a16_std with ``cfg`` on random inputs (weight seed ``w_seed``, default seed + 1), checked against the
+    reference bound; returns (y, the call's inputs ``(x, packed, block_scale, gs, bias)``) for further comparisons."""
+    q = em.quantize_weight(_w((n, k), seed=seed + 1 if w_seed is None else w_seed))
     gs = q.global_scale.reshape(())
     x = _x(m, k, seed)
     b = (_w((n,), seed=seed + 7) * 10).to(torch.bfloat16) if bias else None
@@ -135,6 +137,7 @@ def _std_case(m, n, k, cfg, seed=0, bias=False):
     y = gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, b, cfg)
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     _check(y, ref, xf, wf, f"std {cfg.label} M={m} N={n} K={k}{' bias' if bias else ''}")
+    return y, (x, q.packed, q.block_scale, gs, b)
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])
@@ -209,16 +212,9 @@ def _plain(cfg):
 @pytest.mark.parametrize("m, n, k, bias", [(1, 4096, 4096, False), (16, 4096, 4096, False), (5, 1000, 2176, True),
                                            (11, 4104, 1152, False), (8, 2048, 4096, True)])
 def test_std_options_bit_equal_plain(cfg, m, n, k, bias):
-    q = em.quantize_weight(_w((n, k), seed=m + 1))
-    gs = q.global_scale.reshape(())
-    x = _x(m, k, m)
-    b = (_w((n,), seed=m + 7) * 10).to(torch.bfloat16) if bias else None
-    y = gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, b, cfg)
-    want = gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, b, _plain(cfg))
+    y, args = _std_case(m, n, k, cfg, seed=m, bias=bias)
+    want = gg.gluon_w4a16_std(*args, _plain(cfg))
     assert torch.equal(y, want), f"{cfg.label} M={m} N={n} K={k}: {int((y != want).sum())} outputs differ from plain"
-    xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
-    wf = em.weight_f32(q.packed, q.block_scale, gs)
-    _check(y, em.gemm(xf, wf, b, x.dtype), xf, wf, f"std {cfg.label} M={m} N={n} K={k}")
 
 
 @pytest.mark.parametrize("cfg", [G(4, 1, 0, 2, rg=2, dec=3), G(8, 1, 0, 2, prefetch=False, dec=3, wev=2),
@@ -288,18 +284,11 @@ KS_CFGS = [G(8, 1, 1, 2, rg=2, dec=3, ks=8), G(8, 1, 1, 2, rg=4, dec=3, ks=8), G
 @pytest.mark.parametrize("m, n, k, bias", [(1, 8192, 8192, False), (4, 8192, 8192, False), (16, 4096, 4096, False),
                                            (5, 1000, 2176, True), (11, 4104, 1152, False), (1, 24, 128, True)])
 def test_std_ks_bit_equal_global_split(cfg, m, n, k, bias):
-    q = em.quantize_weight(_w((n, k), seed=m + 3))
-    gs = q.global_scale.reshape(())
-    x = _x(m, k, m)
-    b = (_w((n,), seed=m + 7) * 10).to(torch.bfloat16) if bias else None
-    y = gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, b, cfg)
+    y, args = _std_case(m, n, k, cfg, seed=m, bias=bias, w_seed=m + 3)
     plain = G(4, 1, cfg.ks, 2, prefetch=cfg.prefetch, dec=cfg.dec)
     assert gg.std_plan(n, k, plain)[2] * cfg.ks == gg.std_plan(n, k, cfg)[2]  # the same slice boundaries
-    want = gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, b, plain)
+    want = gg.gluon_w4a16_std(*args, plain)
     assert torch.equal(y, want), f"{cfg.label} M={m} N={n} K={k}: {int((y != want).sum())} outputs differ"
-    xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
-    wf = em.weight_f32(q.packed, q.block_scale, gs)
-    _check(y, em.gemm(xf, wf, b, x.dtype), xf, wf, f"std {cfg.label} M={m} N={n} K={k}")
 
 
 @pytest.mark.parametrize("cfg", [G(8, 1, 2, 2, rg=2, dec=3, ks=4), G(8, 1, 0, 2, rg=2, dec=3, ks=8),
@@ -308,12 +297,8 @@ def test_std_ks_bit_equal_global_split(cfg, m, n, k, bias):
 def test_std_ks_with_global_split(cfg, m, n, k, bias):
     """ks slices inside programs AND programs along K (the in-program sum is each program's partial of the global
     fixup): within the reference bound, the same bytes over repeated launches."""
-    _std_case(m, n, k, cfg, seed=m, bias=bias)
-    q = em.quantize_weight(_w((n, k), seed=m + 1))
-    gs = q.global_scale.reshape(())
-    x = _x(m, k, m)
-    ref = gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, None, cfg)
-    assert all(torch.equal(gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, None, cfg), ref) for _ in range(20))
+    ref, args = _std_case(m, n, k, cfg, seed=m, bias=bias)
+    assert all(torch.equal(gg.gluon_w4a16_std(*args, cfg), ref) for _ in range(20))
 
 
 def test_std_ks_one_hot_exact():
