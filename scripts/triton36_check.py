@@ -606,8 +606,28 @@ def scenarios_floor():
                                     gf.fix_buffers(n, grid_n, split, wp.device, mode[4]) if mode[3] else None)
 
 
+def scenarios_tma():
+    """The TMA-fed dense Gluon kernel (verl_quads.nvfp4.gluon_tma): its probe configurations at the dense shapes,
+    M = 1, 4, 9, 16, with and without bias."""
+    import torch
+
+    from verl_quads.bench import gluon_probe
+    from verl_quads.nvfp4 import gluon_tma as gt
+
+    for cfg in gluon_probe.TMA_CONFIGS:
+        for name, (n, k) in DENSE.items():
+            for m in (1, 4, 9, 16):
+                with scenario(f"tma {cfg.label} M={m} {name}"):
+                    if cfg.smem_bytes(m) > gt.SMEM_LIMIT:
+                        continue
+                    wp, ws, gs = _weight(n, k)
+                    bias = torch.zeros(n, dtype=torch.bfloat16) if m == 4 else None
+                    gt.gluon_w4a16_tma(_x(m, k), wp, ws, gs.reshape(1), bias, cfg)
+
+
 SCENARIO_GROUPS = {"core": scenarios_core, "channel": scenarios_channel, "gemm": scenarios_gemm,
-                   "gluon": scenarios_gluon, "gluon_moe": scenarios_gluon_moe, "floor": scenarios_floor}
+                   "gluon": scenarios_gluon, "gluon_moe": scenarios_gluon_moe, "floor": scenarios_floor,
+                   "tma": scenarios_tma}
 
 
 # --------------------------------------------------------------------------------------------------------------

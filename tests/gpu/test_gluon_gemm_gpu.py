@@ -13,6 +13,7 @@ from _gemm_helpers import rand_w as _w
 from _gemm_helpers import rand_x as _x
 from verl_quads.bench.gluon_probe import xs_alternatives, xs_candidates
 from verl_quads.nvfp4 import gluon_gemm as gg
+from verl_quads.nvfp4 import gluon_tma as gt
 from verl_quads.rollout import emulation as em
 
 pytestmark = pytest.mark.gpu
@@ -233,8 +234,8 @@ def _table_keys():
 @pytest.mark.parametrize("key", _table_keys(), ids=lambda kk: f"b{kk[0]}-{kk[1]}x{kk[2]}")
 def test_gluon_table_entry_dispatch(key):
     """Every GLUON_TABLE entry through the default dense dispatch (nvfp4_linear w4a16) at the bucket's largest and
-    smallest M: within the bound of the torch reference, and the bytes of gluon_w4a16_std with the entry's config
-    (the dispatch took the entry)."""
+    smallest M: within the bound of the torch reference, and the bytes of gluon_w4a16_std (gluon_w4a16_tma for a
+    TmaConfig entry) with the entry's config (the dispatch took the entry)."""
     from verl_quads.nvfp4 import triton_gemm as tg
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -248,7 +249,8 @@ def test_gluon_table_entry_dispatch(key):
     for m in sorted({lo, bucket}):
         x = _x(m, k, m + bucket)
         y = tg.nvfp4_linear(x, q.packed, q.block_scale, gs, None, "w4a16")
-        assert torch.equal(y, gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, None, cfg)), f"{key} M={m}"
+        run = gt.gluon_w4a16_tma if isinstance(cfg, gt.TmaConfig) else gg.gluon_w4a16_std
+        assert torch.equal(y, run(x, q.packed, q.block_scale, gs, None, cfg)), f"{key} M={m}"
         xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
         _check(y, em.gemm(xf, wf, None, x.dtype), xf, wf, f"table {key} {cfg.label} M={m}")
 

@@ -133,7 +133,9 @@ def test_dispatch_never_picks_gluon_on_cpu_or_interpreter():
     does not choose it; an explicit GluonConfig there raises (no silent fallback)."""
     from verl_quads.nvfp4 import triton_gemm as tg
 
-    assert tg.GLUON_TABLE and all(isinstance(c, gg.GluonConfig) for c in tg.GLUON_TABLE.values())
+    from verl_quads.nvfp4.gluon_tma import TmaConfig
+
+    assert tg.GLUON_TABLE and all(isinstance(c, (gg.GluonConfig, TmaConfig)) for c in tg.GLUON_TABLE.values())
     assert all(b <= 16 for b, _, _ in tg.GLUON_TABLE)
     packed, scale, gs = _weight(4096, 4096)
     x = torch.randn(4, 4096).to(torch.bfloat16)
@@ -142,6 +144,8 @@ def test_dispatch_never_picks_gluon_on_cpu_or_interpreter():
     act, _ = tg.quantize_activation(x[:, :128], "w4a16")
     with pytest.raises((ValueError, RuntimeError)):
         tg.nvfp4_gemm(act, packed[:16, :64], scale[:16, :8], gs, config=gg.GluonConfig())
+    with pytest.raises(RuntimeError, match="gluon_w4a16_tma cannot run"):
+        tg.nvfp4_gemm(act, packed[:16, :64], scale[:16, :8], gs, config=TmaConfig())
 
 
 def _nib(w: torch.Tensor, j: int) -> torch.Tensor:

@@ -124,6 +124,37 @@ def session9_entries() -> dict:
             (2, 4096, 4096): g4pf, (4, 4096, 4096): g4pf, (8, 4096, 4096): g4, (16, 4096, 4096): g4}
 
 
+_TMA_KEYS = {"ks": "ks", "w": "nwr", "u": "u", "ns": "ns", "d": "dec", "r": "maxnreg"}
+
+
+def parse_tma(spec: str):
+    """``ks2:w4:u2:ns4,ks4:w2`` -> TmaConfigs of the TMA-fed kernel (:mod:`verl_quads.nvfp4.gluon_tma`):
+    colon-separated ``<key><int>`` with keys ks (K slices), w (row-group warps: nwr), u (chunks per slice and stage),
+    ns (ring stages), d (dec), r (maxnreg); defaults those of TmaConfig."""
+    import re
+
+    from verl_quads.nvfp4.gluon_tma import TmaConfig
+
+    out = []
+    for tok in filter(None, spec.split(",")):
+        kw = {}
+        for part in tok.split(":"):
+            m = re.fullmatch(r"([a-z]+)(\d+)", part)
+            if not m or m.group(1) not in _TMA_KEYS:
+                raise ValueError(f"parse_tma: bad part {part!r} in {tok!r} (keys {sorted(_TMA_KEYS)})")
+            kw[_TMA_KEYS[m.group(1)]] = int(m.group(2))
+        out.append(TmaConfig(**kw))
+    return out
+
+
+#: The TMA kernel's configurations compiled offline (scripts/triton36_check.py --groups tma), checked on the GPU
+#: (tests/gpu/test_gluon_tma_gpu.py) and probed by ``--tma default``: GLUON_TABLE's d8192 entry (ks2 w2 u4 ns3) and the
+#: session-14 runners-up (H200 cold us at d8192 M = 1 / 4 / 16, call 5: 15.1 / 14.8 / 22.6 for the entry; u2 ns4 16.7
+#: / 16.3 / 18.7; w1 u4 ns4 15.1 / 18.5 / 39.9; ks4 w2 u2 ns3 16.3 / 16.4 / 24.9; u8 ns2 15.7 / 15.4 / 23.5).
+TMA_SPEC = "ks2:w2:u4:ns3,ks2:w2:u2:ns4,ks2:w1:u4:ns4,ks4:w2:u2:ns3,ks2:w2:u8:ns2,ks2:w2:u4:ns3:d1"
+TMA_CONFIGS = parse_tma(TMA_SPEC)
+
+
 def _point_configs(which: str, cfgs: list, m: int, n: int, k: int) -> list:
     """The configs timed at one (shape, M): ``table-xs``: the xs candidate(s) of the GLUON_TABLE key and the
     session-9 entry (where there was one); else ``cfgs``."""
@@ -137,15 +168,17 @@ def _point_configs(which: str, cfgs: list, m: int, n: int, k: int) -> list:
     return out
 
 
-def _configs(which: str, std_spec: str = "", grp_spec: str = ""):
+def _configs(which: str, std_spec: str = "", grp_spec: str = "", tma_spec: str = ""):
     """(kind, config, weight format) triples: ``std`` = the standard-layout kernel (gluon_w4a16_std, the one the
     dispatch uses), ``perm`` = the permuted-layout prototype (format 2; format 1 once, for comparison), ``grp`` =
-    the grouped wide kernel as one expert (:func:`parse_grp`). ``which == "std"``: only the std configs of
-    ``std_spec`` (:func:`parse_std`) and the grp configs of ``grp_spec``."""
+    the grouped wide kernel as one expert (:func:`parse_grp`), ``tma`` = the TMA-fed kernel (:func:`parse_tma`).
+    ``which == "std"``: only the std configs of ``std_spec`` (:func:`parse_std`), the grp configs of ``grp_spec`` and
+    the tma configs of ``tma_spec``."""
     from verl_quads.nvfp4.gluon_gemm import GluonConfig as G
 
     if which == "std":
-        return [("std", c, 0) for c in parse_std(std_spec)] + [("grp", c, 0) for c in parse_grp(grp_spec)]
+        return ([("std", c, 0) for c in parse_std(std_spec)] + [("grp", c, 0) for c in parse_grp(grp_spec)]
+                + [("tma", c, 0) for c in parse_tma(tma_spec)])
     if which == "table-xs":
         return []
 
@@ -169,7 +202,7 @@ def _time_rot(fn_of_copy, copies: int) -> float:
 
 
 def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_spec: str = "",
-        defaults: bool = True, grp_spec: str = "") -> str:
+        defaults: bool = True, grp_spec: str = "", tma_spec: str = "") -> str:
     from verl_quads.bench.timing import device_name, print_table
     from verl_quads.nvfp4 import gluon_gemm as gg
     from verl_quads.nvfp4 import triton_gemm as tg
@@ -179,7 +212,7 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
     print(device_name(), flush=True)
     g = torch.Generator(device=dev).manual_seed(0)
     rows, summary = [], []
-    cfgs = _configs(which, std_spec, grp_spec)
+    cfgs = _configs(which, std_spec, grp_spec, tma_spec)
     for n, k in shapes:
         w = torch.randn(n, k, device=dev, generator=g) * 0.02
         q = em.quantize_weight(w)
@@ -233,6 +266,15 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
                         return gg.gluon_w4a16_std(x, wps[i], wscs[i], wgs, None, cfg)
 
                     gn, split, cps, even = gg.std_plan(n, k, cfg, gg._num_sms(x.device))
+                elif kind == "tma":
+                    from verl_quads.nvfp4 import gluon_tma as gt
+
+                    label = cfg.label
+
+                    def call(i, cfg=cfg):
+                        return gt.gluon_w4a16_tma(x, wps[i], wscs[i], wgs, None, cfg)
+
+                    gn, split, cps, even = -(-n // (16 * cfg.nwr)), 1, cfg.ks * cfg.u, (k // 128) % (cfg.ks * cfg.u) == 0
                 elif kind == "grp":
                     from verl_quads.nvfp4 import gluon_moe as gm
 
@@ -340,6 +382,8 @@ def main(argv=None) -> None:
                          "(xs_candidates) and the session-9 entry")
     ap.add_argument("--std", default="", help="--configs std: the std configs (parse_std syntax)")
     ap.add_argument("--grp", default="", help="--configs std: grouped-kernel configs run as one expert (parse_grp)")
+    ap.add_argument("--tma", default="", help="--configs std: TMA-kernel configs (parse_tma; 'default': "
+                    "TMA_SPEC)")
     ap.add_argument("--no-bare-default", action="store_true",
                     help="skip the 'default dispatch without GLUON_TABLE' rows")
     ap.add_argument("--sass", action="store_true", help="offline sm_90 compile (no GPU): K-loop SASS counts")
@@ -349,7 +393,8 @@ def main(argv=None) -> None:
         return
     shapes = [NAMED_SHAPES[s] if s in NAMED_SHAPES else tuple(int(v) for v in s.split("x"))
               for s in a.shapes.split(",")]
-    run(shapes, [int(v) for v in a.ms.split(",")], a.configs, a.std, not a.no_bare_default, a.grp)
+    run(shapes, [int(v) for v in a.ms.split(",")], a.configs, a.std, not a.no_bare_default, a.grp,
+        TMA_SPEC if a.tma == "default" else a.tma)
 
 
 if __name__ == "__main__":

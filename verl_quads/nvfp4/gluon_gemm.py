@@ -863,6 +863,32 @@ if gluon is not None:
         """Activation bf16 ``[KS, NT, 8 g, 4 t, 32]``: thread (g, t) of slice s holds 32 elements of row g."""
         return gl.BlockedLayout([1, 1, 1, 1, 32], [1, 1, 8, 4, 1], [ks, 1, 1, 1, nwr], [4, 3, 2, 1, 0])
 
+    @gluon.constexpr_function
+    def ks_out_layout(nt, nw):
+        """The summed tile ``[BN weight rows, 8 NT activation rows]`` of :func:`ks_reduce`: a weight row per thread."""
+        return gl.BlockedLayout([1, nt * 8], [32, 1], [nw, 1], [0, 1])
+
+    @gluon.jit
+    def ks_reduce(acc, gs_ptr, KS: gl.constexpr, NWR: gl.constexpr, BN: gl.constexpr, NT: gl.constexpr):
+        """The K slices of a 3-D accumulator ``acc`` float32 ``[KS, BN, 8 NT]`` (:func:`ks_mma_layout`): each slice's
+        result times ``256 / gs`` (the epilogue's float32 product), then the KS slices summed in the fixed order 0, 1,
+        .. through shared memory (the operations of the split-K fixup without its global round trip): float32
+        ``[BN, 8 NT]`` in :func:`ks_out_layout`."""
+        MMA: gl.constexpr = ks_mma_layout(KS, NWR)
+        LR3: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, MMA))
+        gw = gl.load(gs_ptr + gl.arange(0, BN, layout=LR3) * 0)
+        post = gl.div_rn(gl.full([BN], 1.0, gl.float32, LR3), gw) * 256.0
+        y = acc * gl.expand_dims(gl.expand_dims(post, 0), 2)
+        red = gl.allocate_shared_memory(gl.float32, [KS, BN, NT * 8], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+        red.store(y)
+        _cta_barrier()  # every slice's result is in shared memory
+        red2 = red.reshape([KS * BN, NT * 8])  # slice s: rows s BN + [0, BN)
+        LE: gl.constexpr = ks_out_layout(NT, KS * NWR)
+        z = red2.slice(0, BN).load(LE)
+        for s in gl.static_range(1, KS):
+            z += red2.slice(s * BN, BN).load(LE)
+        return z
+
     @gluon.jit
     def _ks_chunk_mma(acc, wd, sc, xv, KS: gl.constexpr, NWR: gl.constexpr, R: gl.constexpr, NT: gl.constexpr,
                       DEC: gl.constexpr):
@@ -949,19 +975,8 @@ if gluon is not None:
             wd = gl.convert_layout(gl.reshape(wd, (KS, R, 2, 8, 4, 2, 2)), LP, assert_trivial=True)
             acc = _ks_chunk_mma(acc, wd, sc, xv, KS, NWR, R, NT, DEC)
 
-        # each slice's result times 256 / gs (the epilogue's float32 product), then the slices summed in order
-        LR3: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, MMA))
-        gw = gl.load(gs_ptr + gl.arange(0, BN, layout=LR3) * 0)
-        post = gl.div_rn(gl.full([BN], 1.0, gl.float32, LR3), gw) * 256.0
-        y = acc * gl.expand_dims(gl.expand_dims(post, 0), 2)
-        red = gl.allocate_shared_memory(gl.float32, [KS, BN, NT * 8], gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
-        red.store(y)
-        _cta_barrier()  # every slice's result is in shared memory
-        red2 = red.reshape([KS * BN, NT * 8])  # slice s: rows s BN + [0, BN)
-        LE: gl.constexpr = gl.BlockedLayout([1, NT * 8], [32, 1], [NW, 1], [0, 1])
-        z = red2.slice(0, BN).load(LE)
-        for s in gl.static_range(1, KS):
-            z += red2.slice(s * BN, BN).load(LE)
+        z = ks_reduce(acc, gs_ptr, KS, NWR, BN, NT)
+        LE: gl.constexpr = ks_out_layout(NT, NW)
         cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LE))
         rows = gl.expand_dims(cols, 1)
         xr = gl.expand_dims(gl.arange(0, NT * 8, layout=gl.SliceLayout(0, LE)), 0)

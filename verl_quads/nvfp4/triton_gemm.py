@@ -81,6 +81,7 @@ import torch
 from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
 from verl_quads.nvfp4.gluon_gemm import GluonConfig
 from verl_quads.nvfp4.gluon_moe import GroupedConfig
+from verl_quads.nvfp4.gluon_tma import TmaConfig
 from verl_quads.nvfp4.guidance import GuidanceRecord
 from verl_quads.nvfp4.triton_kernels import check_available, triton
 
@@ -1388,8 +1389,9 @@ def decode_bucket(rows: int) -> int | None:
 
 
 #: Dense bf16 W4A16 decode GEMMs on sm_90 taken by the Gluon standard-layout kernel
-#: (:func:`verl_quads.nvfp4.gluon_gemm.gluon_w4a16_std`: mma.sync tiles decoded from the plain packed layout):
-#: ``(bucket, n, k) -> GluonConfig`` for M <= bucket (:data:`DECODE_BUCKETS`), checked before DECODE_TABLE /
+#: (:func:`verl_quads.nvfp4.gluon_gemm.gluon_w4a16_std`: mma.sync tiles decoded from the plain packed layout) or,
+#: for a :class:`~verl_quads.nvfp4.gluon_tma.TmaConfig` entry, the TMA-fed kernel (:mod:`verl_quads.nvfp4.gluon_tma`):
+#: ``(bucket, n, k) -> GluonConfig | TmaConfig`` for M <= bucket (:data:`DECODE_BUCKETS`), checked before DECODE_TABLE /
 #: MID_TABLE. Measured entries only: H200, session 10, gluon_probe cold / warm L2, us (every config checked against
 #: the torch reference); call 2 timed each call-1 entry next to its xs twin (activation staged in shared memory once
 #: per program: coalesced, instead of each warp's 4x-wavefront loads) in the same run; xs taken where it won:
@@ -1424,7 +1426,6 @@ def decode_bucket(rows: int) -> int | None:
 #: (5.90 / 6.35 vs w4 pf1 5.90 / 6.47): ties.
 _G4_PF = GluonConfig(num_warps=4, kc=1, occ=2)
 _G8_D3 = GluonConfig(num_warps=8, kc=1, occ=2, prefetch=False, dec=3)
-_G4_D3_O1 = GluonConfig(num_warps=4, kc=1, occ=1, prefetch=False, dec=3)
 #: Session 13 (H200 batch D1, gluon_probe, one run): split-K inside the program (GluonConfig.ks: 8 K slices of 4 chunks
 #: summed in shared memory, one program per 16 rows covering all of K: no global partials / counter; the bytes of the
 #: global split 8) at d4096 M=1: w8 ks8 pf1 d3 s1 6.89 / 6.77 us cold / warm vs the stream kernel 6.89 / 7.36
@@ -1457,24 +1458,35 @@ _G4_PF_D3_XS, _G4_RG2_PF_D3_XS = (GluonConfig(num_warps=4, kc=1, occ=2, dec=3, x
 #: 18.7 us = 1.88x cuBLAS (was 20.3 = 1.71x). d4096 M=16 with the new fixup 8.81 / 8.93, its maxnreg-128 twin 8.14 /
 #: 8.36 (E1: 8.84 / 8.78 vs 8.19 / 8.43; 72 registers either way, ptxas schedules differently under the cap): taken.
 #: Same run, not taken (one run each): qkv M=16 entry 7.52 / 7.32 vs its r128 twin 6.86 / 7.48; o_proj M=16 entry
-#: (w4 pf0 d3 o1) 8.04 / 7.73 vs w4 pf1 d3 xs r128 6.53 / 7.09.
+#: (w4 pf0 d3 o1) 8.04 / 7.73 vs w4 pf1 d3 xs r128 6.53 / 7.09. Session 14 (call 1, gluon_probe, two runs): o_proj M=16
+#: w4 pf1 d3 xs r128 6.52 / 7.33 and 6.51 / 7.20 vs the entry w4 pf0 d3 o1 7.98 / 7.82 and 7.99 / 7.97 (cuBLAS 8.7-8.8
+#: / 8.2-8.3): taken (the third run that agrees).
 _G4_RG2_PF_D3_XS_R128 = GluonConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3, xs=True, maxnreg=128)
 _G4_PF_D3_XS_R128 = GluonConfig(num_warps=4, kc=1, occ=2, dec=3, xs=True, maxnreg=128)
-GLUON_TABLE: dict[tuple[int, int, int], GluonConfig] = {
-    (1, 8192, 8192): _G4_RG2_PF_D3_XS, (2, 8192, 8192): _G4_RG2_PF_D3_XS, (4, 8192, 8192): _G4_RG2_PF_D3_XS,
-    (8, 8192, 8192): _G4_RG2_PF_D3_XS, (16, 8192, 8192): _G4_RG2_PF_D3_XS_R128,
+#: Session 14 (issue #5): the TMA-fed kernel (verl_quads.nvfp4.gluon_tma: one program per 32 weight rows over all of
+#: K, 3-stage shared-memory ring filled by the TMA unit, 2 K slices summed in shared memory; no split-K fixup) at
+#: d8192 M <= 8. H200 gluon_probe, cold / warm L2 us, vs the previous entry (w4 rg2 pf1 d3 xs) in the same runs --
+#: call 3: M=1 15.3 / 15.4 vs 16.9 / 15.4, M=4 15.3 / 15.4 vs 17.2 / 15.3; call 4: M=1 15.2 vs 16.5, M=4 14.8 vs
+#: 16.6 (cold); call 5: M=1 15.1 / 15.7 vs 16.5 / 15.7, M=4 14.8 / 14.8 vs 16.6 / 15.5; M=16 (u2 ns4) 18.7-19.5 vs
+#: 19.4-19.5: not taken. ncu (call 4, d8192 M=1): both kernels issue-bound at ~0.55 instructions per cycle and
+#: scheduler (TMA kernel 6.8 M warp instructions, 2.46 TB/s; std 7.4 M, 2.12 TB/s): the pair decode + scale multiply
+#: is ~136 of ~200 SASS instructions per 16 x 128 weight chunk and warp.
+_T_KS2_W2_U4_NS3 = TmaConfig(ks=2, nwr=2, u=4, ns=3)
+GLUON_TABLE: dict[tuple[int, int, int], GluonConfig | TmaConfig] = {
+    (1, 8192, 8192): _T_KS2_W2_U4_NS3, (2, 8192, 8192): _T_KS2_W2_U4_NS3, (4, 8192, 8192): _T_KS2_W2_U4_NS3,
+    (8, 8192, 8192): _T_KS2_W2_U4_NS3, (16, 8192, 8192): _G4_RG2_PF_D3_XS_R128,
     (1, 4096, 4096): _G8_KS8_D3, (2, 4096, 4096): _G4_PF_D3_XS, (4, 4096, 4096): _G4_PF_D3_XS, (8, 4096, 4096): _G4_PF_D3_XS,
     (16, 4096, 4096): _G4_PF_D3_XS_R128,
     (2, 5120, 2048): _G8_D3, (4, 5120, 2048): _G4_PF_D3_XS, (8, 5120, 2048): _G4_PF_D3_XS,
     (16, 5120, 2048): _G4_PF_D3_XS,
-    (2, 2048, 4096): _G4_PF, (4, 2048, 4096): _G4_PF_D3_XS, (8, 2048, 4096): _G4_PF_D3_XS, (16, 2048, 4096): _G4_D3_O1,
+    (2, 2048, 4096): _G4_PF, (4, 2048, 4096): _G4_PF_D3_XS, (8, 2048, 4096): _G4_PF_D3_XS, (16, 2048, 4096): _G4_PF_D3_XS_R128,
 }
 
 
 _GLUON_WARNED: list[str] = []
 
 
-def gluon_table_entry(m: int, n: int, k: int, capability: tuple[int, int]) -> GluonConfig | None:
+def gluon_table_entry(m: int, n: int, k: int, capability: tuple[int, int]) -> GluonConfig | TmaConfig | None:
     """The :data:`GLUON_TABLE` entry for a dense bf16 w4a16 GEMM ``[m, k] x [n, k]^T`` on a CUDA device of
     ``capability``, or None: M <= 16, K % 128 == 0 and capability 9.0 (where the entries were measured) only."""
     bucket = decode_bucket(m)
@@ -1484,7 +1496,7 @@ def gluon_table_entry(m: int, n: int, k: int, capability: tuple[int, int]) -> Gl
     return cfg
 
 
-def gluon_dense_config(x: torch.Tensor, w_packed: torch.Tensor) -> GluonConfig | None:
+def gluon_dense_config(x: torch.Tensor, w_packed: torch.Tensor) -> GluonConfig | TmaConfig | None:
     """The default dispatch's Gluon choice for a dense w4a16 GEMM of activation ``x`` [M, K] and weight
     ``w_packed`` [N, K/2]: the :func:`gluon_table_entry` when the Gluon kernel can run here (CUDA tensor, bf16
     ``x``, not under the Triton interpreter, :func:`~verl_quads.nvfp4.gluon_gemm.gluon_available`: Gluon in a
@@ -2159,7 +2171,8 @@ def nvfp4_gemm(
     ``config``: launch configuration: a :class:`GemmConfig` (default :func:`pick_config`; its block_m
     must equal the routing's) or, for ``w4a16`` operands, a :class:`StreamConfig` (the weight-streaming
     decode kernel) or, bf16 only, a :class:`~verl_quads.nvfp4.gluon_gemm.GluonConfig` (the Gluon mma.sync
-    kernels: dense ``gluon_w4a16_std``; grouped ``gluon_moe.gluon_w4a16_grouped``, e.g. a ``GroupedConfig``).
+    kernels: dense ``gluon_w4a16_std``; grouped ``gluon_moe.gluon_w4a16_grouped``, e.g. a ``GroupedConfig``) or,
+    dense only, a :class:`~verl_quads.nvfp4.gluon_tma.TmaConfig` (``gluon_tma.gluon_w4a16_tma``, sm_90+).
     Default for ``w4a16`` on CUDA: the :data:`GLUON_TABLE` (dense) / :data:`GLUON_MOE_TABLE` (grouped) entry
     (sm_90, where Gluon runs), else the :data:`DECODE_TABLE` entry of the shape if any.
     """
@@ -2183,6 +2196,12 @@ def nvfp4_gemm(
             config = gluon_dense_config(act.values, w_packed)
         if config is None:
             config = decode_config(s if grouped else m, n, k, grouped, act.values.dtype)
+    if isinstance(config, TmaConfig):  # raises where the TMA kernel cannot run this GEMM (no fallback)
+        if act.mode != "w4a16" or grouped:
+            raise ValueError("nvfp4 GEMM: a TmaConfig runs dense w4a16 GEMMs only")
+        from verl_quads.nvfp4.gluon_tma import gluon_w4a16_tma
+
+        return gluon_w4a16_tma(act.values, w_packed, w_scale, w_gs, bias, config)
     if isinstance(config, GluonConfig):  # raises where the Gluon kernel cannot run this GEMM (no fallback)
         if act.mode != "w4a16":
             raise ValueError("nvfp4 GEMM: a GluonConfig runs w4a16 GEMMs only")

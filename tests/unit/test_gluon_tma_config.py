@@ -1,0 +1,62 @@
+"""The TMA-fed dense W4A16 kernel's host side on CPU (verl_quads/nvfp4/gluon_tma.py; the kernel itself:
+tests/gpu/test_gluon_tma_gpu.py): config validation, the probe's spec parser, shared-memory accounting, and the clear
+refusals where it cannot run (CPU tensors, the interpreter, shapes, a grouped GEMM) -- never a silent fallback."""
+
+import pytest
+import torch
+
+from verl_quads.bench.gluon_probe import TMA_CONFIGS, parse_tma
+from verl_quads.nvfp4 import gluon_tma as gt
+from verl_quads.nvfp4 import triton_gemm as tg
+
+T = gt.TmaConfig
+
+
+@pytest.mark.parametrize("kw", [dict(ks=3), dict(ks=1), dict(nwr=3), dict(ks=4, nwr=8), dict(u=0), dict(ns=1),
+                                dict(dec=2), dict(maxnreg=-1)])
+def test_config_rejects(kw):
+    with pytest.raises(ValueError, match="TmaConfig"):
+        T(**kw)
+
+
+def test_parse_tma_and_labels():
+    assert parse_tma("ks4:w2:u1:ns6:d1,ks2") == [T(ks=4, nwr=2, u=1, ns=6, dec=1), T()]
+    assert parse_tma("ks2:w2:u4:ns3:r128")[0] == T(ks=2, nwr=2, u=4, ns=3, maxnreg=128)
+    with pytest.raises(ValueError, match="bad part"):
+        parse_tma("ks2:q3")
+    labels = [c.label for c in TMA_CONFIGS]
+    assert len(set(labels)) == len(labels) and all(lb.startswith("tma ks") for lb in labels)
+
+
+def test_smem_bytes():
+    """Ring bytes = stages x chunks per stage x (16 nwr rows of 64 code bytes + 8 scale bytes, + the staged activation:
+    M rounded up to a power of two rows of 256 bytes)."""
+    c = T(ks=2, nwr=2, u=4, ns=3)
+    assert c.smem_bytes(1) == 3 * 8 * (2 * 16 * (64 + 8) + 1 * 256)
+    assert c.smem_bytes(3) == c.smem_bytes(4) == 3 * 8 * (2 * 16 * 72 + 4 * 256)
+    assert c.smem_bytes(9) == 3 * 8 * (2 * 16 * 72 + 16 * 256)
+    assert T(ks=4, nwr=4, u=2, ns=6).smem_bytes(16) > gt.SMEM_LIMIT
+
+
+def test_refusals_on_cpu():
+    x = torch.randn(2, 512).to(torch.bfloat16)
+    w = torch.zeros(64, 256, dtype=torch.uint8)
+    ok, why = gt.tma_supported(x, w)
+    assert not ok and why
+    with pytest.raises(RuntimeError, match="gluon_w4a16_tma cannot run"):
+        gt.gluon_w4a16_tma(x, w, torch.zeros(64, 32, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                           torch.ones(1))
+    act, _ = tg.quantize_activation(x, "w4a16")
+    routing = tg.moe_align_reference(torch.zeros(2, 1, dtype=torch.int64), 1, 16)
+    with pytest.raises(ValueError, match="dense w4a16 GEMMs only"):
+        tg.nvfp4_gemm(act, w.unsqueeze(0), torch.zeros(1, 64, 32, dtype=torch.uint8).view(torch.float8_e4m3fn),
+                      torch.ones(1), routing=routing, config=T())
+
+
+def test_table_entries_fit():
+    """Every TmaConfig entry of GLUON_TABLE fits the H200's shared memory at its bucket's largest M, on a shape the
+    kernel supports (N % 16, K % 256)."""
+    entries = [(key, c) for key, c in tg.GLUON_TABLE.items() if isinstance(c, T)]
+    assert entries
+    for (bucket, n, k), c in entries:
+        assert c.smem_bytes(bucket) <= gt.SMEM_LIMIT and n % 16 == 0 and k % 256 == 0, (bucket, n, k, c)
