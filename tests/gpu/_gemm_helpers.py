@@ -1,7 +1,7 @@
 """Shared inputs and the output check of the GPU GEMM tests (test_nvfp4_gemm_gpu.py, test_nvfp4_gemm_stream_gpu.py,
-test_gluon_gemm_gpu.py): random activations with outlier channels, random weights, and the bound vs the rollout's
-torch reference: per element |y - ref| <= 1 ulp(ref) of y's dtype + 4 K eps_f32 (|x| @ |w|.T) (products exact on
-both sides, float32 summation order differs)."""
+test_gluon_gemm_gpu.py, test_gluon_tma_gpu.py): random activations with outlier channels, random weights, the bound vs
+the rollout's torch reference: per element |y - ref| <= 1 ulp(ref) of y's dtype + 4 K eps_f32 (|x| @ |w|.T) (products
+exact on both sides, float32 summation order differs), and a dense W4A16 case built on them."""
 
 import torch
 
@@ -30,3 +30,22 @@ def check_close(y, ref, xf, wf, what):
     print(f"{what}: max |diff| {worst:.2f} ulp, {float((y == ref).float().mean()):.2%} bit-equal, "
           f"max err / max |ref| {float(d.max() / r.abs().max().clamp(min=1e-30)):.2e}")
     assert bool((d <= bound).all()), f"{what}: {worst:.2f} ulp"
+
+
+def w4a16_case(run, m, n, k, what, seed=0, bias=False, w_seed=None):
+    """``run(x, packed, block_scale, gs, bias)`` (a dense bf16 W4A16 GEMM) on random inputs -- activation seed ``seed``,
+    weight seed ``w_seed`` (default seed + 1), a bf16 bias [n] where asked -- checked with :func:`check_close` against
+    the rollout's torch reference; returns (y, the call's inputs ``(x, packed, block_scale, gs, bias)``)."""
+    from verl_quads.rollout import emulation as em
+
+    q = em.quantize_weight(rand_w((n, k), seed=seed + 1 if w_seed is None else w_seed))
+    gs = q.global_scale.reshape(())
+    x = rand_x(m, k, seed)
+    b = (rand_w((n,), seed=seed + 7) * 10).to(torch.bfloat16) if bias else None
+    xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
+    wf = em.weight_f32(q.packed, q.block_scale, gs)
+    ref = em.gemm(xf, wf, b, x.dtype)
+    y = run(x, q.packed, q.block_scale, gs, b)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    check_close(y, ref, xf, wf, f"{what} M={m} N={n} K={k}{' bias' if bias else ''}")
+    return y, (x, q.packed, q.block_scale, gs, b)

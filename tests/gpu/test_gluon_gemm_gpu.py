@@ -11,6 +11,7 @@ import torch
 from _gemm_helpers import check_close as _check
 from _gemm_helpers import rand_w as _w
 from _gemm_helpers import rand_x as _x
+from _gemm_helpers import w4a16_case
 from verl_quads.bench.gluon_probe import xs_alternatives, xs_candidates
 from verl_quads.nvfp4 import gluon_gemm as gg
 from verl_quads.nvfp4 import gluon_tma as gt
@@ -128,17 +129,7 @@ STD_CFGS = [G(4, 1, 0, 2), G(4, 1, 0, 2, prefetch=False), G(8, 1, 0, 2, prefetch
 def _std_case(m, n, k, cfg, seed=0, bias=False, w_seed=None):
     """gluon_w4a16_std with ``cfg`` on random inputs (weight seed ``w_seed``, default seed + 1), checked against the
     reference bound; returns (y, the call's inputs ``(x, packed, block_scale, gs, bias)``) for further comparisons."""
-    q = em.quantize_weight(_w((n, k), seed=seed + 1 if w_seed is None else w_seed))
-    gs = q.global_scale.reshape(())
-    x = _x(m, k, seed)
-    b = (_w((n,), seed=seed + 7) * 10).to(torch.bfloat16) if bias else None
-    xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
-    wf = em.weight_f32(q.packed, q.block_scale, gs)
-    ref = em.gemm(xf, wf, b, x.dtype)
-    y = gg.gluon_w4a16_std(x, q.packed, q.block_scale, gs, b, cfg)
-    assert y.shape == (m, n) and y.dtype == torch.bfloat16
-    _check(y, ref, xf, wf, f"std {cfg.label} M={m} N={n} K={k}{' bias' if bias else ''}")
-    return y, (x, q.packed, q.block_scale, gs, b)
+    return w4a16_case(lambda *a: gg.gluon_w4a16_std(*a, cfg), m, n, k, f"std {cfg.label}", seed, bias, w_seed)
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])

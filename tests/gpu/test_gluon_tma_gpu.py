@@ -6,9 +6,9 @@ one-hot rows bit for bit (every product exact); repeated launches and CUDA-graph
 import pytest
 import torch
 
-from _gemm_helpers import check_close as _check
 from _gemm_helpers import rand_w as _w
 from _gemm_helpers import rand_x as _x
+from _gemm_helpers import w4a16_case
 from verl_quads.bench.gluon_probe import TMA_CONFIGS
 from verl_quads.nvfp4 import gluon_tma as gt
 from verl_quads.rollout import emulation as em
@@ -22,17 +22,7 @@ if gt.gluon is None or not torch.cuda.is_available() or torch.cuda.get_device_ca
 
 
 def _tma_case(m, n, k, cfg, seed=0, bias=False):
-    q = em.quantize_weight(_w((n, k), seed=seed + 1))
-    gs = q.global_scale.reshape(())
-    x = _x(m, k, seed)
-    b = (_w((n,), seed=seed + 7) * 10).to(torch.bfloat16) if bias else None
-    xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
-    wf = em.weight_f32(q.packed, q.block_scale, gs)
-    ref = em.gemm(xf, wf, b, x.dtype)
-    y = gt.gluon_w4a16_tma(x, q.packed, q.block_scale, gs, b, cfg)
-    assert y.shape == (m, n) and y.dtype == torch.bfloat16
-    _check(y, ref, xf, wf, f"{cfg.label} M={m} N={n} K={k}{' bias' if bias else ''}")
-    return y, (x, q.packed, q.block_scale, gs, b)
+    return w4a16_case(lambda *a: gt.gluon_w4a16_tma(*a, cfg), m, n, k, cfg.label, seed, bias)
 
 
 @pytest.mark.parametrize("m", [1, 4, 9, 16])
