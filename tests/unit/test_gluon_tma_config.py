@@ -36,6 +36,14 @@ def test_smem_bytes():
     assert c.smem_bytes(3) == c.smem_bytes(4) == 3 * 8 * (2 * 16 * 72 + 4 * 256)
     assert c.smem_bytes(9) == 3 * 8 * (2 * 16 * 72 + 16 * 256)
     assert T(ks=4, nwr=4, u=2, ns=6).smem_bytes(16) > gt.SMEM_LIMIT
+    assert [gt.staged_rows(m) for m in range(1, 17)] == [1, 2, 4, 4] + [8] * 4 + [16] * 8
+
+
+def test_plan():
+    """One program per 16 nwr weight rows (the last one partly past N), stages of ks u chunks (the last one partly past
+    K when K / 128 is not a multiple)."""
+    assert gt.tma_plan(8192, 8192, T(ks=2, nwr=2, u=4, ns=3)) == (256, 8, 8, True)
+    assert gt.tma_plan(1040, 2304, T(ks=2, nwr=4, u=2)) == (17, 5, 4, False)
 
 
 def test_refusals_on_cpu():

@@ -274,7 +274,8 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
                     def call(i, cfg=cfg):
                         return gt.gluon_w4a16_tma(x, wps[i], wscs[i], wgs, None, cfg)
 
-                    gn, split, cps, even = -(-n // (16 * cfg.nwr)), 1, cfg.ks * cfg.u, (k // 128) % (cfg.ks * cfg.u) == 0
+                    gn, _, cps, even = gt.tma_plan(n, k, cfg)
+                    split = 1
                 elif kind == "grp":
                     from verl_quads.nvfp4 import gluon_moe as gm
 

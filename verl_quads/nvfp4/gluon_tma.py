@@ -175,9 +175,22 @@ class TmaConfig:
                 f"{f' r{self.maxnreg}' if self.maxnreg else ''}")
 
     def smem_bytes(self, m: int) -> int:
-        """Shared memory of the ring (bytes) for an activation of ``m`` rows (staged: m rounded up to a power of 2)."""
+        """Shared memory of the ring (bytes) for an activation of ``m`` rows (:func:`staged_rows` of them staged)."""
         cps = self.ks * self.u
-        return self.ns * cps * (self.nwr * (1024 + 128) + (1 << (m - 1).bit_length()) * 256)
+        return self.ns * cps * (self.nwr * (1024 + 128) + staged_rows(m) * 256)
+
+
+def staged_rows(m: int) -> int:
+    """Activation rows the kernel stages for ``m`` rows (its TMA box height, MX): m rounded up to a power of two (the
+    rows past m are zero-filled by the TMA unit)."""
+    return 1 << (m - 1).bit_length()
+
+
+def tma_plan(n: int, k: int, cfg: TmaConfig) -> tuple[int, int, int, bool]:
+    """(programs, stages per program, chunks per stage, every stage full) of a launch for an ``[n, k]`` weight: one
+    program per ``16 cfg.nwr`` rows over all of K (``k / 128`` chunks in stages of ``cfg.ks * cfg.u``)."""
+    c, cps = k // STD_CHUNK, cfg.ks * cfg.u
+    return -(-(n // ROWS) // cfg.nwr), -(-c // cps), cps, c % cps == 0
 
 
 #: The H200's shared memory per block (opt-in maximum, bytes).
@@ -228,24 +241,23 @@ def gluon_w4a16_tma(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
     x = x.contiguous()
     c = k // STD_CHUNK
     kw, kb = k // 8, k // BLOCK_SIZE
-    cps = cfg.ks * cfg.u
+    grid_n, stages, cps, _ = tma_plan(n, k, cfg)
     r = cfg.nwr
     nvmma = gl.NVMMASharedLayout
     wd = TensorDescriptor(w_packed.view(torch.int32), [n // ROWS, 2, 8, kw // 32, 32], [16 * kw, 8 * kw, kw, 32, 1],
                           [r, 2, 8, cps // 2, 32], nvmma(swizzle_byte_width=0, element_bitwidth=32, rank=5))
     sd = TensorDescriptor(w_scale.view(torch.uint8), [n // ROWS, 2, 8, kb], [16 * kb, 8 * kb, kb, 1], [r, 2, 8, cps * 8],
                           nvmma(swizzle_byte_width=0, element_bitwidth=8, rank=4))
-    mx = 1 << (m - 1).bit_length()  # staged activation rows: M rounded up to a power of two (TMA zero-fills)
+    mx = staged_rows(m)
     # 128-byte swizzle where a slice's KS chunks span whole 8-row swizzle periods (else unswizzled: M = 1 at KS 2)
     xd = TensorDescriptor(x, [c, 1, m, 2, 64], [STD_CHUNK, m * k, k, 64, 1], [cps, 1, mx, 2, 64],
                           nvmma(swizzle_byte_width=128 if cfg.ks * mx * 2 >= 8 else 0, element_bitwidth=16, rank=5))
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     gs = w_gs.reshape(1)
-    grid = (-(-(n // ROWS) // r),)
-    _w4a16_tma_kernel[grid](wd, sd, xd, gs, bias if bias is not None else gs, out, m, n, -(-c // cps),
+    _w4a16_tma_kernel[(grid_n,)](wd, sd, xd, gs, bias if bias is not None else gs, out, m, n, stages,
                             KS=cfg.ks, NWR=r, NT=nt, U=cfg.u, NS=cfg.ns, HAS_BIAS=bias is not None, DEC=cfg.dec,
                             MX=mx, num_warps=cfg.ks * r, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 
 
-__all__ = ["TmaConfig", "tma_supported", "gluon_w4a16_tma", "SMEM_LIMIT"]
+__all__ = ["TmaConfig", "staged_rows", "tma_plan", "tma_supported", "gluon_w4a16_tma", "SMEM_LIMIT"]

@@ -81,7 +81,7 @@ import torch
 from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
 from verl_quads.nvfp4.gluon_gemm import GluonConfig
 from verl_quads.nvfp4.gluon_moe import GroupedConfig
-from verl_quads.nvfp4.gluon_tma import TmaConfig
+from verl_quads.nvfp4.gluon_tma import TmaConfig, gluon_w4a16_tma
 from verl_quads.nvfp4.guidance import GuidanceRecord
 from verl_quads.nvfp4.triton_kernels import check_available, triton
 
@@ -2199,8 +2199,6 @@ def nvfp4_gemm(
     if isinstance(config, TmaConfig):  # raises where the TMA kernel cannot run this GEMM (no fallback)
         if act.mode != "w4a16" or grouped:
             raise ValueError("nvfp4 GEMM: a TmaConfig runs dense w4a16 GEMMs only")
-        from verl_quads.nvfp4.gluon_tma import gluon_w4a16_tma
-
         return gluon_w4a16_tma(act.values, w_packed, w_scale, w_gs, bias, config)
     if isinstance(config, GluonConfig):  # raises where the Gluon kernel cannot run this GEMM (no fallback)
         if act.mode != "w4a16":
