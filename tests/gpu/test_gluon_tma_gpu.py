@@ -10,6 +10,7 @@ from _gemm_helpers import rand_w as _w
 from _gemm_helpers import rand_x as _x
 from _gemm_helpers import w4a16_case
 from verl_quads.bench.gluon_probe import TMA_CONFIGS
+from verl_quads.nvfp4 import gluon_gemm as gg
 from verl_quads.nvfp4 import gluon_tma as gt
 from verl_quads.rollout import emulation as em
 
@@ -21,8 +22,15 @@ if gt.gluon is None or not torch.cuda.is_available() or torch.cuda.get_device_ca
     pytest.skip("needs triton Gluon and an sm_90+ GPU (TMA)", allow_module_level=True)
 
 
+def _tma_run(cfg):
+    """The TMA kernel as ``run(x, packed, block_scale, gs, bias)``; decode 2 reads the codes as spread_std's words."""
+    def run(x, p, s, gs, b):
+        return gt.gluon_w4a16_tma(x, gg.spread_std(p) if cfg.dec == 2 else p, s, gs, b, cfg)
+    return run
+
+
 def _tma_case(m, n, k, cfg, seed=0, bias=False):
-    return w4a16_case(lambda *a: gt.gluon_w4a16_tma(*a, cfg), m, n, k, cfg.label, seed, bias)
+    return w4a16_case(_tma_run(cfg), m, n, k, cfg.label, seed, bias)
 
 
 @pytest.mark.parametrize("m", [1, 4, 9, 16])
@@ -38,6 +46,13 @@ def test_tma_configs_and_tails(cfg, m, n, k, bias):
     """Row-group tails (N = 16 x odd: a program's last groups past N read TMA zeros, not stored) and K tails (chunks
     past K inside the last stage: zero words, zero scales, zero activation)."""
     _tma_case(m, n, k, cfg, seed=m + 3, bias=bias)
+
+
+@pytest.mark.parametrize("m, n, k", [(1, 8192, 8192), (16, 4096, 4096), (5, 1040, 2304)])
+def test_tma_spread_words_bit_equal(m, n, k):
+    """Decode 2 on spread_std's words builds the same registers as decode 3 on the plain codes: the same bytes."""
+    y, (x, p, s, gs, b) = _tma_case(m, n, k, T(ks=2, nwr=2, u=4, ns=3, dec=2), seed=m + 11, bias=True)
+    assert torch.equal(y, gt.gluon_w4a16_tma(x, p, s, gs, b, T(ks=2, nwr=2, u=4, ns=3, dec=3)))
 
 
 def test_tma_one_hot_exact():

@@ -13,7 +13,7 @@ T = gt.TmaConfig
 
 
 @pytest.mark.parametrize("kw", [dict(ks=3), dict(ks=1), dict(nwr=3), dict(ks=4, nwr=8), dict(u=0), dict(ns=1),
-                                dict(dec=2), dict(maxnreg=-1)])
+                                dict(dec=4), dict(dec=0), dict(maxnreg=-1)])
 def test_config_rejects(kw):
     with pytest.raises(ValueError, match="TmaConfig"):
         T(**kw)
@@ -68,3 +68,22 @@ def test_table_entries_fit():
     assert entries
     for (bucket, n, k), c in entries:
         assert c.smem_bytes(bucket) <= gt.SMEM_LIMIT and n % 16 == 0 and k % 256 == 0, (bucket, n, k, c)
+
+
+def test_spread_std_words_decode_like_plain_words():
+    """Decode 2 on spread_std's words builds the same bf16 register pairs as decode 1 on the plain words (the bit
+    format's rotations, read back by gluon_gemm._pair_bits: the kernel's per-thread arithmetic in torch), and
+    unspread_std inverts spread_std; every code value and sign appears."""
+    from verl_quads.nvfp4 import gluon_gemm as gg
+
+    g = torch.Generator().manual_seed(3)
+    packed = torch.randint(0, 256, (48, 64), dtype=torch.uint8, generator=g)
+    sp = gg.spread_std(packed)
+    assert sp.shape == packed.shape and sp.dtype == torch.uint8 and not torch.equal(sp, packed)
+    assert torch.equal(gg.unspread_std(sp), packed)
+    plain = packed.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    spread = sp.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    for p in range(4):
+        assert torch.equal(gg._pair_bits(spread, p, 2), gg._pair_bits(plain, p, 1)), p
+    with pytest.raises(ValueError, match="spread_std"):
+        gg.spread_std(torch.zeros(4, 6, dtype=torch.uint8))

@@ -151,7 +151,7 @@ def parse_tma(spec: str):
 #: (tests/gpu/test_gluon_tma_gpu.py) and probed by ``--tma default``: GLUON_TABLE's d8192 entry (ks2 w2 u4 ns3) and the
 #: session-14 runners-up (H200 cold us at d8192 M = 1 / 4 / 16, call 5: 15.1 / 14.8 / 22.6 for the entry; u2 ns4 16.7
 #: / 16.3 / 18.7; w1 u4 ns4 15.1 / 18.5 / 39.9; ks4 w2 u2 ns3 16.3 / 16.4 / 24.9; u8 ns2 15.7 / 15.4 / 23.5).
-TMA_SPEC = "ks2:w2:u4:ns3,ks2:w2:u2:ns4,ks2:w1:u4:ns4,ks4:w2:u2:ns3,ks2:w2:u8:ns2,ks2:w2:u4:ns3:d1"
+TMA_SPEC = "ks2:w2:u4:ns3,ks2:w2:u2:ns4,ks2:w1:u4:ns4,ks4:w2:u2:ns3,ks2:w2:u8:ns2,ks2:w2:u4:ns3:d1,ks2:w2:u4:ns3:d2"
 TMA_CONFIGS = parse_tma(TMA_SPEC)
 
 
@@ -228,6 +228,7 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
         gws = {f: [gg.permute_weight(wps[i], wscs[i], wgs, fmt=f) for i in range(copies)]
                for f in sorted({f for kind, _, f in cfgs if kind == "perm"})}
         wbs = [wbf] + [wbf.clone() for _ in range(bcopies - 1)]
+        spread = [[gg.spread_std(p) for p in wps]] if any(kind == "tma" and c.dec == 2 for kind, c, _ in cfgs) else []
         for m in ms:
             tag = f"N={n} K={k} M={m}"
             x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
@@ -271,8 +272,10 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
 
                     label = cfg.label
 
-                    def call(i, cfg=cfg):
-                        return gt.gluon_w4a16_tma(x, wps[i], wscs[i], wgs, None, cfg)
+                    wpt = wps if cfg.dec != 2 else spread[0]  # decode 2 reads spread_std's words
+
+                    def call(i, cfg=cfg, wpt=wpt):
+                        return gt.gluon_w4a16_tma(x, wpt[i], wscs[i], wgs, None, cfg)
 
                     gn, _, cps, even = gt.tma_plan(n, k, cfg)
                     split = 1
@@ -318,7 +321,7 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
                        f"({tw_cub / bestw[0]:.2f}x)" if best else ", no correct gluon config"))
             summary.append(line)
             print(line, flush=True)
-        del wps, wscs, gws, wbs, wf
+        del wps, wscs, gws, wbs, wf, spread
         torch.cuda.empty_cache()
     out = print_table("W4A16 dense decode, cold / warm L2 (us; x = cuBLAS time / time at the same L2 state; check: 1 "
                       "bf16 ulp + fp32 bound)",

@@ -152,6 +152,34 @@ def _bit_map(fmt: int) -> list[int]:
     return src
 
 
+def spread_std(packed: torch.Tensor) -> torch.Tensor:
+    """Standard-layout NVFP4 codes (uint8 ``[N, K/2]``, low nibble = even element; ``K % 8 == 0``) with the 32 bits of
+    every little-endian int32 word (nibble j = element 8 i + j of word i) moved to word bit format 2 ("spread",
+    :data:`FORMATS`): what the standard-layout kernels read with decode 2 (one rotation + mask per register pair instead
+    of mask + multiply + mask). Same shape and dtype; :func:`unspread_std` inverts it."""
+    return _map_std_bits(packed, _bit_map(2), "spread_std")
+
+
+def unspread_std(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`spread_std`: format-2 words back to plain nibble order."""
+    src = _bit_map(2)
+    inv = [0] * 32
+    for i, sb in enumerate(src):
+        inv[sb] = i
+    return _map_std_bits(packed, inv, "unspread_std")
+
+
+def _map_std_bits(packed: torch.Tensor, dst: list[int], name: str) -> torch.Tensor:
+    """Bit i of every int32 word of ``packed`` (uint8 ``[N, K/2]``) moved to bit ``dst[i]``."""
+    if packed.dtype != torch.uint8 or packed.dim() != 2 or packed.shape[1] % 4:
+        raise ValueError(f"{name}: uint8 codes [N, K/2] with K % 8 == 0, got {packed.dtype} {tuple(packed.shape)}")
+    wd = packed.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    out = torch.zeros_like(wd)
+    for i, d in enumerate(dst):
+        out |= ((wd >> i) & 1) << d
+    return (out - ((out >> 31) << 32)).to(torch.int32).view(torch.uint8).reshape(packed.shape)
+
+
 def _codes(packed: torch.Tensor) -> torch.Tensor:
     lo = packed & 0x0F
     hi = packed >> 4
@@ -1188,6 +1216,7 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
     return out
 
 
-__all__ = ["GluonWeight", "GluonConfig", "permute_weight", "unpermute_weight", "decode_permuted",
+__all__ = ["GluonWeight", "GluonConfig", "permute_weight", "unpermute_weight", "decode_permuted", "spread_std",
+           "unspread_std",
            "reference_weight", "plan", "gluon_w4a16", "std_supported", "std_plan", "gluon_w4a16_std", "STD_CHUNK",
            "MIN_TRITON", "triton_version", "gluon_available"]

@@ -153,8 +153,8 @@ if gluon is not None:
 class TmaConfig:
     """The TMA kernel's shape: ``ks`` K slices (even) x ``nwr`` row groups = ``ks * nwr`` warps per program (16 nwr
     weight rows), ``u`` chunks per slice and stage (a stage: ``ks * u`` 128-element chunks), ``ns`` ring stages
-    (``ns - 1`` in flight), ``dec`` the pair decode (1 shifts, 3 mask + multiply), ``maxnreg`` a ptxas register cap
-    (0: none)."""
+    (``ns - 1`` in flight), ``dec`` the pair decode (1 shifts, 3 mask + multiply: plain codes; 2 rotation + mask: the
+    codes must be :func:`~verl_quads.nvfp4.gluon_gemm.spread_std`'s words), ``maxnreg`` a ptxas register cap (0: none)."""
 
     ks: int = 2
     nwr: int = 4
@@ -165,9 +165,9 @@ class TmaConfig:
 
     def __post_init__(self):
         if self.ks not in (2, 4) or self.nwr not in (1, 2, 4, 8) or self.ks * self.nwr > 16 or self.u < 1 or (
-                self.ns < 2) or self.dec not in (1, 3) or self.maxnreg < 0:
+                self.ns < 2) or self.dec not in (1, 2, 3) or self.maxnreg < 0:
             raise ValueError(f"TmaConfig: ks must be 2 or 4, nwr 1, 2, 4 or 8 (ks * nwr <= 16 warps), u >= 1, ns >= 2, "
-                             f"dec 1 or 3, maxnreg >= 0; got {self}")
+                             f"dec 1, 2 or 3, maxnreg >= 0; got {self}")
 
     @property
     def label(self) -> str:
@@ -219,8 +219,9 @@ def tma_supported(x: torch.Tensor, w_packed: torch.Tensor) -> tuple[bool, str]:
 def gluon_w4a16_tma(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
                     bias: torch.Tensor | None = None, cfg: TmaConfig = TmaConfig()) -> torch.Tensor:
     """``x`` bf16 ``[M, K]`` (M <= 16) times the NVFP4 weight in the standard layout (``w_packed`` uint8 ``[N, K/2]``,
-    ``w_scale`` e4m3 ``[N, K/16]``, ``w_gs`` float32 one element), plus ``bias`` ``[N]``: bf16 ``[M, N]``. Raises where
-    it cannot run (:func:`tma_supported`; no fallback here)."""
+    ``w_scale`` e4m3 ``[N, K/16]``, ``w_gs`` float32 one element), plus ``bias`` ``[N]``: bf16 ``[M, N]``. With
+    ``cfg.dec == 2`` ``w_packed`` holds :func:`~verl_quads.nvfp4.gluon_gemm.spread_std`'s words (the same codes, bits
+    moved inside each int32 word). Raises where it cannot run (:func:`tma_supported`; no fallback here)."""
     ok, why = tma_supported(x, w_packed)
     if not ok:
         raise RuntimeError(f"gluon_w4a16_tma cannot run this GEMM: {why}")
