@@ -25,7 +25,8 @@ if gt.gluon is None or not torch.cuda.is_available() or torch.cuda.get_device_ca
 def _tma_run(cfg):
     """The TMA kernel as ``run(x, packed, block_scale, gs, bias)``; decode 2 reads the codes as spread_std's words."""
     def run(x, p, s, gs, b):
-        return gt.gluon_w4a16_tma(x, gg.spread_std(p) if cfg.dec == 2 else p, s, gs, b, cfg)
+        words = {2: gg.spread_std, 4: gg.adjacent_std}.get(cfg.dec, lambda v: v)(p)
+        return gt.gluon_w4a16_tma(x, words, s, gs, b, cfg)
     return run
 
 
@@ -50,9 +51,20 @@ def test_tma_configs_and_tails(cfg, m, n, k, bias):
 
 @pytest.mark.parametrize("m, n, k", [(1, 8192, 8192), (16, 4096, 4096), (5, 1040, 2304)])
 def test_tma_spread_words_bit_equal(m, n, k):
-    """Decode 2 on spread_std's words builds the same registers as decode 3 on the plain codes: the same bytes."""
+    """Decode 2 on spread_std's words builds the same registers as decode 3 on the plain codes: the same bytes. Decode 4
+    (adjacent_std's words) pairs other columns in the MMA's k order: bounded like the others (checked by _tma_case)."""
     y, (x, p, s, gs, b) = _tma_case(m, n, k, T(ks=2, nwr=2, u=4, ns=3, dec=2), seed=m + 11, bias=True)
     assert torch.equal(y, gt.gluon_w4a16_tma(x, p, s, gs, b, T(ks=2, nwr=2, u=4, ns=3, dec=3)))
+    _tma_case(m, n, k, T(ks=2, nwr=2, u=4, ns=3, dec=4), seed=m + 11, bias=True)
+
+
+def test_tma_floor_streams_without_computing():
+    """TmaConfig(floor=True) (benchmarks only) launches the same pipeline with no decode / MMA: its output is the bias
+    alone -- never mistaken for a GEMM result."""
+    q = em.quantize_weight(_w((256, 1024)))
+    b = (_w((256,), seed=9) * 10).to(torch.bfloat16)
+    y = gt.gluon_w4a16_tma(_x(3, 1024), q.packed, q.block_scale, q.global_scale.reshape(()), b, T(floor=True))
+    assert torch.equal(y, b.expand(3, 256))
 
 
 def test_tma_one_hot_exact():

@@ -13,7 +13,7 @@ T = gt.TmaConfig
 
 
 @pytest.mark.parametrize("kw", [dict(ks=3), dict(ks=1), dict(nwr=3), dict(ks=4, nwr=8), dict(u=0), dict(ns=1),
-                                dict(dec=4), dict(dec=0), dict(maxnreg=-1)])
+                                dict(dec=5), dict(dec=0), dict(maxnreg=-1)])
 def test_config_rejects(kw):
     with pytest.raises(ValueError, match="TmaConfig"):
         T(**kw)
@@ -22,6 +22,9 @@ def test_config_rejects(kw):
 def test_parse_tma_and_labels():
     assert parse_tma("ks4:w2:u1:ns6:d1,ks2") == [T(ks=4, nwr=2, u=1, ns=6, dec=1), T()]
     assert parse_tma("ks2:w2:u4:ns3:r128")[0] == T(ks=2, nwr=2, u=4, ns=3, maxnreg=128)
+    assert parse_tma("ks2:d2:floor1") == [T(ks=2, dec=2, floor=True)]
+    assert T(floor=True).label.endswith(" FLOOR") and "FLOOR" not in T().label
+    assert not any(c.floor for c in TMA_CONFIGS)  # the configs the GPU tests check for results compute them
     with pytest.raises(ValueError, match="bad part"):
         parse_tma("ks2:q3")
     labels = [c.label for c in TMA_CONFIGS]
@@ -87,3 +90,21 @@ def test_spread_std_words_decode_like_plain_words():
         assert torch.equal(gg._pair_bits(spread, p, 2), gg._pair_bits(plain, p, 1)), p
     with pytest.raises(ValueError, match="spread_std"):
         gg.spread_std(torch.zeros(4, 6, dtype=torch.uint8))
+
+
+def test_adjacent_std_pairs_adjacent_elements():
+    """Decode 2 on adjacent_std's words: register pair P of word i holds the codes of elements 8 i + 2 P (low bf16
+    half) and 8 i + 2 P + 1 (high half), each as bf16 bits (magnitude -> bits 6..8, sign -> bit 15)."""
+    from verl_quads.nvfp4 import gluon_gemm as gg
+
+    g = torch.Generator().manual_seed(4)
+    packed = torch.randint(0, 256, (32, 96), dtype=torch.uint8, generator=g)
+    adj = gg.adjacent_std(packed).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    plain = packed.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+    def bf16_bits(code):
+        return ((code & 7) << 6) | ((code & 8) << 12)
+
+    for p in range(4):
+        lo, hi = (plain >> (8 * p)) & 0xF, (plain >> (8 * p + 4)) & 0xF
+        assert torch.equal(gg._pair_bits(adj, p, 2), bf16_bits(lo) | (bf16_bits(hi) << 16)), p

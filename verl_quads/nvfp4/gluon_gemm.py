@@ -160,6 +160,19 @@ def spread_std(packed: torch.Tensor) -> torch.Tensor:
     return _map_std_bits(packed, _bit_map(2), "spread_std")
 
 
+def adjacent_std(packed: torch.Tensor) -> torch.Tensor:
+    """:func:`spread_std` with the codes also reordered inside each word so that format 2's register pair P holds
+    elements ``8 i + 2 P`` and ``8 i + 2 P + 1`` (instead of ``8 i + P``, ``8 i + P + 4``): what decode 4 reads (the
+    activation then needs no pair permutes). Same shape and dtype."""
+    src = _bit_map(2)
+    dst = [0] * 32
+    for n in range(8):  # plain nibble n = element 8 i + n -> pair P = n // 2, element e = n % 2 -> code j = P + 4 e
+        j = n // 2 + 4 * (n % 2)
+        for b in range(4):
+            dst[4 * n + b] = src[4 * j + b]
+    return _map_std_bits(packed, dst, "adjacent_std")
+
+
 def unspread_std(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`spread_std`: format-2 words back to plain nibble order."""
     src = _bit_map(2)
@@ -921,12 +934,21 @@ if gluon is not None:
     def _ks_chunk_mma(acc, wd, sc, xv, KS: gl.constexpr, NWR: gl.constexpr, R: gl.constexpr, NT: gl.constexpr,
                       DEC: gl.constexpr):
         """:func:`_std_chunk_mma` (WPT 4, one chunk) with the K slice as the MMA's batch dimension: the same decoded
-        registers, the same k order inside the chunk, one mma.sync chain per slice."""
-        a = _decode_words(wd, sc, DEC)  # [KS, R, rb3, g, t, ib, il, e, kb3, sh]
+        registers, the same k order inside the chunk, one mma.sync chain per slice. DEC 4: the words are
+        :func:`adjacent_std`'s (decoded as DEC 2; register pair P holds elements 2P, 2P + 1 of its word), so the
+        activation's adjacent bf16 pairs are the MMA's B registers as loaded (no byte permutes)."""
+        if DEC == 4:
+            a = _decode_words(wd, sc, 2)  # [KS, R, rb3, g, t, ib, il, e, kb3, sh]
+        else:
+            a = _decode_words(wd, sc, DEC)
         a = gl.reshape(gl.permute(a, (0, 1, 2, 3, 5, 6, 9, 8, 4, 7)), (KS, R * 16, 128))
         a = gl.convert_layout(a, ks_dot_layout(KS, NWR, 0), assert_trivial=True)
-        b = gl.reshape(xv, (KS, NT, 8, 4, 2, 2, 2, 2, 2))  # [s, nt, g, t, ib, il, e, sh, kb3]
-        b = gl.reshape(gl.permute(b, (0, 4, 5, 7, 8, 3, 6, 1, 2)), (KS, 128, NT * 8))
+        if DEC == 4:
+            b = gl.reshape(xv, (KS, NT, 8, 4, 2, 2, 2, 2, 2))  # [s, nt, g, t, ib, il, sh, kb3, e]
+            b = gl.reshape(gl.permute(b, (0, 4, 5, 6, 7, 3, 8, 1, 2)), (KS, 128, NT * 8))
+        else:
+            b = gl.reshape(xv, (KS, NT, 8, 4, 2, 2, 2, 2, 2))  # [s, nt, g, t, ib, il, e, sh, kb3]
+            b = gl.reshape(gl.permute(b, (0, 4, 5, 7, 8, 3, 6, 1, 2)), (KS, 128, NT * 8))
         b = gl.convert_layout(b, ks_dot_layout(KS, NWR, 1), assert_trivial=True)
         return mma_v2(a, b, acc)
 
@@ -1217,6 +1239,6 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
 
 
 __all__ = ["GluonWeight", "GluonConfig", "permute_weight", "unpermute_weight", "decode_permuted", "spread_std",
-           "unspread_std",
+           "adjacent_std", "unspread_std",
            "reference_weight", "plan", "gluon_w4a16", "std_supported", "std_plan", "gluon_w4a16_std", "STD_CHUNK",
            "MIN_TRITON", "triton_version", "gluon_available"]

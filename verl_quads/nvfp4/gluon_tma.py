@@ -38,6 +38,18 @@ whole program (4.5% fewer SASS instructions in the loop, 806 -> 770 per stage an
 stage: d8192 M=1 / 4 / 16 15.7 / 15.7 / 28.7 vs 15.2 / 14.9 / 22.7 us cold), two accumulators per warp (even / odd
 chunks: 15.4 / 15.1 / 23.2): fewer instructions alone do not make it faster.
 
+Session 15 (docs/bench_rollout_h200_session15.txt): the pipeline alone (``TmaConfig.floor``: stages stream in, no
+decode / MMA) takes 10.9 / 7.7 us cold / warm at d8192 M=1 (ncu: 68% of DRAM peak, SM clock 1.97 GHz) and 4.4 us at
+d4096, so ~3.5 us of the d8192 GEMM is compute that does not overlap the stream (ncu of decode 2: 46% issue-active,
+1.88 warps per scheduler, stalls per issue: wait 0.88, long scoreboard 0.63, short scoreboard 0.37, math throttle
+0.32; SM clock 1.80 GHz; ptxas keeps ~42 registers whatever the source order). Re-encoded words cut the instructions:
+decode 2 (:func:`~verl_quads.nvfp4.gluon_gemm.spread_std`: 678 SASS per stage and warp vs 806) 14.8 / 14.4-14.5 us
+at M = 1 / 4; decode 4 (:func:`~verl_quads.nvfp4.gluon_gemm.adjacent_std`, also no activation permutes: 631) 14.3 /
+14.0-14.1 cold, 14.1 / 14.0 warm (2.46-2.50x cuBLAS), and ks2 w2 u2 ns4 d4 16.9 us at M = 16 (std entry 19.4). Not in the
+dispatch: the rollout stores plain codes (every dense consumer would have to read the re-encoded words). A
+warp-specialized variant (TMA producer partition + one-warp consumers with full / empty mbarriers) measured 54-76 us
+(u4) / 19.7 us (u2 ns4): removed.
+
 Needs sm_90 (TMA), triton >= 3.6 with Gluon, N % 16 == 0, K % 256 == 0 (whole chunk pairs).
 """
 
@@ -99,10 +111,12 @@ if gluon is not None:
     @gluon.jit
     def _w4a16_tma_kernel(w_desc, s_desc, x_desc, gs_ptr, bias_ptr, out_ptr, M, N, NJ,
                           KS: gl.constexpr, NWR: gl.constexpr, NT: gl.constexpr, U: gl.constexpr, NS: gl.constexpr,
-                          HAS_BIAS: gl.constexpr, DEC: gl.constexpr, MX: gl.constexpr):
+                          HAS_BIAS: gl.constexpr, DEC: gl.constexpr, MX: gl.constexpr,
+                          FLOOR: gl.constexpr = False):
         """Module docstring: program ``pid_n`` = weight rows ``16 NWR pid_n + [0, 16 NWR)`` over all NJ stages of
         ``KS U`` chunks; output bf16 ``[M, N]`` (+ bias ``[N]``); MX activation rows staged (M rounded up to a power of
-        two)."""
+        two). FLOOR (:attr:`TmaConfig.floor`, benchmarks only): the stages stream in and are waited for, but nothing is
+        read from them (no decode, no MMA): the output is the bias alone."""
         R: gl.constexpr = NWR
         BN: gl.constexpr = R * 16
         NW: gl.constexpr = KS * NWR
@@ -133,9 +147,10 @@ if gluon is not None:
             wb = w_s.index(buf)
             sb = s_s.index(buf)
             xb = x_s.index(buf)
-            for u in gl.static_range(U):
-                wd, sc, xv = _u_loads(wb, sb, xb, u, KS, NWR, NT, MX)
-                acc = _ks_chunk_mma(acc, wd, sc, xv, KS, NWR, R, NT, DEC)
+            if not FLOOR:
+                for u in gl.static_range(U):
+                    wd, sc, xv = _u_loads(wb, sb, xb, u, KS, NWR, NT, MX)
+                    acc = _ks_chunk_mma(acc, wd, sc, xv, KS, NWR, R, NT, DEC)
         for i in gl.static_range(NS):
             mbarrier.invalidate(bars.index(i))
 
@@ -154,7 +169,9 @@ class TmaConfig:
     """The TMA kernel's shape: ``ks`` K slices (even) x ``nwr`` row groups = ``ks * nwr`` warps per program (16 nwr
     weight rows), ``u`` chunks per slice and stage (a stage: ``ks * u`` 128-element chunks), ``ns`` ring stages
     (``ns - 1`` in flight), ``dec`` the pair decode (1 shifts, 3 mask + multiply: plain codes; 2 rotation + mask: the
-    codes must be :func:`~verl_quads.nvfp4.gluon_gemm.spread_std`'s words), ``maxnreg`` a ptxas register cap (0: none)."""
+    codes must be :func:`~verl_quads.nvfp4.gluon_gemm.spread_std`'s words; 4 the same on
+    :func:`~verl_quads.nvfp4.gluon_gemm.adjacent_std`'s words, no activation pair permutes), ``maxnreg`` a ptxas
+    register cap (0: none), ``floor`` (benchmarks only) the pipeline without decode / MMA."""
 
     ks: int = 2
     nwr: int = 4
@@ -162,17 +179,18 @@ class TmaConfig:
     ns: int = 4
     dec: int = 3
     maxnreg: int = 0
+    floor: bool = False  # benchmarks only: the TMA pipeline with no decode / MMA (wrong output: the bias alone)
 
     def __post_init__(self):
         if self.ks not in (2, 4) or self.nwr not in (1, 2, 4, 8) or self.ks * self.nwr > 16 or self.u < 1 or (
-                self.ns < 2) or self.dec not in (1, 2, 3) or self.maxnreg < 0:
+                self.ns < 2) or self.dec not in (1, 2, 3, 4) or self.maxnreg < 0:
             raise ValueError(f"TmaConfig: ks must be 2 or 4, nwr 1, 2, 4 or 8 (ks * nwr <= 16 warps), u >= 1, ns >= 2, "
-                             f"dec 1, 2 or 3, maxnreg >= 0; got {self}")
+                             f"dec 1 to 4, maxnreg >= 0; got {self}")
 
     @property
     def label(self) -> str:
         return (f"tma ks{self.ks} w{self.nwr} u{self.u} ns{self.ns} d{self.dec}"
-                f"{f' r{self.maxnreg}' if self.maxnreg else ''}")
+                f"{f' r{self.maxnreg}' if self.maxnreg else ''}{' FLOOR' if self.floor else ''}")
 
     def smem_bytes(self, m: int) -> int:
         """Shared memory of the ring (bytes) for an activation of ``m`` rows (:func:`staged_rows` of them staged)."""
@@ -220,8 +238,9 @@ def gluon_w4a16_tma(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
                     bias: torch.Tensor | None = None, cfg: TmaConfig = TmaConfig()) -> torch.Tensor:
     """``x`` bf16 ``[M, K]`` (M <= 16) times the NVFP4 weight in the standard layout (``w_packed`` uint8 ``[N, K/2]``,
     ``w_scale`` e4m3 ``[N, K/16]``, ``w_gs`` float32 one element), plus ``bias`` ``[N]``: bf16 ``[M, N]``. With
-    ``cfg.dec == 2`` ``w_packed`` holds :func:`~verl_quads.nvfp4.gluon_gemm.spread_std`'s words (the same codes, bits
-    moved inside each int32 word). Raises where it cannot run (:func:`tma_supported`; no fallback here)."""
+    ``cfg.dec == 2`` / ``4`` ``w_packed`` holds :func:`~verl_quads.nvfp4.gluon_gemm.spread_std`'s /
+    :func:`~verl_quads.nvfp4.gluon_gemm.adjacent_std`'s words (the same codes, bits moved inside each int32 word).
+    Raises where it cannot run (:func:`tma_supported`; no fallback here)."""
     ok, why = tma_supported(x, w_packed)
     if not ok:
         raise RuntimeError(f"gluon_w4a16_tma cannot run this GEMM: {why}")
@@ -257,7 +276,8 @@ def gluon_w4a16_tma(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
     gs = w_gs.reshape(1)
     _w4a16_tma_kernel[(grid_n,)](wd, sd, xd, gs, bias if bias is not None else gs, out, m, n, stages,
                             KS=cfg.ks, NWR=r, NT=nt, U=cfg.u, NS=cfg.ns, HAS_BIAS=bias is not None, DEC=cfg.dec,
-                            MX=mx, num_warps=cfg.ks * r, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+                            MX=mx, FLOOR=bool(cfg.floor), num_warps=cfg.ks * r,
+                            **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
     return out
 
 
