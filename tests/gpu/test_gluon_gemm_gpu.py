@@ -5,6 +5,8 @@ reference (verl_quads/rollout/emulation.py). Per element |y - ref| <= 1 bf16 ulp
 (codes 0/1: bf16 subnormal inputs of the packed multiply; E4M3-subnormal and zero scales; every nibble position);
 the split-K fixup deterministic over many launches; CUDA-graph replay."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -130,6 +132,26 @@ def _std_case(m, n, k, cfg, seed=0, bias=False, w_seed=None):
     """gluon_w4a16_std with ``cfg`` on random inputs (weight seed ``w_seed``, default seed + 1), checked against the
     reference bound; returns (y, the call's inputs ``(x, packed, block_scale, gs, bias)``) for further comparisons."""
     return w4a16_case(lambda *a: gg.gluon_w4a16_std(*a, cfg), m, n, k, f"std {cfg.label}", seed, bias, w_seed)
+
+
+#: The table's std entries with the re-encoded words (decode 2: spread_std, decode 4: adjacent_std; session 15).
+REENCODED = ["w4:o2:rg2:d4:xs1:r128", "w8:s1:o2:pf0:d4:ks8", "w4:o2:d4:xs1", "w4:o2:d4:xs1:r128", "w4:o2:rg2:d2:xs1"]
+
+
+@pytest.mark.parametrize("spec", REENCODED)
+@pytest.mark.parametrize("m, n, k, bias", [(1, 8192, 8192, False), (16, 8192, 8192, True), (4, 4096, 4096, True),
+                                           (9, 1040, 2304, False)])
+def test_std_reencoded_words(spec, m, n, k, bias):
+    """Decodes 2 / 4 read spread_std's / adjacent_std's words: within the bound; decode 2 builds the same registers as
+    decode 3 on the plain codes (the same bytes)."""
+    from verl_quads.bench.gluon_probe import parse_std
+
+    cfg = parse_std(spec)[0]
+    enc = {2: gg.spread_std, 4: gg.adjacent_std}[cfg.dec]
+    y, (x, p, s, gs, b) = w4a16_case(lambda x, p, s, gs, b: gg.gluon_w4a16_std(x, enc(p), s, gs, b, cfg), m, n, k,
+                                     f"std {cfg.label}", m + 5, bias)
+    if cfg.dec == 2:
+        assert torch.equal(y, gg.gluon_w4a16_std(x, p, s, gs, b, dataclasses.replace(cfg, dec=3)))
 
 
 @pytest.mark.parametrize("m", [1, 2, 4, 8, 16])

@@ -228,7 +228,7 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
         gws = {f: [gg.permute_weight(wps[i], wscs[i], wgs, fmt=f) for i in range(copies)]
                for f in sorted({f for kind, _, f in cfgs if kind == "perm"})}
         wbs = [wbf] + [wbf.clone() for _ in range(bcopies - 1)]
-        tdecs = {c.dec for kind, c, _ in cfgs if kind == "tma"}
+        tdecs = {c.dec for kind, c, _ in cfgs if kind in ("tma", "std")}
         spread = {d: [f(p) for p in wps] for d, f in ((2, gg.spread_std), (4, gg.adjacent_std)) if d in tdecs}
         for m in ms:
             tag = f"N={n} K={k} M={m}"
@@ -264,8 +264,10 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
                 if kind == "std":
                     label = f"std {cfg.label}"
 
-                    def call(i, cfg=cfg):
-                        return gg.gluon_w4a16_std(x, wps[i], wscs[i], wgs, None, cfg)
+                    wpt = spread.get(cfg.dec, wps)  # decode 2 / 4 read spread_std's / adjacent_std's words
+
+                    def call(i, cfg=cfg, wpt=wpt):
+                        return gg.gluon_w4a16_std(x, wpt[i], wscs[i], wgs, None, cfg)
 
                     gn, split, cps, even = gg.std_plan(n, k, cfg, gg._num_sms(x.device))
                 elif kind == "tma":

@@ -555,12 +555,21 @@ if gluon is not None:
         slots ``8 (P % 2) + 2 t + e`` (e = 0: element 8 i + P, e = 1: element 8 i + P + 4); scale block
         ``WPT / 2 t + ib``.
         The activation operand takes the same k order (its registers pair columns j and j + 4: byte permutes).
-        DEC: the pair decode of :func:`_pair_asm` (1: shifts, 3: mask + multiply; the same registers)."""
-        a = _decode_words(wd, sc, DEC)  # [NW, rb3, g, t, KC, ib, il, e, kb3, sh]
+        DEC: the pair decode of :func:`_pair_asm` (1: shifts, 3: mask + multiply; the same registers; 2: rotation +
+        mask of :func:`spread_std`'s words), 4: :func:`adjacent_std`'s words, decoded as 2, pair P holding elements 2P,
+        2P + 1 of its word, so the activation's registers are used as loaded (no byte permutes)."""
+        if DEC == 4:
+            a = _decode_words(wd, sc, 2)  # [NW, rb3, g, t, KC, ib, il, e, kb3, sh]
+        else:
+            a = _decode_words(wd, sc, DEC)
         a = gl.reshape(gl.permute(a, (0, 1, 2, 4, 5, 6, 9, 8, 3, 7)), (NW * 16, KC * 32 * WPT))
         a = gl.convert_layout(a, DA, assert_trivial=True)
-        b = gl.reshape(xv, (NT, 8, 4, KC, WPT // 2, 2, 2, 2, 2))  # [nt, g, t, kc, ib, il, e, sh, kb3]
-        b = gl.reshape(gl.permute(b, (3, 4, 5, 7, 8, 2, 6, 0, 1)), (KC * 32 * WPT, NT * 8))
+        if DEC == 4:
+            b = gl.reshape(xv, (NT, 8, 4, KC, WPT // 2, 2, 2, 2, 2))  # [nt, g, t, kc, ib, il, sh, kb3, e]
+            b = gl.reshape(gl.permute(b, (3, 4, 5, 6, 7, 2, 8, 0, 1)), (KC * 32 * WPT, NT * 8))
+        else:
+            b = gl.reshape(xv, (NT, 8, 4, KC, WPT // 2, 2, 2, 2, 2))  # [nt, g, t, kc, ib, il, e, sh, kb3]
+            b = gl.reshape(gl.permute(b, (3, 4, 5, 7, 8, 2, 6, 0, 1)), (KC * 32 * WPT, NT * 8))
         b = gl.convert_layout(b, DB, assert_trivial=True)
         return mma_v2(a, b, acc)
 
@@ -1063,7 +1072,7 @@ class GluonConfig:
     asm: bool = True  # decode + scale of a register pair as one inline-PTX block (else Triton ops: LLVM re-pairs halves)
     rg: int = 1  # standard-layout kernel: 16-row groups per warp (a program: 16 num_warps rg weight rows)
     wev: int = 0  # standard-layout kernel: weight-load cache hint (0 none, 1 evict_first, 2 .cg: L2 only)
-    dec: int = 1  # standard-layout kernel: pair decode (1 shifts, 3 mask + multiply; the same bf16 registers)
+    dec: int = 1  # std kernel: pair decode (1 shifts, 3 mask + multiply; 2 / 4: spread_std / adjacent_std words)
     pfd: int = 0  # register prefetch depth (0: 1 if prefetch else 0; 2: two iterations ahead)
     xs: bool = False  # standard-layout kernel: activation staged in shared memory once per program (kc 1)
     xsc: int = 0  # xs: chunks (128 K elements) staged at a time (0: the program's whole K range, <= 64 KB of smem)
@@ -1184,7 +1193,8 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
                     bias: torch.Tensor | None = None, cfg: GluonConfig = GluonConfig(kc=1)) -> torch.Tensor:
     """``x`` bf16 ``[M, K]`` (M <= 16, K % 128 == 0) times the NVFP4 weight in the STANDARD layout (``w_packed``
     uint8 ``[N, K/2]``, ``w_scale`` e4m3 ``[N, K/16]``, ``w_gs`` float32 one element), plus ``bias`` ``[N]``:
-    bf16 ``[M, N]``. Raises if Gluon / the shape is not supported (no fallback here)."""
+    bf16 ``[M, N]``. ``cfg.dec`` 2 / 4: ``w_packed`` holds :func:`spread_std`'s / :func:`adjacent_std`'s words.
+    Raises if Gluon / the shape is not supported (no fallback here)."""
     ok, why = gluon_available()
     if not ok:
         raise RuntimeError(f"gluon_w4a16_std (requested explicitly) cannot run: {why}")
@@ -1196,9 +1206,9 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
                          f"[N, K/2] uint8 weight; got x {x.dtype} {tuple(x.shape)}, w {tuple(w_packed.shape)}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"gluon_w4a16_std: bias must be [{n}], got {tuple(bias.shape)}")
-    if (cfg.rg not in (1, 2, 4) or cfg.wev not in (0, 1, 2) or cfg.dec not in (1, 3) or cfg.pfd not in (0, 1, 2)
+    if (cfg.rg not in (1, 2, 4) or cfg.wev not in (0, 1, 2) or cfg.dec not in (1, 2, 3, 4) or cfg.pfd not in (0, 1, 2)
             or cfg.xsb not in (1, 2) or cfg.xsc < 0 or (cfg.xs and cfg.kc != 1)):
-        raise ValueError(f"gluon_w4a16_std: rg must be 1, 2 or 4, wev 0, 1 or 2, dec 1 or 3, pfd 0, 1 or 2, xsb 1 or "
+        raise ValueError(f"gluon_w4a16_std: rg must be 1, 2 or 4, wev 0, 1 or 2, dec 1 to 4, pfd 0, 1 or 2, xsb 1 or "
                          f"2, xs with kc 1; got {cfg.rg} / {cfg.wev} / {cfg.dec} / {cfg.pfd} / {cfg.xsb} / {cfg.kc}")
     if cfg.ks != 1 and (cfg.ks < 1 or cfg.num_warps % cfg.ks or cfg.kc != 1 or cfg.xs or cfg.pfd > 1):
         raise ValueError(f"gluon_w4a16_std: ks (K slices in a program) must divide num_warps, with kc 1, no xs, pfd "
