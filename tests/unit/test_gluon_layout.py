@@ -252,7 +252,7 @@ def _fmt3_ptx(src: str) -> dict:
     """The FMT == 3 branch's PTX per pair P, read from _pair_asm's source text."""
     import re
 
-    body = src.split("if FMT == 3:")[1].split("elif FMT == 2:")[0]
+    body = src.split("if FMT == 3:")[1].split("elif FMT == 2")[0]
     out = {}
     for p, chunk in enumerate(re.split(r"\n\s*(?:elif P == \d|else):", body)):
         out[p] = " ".join(re.findall(r'"([^"]*)"', chunk))

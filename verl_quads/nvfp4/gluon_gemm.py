@@ -379,7 +379,7 @@ if gluon is not None:
             else:
                 op: gl.constexpr = ("shr.u32 t, $1, 8; and.b32 t, t, 0x00F000F0; mul.lo.u32 t, t, 260; "
                                     "and.b32 t, t, 0x81C081C0;")
-        elif FMT == 2:  # spread format: rotations (see _PAIR_ROT)
+        elif FMT == 2 or FMT == 4:  # spread format: rotations (see _PAIR_ROT); 4: the same bits (adjacent_std)
             if P == 0:
                 op: gl.constexpr = "and.b32 t, $1, 0x81C081C0;"
             elif P == 1:
@@ -556,12 +556,9 @@ if gluon is not None:
         ``WPT / 2 t + ib``.
         The activation operand takes the same k order (its registers pair columns j and j + 4: byte permutes).
         DEC: the pair decode of :func:`_pair_asm` (1: shifts, 3: mask + multiply; the same registers; 2: rotation +
-        mask of :func:`spread_std`'s words), 4: :func:`adjacent_std`'s words, decoded as 2, pair P holding elements 2P,
-        2P + 1 of its word, so the activation's registers are used as loaded (no byte permutes)."""
-        if DEC == 4:
-            a = _decode_words(wd, sc, 2)  # [NW, rb3, g, t, KC, ib, il, e, kb3, sh]
-        else:
-            a = _decode_words(wd, sc, DEC)
+        mask of :func:`spread_std`'s words), 4: :func:`adjacent_std`'s words (the same decode as 2, pair P holding
+        elements 2P, 2P + 1 of its word), so the activation's registers are used as loaded (no byte permutes)."""
+        a = _decode_words(wd, sc, DEC)  # [NW, rb3, g, t, KC, ib, il, e, kb3, sh]
         a = gl.reshape(gl.permute(a, (0, 1, 2, 4, 5, 6, 9, 8, 3, 7)), (NW * 16, KC * 32 * WPT))
         a = gl.convert_layout(a, DA, assert_trivial=True)
         if DEC == 4:
@@ -944,12 +941,9 @@ if gluon is not None:
                       DEC: gl.constexpr):
         """:func:`_std_chunk_mma` (WPT 4, one chunk) with the K slice as the MMA's batch dimension: the same decoded
         registers, the same k order inside the chunk, one mma.sync chain per slice. DEC 4: the words are
-        :func:`adjacent_std`'s (decoded as DEC 2; register pair P holds elements 2P, 2P + 1 of its word), so the
+        :func:`adjacent_std`'s (the decode of DEC 2; register pair P holds elements 2P, 2P + 1 of its word), so the
         activation's adjacent bf16 pairs are the MMA's B registers as loaded (no byte permutes)."""
-        if DEC == 4:
-            a = _decode_words(wd, sc, 2)  # [KS, R, rb3, g, t, ib, il, e, kb3, sh]
-        else:
-            a = _decode_words(wd, sc, DEC)
+        a = _decode_words(wd, sc, DEC)  # [KS, R, rb3, g, t, ib, il, e, kb3, sh]
         a = gl.reshape(gl.permute(a, (0, 1, 2, 3, 5, 6, 9, 8, 4, 7)), (KS, R * 16, 128))
         a = gl.convert_layout(a, ks_dot_layout(KS, NWR, 0), assert_trivial=True)
         if DEC == 4:
