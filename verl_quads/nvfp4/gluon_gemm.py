@@ -937,6 +937,26 @@ if gluon is not None:
         return z
 
     @gluon.jit
+    def ks_store(z, out_ptr, part_ptr, cnt_ptr, bias_ptr, M, N, pid_n, pid_k, BN: gl.constexpr, NT: gl.constexpr,
+                 NW: gl.constexpr, SPLIT: gl.constexpr, HAS_BIAS: gl.constexpr):
+        """The summed tile ``z`` of :func:`ks_reduce` (weight rows ``pid_n BN + [0, BN)``, activation rows ``[0, 8 NT)``,
+        float32 in :func:`ks_out_layout`) to bf16 ``out[M, N]`` (+ bias; rows / columns past M / N not stored); SPLIT
+        > 1: through :func:`split_fixup` (partials ``part_ptr``, counter ``cnt_ptr + pid_n``). The epilogue of the
+        in-program split-K kernel and of the TMA kernel (:mod:`verl_quads.nvfp4.gluon_tma`, SPLIT 1)."""
+        LE: gl.constexpr = ks_out_layout(NT, NW)
+        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LE))
+        rows = gl.expand_dims(cols, 1)
+        xr = gl.expand_dims(gl.arange(0, NT * 8, layout=gl.SliceLayout(0, LE)), 0)
+        om = (rows < N) & (xr < M)
+        if SPLIT == 1:
+            if HAS_BIAS:
+                z += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 1)
+            gl.store(out_ptr + xr * N + rows, z.to(gl.bfloat16), mask=om)
+        else:
+            split_fixup(z, part_ptr, xr, rows, M, N, pid_k, om, out_ptr, xr * N + rows, cnt_ptr, pid_n, bias_ptr,
+                        cols, SPLIT, HAS_BIAS)
+
+    @gluon.jit
     def _ks_chunk_mma(acc, wd, sc, xv, KS: gl.constexpr, NWR: gl.constexpr, R: gl.constexpr, NT: gl.constexpr,
                       DEC: gl.constexpr):
         """:func:`_std_chunk_mma` (WPT 4, one chunk) with the K slice as the MMA's batch dimension: the same decoded
@@ -1029,18 +1049,7 @@ if gluon is not None:
             acc = _ks_chunk_mma(acc, wd, sc, xv, KS, NWR, R, NT, DEC)
 
         z = ks_reduce(acc, gs_ptr, KS, NWR, BN, NT)
-        LE: gl.constexpr = ks_out_layout(NT, NW)
-        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LE))
-        rows = gl.expand_dims(cols, 1)
-        xr = gl.expand_dims(gl.arange(0, NT * 8, layout=gl.SliceLayout(0, LE)), 0)
-        om = (rows < N) & (xr < M)
-        if SPLIT == 1:
-            if HAS_BIAS:
-                z += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 1)
-            gl.store(out_ptr + xr * N + rows, z.to(gl.bfloat16), mask=om)
-        else:
-            split_fixup(z, part_ptr, xr, rows, M, N, pid_k, om, out_ptr, xr * N + rows, cnt_ptr, pid_n, bias_ptr,
-                        cols, SPLIT, HAS_BIAS)
+        ks_store(z, out_ptr, part_ptr, cnt_ptr, bias_ptr, M, N, pid_n, pid_k, BN, NT, NW, SPLIT, HAS_BIAS)
 
 
 # ----------------------------------------------------------------------------------------------- host

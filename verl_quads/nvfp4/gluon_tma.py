@@ -66,8 +66,8 @@ if gluon is not None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
-    from verl_quads.nvfp4.gluon_gemm import (_cta_barrier, _ks_chunk_mma, ks_mma_layout, ks_out_layout, ks_pair_layout,
-                                             ks_reduce, ks_x_layout)
+    from verl_quads.nvfp4.gluon_gemm import (_cta_barrier, _ks_chunk_mma, ks_mma_layout, ks_pair_layout, ks_reduce,
+                                             ks_store, ks_x_layout)
 
     @gluon.jit
     def _tma_stage(w_desc, s_desc, x_desc, w_s, s_s, x_s, bars, buf, j, r0, CPS: gl.constexpr, NBYTES: gl.constexpr,
@@ -155,13 +155,7 @@ if gluon is not None:
             mbarrier.invalidate(bars.index(i))
 
         z = ks_reduce(acc, gs_ptr, KS, NWR, BN, NT)
-        LE: gl.constexpr = ks_out_layout(NT, NW)
-        cols = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, LE))
-        rows = gl.expand_dims(cols, 1)
-        xr = gl.expand_dims(gl.arange(0, NT * 8, layout=gl.SliceLayout(0, LE)), 0)
-        if HAS_BIAS:
-            z += gl.expand_dims(gl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(gl.float32), 1)
-        gl.store(out_ptr + xr * N + rows, z.to(gl.bfloat16), mask=(rows < N) & (xr < M))
+        ks_store(z, out_ptr, out_ptr, out_ptr, bias_ptr, M, N, pid_n, 0, BN, NT, NW, 1, HAS_BIAS)  # no split-K
 
 
 @dataclass(frozen=True)
