@@ -147,9 +147,9 @@ def test_std_reencoded_words(spec, m, n, k, bias):
     from verl_quads.bench.gluon_probe import parse_std
 
     cfg = parse_std(spec)[0]
-    enc = {2: gg.spread_std, 4: gg.adjacent_std}[cfg.dec]
-    y, (x, p, s, gs, b) = w4a16_case(lambda x, p, s, gs, b: gg.gluon_w4a16_std(x, enc(p), s, gs, b, cfg), m, n, k,
-                                     f"std {cfg.label}", m + 5, bias)
+    y, (x, p, s, gs, b) = w4a16_case(lambda x, p, s, gs, b: gg.gluon_w4a16_std(x, gg.std_words(p, cfg.dec), s, gs, b,
+                                                                               cfg), m, n, k, f"std {cfg.label}", m + 5,
+                                     bias)
     if cfg.dec == 2:
         assert torch.equal(y, gg.gluon_w4a16_std(x, p, s, gs, b, dataclasses.replace(cfg, dec=3)))
 

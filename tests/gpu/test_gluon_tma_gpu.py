@@ -26,8 +26,7 @@ def _tma_run(cfg):
     """The TMA kernel as ``run(x, packed, block_scale, gs, bias)``; decodes 2 / 4 read the codes as spread_std's /
     adjacent_std's words."""
     def run(x, p, s, gs, b):
-        words = {2: gg.spread_std, 4: gg.adjacent_std}.get(cfg.dec, lambda v: v)(p)
-        return gt.gluon_w4a16_tma(x, words, s, gs, b, cfg)
+        return gt.gluon_w4a16_tma(x, gg.std_words(p, cfg.dec), s, gs, b, cfg)
     return run
 
 

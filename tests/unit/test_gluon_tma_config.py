@@ -90,6 +90,10 @@ def test_spread_std_words_decode_like_plain_words():
         assert torch.equal(gg._pair_bits(spread, p, 2), gg._pair_bits(plain, p, 1)), p
     with pytest.raises(ValueError, match="spread_std"):
         gg.spread_std(torch.zeros(4, 6, dtype=torch.uint8))
+    assert torch.equal(gg.std_words(packed, 2), sp) and torch.equal(gg.std_words(packed, 4), gg.adjacent_std(packed))
+    assert gg.std_words(packed, 1) is packed and gg.std_words(packed, 3) is packed
+    with pytest.raises(ValueError, match="std_words"):
+        gg.std_words(packed, 5)
 
 
 def test_adjacent_std_pairs_adjacent_elements():

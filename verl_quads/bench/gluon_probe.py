@@ -230,8 +230,8 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
         gws = {f: [gg.permute_weight(wps[i], wscs[i], wgs, fmt=f) for i in range(copies)]
                for f in sorted({f for kind, _, f in cfgs if kind == "perm"})}
         wbs = [wbf] + [wbf.clone() for _ in range(bcopies - 1)]
-        tdecs = {c.dec for kind, c, _ in cfgs if kind in ("tma", "std")}
-        spread = {d: [f(p) for p in wps] for d, f in ((2, gg.spread_std), (4, gg.adjacent_std)) if d in tdecs}
+        # decodes 2 / 4 read re-encoded words (gluon_gemm.std_words): one set of copies per decode in use
+        words = {d: [gg.std_words(p, d) for p in wps] for d in {c.dec for kind, c, _ in cfgs if kind in ("tma", "std")}}
         for m in ms:
             tag = f"N={n} K={k} M={m}"
             x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
@@ -263,10 +263,10 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
                              f"{rel:.2e}"])
             best = bestw = None
             for kind, cfg, fmt in _point_configs(which, cfgs, m, n, k):
+                wpt = words[cfg.dec] if kind in ("std", "tma") else wps
+                floor = kind == "tma" and cfg.floor  # no decode / MMA: a time floor, never a result
                 if kind == "std":
                     label = f"std {cfg.label}"
-
-                    wpt = spread.get(cfg.dec, wps)  # decode 2 / 4 read spread_std's / adjacent_std's words
 
                     def call(i, cfg=cfg, wpt=wpt):
                         return gg.gluon_w4a16_std(x, wpt[i], wscs[i], wgs, None, cfg)
@@ -276,8 +276,6 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
                     from verl_quads.nvfp4 import gluon_tma as gt
 
                     label = cfg.label
-
-                    wpt = spread.get(cfg.dec, wps)  # decode 2 / 4 read spread_std's / adjacent_std's words
 
                     def call(i, cfg=cfg, wpt=wpt):
                         return gt.gluon_w4a16_tma(x, wpt[i], wscs[i], wgs, None, cfg)
@@ -306,14 +304,13 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
                 try:
                     t0 = time.time()
                     rel, ok = _err(call(0), ref, bound)
-                    if kind == "tma" and cfg.floor:  # no decode / MMA: a time floor, never a result
+                    if floor:
                         rel, ok = float("nan"), True
                     t = _time_rot(call, copies)
                     tw = _time_warm(lambda call=call: call(0))
                 except Exception as ex:  # reported, skipped
                     print(f"  {tag} gluon {label}: failed {type(ex).__name__}: {str(ex)[:300]}", flush=True)
                     continue
-                floor = kind == "tma" and cfg.floor
                 rows.append([tag, f"gluon {label} (grid {gn}x{split}, {cps} chunks{' even' if even else ''})",
                              "floor" if floor else "ok" if ok else "WRONG", t * 1e6, t_cub / t, tw * 1e6, tw_cub / tw,
                              f"{rel:.2e}"])
@@ -332,7 +329,7 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
                        f"({tw_cub / bestw[0]:.2f}x)" if best else ", no correct gluon config"))
             summary.append(line)
             print(line, flush=True)
-        del wps, wscs, gws, wbs, wf, spread
+        del wps, wscs, gws, wbs, wf, words
         torch.cuda.empty_cache()
     out = print_table("W4A16 dense decode, cold / warm L2 (us; x = cuBLAS time / time at the same L2 state; check: 1 "
                       "bf16 ulp + fp32 bound)",

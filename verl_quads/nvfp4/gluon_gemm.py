@@ -173,6 +173,14 @@ def adjacent_std(packed: torch.Tensor) -> torch.Tensor:
     return _map_std_bits(packed, dst, "adjacent_std")
 
 
+def std_words(packed: torch.Tensor, dec: int) -> torch.Tensor:
+    """The standard-layout codes as decode ``dec`` reads them: :func:`spread_std`'s words for 2, :func:`adjacent_std`'s
+    for 4, ``packed`` itself for 1 and 3."""
+    if dec not in (1, 2, 3, 4):
+        raise ValueError(f"std_words: dec must be 1, 2, 3 or 4, got {dec}")
+    return spread_std(packed) if dec == 2 else adjacent_std(packed) if dec == 4 else packed
+
+
 def unspread_std(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`spread_std`: format-2 words back to plain nibble order."""
     src = _bit_map(2)
@@ -1252,6 +1260,6 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
 
 
 __all__ = ["GluonWeight", "GluonConfig", "permute_weight", "unpermute_weight", "decode_permuted", "spread_std",
-           "adjacent_std", "unspread_std",
+           "adjacent_std", "std_words", "unspread_std",
            "reference_weight", "plan", "gluon_w4a16", "std_supported", "std_plan", "gluon_w4a16_std", "STD_CHUNK",
            "MIN_TRITON", "triton_version", "gluon_available"]
