@@ -51,10 +51,14 @@ def test_dense_real_shapes(mode, per_token, name, n, k, m):
 @pytest.mark.parametrize("mode, per_token", [("w4a16", False), ("naive", False)])
 @pytest.mark.parametrize("n", [4096, 8192])
 @pytest.mark.parametrize("m", [2, 3, 4, 8, 16, 64, 100, 256])
-def test_dense_mid_table_shapes(mode, per_token, n, m):
+def test_dense_mid_table_shapes(monkeypatch, mode, per_token, n, m):
     """Square d4096 / d8192 linears at the MID_TABLE's rows (4, 16, 64, 256), between buckets (3, 8, 100: the
     next bucket's entry) and at the d8192 M=2 DECODE_TABLE entry by the default dispatch, against the torch
-    reference."""
+    reference. With DEQUANT_MIN_ROWS emptied: the fused kernels these rows take where torch lacks mm's out_dtype
+    (tests/gpu/test_dequant_gemm_gpu.py covers the decode-once path the dispatch takes here from its rows on)."""
+    from verl_quads.nvfp4 import dequant_gemm as dg
+
+    monkeypatch.setattr(dg, "DEQUANT_MIN_ROWS", {})
     x = _x(m, n)
     q_w = em.quantize_weight(_w((n, n)))
     xf, _ = em.quantize_activation(x, em.ActQuant(mode, 0.5, per_token, residual_granularity="block"))

@@ -2172,9 +2172,13 @@ def nvfp4_gemm(
     must equal the routing's) or, for ``w4a16`` operands, a :class:`StreamConfig` (the weight-streaming
     decode kernel) or, bf16 only, a :class:`~verl_quads.nvfp4.gluon_gemm.GluonConfig` (the Gluon mma.sync
     kernels: dense ``gluon_w4a16_std``; grouped ``gluon_moe.gluon_w4a16_grouped``, e.g. a ``GroupedConfig``) or,
-    dense only, a :class:`~verl_quads.nvfp4.gluon_tma.TmaConfig` (``gluon_tma.gluon_w4a16_tma``, sm_90+).
-    Default for ``w4a16`` on CUDA: the :data:`GLUON_TABLE` (dense) / :data:`GLUON_MOE_TABLE` (grouped) entry
-    (sm_90, where Gluon runs), else the :data:`DECODE_TABLE` entry of the shape if any.
+    dense only, a :class:`~verl_quads.nvfp4.gluon_tma.TmaConfig` (``gluon_tma.gluon_w4a16_tma``, sm_90+) or a
+    :class:`~verl_quads.nvfp4.dequant_gemm.DequantConfig` (block values decoded once, then cuBLAS; bf16 / fp16,
+    ``w4a16`` or W4A4 without a residual operand).
+    Default on CUDA, dense: :func:`~verl_quads.nvfp4.dequant_gemm.dequant_dense_config` (from
+    :data:`~verl_quads.nvfp4.dequant_gemm.DEQUANT_MIN_ROWS` rows on); then for ``w4a16`` the :data:`GLUON_TABLE`
+    (dense) / :data:`GLUON_MOE_TABLE` (grouped) entry (sm_90, where Gluon runs), else the :data:`DECODE_TABLE` entry
+    of the shape if any.
     """
     m, k = act.shape
     grouped = routing is not None
@@ -2189,6 +2193,10 @@ def nvfp4_gemm(
         rows_out = s if out_rows is None else out_rows
     else:
         rows_out = m
+    if config is None and not grouped and dev.type == "cuda" and rows_out and n:
+        from verl_quads.nvfp4.dequant_gemm import dequant_dense_config
+
+        config = dequant_dense_config(act, w_packed)
     if config is None and act.mode == "w4a16" and dev.type == "cuda" and rows_out and n:
         if grouped:
             config = gluon_grouped_config(act.values, w_packed, routing)
@@ -2196,6 +2204,15 @@ def nvfp4_gemm(
             config = gluon_dense_config(act.values, w_packed)
         if config is None:
             config = decode_config(s if grouped else m, n, k, grouped, act.values.dtype)
+    if not isinstance(config, (GemmConfig, StreamConfig, GluonConfig, TmaConfig, type(None))):
+        from verl_quads.nvfp4.dequant_gemm import DequantConfig, dequant_gemm
+
+        if not isinstance(config, DequantConfig):
+            raise TypeError(f"nvfp4 GEMM: config must be a GemmConfig, StreamConfig, GluonConfig, TmaConfig or "
+                            f"DequantConfig, got {type(config).__name__}")
+        if grouped:
+            raise ValueError("nvfp4 GEMM: a DequantConfig runs dense GEMMs only")
+        return dequant_gemm(act, w_packed, w_scale, w_gs, bias, config)
     if isinstance(config, TmaConfig):  # raises where the TMA kernel cannot run this GEMM (no fallback)
         if act.mode != "w4a16" or grouped:
             raise ValueError("nvfp4 GEMM: a TmaConfig runs dense w4a16 GEMMs only")
