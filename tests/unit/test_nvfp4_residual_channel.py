@@ -441,14 +441,17 @@ def test_triton_channel_compact_fewer_reductions_match_reference(ra, at):
 
 def test_triton_channel_compact_dispatch():
     """CHANNEL_CONFIG chooses the compacted search per launch: rows <= compact_max_rows and K >= compact_min_k (the
-    default: the H200-measured 1-256 rows, K >= 2048); its tile is a power of two no longer than the padded row; bad
-    bit counts are refused, naming the key."""
+    default since session 16: any number of rows, K >= 2048); its tile is a power of two no longer than the padded row;
+    bad bit counts are refused, naming the key."""
     from verl_quads.nvfp4 import triton_channel as tc
 
     assert tc._compact_args(16, 8192, 512) == (12, 256, 2, True) == tc._compact_args(256, 2048, 128)
-    assert tc._compact_args(257, 8192, 512) is None and tc._compact_args(16, 1536, 128) is None
+    assert tc._compact_args(4096, 8192, 512) == (12, 256, 2, True)
+    assert tc._compact_args(16, 1536, 128) is None
+    with tc.channel_config(**tc.CHANNEL_VARIANTS["s15"]):
+        assert tc._compact_args(257, 8192, 512) is None and tc._launch_warps(257, 8192, 512) == 16
     # 8 warps for a compacted launch at K = 8192 (measured), the elems_per_thread warps elsewhere
-    assert tc._launch_warps(16, 8192, 512) == 8 and tc._launch_warps(257, 8192, 512) == 16
+    assert tc._launch_warps(16, 8192, 512) == 8
     assert tc._launch_warps(16, 2048, 128) == 4 and tc._launch_warps(16, 16384, 1024) == 16
     with tc.channel_config(compact_max_rows=64, compact_min_k=1024, compact_bits=10, compact_cap=1000,
                            compact_tile_bits=1, compact_warp_tile=False):
@@ -463,9 +466,10 @@ def test_triton_channel_compact_dispatch():
     with tc.channel_config(compact_tile_bits=3):
         with pytest.raises(ValueError, match=r"CHANNEL_CONFIG\['compact_tile_bits'\] must be 1 or 2, got 3"):
             tc._compact_args(1, 8192, 512)
-    # more rows than compact_many_rows (the H200's SMs): 4 warps at K = 4096 (measured), other K as below
+    # more rows than compact_many_rows (the H200's SMs): 4 warps at K = 4096 and 8192 (measured), other K as below
     assert tc._launch_warps(133, 4096, 256) == 4 and tc._launch_warps(132, 4096, 256) == 8
-    assert tc._launch_warps(256, 8192, 512) == 8 and tc._launch_warps(257, 4096, 256) == 8  # 257: full-row search
+    assert tc._launch_warps(256, 8192, 512) == 4 and tc._launch_warps(132, 8192, 512) == 8
+    assert tc._launch_warps(4096, 4096, 256) == 4 and tc._launch_warps(4096, 2048, 128) == 4
     with tc.channel_config(**tc.CHANNEL_VARIANTS["s8"]):
         assert tc._launch_warps(133, 4096, 256) == 8
     with tc.channel_config(compact_max_rows=0):

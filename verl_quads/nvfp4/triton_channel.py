@@ -14,8 +14,9 @@ thread per block, so block maxima, scales, packed words and QDQ stay in the thre
    (MSB-first over the 31 value bits, one full-row count per bit, stopped once the count is exact). When exactly
    NSEL scores are >= the threshold they are the selection; else ties at the threshold T go to the lowest channel
    indices, ranked in channel order by ``_half_ranks`` (per-thread counts + one cumulative sum over the NBP blocks)
-   -- the reference's stable descending sort, without a sort. Decode launches (``CHANNEL_CONFIG`` compact_*, session
-   8) may take ``_compact_threshold`` instead: ``compact_bits`` full-row steps, then the row's candidates (scores
+   -- the reference's stable descending sort, without a sort. Launches of rows with K >= ``compact_min_k``
+   (``CHANNEL_CONFIG`` compact_*: decode rows since session 8, every row count since session 16) take
+   ``_compact_threshold`` instead: ``compact_bits`` full-row steps, then the row's candidates (scores
    sharing the accepted prefix; at most ``compact_cap``, else the full-row search continues) copied in channel
    order to a scratch row and read back as one short tile, which takes the remaining bits and the tie cut (the
    channel of the need-th tie) -- same selection;
@@ -135,10 +136,18 @@ tl = tk.tl
 #: 9.18 / 9.34 / 9.13 / 9.11 us, 'ta ra' 9.15 / 9.55 / 9.11 / 8.94, the then-default's two runs 9.16-9.26 / 9.29-9.58
 #: / 9.24-9.25 / 9.03-9.06: within noise) and ``compact_row_bits2`` (two full-row bits per reduction: never timed on
 #: a GPU, 12 B of spills in the offline sm_90 compile).
+#: Session 16 (issue #5, many rows: dense prefill / large batches, where naive's GEMM now runs the decode-once path of
+#: :mod:`.dequant_gemm` and the channel kernel is most of what QUADS-bf16 adds; ``python -m verl_quads.bench.channel_probe
+#: --shapes d4096,d8192 --ms 256,1024,4096``, H200 call 4, one run, every variant's bytes == the torch reference on the
+#: device, kernel alone, us): the compacted search at every row count (``compact_max_rows`` was 256) with 4 warps at
+#: K = 8192 past 132 rows (``compact_many_warps`` 512: 4; was 8): 4096x8192 270 vs 363 (the previous default, kept as
+#: variant "s15"), 1024x8192 72.1 vs 102, 256x8192 20.4 vs 22.1, 4096x4096 127 vs 156, 1024x4096 32.4 vs 44.4, 256x4096
+#: 10.1 vs 10.3. Also timed there: 2 warps at K = 4096 (117 at 4096 rows but 13.7 vs 10.1 at 256), the full-row search
+#: with 32 / 64 channels per thread (8 / 4 warps at K = 8192: 338 / 333 at 4096 rows) -- not taken.
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
-                  "pack_maxnreg_min_warps": 16, "compact_max_rows": 256, "compact_min_k": 2048, "compact_bits": 12,
+                  "pack_maxnreg_min_warps": 16, "compact_max_rows": 1 << 30, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
-                  "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4},
+                  "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4, 512: 4},
                   "compact_rmax": (256,), "compact_tile_chunks": (256,)}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
@@ -172,7 +181,9 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     # (both at every K). 11 full-row bits ("b11") measured within 0.1-0.2 us of the default: removed
                     "s9": {"compact_tile_chunks": False, "compact_rmax": False},
                     "ra": {"compact_rmax": True, "compact_tile_chunks": False},
-                    "at": {"compact_tile_chunks": True, "compact_rmax": False}}
+                    "at": {"compact_tile_chunks": True, "compact_rmax": False},
+                    # session 16: the launches before (the compacted search up to 256 rows, 8 warps at K = 8192)
+                    "s15": {"compact_max_rows": 256, "compact_many_warps": {256: 4}}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
