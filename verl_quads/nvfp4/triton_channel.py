@@ -143,12 +143,17 @@ tl = tk.tl
 #: K = 8192 past 132 rows (``compact_many_warps`` 512: 4; was 8): 4096x8192 270 vs 363 (the previous default, kept as
 #: variant "s15"), 1024x8192 72.1 vs 102, 256x8192 20.4 vs 22.1, 4096x4096 127 vs 156, 1024x4096 32.4 vs 44.4, 256x4096
 #: 10.1 vs 10.3. Also timed there: 2 warps at K = 4096 (117 at 4096 rows but 13.7 vs 10.1 at 256), the full-row search
-#: with 32 / 64 channels per thread (8 / 4 warps at K = 8192: 338 / 333 at 4096 rows) -- not taken.
+#: with 32 / 64 channels per thread (8 / 4 warps at K = 8192: 338 / 333 at 4096 rows) -- not taken. Call 7 (STOP probes,
+#: 4096x8192): load + first pass 47 us (plain QDQ 38.8), 12 full-row bits +53, candidate compaction +75, tile search +22,
+#: tie cut / selection / R_sel amax +52, second pass +4. Call 8 (two runs each, bytes == torch reference at every point):
+#: session 10's ``compact_rmax`` + ``compact_tile_chunks`` also at K = 8192 (NBP 512; variant "ra at" = both at every K):
+#: kernel 262-264 vs 276-280 us at 4096x8192, 68.7-69.5 vs 73.3-75.2 at 1024, 19.3-19.6 vs 20.6-20.7 at 256, 10.8-11.2
+#: vs 11.8 at 16, 11.0-11.3 vs 11.7-12.3 at 64, 9.8 vs 10.2 at 1 row: taken (STOP 3 phase +25 instead of +52 us).
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 1 << 30, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
                   "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4, 512: 4},
-                  "compact_rmax": (256,), "compact_tile_chunks": (256,)}
+                  "compact_rmax": (256, 512), "compact_tile_chunks": (256, 512)}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -182,8 +187,11 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     "s9": {"compact_tile_chunks": False, "compact_rmax": False},
                     "ra": {"compact_rmax": True, "compact_tile_chunks": False},
                     "at": {"compact_tile_chunks": True, "compact_rmax": False},
-                    # session 16: the launches before (the compacted search up to 256 rows, 8 warps at K = 8192)
-                    "s15": {"compact_max_rows": 256, "compact_many_warps": {256: 4}}}
+                    # session 16: the launches before (the compacted search up to 256 rows, 8 warps at K = 8192,
+                    # ra / at at K = 4096 only); "ra at" = both options at every K (the default has them at 4096 / 8192)
+                    "s15": {"compact_max_rows": 256, "compact_many_warps": {256: 4}, "compact_rmax": (256,),
+                            "compact_tile_chunks": (256,)},
+                    "ra at": {"compact_rmax": True, "compact_tile_chunks": True}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
