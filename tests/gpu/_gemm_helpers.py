@@ -1,7 +1,7 @@
 """Shared inputs and the output check of the GPU GEMM tests (test_nvfp4_gemm_gpu.py, test_nvfp4_gemm_stream_gpu.py,
 test_gluon_gemm_gpu.py, test_gluon_tma_gpu.py): random activations with outlier channels, random weights, the bound vs
 the rollout's torch reference: per element |y - ref| <= 1 ulp(ref) of y's dtype + 4 K eps_f32 (|x| @ |w|.T) (products
-exact on both sides, float32 summation order differs), and a dense W4A16 case built on them."""
+exact on both sides, float32 summation order differs), a dense W4A16 case built on them, and a CUDA-graph capture."""
 
 import torch
 
@@ -49,3 +49,17 @@ def w4a16_case(run, m, n, k, what, seed=0, bias=False, w_seed=None):
     assert y.shape == (m, n) and y.dtype == torch.bfloat16
     check_close(y, ref, xf, wf, f"{what} M={m} N={n} K={k}{' bias' if bias else ''}")
     return y, (x, q.packed, q.block_scale, gs, b)
+
+
+def capture_graph(run):
+    """``run()`` once on a side stream (compiles and warms the allocator outside the capture), then captured:
+    returns ``(graph, output tensor of the captured call)``; callers refill the inputs, replay and compare."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    return graph, out

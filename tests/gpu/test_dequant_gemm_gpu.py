@@ -5,7 +5,7 @@ weight chunks, CUDA-graph capture, and the default dispatch from DEQUANT_MIN_ROW
 import pytest
 import torch
 
-from _gemm_helpers import check_close, rand_w, rand_x
+from _gemm_helpers import capture_graph, check_close, rand_w, rand_x
 from verl_quads.nvfp4 import dequant_gemm as dg
 from verl_quads.nvfp4 import triton_gemm as tg
 from verl_quads.nvfp4.format import NVFP4Tensor
@@ -65,14 +65,7 @@ def test_captured_in_cuda_graph():
     gs = q.global_scale.reshape(())
     cfg = dg.DequantConfig(scratch_bytes=1 << 20)  # several chunks inside the graph
     run = lambda: tg.nvfp4_linear(x, q.packed, q.block_scale, gs, None, "w4a16", config=cfg)  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = run()
+    graph, y = capture_graph(run)
     x.copy_(rand_x(m, k, seed=5))
     graph.replay()
     torch.cuda.synchronize()

@@ -14,6 +14,7 @@ import dataclasses
 import pytest
 import torch
 
+from _gemm_helpers import capture_graph
 from verl_quads.nvfp4 import gluon_gemm as gg
 from verl_quads.nvfp4 import gluon_moe as gm
 from verl_quads.nvfp4 import triton_gemm as tg
@@ -176,14 +177,7 @@ def test_grouped_split_deterministic_and_graph(cfg, tokens):
     bad = sum(not torch.equal(run(x), ref) for _ in range(50))
     assert bad == 0, f"{bad} of 50 launches differ"
     xs = x.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run(xs)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run(xs)
+    graph, out = capture_graph(lambda: run(xs))
     x2 = _x(tokens, k, seed=5)
     for xx in (x, x2, x):
         xs.copy_(xx)

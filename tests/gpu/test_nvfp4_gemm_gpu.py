@@ -11,6 +11,7 @@ maximum in ulps is printed (pytest -s).
 import pytest
 import torch
 
+from _gemm_helpers import capture_graph
 from _gemm_helpers import rand_w as _w
 from _gemm_helpers import rand_x as _x
 from verl_quads.nvfp4 import triton_gemm as tg
@@ -220,14 +221,7 @@ def test_grouped_launch_replays_in_a_cuda_graph():
         return tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=r,
                              a_rows=torch.div(r.sorted_slots, topk, rounding_mode="floor"), out_rows=tokens * topk)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_graph = run()
+    graph, y_graph = capture_graph(run)
     ids.copy_(torch.randint(0, e, (tokens, topk), device=DEV))
     x.copy_(_x(tokens, k, seed=5))
     graph.replay()

@@ -15,6 +15,7 @@ decode's inline-PTX conversions (``late_scale``; the interpreter runs the plain 
 import pytest
 import torch
 
+from _gemm_helpers import capture_graph
 from _gemm_helpers import check_close as _check
 from _gemm_helpers import rand_w as _w
 from _gemm_helpers import rand_x as _x
@@ -178,14 +179,7 @@ def test_stream_replays_in_a_cuda_graph_and_dispatch(monkeypatch):
     def run():
         return tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16")
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_graph = run()
+    graph, y_graph = capture_graph(run)
     x.copy_(_x(m, k, seed=5))
     graph.replay()
     torch.cuda.synchronize()

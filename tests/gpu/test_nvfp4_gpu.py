@@ -270,15 +270,16 @@ def test_channel_default_at_4096_bit_exact():
     _same_channel_underflow_and_tied_candidates(seed=43)
 
 
-@pytest.mark.parametrize("variant", ["default", "uncapped", "full", "compact"])
+@pytest.mark.parametrize("variant", ["default", "uncapped", "full", "s15"])
 def test_channel_residual_variants_bit_exact(variant):
     """Every speed variant of the channel kernel (triton_channel.CHANNEL_VARIANTS, default warps) gives the
     reference's bytes on the GPU: the rollout shapes (bf16 4096 x 2048, MoE-like 2048 x 768, a long row 256 x 8192)
     at k = 0.5 / 0.125 / 0 / 1, a score weight, a per-tensor scale (two launches), and scores a few ulps apart (score
     weights 1 + j * 2**-23 on R**2 = 1/16: the radix select's last digit, ties to the lower channel); decode-sized
     launches (1 / 16 / 64 x 8192, 16 x 2048, 1 x 768: the row counts the compacted search (CHANNEL_CONFIG
-    compact_*) is meant for; "compact" forces it at every M, "full" turns it off). The other "compact ..." variants
-    differ only at decode sizes: test_channel_compact_search_variants_bit_exact_at_decode."""
+    compact_*) is meant for; the default runs it at every M since session 16 (as the "compact" variant did before),
+    "s15" = the launches before (full-row search past 256 rows, 8 warps at K = 8192), "full" turns it off). The other
+    "compact ..." variants differ only at decode sizes: test_channel_compact_search_variants_bit_exact_at_decode."""
     with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
         x = _x(4096, 2048, torch.bfloat16, seed=11)
         for ratio in (0.5, 0.125, 0.0, 1.0):

@@ -32,29 +32,14 @@ def _fused_only():
         dg.DEQUANT_MIN_ROWS.update(saved)
 
 
-def _copy_bw() -> float:
-    from verl_quads.bench.timing import median_time_s
-
-    src = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / median_time_s(lambda: dst.copy_(src))
-
-
-def _within(y: torch.Tensor, ref: torch.Tensor, xf: torch.Tensor, wf: torch.Tensor) -> bool:
-    r = ref.float()
-    d = (y.float() - r).abs()
-    ulp = torch.where(r.abs() > 0, 2.0 ** torch.floor(torch.log2(r.abs().clamp(min=1e-30))) * torch.finfo(y.dtype).eps,
-                      torch.full_like(r, torch.finfo(y.dtype).tiny))
-    return bool((d <= ulp + 4 * xf.shape[1] * torch.finfo(torch.float32).eps * (xf.abs() @ wf.abs().t())).all())
-
-
 def run(shapes: list[str], ms: list[int], modes: list[str]) -> str:
+    from verl_quads.bench.rollout import _copy_bandwidth, _err
     from verl_quads.bench.timing import device_name, graph_time_s, print_table
     from verl_quads.nvfp4 import dequant_gemm as dg
     from verl_quads.nvfp4 import triton_gemm as tg
     from verl_quads.rollout import emulation as em
 
-    bw = _copy_bw()
+    bw = _copy_bandwidth()
     out = [f"device: {device_name()}; copy bandwidth {bw / 1e12:.2f} TB/s"]
     print(out[0], flush=True)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -78,13 +63,14 @@ def run(shapes: list[str], ms: list[int], modes: list[str]) -> str:
                 act, _ = tg.quantize_activation(x, mode)
                 xf, _ = em.quantize_activation(x, em.ActQuant(mode, 0.5, False, residual_granularity="block"))
                 ref = em.gemm(xf, wf, None, x.dtype)
+                bound = 4 * k * torch.finfo(torch.float32).eps * (xf.abs() @ wf.abs().t())
                 cfg = dg.DequantConfig()
                 with _fused_only():
                     y_f = tg.nvfp4_gemm(act, q.packed, q.block_scale, gs)
                     t_f = graph_time_s(lambda: tg.nvfp4_gemm(act, q.packed, q.block_scale, gs))
                 y_d = tg.nvfp4_gemm(act, q.packed, q.block_scale, gs, config=cfg)
                 t_d = graph_time_s(lambda: tg.nvfp4_gemm(act, q.packed, q.block_scale, gs, config=cfg))
-                ok = _within(y_f, ref, xf, wf) and _within(y_d, ref, xf, wf)
+                ok = _err(y_f, ref, bound)[1] and _err(y_d, ref, bound)[1]
                 rows.append([name, m, mode, f"{t_bf16 * 1e6:.1f}", f"{t_f * 1e6:.1f}", f"{t_d * 1e6:.1f}",
                              f"{t_bv * 1e6:.1f}", f"{t_mm * 1e6:.1f}", f"{t_bf16 / t_f:.2f}x", f"{t_bf16 / t_d:.2f}x",
                              f"{t_f / t_d:.2f}x", "ok" if ok else "FAIL"])

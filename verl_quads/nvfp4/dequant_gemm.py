@@ -28,7 +28,9 @@ from dataclasses import dataclass
 import torch
 
 from verl_quads.nvfp4.format import BLOCK_SIZE
-from verl_quads.nvfp4.triton_kernels import check_available, triton
+from verl_quads.nvfp4.triton_gemm import _row_gs
+from verl_quads.nvfp4.triton_kernels import _OUT_DTYPES as _OUT
+from verl_quads.nvfp4.triton_kernels import _out_arg, check_available, triton
 
 if triton is not None:
     import triton.language as tl
@@ -36,8 +38,6 @@ if triton is not None:
     from verl_quads.nvfp4.triton_gemm import _fp4_tile
     from verl_quads.nvfp4.triton_kernels import _store_out
 
-#: dtype -> ``_store_out`` code (bf16 through an int16 view: integer round-to-nearest-even, interpreter-safe).
-_OUT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _BV_ROWS, _BV_BLOCKS = 16, 16  # block_values tile: 16 rows x 16 blocks (256 elements) per program
 _EP_ROWS, _EP_COLS = 32, 128  # epilogue tile
 
@@ -110,10 +110,6 @@ if triton is not None:
         _store_out(out_ptr + r64[:, None] * LD + cols[None, :], y, m, OUT)
 
 
-def _out_arg(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
-
-
 def block_values(packed: torch.Tensor, block_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``E2M1(code) * block_scale`` (NO global scale) of an NVFP4 matrix, ``dtype`` ``[R, K]`` (exact in float32,
     bf16 and fp16). ``packed`` uint8 ``[R, K/2]`` (element 2i in the low nibble), ``block_scale`` float8_e4m3fn
@@ -162,7 +158,7 @@ def dequant_gemm(act, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch
         a, row_gs = act.values, None
     elif act.second_packed is None:
         a = block_values(act.first.packed, act.first.block_scale, act.dtype)
-        row_gs = act.first.global_scale.reshape(-1).to(torch.float32).expand(m).contiguous()
+        row_gs = _row_gs(act.first.global_scale, m)
     else:
         raise ValueError("nvfp4 GEMM: a DequantConfig does not run QUADS operands with a second FP4 operand "
                          "(residual_combine='fp4x2'); 'bf16' (one w4a16 operand) runs")

@@ -161,7 +161,8 @@ CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_
 #: other threshold searches (2 / 3 bits per step by a histogram of 16-bit fields in int64 words, and a search that
 #: tracks min / max bounds of the candidates to skip bits and stop at one value): none was >= 10% faster at
 #: 1-64 x 8192 or 16 x 2048, most were slower (up to 1.5x). Session 8 (the compacted search, ``compact_*`` above):
-#: "full" = the 31-step full-row search at every M, "compact" = the compacted one at every M, "compact cta" = run 2's
+#: "full" = the 31-step full-row search at every M, "compact" = the compacted one at every M (= the default since
+#: session 16), "compact cta" = run 2's
 #: default (10 full-row bits, a 1024-entry tile counted by CTA-wide reductions), "compact r1 w16" = run 1's default
 #: (the same with one bit per tile step and 16 warps at K = 8192), and "compact fallback"
 #: (2 bits, 16-entry tile: nearly every row takes the full-row continuation; for the bytes tests, not a speed
