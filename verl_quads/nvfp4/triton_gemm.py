@@ -83,7 +83,7 @@ from verl_quads.nvfp4.gluon_gemm import GluonConfig
 from verl_quads.nvfp4.gluon_moe import GroupedConfig
 from verl_quads.nvfp4.gluon_tma import TmaConfig, gluon_w4a16_tma
 from verl_quads.nvfp4.guidance import GuidanceRecord
-from verl_quads.nvfp4.triton_kernels import check_available, triton
+from verl_quads.nvfp4.triton_kernels import _OUT_DTYPES, check_available, triton
 
 if triton is not None:
     import triton.language as tl
@@ -93,7 +93,6 @@ if triton is not None:
 ACT_MODES = ("w4a16", "naive", "quads", "trace")
 #: QUADS operand forms: two FP4 operands combined in float32 (default), or the QDQ activation in x's dtype
 RESIDUAL_COMBINES = ("fp4x2", "bf16")
-_OUT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 if triton is not None:
@@ -1744,7 +1743,7 @@ def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor,
     n_tiles = -(-n // cfg.block_n)
     live = m_tiles if not grouped else min(routing.num_experts, rows_out)  # grouped: active experts at most
     split, kw_per, even = stream_split(cfg, kw, live, n_tiles, dev)
-    dt = _OUT_CODES[x.dtype]
+    dt = _OUT_DTYPES[x.dtype]
     if _interpreting():
         dt = 0  # the interpreter's bf16/fp16 tl.dot is wrong (triton 3.9); float32 gives the same exact products
     dummy = w_gs
@@ -1766,7 +1765,7 @@ def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor,
         routing.tile_row1 if grouped else dummy,
         m, n, k, kw, kb, rows_out, kw_per, split,
         **_stream_constexprs(cfg, grouped=grouped, tm=tm, partial=split > 1, fixup=fixup, has_bias=bias is not None,
-                             out_code=_OUT_CODES[x.dtype], dt=dt, even=even, interpreting=_interpreting()),
+                             out_code=_OUT_DTYPES[x.dtype], dt=dt, even=even, interpreting=_interpreting()),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if split == 1 or fixup:
@@ -1775,7 +1774,7 @@ def _stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor,
     block = 1024
     _splitk_reduce_kernel[(-(-rn // block),)](
         part, bias if bias is not None else dummy, y_arg, rn, n,
-        SPLIT=split, HAS_BIAS=bias is not None, OUT=_OUT_CODES[x.dtype], BLOCK=block, num_warps=4)
+        SPLIT=split, HAS_BIAS=bias is not None, OUT=_OUT_DTYPES[x.dtype], BLOCK=block, num_warps=4)
     return y
 
 
@@ -1895,7 +1894,7 @@ def quantize_activation(
         raise ValueError(f"nvfp4 GEMM: residual_combine must be one of {RESIDUAL_COMBINES}, got {residual_combine!r}")
     if x.dim() != 2:
         raise ValueError(f"nvfp4 GEMM: activation must be 2-D [M, K], got shape {tuple(x.shape)}")
-    if x.dtype not in _OUT_CODES:
+    if x.dtype not in _OUT_DTYPES:
         raise ValueError(f"nvfp4 GEMM: activation dtype {x.dtype}; allowed: float32, bfloat16, float16")
     if mode == "w4a16":
         return ActOperand(mode, x.dtype, values=x.contiguous()), None
@@ -2270,7 +2269,7 @@ def nvfp4_gemm(
         dt = 1
     else:
         a, a_s, a_gs = act.values, act.values, act.values
-        dt = _OUT_CODES[act.values.dtype]
+        dt = _OUT_DTYPES[act.values.dtype]
     if _interpreting():
         dt = 0  # the interpreter's bf16/fp16 tl.dot is wrong (triton 3.9); float32 gives the same exact products
     dt2 = 0 if _interpreting() else 1  # the residual operand and its weights are NVFP4: exact in bf16
@@ -2304,7 +2303,7 @@ def nvfp4_gemm(
         routing.tile_row1 if grouped else dummy,
         m, n, k, k // 2, kb, nsel2, rows_out, kb_per, jb_per,
         A4=a4, DT=dt, DT2=dt2, SECOND=second, GROUPED=grouped, HAS_BIAS=bias is not None, SPLIT_K=split,
-        OUT=_OUT_CODES[act.dtype], BM=bm, BN=bn, GK=gk, G2=g2, SWAP=config.swap,
+        OUT=_OUT_DTYPES[act.dtype], BM=bm, BN=bn, GK=gk, G2=g2, SWAP=config.swap,
         EVEN_K=even_k, SC4=even_k and gk % 4 == 0 and kb % 4 == 0, NAT=config.natural and not a4,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
@@ -2313,7 +2312,7 @@ def nvfp4_gemm(
         rn = rows_out * n
         _splitk_reduce_kernel[(-(-rn // 1024),)](
             out, bias if bias is not None else dummy, y.view(torch.int16) if act.dtype == torch.bfloat16 else y, rn, n,
-            SPLIT=split, HAS_BIAS=bias is not None, OUT=_OUT_CODES[act.dtype], BLOCK=1024, num_warps=4)
+            SPLIT=split, HAS_BIAS=bias is not None, OUT=_OUT_DTYPES[act.dtype], BLOCK=1024, num_warps=4)
         return y
     return out
 
@@ -2461,9 +2460,9 @@ def moe_silu_mul(h: torch.Tensor, slot_experts: torch.Tensor | None = None) -> t
     expert id is < 0 (no local expert) are written as 0 without reading h (the value of an all-zero h row:
     h may leave them unset)."""
     check_available(h)
-    if h.dim() != 2 or h.shape[1] % 2 or h.stride(1) != 1 or h.dtype not in _OUT_CODES:
+    if h.dim() != 2 or h.shape[1] % 2 or h.stride(1) != 1 or h.dtype not in _OUT_DTYPES:
         raise ValueError(f"moe_silu_mul: h must be [S, 2I] with unit column stride, dtype in "
-                         f"{list(_OUT_CODES)}, got {h.dtype} {tuple(h.shape)} strides {h.stride()}")
+                         f"{list(_OUT_DTYPES)}, got {h.dtype} {tuple(h.shape)} strides {h.stride()}")
     s, inter = h.shape[0], h.shape[1] // 2
     ids = None if slot_experts is None else slot_experts.reshape(-1).contiguous()
     if ids is not None and ids.numel() != s:
@@ -2472,7 +2471,7 @@ def moe_silu_mul(h: torch.Tensor, slot_experts: torch.Tensor | None = None) -> t
     if s == 0 or inter == 0:
         return out
     interp = _interpreting()
-    code = _OUT_CODES[h.dtype]
+    code = _OUT_DTYPES[h.dtype]
     if code == 1 and not interp:
         code = 3  # the GPU's cvt.rn to bf16 (same bits as the integer rounding of OUT 1)
     block = min(1024, triton.next_power_of_2(inter))
@@ -2491,8 +2490,8 @@ def moe_combine(y: torch.Tensor, slot_weights: torch.Tensor, slot_experts: torch
     summation error. ``slot_experts`` (optional, int ``[T, k]``): a slot whose expert id is < 0 (no local
     expert) is not read and adds ``0 * w`` (exactly what its all-zero row added: y may leave it unset)."""
     check_available(y)
-    if slot_weights.dim() != 2 or y.dim() != 2 or y.shape[0] != slot_weights.numel() or y.dtype not in _OUT_CODES:
-        raise ValueError(f"moe_combine: y must be [T*k, H] ({list(_OUT_CODES)}) and slot_weights [T, k], got y "
+    if slot_weights.dim() != 2 or y.dim() != 2 or y.shape[0] != slot_weights.numel() or y.dtype not in _OUT_DTYPES:
+        raise ValueError(f"moe_combine: y must be [T*k, H] ({list(_OUT_DTYPES)}) and slot_weights [T, k], got y "
                          f"{y.dtype} {tuple(y.shape)}, slot_weights {tuple(slot_weights.shape)}")
     t, k = slot_weights.shape
     hidden = y.shape[1]
@@ -2504,7 +2503,7 @@ def moe_combine(y: torch.Tensor, slot_weights: torch.Tensor, slot_experts: torch
         return out
     y = y.contiguous()
     w = slot_weights.to(torch.float32).contiguous()
-    code = _OUT_CODES[y.dtype]
+    code = _OUT_DTYPES[y.dtype]
     if code == 1 and not _interpreting():
         code = 3
     block = min(1024, triton.next_power_of_2(hidden))
