@@ -163,6 +163,12 @@ def patch_host(mods) -> list[str]:
         return tg.moe_align_reference(expert_ids, num_experts, block_m)
 
     tg.moe_align = moe_align
+
+    # the decode-once path's cuBLAS call (aten::mm.dtype exists for CUDA only): its float32 product as zeros, like
+    # every kernel output here, so that the launches around it (block values, scale epilogue) are recorded
+    from verl_quads.nvfp4 import dequant_gemm as dg
+
+    dg._mm_f32 = lambda a, w: torch.zeros(a.shape[0], w.shape[0], dtype=torch.float32)
     return rewritten
 
 
@@ -405,6 +411,24 @@ def scenarios_gemm():
                 with scenario(f"linear {name} M={m} {mode} pt={pt} {comb} {gran}"):
                     tg.nvfp4_linear(_x(m, k), *w, None, mode, residual_per_token=pt, residual_combine=comb,
                                     residual_granularity=gran)
+    # the same calls with dequant_gemm.DEQUANT_MIN_ROWS emptied where it routes them to the decode-once path: the fused
+    # kernels these rows take where torch lacks mm's out_dtype
+    from verl_quads.nvfp4 import dequant_gemm as dg
+
+    saved = dict(dg.DEQUANT_MIN_ROWS)
+    dg.DEQUANT_MIN_ROWS.clear()
+    try:
+        for name, (n, k) in DENSE.items():
+            w = _weight(n, k)
+            for m in (256, 4096):
+                for i, (mode, pt, comb, gran) in enumerate(ACT_VARIANTS):
+                    if i >= 2 and m != 256:
+                        continue
+                    with scenario(f"linear {name} M={m} {mode} pt={pt} {comb} {gran} (fused: no DEQUANT_MIN_ROWS)"):
+                        tg.nvfp4_linear(_x(m, k), *w, None, mode, residual_per_token=pt, residual_combine=comb,
+                                        residual_granularity=gran)
+    finally:
+        dg.DEQUANT_MIN_ROWS.update(saved)
     for m in (1, 4, 16, 256):
         n, k = DENSE["d4096"]
         with scenario(f"linear d4096 M={m} w4a16 fp16/fp32/bias"):
