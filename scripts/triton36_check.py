@@ -365,7 +365,7 @@ def scenarios_channel():
                                      granularity="channel")
 
     for m, k in [(1, 768), (1, 2048), (16, 2048), (16, 8192), (64, 4096), (256, 768), (256, 8192), (1024, 2048),
-                 (4, 32768)]:
+                 (1024, 4096), (4, 32768)]:
         with scenario(f"channel CHANNEL_CONFIG bfloat16 {m}x{k}"):
             channel(_x(m, k))
     for m, k in [(16, 2048), (16, 8192)]:
@@ -378,7 +378,7 @@ def scenarios_channel():
         with scenario(f"channel CHANNEL_CONFIG {dt} 16x8192"):
             channel(_x(16, 8192, dt))
     for vname, over in tc.CHANNEL_VARIANTS.items():
-        for m, k in [(1, 2048), (16, 8192), (256, 2048)]:
+        for m, k in [(1, 2048), (16, 8192), (256, 2048), (256, 8192)]:
             with scenario(f"channel CHANNEL_VARIANTS[{vname!r}] bfloat16 {m}x{k}"):
                 with tc.channel_config(**over):
                     channel(_x(m, k))
@@ -659,6 +659,23 @@ SCENARIO_GROUPS = {"core": scenarios_core, "channel": scenarios_channel, "gemm":
 # --------------------------------------------------------------------------------------------------------------
 
 _JOBS: list = []
+RESOURCES = [False]  # --resources: report each compile's registers / spills / shared memory (cuobjdump of the cubin)
+
+
+def _resources(ck) -> str:
+    """``REG:n STACK:n SHARED:n LOCAL:n`` of a compiled kernel's cubin (``cuobjdump --dump-resource-usage``, the
+    cuobjdump bundled with triton): registers per thread decide how many programs an SM holds at once."""
+    import subprocess
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    m = re.search(r"REG:\d+.*", out)
+    return m.group(0).strip() if m else "resources: not found in cuobjdump output"
 
 
 def _compile_one(i):
@@ -674,9 +691,9 @@ def _compile_one(i):
     os.dup2(err.fileno(), 2)
     try:
         src_cls = getattr(r["fn"], "ASTSource", ASTSource)  # GluonASTSource for @gluon.jit kernels (set by the binder)
-        triton.compile(src_cls(r["fn"], r["signature"], r["constexprs"], r["attrs"]),
-                       target=GPUTarget("cuda", 90, 32), options=r["options"].__dict__)
-        return i, True, "", time.time() - t0
+        ck = triton.compile(src_cls(r["fn"], r["signature"], r["constexprs"], r["attrs"]),
+                            target=GPUTarget("cuda", 90, 32), options=r["options"].__dict__)
+        return i, True, _resources(ck) if RESOURCES[0] else "", time.time() - t0
     except Exception as e:
         lines = [ln.strip() for ln in f"{type(e).__name__}: {e}".splitlines() if ln.strip()]
         short = lines[0] if lines else type(e).__name__
@@ -789,9 +806,12 @@ def main() -> int:
     ap.add_argument("--kernels", default="", help="compile only kernels whose name matches this regex")
     ap.add_argument("--limit", type=int, default=0, help="compile only the first N unique launches (trials)")
     ap.add_argument("--fresh", action="store_true", help="compile into an empty temporary triton cache")
+    ap.add_argument("--resources", action="store_true",
+                    help="print each compile's registers / spills / shared memory (cuobjdump of its cubin)")
     ap.add_argument("--log", default=LOG[0], help="full tracebacks of failures (default %(default)s)")
     args = ap.parse_args()
     LOG[0] = args.log
+    RESOURCES[0] = args.resources
     if args.fresh:
         import atexit
         import shutil
@@ -849,7 +869,7 @@ def main() -> int:
         for i, ok, msg, dt in run_jobs(_compile_one, len(jobs), args.jobs):
             r = jobs[i]
             if ok:
-                print(f"ok   {dt:5.1f}s {_describe(r)}", flush=True)
+                print(f"ok   {dt:5.1f}s {_describe(r)}" + (f"\n     {msg}" if msg else ""), flush=True)
             else:
                 n_fail += 1
                 short, full = msg.split("\n", 1)

@@ -15,7 +15,8 @@
 #     flock /tmp/vq-heavy.lock bash scripts/triton36_check.sh > /tmp/t36.txt 2>&1; echo rc=$?; tail -3 /tmp/t36.txt
 #     grep -A1 '^FAIL\|^DRIVE-FAIL\|^NOT-COVERED' /tmp/t36.txt     # what broke (full tracebacks: the log it names)
 # Arguments go to the .py (--help): e.g. --kernels '_w4a16_stream_kernel' to compile one kernel's launches only,
-# --groups core,channel,gemm,gluon, --list (record only), --fresh (no triton cache: recompile everything), -j N.
+# --groups core,channel,gemm,gluon, --list (record only), --fresh (no triton cache: recompile everything), -j N,
+# --resources (each compile's registers / spill stack / shared memory: how many programs an SM can hold).
 # Compiled kernels are cached (triton's cache keyed by source, options and version) in the venv folder, so a re-run
 # compiles only what changed; failures are never cached.
 #

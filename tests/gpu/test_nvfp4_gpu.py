@@ -270,7 +270,36 @@ def test_channel_default_at_4096_bit_exact():
     _same_channel_underflow_and_tied_candidates(seed=43)
 
 
-@pytest.mark.parametrize("variant", ["default", "uncapped", "full", "s15"])
+def test_channel_many_rows_reread_bit_exact():
+    """Session 17's many-row launches (CHANNEL_CONFIG compact_many_regs: x read again after the search, Q(x) and R
+    recomputed, 128-register cap; 8 warps at K = 8192) give the reference's bytes (packed, QDQ, amax='row'): 300 /
+    1024 x 4096 and 133 / 1024 x 8192 at k = 0.5, 264 x 4096 (the launch without them, next to it), k = 0.125 / 1,
+    fp32 rows with a score weight, a per-tensor scale (both launches re-read), and the tie / underflow rows repeated
+    to 300 rows."""
+    assert tc._many_regs(300, 256) == 128 == tc._many_regs(133, 512) and tc._many_regs(264, 256) is None
+    assert tc._launch_warps(133, 8192, 512) == 8
+    for m, k in ((300, 4096), (1024, 4096), (264, 4096), (133, 8192), (1024, 8192)):
+        xk = _x(m, k, torch.bfloat16, seed=50 + m + k)
+        _same_channel(xk, 0.5, nv.per_row_global_scale(xk))
+    xs = _x(300, 8192, torch.bfloat16, seed=51)
+    for ratio in (0.125, 1.0):
+        _same_channel(xs, ratio, nv.per_row_global_scale(xs))
+    _same_channel(xs, 0.5, nv.global_scale_from_amax(xs.float().abs().amax()))
+    xd = _x(300, 4096, torch.float32, seed=52)
+    _same_channel(xd, 0.5, nv.per_row_global_scale(xd), score_weight=torch.rand(4096, device="cuda"))
+    g = torch.Generator(device="cuda").manual_seed(53)
+    xt = (torch.randn(300, 4096, device="cuda", generator=g) * 1e-25).to(torch.bfloat16)  # R**2 underflows to +0
+    xt[1::2, :64] = 0.0
+    _same_channel(xt, 0.5, nv.per_row_global_scale(xt))
+    xr = torch.zeros(300, 4096, device="cuda")
+    xr[:, 1024: 1024 + 128] = 1.25
+    xr[:, 1024: 1024 + 128: 16] = 6.0
+    xr[1::2, 1025: 1024 + 128: 2] = -1.25
+    xr = xr.to(torch.bfloat16)
+    _same_channel(xr, 77 / 4096, nv.per_row_global_scale(xr))
+
+
+@pytest.mark.parametrize("variant", ["default", "uncapped", "full", "s16"])
 def test_channel_residual_variants_bit_exact(variant):
     """Every speed variant of the channel kernel (triton_channel.CHANNEL_VARIANTS, default warps) gives the
     reference's bytes on the GPU: the rollout shapes (bf16 4096 x 2048, MoE-like 2048 x 768, a long row 256 x 8192)
@@ -278,7 +307,8 @@ def test_channel_residual_variants_bit_exact(variant):
     weights 1 + j * 2**-23 on R**2 = 1/16: the radix select's last digit, ties to the lower channel); decode-sized
     launches (1 / 16 / 64 x 8192, 16 x 2048, 1 x 768: the row counts the compacted search (CHANNEL_CONFIG
     compact_*) is meant for; the default runs it at every M since session 16 (as the "compact" variant did before),
-    "s15" = the launches before (full-row search past 256 rows, 8 warps at K = 8192), "full" turns it off). The other
+    "s16" = session 16's many-row launches (4 warps at K = 8192, no re-read of x, uncapped), "full" turns the compacted
+    search off). The other
     "compact ..." variants differ only at decode sizes: test_channel_compact_search_variants_bit_exact_at_decode."""
     with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
         x = _x(4096, 2048, torch.bfloat16, seed=11)

@@ -395,18 +395,22 @@ def test_triton_channel_compacted_search_matches_reference(bits, cap, tr, wt):
 
 
 @_needs_interp
-@pytest.mark.parametrize("ra, at", [(True, False), (False, True), (True, True)])
-def test_triton_channel_compact_fewer_reductions_match_reference(ra, at):
+@pytest.mark.parametrize("ra, at, rx", [(True, False, False), (False, True, False), (True, True, False),
+                                         (True, True, True), (False, False, True)])
+def test_triton_channel_compact_fewer_reductions_match_reference(ra, at, rx):
     """CHANNEL_CONFIG compact_rmax (R_sel's amax = the row's largest |R| where that entry is selected, else the
     reduction) keeps the reference's bytes in the warp-tile search (K = 256, forced at K >= 16): random rows (the
     shortcut), hand ties cut by channel, all-zero rows, rows whose residuals square to +0 (every score ties at 0, the
     largest |R| is NOT selected at k = 0.25: the reduction must run; a shortcut taken there changes the second-pass
     scale), ratios 0 / 1, a score weight (compact_rmax does not apply), a per-tensor scale (two launches), fp32 rows.
     compact_tile_chunks (at): rows whose tie runs put 60 / 120 / 180 candidates in the tile (its 2-, 4- and 8-chunk
-    searches). Both together: the options of the K = 4096 default."""
+    searches). Both together: the options of the K = 4096 default. rx: compact_many_regs (launches of more rows than
+    its entry's, here 1 at K = 256) read x again after the search and recompute Q(x), R (the same values)."""
     from verl_quads.nvfp4 import triton_channel as tc
 
-    with tc.channel_config(compact_max_rows=1 << 30, compact_min_k=16, compact_rmax=ra, compact_tile_chunks=at):
+    many = dict(compact_many_regs={16: (1, 128)}) if rx else {}
+    with tc.channel_config(compact_max_rows=1 << 30, compact_min_k=16, compact_rmax=ra, compact_tile_chunks=at,
+                           **many):
         # blocks of |x| = 1.25 with one 6.0 (R = +-0.25: 15 tied scores per block) in 4 / 8 / 12 of 16 blocks, the
         # others zero (score 0): with k = 0.125 / 0.3 / 0.5 the threshold lies in the ties
         for nblk, ratio in ((4, 0.125), (8, 0.3), (12, 0.5)):
@@ -466,9 +470,16 @@ def test_triton_channel_compact_dispatch():
     with tc.channel_config(compact_tile_bits=3):
         with pytest.raises(ValueError, match=r"CHANNEL_CONFIG\['compact_tile_bits'\] must be 1 or 2, got 3"):
             tc._compact_args(1, 8192, 512)
-    # more rows than compact_many_rows (the H200's SMs): 4 warps at K = 4096 and 8192 (measured), other K as below
+    # more rows than compact_many_rows (the H200's SMs): 4 warps at K = 4096, 8 at 8192 (measured), other K as below
     assert tc._launch_warps(133, 4096, 256) == 4 and tc._launch_warps(132, 4096, 256) == 8
-    assert tc._launch_warps(256, 8192, 512) == 4 and tc._launch_warps(132, 8192, 512) == 8
+    assert tc._launch_warps(256, 8192, 512) == 8 == tc._launch_warps(132, 8192, 512)
+    # compact_many_regs (session 17): x re-read + a 128-register cap past 264 rows at K = 4096, 132 at K = 8192
+    assert tc._many_regs(264, 256) is None and tc._many_regs(265, 256) == 128
+    assert tc._many_regs(132, 512) is None and tc._many_regs(133, 512) == 128 and tc._many_regs(4096, 128) is None
+    assert tc._maxnreg(False, 8, compact=True, many_cap=128) == 128 == tc._maxnreg(True, 8, True, 128)
+    assert tc._maxnreg(False, 8, compact=True) is None  # compact_maxnreg: uncapped
+    with tc.channel_config(**tc.CHANNEL_VARIANTS["s16"]):
+        assert tc._launch_warps(256, 8192, 512) == 4 and tc._many_regs(4096, 512) is None
     assert tc._launch_warps(4096, 4096, 256) == 4 and tc._launch_warps(4096, 2048, 128) == 4
     with tc.channel_config(**tc.CHANNEL_VARIANTS["s8"]):
         assert tc._launch_warps(133, 4096, 256) == 8
@@ -568,9 +579,10 @@ sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
        "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr", "STOP": "constexpr", "scr_ptr": "*i32",
        "COMPACT": "constexpr", "CAP": "constexpr", "TR": "constexpr", "WT": "constexpr", "RA": "constexpr",
-       "AT": "constexpr"}
+       "AT": "constexpr", "RX": "constexpr"}
 # the last fields: (COMPACT bits, CAP) of the compacted search (0, 1: the full-row search; 8 bits: with 2 tile bits per
-# step, TR = 2; 11 bits: the warp tile, WT, with session 10's candidate chunks (AT) and R_sel amax (RA))
+# step, TR = 2; 11 bits: the warp tile, WT, with session 10's candidate chunks (AT) and R_sel amax (RA); 12 bits: the
+# same with session 17's many-row form, x re-read after the search (RX))
 for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in (
         ("*bf16", "*i16", False, 3, 0, False, 128, 4, 64, False, 0, 0, 1),
         ("*bf16", "*i64", True, 0, 0, True, 512, 16, 64, False, 0, 0, 1),
@@ -585,13 +597,15 @@ for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in 
         ("*fp32", "*fp32", False, 0, 2, False, 128, 4, None, False, 0, 12, 512),
         ("*bf16", "*i16", False, 3, 0, False, 512, 8, None, True, 5, 11, 256),  # the warp tile (WT), a probe
         ("*bf16", "*i64", True, 0, 0, True, 512, 8, None, True, 0, 11, 256),
-        ("*bf16", "*i16", False, 3, 0, False, 512, 16, None, True, 2, 10, 1024)):
+        ("*bf16", "*i16", False, 3, 0, False, 512, 16, None, True, 2, 10, 1024),
+        ("*bf16", "*i16", False, 3, 0, False, 512, 8, 128, True, 0, 12, 256),
+        ("*bf16", "*i64", True, 0, 0, False, 256, 4, 128, True, 0, 12, 256)):
     s = dict(sig, x_ptr=xt, out_ptr=ot)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
         "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "ROW_GS": row_gs, "STOP": stop,
-        "COMPACT": comp, "CAP": cap, "TR": 2 if comp in (8, 11) else 1, "WT": comp == 11,
-        "RA": comp == 11 and not has_w, "AT": comp == 11}),
+        "COMPACT": comp, "CAP": cap, "TR": 2 if comp in (8, 11, 12) else 1, "WT": comp in (11, 12),
+        "RA": comp in (11, 12) and not has_w, "AT": comp in (11, 12), "RX": comp == 12}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
     # the compacted search's tile round trip: scratch stores, a barrier, scratch loads

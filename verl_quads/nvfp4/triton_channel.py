@@ -149,11 +149,36 @@ tl = tk.tl
 #: session 10's ``compact_rmax`` + ``compact_tile_chunks`` also at K = 8192 (NBP 512; variant "ra at" = both at every K):
 #: kernel 262-264 vs 276-280 us at 4096x8192, 68.7-69.5 vs 73.3-75.2 at 1024, 19.3-19.6 vs 20.6-20.7 at 256, 10.8-11.2
 #: vs 11.8 at 16, 11.0-11.3 vs 11.7-12.3 at 64, 9.8 vs 10.2 at 1 row: taken (STOP 3 phase +25 instead of +52 us).
+#: Session 17 (issue #5, many rows; docs/bench_rollout_h200_session17.txt): the K = 8192 launch of > 132 rows held
+#: 255 registers and spilled 616 B per thread (offline ``scripts/triton36_check.sh --resources``), 2 programs = 8 warps
+#: per SM; ncu (call 1, 4096x8192): 116 M warp instructions in 255 us, an issue slot used 45% of cycles, 1.9 warps per
+#: scheduler (stalls per issue: fixed-latency wait 1.05, long scoreboard 0.67, short scoreboard 0.45).
+#: ``compact_many_regs`` {NBP: (rows, maxnreg)}: launches of more than ``rows`` rows read x again after the search
+#: (kernel RX: x, Q(x) and R are dead during it and recomputed from the re-read, the same values; L2 policy
+#: evict_last on the first read) under the register cap ``maxnreg``: K = 8192 with 8 warps (``compact_many_warps``) and
+#: 128 registers = 2 programs of 8 warps per SM (240 B spills); K = 4096 with 4 warps and 128 = 4 programs per SM,
+#: hence only past 264 rows (two programs per SM on 132 SMs: one wave already; at 256 rows it measured 11.5 vs 10.2 us).
+#: Kernel alone (channel_probe, QDQ, bf16, k = 0.5, us; calls 1 / 2, bytes == torch reference): 4096x8192 234 / 246 vs
+#: 267 / 261 (the launch before, variant "s16"), 1024x8192 63.2 / 63.8 vs 67.2 / 73.0, 256x8192 17.8 vs 19.4, 4096x4096
+#: 102 vs 135, 1024x4096 28.3 vs 32.6; packed residual_quantize (bench nvfp4 --channel): 1024x8192 108 vs 205, 256x8192
+#: 31.6 vs 52.1, 4096x4096 183 vs 190. Measured and not taken (call 2): the cap without the re-read (1024x8192 72.3,
+#: 4096x4096 117), the re-read without the cap (4096x4096 140; K = 8192 4 warps: 252 at 4096 rows), 8 warps uncapped
+#: with the re-read (197 registers, one program per SM: 309 at 4096x8192), 16 warps capped at 128 (310).
+#: ncu of the adopted launch at 4096x8192 (call 4): 147 M warp instructions (~140 per element and thread: the 8 warps
+#: each also run the warp tile), 230 us, 0.63 issued per scheduler and cycle. Two ways to cut instructions measured
+#: slower and removed (calls 4-5, bytes == torch reference): (a) the candidate tile without ranks -- each candidate's
+#: slot from a relaxed per-row atomic counter (ptxas aggregates them per warp), score << 16 | channel in one int64
+#: store, the tie cut by a 2-bit search over the channel bits of the unordered tile: 151 M instructions, 271 us at
+#: 4096x8192 (kernel in the probe 280 vs 251), slower at every M (decode +3-5 us); (b) the tile as one [256] tensor over
+#: the program (CTA-wide counts, ``compact_warp_tile`` False) instead of a copy per warp: 141 M, 240 us (probe 258 vs
+#: 241 at 4096x8192, 67.7 vs 64.1 at 1024x8192, +1-1.2 us at 16 / 256 rows). The instructions are spread over every
+#: phase (first pass ~27 per element, the 12 full-row bits ~39, the rest: compaction, tile, selection, second pass).
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 1 << 30, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
-                  "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4, 512: 4},
-                  "compact_rmax": (256, 512), "compact_tile_chunks": (256, 512)}
+                  "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4, 512: 8},
+                  "compact_rmax": (256, 512), "compact_tile_chunks": (256, 512),
+                  "compact_many_regs": {256: (264, 128), 512: (132, 128)}}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -192,13 +217,16 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     # ra / at at K = 4096 only); "ra at" = both options at every K (the default has them at 4096 / 8192)
                     "s15": {"compact_max_rows": 256, "compact_many_warps": {256: 4}, "compact_rmax": (256,),
                             "compact_tile_chunks": (256,)},
-                    "ra at": {"compact_rmax": True, "compact_tile_chunks": True}}
+                    "ra at": {"compact_rmax": True, "compact_tile_chunks": True},
+                    # session 17: the many-row launches before (4 warps at K = 8192, no re-read of x, uncapped)
+                    "s16": {"compact_many_warps": {256: 4, 512: 4}, "compact_many_regs": {}}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
     _gs_from_amax = tk._gs_from_amax
     _hold_qdq_half = tk._hold_qdq_half
     _load_halves = tk._load_halves
+    _load_halves_ev = tk._load_halves_ev
     _store_halves = tk._store_halves
     _tile_word = tk._tile_word
     _bits_threshold = tk._bits_threshold
@@ -495,7 +523,7 @@ if triton is not None:
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
         ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0, scr_ptr=None, COMPACT: tl.constexpr = 0,
         CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False, RA: tl.constexpr = False,
-        AT: tl.constexpr = False,
+        AT: tl.constexpr = False, RX: tl.constexpr = False,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -519,12 +547,16 @@ if triton is not None:
         in every warp, CAP = 256); 0:
         ``_bits_threshold`` + ``_row_ties``. RA (COMPACT > 0, no HAS_W): R_sel's row amax without its own reduction
         where the row's largest |R| is selected (its score fl(|R|**2) is the row's largest: selected when > th, or
-        == th with every entry >= th selected); else the reduction."""
+        == th with every entry >= th selected); else the reduction. RX (``compact_many_regs``): x is read again after
+        the threshold search and Q(x), R recomputed from it (the same values), so the search holds only the scores."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
         cmask = c < NB
         b = row * NB + c
-        x0, x1 = _load_halves(x_ptr, b, cmask)
+        if RX:  # x is read again after the search (L2): keep it there
+            x0, x1 = _load_halves_ev(x_ptr, b, cmask, "evict_last")
+        else:
+            x0, x1 = _load_halves(x_ptr, b, cmask)
         bmax = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
         if ROW_GS:  # padding blocks hold +0.0 and do not move the row's amax
             gs = _gs_from_amax(tl.zeros([NBP], tl.float32) + tl.max(bmax, axis=0))
@@ -580,6 +612,12 @@ if triton is not None:
                 t0, t1 = _row_ties(e0, e1, th, NSEL)
                 sel0 = (e0 > th) | t0
                 sel1 = (e1 > th) | t1
+        if RX:  # x, Q(x) and R were dead during the search (fewer registers held): the same values again
+            x0, x1 = _load_halves_ev(x_ptr, b, cmask, "evict_first")
+            v0 = _hold_qdq_half(x0, os, factor, True)
+            v1 = _hold_qdq_half(x1, os, factor, True)
+            r0 = x0 - v0
+            r1 = x1 - v1
         rs0 = tl.where(sel0, r0, 0.0)
         rs1 = tl.where(sel1, r1, 0.0)
         ra = tl.maximum(tl.max(tl.abs(rs0), axis=1), tl.max(tl.abs(rs1), axis=1))
@@ -651,10 +689,20 @@ def _on(key: str, nbp: int) -> bool:
     return bool(v) if isinstance(v, bool) or v is None else nbp in v
 
 
-def _maxnreg(packed: bool, num_warps: int, compact: bool = False) -> int | None:
-    """The register cap of a launch (``CHANNEL_CONFIG``): compact_maxnreg for the compacted search, else
-    qdq_maxnreg, or pack_maxnreg from pack_maxnreg_min_warps warps on; None = uncapped."""
-    if compact:
+def _many_regs(m: int, nbp: int) -> int | None:
+    """The register cap of a compacted-search launch of ``m`` rows of NBP padded blocks under ``compact_many_regs``
+    (more rows than its entry's row count; such a launch also reads x again after the search), or None."""
+    e = CHANNEL_CONFIG["compact_many_regs"].get(nbp)
+    return None if e is None or m <= int(e[0]) else int(e[1])
+
+
+def _maxnreg(packed: bool, num_warps: int, compact: bool = False, many_cap: int | None = None) -> int | None:
+    """The register cap of a launch (``CHANNEL_CONFIG``): for the compacted search ``many_cap`` (``_many_regs``) when
+    given, else compact_maxnreg; otherwise qdq_maxnreg, or pack_maxnreg from pack_maxnreg_min_warps warps on; None =
+    uncapped."""
+    if compact and many_cap is not None:
+        cap = many_cap
+    elif compact:
         cap = CHANNEL_CONFIG["compact_maxnreg"]
     elif not packed:
         cap = CHANNEL_CONFIG["qdq_maxnreg"]
@@ -744,14 +792,16 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
     if comp is not None:
         bits, cap, tr, warp_tile = comp
         meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile, RA=_on("compact_rmax", nbp),
-                    AT=_on("compact_tile_chunks", nbp), scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
+                    AT=_on("compact_tile_chunks", nbp), RX=_many_regs(m, nbp) is not None,
+                    scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
     if not per_row and m > 1:  # per-tensor second-pass scale: amax of R_sel over all rows first
         amax_rows = torch.empty(m, dtype=torch.float32, device=dev)
         kern[(m,)](xc, g1, wt, xc, xc, xc, xc, xc, xc, amax_rows, PACK=False, OUT=0, GS2=2, **meta)
         gs2_mode, gs2_arg = 1, global_scale_from_amax(amax_rows.amax())
-    cap = _maxnreg(packed, meta["num_warps"], compact=comp is not None)
+    cap = _maxnreg(packed, meta["num_warps"], compact=comp is not None,
+                   many_cap=_many_regs(m, nbp) if comp is not None else None)
     if cap is not None and xc.is_cuda:  # the interpreter has no registers
         meta["maxnreg"] = cap
     if not packed:

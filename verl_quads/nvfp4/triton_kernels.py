@@ -612,10 +612,18 @@ if triton is not None:
         """Elements 0..7 and 8..15 of 16-blocks ``b`` as two float32 [BLK, 8] tiles: each block half is
         one 16-byte vector for 16-bit inputs, so a thread holds whole blocks and the per-block
         reductions and scale math stay in registers."""
+        return _load_halves_ev(ptr, b, bmask, "")
+
+    @triton.jit
+    def _load_halves_ev(ptr, b, bmask, EV: tl.constexpr):
+        """``_load_halves`` with the L2 eviction policy EV ("" = tl.load's default, "evict_last", "evict_first";
+        always given: a string constexpr default breaks triton 3.6). A re-load of the same tile under another
+        policy stays a separate load (its asm differs), where a kernel reads x twice to hold fewer registers in
+        between."""
         h = tl.arange(0, 8)
         off = b[:, None] * 16 + h[None, :]
-        x0 = tl.load(ptr + off, mask=bmask[:, None], other=0.0).to(tl.float32)
-        x1 = tl.load(ptr + off + 8, mask=bmask[:, None], other=0.0).to(tl.float32)
+        x0 = tl.load(ptr + off, mask=bmask[:, None], other=0.0, eviction_policy=EV).to(tl.float32)
+        x1 = tl.load(ptr + off + 8, mask=bmask[:, None], other=0.0, eviction_policy=EV).to(tl.float32)
         return x0, x1
 
     @triton.jit
