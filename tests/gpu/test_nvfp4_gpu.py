@@ -203,17 +203,18 @@ def test_channel_residual_bit_exact(dtype):
         _same_channel(t, ratio, nv.per_row_global_scale(t))
 
 
-def _same_channel_underflow_and_tied_candidates(seed: int) -> None:
-    """4 x 4096 bf16 rows: residuals whose squares underflow to +0 (every score ties at 0; the largest |R| is cut by
-    channel order), and 60 / 120 / 180 tied candidates (R = +-0.25 in 4 / 8 / 12 blocks, zero elsewhere) with
-    k = 1/64 .. 1/32: the channel kernel's bytes == the torch reference (:func:`_same_channel`)."""
+def _same_channel_underflow_and_tied_candidates(seed: int, rows: int = 4) -> None:
+    """``rows`` x 4096 bf16 rows: residuals whose squares underflow to +0 (every score ties at 0; the largest |R| is
+    cut by channel order; odd rows start with 64 zeros), and 60 / 120 / 180 tied candidates (R = +-0.25 in 4 / 8 / 12
+    blocks, zero elsewhere) with k = 1/64 .. 1/32: the channel kernel's bytes == the torch reference
+    (:func:`_same_channel`)."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    xt = (torch.randn(4, 4096, device="cuda", generator=g) * 1e-25).to(torch.bfloat16)
-    xt[1, :64] = 0.0
+    xt = (torch.randn(rows, 4096, device="cuda", generator=g) * 1e-25).to(torch.bfloat16)
+    xt[1::2, :64] = 0.0
     for ratio in (0.25, 0.5):
         _same_channel(xt, ratio, nv.per_row_global_scale(xt))
     for nblk, ratio in ((4, 32 / 4096), (8, 77 / 4096), (12, 128 / 4096)):
-        xr = torch.zeros(4, 4096, device="cuda")
+        xr = torch.zeros(rows, 4096, device="cuda")
         xr[:, 1024: 1024 + nblk * 16] = 1.25
         xr[:, 1024: 1024 + nblk * 16: 16] = 6.0
         xr[1::2, 1025: 1024 + nblk * 16: 2] = -1.25
@@ -274,8 +275,8 @@ def test_channel_many_rows_reread_bit_exact():
     """Session 17's many-row launches (CHANNEL_CONFIG compact_many_regs: x read again after the search, Q(x) and R
     recomputed, 128-register cap; 8 warps at K = 8192) give the reference's bytes (packed, QDQ, amax='row'): 300 /
     1024 x 4096 and 133 / 1024 x 8192 at k = 0.5, 264 x 4096 (the launch without them, next to it), k = 0.125 / 1,
-    fp32 rows with a score weight, a per-tensor scale (both launches re-read), and the tie / underflow rows repeated
-    to 300 rows."""
+    fp32 rows with a score weight, a per-tensor scale (both launches re-read), and the tie / underflow rows of
+    :func:`_same_channel_underflow_and_tied_candidates` as 300 rows."""
     assert tc._many_regs(300, 256) == 128 == tc._many_regs(133, 512) and tc._many_regs(264, 256) is None
     assert tc._launch_warps(133, 8192, 512) == 8
     for m, k in ((300, 4096), (1024, 4096), (264, 4096), (133, 8192), (1024, 8192)):
@@ -287,16 +288,7 @@ def test_channel_many_rows_reread_bit_exact():
     _same_channel(xs, 0.5, nv.global_scale_from_amax(xs.float().abs().amax()))
     xd = _x(300, 4096, torch.float32, seed=52)
     _same_channel(xd, 0.5, nv.per_row_global_scale(xd), score_weight=torch.rand(4096, device="cuda"))
-    g = torch.Generator(device="cuda").manual_seed(53)
-    xt = (torch.randn(300, 4096, device="cuda", generator=g) * 1e-25).to(torch.bfloat16)  # R**2 underflows to +0
-    xt[1::2, :64] = 0.0
-    _same_channel(xt, 0.5, nv.per_row_global_scale(xt))
-    xr = torch.zeros(300, 4096, device="cuda")
-    xr[:, 1024: 1024 + 128] = 1.25
-    xr[:, 1024: 1024 + 128: 16] = 6.0
-    xr[1::2, 1025: 1024 + 128: 2] = -1.25
-    xr = xr.to(torch.bfloat16)
-    _same_channel(xr, 77 / 4096, nv.per_row_global_scale(xr))
+    _same_channel_underflow_and_tied_candidates(seed=53, rows=300)
 
 
 @pytest.mark.parametrize("variant", ["default", "uncapped", "full", "s16"])

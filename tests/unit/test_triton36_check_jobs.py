@@ -45,13 +45,13 @@ def _ok(i):
     return i, True, "", 0.0
 
 
-_RESOURCES_SCRIPT = r'''
-import importlib.util, sys
+_RESOURCES_PROBE = r'''
+import importlib.util, re, sys
 import triton, triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-spec = importlib.util.spec_from_file_location("t36", sys.argv[1])
+spec = importlib.util.spec_from_file_location("t36", T36_PATH)
 t36 = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(t36)
 
@@ -63,41 +63,27 @@ def _copy(x_ptr, y_ptr, N: tl.constexpr):
     tl.store(y_ptr + i, v / tl.sum(v * v, axis=0))
 
 
+got = {}
 for cap in (None, 32):
     opts = {"num_warps": 4} if cap is None else {"num_warps": 4, "maxnreg": cap}
     ck = triton.compile(ASTSource(_copy, {"x_ptr": "*fp32", "y_ptr": "*fp32", "N": "constexpr"}, {(2,): 8192}),
                         target=GPUTarget("cuda", 90, 32), options=opts)
-    print("cap", cap, t36._resources(ck))
+    res = t36._resources(ck)
+    m = re.match(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", res)
+    assert m, res
+    got[cap] = (int(m.group(1)), int(m.group(2)))
+assert got[None][0] > 32 and 0 < got[32][0] <= 32 and got[32][1] > 0, got
 print("compiled")
 '''
 
 
-def test_resources_reports_registers_of_an_sm90_compile(t36, tmp_path):
+def test_resources_reports_registers_of_an_sm90_compile(tmp_path):
     """``--resources`` (registers / spills per compile, from the cubin by triton's cuobjdump): a real sm_90 compile
     of a small kernel (64 values per thread held across a reduction) reports ``REG:n STACK:n SHARED:n ...``: more than
     32 registers uncapped, at most 32 and a non-empty spill stack under a 32-register cap."""
-    import re
-    import subprocess
+    from sm90_compile import compile_for_sm90_in_subprocess
 
-    import torch
-
-    try:
-        from triton.backends.compiler import GPUTarget  # noqa: F401
-        from triton.compiler import ASTSource  # noqa: F401
-    except Exception as e:  # pragma: no cover - depends on the triton version
-        pytest.skip(f"triton's ahead-of-time compile API is not available: {e}")
-    if torch.cuda.is_available():
-        pytest.skip("offline check: on a GPU machine the kernels compile for the device itself")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = tmp_path / "resources_probe.py"  # @triton.jit needs its source in a file
-    script.write_text(_RESOURCES_SCRIPT)
-    res = subprocess.run([sys.executable, str(script), str(_PATH)], env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-3000:]
-    got = {}
-    for line in res.stdout.splitlines():
-        m = re.match(r"cap (\w+) REG:(\d+) STACK:(\d+) SHARED:(\d+)", line)
-        if m:
-            got[m.group(1)] = (int(m.group(2)), int(m.group(3)))
-    assert set(got) == {"None", "32"}, res.stdout
-    assert got["None"][0] > 32 and 0 < got["32"][0] <= 32 and got["32"][1] > 0, got
+    probe = tmp_path / "resources_probe.py"  # @triton.jit needs its source in a file
+    probe.write_text(f"T36_PATH = {str(_PATH)!r}\n" + _RESOURCES_PROBE)
+    compile_for_sm90_in_subprocess(f"import runpy; runpy.run_path({str(probe)!r}, run_name='__main__')",
+                                   "offline check: on a GPU machine the kernels compile for the device itself")

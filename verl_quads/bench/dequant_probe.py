@@ -49,12 +49,12 @@ def run(shapes: list[str], ms: list[int], modes: list[str]) -> str:
         w = torch.randn(n, k, device="cuda", generator=g) * 0.02
         q = em.quantize_weight(w)
         gs = q.global_scale.reshape(())
-        wbf = em.weight_f32(q.packed, q.block_scale, gs).to(torch.bfloat16)
+        wf = em.weight_f32(q.packed, q.block_scale, gs)
+        wbf = wf.to(torch.bfloat16)
         t_bv = graph_time_s(lambda: dg.block_values(q.packed, q.block_scale, torch.bfloat16))
         moved = q.packed.numel() + q.block_scale.numel() + 2 * n * k
         bv_rows.append([name, f"{t_bv * 1e6:.1f}", f"{moved / t_bv / 1e12:.2f}", f"{moved / t_bv / bw:.0%}"])
         wv = dg.block_values(q.packed, q.block_scale, torch.bfloat16)
-        wf = em.weight_f32(q.packed, q.block_scale, gs)
         for m in ms:
             x = (torch.randn(m, k, device="cuda", generator=g)).to(torch.bfloat16)
             t_bf16 = graph_time_s(lambda: torch.matmul(x, wbf.t()))

@@ -789,10 +789,11 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
     meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, ROW_GS=row_gs, num_warps=_launch_warps(m, k, nbp),
                 enable_fp_fusion=False, **({"STOP": int(stop)} if stop else {}))
     comp = _compact_args(m, k, nbp)
+    many_cap = _many_regs(m, nbp) if comp is not None else None
     if comp is not None:
         bits, cap, tr, warp_tile = comp
         meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile, RA=_on("compact_rmax", nbp),
-                    AT=_on("compact_tile_chunks", nbp), RX=_many_regs(m, nbp) is not None,
+                    AT=_on("compact_tile_chunks", nbp), RX=many_cap is not None,
                     scr_ptr=torch.empty(m, 2 * cap, dtype=torch.int32, device=dev))
     kern = _channel_row_kernel
     gs2_mode, gs2_arg = 0, None
@@ -800,8 +801,7 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
         amax_rows = torch.empty(m, dtype=torch.float32, device=dev)
         kern[(m,)](xc, g1, wt, xc, xc, xc, xc, xc, xc, amax_rows, PACK=False, OUT=0, GS2=2, **meta)
         gs2_mode, gs2_arg = 1, global_scale_from_amax(amax_rows.amax())
-    cap = _maxnreg(packed, meta["num_warps"], compact=comp is not None,
-                   many_cap=_many_regs(m, nbp) if comp is not None else None)
+    cap = _maxnreg(packed, meta["num_warps"], compact=comp is not None, many_cap=many_cap)
     if cap is not None and xc.is_cuda:  # the interpreter has no registers
         meta["maxnreg"] = cap
     if not packed:
