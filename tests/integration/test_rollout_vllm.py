@@ -386,6 +386,18 @@ def test_trace_refuses_prefix_caching(engines, ckpts):
     engines.close_failed()
 
 
+def test_trace_refuses_a_compiled_engine(engines, ckpts):
+    """vLLM's default (no enforce_eager) compiles the model and, on GPUs, replays CUDA graphs: TRACE's Python-side
+    guidance capture would miss records, so the engine is refused naming the setting and verl's key."""
+    engines.close()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    with pytest.raises(Exception, match=r"needs an eager engine.*compilation_config\.mode=.*rollout\.enforce_eager=True"):
+        vllm.LLM(str(ckpts[0]), quantization="quads_nvfp4", enforce_eager=False, dtype="bfloat16", max_model_len=128,
+                 enable_prefix_caching=False, kv_cache_memory_bytes=32 << 20,
+                 hf_overrides={"quantization_config": {"quant_method": "quads_nvfp4", "quant": "trace"}})
+    engines.close_failed()
+
+
 # ----------------------------------------------------------------------------- 2. method == nvfp4 reference
 def test_methods_match_nvfp4_qdq_plus_plain_matmul(engines, ckpts):
     from verl_quads.rollout.linear import QuadsNVFP4LinearMethod

@@ -134,12 +134,13 @@ def test_plugin_and_methods_on_vllm_024_python_sources():
     assert "OK-0.24" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
 
 
-@pytest.mark.parametrize("mode", ["naive", "w4a16", "quads", "trace", "export"])
+@pytest.mark.parametrize("mode", ["naive", "w4a16", "quads", "trace", "export", "trace_not_eager"])
 def test_verl_packed_sync_into_vllm_024_model_mocked_gpu_platform(mode):
     """verl's colocated weight sync (our entry point's patch, verl's bucket transfer) into vLLM 0.24's own
     Qwen3-MoE model in each engine mode: bit-exact, in place, A-B-A exact, mode mismatch refused, forward
-    through 0.24's MoE runner reaches our method; ``export``: a verl-quads export served by 0.24 as it is
-    (``vllm024_sync_script.py``: the checks, and what stands in for the GPU)."""
+    through 0.24's MoE runner reaches our method; ``export``: a verl-quads export served by 0.24 as it is;
+    ``trace_not_eager``: a compiled trace engine is refused (``vllm024_sync_script.py``: the checks, and what
+    stands in for the GPU)."""
     src = _vllm024_dir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src), str(Path(__file__).resolve().parents[2])]))
     script = Path(__file__).with_name("vllm024_sync_script.py")

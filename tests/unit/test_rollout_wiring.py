@@ -34,12 +34,27 @@ def _rollout(*overrides):
     return omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
 
 
+#: What a trace rollout needs beyond actor.quant (verl's defaults are the opposite; recipes/modes/trace.args)
+TRACE_NEEDS = ["actor_rollout_ref.rollout.enable_prefix_caching=False", "actor_rollout_ref.rollout.enforce_eager=True"]
+
+
+@pytest.mark.parametrize("missing", [TRACE_NEEDS, TRACE_NEEDS[:1], TRACE_NEEDS[1:]])
+def test_trace_rollout_without_eager_or_with_prefix_caching_fails_at_config_time(missing):
+    """verl's defaults (prefix caching on, compiled / CUDA-graph engine) would make the trace vLLM engine refuse
+    to start inside a Ray worker: the rollout config refuses them first, in the driver, naming each key."""
+    given = [o for o in TRACE_NEEDS if o not in missing]
+    with pytest.raises(Exception, match=r"actor\.quant=trace needs") as e:
+        _rollout("actor_rollout_ref.actor.quant=trace", *given)
+    for o in TRACE_NEEDS:
+        assert (o in str(e.value)) == (o in missing), (o, str(e.value))
+
+
 @pytest.mark.parametrize("quant", QUANT_MODES)
 def test_actor_quant_alone_configures_vllm(quant):
     from verl.workers.config import RolloutConfig
 
     r = _rollout(f"actor_rollout_ref.actor.quant={quant}", "actor_rollout_ref.actor.quant_config.residual_ratio=0.25",
-                 "actor_rollout_ref.actor.quant_config.guided_layers=3")
+                 "actor_rollout_ref.actor.quant_config.guided_layers=3", *(TRACE_NEEDS if quant == "trace" else []))
     assert isinstance(r, RolloutConfig) and type(r).__name__ == "QuadsRolloutConfig"
     qc = QuantConfig(quant=quant, residual_ratio=0.25, guided_layers=3)
     vk = r.engine_kwargs["vllm"]

@@ -74,7 +74,7 @@ def same(a, b):
     return sorted(n for n in a if a[n].shape != b[n].shape or not torch.equal(raw(a[n]), raw(b[n])))
 
 
-def engine(model_dir, hf_overrides=None):
+def engine(model_dir, hf_overrides=None, enforce_eager=True):
     """(vllm_config, 0.24's model built and loaded by 0.24's loader, verl's worker extension around it)."""
     use_gpu_paths_platform()
     import verl  # noqa: F401  (verl next to vLLM, as in a user's GPU environment)
@@ -91,7 +91,7 @@ def engine(model_dir, hf_overrides=None):
     from vllm.model_executor.model_loader import get_model
 
     mc = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), dtype="bfloat16", quantization="quads_nvfp4",
-                     hf_overrides=hf_overrides or {}, max_model_len=128, enforce_eager=True, seed=0)
+                     hf_overrides=hf_overrides or {}, max_model_len=128, enforce_eager=enforce_eager, seed=0)
     vc = VllmConfig(model_config=mc, load_config=LoadConfig(), cache_config=CacheConfig(enable_prefix_caching=False),
                     parallel_config=ParallelConfig(
                         worker_extension_cls="verl.workers.rollout.vllm_rollout.utils.vLLMColocateWorkerExtension"))
@@ -285,5 +285,21 @@ def main_export() -> None:
     print("VLLM024-SYNC-OK", flush=True)
 
 
+def main_trace_not_eager() -> None:
+    """A trace engine that would run compiled / with CUDA graphs (vLLM's default on GPUs) is refused while it
+    builds its layers, naming the setting and verl's key."""
+    from verl_quads.models.tiny import build_tiny_qwen3_moe
+
+    path = build_tiny_qwen3_moe(os.path.join(tempfile.mkdtemp(), "m"))
+    try:
+        engine(path, {"quantization_config": {"quant_method": "quads_nvfp4", "quant": "trace"}}, enforce_eager=False)
+    except ValueError as e:
+        result(event="trace_not_eager", error=str(e)[:400])
+        assert "needs an eager engine" in str(e) and "actor_rollout_ref.rollout.enforce_eager=True" in str(e), e
+        print("VLLM024-SYNC-OK", flush=True)
+        return
+    raise AssertionError("a compiled / CUDA-graph trace engine was not refused")
+
+
 if __name__ == "__main__":
-    main_export() if sys.argv[1] == "export" else main(sys.argv[1])
+    {"export": main_export, "trace_not_eager": main_trace_not_eager}.get(sys.argv[1], lambda: main(sys.argv[1]))()

@@ -186,6 +186,22 @@ def rollout_engine_kwargs(qc: QuantConfig, *, name: Any, quantization: Any, engi
     return ek
 
 
+def check_trace_rollout(*, enable_prefix_caching: Any, enforce_eager: Any) -> None:
+    """Refuse, at config time (in verl's driver, before Ray starts), rollout settings a ``trace`` vLLM engine
+    would refuse at start inside a worker: prefix caching (cached prompt positions are never computed, so
+    they carry no guidance) and a compiled / CUDA-graph engine (guidance is recorded by Python code in each
+    forward, which torch.compile traces once and a graph replay never runs). verl's defaults are both."""
+    need = []
+    if enable_prefix_caching:
+        need.append("actor_rollout_ref.rollout.enable_prefix_caching=False (cached prompt positions carry no guidance)")
+    if not enforce_eager:
+        need.append("actor_rollout_ref.rollout.enforce_eager=True (guidance is recorded by Python code in each "
+                    "forward, which torch.compile and CUDA graph replays skip)")
+    if need:
+        raise ValueError("actor_rollout_ref.actor.quant=trace needs " + "; ".join(need) +
+                         " (recipes/modes/trace.args sets both)")
+
+
 def _make_rollout_class():
     from verl.workers.config import RolloutConfig
 
@@ -212,6 +228,8 @@ def _make_rollout_class():
             self.engine_kwargs = rollout_engine_kwargs(
                 qc, name=self.name, quantization=self.quantization, engine_kwargs=self.engine_kwargs
             )
+            if qc.rollout_mode == "trace":
+                check_trace_rollout(enable_prefix_caching=self.enable_prefix_caching, enforce_eager=self.enforce_eager)
             if qc.rollout_mode != "none":
                 logger.info(
                     "verl-quads: vLLM rollout quantization=%s mode=%s (from actor_rollout_ref.actor.quant=%s)",
@@ -285,6 +303,7 @@ __all__ = [
     "VLLM_QUANT_NAME",
     "TEST_FORCE_ROLLOUT_QUANT_ENV",
     "rollout_engine_kwargs",
+    "check_trace_rollout",
     "hydra_schema",
     "quant_config_from",
     "check_no_verl_qat",

@@ -196,6 +196,26 @@ def _prefix_caching_enabled() -> bool:
         return False
 
 
+def _not_eager() -> str | None:
+    """What makes this engine run the model other than eagerly (torch.compile, CUDA graphs), or None.
+
+    Read from the engine's resolved ``compilation_config`` (``mode`` / ``cudagraph_mode``; vLLM 0.24 and
+    0.32 set both to NONE for ``enforce_eager=True``)."""
+    try:
+        from vllm.config import get_current_vllm_config
+
+        cc = get_current_vllm_config().compilation_config
+    except Exception:
+        return None
+    out = []
+    mode, graphs = getattr(cc, "mode", None), getattr(cc, "cudagraph_mode", None)
+    if mode is not None and int(mode) != 0:
+        out.append(f"compilation_config.mode={mode.name}")
+    if graphs is not None and graphs.name != "NONE":
+        out.append(f"compilation_config.cudagraph_mode={graphs.name}")
+    return ", ".join(out) or None
+
+
 class QuadsNVFP4Config(QuantizationConfig):
     """vLLM side of a :class:`~verl_quads.config.QuantConfig` (see module docstring)."""
 
@@ -323,6 +343,14 @@ class QuadsNVFP4Config(QuantizationConfig):
                 "quads_nvfp4 trace mode needs prefix caching off: cached prompt positions are never "
                 "computed, so their guidance would be missing. Pass enable_prefix_caching=False "
                 "(verl: actor_rollout_ref.rollout.enable_prefix_caching=False)."
+            )
+        not_eager = _not_eager()
+        if not_eager:
+            raise ValueError(
+                f"quads_nvfp4 trace mode needs an eager engine, but this one runs with {not_eager}: guidance is "
+                "recorded by Python code in each forward, which torch.compile traces once and a CUDA graph replay "
+                "never runs, so records would be missing. Pass enforce_eager=True "
+                "(verl: actor_rollout_ref.rollout.enforce_eager=True)."
             )
         install_runner_hook()
         get_store().enabled = True
