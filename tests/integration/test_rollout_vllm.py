@@ -386,15 +386,20 @@ def test_trace_refuses_prefix_caching(engines, ckpts):
     engines.close_failed()
 
 
-def test_trace_refuses_a_compiled_engine(engines, ckpts):
+@pytest.mark.parametrize("mode, why", [("trace", "trace mode: guidance is recorded by Python code"),
+                                       ("w4a16", "backend 'torch' \\(the reference emulation\\)")])
+def test_eager_only_configurations_refuse_a_compiled_engine(engines, ckpts, mode, why):
     """vLLM's default (no enforce_eager) compiles the model and, on GPUs, replays CUDA graphs: TRACE's Python-side
-    guidance capture would miss records, so the engine is refused naming the setting and verl's key."""
+    guidance capture would miss records, and the torch backend's data-dependent forward does not trace (before:
+    torch._dynamo's "Could not guard on data-dependent expression" from inside vLLM's compile). The engine is
+    refused while building its layers, naming the setting, the reason and verl's key."""
     engines.close()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    with pytest.raises(Exception, match=r"needs an eager engine.*compilation_config\.mode=.*rollout\.enforce_eager=True"):
+    with pytest.raises(Exception, match=rf"needs an eager engine.*compilation_config\.mode=.*{why}.*"
+                                        r"rollout\.enforce_eager=True"):
         vllm.LLM(str(ckpts[0]), quantization="quads_nvfp4", enforce_eager=False, dtype="bfloat16", max_model_len=128,
                  enable_prefix_caching=False, kv_cache_memory_bytes=32 << 20,
-                 hf_overrides={"quantization_config": {"quant_method": "quads_nvfp4", "quant": "trace"}})
+                 hf_overrides={"quantization_config": {"quant_method": "quads_nvfp4", "quant": mode}})
     engines.close_failed()
 
 

@@ -119,10 +119,23 @@ def test_quads_selection_rule_default_and_per_call_through_the_verl_config():
                                                      r"quant_config\.residual_granularity=block") as ei:
         _rollout("actor_rollout_ref.actor.quant=quads", "actor_rollout_ref.actor.quant_config.residual_per_token=false")
     assert isinstance(ei.value.__cause__, ValueError)
-    qc = _rollout("actor_rollout_ref.actor.quant=quads", "actor_rollout_ref.actor.quant_config.residual_per_token=false",
-                  "actor_rollout_ref.actor.quant_config.residual_granularity=block"
+    per_call = ["actor_rollout_ref.actor.quant=quads", "actor_rollout_ref.actor.quant_config.residual_per_token=false",
+                "actor_rollout_ref.actor.quant_config.residual_granularity=block"]
+    with pytest.raises(Exception, match=r"quant=quads needs actor_rollout_ref\.rollout\.enforce_eager=True "
+                                        r"\(quant_config\.residual_per_token=false reads"):
+        _rollout(*per_call)  # a host read per MoE forward: no CUDA graphs
+    qc = _rollout(*per_call, "actor_rollout_ref.rollout.enforce_eager=True"
                   ).engine_kwargs["vllm"]["hf_overrides"]["quantization_config"]
     assert (qc["residual_granularity"], qc["residual_per_token"]) == ("block", False)
+
+
+def test_torch_backend_needs_an_eager_rollout_at_config_time():
+    with pytest.raises(Exception, match=r"quant=w4a16 needs actor_rollout_ref\.rollout\.enforce_eager=True "
+                                        r"\(quant_config\.backend=torch"):
+        _rollout("actor_rollout_ref.actor.quant=w4a16", "actor_rollout_ref.actor.quant_config.backend=torch")
+    _rollout("actor_rollout_ref.actor.quant=w4a16", "actor_rollout_ref.actor.quant_config.backend=torch",
+             "actor_rollout_ref.rollout.enforce_eager=True")
+    _rollout("actor_rollout_ref.actor.quant=none", "actor_rollout_ref.actor.quant_config.backend=torch")  # stock BF16
 
 
 def test_test_only_env_var_forces_a_mismatched_engine(monkeypatch):

@@ -186,20 +186,29 @@ def rollout_engine_kwargs(qc: QuantConfig, *, name: Any, quantization: Any, engi
     return ek
 
 
-def check_trace_rollout(*, enable_prefix_caching: Any, enforce_eager: Any) -> None:
-    """Refuse, at config time (in verl's driver, before Ray starts), rollout settings a ``trace`` vLLM engine
-    would refuse at start inside a worker: prefix caching (cached prompt positions are never computed, so
-    they carry no guidance) and a compiled / CUDA-graph engine (guidance is recorded by Python code in each
-    forward, which torch.compile traces once and a graph replay never runs). verl's defaults are both."""
-    need = []
-    if enable_prefix_caching:
+def check_rollout_execution(qc: QuantConfig, *, enable_prefix_caching: Any, enforce_eager: Any) -> None:
+    """Refuse, at config time (in verl's driver, before Ray starts), rollout settings the ``quads_nvfp4``
+    engine would refuse at start inside a worker (``QuadsNVFP4Config.eager_reasons``, the decisions known
+    here without the worker's device): ``trace`` with prefix caching (cached prompt positions are never
+    computed, so they carry no guidance); ``trace``, per-call QUADS selection (``residual_per_token=false``:
+    a host read per MoE forward) or ``backend=torch`` (the reference emulation) in a compiled / CUDA-graph
+    engine. verl's defaults are prefix caching on and ``enforce_eager=False``."""
+    need, why = [], []
+    if qc.rollout_mode == "trace" and enable_prefix_caching:
         need.append("actor_rollout_ref.rollout.enable_prefix_caching=False (cached prompt positions carry no guidance)")
-    if not enforce_eager:
-        need.append("actor_rollout_ref.rollout.enforce_eager=True (guidance is recorded by Python code in each "
-                    "forward, which torch.compile and CUDA graph replays skip)")
+    if qc.rollout_mode == "trace":
+        why.append("trace records guidance by Python code in each forward, which torch.compile and CUDA graph "
+                   "replays skip")
+    if qc.rollout_mode == "quads" and not qc.residual_per_token:
+        why.append("quant_config.residual_per_token=false reads the experts' token counts on the host in each MoE "
+                   "forward, which a CUDA graph capture forbids")
+    if qc.backend == "torch" and qc.rollout_mode != "none":
+        why.append("quant_config.backend=torch (the reference emulation) runs data-dependent Python per forward")
+    if why and not enforce_eager:
+        need.append("actor_rollout_ref.rollout.enforce_eager=True (" + "; ".join(why) + ")")
     if need:
-        raise ValueError("actor_rollout_ref.actor.quant=trace needs " + "; ".join(need) +
-                         " (recipes/modes/trace.args sets both)")
+        raise ValueError(f"actor_rollout_ref.actor.quant={qc.quant} needs " + "; ".join(need) +
+                         (" (recipes/modes/trace.args sets both)" if qc.rollout_mode == "trace" else ""))
 
 
 def _make_rollout_class():
@@ -228,8 +237,7 @@ def _make_rollout_class():
             self.engine_kwargs = rollout_engine_kwargs(
                 qc, name=self.name, quantization=self.quantization, engine_kwargs=self.engine_kwargs
             )
-            if qc.rollout_mode == "trace":
-                check_trace_rollout(enable_prefix_caching=self.enable_prefix_caching, enforce_eager=self.enforce_eager)
+            check_rollout_execution(qc, enable_prefix_caching=self.enable_prefix_caching, enforce_eager=self.enforce_eager)
             if qc.rollout_mode != "none":
                 logger.info(
                     "verl-quads: vLLM rollout quantization=%s mode=%s (from actor_rollout_ref.actor.quant=%s)",
@@ -303,7 +311,7 @@ __all__ = [
     "VLLM_QUANT_NAME",
     "TEST_FORCE_ROLLOUT_QUANT_ENV",
     "rollout_engine_kwargs",
-    "check_trace_rollout",
+    "check_rollout_execution",
     "hydra_schema",
     "quant_config_from",
     "check_no_verl_qat",

@@ -344,16 +344,37 @@ class QuadsNVFP4Config(QuantizationConfig):
                 "computed, so their guidance would be missing. Pass enable_prefix_caching=False "
                 "(verl: actor_rollout_ref.rollout.enable_prefix_caching=False)."
             )
-        not_eager = _not_eager()
-        if not_eager:
-            raise ValueError(
-                f"quads_nvfp4 trace mode needs an eager engine, but this one runs with {not_eager}: guidance is "
-                "recorded by Python code in each forward, which torch.compile traces once and a CUDA graph replay "
-                "never runs, so records would be missing. Pass enforce_eager=True "
-                "(verl: actor_rollout_ref.rollout.enforce_eager=True)."
-            )
         install_runner_hook()
         get_store().enabled = True
+
+    def eager_reasons(self) -> list[str]:
+        """Why this configuration can only run in an eager engine (no torch.compile, no CUDA graphs); empty if
+        it can run compiled. Each entry names the setting and the reason."""
+        out = []
+        if self.mode == "trace":
+            out.append("trace mode: guidance is recorded by Python code in each forward, which torch.compile "
+                       "traces once and a CUDA graph replay never runs, so records would be missing")
+        if self.backend == "torch":
+            out.append("backend 'torch' (the reference emulation): its forward runs data-dependent Python "
+                       "(per-expert loops, host reads) that torch.compile cannot trace and a CUDA graph cannot capture")
+        elif self.mode == "quads" and not self.quant_config.residual_per_token:
+            out.append("residual_per_token=false (per-call QUADS selection): each MoE forward reads the experts' "
+                       "token counts on the host, which a CUDA graph capture forbids")
+        return out
+
+    def _check_execution(self) -> None:
+        """Refuse, when the engine builds its first layer, an engine that compiles the model or replays CUDA
+        graphs (vLLM's default without ``enforce_eager``) for a configuration that needs eager execution."""
+        if getattr(self, "_execution_checked", False):
+            return
+        reasons, not_eager = self.eager_reasons(), _not_eager()
+        if reasons and not_eager:
+            raise ValueError(
+                f"quads_nvfp4 mode {self.mode!r} backend {self.backend!r} needs an eager engine, but this one runs with "
+                f"{not_eager}: " + "; ".join(reasons) + ". Pass enforce_eager=True "
+                "(verl: actor_rollout_ref.rollout.enforce_eager=True)."
+            )
+        self._execution_checked = True
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         from vllm.model_executor.layers.fused_moe import RoutedExperts
@@ -362,6 +383,7 @@ class QuadsNVFP4Config(QuantizationConfig):
         from verl_quads.rollout.vllm_plugin import require_packed_sync
 
         require_packed_sync()  # a verl rollout on a vLLM without our packed-sync patch: refuse loudly
+        self._check_execution()
 
         if isinstance(layer, LinearBase):
             if self._is_ignored(prefix):
