@@ -3,7 +3,7 @@
 How to turn it on (vLLM alone; verl's glue will pass ``actor.quant`` the same way):
 
 1. ``LLM(model, quantization="quads_nvfp4", hf_overrides={"quantization_config": {"quant_method":
-   "quads_nvfp4", "quant": "quads", "residual_ratio": 0.5, ...}})``: vLLM 0.32 reads
+   "quads_nvfp4", "quant": "quads", "residual_ratio": 0.5, ...}})``: vLLM (0.24 and 0.32) reads
    ``hf_config.quantization_config`` (which ``hf_overrides`` sets) and calls
    :meth:`QuadsNVFP4Config.from_config` with it. The keys besides ``quant_method`` are
    :class:`verl_quads.config.QuantConfig`'s fields (``quant``, ``residual_ratio``,
@@ -11,7 +11,9 @@ How to turn it on (vLLM alone; verl's glue will pass ``actor.quant`` the same wa
    defaults (QUADS: k = 0.5, the per-token channel rule; ``residual_granularity="block"`` for 16-channel
    blocks; ``residual_combine="auto"``, resolved once in :class:`QuadsNVFP4Config` on the concrete backend:
    ``bf16`` on torch/triton, ``fp4x2`` on native, logged at INFO). The dict travels with the model config to
-   every worker process. ``quantization=`` may then be omitted.
+   every worker process. ``quantization=`` may then be omitted. Modes that need an eager engine
+   (:meth:`QuadsNVFP4Config.eager_reasons`: ``trace``, ``backend="torch"``, per-call selection) also need
+   ``enforce_eager=True``; ``trace`` also ``enable_prefix_caching=False``.
 2. ``LLM(model, quantization="quads_nvfp4")`` with no quantization config: vLLM builds the config
    with no arguments (``get_config_filenames() == []``); it then reads the JSON object in the
    environment variable ``VERL_QUADS_QUANT_CONFIG`` (same keys; the variable must be set before
