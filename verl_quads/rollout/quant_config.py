@@ -202,7 +202,8 @@ def _not_eager() -> str | None:
     """What makes this engine run the model other than eagerly (torch.compile, CUDA graphs), or None.
 
     Read from the engine's resolved ``compilation_config`` (``mode`` / ``cudagraph_mode``; vLLM 0.24 and
-    0.32 set both to NONE for ``enforce_eager=True``)."""
+    0.32 set both to NONE for ``enforce_eager=True``). None also when no engine config is current (methods
+    built outside an engine, e.g. in unit tests): nothing to check there."""
     try:
         from vllm.config import get_current_vllm_config
 
