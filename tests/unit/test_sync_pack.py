@@ -342,9 +342,11 @@ import os, sys, tempfile, torch
 import torch.multiprocessing as mp
 
 def run(rank, init_file, outq):
-    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, VllmConfig, set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    ctx = set_current_vllm_config(VllmConfig()); ctx.__enter__()
+    # an eager engine's config: the torch backend (CPU) refuses to build layers for a compiled one
+    eager = CompilationConfig(mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.NONE)
+    ctx = set_current_vllm_config(VllmConfig(compilation_config=eager)); ctx.__enter__()
     init_distributed_environment(world_size=2, rank=rank, local_rank=rank, distributed_init_method=f"file://{init_file}", backend="gloo")
     initialize_model_parallel(2)
     from vllm.model_executor.layers.linear import QKVParallelLinear, RowParallelLinear, MergedColumnParallelLinear
