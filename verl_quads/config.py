@@ -197,6 +197,29 @@ class QuantConfig:
         """What vLLM runs (one of :data:`ROLLOUT_MODES`)."""
         return _ROLLOUT_OF[self.quant]
 
+    def eager_reasons(self, backend: str | None = None) -> list[str]:
+        """Why this configuration's vLLM rollout can only run in an eager engine (no torch.compile, no CUDA
+        graphs: ``enforce_eager=True``), one entry per setting, naming its key; empty if it can run compiled.
+
+        ``backend``: the rollout backend as resolved on the engine's device (default: this config's
+        ``backend``, e.g. ``auto`` in verl's driver, where the device is not known). Called by the vLLM
+        config when the engine builds its layers and by verl's rollout config at composition."""
+        if self.rollout_mode == "none":
+            return []
+        backend = self.backend if backend is None else backend
+        out = []
+        if self.rollout_mode == "trace":
+            out.append("trace mode: guidance is recorded by Python code in each forward, which torch.compile "
+                       "traces once and a CUDA graph replay never runs, so records would be missing")
+        if backend == "torch":
+            out.append("quant_config.backend=torch: backend 'torch' (the reference emulation) runs data-dependent "
+                       "Python in each forward (per-expert loops, host reads) that torch.compile cannot trace and "
+                       "a CUDA graph cannot capture")
+        if self.rollout_mode == "quads" and not self.residual_per_token:
+            out.append("quant_config.residual_per_token=false reads the experts' token counts on the host in each "
+                       "MoE forward (per-call QUADS selection), which a CUDA graph capture forbids")
+        return out
+
     def is_ignored(self, module_name: str) -> bool:
         """True if the module stays BF16."""
         return any(re.search(p, module_name) for p in self.ignore)

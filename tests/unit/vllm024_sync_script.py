@@ -74,6 +74,16 @@ def same(a, b):
     return sorted(n for n in a if a[n].shape != b[n].shape or not torch.equal(raw(a[n]), raw(b[n])))
 
 
+def quantized_split(model, names):
+    """(names of ``quads_nvfp4`` kernel parameters, the other names) among ``names`` (vLLM parameter names;
+    routed experts live in a ``routed_experts`` child of the synced ``mlp.experts`` module)."""
+    from verl_quads.sync.receiver import quads_layers
+
+    layers = quads_layers(model)
+    quant = {n for n in names if n.rpartition(".")[0].removesuffix(".routed_experts") in layers}
+    return quant, [n for n in names if n not in quant]
+
+
 def engine(model_dir, hf_overrides=None, enforce_eager=True):
     """(vllm_config, 0.24's model built and loaded by 0.24's loader, verl's worker extension around it)."""
     use_gpu_paths_platform()
@@ -153,7 +163,7 @@ def main(mode: str) -> None:
     from verl_quads.config import QuantConfig
     from verl_quads.qat import apply_qat
     from verl_quads.sync.format import HEADER_NAME, SyncModeError, decode_header, encode_header
-    from verl_quads.sync.receiver import quads_layers, read_back_quads
+    from verl_quads.sync.receiver import read_back_quads
     from verl_quads.sync.trainer import pack_for_rollout, plan_for_stock_trainer, plan_from_model
 
     trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
@@ -167,9 +177,6 @@ def main(mode: str) -> None:
         sd = convert_weight_keys(trainer.state_dict(), trainer)
         return list(pack_for_rollout(((n, p.detach().clone()) for n, p in sd.items()), plan, torch.bfloat16,
                                      backend="torch", version=version))
-
-    def sent_packed(items):
-        return {n for n, _ in items if n.rpartition(".")[0] in quads_layers(model)}
 
     ptrs = {n: p.data_ptr() for n, p in model.named_parameters()}
     loaded = state(model)
@@ -200,14 +207,13 @@ def main(mode: str) -> None:
     bad_packed = same(got, {n: sent[n].reshape(got[n].shape) for n in got})
     after_b = state(model)
     hf = convert_weight_keys(trainer.state_dict(), trainer)
-    unq = [n for n in after_b if not any(n.startswith(m + ".") for m in quads_layers(model))
-           and not any(n.startswith(m + ".routed_experts.") for m in quads_layers(model))]
+    _, unq = quantized_split(model, list(after_b))
     bad_unq = sorted(n for n in unq if not torch.equal(after_b[n], hf[n].to(torch.bfloat16)))
     moved = sorted(n for n, p in model.named_parameters() if p.data_ptr() != ptrs[n])
     result(event="sync_b_trained", packed=len(got), bad_packed=bad_packed, unquantized=len(unq), bad_unquantized=bad_unq,
            moved=moved, changed=len(same(after_a, after_b)))
     assert not bad_packed and not bad_unq and not moved, (bad_packed, bad_unq, moved)
-    streamed_unq = {n for n, _ in b if n != HEADER_NAME and n not in sent_packed(b)}
+    streamed_unq = set(quantized_split(model, [n for n, _ in b if n != HEADER_NAME])[1])
     assert set(unq) == streamed_unq, (sorted(unq), sorted(streamed_unq))  # every other engine weight was sent
     assert len(same(after_a, after_b)) == len(after_b), "every parameter changes with the update"
 
@@ -261,7 +267,7 @@ def main_export() -> None:
     from verl_quads.config import QuantConfig
     from verl_quads.models.tiny import build_tiny_qwen3_moe
     from verl_quads.sync.export import export_checkpoint, export_to_sync_stream
-    from verl_quads.sync.receiver import quads_layers, read_back_quads
+    from verl_quads.sync.receiver import read_back_quads
 
     tmp = tempfile.mkdtemp()
     path = build_tiny_qwen3_moe(os.path.join(tmp, "m"))
@@ -274,7 +280,7 @@ def main_export() -> None:
     got = read_back_quads(model)
     bad_packed = same(got, {n: sent[n].reshape(got[n].shape) for n in got})
     loaded = state(model)
-    unq = [n for n in loaded if n.rpartition(".")[0].removesuffix(".routed_experts") not in quads_layers(model)]
+    _, unq = quantized_split(model, list(loaded))
     bad_unq = sorted(n for n in unq if n not in sent or not torch.equal(raw(loaded[n]), raw(sent[n])))
     assert sync(worker, items) is None
     changed = same(loaded, state(model))

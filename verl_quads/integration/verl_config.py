@@ -188,22 +188,14 @@ def rollout_engine_kwargs(qc: QuantConfig, *, name: Any, quantization: Any, engi
 
 def check_rollout_execution(qc: QuantConfig, *, enable_prefix_caching: Any, enforce_eager: Any) -> None:
     """Refuse, at config time (in verl's driver, before Ray starts), rollout settings the ``quads_nvfp4``
-    engine would refuse at start inside a worker (``QuadsNVFP4Config.eager_reasons``, the decisions known
-    here without the worker's device): ``trace`` with prefix caching (cached prompt positions are never
-    computed, so they carry no guidance); ``trace``, per-call QUADS selection (``residual_per_token=false``:
-    a host read per MoE forward) or ``backend=torch`` (the reference emulation) in a compiled / CUDA-graph
-    engine. verl's defaults are prefix caching on and ``enforce_eager=False``."""
-    need, why = [], []
+    engine would refuse at start inside a worker: ``trace`` with prefix caching (cached prompt positions are
+    never computed, so they carry no guidance), and a compiled / CUDA-graph engine (verl's default
+    ``enforce_eager=False``) for a configuration that needs an eager one (:meth:`QuantConfig.eager_reasons`,
+    here with the unresolved backend: the worker's device is not known)."""
+    need = []
     if qc.rollout_mode == "trace" and enable_prefix_caching:
         need.append("actor_rollout_ref.rollout.enable_prefix_caching=False (cached prompt positions carry no guidance)")
-    if qc.rollout_mode == "trace":
-        why.append("trace records guidance by Python code in each forward, which torch.compile and CUDA graph "
-                   "replays skip")
-    if qc.rollout_mode == "quads" and not qc.residual_per_token:
-        why.append("quant_config.residual_per_token=false reads the experts' token counts on the host in each MoE "
-                   "forward, which a CUDA graph capture forbids")
-    if qc.backend == "torch" and qc.rollout_mode != "none":
-        why.append("quant_config.backend=torch (the reference emulation) runs data-dependent Python per forward")
+    why = qc.eager_reasons()
     if why and not enforce_eager:
         need.append("actor_rollout_ref.rollout.enforce_eager=True (" + "; ".join(why) + ")")
     if need:

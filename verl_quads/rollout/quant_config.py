@@ -12,7 +12,7 @@ How to turn it on (vLLM alone; verl's glue will pass ``actor.quant`` the same wa
    blocks; ``residual_combine="auto"``, resolved once in :class:`QuadsNVFP4Config` on the concrete backend:
    ``bf16`` on torch/triton, ``fp4x2`` on native, logged at INFO). The dict travels with the model config to
    every worker process. ``quantization=`` may then be omitted. Modes that need an eager engine
-   (:meth:`QuadsNVFP4Config.eager_reasons`: ``trace``, ``backend="torch"``, per-call selection) also need
+   (:meth:`verl_quads.config.QuantConfig.eager_reasons`: ``trace``, ``backend="torch"``, per-call selection) also need
    ``enforce_eager=True``; ``trace`` also ``enable_prefix_caching=False``.
 2. ``LLM(model, quantization="quads_nvfp4")`` with no quantization config: vLLM builds the config
    with no arguments (``get_config_filenames() == []``); it then reads the JSON object in the
@@ -350,27 +350,12 @@ class QuadsNVFP4Config(QuantizationConfig):
         install_runner_hook()
         get_store().enabled = True
 
-    def eager_reasons(self) -> list[str]:
-        """Why this configuration can only run in an eager engine (no torch.compile, no CUDA graphs); empty if
-        it can run compiled. Each entry names the setting and the reason."""
-        out = []
-        if self.mode == "trace":
-            out.append("trace mode: guidance is recorded by Python code in each forward, which torch.compile "
-                       "traces once and a CUDA graph replay never runs, so records would be missing")
-        if self.backend == "torch":
-            out.append("backend 'torch' (the reference emulation): its forward runs data-dependent Python "
-                       "(per-expert loops, host reads) that torch.compile cannot trace and a CUDA graph cannot capture")
-        elif self.mode == "quads" and not self.quant_config.residual_per_token:
-            out.append("residual_per_token=false (per-call QUADS selection): each MoE forward reads the experts' "
-                       "token counts on the host, which a CUDA graph capture forbids")
-        return out
-
     def _check_execution(self) -> None:
         """Refuse, when the engine builds its first layer, an engine that compiles the model or replays CUDA
         graphs (vLLM's default without ``enforce_eager``) for a configuration that needs eager execution."""
         if getattr(self, "_execution_checked", False):
             return
-        reasons, not_eager = self.eager_reasons(), _not_eager()
+        reasons, not_eager = self.quant_config.eager_reasons(self.backend), _not_eager()
         if reasons and not_eager:
             raise ValueError(
                 f"quads_nvfp4 mode {self.mode!r} backend {self.backend!r} needs an eager engine, but this one runs with "
