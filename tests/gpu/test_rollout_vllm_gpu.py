@@ -11,6 +11,7 @@ module reuses. What only a GPU engine exercises, and is checked here:
   tokens and logprobs bit for bit; with Inductor's fusions the engine runs, its differences to eager are printed;
 - reload A -> B -> A under CUDA graphs: A's tokens and logprobs bit for bit, every parameter at its old address
   (a graph replays fixed addresses);
+- routing capture out of CUDA graphs (non-blocking copies): every request's record, the eager engine's routing;
 - the layers' output on the engine's real activations == ``verl_quads.nvfp4`` QDQ + a plain matmul;
 - ``trace``: an eager engine records guidance that reproduces the rollout's codes; a compiled one is refused.
 
@@ -111,6 +112,25 @@ def _check_layers_on_cuda(llm, mode):
         assert all(p.is_cuda for p in layer.parameters(recurse=False)), name
 
 
+def _routing(llm) -> list:
+    """Pop every request's routing record from the engine (``fetch_routing``), in request order."""
+    from verl_quads.rollout.capture import RequestRouting, external_request_id, fetch_routing
+
+    merged = {}
+    for per_worker in llm.collective_rpc(fetch_routing):
+        merged.update(per_worker)
+    return sorted((RequestRouting.from_wire(w) for w in merged.values()),
+                  key=lambda r: int(external_request_id(r.request_id)))
+
+
+def _measured(llm, prompts):
+    """A warm-up generate, then the measured one: (result, seconds, routing records of the measured requests)."""
+    cpu.generate(llm, prompts)
+    _routing(llm)
+    res, dt = cpu.generate(llm, prompts)
+    return res, dt, _routing(llm)
+
+
 def _compare(ref, other) -> tuple[bool, float]:
     """(same tokens, max |logprob difference|) of two ``cpu.generate`` results."""
     same = [t for t, _ in ref] == [t for t, _ in other]
@@ -131,19 +151,28 @@ def test_compiled_cuda_graph_engine_generates_as_eager(engine, ckpts, mode):
     llm = engine.start(ckpts[0], mode, eager=True)
     if mode is not None:
         _check_layers_on_cuda(llm, mode)
-    cpu.generate(llm, prompts)  # Triton JIT of the first run
-    eager, dt_e = cpu.generate(llm, prompts)
+    eager, dt_e, routing_e = _measured(llm, prompts)  # the warm-up run compiles the Triton kernels
     results = {}
     for name, cc in (("dynamo-eager+graphs", {"backend": "eager", "custom_ops": ["all"]}), ("inductor+graphs", {})):
         llm = engine.start(ckpts[0], mode, eager=False, compilation=cc)
         assert _graphs_on(llm)
         if mode is not None:
             _check_layers_on_cuda(llm, mode)
-        cpu.generate(llm, prompts)  # first run after capture
-        res, dt = cpu.generate(llm, prompts)
+        res, dt, routing = _measured(llm, prompts)
         for toks, lps in res:
             assert len(toks) == cpu.MAX_TOKENS and all(math.isfinite(x) and x <= 0.0 for x in lps)
         results[name] = res
+        # routing capture (every quantized mode; non-blocking copies out of the graphs): one record per request,
+        # every computed position (prompt + generated tokens but the last), valid expert ids
+        assert len(routing) == (0 if mode is None else len(prompts))
+        for p, r in zip(prompts, routing):
+            t = len(llm.get_tokenizer()(p).input_ids) + cpu.MAX_TOKENS - 1
+            assert r.positions.tolist() == list(range(t))
+            assert r.layers == list(range(cpu.LAYERS)) and tuple(r.experts.shape) == (t, cpu.LAYERS, cpu.TOP_K)
+            assert int(r.experts.max()) < cpu.EXPERTS
+        if name == "dynamo-eager+graphs":  # same kernels as eager -> the same routing, position for position
+            assert [(r.positions.tolist(), r.experts.tolist()) for r in routing] == \
+                [(r.positions.tolist(), r.experts.tolist()) for r in routing_e]
         same, diff = _compare(eager, res)
         print(f"[generate] mode={mode} {name}: {dt * 1e3:.0f} ms (eager {dt_e * 1e3:.0f} ms) for {len(prompts)} prompts x "
               f"{cpu.MAX_TOKENS} tokens; same tokens as eager: {same}, max |logprob diff| {diff:.3e}")
@@ -153,32 +182,9 @@ def test_compiled_cuda_graph_engine_generates_as_eager(engine, ckpts, mode):
 
 
 def test_reload_A_B_A_under_cuda_graphs_is_bit_exact_and_keeps_storage(engine, ckpts):
-    a_path, b_path = ckpts
-    llm = engine.start(a_path, "quads", eager=False)
+    llm = engine.start(ckpts[0], "quads", eager=False)
     assert _graphs_on(llm)
-    model = cpu.model_of(llm)
-    res_a, _ = cpu.generate(llm)
-
-    def raw(p):
-        return p.detach().view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p.detach()
-
-    before = {n: (p.data_ptr(), raw(p).clone()) for n, p in model.named_parameters()}
-    t0 = time.perf_counter()
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(b_path)})
-    print(f"\n[reload] B in {time.perf_counter() - t0:.2f}s")
-    res_b, _ = cpu.generate(llm)
-    assert res_b != res_a
-    assert any(n.endswith("weight_packed") and not torch.equal(raw(p), before[n][1])
-               for n, p in model.named_parameters())
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": str(a_path)})
-    res_a2, _ = cpu.generate(llm)
-    assert [t for t, _ in res_a2] == [t for t, _ in res_a]
-    assert [lp for _, lp in res_a2] == [lp for _, lp in res_a]  # float equality: bit for bit
-    after = dict(model.named_parameters())
-    assert set(after) == set(before)
-    for n, p in after.items():
-        assert p.data_ptr() == before[n][0], f"{n} moved (a CUDA graph replays the old address)"
-        assert torch.equal(raw(p), before[n][1]), n
+    cpu.check_reload_a_b_a(llm, *ckpts)
 
 
 def test_methods_on_cuda_match_nvfp4_qdq_plus_plain_matmul(engine, ckpts):

@@ -510,21 +510,23 @@ def test_per_layer_error_quads_below_naive_and_decreasing_in_ratio(engines, ckpt
 
 
 # ----------------------------------------------------------------------------- 5. weight reload
-def test_reload_A_B_A_is_bit_exact_and_keeps_storage(engines, ckpts):
-    """vLLM 0.32 layerwise reload (``reload_weights`` -> process_weights_after_loading -> copy into
-    the original storage): A, then B, then A again gives A's tokens and logprobs bit for bit."""
-    a_path, b_path = ckpts
-    llm = engines.get(a_path, "quads")
+def check_reload_a_b_a(llm, a_path: Path, b_path: Path) -> None:
+    """Reload B, then A again through vLLM's ``reload_weights``: B changes the packed weights and the tokens, A
+    again gives A's tokens and logprobs bit for bit, every parameter keeps its storage (a CUDA graph replays
+    the old addresses) and its bytes."""
     model = model_of(llm)
+
+    def raw(p):
+        return p.detach().view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p.detach()
+
     res_a, _ = generate(llm)
-    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    before = {n: (p.data_ptr(), raw(p).clone()) for n, p in model.named_parameters()}
     t0 = time.perf_counter()
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(b_path)})
     print(f"\n[reload] B in {time.perf_counter() - t0:.2f}s")
     res_b, _ = generate(llm)
     assert res_b != res_a
-    changed = [n for n, p in model.named_parameters() if not torch.equal(p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p, before[n][1].view(torch.uint8) if p.dtype == torch.float8_e4m3fn else before[n][1])]
-    assert any(n.endswith("weight_packed") for n in changed)
+    assert any(n.endswith("weight_packed") and not torch.equal(raw(p), before[n][1]) for n, p in model.named_parameters())
     llm.collective_rpc("reload_weights", kwargs={"weights_path": str(a_path)})
     res_a2, _ = generate(llm)
     assert [t for t, _ in res_a2] == [t for t, _ in res_a]
@@ -533,10 +535,13 @@ def test_reload_A_B_A_is_bit_exact_and_keeps_storage(engines, ckpts):
     assert set(after) == set(before)
     for n, p in after.items():
         assert p.data_ptr() == before[n][0], f"{n} moved (CUDA graphs would read stale memory)"
-        old = before[n][1]
-        if p.dtype == torch.float8_e4m3fn:
-            p, old = p.view(torch.uint8), old.view(torch.uint8)
-        assert torch.equal(p, old), n
+        assert torch.equal(raw(p), before[n][1]), n
+
+
+def test_reload_A_B_A_is_bit_exact_and_keeps_storage(engines, ckpts):
+    """vLLM 0.32 layerwise reload (``reload_weights`` -> process_weights_after_loading -> copy into
+    the original storage): A, then B, then A again gives A's tokens and logprobs bit for bit."""
+    check_reload_a_b_a(engines.get(ckpts[0], "quads"), *ckpts)
 
 
 # ----------------------------------------------------------------------------- 6. separate engine process

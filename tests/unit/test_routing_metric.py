@@ -121,7 +121,8 @@ def test_store_routing_bounded_and_wide_ids():
     from verl_quads.rollout.capture import GuidanceStore
 
     st = GuidanceStore()
-    st.routing, st.routing_max_bytes = True, 6  # 1 token x 1 layer x top-2: 2 B uint8, 4 B int16 (id 300)
+    # steps hold int16 ids (1 token x 1 layer x top-2 = 4 B; narrowed to uint8 per request when popped)
+    st.routing, st.routing_max_bytes = True, 8
     for i in range(4):
         st.begin_step([f"r{i}"], [0, 1], torch.tensor([0]))
         st.routing_buffer(5, 1, 2, "cpu")[:1].copy_(torch.tensor([[i, 300 if i == 3 else 1]]))
@@ -129,6 +130,37 @@ def test_store_routing_bounded_and_wide_ids():
     assert st.routing_request_ids() == ["r2", "r3"] and st.routing_dropped_steps == 2
     r3 = st.pop_routing("r3")
     assert r3.experts.dtype == torch.int16 and r3.experts.tolist() == [[[3, 300]]]
+    r2 = st.pop_routing("r2")
+    assert r2.experts.dtype == torch.uint8 and r2.experts.tolist() == [[[2, 1]]]
+
+
+def test_store_routing_copies_are_taken_at_the_step_and_checked_when_popped():
+    """The step hook neither waits for nor checks the device-to-host copies (module docstring: a blocking copy
+    per step stalls a GPU engine); the record still holds the step's values (the runner rewrites its positions
+    buffer and the layers their routing buffers in place afterwards), and a layer that wrote no ids in a step
+    is still refused, when the request's record is popped."""
+    from verl_quads.rollout.capture import GuidanceStore
+
+    st = GuidanceStore()
+    st.routing = True
+    for layer in (0, 1):
+        st.register_routing_layer(layer)
+    positions = torch.tensor([4, 5])
+    st.begin_step(["a"], [0, 2], positions)
+    st.routing_buffer(0, 2, 2, "cpu")[:2].copy_(torch.tensor([[1, 2], [3, 4]]))
+    st.routing_buffer(1, 2, 2, "cpu")[:2].copy_(torch.tensor([[5, 6], [7, 0]]))
+    st.end_step()
+    positions.fill_(99)  # the runner's next step
+    st.routing_buffer(0, 2, 2, "cpu").fill_(-1)
+    st.routing_buffer(1, 2, 2, "cpu").fill_(-1)
+    a = st.pop_routing("a")
+    assert a.positions.tolist() == [4, 5] and a.experts.tolist() == [[[1, 2], [5, 6]], [[3, 4], [7, 0]]]
+
+    st.begin_step(["b"], [0, 1], torch.tensor([0]))
+    st.routing_buffer(0, 1, 2, "cpu")[:1].copy_(torch.tensor([[1, 2]]))  # layer 1 never writes this step
+    st.end_step()
+    with pytest.raises(RuntimeError, match=r"layers \[0, 1\] did not all write expert ids"):
+        st.pop_routing("b")
 
 
 def test_store_routing_follows_the_model_built_last():

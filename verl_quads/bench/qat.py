@@ -91,6 +91,7 @@ import torch
 from torch import nn
 
 from verl_quads.bench.timing import device_name, median_time_s, print_table
+from verl_quads.bench.widths import add_qwen3_moe_width_args
 from verl_quads.config import QuantConfig
 
 MODES = ("bf16", "w4a16", "w4a4_qat", "trace")
@@ -920,13 +921,7 @@ def run_fsdp(a: argparse.Namespace) -> str:
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="verl-quads bench qat", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--top-k", type=int, default=8)
-    p.add_argument("--moe-inter", type=int, default=768)
+    add_qwen3_moe_width_args(p)
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--backend", default="auto", choices=("auto", "torch", "triton"), help="NVFP4 kernel backend")
     p.add_argument("--attn", default="sdpa", help="transformers attention implementation (sdpa, eager, ...)")

