@@ -186,8 +186,8 @@ class RequestGuidance(_RequestCapture):
 def _host_copy(t: torch.Tensor, dtype: torch.dtype, blocking: bool) -> torch.Tensor:
     """A host copy of ``t`` as ``dtype`` that never aliases ``t``. From CUDA with ``blocking=False``: a
     non-blocking copy into pinned memory (valid once the stream reaches it: record an event after it)."""
-    if t.is_cuda:
-        return t.to("cpu", dtype, non_blocking=not blocking)
+    if t.is_cuda:  # dtype first, on the device: the host only receives finished bytes
+        return t.to(dtype).to("cpu", non_blocking=not blocking)
     out = t.to(dtype)
     return out.clone() if out.data_ptr() == t.data_ptr() else out
 
