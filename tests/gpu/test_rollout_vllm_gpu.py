@@ -21,7 +21,6 @@ is not ours). Engines run in-process, one at a time.
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import sys
@@ -48,11 +47,9 @@ COMPILED_MODES = ("w4a16", "naive", "quads")
 CAPTURE_SIZES = [1, 2, 4, 8]
 
 
-class _Engine:
-    """One in-process engine at a time (vLLM's process-global distributed state allows no more)."""
-
-    def __init__(self):
-        self.llm = None
+class _Engine(cpu._Engines):
+    """One in-process engine at a time (vLLM's process-global distributed state allows no more); teardown as the
+    CPU tests' (``close`` / ``close_failed``), engines started with the GPU settings of this module."""
 
     def start(self, path: Path, mode: str | None, eager: bool, compilation: dict | None = None):
         self.close()
@@ -71,14 +68,7 @@ class _Engine:
         return self.llm
 
     def close(self):
-        if self.llm is None:
-            return
-        self.llm = None
-        gc.collect()
-        from vllm.distributed import cleanup_dist_env_and_memory
-
-        cleanup_dist_env_and_memory()
-        get_store().clear()
+        super().close()
         torch.cuda.empty_cache()
 
 
@@ -238,10 +228,6 @@ def test_trace_eager_engine_guidance_reproduces_codes_and_compiled_is_refused(en
             n_checked += 1
     assert n_checked >= sum(g.num_tokens for g in guidance.values()) * cpu.LAYERS * 3
     engine.close()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     with pytest.raises(Exception, match=r"needs an eager engine.*trace mode"):
         engine.start(ckpts[0], "trace", eager=False)
-    gc.collect()
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    cleanup_dist_env_and_memory()
+    engine.close_failed()

@@ -20,7 +20,6 @@ it, so ``--profile`` sees its kernels), one at a time.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -31,8 +30,10 @@ import time
 from pathlib import Path
 
 from verl_quads.bench.widths import add_qwen3_moe_width_args
+from verl_quads.config import ROLLOUT_MODES
 
-MODES = ("bf16", "w4a16", "naive", "quads", "trace")
+#: ``bf16`` = the stock engine (rollout mode ``none``), then every quantized rollout mode
+MODES = ("bf16",) + tuple(m for m in ROLLOUT_MODES if m != "none")
 
 
 def build_model(out: Path, args: argparse.Namespace) -> Path:
@@ -62,7 +63,7 @@ def _engine(path: Path, mode: str, args: argparse.Namespace, eager: bool):
                   hf_overrides={"quantization_config": {"quant_method": "quads_nvfp4", "quant": mode}})
     if args.attention_backend:
         kw["attention_backend"] = args.attention_backend
-    sizes = sorted({b for b in args.batch_sizes})
+    sizes = sorted(set(args.batch_sizes))
     return vllm.LLM(str(path), enforce_eager=eager, dtype="bfloat16", seed=0, skip_tokenizer_init=True,
                     max_model_len=args.prompt_len + args.max_tokens, max_num_seqs=max(sizes),
                     enable_prefix_caching=False, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -70,18 +71,9 @@ def _engine(path: Path, mode: str, args: argparse.Namespace, eager: bool):
                     compilation_config={"cudagraph_capture_sizes": sizes}, **kw)
 
 
-def _close() -> None:
-    import torch
-    from vllm.distributed import cleanup_dist_env_and_memory
-
-    gc.collect()
-    cleanup_dist_env_and_memory()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
 def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> dict[int, list[float]]:
-    """Median-able wall seconds per batch size for one engine (``mode``)."""
+    """Wall seconds of each timed generate, per batch size, for one engine (``mode``). Runs in the child process
+    of :func:`_run_child`, which exits afterwards: the engine is not torn down here."""
     import random
 
     import vllm
@@ -93,26 +85,22 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
     sp = vllm.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
     rng = random.Random(0)
     out: dict[int, list[float]] = {}
-    try:
-        for b in args.batch_sizes:
-            prompts = [{"prompt_token_ids": [rng.randrange(1, args.vocab) for _ in range(args.prompt_len)]}
-                       for _ in range(b)]
-            res = llm.generate(prompts, sp, use_tqdm=False)  # warm-up (JIT, graphs)
-            n = sum(len(r.outputs[0].token_ids) for r in res)
-            if n != b * args.max_tokens:
-                raise RuntimeError(f"{mode} batch {b}: generated {n} tokens, expected {b * args.max_tokens}")
-            times = []
-            for _ in range(args.repeats):
-                t = time.perf_counter()
-                llm.generate(prompts, sp, use_tqdm=False)
-                times.append(time.perf_counter() - t)
-            out[b] = times
-            print(f"[time] {mode} batch {b}: median {statistics.median(times):.3f} s of {times}", flush=True)
-            if args.profile:
-                _profile(llm, prompts, sp, f"{mode} batch {b}")
-    finally:
-        del llm
-        _close()
+    for b in args.batch_sizes:
+        prompts = [{"prompt_token_ids": [rng.randrange(1, args.vocab) for _ in range(args.prompt_len)]}
+                   for _ in range(b)]
+        res = llm.generate(prompts, sp, use_tqdm=False)  # warm-up (JIT, graphs)
+        n = sum(len(r.outputs[0].token_ids) for r in res)
+        if n != b * args.max_tokens:
+            raise RuntimeError(f"{mode} batch {b}: generated {n} tokens, expected {b * args.max_tokens}")
+        times = []
+        for _ in range(args.repeats):
+            t = time.perf_counter()
+            llm.generate(prompts, sp, use_tqdm=False)
+            times.append(time.perf_counter() - t)
+        out[b] = times
+        print(f"[time] {mode} batch {b}: median {statistics.median(times):.3f} s of {times}", flush=True)
+        if args.profile:
+            _profile(llm, prompts, sp, f"{mode} batch {b}")
     return out
 
 
