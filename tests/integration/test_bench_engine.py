@@ -14,20 +14,25 @@ pytestmark = [pytest.mark.vllm]
 def test_engine_bench_times_each_mode_against_bf16(capsys, tmp_path):
     from verl_quads.bench import engine
 
-    engine.main(["--modes", "bf16,w4a16", "--batch-sizes", "1,2", "--max-tokens", "3", "--prompt-len", "5",
-                 "--repeats", "1", "--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "1",
+    engine.main(["--modes", "bf16,w4a16,w4a16-norouting", "--batch-sizes", "1,2", "--max-tokens", "3",
+                 "--prompt-len", "5", "--repeats", "1", "--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "1",
                  "--head-dim", "32", "--experts", "4", "--top-k", "2", "--moe-inter", "64", "--vocab", "512",
                  "--kv-cache-gb", "0.05", "--model-dir", str(tmp_path)])
     out = capsys.readouterr().out
     final = out[out.index("verl-quads bench engine: CPU"):]
-    rows = re.findall(r"^(\w+)\s+\|\s+(\d+) \|\s+([\d.]+) \|\s+(\d+) \| ([\d.]+)x$", final, re.M)
-    assert [(m, b) for m, b, *_ in rows] == [("bf16", "1"), ("bf16", "2"), ("w4a16", "1"), ("w4a16", "2")]
+    rows = re.findall(r"^([\w-]+)\s+\|\s+(\d+) \|\s+([\d.]+) \|\s+(\d+) \| ([\d.]+)x$", final, re.M)
+    assert [(m, b) for m, b, *_ in rows] == [(m, b) for m in ("bf16", "w4a16", "w4a16-norouting") for b in "12"]
     by = {(m, int(b)): (float(t), float(r)) for m, b, t, _, r in rows}
     assert by[("bf16", 1)][1] == by[("bf16", 2)][1] == 1.0
-    for b in (1, 2):  # x bf16 = BF16 median / this median (times printed to 1 ms, ratios to 0.01)
-        tb, tw = by[("bf16", b)][0], by[("w4a16", b)][0]
-        lo, hi = (tb - 5e-4) / (tw + 5e-4), (tb + 5e-4) / max(tw - 5e-4, 1e-9)
-        assert lo - 0.005 <= by[("w4a16", b)][1] <= hi + 0.005, (b, tb, tw, by[("w4a16", b)][1])
+    for m in ("w4a16", "w4a16-norouting"):
+        for b in (1, 2):  # x bf16 = BF16 median / this median (times printed to 1 ms, ratios to 0.01)
+            tb, tw = by[("bf16", b)][0], by[(m, b)][0]
+            lo, hi = (tb - 5e-4) / (tw + 5e-4), (tb + 5e-4) / max(tw - 5e-4, 1e-9)
+            assert lo - 0.005 <= by[(m, b)][1] <= hi + 0.005, (m, b, tb, tw, by[(m, b)][1])
+    # routing capture on by default (every request's record collected in the timed loop), off in -norouting;
+    # a record covers the computed positions: 5 prompt + 2 fed-back tokens (the 3rd is sampled, never computed)
+    assert re.findall(r"^\[routing\] (\S+) batch (\d): (\d) records, each experts \((\d+), 1, 2\)", out, re.M) == [
+        ("w4a16", "1", "1", "7"), ("w4a16", "2", "2", "7")]
 
 
 def test_engine_bench_refuses_bad_arguments():
@@ -35,5 +40,7 @@ def test_engine_bench_refuses_bad_arguments():
 
     with pytest.raises(SystemExit, match="unknown"):
         engine.main(["--modes", "bf16,fp8"])
+    with pytest.raises(SystemExit, match="unknown"):
+        engine.main(["--modes", "bf16-norouting"])
     with pytest.raises(SystemExit, match="must be positive"):
         engine.main(["--batch-sizes", "0"])

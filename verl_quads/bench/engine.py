@@ -12,7 +12,10 @@ is smaller here than in the real model, where attention over long contexts is al
 Per engine: built once (``enforce_eager`` off on CUDA: vLLM compiles the model and replays CUDA graphs, its default;
 on CPU eager, as the ``torch`` backend requires), one untimed generation per batch size (JIT, graph warm-up), then
 ``--repeats`` timed generations; reported: median seconds, generated tokens per second, and ``x bf16`` = the
-BF16 engine's median time / this mode's at the same batch size (> 1: faster). Results are printed after each
+BF16 engine's median time / this mode's at the same batch size (> 1: faster). The quantized modes capture
+routing (their default): each timed generation includes collecting every request's record the way verl does
+after a rollout (``fetch_routing`` through ``collective_rpc``); ``<mode>-norouting`` runs the mode with
+``VERL_QUADS_ROUTING=0`` (what the capture costs). Results are printed after each
 engine, so a run cut short keeps what it measured. Each engine runs in its own Python process (in-process within
 it, so ``--profile`` sees its kernels), one at a time.
 """
@@ -31,9 +34,13 @@ from pathlib import Path
 
 from verl_quads.bench.widths import add_qwen3_moe_width_args
 from verl_quads.config import ROLLOUT_MODES
+from verl_quads.rollout.capture import ROUTING_ENV
 
 #: ``bf16`` = the stock engine (rollout mode ``none``), then every quantized rollout mode
 MODES = ("bf16",) + tuple(m for m in ROLLOUT_MODES if m != "none")
+#: a quantized mode with this suffix runs with routing capture off (``VERL_QUADS_ROUTING=0``): its cost
+NO_ROUTING = "-norouting"
+VARIANTS = MODES + tuple(m + NO_ROUTING for m in MODES[1:])
 
 
 def build_model(out: Path, args: argparse.Namespace) -> Path:
@@ -58,6 +65,7 @@ def _engine(path: Path, mode: str, args: argparse.Namespace, eager: bool):
     import vllm
 
     kw = {}
+    mode = mode.removesuffix(NO_ROUTING)
     if mode != "bf16":
         kw = dict(quantization="quads_nvfp4",
                   hf_overrides={"quantization_config": {"quant_method": "quads_nvfp4", "quant": mode}})
@@ -78,29 +86,48 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
 
     import vllm
 
+    from verl_quads.rollout.capture import fetch_routing, get_store
+
     t0 = time.perf_counter()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this (child) process: --profile sees it
     llm = _engine(path, mode, args, eager)
     print(f"[engine] {mode}: started in {time.perf_counter() - t0:.1f} s (eager={eager})", flush=True)
+    routing = get_store().routing  # this process's store: the engine runs in-process
+    if routing != (mode != "bf16" and not mode.endswith(NO_ROUTING)):
+        raise RuntimeError(f"bench engine: mode {mode} has routing capture {'on' if routing else 'off'}")
     sp = vllm.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
     rng = random.Random(0)
     out: dict[int, list[float]] = {}
+
+    def generate(prompts):
+        res = llm.generate(prompts, sp, use_tqdm=False)
+        if routing:  # what verl does after a rollout: every request's routing record, popped from the worker
+            recs = {k: v for per_worker in llm.collective_rpc(fetch_routing) for k, v in per_worker.items()}
+            if len(recs) != len(prompts):
+                raise RuntimeError(f"{mode}: routing records of {len(recs)} requests, expected {len(prompts)}")
+            return res, recs
+        return res, {}
+
     for b in args.batch_sizes:
         prompts = [{"prompt_token_ids": [rng.randrange(1, args.vocab) for _ in range(args.prompt_len)]}
                    for _ in range(b)]
-        res = llm.generate(prompts, sp, use_tqdm=False)  # warm-up (JIT, graphs)
+        res, recs = generate(prompts)  # warm-up (JIT, graphs)
         n = sum(len(r.outputs[0].token_ids) for r in res)
         if n != b * args.max_tokens:
             raise RuntimeError(f"{mode} batch {b}: generated {n} tokens, expected {b * args.max_tokens}")
+        if recs:
+            r0 = next(iter(recs.values()))
+            print(f"[routing] {mode} batch {b}: {len(recs)} records, each experts {tuple(r0['experts'].shape)} "
+                  f"{r0['experts'].dtype}", flush=True)
         times = []
         for _ in range(args.repeats):
             t = time.perf_counter()
-            llm.generate(prompts, sp, use_tqdm=False)
+            generate(prompts)
             times.append(time.perf_counter() - t)
         out[b] = times
         print(f"[time] {mode} batch {b}: median {statistics.median(times):.3f} s of {times}", flush=True)
         if args.profile:
-            _profile(llm, prompts, sp, f"{mode} batch {b}")
+            _profile(generate, prompts, f"{mode} batch {b}")
     return out
 
 
@@ -109,7 +136,12 @@ def _run_child(argv: list[str], mode: str, path: Path) -> dict[int, list[float]]
     an in-process engine did not give back: H200, vLLM 0.24.0, 2.4 of 140 GiB free after two engines) reaches
     the next; its output is streamed, its result read from the ``RESULT`` line."""
     cmd = [sys.executable, "-m", "verl_quads.bench.engine", *argv, "--child", mode, "--model-path", str(path)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    env = dict(os.environ)
+    if mode.endswith(NO_ROUTING):
+        env[ROUTING_ENV] = "0"
+    else:
+        env.pop(ROUTING_ENV, None)  # the default: on
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
     result = None
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -122,34 +154,37 @@ def _run_child(argv: list[str], mode: str, path: Path) -> dict[int, list[float]]
     return {int(b): t for b, t in result.items()}
 
 
-def _profile(llm, prompts, sp, what: str, top: int = 25) -> None:
-    """One more generate under torch.profiler: the ``top`` device kernels by total time (CPU ops without CUDA)."""
+def _profile(generate, prompts, what: str, top: int = 25) -> None:
+    """One more ``generate(prompts)`` under torch.profiler: the ``top`` device kernels by total time (CPU ops
+    without CUDA)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
-        llm.generate(prompts, sp, use_tqdm=False)
+        generate(prompts)
     key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     print(f"[profile] {what}:\n{prof.key_averages().table(sort_by=key, row_limit=top, max_name_column_width=70)}",
           flush=True)
 
 
 def table(results: dict[str, dict[int, list[float]]], args: argparse.Namespace) -> str:
-    rows = ["mode   | batch | median s | tok/s    | x bf16", "------ | ----- | -------- | -------- | ------"]
+    w = max(6, *(len(m) for m in results))
+    rows = [f"{'mode':<{w}} | batch | median s | tok/s    | x bf16", f"{'-' * w} | ----- | -------- | -------- | ------"]
     for mode, per_b in results.items():
         for b, times in per_b.items():
             med = statistics.median(times)
             base = results.get("bf16", {}).get(b)
             ratio = f"{statistics.median(base) / med:.2f}x" if base else "-"
-            rows.append(f"{mode:<6} | {b:>5} | {med:8.3f} | {b * args.max_tokens / med:8.0f} | {ratio}")
+            rows.append(f"{mode:<{w}} | {b:>5} | {med:8.3f} | {b * args.max_tokens / med:8.0f} | {ratio}")
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="verl-quads bench engine", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--modes", default="bf16,w4a16,naive,quads", help=f"comma-separated, from {list(MODES)}")
+    p.add_argument("--modes", default="bf16,w4a16,naive,quads",
+                   help=f"comma-separated, from {list(VARIANTS)} (-norouting: routing capture off)")
     p.add_argument("--batch-sizes", default="1,16,64", help="comma-separated prompts per generate call")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
@@ -166,15 +201,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eager", choices=("auto", "yes", "no"), default="auto",
                    help="enforce_eager: auto = off on CUDA (compile + CUDA graphs), on without CUDA")
     p.add_argument("--model-dir", default=None, help="where to build the random model (default: a temporary dir)")
-    p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)  # internal: time one mode, print RESULT
+    p.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)  # internal: time one mode, print RESULT
     p.add_argument("--model-path", help=argparse.SUPPRESS)
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     modes = args.modes.split(",")
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in VARIANTS]
     if bad:
-        raise SystemExit(f"--modes: unknown {bad}; allowed: {list(MODES)}")
+        raise SystemExit(f"--modes: unknown {bad}; allowed: {list(VARIANTS)}")
     if any(b < 1 for b in args.batch_sizes) or args.repeats < 1 or args.max_tokens < 1 or args.prompt_len < 1:
         raise SystemExit("--batch-sizes, --repeats, --max-tokens and --prompt-len must be positive")
 
@@ -182,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
 
     cuda = torch.cuda.is_available()
     eager = {"auto": not cuda, "yes": True, "no": False}[args.eager]
-    if "trace" in modes and not eager:
+    if any(m.startswith("trace") for m in modes) and not eager:
         raise SystemExit("--modes trace needs an eager engine (TRACE records guidance in Python): pass --eager yes")
     if args.child:
         print("RESULT " + json.dumps(time_mode(Path(args.model_path), args.child, args, eager)), flush=True)
