@@ -117,6 +117,62 @@ def test_store_routing_records_per_request():
     assert b.nbytes == 2 * 2 * 2 and st.routing_request_ids() == [] and st._routing_nbytes == 0
 
 
+def test_store_pop_routings_of_a_batch_equals_a_per_row_reference():
+    """Collecting many requests at once (verl pops a rollout's whole batch): random steps with chunked prefills,
+    decode rows, recomputed positions (preemption), requests absent from some steps, wide ids in some, a weight
+    sync midway; checked against a dict-per-request reference written here, row by row."""
+    from verl_quads.rollout.capture import GuidanceStore
+
+    g = torch.Generator().manual_seed(0)
+    st = GuidanceStore()
+    st.routing = True
+    layers, k = (1, 3, 4), 2
+    for layer in layers:
+        st.register_routing_layer(layer)
+    reqs = [f"q{i}-{i:08x}" for i in range(12)]
+    ref: dict[str, dict[int, list]] = {r: {} for r in reqs}  # request -> position -> the latest row's ids
+    versions: dict[str, list] = {r: [] for r in reqs}
+    next_pos = {r: 0 for r in reqs}
+    for step in range(40):
+        st.policy_version = 0 if step < 25 else 1
+        active = [r for r in reqs if torch.rand(1, generator=g).item() < 0.6]
+        if not active:
+            continue
+        qsl, pos = [0], []
+        for r in active:
+            n = int(torch.randint(1, 4, (1,), generator=g)) if next_pos[r] == 0 else 1
+            start = next_pos[r] - 1 if next_pos[r] > 2 and torch.rand(1, generator=g).item() < 0.15 else next_pos[r]
+            pos += list(range(start, start + n))  # start < next_pos: recompute of the last position
+            next_pos[r] = max(next_pos[r], start + n)
+            qsl.append(qsl[-1] + n)
+            versions[r].append(st.policy_version)
+        st.begin_step(active, qsl, torch.tensor(pos))
+        per_layer = {}
+        for layer in layers:
+            hi = 300 if layer == 4 and step == 7 else 128  # one step with ids >= 256: those requests stay int16
+            per_layer[layer] = torch.randint(0, hi, (qsl[-1], k), generator=g)
+            st.routing_buffer(layer, qsl[-1], k, "cpu")[: qsl[-1]].copy_(per_layer[layer])
+        st.end_step()
+        for i, r in enumerate(active):
+            for row in range(qsl[i], qsl[i + 1]):
+                ref[r][pos[row]] = [per_layer[layer][row].tolist() for layer in layers]
+    one = st.pop_routing("q0")  # external id, alone
+    ext = [r.split("-")[0] for r in reqs[1:6]]
+    got = {**st.pop_routings(ext + ["nobody"]), **st.pop_routings()}  # external ids, then the rest (internal)
+    assert "nobody" not in got and set(got) == set(ext) | set(reqs[6:]) and st._routing_nbytes == 0
+    got["q0"] = one
+    for r in reqs:
+        rec = got[r.split("-")[0] if r.split("-")[0] in got else r]
+        assert rec.request_id == r and rec.layers == list(layers)
+        assert rec.positions.tolist() == sorted(ref[r])
+        assert rec.experts.tolist() == [ref[r][p] for p in sorted(ref[r])]
+        wide = max(max(max(row) for row in v) for v in ref[r].values()) >= 256
+        assert rec.experts.dtype == (torch.int16 if wide else torch.uint8)
+        assert rec.policy_version == versions[r][0] and rec.mixed_versions == (len(set(versions[r])) > 1)
+        assert rec.experts.untyped_storage().nbytes() == rec.experts.numel() * rec.experts.element_size()
+    assert any(r.experts.dtype == torch.int16 for r in got.values()) and any(r.mixed_versions for r in got.values())
+
+
 def test_store_routing_bounded_and_wide_ids():
     from verl_quads.rollout.capture import GuidanceStore
 
