@@ -114,14 +114,21 @@ def test_store_routing_records_per_request():
     assert st.pop_routing("a") is None
     b = RequestRouting.from_wire(st.pop_routing("b-89abcdef").to_wire())
     assert b.positions.tolist() == [0, 1] and b.experts.tolist() == [[[5, 6], [4, 3]], [[2, 3], [6, 7]]]
-    assert b.nbytes == 2 * 2 * 2 and st.routing_request_ids() == [] and st._routing_nbytes == 0
+    assert b.nbytes == 2 * 2 * 2 and st.routing_request_ids() == [] and st.routing_log.held_rows == 0
 
 
-def test_store_pop_routings_of_a_batch_equals_a_per_row_reference():
-    """Collecting many requests at once (verl pops a rollout's whole batch): random steps with chunked prefills,
-    decode rows, recomputed positions (preemption), requests absent from some steps, wide ids in some, a weight
-    sync midway; checked against a dict-per-request reference written here, row by row."""
+@pytest.mark.parametrize("chunk_bytes", [None, 300])
+def test_store_pop_routings_of_a_batch_equals_a_per_row_reference(chunk_bytes, monkeypatch):
+    """Collecting many requests at once (verl pops a rollout's whole batch) and one by one: random steps with
+    chunked prefills, decode rows, recomputed positions (preemption), requests absent from some steps, wide ids in
+    some, a weight sync midway; checked against a dict-per-request reference written here, row by row. With
+    300-byte chunks (15 rows of 20 B: 3 layers x top-2 int16 + an int64
+    position) requests span many chunks, emptied chunks are reused."""
+    from verl_quads.rollout import routing_log
     from verl_quads.rollout.capture import GuidanceStore
+
+    if chunk_bytes:
+        monkeypatch.setattr(routing_log, "CHUNK_BYTES", chunk_bytes)
 
     g = torch.Generator().manual_seed(0)
     st = GuidanceStore()
@@ -156,10 +163,12 @@ def test_store_pop_routings_of_a_batch_equals_a_per_row_reference():
         for i, r in enumerate(active):
             for row in range(qsl[i], qsl[i + 1]):
                 ref[r][pos[row]] = [per_layer[layer][row].tolist() for layer in layers]
+    if chunk_bytes:
+        assert len(st.routing_log._chunks) > 10
     one = st.pop_routing("q0")  # external id, alone
     ext = [r.split("-")[0] for r in reqs[1:6]]
     got = {**st.pop_routings(ext + ["nobody"]), **st.pop_routings()}  # external ids, then the rest (internal)
-    assert "nobody" not in got and set(got) == set(ext) | set(reqs[6:]) and st._routing_nbytes == 0
+    assert "nobody" not in got and set(got) == set(ext) | set(reqs[6:]) and st.routing_log.held_rows == 0
     got["q0"] = one
     for r in reqs:
         rec = got[r.split("-")[0] if r.split("-")[0] in got else r]
@@ -173,17 +182,50 @@ def test_store_pop_routings_of_a_batch_equals_a_per_row_reference():
     assert any(r.experts.dtype == torch.int16 for r in got.values()) and any(r.mixed_versions for r in got.values())
 
 
+def test_routing_log_reuses_emptied_chunks_and_drops_the_oldest(monkeypatch, caplog):
+    """Chunks of 2 rows (12 B each: 1 layer x top-2 int16 + int64 position), at most 2 chunks: a chunk emptied by
+    pops is reused for the next one (same storage); past the bound the oldest chunk is dropped with one warning,
+    and a request with rows in it keeps only its later rows."""
+    from verl_quads.rollout import routing_log
+
+    monkeypatch.setattr(routing_log, "CHUNK_BYTES", 24)
+    log = routing_log.RoutingLog(max_bytes=48)
+
+    def step(reqs, qsl, pos):
+        ids = torch.tensor([[[p, 1]] for p in pos], dtype=torch.int16)  # [n, 1 layer, top-2]
+        log.append_step(reqs, qsl, torch.tensor(pos), ids, (0,), 7)
+
+    step(["a"], [0, 2], [0, 1])  # chunk 0
+    step(["b"], [0, 2], [0, 1])  # chunk 1
+    first = log._chunks[0].experts.data_ptr()
+    assert log.pop(["a"])["a"].positions.tolist() == [0, 1] and log._spare is not None and 0 not in log._chunks
+    step(["c"], [0, 2], [0, 1])  # chunk 2: the spare
+    assert log._chunks[2].experts.data_ptr() == first and log._spare is None
+    with caplog.at_level("WARNING"):
+        step(["c", "d"], [0, 1, 2], [2, 0])  # chunk 3: chunk 1 (b) dropped
+        step(["d"], [0, 1], [1])  # chunk 4: chunk 2 (c's positions 0, 1) dropped
+    assert log.dropped_steps == 2 and sum("never collected" in r.message for r in caplog.records) == 1
+    assert log.request_ids() == ["c", "d"] and log.nbytes == 48
+    c, d = log.pop(["c"])["c"], log.pop(["d"])["d"]
+    assert c.positions.tolist() == [2] and c.experts.tolist() == [[[2, 1]]] and c.first_version == 7
+    assert d.positions.tolist() == [0, 1] and d.experts.tolist() == [[[0, 1]], [[1, 1]]]
+    assert log.held_rows == 0 and log.request_ids() == []
+    with pytest.raises(ValueError, match=r"experts must be int16 \[1, 1, top_k\]"):
+        log.append_step(["e"], [0, 1], torch.tensor([0]), torch.zeros(1, 1, 2, dtype=torch.int64), (0,), None)
+
+
 def test_store_routing_bounded_and_wide_ids():
     from verl_quads.rollout.capture import GuidanceStore
 
     st = GuidanceStore()
-    # steps hold int16 ids (1 token x 1 layer x top-2 = 4 B; narrowed to uint8 per request when popped)
-    st.routing, st.routing_max_bytes = True, 8
+    # the log holds int16 ids + an int64 position: 12 B per row here (1 layer x top-2); 24 B = one chunk of 2 rows
+    # (ids narrowed to uint8 per request when popped)
+    st.routing, st.routing_log.max_bytes = True, 24
     for i in range(4):
         st.begin_step([f"r{i}"], [0, 1], torch.tensor([0]))
         st.routing_buffer(5, 1, 2, "cpu")[:1].copy_(torch.tensor([[i, 300 if i == 3 else 1]]))
         st.end_step()
-    assert st.routing_request_ids() == ["r2", "r3"] and st.routing_dropped_steps == 2
+    assert st.routing_request_ids() == ["r2", "r3"] and st.routing_log.dropped_steps == 2
     r3 = st.pop_routing("r3")
     assert r3.experts.dtype == torch.int16 and r3.experts.tolist() == [[[3, 300]]]
     r2 = st.pop_routing("r2")

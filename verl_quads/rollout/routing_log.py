@@ -1,0 +1,268 @@
+"""Host-side log of the rollout's routed experts, per request (the storage behind routing capture).
+
+Layout: the rows of each step (one per computed token) go, contiguously, into a chunk of host memory (pinned when
+they come from CUDA): ``experts`` int16 ``[capacity, L, top_k]`` (global expert ids of the ``L`` captured MoE layers)
+and ``positions`` int64 ``[capacity]``. :meth:`RoutingLog.append_step` copies a step's rows there from the device
+WITHOUT waiting (non-blocking copies on the forward's stream + a CUDA event; a blocking copy per step stalls a GPU
+engine), and appends ``(chunk, first row, row count)`` to the index of each request in the step. Popping a request
+(:meth:`RoutingLog.pop`) waits for the event of its latest step only, then gathers its rows with one indexing per
+chunk it touches: its cost does not grow with the number of other requests or steps held (verl pops each request
+of a rollout separately; a scan of every step per pop made the total quadratic). Chunks of about
+:data:`CHUNK_BYTES` are reused once all their rows were popped; beyond ``max_bytes`` the oldest chunk is dropped
+(its requests lose those rows) with a warning. Per-request bookkeeping per step is a few list appends of ints: no
+container object per request and step (one tuple per request and step made Python's cyclic GC run 10x as often).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from verl_quads.rollout.request_ids import external_request_id
+
+logger = logging.getLogger(__name__)
+
+#: the environment variable that bounds the log (MiB; read by the capture store)
+ROUTING_MAX_MB_ENV = "VERL_QUADS_ROUTING_MAX_MB"
+#: target size of one chunk (experts + positions); a chunk always holds at least one whole step
+CHUNK_BYTES = 16 << 20
+
+
+@dataclass
+class _Chunk:
+    experts: torch.Tensor  # int16 [capacity, L, top_k]
+    positions: torch.Tensor  # int64 [capacity]
+    layers: tuple[int, ...]
+    used: int = 0  # rows written
+    live: int = 0  # rows written and neither popped nor dropped
+    steps: int = 0
+    requests: set[str] = field(default_factory=set)
+
+    @property
+    def nbytes(self) -> int:
+        return self.experts.numel() * self.experts.element_size() + self.positions.numel() * 8
+
+    def fits(self, rows: int, layers: tuple[int, ...], top_k: int, pinned: bool) -> bool:
+        return (self.layers == layers and self.experts.shape[2] == top_k and self.used + rows <= self.experts.shape[0]
+                and self.experts.is_pinned() == pinned)
+
+
+@dataclass
+class _Index:
+    """One request's steps: parallel int lists (chunk id, first row, row count), in step order."""
+
+    chunks: list[int]
+    starts: list[int]
+    lens: list[int]
+    first_version: int | None
+    versions: set
+    layer_sets: set[tuple[int, ...]]
+    ready: "torch.cuda.Event | None"  # recorded after its latest step's copies
+
+
+@dataclass
+class PoppedRouting:
+    """One request's routing as popped: ``positions`` int64 ``[T]`` ascending and unique (the latest row kept per
+    position: preemption recompute), ``experts`` uint8 ``[T, L, top_k]`` (int16 if any id >= 256), ``layers`` the
+    ``L`` decoder layers, ``first_version`` the weight version of its first step, ``mixed_versions`` whether its
+    steps span a weight sync. The tensors own their storage."""
+
+    request_id: str
+    positions: torch.Tensor
+    experts: torch.Tensor
+    layers: list[int]
+    first_version: int | None
+    mixed_versions: bool
+
+
+class RoutingLog:
+    """Per-request routed experts of the steps run so far, until popped (one per vLLM worker process; not
+    thread-safe: the caller holds a lock)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.dropped_steps = 0
+        self._chunks: dict[int, _Chunk] = {}  # id -> chunk, oldest first
+        self._next_id = 0
+        self._spare: _Chunk | None = None  # an emptied chunk kept for reuse
+        self._by_req: dict[str, _Index] = {}
+        self._by_ext: dict[str, set[str]] = {}  # external request id -> internal ids
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes held by chunks in use (the spare excluded)."""
+        return sum(c.nbytes for c in self._chunks.values())
+
+    @property
+    def held_rows(self) -> int:
+        """Rows written and neither popped nor dropped."""
+        return sum(c.live for c in self._chunks.values())
+
+    def request_ids(self) -> list[str]:
+        return sorted(self._by_req)
+
+    def clear(self) -> None:
+        self._chunks.clear()
+        self._spare = None
+        self._by_req.clear()
+        self._by_ext.clear()
+
+    # ------------------------------------------------------------------------------------------------ writing
+    def append_step(self, req_ids: list[str], query_start_loc: list[int], positions: torch.Tensor,
+                    experts: torch.Tensor, layers: tuple[int, ...], version: int | None) -> None:
+        """Log one step: request ``req_ids[j]`` owns rows ``query_start_loc[j]:query_start_loc[j + 1]`` of
+        ``positions`` (``[n]``, any integer dtype) and ``experts`` (int16 ``[n, len(layers), top_k]``), both on
+        the same device. From CUDA the copies are not waited for here (see the module docstring): the tensors
+        must stay unchanged in stream order, which a freshly made tensor (a clone, a stack) is."""
+        n = query_start_loc[-1]
+        if experts.dtype != torch.int16 or experts.dim() != 3 or experts.shape[:2] != (n, len(layers)):
+            raise ValueError(f"routing log: experts must be int16 [{n}, {len(layers)}, top_k], got "
+                             f"{experts.dtype} {tuple(experts.shape)}")
+        cuda = experts.is_cuda
+        cid, ch = self._chunk_for(n, layers, int(experts.shape[2]), cuda)
+        off = ch.used
+        ch.experts[off:off + n].copy_(experts, non_blocking=cuda)
+        ch.positions[off:off + n].copy_(positions.to(torch.int64), non_blocking=cuda)
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        ch.used += n
+        ch.live += n
+        ch.steps += 1
+        ch.requests.update(req_ids)
+        for j, r in enumerate(req_ids):
+            start, rows = off + query_start_loc[j], query_start_loc[j + 1] - query_start_loc[j]
+            if rows <= 0:
+                continue
+            ix = self._by_req.get(r)
+            if ix is None:
+                self._by_req[r] = _Index([cid], [start], [rows], version, {version}, {layers}, ready)
+                self._by_ext.setdefault(external_request_id(r), set()).add(r)
+                continue
+            ix.chunks.append(cid)
+            ix.starts.append(start)
+            ix.lens.append(rows)
+            ix.versions.add(version)
+            ix.layer_sets.add(layers)
+            ix.ready = ready
+
+    def _chunk_for(self, rows: int, layers: tuple[int, ...], top_k: int, pinned: bool) -> tuple[int, _Chunk]:
+        if self._chunks:
+            cid = next(reversed(self._chunks))
+            if self._chunks[cid].fits(rows, layers, top_k, pinned):
+                return cid, self._chunks[cid]
+            if self._chunks[cid].live == 0:  # emptied while it was being filled
+                self._retire(cid)
+        row_bytes = len(layers) * top_k * 2 + 8
+        capacity = max(rows, min(CHUNK_BYTES, self.max_bytes) // row_bytes)
+        ch = self._spare
+        self._spare = None
+        if ch is None or ch.experts.shape[0] < rows or not (ch.used == 0 and ch.fits(rows, layers, top_k, pinned)):
+            ch = _Chunk(torch.empty((capacity, len(layers), top_k), dtype=torch.int16, pin_memory=pinned),
+                        torch.empty(capacity, dtype=torch.int64, pin_memory=pinned), layers)
+        while self._chunks and self.nbytes + ch.nbytes > self.max_bytes:
+            self._drop_oldest()
+        cid, self._next_id = self._next_id, self._next_id + 1
+        self._chunks[cid] = ch
+        return cid, ch
+
+    def _retire(self, cid: int) -> None:
+        """An emptied chunk becomes the spare (kept for reuse)."""
+        ch = self._chunks.pop(cid)
+        ch.used, ch.live, ch.steps, ch.requests = 0, 0, 0, set()
+        self._spare = ch
+
+    def _drop_oldest(self) -> None:
+        cid = next(iter(self._chunks))
+        ch = self._chunks.pop(cid)
+        if self.dropped_steps == 0:
+            logger.warning(
+                "verl-quads routing capture: more than %s=%d MiB of routing records were never collected; dropping "
+                "the oldest (requests in them lose their record). Outside verl set VERL_QUADS_ROUTING=0.",
+                ROUTING_MAX_MB_ENV, self.max_bytes >> 20,
+            )
+        self.dropped_steps += ch.steps
+        for r in ch.requests:
+            ix = self._by_req.get(r)
+            if ix is None:
+                continue
+            k = 0  # the oldest chunk's entries lead each of its requests' lists (chunk ids grow with steps)
+            while k < len(ix.chunks) and ix.chunks[k] == cid:
+                k += 1
+            del ix.chunks[:k], ix.starts[:k], ix.lens[:k]
+            if not ix.chunks:
+                self._forget(r)
+
+    # ------------------------------------------------------------------------------------------------ reading
+    def _forget(self, request_id: str) -> _Index:
+        ix = self._by_req.pop(request_id)
+        ext = external_request_id(request_id)
+        self._by_ext[ext].discard(request_id)
+        if not self._by_ext[ext]:
+            del self._by_ext[ext]
+        return ix
+
+    def resolve(self, request_id: str) -> str | None:
+        """The internal id held for ``request_id`` (itself, or the one whose external id it is), or None."""
+        if request_id in self._by_req:
+            return request_id
+        hits = sorted(self._by_ext.get(request_id, ()))
+        if len(hits) > 1:
+            raise KeyError(f"request id {request_id!r} matches several captured requests: {hits}")
+        return hits[0] if hits else None
+
+    def pop(self, request_ids: list[str] | None = None) -> dict[str, PoppedRouting]:
+        """Remove and return the routing of ``request_ids`` (internal or external ids; every request held if
+        None), keyed by the id as given (internal ids for None); a request without rows is absent. Raises
+        ``RuntimeError`` for a request whose steps hold different layer sets or whose rows hold an id < 0 (a
+        captured layer did not write its buffer in that step)."""
+        given = self.request_ids() if request_ids is None else list(dict.fromkeys(request_ids))
+        internal = {g: self.resolve(g) for g in given}
+        for r in set(internal.values()) - {None}:
+            if len(self._by_req[r].layer_sets) > 1:
+                raise RuntimeError(f"verl-quads routing capture: request {r!r} steps hold layers "
+                                   f"{sorted(self._by_req[r].layer_sets)}")
+        popped: dict[str, PoppedRouting] = {}
+        for r in dict.fromkeys(v for v in internal.values() if v is not None):
+            popped[r] = self._pop_one(r, self._forget(r))
+        return {g: popped[r] for g, r in internal.items() if r is not None}
+
+    def _pop_one(self, r: str, ix: _Index) -> PoppedRouting:
+        if ix.ready is not None:  # its latest step's copies; earlier steps' were enqueued before them
+            ix.ready.synchronize()
+        pos_parts, exp_parts = [], []
+        a = 0
+        while a < len(ix.chunks):  # runs of entries in one chunk (chunk ids are non-decreasing)
+            cid = ix.chunks[a]
+            b = a
+            while b < len(ix.chunks) and ix.chunks[b] == cid:
+                b += 1
+            starts = torch.tensor(ix.starts[a:b], dtype=torch.int64)
+            lens = torch.tensor(ix.lens[a:b], dtype=torch.int64)
+            total = int(lens.sum())
+            rows = starts if total == b - a else (
+                torch.repeat_interleave(starts - (torch.cumsum(lens, 0) - lens), lens) + torch.arange(total))
+            ch = self._chunks[cid]
+            pos_parts.append(ch.positions[rows])
+            exp_parts.append(ch.experts[rows])
+            ch.live -= total
+            if ch.live == 0 and cid != next(reversed(self._chunks)):  # emptied and not being filled: reuse
+                self._retire(cid)
+            a = b
+        positions = torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0]
+        experts = torch.cat(exp_parts) if len(exp_parts) > 1 else exp_parts[0]
+        layers = next(iter(ix.layer_sets))
+        if int(experts.min()) < 0:
+            raise RuntimeError(f"verl-quads routing capture: layers {list(layers)} did not all write expert ids for "
+                               f"some of request {r!r}'s {experts.shape[0]} rows")
+        order = torch.argsort(positions, stable=True)  # rows are in step order: the last of equal positions wins
+        p = positions[order]
+        last = torch.ones_like(p, dtype=torch.bool)
+        last[:-1] = p[1:] != p[:-1]
+        keep = order[last]
+        experts = experts[keep]
+        experts = experts.to(torch.uint8) if int(experts.max()) < 256 else experts
+        return PoppedRouting(r, positions[keep], experts, list(layers), ix.first_version, len(ix.versions) > 1)
