@@ -1,0 +1,51 @@
+"""The routing log's CUDA path (verl_quads/rollout/routing_log.py): steps copied from the device without waiting
+(pinned chunks, non-blocking copies, one event per step) still give each request exactly the rows of its steps,
+even when the device tensors are rewritten right after (in stream order, as the runner's buffers are) and while
+the device is still busy with earlier work; emptied chunks are reused on the device path too."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def test_cuda_steps_logged_without_waiting_pop_exact_rows(monkeypatch):
+    from verl_quads.rollout import routing_log
+
+    monkeypatch.setattr(routing_log, "CHUNK_BYTES", 2048)  # 51 rows of 40 B (2 layers x top-8 + position): 5 chunks
+    log = routing_log.RoutingLog(max_bytes=1 << 30)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    reqs = [f"r{i}" for i in range(6)]
+    expect: dict[str, list] = {r: [] for r in reqs}
+    buf = torch.empty(64, 2, 8, dtype=torch.int16, device="cuda")  # a persistent buffer, rewritten every step
+    pos_buf = torch.empty(64, dtype=torch.int64, device="cuda")
+    busy = torch.randn(4096, 4096, device="cuda")
+    for step in range(40):
+        for _ in range(4):  # keep the stream busy so the copies are still pending when the next step is logged
+            busy = busy @ busy / 64.0
+        n_per = [3 if step == 0 else 1 for _ in reqs]
+        qsl = [0]
+        for n in n_per:
+            qsl.append(qsl[-1] + n)
+        n = qsl[-1]
+        buf[:n] = torch.randint(0, 128, (n, 2, 8), generator=g, device="cuda", dtype=torch.int16)
+        pos_buf[:n] = torch.tensor([p for k in n_per for p in (range(3) if step == 0 else [step + 2])],
+                                   device="cuda")
+        stacked, pos = buf[:n].clone(), pos_buf[:n].clone()  # what the capture hands over: fresh tensors
+        log.append_step(reqs, qsl, pos, stacked, (3, 7), 0)
+        host = buf[:n].cpu()  # the reference (waits)
+        for j, r in enumerate(reqs):
+            expect[r] += host[qsl[j]:qsl[j + 1]].tolist()
+        buf.fill_(-1)  # the next step's rewrite, in stream order after the logged copies
+    assert len(log._chunks) > 3
+    first = log.pop(["r0"])["r0"]
+    assert first.positions.tolist() == list(range(3)) + [s + 2 for s in range(1, 40)]
+    assert first.experts.tolist() == expect["r0"] and first.experts.dtype == torch.uint8
+    rest = log.pop()
+    for r in reqs[1:]:
+        assert rest[r].experts.tolist() == expect[r], r
+    assert log.held_rows == 0
+    kept = {c.experts.data_ptr() for c in [*log._chunks.values(), log._spare] if c is not None}
+    log.append_step(["x"], [0, 1], pos_buf[:1].clone(), buf[:1].clone().fill_(5), (3, 7), 1)
+    assert next(reversed(log._chunks.values())).experts.data_ptr() in kept  # no new pinned chunk
+    assert log.pop(["x"])["x"].experts.tolist() == [[[5] * 8] * 2]
