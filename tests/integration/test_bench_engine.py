@@ -33,6 +33,8 @@ def test_engine_bench_times_each_mode_against_bf16(capsys, tmp_path):
     # a record covers the computed positions: 5 prompt + 2 fed-back tokens (the 3rd is sampled, never computed)
     assert re.findall(r"^\[routing\] (\S+) batch (\d): (\d) records, each experts \((\d+), 1, 2\)", out, re.M) == [
         ("w4a16", "1", "1", "7"), ("w4a16", "2", "2", "7")]
+    assert len(re.findall(r"^\[time\] w4a16 batch \d: .*; routing collection median [\d.]+ ms$", out, re.M)) == 2
+    assert not re.findall(r"^\[time\] (bf16|w4a16-norouting) .*routing collection", out, re.M)
 
 
 def test_engine_bench_refuses_bad_arguments():

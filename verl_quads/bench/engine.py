@@ -99,10 +99,14 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
     rng = random.Random(0)
     out: dict[int, list[float]] = {}
 
+    collect_s: list[float] = []  # seconds of each routing collection (inside the timed generate)
+
     def generate(prompts):
         res = llm.generate(prompts, sp, use_tqdm=False)
         if routing:  # what verl does after a rollout: every request's routing record, popped from the worker
+            t = time.perf_counter()
             recs = {k: v for per_worker in llm.collective_rpc(fetch_routing) for k, v in per_worker.items()}
+            collect_s.append(time.perf_counter() - t)
             if len(recs) != len(prompts):
                 raise RuntimeError(f"{mode}: routing records of {len(recs)} requests, expected {len(prompts)}")
             return res, recs
@@ -120,12 +124,14 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
             print(f"[routing] {mode} batch {b}: {len(recs)} records, each experts {tuple(r0['experts'].shape)} "
                   f"{r0['experts'].dtype}", flush=True)
         times = []
+        collect_s.clear()
         for _ in range(args.repeats):
             t = time.perf_counter()
             generate(prompts)
             times.append(time.perf_counter() - t)
         out[b] = times
-        print(f"[time] {mode} batch {b}: median {statistics.median(times):.3f} s of {times}", flush=True)
+        collected = f"; routing collection median {statistics.median(collect_s) * 1e3:.1f} ms" if collect_s else ""
+        print(f"[time] {mode} batch {b}: median {statistics.median(times):.3f} s of {times}{collected}", flush=True)
         if args.profile:
             _profile(generate, prompts, f"{mode} batch {b}")
     return out
