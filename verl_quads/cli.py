@@ -7,7 +7,8 @@
 - ``verl-quads quantize-demo``: quantize a tiny random Qwen3-MoE with the NVFP4 core and print its
   per-layer error table (no verl, no vLLM; seconds).
 - ``verl-quads bench nvfp4|qat|rollout|sync``: benchmarks (CUDA); each prints ratios to a baseline timed in
-  the same run. ``verl-quads bench engine``: a whole vLLM engine's generation throughput per mode vs BF16 (CUDA or CPU). ``verl-quads bench profile``: the device kernels of one decode-sized rollout GEMM call.
+  the same run. ``verl-quads bench engine``: a whole vLLM engine's generation throughput per mode vs BF16
+  (CUDA or CPU). ``verl-quads bench profile``: the device kernels of one decode-sized rollout GEMM call.
 - ``verl-quads export --model DIR --out DIR [--quant-config JSON]``: a trained checkpoint (HF dir or verl
   checkpoint with ``huggingface/``) -> compressed-tensors NVFP4 checkpoint with the packed sync's weights.
 - ``verl-quads probe``: rollout-vs-trainer log-prob gap per quantization mode (tables, decomposition,

@@ -103,14 +103,10 @@ def _check_layers_on_cuda(llm, mode):
 
 
 def _routing(llm) -> list:
-    """Pop every request's routing record from the engine (``fetch_routing``), in request order."""
-    from verl_quads.rollout.capture import RequestRouting, external_request_id, fetch_routing
+    """Pop every request's routing record from the engine (``collect_routing``), in request order."""
+    from verl_quads.rollout.capture import collect_routing
 
-    merged = {}
-    for per_worker in llm.collective_rpc(fetch_routing):
-        merged.update(per_worker)
-    return sorted((RequestRouting.from_wire(w) for w in merged.values()),
-                  key=lambda r: int(external_request_id(r.request_id)))
+    return sorted(collect_routing(llm).values(), key=lambda r: int(r.external_id))
 
 
 def _measured(llm, prompts):

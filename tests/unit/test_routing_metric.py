@@ -207,7 +207,7 @@ def test_routing_log_reuses_emptied_chunks_and_drops_the_oldest(monkeypatch, cap
     assert log.dropped_steps == 2 and sum("never collected" in r.message for r in caplog.records) == 1
     assert log.request_ids() == ["c", "d"] and log.nbytes == 48
     c, d = log.pop(["c"])["c"], log.pop(["d"])["d"]
-    assert c.positions.tolist() == [2] and c.experts.tolist() == [[[2, 1]]] and c.first_version == 7
+    assert c.positions.tolist() == [2] and c.experts.tolist() == [[[2, 1]]] and c.policy_version == 7
     assert d.positions.tolist() == [0, 1] and d.experts.tolist() == [[[0, 1]], [[1, 1]]]
     assert log.held_rows == 0 and log.request_ids() == []
     with pytest.raises(ValueError, match=r"experts must be int16 \[1, 1, top_k\]"):

@@ -14,8 +14,8 @@ on CPU eager, as the ``torch`` backend requires), one untimed generation per bat
 ``--repeats`` timed generations; reported: median seconds, generated tokens per second, and ``x bf16`` = the
 BF16 engine's median time / this mode's at the same batch size (> 1: faster). The quantized modes capture
 routing (their default): each timed generation includes collecting every request's record the way verl does
-after a rollout (``fetch_routing`` through ``collective_rpc``); ``<mode>-norouting`` runs the mode with
-``VERL_QUADS_ROUTING=0`` (what the capture costs). Results are printed after each
+after a rollout (``collect_routing``); ``<mode>-norouting`` runs the mode with ``VERL_QUADS_ROUTING=0`` (what the
+capture costs). Results are printed after each
 engine, so a run cut short keeps what it measured. Each engine runs in its own Python process (in-process within
 it, so ``--profile`` sees its kernels), one at a time.
 """
@@ -86,7 +86,7 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
 
     import vllm
 
-    from verl_quads.rollout.capture import fetch_routing, get_store
+    from verl_quads.rollout.capture import collect_routing, get_store
 
     t0 = time.perf_counter()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this (child) process: --profile sees it
@@ -105,7 +105,7 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
         res = llm.generate(prompts, sp, use_tqdm=False)
         if routing:  # what verl does after a rollout: every request's routing record, popped from the worker
             t = time.perf_counter()
-            recs = {k: v for per_worker in llm.collective_rpc(fetch_routing) for k, v in per_worker.items()}
+            recs = collect_routing(llm)
             collect_s.append(time.perf_counter() - t)
             if len(recs) != len(prompts):
                 raise RuntimeError(f"{mode}: routing records of {len(recs)} requests, expected {len(prompts)}")
@@ -121,8 +121,8 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
             raise RuntimeError(f"{mode} batch {b}: generated {n} tokens, expected {b * args.max_tokens}")
         if recs:
             r0 = next(iter(recs.values()))
-            print(f"[routing] {mode} batch {b}: {len(recs)} records, each experts {tuple(r0['experts'].shape)} "
-                  f"{r0['experts'].dtype}", flush=True)
+            print(f"[routing] {mode} batch {b}: {len(recs)} records, each experts {tuple(r0.experts.shape)} "
+                  f"{r0.experts.dtype}", flush=True)
         times = []
         collect_s.clear()
         for _ in range(args.repeats):

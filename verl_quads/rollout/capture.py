@@ -66,8 +66,8 @@ from dataclasses import dataclass, field
 import torch
 
 from verl_quads.nvfp4 import GuidanceRecord
-from verl_quads.rollout.request_ids import external_request_id
-from verl_quads.rollout.routing_log import ROUTING_MAX_MB_ENV, RoutingLog
+from verl_quads.rollout.request_ids import RequestCapture, external_request_id, single_match
+from verl_quads.rollout.routing_log import ROUTING_MAX_MB_ENV, RequestRouting, RoutingLog
 
 logger = logging.getLogger("verl_quads")
 
@@ -92,29 +92,7 @@ def cat_records(recs: list[GuidanceRecord]) -> GuidanceRecord:
 
 
 @dataclass
-class _RequestCapture:
-    """What the rollout captured for one request, keyed by its token positions (base of the two kinds).
-
-    Attributes:
-        request_id: vLLM's internal request id.
-        positions: int64 ``[T]`` token positions, ascending, unique.
-    """
-
-    request_id: str
-    positions: torch.Tensor
-
-    @property
-    def external_id(self) -> str:
-        """The id the caller gave the request (vLLM's internal id without its random suffix)."""
-        return external_request_id(self.request_id)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.positions.numel())
-
-
-@dataclass
-class RequestGuidance(_RequestCapture):
+class RequestGuidance(RequestCapture):
     """All captured guidance of one request.
 
     Attributes:
@@ -194,42 +172,6 @@ class _Step:
 
 ROUTING_ENV = "VERL_QUADS_ROUTING"
 _PREFIX_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-@dataclass
-class RequestRouting(_RequestCapture):
-    """The rollout's routed experts of one request (every quantized mode).
-
-    Attributes:
-        request_id: vLLM's internal request id.
-        positions: int64 ``[T]`` computed token positions, ascending, unique.
-        experts: uint8 (int16 if any id >= 256) ``[T, L, top_k]``: global expert ids of each routing
-            slot, in vLLM's slot order, for the decoder layers ``layers`` (ascending).
-        layers: the decoder-layer indices of dimension 1 (MoE layers run by ``quads_nvfp4``).
-        policy_version: the weight version of the request's first step (None if never set).
-        mixed_versions: whether the request's steps span a weight sync.
-    """
-
-    experts: torch.Tensor
-    layers: list[int]
-    policy_version: int | None = None
-    mixed_versions: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the expert ids (positions excluded: implied by the computed range)."""
-        return self.experts.numel() * self.experts.element_size()
-
-    def to_wire(self) -> dict:
-        """Plain dict of str/int/bool/list/tensors (what verl's extra_fields and vLLM's RPC carry)."""
-        return {"request_id": self.request_id, "positions": self.positions, "experts": self.experts,
-                "layers": list(self.layers), "policy_version": self.policy_version,
-                "mixed_versions": self.mixed_versions}
-
-    @classmethod
-    def from_wire(cls, d: dict) -> "RequestRouting":
-        return cls(d["request_id"], d["positions"], d["experts"], [int(x) for x in d["layers"]], d["policy_version"],
-                   bool(d.get("mixed_versions", False)))
 
 
 class GuidanceStore:
@@ -325,9 +267,7 @@ class GuidanceStore:
         request: positions ascending, the latest record kept per position (preemption recompute); its cost does
         not grow with the other requests held (:class:`~verl_quads.rollout.routing_log.RoutingLog`)."""
         with self._lock:
-            popped = self.routing_log.pop(request_ids)
-        return {g: RequestRouting(p.request_id, p.positions, p.experts, p.layers, p.first_version, p.mixed_versions)
-                for g, p in popped.items()}
+            return self.routing_log.pop(request_ids)
 
     @property
     def in_step(self) -> bool:
@@ -358,10 +298,7 @@ class GuidanceStore:
         ids = self.request_ids()
         if request_id in ids:
             return request_id
-        hits = [i for i in ids if external_request_id(i) == request_id]
-        if len(hits) > 1:
-            raise KeyError(f"request id {request_id!r} matches several captured requests: {hits}")
-        return hits[0] if hits else None
+        return single_match(request_id, (i for i in ids if external_request_id(i) == request_id))
 
     def pop(self, request_id: str) -> RequestGuidance | None:
         """Remove and return one request's guidance (None if nothing was captured for it).
@@ -489,6 +426,16 @@ def collect_guidance(llm, request_ids: list[str] | None = None) -> dict[str, Req
     return merged
 
 
+def collect_routing(llm, request_ids: list[str] | None = None) -> dict[str, RequestRouting]:
+    """Driver side: pop and decode routing records from every worker of a ``vllm.LLM`` (merged; TP ranks
+    capture the same routing, the first one is kept)."""
+    merged: dict[str, RequestRouting] = {}
+    for per_worker in llm.collective_rpc(fetch_routing, args=(request_ids,)):
+        for rid, wire in per_worker.items():
+            merged.setdefault(rid, RequestRouting.from_wire(wire))
+    return merged
+
+
 _HOOK_LOCK = threading.Lock()
 
 
@@ -572,6 +519,7 @@ __all__ = [
     "get_store",
     "fetch_guidance",
     "collect_guidance",
+    "collect_routing",
     "install_runner_hook",
     "external_request_id",
     "slice_record",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verl_quads.rollout.request_ids import external_request_id
+from verl_quads.rollout.request_ids import RequestCapture, external_request_id, single_match
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,7 @@ class _Chunk:
     experts: torch.Tensor  # int16 [capacity, L, top_k]
     positions: torch.Tensor  # int64 [capacity]
     layers: tuple[int, ...]
+    pinned: bool  # kept, not asked per step: is_pinned() is a CUDA driver query
     used: int = 0  # rows written
     live: int = 0  # rows written and neither popped nor dropped
     steps: int = 0
@@ -46,7 +47,7 @@ class _Chunk:
 
     def fits(self, rows: int, layers: tuple[int, ...], top_k: int, pinned: bool) -> bool:
         return (self.layers == layers and self.experts.shape[2] == top_k and self.used + rows <= self.experts.shape[0]
-                and self.experts.is_pinned() == pinned)
+                and self.pinned == pinned)
 
 
 @dataclass
@@ -63,18 +64,39 @@ class _Index:
 
 
 @dataclass
-class PoppedRouting:
-    """One request's routing as popped: ``positions`` int64 ``[T]`` ascending and unique (the latest row kept per
-    position: preemption recompute), ``experts`` uint8 ``[T, L, top_k]`` (int16 if any id >= 256), ``layers`` the
-    ``L`` decoder layers, ``first_version`` the weight version of its first step, ``mixed_versions`` whether its
-    steps span a weight sync. The tensors own their storage."""
+class RequestRouting(RequestCapture):
+    """The rollout's routed experts of one request (every quantized mode).
 
-    request_id: str
-    positions: torch.Tensor
+    Attributes:
+        request_id: vLLM's internal request id.
+        positions: int64 ``[T]`` computed token positions, ascending, unique.
+        experts: uint8 (int16 if any id >= 256) ``[T, L, top_k]``: global expert ids of each routing
+            slot, in vLLM's slot order, for the decoder layers ``layers`` (ascending).
+        layers: the decoder-layer indices of dimension 1 (MoE layers run by ``quads_nvfp4``).
+        policy_version: the weight version of the request's first step (None if never set).
+        mixed_versions: whether the request's steps span a weight sync.
+    """
+
     experts: torch.Tensor
     layers: list[int]
-    first_version: int | None
-    mixed_versions: bool
+    policy_version: int | None = None
+    mixed_versions: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the expert ids (positions excluded: implied by the computed range)."""
+        return self.experts.numel() * self.experts.element_size()
+
+    def to_wire(self) -> dict:
+        """Plain dict of str/int/bool/list/tensors (what verl's extra_fields and vLLM's RPC carry)."""
+        return {"request_id": self.request_id, "positions": self.positions, "experts": self.experts,
+                "layers": list(self.layers), "policy_version": self.policy_version,
+                "mixed_versions": self.mixed_versions}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "RequestRouting":
+        return cls(d["request_id"], d["positions"], d["experts"], [int(x) for x in d["layers"]], d["policy_version"],
+                   bool(d.get("mixed_versions", False)))
 
 
 class RoutingLog:
@@ -160,9 +182,9 @@ class RoutingLog:
         capacity = max(rows, min(CHUNK_BYTES, self.max_bytes) // row_bytes)
         ch = self._spare
         self._spare = None
-        if ch is None or ch.experts.shape[0] < rows or not (ch.used == 0 and ch.fits(rows, layers, top_k, pinned)):
+        if ch is None or not ch.fits(rows, layers, top_k, pinned):  # a spare is empty: fits = its shape and size
             ch = _Chunk(torch.empty((capacity, len(layers), top_k), dtype=torch.int16, pin_memory=pinned),
-                        torch.empty(capacity, dtype=torch.int64, pin_memory=pinned), layers)
+                        torch.empty(capacity, dtype=torch.int64, pin_memory=pinned), layers, pinned)
         while self._chunks and self.nbytes + ch.nbytes > self.max_bytes:
             self._drop_oldest()
         cid, self._next_id = self._next_id, self._next_id + 1
@@ -209,12 +231,9 @@ class RoutingLog:
         """The internal id held for ``request_id`` (itself, or the one whose external id it is), or None."""
         if request_id in self._by_req:
             return request_id
-        hits = sorted(self._by_ext.get(request_id, ()))
-        if len(hits) > 1:
-            raise KeyError(f"request id {request_id!r} matches several captured requests: {hits}")
-        return hits[0] if hits else None
+        return single_match(request_id, self._by_ext.get(request_id, ()))
 
-    def pop(self, request_ids: list[str] | None = None) -> dict[str, PoppedRouting]:
+    def pop(self, request_ids: list[str] | None = None) -> dict[str, RequestRouting]:
         """Remove and return the routing of ``request_ids`` (internal or external ids; every request held if
         None), keyed by the id as given (internal ids for None); a request without rows is absent. Raises
         ``RuntimeError`` for a request whose steps hold different layer sets or whose rows hold an id < 0 (a
@@ -225,12 +244,12 @@ class RoutingLog:
             if len(self._by_req[r].layer_sets) > 1:
                 raise RuntimeError(f"verl-quads routing capture: request {r!r} steps hold layers "
                                    f"{sorted(self._by_req[r].layer_sets)}")
-        popped: dict[str, PoppedRouting] = {}
+        popped: dict[str, RequestRouting] = {}
         for r in dict.fromkeys(v for v in internal.values() if v is not None):
             popped[r] = self._pop_one(r, self._forget(r))
         return {g: popped[r] for g, r in internal.items() if r is not None}
 
-    def _pop_one(self, r: str, ix: _Index) -> PoppedRouting:
+    def _pop_one(self, r: str, ix: _Index) -> RequestRouting:
         if ix.ready is not None:  # its latest step's copies; earlier steps' were enqueued before them
             ix.ready.synchronize()
         pos_parts, exp_parts = [], []
@@ -265,4 +284,4 @@ class RoutingLog:
         keep = order[last]
         experts = experts[keep]
         experts = experts.to(torch.uint8) if int(experts.max()) < 256 else experts
-        return PoppedRouting(r, positions[keep], experts, list(layers), ix.first_version, len(ix.versions) > 1)
+        return RequestRouting(r, positions[keep], experts, list(layers), ix.first_version, len(ix.versions) > 1)
