@@ -224,7 +224,7 @@ def capture_activations(llm, prompts=PROMPTS):
 
     Returns ``(lin, moe, records)``: ``lin`` {name: layer}, ``moe`` {name: layer}, ``records`` a list
     of ``(kind, name, inputs, step)``, ``inputs`` = ``x`` (linear) or ``(x, topk_weights, topk_ids)``
-    (experts); ``step`` = (request ids per row, positions) of the runner step when TRACE capture is on.
+    (experts); ``step`` = (request ids per row, positions) of the runner step when TRACE or routing capture is on.
     """
     model = model_of(llm)
     lin, moe = quantized_layers(model)
@@ -235,7 +235,9 @@ def capture_activations(llm, prompts=PROMPTS):
         if s is None:
             return None
         rows = [rid for i, rid in enumerate(s.req_ids) for _ in range(s.query_start_loc[i], s.query_start_loc[i + 1])]
-        return rows, s.positions.clone()
+        # host positions exist only with TRACE capture on; routing capture alone keeps the device copy
+        positions = s.positions if s.positions is not None else s.device_positions.cpu()
+        return rows, positions.clone()
 
     for name, layer in lin.items():
         def pre(mod, args, name=name):
@@ -411,6 +413,10 @@ def test_methods_match_nvfp4_qdq_plus_plain_matmul(engines, ckpts):
 
     llm = engines.get(ckpts[0], "naive")
     lin, moe, records = capture_activations(llm)
+    # the trace engine of test 4 ran in this process before: its TRACE capture must not stay switched on for this
+    # naive engine (the runner hook takes it from the model it executes, not from the process-wide store)
+    assert not get_store().enabled
+    assert all(step is not None and step[1].dtype == torch.int64 for *_, step in records)
     ck = checkpoint_tensors(ckpts[0])
     n_checked = 0
     # quads: the product default as the engine builds it (QuadsNVFP4Config with no options on vLLM CPU: per-token

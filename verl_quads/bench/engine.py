@@ -15,7 +15,10 @@ on CPU eager, as the ``torch`` backend requires), one untimed generation per bat
 BF16 engine's median time / this mode's at the same batch size (> 1: faster). The quantized modes capture
 routing (their default): each timed generation includes collecting every request's record the way verl does
 after a rollout (``collect_routing``); ``<mode>-norouting`` runs the mode with ``VERL_QUADS_ROUTING=0`` (what the
-capture costs). Results are printed after each
+capture costs, across two engines). ``--routing-ab`` measures the capture's host side within one engine: each timed
+generate of a capturing mode is followed by one with the store's routing switch off (row ``<mode> ab-off``: the
+runner hook's per-step work and the collection skipped; the expert-id copies inside the compiled graphs stay), and
+the hook's own host time per step is printed. Results are printed after each
 engine, so a run cut short keeps what it measured. Each engine runs in its own Python process (in-process within
 it, so ``--profile`` sees its kernels), one at a time.
 """
@@ -79,9 +82,34 @@ def _engine(path: Path, mode: str, args: argparse.Namespace, eager: bool):
                     compilation_config={"cudagraph_capture_sizes": sizes}, **kw)
 
 
-def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> dict[int, list[float]]:
-    """Wall seconds of each timed generate, per batch size, for one engine (``mode``). Runs in the child process
-    of :func:`_run_child`, which exits afterwards: the engine is not torn down here."""
+#: row suffix of ``--routing-ab``'s generates with the store's routing switch off (same engine)
+AB_OFF = " ab-off"
+
+
+def _time_hook(store) -> list[float]:
+    """Wrap this store's ``begin_step``/``end_step`` (instance attributes: the runner hook calls them through the
+    store) to add their wall seconds to the returned ``[seconds, steps]`` accumulator."""
+    acc = [0.0, 0]
+
+    def timed(fn, count):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[0] += time.perf_counter() - t
+                acc[1] += count
+        return wrapper
+
+    store.begin_step = timed(store.begin_step, 1)
+    store.end_step = timed(store.end_step, 0)
+    return acc
+
+
+def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> dict[str, dict[int, list[float]]]:
+    """Wall seconds of each timed generate, per row (``mode``, and ``mode + AB_OFF`` with ``--routing-ab``) and
+    batch size, for one engine. Runs in the child process of :func:`_run_child`, which exits afterwards: the
+    engine is not torn down here."""
     import random
 
     import vllm
@@ -98,6 +126,9 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
     sp = vllm.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
     rng = random.Random(0)
     out: dict[int, list[float]] = {}
+    off: dict[int, list[float]] = {}
+    ab = args.routing_ab and routing
+    hook = _time_hook(get_store()) if ab else None
 
     collect_s: list[float] = []  # seconds of each routing collection (inside the timed generate)
 
@@ -123,21 +154,36 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
             r0 = next(iter(recs.values()))
             print(f"[routing] {mode} batch {b}: {len(recs)} records, each experts {tuple(r0.experts.shape)} "
                   f"{r0.experts.dtype}", flush=True)
-        times = []
+        times, times_off = [], []
         collect_s.clear()
+        if hook:
+            hook[:] = [0.0, 0]
         for _ in range(args.repeats):
             t = time.perf_counter()
             generate(prompts)
             times.append(time.perf_counter() - t)
+            if ab:  # the same engine with the host side of the capture off (see the module docstring)
+                get_store().routing, routing = False, False
+                try:
+                    t = time.perf_counter()
+                    generate(prompts)
+                    times_off.append(time.perf_counter() - t)
+                finally:
+                    get_store().routing, routing = True, True
         out[b] = times
         collected = f"; routing collection median {statistics.median(collect_s) * 1e3:.1f} ms" if collect_s else ""
         print(f"[time] {mode} batch {b}: median {statistics.median(times):.3f} s of {times}{collected}", flush=True)
+        if ab:
+            off[b] = times_off
+            print(f"[time] {mode}{AB_OFF} batch {b}: median {statistics.median(times_off):.3f} s of {times_off}; "
+                  f"runner hook (begin_step + end_step) {hook[0] / max(hook[1], 1) * 1e6:.0f} us/step host time "
+                  f"over {hook[1]} steps", flush=True)
         if args.profile:
             _profile(generate, prompts, f"{mode} batch {b}")
-    return out
+    return {mode: out, **({mode + AB_OFF: off} if ab else {})}
 
 
-def _run_child(argv: list[str], mode: str, path: Path) -> dict[int, list[float]]:
+def _run_child(argv: list[str], mode: str, path: Path) -> dict[str, dict[int, list[float]]]:
     """``time_mode`` for one mode in a fresh Python process: nothing an engine leaves behind (device memory that
     an in-process engine did not give back: H200, vLLM 0.24.0, 2.4 of 140 GiB free after two engines) reaches
     the next; its output is streamed, its result read from the ``RESULT`` line."""
@@ -157,7 +203,7 @@ def _run_child(argv: list[str], mode: str, path: Path) -> dict[int, list[float]]
             print(line, end="", flush=True)
     if proc.wait() != 0 or result is None:
         raise RuntimeError(f"bench engine: mode {mode} failed (exit code {proc.returncode}); its output is above")
-    return {int(b): t for b, t in result.items()}
+    return {row: {int(b): t for b, t in per_b.items()} for row, per_b in result.items()}
 
 
 def _profile(generate, prompts, what: str, top: int = 25) -> None:
@@ -204,6 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--kv-cache-gb", type=float, default=4.0)
     p.add_argument("--profile", action="store_true", help="after timing, one more generate per batch size under "
                    "torch.profiler: top device kernels")
+    p.add_argument("--routing-ab", action="store_true", help="capturing modes: each timed generate followed by one "
+                   "with the store's routing switch off in the same engine (row '<mode> ab-off'), and the runner "
+                   "hook's host time per step")
     p.add_argument("--eager", choices=("auto", "yes", "no"), default="auto",
                    help="enforce_eager: auto = off on CUDA (compile + CUDA graphs), on without CUDA")
     p.add_argument("--model-dir", default=None, help="where to build the random model (default: a temporary dir)")
@@ -235,7 +284,7 @@ def main(argv: list[str] | None = None) -> None:
         path = build_model(Path(args.model_dir or tmp) / "model", args)
         results: dict[str, dict[int, list[float]]] = {}
         for mode in modes:
-            results[mode] = _run_child(argv, mode, path)
+            results.update(_run_child(argv, mode, path))
             print(table(results, args), flush=True)
     print(f"\nverl-quads bench engine: {device}, vLLM {vllm.__version__}, torch {torch.__version__}, "
           f"{'eager' if eager else 'compiled + CUDA graphs'}, prompt {args.prompt_len} + {args.max_tokens} generated "

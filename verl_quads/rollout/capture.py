@@ -439,24 +439,27 @@ def collect_routing(llm, request_ids: list[str] | None = None) -> dict[str, Requ
 _HOOK_LOCK = threading.Lock()
 
 
-def _runner_routing_layers(runner) -> list[int]:
-    """Decoder-layer indices whose routing this runner's model captures (its ``quads_nvfp4`` MoE
-    methods with a ``routing_layer``), computed once per runner. Another engine built earlier in the same
-    process (e.g. a stock BF16 one after a quads one, or the reverse) thus never leaves its layers
-    expected here."""
-    layers = getattr(runner, "_verl_quads_routing_layers", None)
-    if layers is None:
+def _runner_capture(runner) -> tuple[bool, list[int]] | None:
+    """What this runner's model captures, computed once per runner: (whether any ``quads_nvfp4`` layer records
+    TRACE guidance, the decoder-layer indices whose routing is captured); None if the runner has no model yet.
+    Both come from the model the runner executes, not from the process-wide store: another engine built earlier
+    in the same process (a trace engine before a naive one, a quads one before a stock BF16 one, or the reverse)
+    thus never leaves its capture switched on, or its layers expected, here."""
+    found = getattr(runner, "_verl_quads_capture", None)
+    if found is None:
         model = getattr(runner, "model", None)
-        found = set()
-        if model is not None:
-            for m in model.modules():
-                idx = getattr(getattr(m, "quant_method", None), "routing_layer", None)
-                if idx is not None:
-                    found.add(int(idx))
-        layers = sorted(found)
-        if model is not None:
-            runner._verl_quads_routing_layers = layers
-    return layers
+        if model is None:
+            return None
+        trace, layers = False, set()
+        for m in model.modules():
+            method = getattr(m, "quant_method", None)
+            idx = getattr(method, "routing_layer", None)
+            if idx is not None:
+                layers.add(int(idx))
+            trace = trace or getattr(method, "capture_key", None) is not None \
+                or getattr(method, "capture_layer", None) is not None
+        found = runner._verl_quads_capture = (trace, sorted(layers))
+    return found
 
 
 def install_runner_hook() -> None:
@@ -484,7 +487,11 @@ def install_runner_hook() -> None:
             store = get_store()
             if not (store.enabled or store.routing):
                 return orig(self, *args, **kwargs)
-            store.active_routing_layers = _runner_routing_layers(self)
+            found = _runner_capture(self)
+            if found is not None:
+                store.enabled, store.active_routing_layers = found
+                if not (store.enabled or store.routing):
+                    return orig(self, *args, **kwargs)
             positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
             num_reqs = self.input_batch.num_reqs
             if positions is None or num_reqs == 0 or positions.dim() != 1:
