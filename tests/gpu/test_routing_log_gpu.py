@@ -1,6 +1,6 @@
 """The routing log's CUDA path (verl_quads/rollout/routing_log.py): steps copied from the device without waiting
 (pinned chunks, non-blocking copies, one event per step) still give each request exactly the rows of its steps,
-even when the device tensors are rewritten right after (in stream order, as the runner's buffers are) and while
+even when the device buffer is rewritten right after (in stream order, as the layers' routing buffer is) and while
 the device is still busy with earlier work; emptied chunks are reused on the device path too."""
 
 import pytest
@@ -31,8 +31,9 @@ def test_cuda_steps_logged_without_waiting_pop_exact_rows(monkeypatch):
         buf[:n] = torch.randint(0, 128, (n, 2, 8), generator=g, device="cuda", dtype=torch.int16)
         pos_buf[:n] = torch.tensor([p for k in n_per for p in (range(3) if step == 0 else [step + 2])],
                                    device="cuda")
-        stacked, pos = buf[:n].clone(), pos_buf[:n].clone()  # what the capture hands over: fresh tensors
-        log.append_step(reqs, qsl, pos, stacked, (3, 7), 0)
+        # what the capture hands over: the persistent buffer itself (its [rows, L, k] routing buffer) and a fresh
+        # copy of the positions (taken before the forward)
+        log.append_step(reqs, qsl, pos_buf[:n].clone(), buf[:n], (3, 7), 0)
         host = buf[:n].cpu()  # the reference (waits)
         for j, r in enumerate(reqs):
             expect[r] += host[qsl[j]:qsl[j + 1]].tolist()

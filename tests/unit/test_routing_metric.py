@@ -370,3 +370,41 @@ def test_routing_session_in_log_prob_pass_perturbed_router(trainer):
     bad[0]["layers"] = [0, 1, 2]
     with pytest.raises(ValueError, match="rollout recorded MoE layers"):
         run(bad)
+
+
+def test_store_routing_buffers_are_columns_of_one_tensor(monkeypatch):
+    """The registered layers' buffers are the columns of one [rows, L, top_k] tensor, so a step hands its rows of
+    every layer over as one block (no per-layer slicing and stack on the host per step); a larger forward
+    re-makes them together; a layer set other than the block's (another model) still gets stacked."""
+    from verl_quads.rollout.capture import GuidanceStore
+
+    st = GuidanceStore()
+    st.routing = True
+    for layer in (2, 5, 9):
+        st.register_routing_layer(layer)
+    bufs = [st.routing_buffer(layer, 4, 2, "cpu") for layer in (2, 5, 9)]
+    base = st._routing_base
+    assert base.shape == (4, 3, 2) and [b.data_ptr() for b in bufs] == [base[:, i].data_ptr() for i in range(3)]
+    st.begin_step(["a"], [0, 2], torch.tensor([0, 1]))
+    for i, b in enumerate(bufs):
+        b[:2].copy_(torch.tensor([[i, 10 + i], [20 + i, 30 + i]]))
+
+    def no_stack(*a, **k):
+        raise AssertionError("torch.stack called for the block's own layer set")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch, "stack", no_stack)
+        st.end_step()
+    assert st.pop_routing("a").experts.tolist() == [[[0, 10], [1, 11], [2, 12]], [[20, 30], [21, 31], [22, 32]]]
+    big = st.routing_buffer(5, 10, 2, "cpu")  # a larger forward: every column re-made in one new block
+    assert st._routing_base.shape == (10, 3, 2) and big.data_ptr() == st._routing_base[:, 1].data_ptr()
+    assert all(st.routing_buffer(layer, 1, 2, "cpu").data_ptr() == st._routing_base[:, i].data_ptr()
+               for i, layer in enumerate((2, 5, 9)))
+    st.register_routing_layer(2)  # another model: layers (2, 9) only -> stacked from their columns
+    st.register_routing_layer(9)
+    st.begin_step(["b"], [0, 1], torch.tensor([0]))
+    st.routing_buffer(2, 1, 2, "cpu")[:1].copy_(torch.tensor([[1, 2]]))
+    st.routing_buffer(9, 1, 2, "cpu")[:1].copy_(torch.tensor([[3, 4]]))
+    st.end_step()
+    b = st.pop_routing("b")
+    assert b.layers == [2, 9] and b.experts.tolist() == [[[1, 2], [3, 4]]]

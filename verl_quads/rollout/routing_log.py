@@ -61,6 +61,7 @@ class _Index:
     versions: set
     layer_sets: set[tuple[int, ...]]
     ready: "torch.cuda.Event | None"  # recorded after its latest step's copies
+    epoch: int  # the log's (version, layers) epoch of its latest step: versions/layer_sets only change with it
 
 
 @dataclass
@@ -111,6 +112,9 @@ class RoutingLog:
         self._spare: _Chunk | None = None  # an emptied chunk kept for reuse
         self._by_req: dict[str, _Index] = {}
         self._by_ext: dict[str, set[str]] = {}  # external request id -> internal ids
+        # bumped whenever a step's (version, layers) differs from the previous step's (a weight sync, a new model):
+        # a request's version/layer sets are updated only when its epoch is behind, not per request and step
+        self._epoch, self._epoch_key = 0, None
 
     @property
     def nbytes(self) -> int:
@@ -130,6 +134,7 @@ class RoutingLog:
         self._spare = None
         self._by_req.clear()
         self._by_ext.clear()
+        self._epoch_key = None
 
     # ------------------------------------------------------------------------------------------------ writing
     def append_step(self, req_ids: list[str], query_start_loc: list[int], positions: torch.Tensor,
@@ -137,7 +142,8 @@ class RoutingLog:
         """Log one step: request ``req_ids[j]`` owns rows ``query_start_loc[j]:query_start_loc[j + 1]`` of
         ``positions`` (``[n]``, any integer dtype) and ``experts`` (int16 ``[n, len(layers), top_k]``), both on
         the same device. From CUDA the copies are not waited for here (see the module docstring): the tensors
-        must stay unchanged in stream order, which a freshly made tensor (a clone, a stack) is."""
+        must stay unchanged in stream order until the copies ran: a freshly made tensor (a clone), or a persistent
+        buffer that only later work on the current stream rewrites (the next step's forward)."""
         n = query_start_loc[-1]
         if experts.dtype != torch.int16 or experts.dim() != 3 or experts.shape[:2] != (n, len(layers)):
             raise ValueError(f"routing log: experts must be int16 [{n}, {len(layers)}, top_k], got "
@@ -155,21 +161,26 @@ class RoutingLog:
         ch.live += n
         ch.steps += 1
         ch.requests.update(req_ids)
+        if (version, layers) != self._epoch_key:
+            self._epoch, self._epoch_key = self._epoch + 1, (version, layers)
+        epoch = self._epoch
         for j, r in enumerate(req_ids):
             start, rows = off + query_start_loc[j], query_start_loc[j + 1] - query_start_loc[j]
             if rows <= 0:
                 continue
             ix = self._by_req.get(r)
             if ix is None:
-                self._by_req[r] = _Index([cid], [start], [rows], version, {version}, {layers}, ready)
+                self._by_req[r] = _Index([cid], [start], [rows], version, {version}, {layers}, ready, epoch)
                 self._by_ext.setdefault(external_request_id(r), set()).add(r)
                 continue
             ix.chunks.append(cid)
             ix.starts.append(start)
             ix.lens.append(rows)
-            ix.versions.add(version)
-            ix.layer_sets.add(layers)
             ix.ready = ready
+            if ix.epoch != epoch:
+                ix.versions.add(version)
+                ix.layer_sets.add(layers)
+                ix.epoch = epoch
 
     def _chunk_for(self, rows: int, layers: tuple[int, ...], top_k: int, pinned: bool) -> tuple[int, _Chunk]:
         if self._chunks:
@@ -244,44 +255,73 @@ class RoutingLog:
             if len(self._by_req[r].layer_sets) > 1:
                 raise RuntimeError(f"verl-quads routing capture: request {r!r} steps hold layers "
                                    f"{sorted(self._by_req[r].layer_sets)}")
-        popped: dict[str, RequestRouting] = {}
-        for r in dict.fromkeys(v for v in internal.values() if v is not None):
-            popped[r] = self._pop_one(r, self._forget(r))
+        order = list(dict.fromkeys(v for v in internal.values() if v is not None))
+        popped = dict(zip(order, self._gather(order, [self._forget(r) for r in order])))
         return {g: popped[r] for g, r in internal.items() if r is not None}
 
-    def _pop_one(self, r: str, ix: _Index) -> RequestRouting:
-        if ix.ready is not None:  # its latest step's copies; earlier steps' were enqueued before them
-            ix.ready.synchronize()
-        pos_parts, exp_parts = [], []
-        a = 0
-        while a < len(ix.chunks):  # runs of entries in one chunk (chunk ids are non-decreasing)
-            cid = ix.chunks[a]
-            b = a
-            while b < len(ix.chunks) and ix.chunks[b] == cid:
-                b += 1
-            starts = torch.tensor(ix.starts[a:b], dtype=torch.int64)
-            lens = torch.tensor(ix.lens[a:b], dtype=torch.int64)
-            total = int(lens.sum())
-            rows = starts if total == b - a else (
-                torch.repeat_interleave(starts - (torch.cumsum(lens, 0) - lens), lens) + torch.arange(total))
+    def _gather(self, order: list[str], ixs: list[_Index]) -> list[RequestRouting]:
+        """The records of requests ``order`` (their removed indexes ``ixs``): one row gather per chunk for all of
+        them together, then per request a slice, the id check and narrowing; sorting by position only for a
+        request whose rows are not already ascending (a position recomputed after preemption)."""
+        if not order:
+            return []
+        for ev in {id(ix.ready): ix.ready for ix in ixs if ix.ready is not None}.values():
+            ev.synchronize()  # each request's latest step's copies; earlier steps' were enqueued before them
+        entries: dict[int, tuple[list[int], list[int]]] = {}  # chunk id -> (starts, lens), request after request
+        spans = []  # per request: [chunk id, first index into that chunk's gathered rows, row count] runs
+        filled: dict[int, int] = {}  # chunk id -> rows claimed so far
+        for ix in ixs:
+            if ix.chunks[0] == ix.chunks[-1]:  # the usual case: one chunk (list-level work, no loop per step)
+                runs = [(ix.chunks[0], ix.starts, ix.lens)]
+            else:
+                runs, a = [], 0
+                while a < len(ix.chunks):  # chunk ids are non-decreasing
+                    b = a
+                    while b < len(ix.chunks) and ix.chunks[b] == ix.chunks[a]:
+                        b += 1
+                    runs.append((ix.chunks[a], ix.starts[a:b], ix.lens[a:b]))
+                    a = b
+            sp = []
+            for cid, starts, lens in runs:
+                st, ln = entries.setdefault(cid, ([], []))
+                st.extend(starts)
+                ln.extend(lens)
+                n = sum(lens)
+                sp.append((cid, filled.get(cid, 0), n))
+                filled[cid] = filled.get(cid, 0) + n
+            spans.append(sp)
+        newest = next(reversed(self._chunks))
+        got = {}
+        for cid, (starts, lens) in entries.items():
             ch = self._chunks[cid]
-            pos_parts.append(ch.positions[rows])
-            exp_parts.append(ch.experts[rows])
+            st_t, ln_t = torch.tensor(starts, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64)
+            total = filled[cid]
+            # row j of entry e is starts[e] + j: one repeat of each entry's (start - rows before it) + a running index
+            idx = torch.repeat_interleave(st_t - (torch.cumsum(ln_t, 0) - ln_t), ln_t, output_size=total) \
+                + torch.arange(total)
+            got[cid] = (ch.positions[idx], ch.experts[idx])
             ch.live -= total
-            if ch.live == 0 and cid != next(reversed(self._chunks)):  # emptied and not being filled: reuse
+            if ch.live == 0 and cid != newest:  # emptied and not being filled: reuse
                 self._retire(cid)
-            a = b
-        positions = torch.cat(pos_parts) if len(pos_parts) > 1 else pos_parts[0]
-        experts = torch.cat(exp_parts) if len(exp_parts) > 1 else exp_parts[0]
-        layers = next(iter(ix.layer_sets))
-        if int(experts.min()) < 0:
-            raise RuntimeError(f"verl-quads routing capture: layers {list(layers)} did not all write expert ids for "
-                               f"some of request {r!r}'s {experts.shape[0]} rows")
-        order = torch.argsort(positions, stable=True)  # rows are in step order: the last of equal positions wins
-        p = positions[order]
-        last = torch.ones_like(p, dtype=torch.bool)
-        last[:-1] = p[1:] != p[:-1]
-        keep = order[last]
-        experts = experts[keep]
-        experts = experts.to(torch.uint8) if int(experts.max()) < 256 else experts
-        return RequestRouting(r, positions[keep], experts, list(layers), ix.first_version, len(ix.versions) > 1)
+        out = []
+        for r, ix, sp in zip(order, ixs, spans):
+            parts = [(got[c][0][i:i + n], got[c][1][i:i + n]) for c, i, n in sp]
+            positions = torch.cat([p for p, _ in parts]) if len(parts) > 1 else parts[0][0].clone()
+            experts = torch.cat([e for _, e in parts]) if len(parts) > 1 else parts[0][1]
+            layers = next(iter(ix.layer_sets))
+            lo, hi = torch.aminmax(experts)
+            if int(lo) < 0:
+                raise RuntimeError(f"verl-quads routing capture: layers {list(layers)} did not all write expert ids "
+                                   f"for some of request {r!r}'s {experts.shape[0]} rows")
+            if positions.numel() > 1 and not bool((positions[1:] > positions[:-1]).all()):
+                order_ = torch.argsort(positions, stable=True)  # rows in step order: the last of equal positions wins
+                p = positions[order_]
+                last = torch.ones_like(p, dtype=torch.bool)
+                last[:-1] = p[1:] != p[:-1]
+                keep = order_[last]
+                positions, experts = positions[keep], experts[keep]
+                hi = experts.max()  # the rows kept decide the width
+            # a new tensor per request (a slice would pickle the whole batch's storage when shipped)
+            experts = experts.to(torch.uint8) if int(hi) < 256 else experts.clone()
+            out.append(RequestRouting(r, positions, experts, list(layers), ix.first_version, len(ix.versions) > 1))
+        return out
