@@ -356,7 +356,7 @@ def test_guidance_store_keys_rows_by_request_and_position():
     assert store.pop("a") is None
     b = store.pop("b-89abcdef")
     assert b.positions.tolist() == [0, 1, 2]
-    assert store.request_ids() == [] and store._steps == []
+    assert store.request_ids() == [] and store._trace == {}  # no step kept once all its requests are popped
 
 
 def test_guidance_store_refuses_mixed_policy_versions():

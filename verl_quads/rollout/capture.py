@@ -170,7 +170,6 @@ class _Step:
     policy_version: int | None
     records: dict[Key, GuidanceRecord] = field(default_factory=dict)
     expert_ids: dict[int, torch.Tensor] = field(default_factory=dict)
-    remaining: set[str] = field(default_factory=set)
 
 
 ROUTING_ENV = "VERL_QUADS_ROUTING"
@@ -185,7 +184,9 @@ class GuidanceStore:
         self.routing = False  # routing capture (see module docstring)
         self.policy_version: int | None = None
         self._lock = threading.Lock()
-        self._steps: list[_Step] = []
+        # TRACE: request id -> its steps, each with the request's rows in it, in step order (a step lives as long
+        # as one of its requests is not popped; a pop touches only its own request's steps)
+        self._trace: dict[str, list[tuple[_Step, slice]]] = {}
         self._current: _Step | None = None
         self._routing_buf: dict[int, torch.Tensor] = {}  # layer -> int16 [rows, top_k] (persistent)
         # the model's registered layers' buffers are the columns of one int16 [rows, L, top_k] tensor: a step's rows
@@ -210,8 +211,7 @@ class GuidanceStore:
         # it without waiting (the routing log); TRACE reads positions on the host during the step, so it waits.
         dev = positions[:n].detach().to(torch.int64, copy=True)
         host = dev.cpu() if self.enabled else None
-        self._current = _Step(list(req_ids), list(query_start_loc), host, dev, self.policy_version,
-                              remaining=set(req_ids) if self.enabled else set())
+        self._current = _Step(list(req_ids), list(query_start_loc), host, dev, self.policy_version)
 
     def end_step(self) -> None:
         step, self._current = self._current, None
@@ -220,8 +220,10 @@ class GuidanceStore:
         if self.routing:
             self._end_routing_step(step)
         if self.enabled and step.records:
+            qsl = step.query_start_loc
             with self._lock:
-                self._steps.append(step)
+                for i, r in enumerate(step.req_ids):
+                    self._trace.setdefault(r, []).append((step, slice(qsl[i], qsl[i + 1])))
 
     # --- routing (every quantized mode) ---
     def register_routing_layer(self, layer: int) -> None:
@@ -312,17 +314,17 @@ class GuidanceStore:
     # --- read by the driver (through collective_rpc) ---
     def request_ids(self) -> list[str]:
         with self._lock:
-            return sorted({r for s in self._steps for r in s.remaining})
+            return sorted(self._trace)
 
     def resolve(self, request_id: str) -> str | None:
         """The internal id stored for ``request_id``: itself, or the one whose external id it is.
 
         vLLM 0.32 appends ``-<8 hex>`` to the caller's (external) request id inside the engine.
         """
-        ids = self.request_ids()
-        if request_id in ids:
-            return request_id
-        return single_match(request_id, (i for i in ids if external_request_id(i) == request_id))
+        with self._lock:
+            if request_id in self._trace:
+                return request_id
+            return single_match(request_id, [i for i in self._trace if external_request_id(i) == request_id])
 
     def pop(self, request_id: str) -> RequestGuidance | None:
         """Remove and return one request's guidance (None if nothing was captured for it).
@@ -331,13 +333,7 @@ class GuidanceStore:
         """
         request_id = self.resolve(request_id) or request_id
         with self._lock:
-            parts = []
-            for s in self._steps:
-                if request_id in s.remaining:
-                    i = s.req_ids.index(request_id)
-                    parts.append((s, slice(s.query_start_loc[i], s.query_start_loc[i + 1])))
-                    s.remaining.discard(request_id)
-            self._steps = [s for s in self._steps if s.remaining]
+            parts = self._trace.pop(request_id, [])
         if not parts:
             return None
         versions = {s.policy_version for s, _ in parts}
@@ -361,7 +357,7 @@ class GuidanceStore:
 
     def clear(self) -> None:
         with self._lock:
-            self._steps.clear()
+            self._trace.clear()
             self.routing_log.clear()
         self._current = None
 
