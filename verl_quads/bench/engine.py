@@ -19,8 +19,10 @@ capture costs, across two engines). ``--routing-ab`` measures the capture's host
 generate of a capturing mode is followed by one with the store's routing switch off (row ``<mode> ab-off``: the
 runner hook's per-step work and the collection skipped; the expert-id copies inside the compiled graphs stay), and
 the hook's own host time per step is printed. Results are printed after each
-engine, so a run cut short keeps what it measured. Each engine runs in its own Python process (in-process within
-it, so ``--profile`` sees its kernels), one at a time.
+engine, so a run cut short keeps what it measured. Each engine runs in its own Python process, one at a time;
+``--processes in`` (default): the engine in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so ``--profile``
+sees its kernels); ``mp``: the way verl 0.9.1 runs it (vLLM's engine core in a process of its own, the model in a
+worker process of the ``mp`` executor), where the front end's host work does not share the worker's thread.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ def _engine(path: Path, mode: str, args: argparse.Namespace, eager: bool):
                   hf_overrides={"quantization_config": {"quant_method": "quads_nvfp4", "quant": mode}})
     if args.attention_backend:
         kw["attention_backend"] = args.attention_backend
+    if args.processes == "mp":
+        kw["distributed_executor_backend"] = "mp"
     sizes = sorted(set(args.batch_sizes))
     return vllm.LLM(str(path), enforce_eager=eager, dtype="bfloat16", seed=0, skip_tokenizer_init=True,
                     max_model_len=args.prompt_len + args.max_tokens, max_num_seqs=max(sizes),
@@ -86,23 +90,53 @@ def _engine(path: Path, mode: str, args: argparse.Namespace, eager: bool):
 AB_OFF = " ab-off"
 
 
+def _worker_routing(worker, on: bool | None = None) -> bool:
+    """In the worker (``collective_rpc``): set the capture store's routing switch if ``on`` is given; return it."""
+    from verl_quads.rollout.capture import get_store
+
+    if on is not None:
+        get_store().routing = on
+    return get_store().routing
+
+
+def _worker_hook_time(worker, reset: bool = False) -> list[float]:
+    """In the worker (``collective_rpc``): ``[seconds, steps]`` spent in the store's step hook since the last reset
+    (the timing wrappers of :func:`_time_hook` are installed on the first call)."""
+    from verl_quads.rollout.capture import get_store
+
+    store = get_store()
+    acc = getattr(store, "_bench_hook_time", None)
+    if acc is None:
+        acc = store._bench_hook_time = _time_hook(store)
+    out = list(acc)
+    if reset:
+        acc[:] = [0.0, 0]
+    return out
+
+
 def _time_hook(store) -> list[float]:
     """Wrap this store's ``begin_step``/``end_step`` (instance attributes: the runner hook calls them through the
-    store) to add their wall seconds to the returned ``[seconds, steps]`` accumulator."""
+    store) to add their wall seconds to the returned ``[seconds, steps]`` accumulator; steps = those that opened a
+    step (a forward without requests, e.g. a dummy run, opens none)."""
     acc = [0.0, 0]
+    begin, end = store.begin_step, store.end_step
 
-    def timed(fn, count):
-        def wrapper(*a, **k):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                acc[0] += time.perf_counter() - t
-                acc[1] += count
-        return wrapper
+    def timed_begin(*a, **k):
+        t = time.perf_counter()
+        try:
+            return begin(*a, **k)
+        finally:
+            acc[0] += time.perf_counter() - t
+            acc[1] += store.in_step
 
-    store.begin_step = timed(store.begin_step, 1)
-    store.end_step = timed(store.end_step, 0)
+    def timed_end(*a, **k):
+        t = time.perf_counter()
+        try:
+            return end(*a, **k)
+        finally:
+            acc[0] += time.perf_counter() - t
+
+    store.begin_step, store.end_step = timed_begin, timed_end
     return acc
 
 
@@ -114,13 +148,21 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
 
     import vllm
 
-    from verl_quads.rollout.capture import collect_routing, get_store
+    from verl_quads.rollout.capture import collect_routing
 
     t0 = time.perf_counter()
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this (child) process: --profile sees it
+    # in: the engine in this (child) process (--profile sees it); mp: vLLM's own processes (worker calls pickled)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if args.processes == "in" else "1"
+    if args.processes == "mp":
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = _engine(path, mode, args, eager)
-    print(f"[engine] {mode}: started in {time.perf_counter() - t0:.1f} s (eager={eager})", flush=True)
-    routing = get_store().routing  # this process's store: the engine runs in-process
+    print(f"[engine] {mode}: started in {time.perf_counter() - t0:.1f} s (eager={eager}, processes "
+          f"{args.processes})", flush=True)
+
+    def on_worker(fn, *a):
+        return llm.collective_rpc(fn, args=a)[0]
+
+    routing = on_worker(_worker_routing)  # the worker's store (this process's with --processes in)
     if routing != (mode != "bf16" and not mode.endswith(NO_ROUTING)):
         raise RuntimeError(f"bench engine: mode {mode} has routing capture {'on' if routing else 'off'}")
     sp = vllm.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
@@ -128,7 +170,8 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
     out: dict[int, list[float]] = {}
     off: dict[int, list[float]] = {}
     ab = args.routing_ab and routing
-    hook = _time_hook(get_store()) if ab else None
+    if ab:
+        on_worker(_worker_hook_time, True)
 
     collect_s: list[float] = []  # seconds of each routing collection (inside the timed generate)
 
@@ -156,25 +199,26 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
                   f"{r0.experts.dtype}", flush=True)
         times, times_off = [], []
         collect_s.clear()
-        if hook:
-            hook[:] = [0.0, 0]
+        if ab:
+            on_worker(_worker_hook_time, True)
         for _ in range(args.repeats):
             t = time.perf_counter()
             generate(prompts)
             times.append(time.perf_counter() - t)
             if ab:  # the same engine with the host side of the capture off (see the module docstring)
-                get_store().routing, routing = False, False
+                routing = on_worker(_worker_routing, False)
                 try:
                     t = time.perf_counter()
                     generate(prompts)
                     times_off.append(time.perf_counter() - t)
                 finally:
-                    get_store().routing, routing = True, True
+                    routing = on_worker(_worker_routing, True)
         out[b] = times
         collected = f"; routing collection median {statistics.median(collect_s) * 1e3:.1f} ms" if collect_s else ""
         print(f"[time] {mode} batch {b}: median {statistics.median(times):.3f} s of {times}{collected}", flush=True)
         if ab:
             off[b] = times_off
+            hook = on_worker(_worker_hook_time)
             print(f"[time] {mode}{AB_OFF} batch {b}: median {statistics.median(times_off):.3f} s of {times_off}; "
                   f"runner hook (begin_step + end_step) {hook[0] / max(hook[1], 1) * 1e6:.0f} us/step host time "
                   f"over {hook[1]} steps", flush=True)
@@ -253,6 +297,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--routing-ab", action="store_true", help="capturing modes: each timed generate followed by one "
                    "with the store's routing switch off in the same engine (row '<mode> ab-off'), and the runner "
                    "hook's host time per step")
+    p.add_argument("--processes", choices=("in", "mp"), default="in",
+                   help="in: the engine inside the timing process (--profile sees it); mp: vLLM's engine core and "
+                   "an mp-executor worker in processes of their own (how verl runs it)")
     p.add_argument("--eager", choices=("auto", "yes", "no"), default="auto",
                    help="enforce_eager: auto = off on CUDA (compile + CUDA graphs), on without CUDA")
     p.add_argument("--model-dir", default=None, help="where to build the random model (default: a temporary dir)")
@@ -274,6 +321,8 @@ def main(argv: list[str] | None = None) -> None:
     eager = {"auto": not cuda, "yes": True, "no": False}[args.eager]
     if any(m.startswith("trace") for m in modes) and not eager:
         raise SystemExit("--modes trace needs an eager engine (TRACE records guidance in Python): pass --eager yes")
+    if args.profile and args.processes != "in":
+        raise SystemExit("--profile needs --processes in (the profiler sees this process only)")
     if args.child:
         print("RESULT " + json.dumps(time_mode(Path(args.model_path), args.child, args, eager)), flush=True)
         return
