@@ -119,24 +119,19 @@ def _time_hook(store) -> list[float]:
     store) to add their wall seconds to the returned ``[seconds, steps]`` accumulator; steps = those that opened a
     step (a forward without requests, e.g. a dummy run, opens none)."""
     acc = [0.0, 0]
-    begin, end = store.begin_step, store.end_step
 
-    def timed_begin(*a, **k):
-        t = time.perf_counter()
-        try:
-            return begin(*a, **k)
-        finally:
-            acc[0] += time.perf_counter() - t
-            acc[1] += store.in_step
+    def timed(fn, counts_steps: bool):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                acc[0] += time.perf_counter() - t
+                if counts_steps:
+                    acc[1] += store.in_step
+        return wrapper
 
-    def timed_end(*a, **k):
-        t = time.perf_counter()
-        try:
-            return end(*a, **k)
-        finally:
-            acc[0] += time.perf_counter() - t
-
-    store.begin_step, store.end_step = timed_begin, timed_end
+    store.begin_step, store.end_step = timed(store.begin_step, True), timed(store.end_step, False)
     return acc
 
 
