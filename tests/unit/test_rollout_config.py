@@ -356,7 +356,7 @@ def test_guidance_store_keys_rows_by_request_and_position():
     assert store.pop("a") is None
     b = store.pop("b-89abcdef")
     assert b.positions.tolist() == [0, 1, 2]
-    assert store.request_ids() == [] and store._trace == {}  # no step kept once all its requests are popped
+    assert store.request_ids() == [] and len(store._trace) == 0  # no step kept once all its requests are popped
 
 
 def test_guidance_store_refuses_mixed_policy_versions():
@@ -374,6 +374,27 @@ def test_guidance_store_refuses_mixed_policy_versions():
 def test_external_request_id():
     assert external_request_id("17-0a1b2c3d") == "17"
     assert external_request_id("chat-17") == "chat-17"
+
+
+def test_request_index_resolves_both_ids_and_forgets_popped_ones():
+    from verl_quads.rollout.request_ids import RequestIndex
+
+    ix = RequestIndex()
+    ix.setdefault("a-0123abcd", list).append(1)
+    ix.setdefault("a-0123abcd", list).append(2)  # the same request: the held value, not a new one
+    ix.setdefault("a-89abcdef", list).append(3)  # a second internal id of the external id "a"
+    ix.setdefault("chat-17", list)
+    assert sorted(ix) == ["a-0123abcd", "a-89abcdef", "chat-17"] and ix["a-0123abcd"] == [1, 2]
+    assert ix.resolve("a-89abcdef") == "a-89abcdef" and ix.resolve("chat-17") == "chat-17"
+    assert ix.resolve("b") is None
+    with pytest.raises(KeyError, match="matches several"):
+        ix.resolve("a")
+    assert ix.pop("a-0123abcd") == [1, 2] and ix.pop("a-0123abcd") is None
+    assert ix.resolve("a") == "a-89abcdef"  # the popped id no longer counts
+    ix.pop("a-89abcdef")
+    assert ix.resolve("a") is None and len(ix) == 1
+    ix.clear()
+    assert len(ix) == 0 and ix.resolve("chat-17") is None
 
 
 # --- serving a compressed-tensors NVFP4A16 checkpoint (verl-quads export output) ---------------------------

@@ -125,6 +125,29 @@ def _residual_use_triton(x: torch.Tensor, backend: str, granularity: str, per_to
     return _use_triton(x, backend)
 
 
+def _residual(
+    x: torch.Tensor, ratio: float, global_scale, amax, per_token: bool, score_weight, granularity: str, backend: str,
+    check_finite: bool, qdq: bool,
+):
+    """The backend dispatch of :func:`residual_quantize` (``qdq=False``) and :func:`residual_fake_quantize`."""
+    if _residual_use_triton(x, backend, granularity, per_token):
+        if granularity == "channel":
+            from verl_quads.nvfp4 import triton_channel
+
+            fn = triton_channel.residual_fake_quantize if qdq else triton_channel.residual_quantize
+            return fn(x, ratio, global_scale, amax=amax, score_weight=score_weight, check_finite=check_finite)
+        from verl_quads.nvfp4 import triton_kernels
+
+        fn = triton_kernels.residual_fake_quantize if qdq else triton_kernels.residual_quantize
+        return fn(x, ratio, _amax_to_global_scale(x, global_scale, amax), per_token=per_token,
+                  score_weight=score_weight, check_finite=check_finite)
+    r = _residual_quantize_ref(
+        x, ratio, _amax_to_global_scale(x, global_scale, amax), per_token=per_token, score_weight=score_weight,
+        granularity=granularity, check_finite=check_finite,
+    )
+    return r.dequantize(x.dtype) if qdq else r
+
+
 def residual_quantize(
     x: torch.Tensor,
     ratio: float,
@@ -149,23 +172,8 @@ def residual_quantize(
     ``global_scale_from_amax(amax)``. ``amax="row"`` (each row's own scale, :func:`per_row_global_scale`: the
     rollout's activation convention) is derived inside the kernel on the triton backend with
     ``granularity="channel"`` (one launch, no separate amax kernels); elsewhere by torch first."""
-    if _residual_use_triton(x, backend, granularity, per_token):
-        if granularity == "channel":
-            from verl_quads.nvfp4 import triton_channel
-
-            return triton_channel.residual_quantize(
-                x, ratio, global_scale, amax=amax, score_weight=score_weight, check_finite=check_finite
-            )
-        from verl_quads.nvfp4 import triton_kernels
-
-        return triton_kernels.residual_quantize(
-            x, ratio, _amax_to_global_scale(x, global_scale, amax), per_token=per_token, score_weight=score_weight,
-            check_finite=check_finite,
-        )
-    return _residual_quantize_ref(
-        x, ratio, _amax_to_global_scale(x, global_scale, amax), per_token=per_token, score_weight=score_weight, granularity=granularity,
-        check_finite=check_finite,
-    )
+    return _residual(x, ratio, global_scale, amax, per_token, score_weight, granularity, backend, check_finite,
+                     qdq=False)
 
 
 def residual_fake_quantize(
@@ -181,24 +189,8 @@ def residual_fake_quantize(
     check_finite: bool = True,
 ) -> torch.Tensor:
     """``Q(x) + Q(R_sel)`` in x's dtype; see :func:`residual_quantize` (incl. ``amax``) and :mod:`.residual`."""
-    if _residual_use_triton(x, backend, granularity, per_token):
-        if granularity == "channel":
-            from verl_quads.nvfp4 import triton_channel
-
-            return triton_channel.residual_fake_quantize(
-                x, ratio, global_scale, amax=amax, score_weight=score_weight, check_finite=check_finite
-            )
-        from verl_quads.nvfp4 import triton_kernels
-
-        return triton_kernels.residual_fake_quantize(
-            x, ratio, _amax_to_global_scale(x, global_scale, amax), per_token=per_token, score_weight=score_weight,
-            check_finite=check_finite,
-        )
-    r = _residual_quantize_ref(
-        x, ratio, _amax_to_global_scale(x, global_scale, amax), per_token=per_token, score_weight=score_weight, granularity=granularity,
-        check_finite=check_finite,
-    )
-    return r.dequantize(x.dtype)
+    return _residual(x, ratio, global_scale, amax, per_token, score_weight, granularity, backend, check_finite,
+                     qdq=True)
 
 
 def quantize_guided(

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 import torch
 
 from verl_quads.nvfp4 import GuidanceRecord
-from verl_quads.rollout.request_ids import RequestCapture, external_request_id, single_match
+from verl_quads.rollout.request_ids import RequestCapture, RequestIndex, external_request_id
 from verl_quads.rollout.routing_log import ROUTING_MAX_MB_ENV, RequestRouting, RoutingLog
 
 logger = logging.getLogger("verl_quads")
@@ -186,7 +186,7 @@ class GuidanceStore:
         self._lock = threading.Lock()
         # TRACE: request id -> its steps, each with the request's rows in it, in step order (a step lives as long
         # as one of its requests is not popped; a pop touches only its own request's steps)
-        self._trace: dict[str, list[tuple[_Step, slice]]] = {}
+        self._trace: RequestIndex[list[tuple[_Step, slice]]] = RequestIndex()
         self._current: _Step | None = None
         self._routing_buf: dict[int, torch.Tensor] = {}  # layer -> int16 [rows, top_k] (persistent)
         # the model's registered layers' buffers are the columns of one int16 [rows, L, top_k] tensor: a step's rows
@@ -223,7 +223,7 @@ class GuidanceStore:
             qsl = step.query_start_loc
             with self._lock:
                 for i, r in enumerate(step.req_ids):
-                    self._trace.setdefault(r, []).append((step, slice(qsl[i], qsl[i + 1])))
+                    self._trace.setdefault(r, list).append((step, slice(qsl[i], qsl[i + 1])))
 
     # --- routing (every quantized mode) ---
     def register_routing_layer(self, layer: int) -> None:
@@ -322,9 +322,7 @@ class GuidanceStore:
         vLLM 0.32 appends ``-<8 hex>`` to the caller's (external) request id inside the engine.
         """
         with self._lock:
-            if request_id in self._trace:
-                return request_id
-            return single_match(request_id, [i for i in self._trace if external_request_id(i) == request_id])
+            return self._trace.resolve(request_id)
 
     def pop(self, request_id: str) -> RequestGuidance | None:
         """Remove and return one request's guidance (None if nothing was captured for it).
@@ -333,7 +331,7 @@ class GuidanceStore:
         """
         request_id = self.resolve(request_id) or request_id
         with self._lock:
-            parts = self._trace.pop(request_id, [])
+            parts = self._trace.pop(request_id)
         if not parts:
             return None
         versions = {s.policy_version for s, _ in parts}

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from verl_quads.rollout.request_ids import RequestCapture, external_request_id, single_match
+from verl_quads.rollout.request_ids import RequestCapture, RequestIndex
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +110,7 @@ class RoutingLog:
         self._chunks: dict[int, _Chunk] = {}  # id -> chunk, oldest first
         self._next_id = 0
         self._spare: _Chunk | None = None  # an emptied chunk kept for reuse
-        self._by_req: dict[str, _Index] = {}
-        self._by_ext: dict[str, set[str]] = {}  # external request id -> internal ids
+        self._by_req: RequestIndex[_Index] = RequestIndex()
         # bumped whenever a step's (version, layers) differs from the previous step's (a weight sync, a new model):
         # a request's version/layer sets are updated only when its epoch is behind, not per request and step
         self._epoch, self._epoch_key = 0, None
@@ -133,7 +132,6 @@ class RoutingLog:
         self._chunks.clear()
         self._spare = None
         self._by_req.clear()
-        self._by_ext.clear()
         self._epoch_key = None
 
     # ------------------------------------------------------------------------------------------------ writing
@@ -170,8 +168,8 @@ class RoutingLog:
                 continue
             ix = self._by_req.get(r)
             if ix is None:
-                self._by_req[r] = _Index([cid], [start], [rows], version, {version}, {layers}, ready, epoch)
-                self._by_ext.setdefault(external_request_id(r), set()).add(r)
+                self._by_req.setdefault(r, lambda: _Index([cid], [start], [rows], version, {version}, {layers},
+                                                          ready, epoch))
                 continue
             ix.chunks.append(cid)
             ix.starts.append(start)
@@ -231,18 +229,11 @@ class RoutingLog:
 
     # ------------------------------------------------------------------------------------------------ reading
     def _forget(self, request_id: str) -> _Index:
-        ix = self._by_req.pop(request_id)
-        ext = external_request_id(request_id)
-        self._by_ext[ext].discard(request_id)
-        if not self._by_ext[ext]:
-            del self._by_ext[ext]
-        return ix
+        return self._by_req.pop(request_id)
 
     def resolve(self, request_id: str) -> str | None:
         """The internal id held for ``request_id`` (itself, or the one whose external id it is), or None."""
-        if request_id in self._by_req:
-            return request_id
-        return single_match(request_id, self._by_ext.get(request_id, ()))
+        return self._by_req.resolve(request_id)
 
     def pop(self, request_ids: list[str] | None = None) -> dict[str, RequestRouting]:
         """Remove and return the routing of ``request_ids`` (internal or external ids; every request held if
