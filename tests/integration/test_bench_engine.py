@@ -15,11 +15,12 @@ def test_engine_bench_times_each_mode_against_bf16(capsys, tmp_path):
     from verl_quads.bench import engine
 
     engine.main(["--modes", "bf16,w4a16,w4a16-norouting", "--batch-sizes", "1,2", "--max-tokens", "3",
-                 "--prompt-len", "5", "--repeats", "1", "--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "1",
-                 "--head-dim", "32", "--experts", "4", "--top-k", "2", "--moe-inter", "64", "--vocab", "512",
+                 "--prompt-len", "5", "--repeats", "1", "--warmup", "2", "--layers", "1", "--hidden", "64", "--heads", "2",
+                 "--kv-heads", "1", "--head-dim", "32", "--experts", "4", "--top-k", "2", "--moe-inter", "64", "--vocab", "512",
                  "--kv-cache-gb", "0.05", "--model-dir", str(tmp_path)])
     out = capsys.readouterr().out
     final = out[out.index("verl-quads bench engine: CPU"):]
+    assert "2 untimed + 1 timed runs (median)" in final
     rows = re.findall(r"^([\w-]+)\s+\|\s+(\d+) \|\s+([\d.]+) \|\s+(\d+) \| ([\d.]+)x$", final, re.M)
     assert [(m, b) for m, b, *_ in rows] == [(m, b) for m in ("bf16", "w4a16", "w4a16-norouting") for b in "12"]
     by = {(m, int(b)): (float(t), float(r)) for m, b, t, _, r in rows}
@@ -71,5 +72,7 @@ def test_engine_bench_refuses_bad_arguments():
         engine.main(["--modes", "bf16-norouting"])
     with pytest.raises(SystemExit, match="must be positive"):
         engine.main(["--batch-sizes", "0"])
+    with pytest.raises(SystemExit, match="--warmup must be >= 1"):
+        engine.main(["--warmup", "0"])
     with pytest.raises(SystemExit, match="--profile needs --processes in"):
         engine.main(["--profile", "--processes", "mp"])

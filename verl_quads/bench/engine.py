@@ -10,11 +10,12 @@ is smaller here than in the real model, where attention over long contexts is al
 ``--vocab``-row lm_head (BF16 in every mode, as the ignore list keeps it).
 
 Per engine: built once (``enforce_eager`` off on CUDA: vLLM compiles the model and replays CUDA graphs, its default;
-on CPU eager, as the ``torch`` backend requires), one untimed generation per batch size (JIT, graph warm-up), then
+on CPU eager, as the ``torch`` backend requires), ``--warmup`` untimed generations per batch size (JIT, graph warm-up), then
 ``--repeats`` timed generations; reported: median seconds, generated tokens per second, and ``x bf16`` = the
 BF16 engine's median time / this mode's at the same batch size (> 1: faster). The quantized modes capture
-routing (their default): each timed generation includes collecting every request's record the way verl does
-after a rollout (``collect_routing``); ``<mode>-norouting`` runs the mode with ``VERL_QUADS_ROUTING=0`` (what the
+routing (their default): each timed generation includes collecting every request's record (``collect_routing``:
+one ``collective_rpc`` for the whole batch; verl's server instead fetches each request's record with its own RPC
+when that request finishes, ``patches/verl_rollout_guidance.py``); ``<mode>-norouting`` runs the mode with ``VERL_QUADS_ROUTING=0`` (what the
 capture costs, across two engines). ``--routing-ab`` measures the capture's host side within one engine: each timed
 generate of a capturing mode is followed by one with the store's routing switch off (row ``<mode> ab-off``: the
 runner hook's per-step work and the collection skipped; the expert-id copies inside the compiled graphs stay), and
@@ -182,7 +183,8 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
     for b in args.batch_sizes:
         prompts = [{"prompt_token_ids": [rng.randrange(1, args.vocab) for _ in range(args.prompt_len)]}
                    for _ in range(b)]
-        res, recs = generate(prompts)  # warm-up (JIT, graphs)
+        for _ in range(args.warmup):  # JIT, graphs
+            res, recs = generate(prompts)
         n = sum(len(r.outputs[0].token_ids) for r in res)
         if n != b * args.max_tokens:
             raise RuntimeError(f"{mode} batch {b}: generated {n} tokens, expected {b * args.max_tokens}")
@@ -278,6 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="untimed generations per batch size before the timed ones")
     p.add_argument("--layers", type=int, default=4)
     add_qwen3_moe_width_args(p)
     p.add_argument("--vocab", type=int, default=32768)
@@ -307,6 +310,9 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--modes: unknown {bad}; allowed: {list(VARIANTS)}")
     if any(b < 1 for b in args.batch_sizes) or args.repeats < 1 or args.max_tokens < 1 or args.prompt_len < 1:
         raise SystemExit("--batch-sizes, --repeats, --max-tokens and --prompt-len must be positive")
+    if args.warmup < 1:
+        raise SystemExit(f"--warmup must be >= 1 (the first generate checks the token count and compiles), got "
+                         f"{args.warmup}")
 
     import torch
 
@@ -330,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
             print(table(results, args), flush=True)
     print(f"\nverl-quads bench engine: {device}, vLLM {vllm.__version__}, torch {torch.__version__}, "
           f"{'eager' if eager else 'compiled + CUDA graphs'}, prompt {args.prompt_len} + {args.max_tokens} generated "
-          f"tokens per request, {args.repeats} timed runs (median)")
+          f"tokens per request, {args.warmup} untimed + {args.repeats} timed runs (median)")
     print(table(results, args))
 
 
