@@ -1,7 +1,8 @@
 """The routing log's CUDA path (verl_quads/rollout/routing_log.py): steps copied from the device without waiting
-(pinned chunks, non-blocking copies, one event per step) still give each request exactly the rows of its steps,
-even when the device buffer is rewritten right after (in stream order, as the layers' routing buffer is) and while
-the device is still busy with earlier work; emptied chunks are reused on the device path too."""
+(pinned chunks, non-blocking copies, one event per segment of steps, re-recorded each step) still give each request
+exactly the rows of its steps, even when the device buffers (expert ids and positions) are rewritten right after
+(in stream order, as the runner and the layers rewrite theirs) and while the device is still busy with earlier
+work; emptied chunks are reused on the device path too."""
 
 import pytest
 import torch
@@ -31,13 +32,14 @@ def test_cuda_steps_logged_without_waiting_pop_exact_rows(monkeypatch):
         buf[:n] = torch.randint(0, 128, (n, 2, 8), generator=g, device="cuda", dtype=torch.int16)
         pos_buf[:n] = torch.tensor([p for k in n_per for p in (range(3) if step == 0 else [step + 2])],
                                    device="cuda")
-        # what the capture hands over: the persistent buffer itself (its [rows, L, k] routing buffer) and a fresh
-        # copy of the positions (taken before the forward)
-        log.append_step(reqs, qsl, pos_buf[:n].clone(), buf[:n], (3, 7), 0)
+        # what the capture hands over: the persistent buffers themselves (its [rows, L, k] routing buffer and the
+        # runner's positions buffer); steps 1-39 repeat one batch, so they continue segments (one event each)
+        log.append_step(reqs, qsl, pos_buf[:n], buf[:n], (3, 7), 0)
         host = buf[:n].cpu()  # the reference (waits)
         for j, r in enumerate(reqs):
             expect[r] += host[qsl[j]:qsl[j + 1]].tolist()
-        buf.fill_(-1)  # the next step's rewrite, in stream order after the logged copies
+        buf.fill_(-1)  # the next step's rewrites, in stream order after the logged copies
+        pos_buf.fill_(-1)
     assert len(log._chunks) > 3
     first = log.pop(["r0"])["r0"]
     assert first.positions.tolist() == list(range(3)) + [s + 2 for s in range(1, 40)]

@@ -359,6 +359,29 @@ def test_guidance_store_keys_rows_by_request_and_position():
     assert store.request_ids() == [] and len(store._trace) == 0  # no step kept once all its requests are popped
 
 
+def test_guidance_store_keeps_each_steps_positions_from_a_persistent_buffer():
+    """The runner hands the same positions buffer every step and rewrites it in place before the next one (vLLM's
+    persistent input buffers): the TRACE record of a request keeps the positions of each of its own steps, with
+    routing capture on as well (which reads that buffer after the forward, without a copy of its own)."""
+    store = GuidanceStore()
+    store.enabled = store.routing = True
+    store.register_routing_layer(0)
+    buf = torch.zeros(8, dtype=torch.int64)  # the runner's persistent positions buffer
+    x = torch.randn(3, 32)
+    for step, (pos, rows) in enumerate([([0, 1], x[:2]), ([2], x[2:3])]):
+        buf[: len(pos)] = torch.tensor(pos)
+        store.begin_step(["r"], [0, len(pos)], buf[: len(pos)])
+        store.add(0, "self_attn.qkv_proj", _record(rows))
+        store.routing_buffer(0, len(pos), 2, "cpu")[: len(pos)].fill_(step)
+        store.end_step()
+        buf.fill_(-7)  # the runner prepares its next step
+    g = store.pop("r")
+    assert g.positions.tolist() == [0, 1, 2]
+    assert torch.equal(g.records[(0, "self_attn.qkv_proj")].bits, _record(x).bits)  # per-row scales: row-wise
+    r = store.pop_routing("r")
+    assert r.positions.tolist() == [0, 1, 2] and r.experts.tolist() == [[[0, 0]], [[0, 0]], [[1, 1]]]
+
+
 def test_guidance_store_refuses_mixed_policy_versions():
     store = GuidanceStore()
     store.enabled = True

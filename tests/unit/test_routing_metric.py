@@ -182,6 +182,67 @@ def test_store_pop_routings_of_a_batch_equals_a_per_row_reference(chunk_bytes, m
     assert any(r.experts.dtype == torch.int16 for r in got.values()) and any(r.mixed_versions for r in got.values())
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 200])
+def test_routing_log_segments_of_steady_batches_equal_a_per_row_reference(chunk_bytes, monkeypatch):
+    """Steps that repeat the previous step's batch (same requests, same rows each) continue one segment (no
+    per-request bookkeeping); everything that ends a segment is exercised against a per-row reference: a request
+    joining or leaving, a chunked prefill (several steps of the same rows), a weight sync, a full chunk (200-byte
+    chunks: 10 rows of 20 B), and a request popped while it is still running (its later rows form a new record)."""
+    from verl_quads.rollout import routing_log
+
+    if chunk_bytes:
+        monkeypatch.setattr(routing_log, "CHUNK_BYTES", chunk_bytes)
+    g = torch.Generator().manual_seed(1)
+    log = routing_log.RoutingLog(max_bytes=1 << 30)
+    layers, k = (0, 5, 9), 2
+    ref: dict[str, dict[int, list]] = {}  # request -> position -> its row's ids (since its last pop)
+    first_version: dict[str, int] = {}
+    next_pos: dict[str, int] = {}
+    active = ["r0-00000000", "r1-00000001"]
+    popped_running = 0
+    continued = 0
+    for step in range(160):
+        version = 0 if step < 90 else 1
+        if torch.rand(1, generator=g).item() < 0.1:  # the batch changes now and then
+            if len(active) > 1 and torch.rand(1, generator=g).item() < 0.5:
+                active = [r for r in active if r != active[int(torch.randint(0, len(active), (1,), generator=g))]]
+            else:
+                active = active + [f"r{step + 2}-{step + 2:08x}"]
+        qsl, pos = [0], []
+        for r in active:
+            start = next_pos.setdefault(r, 0)
+            n = 3 if start < 6 else 1  # prompts of 6 tokens: two prefill chunks of 3 rows, then decode
+            pos += list(range(start, start + n))
+            next_pos[r] = start + n
+            qsl.append(qsl[-1] + n)
+        ids = torch.randint(0, 128, (qsl[-1], len(layers), k), generator=g, dtype=torch.int16)
+        before = log._open
+        log.append_step(list(active), qsl, torch.tensor(pos), ids, layers, version)
+        continued += before is not None and log._open is before
+        for i, r in enumerate(active):
+            first_version.setdefault(r, version)
+            for row in range(qsl[i], qsl[i + 1]):
+                ref.setdefault(r, {})[pos[row]] = ids[row].tolist()
+        if step % 37 == 36:  # pop a running request: the rows it gets afterwards start a new record
+            r = active[0]
+            got = log.pop([r])[r]
+            assert got.positions.tolist() == sorted(ref[r])
+            assert got.experts.tolist() == [ref[r][p] for p in sorted(ref[r])]
+            assert got.policy_version == first_version.pop(r)
+            del ref[r]
+            popped_running += 1
+    got = log.pop()
+    assert sorted(got) == sorted(ref) and log.held_rows == 0 and log.request_ids() == []
+    for r, rec in got.items():
+        assert rec.positions.tolist() == sorted(ref[r]), r
+        assert rec.experts.tolist() == [ref[r][p] for p in sorted(ref[r])], r
+        assert rec.layers == list(layers) and rec.policy_version == first_version[r]
+    assert popped_running == 4 and continued > (100 if chunk_bytes is None else 60), continued  # most steps continue one
+    assert any(rec.mixed_versions for rec in got.values())
+    if chunk_bytes:
+        assert log._spare is not None  # emptied chunks were retired for reuse
+
+
 def test_routing_log_reuses_emptied_chunks_and_drops_the_oldest(monkeypatch, caplog):
     """Chunks of 2 rows (12 B each: 1 layer x top-2 int16 + int64 position), at most 2 chunks: a chunk emptied by
     pops is reused for the next one (same storage); past the bound the oldest chunk is dropped with one warning,

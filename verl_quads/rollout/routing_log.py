@@ -4,17 +4,22 @@ Layout: the rows of each step (one per computed token) go, contiguously, into a 
 they come from CUDA): ``experts`` int16 ``[capacity, L, top_k]`` (global expert ids of the ``L`` captured MoE layers)
 and ``positions`` int64 ``[capacity]``. :meth:`RoutingLog.append_step` copies a step's rows there from the device
 WITHOUT waiting (non-blocking copies on the forward's stream + a CUDA event; a blocking copy per step stalls a GPU
-engine), and appends ``(chunk, first row, row count)`` to the index of each request in the step. Popping a request
-(:meth:`RoutingLog.pop`) waits for the event of its latest step only, then gathers its rows with one indexing per
+engine). Consecutive steps of the same batch (the same request ids and rows per request, the same weight version
+and layers, one chunk) form a SEGMENT: its step ``i`` holds rows ``start + i * rows_per_step + query_start_loc[j]``
+onward for request ``j``. A step that continues the open segment costs a comparison of two short lists and the two
+copies, whatever the batch size; only a step that opens a segment (a request joined or left, a prefill, a new chunk
+or weight version) adds ``(segment, j)`` to the index of each of its requests. Popping a request
+(:meth:`RoutingLog.pop`) waits for the event of its latest segment only, then gathers its rows with one indexing per
 chunk it touches: its cost does not grow with the number of other requests or steps held (verl pops each request
 of a rollout separately; a scan of every step per pop made the total quadratic). Chunks of about
 :data:`CHUNK_BYTES` are reused once all their rows were popped; beyond ``max_bytes`` the oldest chunk is dropped
-(its requests lose those rows) with a warning. Per-request bookkeeping per step is a few list appends of ints: no
-container object per request and step (one tuple per request and step made Python's cyclic GC run 10x as often).
+(its requests lose those rows) with a warning. No container object per request and step (one tuple per request and
+step made Python's cyclic GC run 10x as often).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -50,18 +55,33 @@ class _Chunk:
                 and self.pinned == pinned)
 
 
+@dataclass(eq=False)
+class _Segment:
+    """Consecutive steps with the same requests and rows per request, written back to back into one chunk: step
+    ``i``'s rows of request ``j`` are ``start + i * rows + qsl[j]`` up to ``... + qsl[j + 1]``."""
+
+    cid: int
+    start: int
+    req_ids: list[str]
+    qsl: list[int]  # query_start_loc of every step of the segment; rows = qsl[-1]
+    version: int | None
+    ready: "torch.cuda.Event | None"  # re-recorded after each step's copies (one event object per segment)
+    steps: int = 1
+
+    @property
+    def rows(self) -> int:
+        return self.qsl[-1]
+
+
 @dataclass
 class _Index:
-    """One request's steps: parallel int lists (chunk id, first row, row count), in step order."""
+    """One request's part of each segment it is in: parallel lists (segment, its position j in it), in step order."""
 
-    chunks: list[int]
-    starts: list[int]
-    lens: list[int]
+    segments: list[_Segment]
+    slots: list[int]
     first_version: int | None
     versions: set
     layer_sets: set[tuple[int, ...]]
-    ready: "torch.cuda.Event | None"  # recorded after its latest step's copies
-    epoch: int  # the log's (version, layers) epoch of its latest step: versions/layer_sets only change with it
 
 
 @dataclass
@@ -111,9 +131,7 @@ class RoutingLog:
         self._next_id = 0
         self._spare: _Chunk | None = None  # an emptied chunk kept for reuse
         self._by_req: RequestIndex[_Index] = RequestIndex()
-        # bumped whenever a step's (version, layers) differs from the previous step's (a weight sync, a new model):
-        # a request's version/layer sets are updated only when its epoch is behind, not per request and step
-        self._epoch, self._epoch_key = 0, None
+        self._open: _Segment | None = None  # the segment the next step may continue
 
     @property
     def nbytes(self) -> int:
@@ -132,7 +150,7 @@ class RoutingLog:
         self._chunks.clear()
         self._spare = None
         self._by_req.clear()
-        self._epoch_key = None
+        self._open = None
 
     # ------------------------------------------------------------------------------------------------ writing
     def append_step(self, req_ids: list[str], query_start_loc: list[int], positions: torch.Tensor,
@@ -147,38 +165,42 @@ class RoutingLog:
             raise ValueError(f"routing log: experts must be int16 [{n}, {len(layers)}, top_k], got "
                              f"{experts.dtype} {tuple(experts.shape)}")
         cuda = experts.is_cuda
+        seg = self._open
+        if (seg is not None and seg.qsl == query_start_loc and seg.req_ids == req_ids and seg.version == version
+                and self._chunks[seg.cid].layers == layers):
+            ch = self._chunks[seg.cid]
+            off = seg.start + seg.steps * n
+            if off == ch.used and ch.fits(n, layers, int(experts.shape[2]), cuda):  # continue the open segment
+                self._write(ch, off, n, positions, experts, cuda)
+                seg.steps += 1
+                if cuda:
+                    seg.ready.record()
+                return
         cid, ch = self._chunk_for(n, layers, int(experts.shape[2]), cuda)
         off = ch.used
-        ch.experts[off:off + n].copy_(experts, non_blocking=cuda)
-        ch.positions[off:off + n].copy_(positions.to(torch.int64), non_blocking=cuda)
+        self._write(ch, off, n, positions, experts, cuda)
         ready = None
         if cuda:
             ready = torch.cuda.Event()
             ready.record()
+        seg = self._open = _Segment(cid, off, list(req_ids), list(query_start_loc), version, ready)
+        ch.requests.update(req_ids)
+        for j, r in enumerate(req_ids):
+            if query_start_loc[j + 1] <= query_start_loc[j]:
+                continue
+            ix = self._by_req.setdefault(r, lambda: _Index([], [], version, set(), set()))
+            ix.segments.append(seg)
+            ix.slots.append(j)
+            ix.versions.add(version)
+            ix.layer_sets.add(layers)
+
+    @staticmethod
+    def _write(ch: _Chunk, off: int, n: int, positions: torch.Tensor, experts: torch.Tensor, cuda: bool) -> None:
+        ch.experts[off:off + n].copy_(experts, non_blocking=cuda)
+        ch.positions[off:off + n].copy_(positions[:n], non_blocking=cuda)
         ch.used += n
         ch.live += n
         ch.steps += 1
-        ch.requests.update(req_ids)
-        if (version, layers) != self._epoch_key:
-            self._epoch, self._epoch_key = self._epoch + 1, (version, layers)
-        epoch = self._epoch
-        for j, r in enumerate(req_ids):
-            start, rows = off + query_start_loc[j], query_start_loc[j + 1] - query_start_loc[j]
-            if rows <= 0:
-                continue
-            ix = self._by_req.get(r)
-            if ix is None:
-                self._by_req.setdefault(r, lambda: _Index([cid], [start], [rows], version, {version}, {layers},
-                                                          ready, epoch))
-                continue
-            ix.chunks.append(cid)
-            ix.starts.append(start)
-            ix.lens.append(rows)
-            ix.ready = ready
-            if ix.epoch != epoch:
-                ix.versions.add(version)
-                ix.layer_sets.add(layers)
-                ix.epoch = epoch
 
     def _chunk_for(self, rows: int, layers: tuple[int, ...], top_k: int, pinned: bool) -> tuple[int, _Chunk]:
         if self._chunks:
@@ -200,14 +222,21 @@ class RoutingLog:
         self._chunks[cid] = ch
         return cid, ch
 
+    def _close(self, cid: int | None = None) -> None:
+        """The next step opens a new segment (only if the open one is in chunk ``cid``, when given)."""
+        if self._open is not None and (cid is None or self._open.cid == cid):
+            self._open = None
+
     def _retire(self, cid: int) -> None:
         """An emptied chunk becomes the spare (kept for reuse)."""
+        self._close(cid)
         ch = self._chunks.pop(cid)
         ch.used, ch.live, ch.steps, ch.requests = 0, 0, 0, set()
         self._spare = ch
 
     def _drop_oldest(self) -> None:
         cid = next(iter(self._chunks))
+        self._close(cid)
         ch = self._chunks.pop(cid)
         if self.dropped_steps == 0:
             logger.warning(
@@ -220,16 +249,19 @@ class RoutingLog:
             ix = self._by_req.get(r)
             if ix is None:
                 continue
-            k = 0  # the oldest chunk's entries lead each of its requests' lists (chunk ids grow with steps)
-            while k < len(ix.chunks) and ix.chunks[k] == cid:
+            k = 0  # the oldest chunk's segments lead each of its requests' lists (chunk ids grow with steps)
+            while k < len(ix.segments) and ix.segments[k].cid == cid:
                 k += 1
-            del ix.chunks[:k], ix.starts[:k], ix.lens[:k]
-            if not ix.chunks:
+            del ix.segments[:k], ix.slots[:k]
+            if not ix.segments:
                 self._forget(r)
 
     # ------------------------------------------------------------------------------------------------ reading
     def _forget(self, request_id: str) -> _Index:
-        return self._by_req.pop(request_id)
+        ix = self._by_req.pop(request_id)
+        if ix.segments and ix.segments[-1] is self._open:  # rows it may still get go to a new segment (re-indexed)
+            self._close()
+        return ix
 
     def resolve(self, request_id: str) -> str | None:
         """The internal id held for ``request_id`` (itself, or the one whose external id it is), or None."""
@@ -256,40 +288,43 @@ class RoutingLog:
         request whose rows are not already ascending (a position recomputed after preemption)."""
         if not order:
             return []
-        for ev in {id(ix.ready): ix.ready for ix in ixs if ix.ready is not None}.values():
-            ev.synchronize()  # each request's latest step's copies; earlier steps' were enqueued before them
-        entries: dict[int, tuple[list[int], list[int]]] = {}  # chunk id -> (starts, lens), request after request
+        latest = (ix.segments[-1] for ix in ixs)
+        for ev in {id(seg.ready): seg.ready for seg in latest if seg.ready is not None}.values():
+            ev.synchronize()  # each request's latest segment's copies; earlier ones were enqueued before them
+        # per chunk, one entry per (request, segment): rows base + i * stride + k for steps i and k < length
+        entries: dict[int, tuple[list[int], list[int], list[int], list[int]]] = {}  # base, steps, stride, length
         spans = []  # per request: [chunk id, first index into that chunk's gathered rows, row count] runs
         filled: dict[int, int] = {}  # chunk id -> rows claimed so far
         for ix in ixs:
-            if ix.chunks[0] == ix.chunks[-1]:  # the usual case: one chunk (list-level work, no loop per step)
-                runs = [(ix.chunks[0], ix.starts, ix.lens)]
-            else:
-                runs, a = [], 0
-                while a < len(ix.chunks):  # chunk ids are non-decreasing
-                    b = a
-                    while b < len(ix.chunks) and ix.chunks[b] == ix.chunks[a]:
-                        b += 1
-                    runs.append((ix.chunks[a], ix.starts[a:b], ix.lens[a:b]))
-                    a = b
             sp = []
-            for cid, starts, lens in runs:
-                st, ln = entries.setdefault(cid, ([], []))
-                st.extend(starts)
-                ln.extend(lens)
-                n = sum(lens)
-                sp.append((cid, filled.get(cid, 0), n))
-                filled[cid] = filled.get(cid, 0) + n
+            for seg, j in zip(ix.segments, ix.slots):
+                base, steps, stride, length = entries.setdefault(seg.cid, ([], [], [], []))
+                ln = seg.qsl[j + 1] - seg.qsl[j]
+                base.append(seg.start + seg.qsl[j])
+                steps.append(seg.steps)
+                stride.append(seg.rows)
+                length.append(ln)
+                n = seg.steps * ln
+                at = filled.get(seg.cid, 0)
+                if sp and sp[-1][0] == seg.cid and sp[-1][1] + sp[-1][2] == at:
+                    sp[-1][2] += n  # this request's previous entry in the same chunk: one run
+                else:
+                    sp.append([seg.cid, at, n])
+                filled[seg.cid] = at + n
             spans.append(sp)
         newest = next(reversed(self._chunks))
         got = {}
-        for cid, (starts, lens) in entries.items():
+        for cid, cols in entries.items():
             ch = self._chunks[cid]
-            st_t, ln_t = torch.tensor(starts, dtype=torch.int64), torch.tensor(lens, dtype=torch.int64)
+            base, steps, stride, length = (torch.tensor(c, dtype=torch.int64) for c in cols)
             total = filled[cid]
-            # row j of entry e is starts[e] + j: one repeat of each entry's (start - rows before it) + a running index
-            idx = torch.repeat_interleave(st_t - (torch.cumsum(ln_t, 0) - ln_t), ln_t, output_size=total) \
-                + torch.arange(total)
+            counts = steps * length
+            # gathered row t of entry e (its local index u = t - rows before e): step i = u // length, k = u % length
+            rep = functools.partial(torch.repeat_interleave, repeats=counts, output_size=total)
+            u = torch.arange(total) - rep(torch.cumsum(counts, 0) - counts)
+            ln = rep(length)
+            i = torch.div(u, ln, rounding_mode="floor")
+            idx = rep(base) + i * rep(stride) + (u - i * ln)
             got[cid] = (ch.positions[idx], ch.experts[idx])
             ch.live -= total
             if ch.live == 0 and cid != newest:  # emptied and not being filled: reuse
