@@ -10,13 +10,13 @@ is smaller here than in the real model, where attention over long contexts is al
 ``--vocab``-row lm_head (BF16 in every mode, as the ignore list keeps it).
 
 Per engine: built once (``enforce_eager`` off on CUDA: vLLM compiles the model and replays CUDA graphs, its default;
-on CPU eager, as the ``torch`` backend requires), ``--warmup`` untimed generations per batch size (JIT, graph warm-up), then
-``--repeats`` timed generations; reported: median seconds, generated tokens per second, and ``x bf16`` = the
-BF16 engine's median time / this mode's at the same batch size (> 1: faster). The quantized modes capture
+on CPU eager, as the ``torch`` backend requires), ``--warmup`` untimed generations per batch size (JIT, graph
+warm-up), then ``--repeats`` timed generations; reported: median seconds, generated tokens per second, and ``x bf16``
+= the BF16 engine's median time / this mode's at the same batch size (> 1: faster). The quantized modes capture
 routing (their default): each timed generation includes collecting every request's record (``collect_routing``:
 one ``collective_rpc`` for the whole batch; verl's server instead fetches each request's record with its own RPC
-when that request finishes, ``patches/verl_rollout_guidance.py``); ``<mode>-norouting`` runs the mode with ``VERL_QUADS_ROUTING=0`` (what the
-capture costs, across two engines). ``--routing-ab`` measures the capture's host side within one engine: each timed
+when that request finishes, ``patches/verl_rollout_guidance.py``); ``<mode>-norouting`` runs the mode with
+``VERL_QUADS_ROUTING=0`` (what the capture costs, across two engines). ``--routing-ab`` measures the capture's host side within one engine: each timed
 generate of a capturing mode is followed by one with the store's routing switch off (row ``<mode> ab-off``: the
 runner hook's per-step work and the collection skipped; the expert-id copies inside the compiled graphs stay), and
 the hook's own host time per step is printed. Results are printed after each
