@@ -166,10 +166,10 @@ class RoutingLog:
                              f"{experts.dtype} {tuple(experts.shape)}")
         cuda = experts.is_cuda
         seg = self._open
-        if (seg is not None and seg.qsl == query_start_loc and seg.req_ids == req_ids and seg.version == version
-                and self._chunks[seg.cid].layers == layers):
+        if seg is not None and seg.qsl == query_start_loc and seg.req_ids == req_ids and seg.version == version:
             ch = self._chunks[seg.cid]
             off = seg.start + seg.steps * n
+            # fits: the chunk's layers, top_k, pinning and room
             if off == ch.used and ch.fits(n, layers, int(experts.shape[2]), cuda):  # continue the open segment
                 self._write(ch, off, n, positions, experts, cuda)
                 seg.steps += 1
