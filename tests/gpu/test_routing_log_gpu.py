@@ -52,3 +52,20 @@ def test_cuda_steps_logged_without_waiting_pop_exact_rows(monkeypatch):
     log.append_step(["x"], [0, 1], pos_buf[:1].clone(), buf[:1].clone().fill_(5), (3, 7), 1)
     assert next(reversed(log._chunks.values())).experts.data_ptr() in kept  # no new pinned chunk
     assert log.pop(["x"])["x"].experts.tolist() == [[[5] * 8] * 2]
+
+
+def test_routing_buffers_for_device_named_without_index_stay_columns_of_one_block():
+    """The layers' buffers asked for with ``"cuda"`` (no index) are found again on the tensor's ``cuda:0``:
+    asking for layer 1's must not reallocate the block (that dropped layer 0's ids: the capture probe's error)."""
+    from verl_quads.rollout.capture import GuidanceStore
+
+    store = GuidanceStore()
+    for layer in range(3):
+        store.register_routing_layer(layer)
+    first = store.routing_buffer(0, 8, 4, "cuda")
+    first.fill_(7)
+    for layer in (1, 2, 0):
+        store.routing_buffer(layer, 8, 4, torch.device("cuda"))
+    again = store.routing_buffer(0, 8, 4, "cuda")
+    assert again.data_ptr() == first.data_ptr() and bool((again == 7).all())
+    assert store.routing_buffer(2, 8, 4, "cuda").data_ptr() == first.data_ptr() + 2 * 4 * 2  # column 2, int16

@@ -40,11 +40,13 @@ def test_engine_bench_times_each_mode_against_bf16(capsys, tmp_path):
 
 @pytest.mark.parametrize("processes", ["in", "mp"])
 def test_engine_bench_routing_ab_switches_the_host_capture_off_in_the_same_engine(capsys, tmp_path, processes):
-    """--routing-ab in the engine's own process and in vLLM's (mp: engine core + an mp-executor worker, as verl
-    runs it; the switch, the hook timing and the records then cross processes through collective_rpc)."""
+    """--routing-ab (and --collect-per-request) in the engine's own process and in vLLM's (mp: engine core + an
+    mp-executor worker, as verl runs it; the switch, the hook timing and the records then cross processes through
+    collective_rpc)."""
     from verl_quads.bench import engine
 
-    engine.main(["--processes", processes, "--modes", "w4a16", "--routing-ab", "--batch-sizes", "2", "--max-tokens", "3", "--prompt-len", "5",
+    engine.main(["--processes", processes, "--modes", "w4a16", "--routing-ab", "--collect-per-request",
+                 "--batch-sizes", "2", "--max-tokens", "3", "--prompt-len", "5",
                  "--repeats", "2", "--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "1",
                  "--head-dim", "32", "--experts", "4", "--top-k", "2", "--moe-inter", "64", "--vocab", "512",
                  "--kv-cache-gb", "0.05", "--model-dir", str(tmp_path)])
@@ -61,6 +63,9 @@ def test_engine_bench_routing_ab_switches_the_host_capture_off_in_the_same_engin
     assert len(on.group(1).split(",")) == len(ab.group(1).split(",")) == 2
     assert 2 * 3 <= int(ab.group(3)) <= 2 * 4 and int(ab.group(2)) > 0
     assert f"(eager=True, processes {processes})" in out
+    # --collect-per-request: 2 more generates, each request's record popped by its own RPC (raises if one is missing)
+    assert re.search(r"^\[collect\] w4a16 batch 2: one RPC per request [\d.]+ ms for 2 requests \(median of 2\); "
+                     r"one RPC for the batch [\d.]+ ms$", out, re.M), out[-3000:]
 
 
 def test_engine_bench_refuses_bad_arguments():

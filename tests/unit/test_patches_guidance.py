@@ -126,6 +126,106 @@ def test_attach_guidance_puts_record_and_refuses_missing():
         asyncio.run(g.attach_guidance(srv, "r-1", _out([1])))
 
 
+class _GatedEngine:
+    """Workers holding one routing and one guidance record per id in ``ids``; the first RPC waits for ``gate``
+    (the requests that finish meanwhile queue up), the RPC numbered ``fail_at`` raises."""
+
+    def __init__(self, ids, fail_at=None):
+        self.calls, self.fail_at, self.gate = [], fail_at, asyncio.Event()
+        self.records = {r: _wire(T=3 + i) for i, r in enumerate(ids)}
+        self.routing = {r: {"positions": torch.arange(3 + i), "experts": torch.full((3 + i, 2, 4), i)}
+                        for i, r in enumerate(ids)}
+
+    async def collective_rpc(self, method, args=()):
+        self.calls.append(list(args[0]))
+        if len(self.calls) == 1:
+            await self.gate.wait()
+        if len(self.calls) == self.fail_at:
+            raise ConnectionError("engine core died")
+        ids = args[0]
+        reply = {"enabled": True, "records": g.to_plain({r: self.records.pop(r) for r in ids if r in self.records}),
+                 "routing_enabled": True,
+                 "routing": g.to_plain({r: self.routing.pop(r) for r in ids if r in self.routing})}
+        return [_vllm_rpc_roundtrip(reply), {"enabled": True, "records": {}}]  # a second TP rank: ignored
+
+
+def _finish_together(srv, ids, trace=True, cancel=None):
+    """Each id's ``generate`` wrapper tail, run concurrently: the first id's finishes alone (its RPC goes out and
+    waits at the gate), then the others'; the gate opens once all of them wait."""
+    outs = {r: _out([1, 2]) for r in ids}
+
+    async def main():
+        tasks = {ids[0]: asyncio.ensure_future(g.attach_records(srv, ids[0], outs[ids[0]], trace))}
+        while not srv.engine.calls:
+            await asyncio.sleep(0)
+        tasks.update({r: asyncio.ensure_future(g.attach_records(srv, r, outs[r], trace)) for r in ids[1:]})
+        for _ in range(3):
+            await asyncio.sleep(0)
+        if cancel is not None:
+            tasks[cancel].cancel()
+        srv.engine.gate.set()
+        return dict(zip(ids, await asyncio.gather(*tasks.values(), return_exceptions=True)))
+
+    return outs, asyncio.run(main())
+
+
+def test_records_of_requests_finishing_at_once_share_one_rpc():
+    ids = [f"r-{i}" for i in range(3)]
+    srv = types.SimpleNamespace(engine=_GatedEngine(ids))
+    srv.engine.gate.set()
+    outs = {r: _out([1]) for r in ids}
+
+    async def main():
+        await asyncio.gather(*(g.attach_records(srv, r, outs[r], False) for r in ids))
+
+    asyncio.run(main())
+    assert srv.engine.calls == [ids] and all(g.ROUTING_FIELD in o.extra_fields for o in outs.values())
+    assert all(g.FIELD not in o.extra_fields for o in outs.values())  # not a trace engine: guidance not attached
+
+
+def test_records_of_requests_finishing_together_share_one_rpc():
+    ids = [f"r-{i}" for i in range(6)]
+    srv = types.SimpleNamespace(engine=_GatedEngine(ids))
+    want_rec = {r: w for r, w in srv.engine.records.items()}
+    want_rt = {r: w for r, w in srv.engine.routing.items()}
+    outs, res = _finish_together(srv, ids)
+    assert all(v is None for v in res.values()), res
+    assert srv.engine.calls == [["r-0"], ids[1:]]  # the first at once, the 5 that finished meanwhile together
+    f = g.record_fetcher(srv)
+    assert (f.rpcs, f.requests) == (2, 6)
+    for r in ids:
+        got = outs[r].extra_fields
+        assert torch.equal(got[g.ROUTING_FIELD]["experts"], want_rt[r]["experts"])
+        assert torch.equal(got[g.FIELD]["positions"], want_rec[r]["positions"])
+        assert torch.equal(got[g.FIELD]["expert_ids"][0][1], want_rec[r]["expert_ids"][0][1].to(torch.int16))
+    assert not srv.engine.records and not srv.engine.routing  # every record popped
+
+
+def test_record_rpc_failure_reaches_every_request_of_its_batch_then_recovers():
+    ids = [f"r-{i}" for i in range(4)]
+    srv = types.SimpleNamespace(engine=_GatedEngine(ids, fail_at=2))
+    _, res = _finish_together(srv, ids)
+    assert res["r-0"] is None
+    assert all(isinstance(res[r], ConnectionError) for r in ids[1:]), res
+    srv.engine.records["r-9"], srv.engine.routing["r-9"] = _wire(), {"experts": torch.zeros(5, 2, 4)}
+    out = _out([1])
+    asyncio.run(g.attach_records(srv, "r-9", out, True))  # a later request gets a new RPC
+    assert srv.engine.calls[-1] == ["r-9"] and g.FIELD in out.extra_fields
+
+
+def test_cancelled_request_does_not_disturb_its_batch_and_missing_record_fails_alone():
+    ids = [f"r-{i}" for i in range(5)]
+    srv = types.SimpleNamespace(engine=_GatedEngine(ids))
+    del srv.engine.records["r-3"]  # captured routing but no guidance: that request alone must fail
+    _, res = _finish_together(srv, ids, cancel="r-2")
+    assert isinstance(res["r-2"], asyncio.CancelledError)
+    assert isinstance(res["r-3"], RuntimeError) and "no guidance record captured for request 'r-3'" in str(res["r-3"])
+    assert all(res[r] is None for r in ("r-0", "r-1", "r-4")), res
+    assert srv.engine.calls == [["r-0"], ["r-1", "r-2", "r-3", "r-4"]]  # r-2's record popped (dropped) with them
+    _, res = _finish_together(types.SimpleNamespace(engine=srv.engine), ["r-0"])  # popped already: none left
+    assert isinstance(res["r-0"], RuntimeError) and "no routing record" in str(res["r-0"])
+
+
 def test_worker_rpc_installed_on_verl_extension():
     from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 

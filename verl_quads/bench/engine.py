@@ -13,17 +13,18 @@ Per engine: built once (``enforce_eager`` off on CUDA: vLLM compiles the model a
 on CPU eager, as the ``torch`` backend requires), ``--warmup`` untimed generations per batch size (JIT, graph
 warm-up), then ``--repeats`` timed generations; reported: median seconds, generated tokens per second, and ``x bf16``
 = the BF16 engine's median time / this mode's at the same batch size (> 1: faster). The quantized modes capture
-routing (their default): each timed generation includes collecting every request's record (``collect_routing``:
-one ``collective_rpc`` for the whole batch; verl's server instead fetches each request's record with its own RPC
-when that request finishes, ``patches/verl_rollout_guidance.py``); ``<mode>-norouting`` runs the mode with
-``VERL_QUADS_ROUTING=0`` (what the capture costs, across two engines). ``--routing-ab`` measures the capture's host side within one engine: each timed
-generate of a capturing mode is followed by one with the store's routing switch off (row ``<mode> ab-off``: the
-runner hook's per-step work and the collection skipped; the expert-id copies inside the compiled graphs stay), and
-the hook's own host time per step is printed. Results are printed after each
-engine, so a run cut short keeps what it measured. Each engine runs in its own Python process, one at a time;
-``--processes in`` (default): the engine in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so ``--profile``
-sees its kernels); ``mp``: the way verl 0.9.1 runs it (vLLM's engine core in a process of its own, the model in a
-worker process of the ``mp`` executor), where the front end's host work does not share the worker's thread.
+routing (their default): each timed generation includes collecting every request's record (``collect_routing``: one
+``collective_rpc`` for the whole batch; verl's server pops with one RPC the requests that finish together,
+``RecordFetcher`` in ``patches/verl_rollout_guidance.py``); ``<mode>-norouting`` runs the mode with
+``VERL_QUADS_ROUTING=0`` (what the capture costs, across two engines); ``--collect-per-request`` also times popping
+the records with one RPC per request (verl's server without the batching of ``RecordFetcher``). ``--routing-ab``
+measures the capture's host side within one engine: each timed generate of a capturing mode is followed by one with
+the store's routing switch off (row ``<mode> ab-off``: the runner hook's per-step work and the collection skipped; the
+expert-id copies inside the compiled graphs stay), and the hook's own host time per step is printed. Results are
+printed after each engine, so a run cut short keeps what it measured. Each engine runs in its own Python process, one
+at a time; ``--processes in`` (default): the engine in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so
+``--profile`` sees its kernels); ``mp``: the way verl 0.9.1 runs it (vLLM's engine core in a process of its own, the
+model in a worker process of the ``mp`` executor), where the front end's host work does not share the worker's thread.
 """
 
 from __future__ import annotations
@@ -217,9 +218,31 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
             print(f"[time] {mode}{AB_OFF} batch {b}: median {statistics.median(times_off):.3f} s of {times_off}; "
                   f"runner hook (begin_step + end_step) {hook[0] / max(hook[1], 1) * 1e6:.0f} us/step host time "
                   f"over {hook[1]} steps", flush=True)
+        if args.collect_per_request and routing:
+            _time_per_request_collection(llm, generate_only=lambda: llm.generate(prompts, sp, use_tqdm=False),
+                                         label=f"{mode} batch {b}", repeats=args.repeats,
+                                         batch_ms=statistics.median(collect_s) * 1e3)
         if args.profile:
             _profile(generate, prompts, f"{mode} batch {b}")
     return {mode: out, **({mode + AB_OFF: off} if ab else {})}
+
+
+def _time_per_request_collection(llm, generate_only, label: str, repeats: int, batch_ms: float) -> None:
+    """``repeats`` more (untimed) generates whose records are popped the way verl's server pops them when every
+    request finishes on its own: one ``collective_rpc`` per request; prints the median collection time next to
+    the batch's one-RPC collection (``batch_ms``, measured in the timed loop)."""
+    from verl_quads.rollout.capture import collect_routing
+
+    spent = []
+    for _ in range(repeats):
+        res = generate_only()
+        t = time.perf_counter()
+        got = [collect_routing(llm, [r.request_id]) for r in res]
+        spent.append(time.perf_counter() - t)
+        if any(len(g) != 1 for g in got):
+            raise RuntimeError(f"{label}: a request's routing record missing in the per-request collection")
+    print(f"[collect] {label}: one RPC per request {statistics.median(spent) * 1e3:.1f} ms for {len(res)} requests "
+          f"(median of {repeats}); one RPC for the batch {batch_ms:.1f} ms", flush=True)
 
 
 def _run_child(argv: list[str], mode: str, path: Path) -> dict[str, dict[int, list[float]]]:
@@ -293,6 +316,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--routing-ab", action="store_true", help="capturing modes: each timed generate followed by one "
                    "with the store's routing switch off in the same engine (row '<mode> ab-off'), and the runner "
                    "hook's host time per step")
+    p.add_argument("--collect-per-request", action="store_true", help="capturing modes: after the timed "
+                   "generates, --repeats more whose records are popped with one RPC per request (as verl's server "
+                   "does when requests finish apart) instead of one for the batch; prints both collection times")
     p.add_argument("--processes", choices=("in", "mp"), default="in",
                    help="in: the engine inside the timing process (--profile sees it); mp: vLLM's engine core and "
                    "an mp-executor worker in processes of their own (how verl runs it)")

@@ -9,13 +9,13 @@ the batch's ``non_tensor_batch``, which ``DataProto.to_tensordict`` carries (as 
 the actor's ``compute_log_prob`` / ``update_actor`` micro-batches. verl has no hook to add data
 computed *inside* the vLLM workers to a request's output.
 
-Change (routing, every ``quads_nvfp4`` mode): after the original ``generate`` returns, the same
-worker RPC also pops the request's routing record (``verl_quads.rollout.capture.RequestRouting``:
-uint8 expert ids ``[T, layers, top_k]`` + positions, ``layers * top_k`` B per computed token) and the
-wrapper stores its wire form under ``extra_fields["quads_routing"]`` (:data:`ROUTING_FIELD`); the
-QAT engine compares it with its own routers in the log-prob pass (``quads/routing_disagreement``).
-Workers started with ``VERL_QUADS_ROUTING=0`` report routing capture off and nothing is attached;
-a worker with capture on but no record for a completed request raises.
+Change (routing, every ``quads_nvfp4`` mode): after the original ``generate`` returns, one worker RPC (shared
+by the requests that finish together: :class:`RecordFetcher`) pops the request's routing record
+(``verl_quads.rollout.capture.RequestRouting``: uint8 expert ids ``[T, layers, top_k]`` + positions, ``layers
+* top_k`` B per computed token) and the wrapper stores its wire form under ``extra_fields["quads_routing"]``
+(:data:`ROUTING_FIELD`); the QAT engine compares it with its own routers in the log-prob pass
+(``quads/routing_disagreement``). Workers started with ``VERL_QUADS_ROUTING=0`` report routing capture off and
+nothing is attached; a worker with capture on but no record for a completed request raises.
 
 Change (TRACE): when the server's engine is a ``quads_nvfp4`` engine in ``trace`` mode, after the original
 ``generate`` returns, the wrapper pops the request's guidance from the worker's capture store
@@ -37,6 +37,7 @@ Test: ``tests/unit/test_patches_guidance.py``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import torch
@@ -182,11 +183,80 @@ def _attach_routing(reply: dict, request_id: str, out) -> None:
     out.extra_fields[ROUTING_FIELD] = from_plain(wire)
 
 
+class RecordFetcher:
+    """Pops finished requests' records from the vLLM workers, many requests per worker RPC.
+
+    verl runs each request as its own ``generate`` coroutine, and a rollout's requests finish close together;
+    each RPC is a utility call that the engine core serves between two steps (the batch waits meanwhile). So
+    the first finished request's RPC goes out at once (no added latency), and the requests that finish while
+    an RPC is in flight wait for it and go together in the next one (one pop of all of them in the worker).
+    An RPC that raises fails every request of its batch (the exception is re-raised in each); a request whose
+    ``generate`` is cancelled while it waits still has its record popped (and dropped) with its batch.
+    Counters for tests and benchmarks: ``rpcs`` (RPCs sent) and ``requests`` (request ids fetched)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._task: asyncio.Task | None = None
+        self.rpcs = 0
+        self.requests = 0
+
+    async def fetch(self, request_id: str) -> dict:
+        """The worker reply for ``request_id`` alone: ``{"enabled", "records": {request_id: wire} or {},
+        "routing_enabled", "routing": {...}}`` (plain form, :func:`from_plain` not applied)."""
+        if request_id in self._waiting:
+            raise RuntimeError(f"verl-quads: records of request {request_id!r} asked for twice at once")
+        fut = asyncio.get_running_loop().create_future()
+        self._waiting[request_id] = fut
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+        return await fut
+
+    async def _drain(self) -> None:
+        try:
+            while self._waiting:
+                batch, self._waiting = self._waiting, {}
+                self.rpcs += 1
+                self.requests += len(batch)
+                try:
+                    results = await self.engine.collective_rpc(WORKER_METHOD, args=(list(batch),))
+                except BaseException as e:  # noqa: BLE001 -- handed to every waiting request, then re-raised there
+                    for fut in batch.values():
+                        if not fut.done():
+                            fut.cancel() if isinstance(e, asyncio.CancelledError) else fut.set_exception(e)
+                    if not isinstance(e, Exception):
+                        raise
+                    continue
+                reply = results[0] if results else {}  # TP ranks hold identical records: first one
+                for rid, fut in batch.items():
+                    if not fut.done():
+                        fut.set_result(_reply_for(reply, rid))
+        finally:
+            self._task = None
+
+
+def _reply_for(reply: dict, request_id: str) -> dict:
+    one = {k: v for k, v in reply.items() if k not in ("records", "routing")}
+    for key in ("records", "routing"):
+        if key in reply:
+            rec = reply[key].get(request_id)
+            one[key] = {} if rec is None else {request_id: rec}
+    return one
+
+
+def record_fetcher(server) -> RecordFetcher:
+    """The server's :class:`RecordFetcher` (one per server and engine, made on first use)."""
+    f = server.__dict__.get("_verl_quads_fetcher")
+    if f is None or f.engine is not server.engine:
+        f = server.__dict__["_verl_quads_fetcher"] = RecordFetcher(server.engine)
+    return f
+
+
 async def attach_records(server, request_id: str, out, trace: bool) -> None:
-    """One worker RPC: pop ``request_id``'s routing record (any quads_nvfp4 mode, if the workers
-    capture it) and, if ``trace``, its guidance record, into ``out.extra_fields``."""
-    results = await server.engine.collective_rpc(WORKER_METHOD, args=([request_id],))
-    reply = results[0] if results else {}  # TP ranks hold identical records: first one
+    """Pop ``request_id``'s routing record (any quads_nvfp4 mode, if the workers capture it) and, if ``trace``,
+    its guidance record, into ``out.extra_fields`` (through the server's :class:`RecordFetcher`: one worker RPC
+    for the requests that finish together)."""
+    reply = await record_fetcher(server).fetch(request_id)
     _attach_routing(reply, request_id, out)
     if not trace:
         return

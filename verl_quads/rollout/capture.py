@@ -246,7 +246,10 @@ class GuidanceStore:
         layer of the model being built (:meth:`register_routing_layer`) it is column ``l`` of one
         ``[rows, L, top_k]`` tensor holding every registered layer's buffer (allocated together)."""
         buf = self._routing_buf.get(layer)
-        if buf is not None and buf.shape[0] >= rows and buf.shape[1] == top_k and buf.device == torch.device(device):
+        device = torch.device(device)
+        # "cuda" (no index) names the current device, which a tensor's device ("cuda:0") never equals
+        same = buf is not None and buf.device.type == device.type and device.index in (None, buf.device.index)
+        if same and buf.shape[0] >= rows and buf.shape[1] == top_k:
             return buf
         shape = (max(rows, self._routing_rows), top_k)
         layers = tuple(sorted(self._routing_layers))
