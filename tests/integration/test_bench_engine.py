@@ -45,7 +45,7 @@ def test_engine_bench_routing_ab_switches_the_host_capture_off_in_the_same_engin
     collective_rpc)."""
     from verl_quads.bench import engine
 
-    engine.main(["--processes", processes, "--modes", "w4a16", "--routing-ab", "--collect-per-request",
+    engine.main(["--processes", processes, "--modes", "w4a16", "--routing-ab", "--collect-per-request", "--host-stats",
                  "--batch-sizes", "2", "--max-tokens", "3", "--prompt-len", "5",
                  "--repeats", "2", "--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "1",
                  "--head-dim", "32", "--experts", "4", "--top-k", "2", "--moe-inter", "64", "--vocab", "512",
@@ -63,6 +63,10 @@ def test_engine_bench_routing_ab_switches_the_host_capture_off_in_the_same_engin
     assert len(on.group(1).split(",")) == len(ab.group(1).split(",")) == 2
     assert 2 * 3 <= int(ab.group(3)) <= 2 * 4 and int(ab.group(2)) > 0
     assert f"(eager=True, processes {processes})" in out
+    host = re.search(r"^\[host\] w4a16 batch 2: cpu s per run \[([^\]]*)\]; gc collections \[([^\]]*)\], gc ms "
+                     r"\[([^\]]*)\]$", out, re.M)
+    assert host and all(len(g.split(",")) == 2 for g in host.groups()), out[-3000:]
+    assert all(float(c) > 0 for c in host.group(1).split(","))
     # --collect-per-request: 2 more generates, each request's record popped by its own RPC (raises if one is missing)
     assert re.search(r"^\[collect\] w4a16 batch 2: one RPC per request [\d.]+ ms for 2 requests \(median of 2\); "
                      r"one RPC for the batch [\d.]+ ms$", out, re.M), out[-3000:]

@@ -30,6 +30,8 @@ model in a worker process of the ``mp`` executor), where the front end's host wo
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import statistics
@@ -197,9 +199,11 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
         collect_s.clear()
         if ab:
             on_worker(_worker_hook_time, True)  # installs the timing wrappers on the first call; zeroes them
+        host = _HostStats() if args.host_stats else None
         for _ in range(args.repeats):
             t = time.perf_counter()
-            generate(prompts)
+            with host or contextlib.nullcontext():
+                generate(prompts)
             times.append(time.perf_counter() - t)
             if ab:  # the same engine with the host side of the capture off (see the module docstring)
                 routing = on_worker(_worker_routing, False)
@@ -212,6 +216,8 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
         out[b] = times
         collected = f"; routing collection median {statistics.median(collect_s) * 1e3:.1f} ms" if collect_s else ""
         print(f"[time] {mode} batch {b}: median {statistics.median(times):.3f} s of {times}{collected}", flush=True)
+        if host is not None:
+            print(f"[host] {mode} batch {b}: {host.summary()}", flush=True)
         if ab:
             off[b] = times_off
             hook = on_worker(_worker_hook_time)
@@ -225,6 +231,41 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
         if args.profile:
             _profile(generate, prompts, f"{mode} batch {b}")
     return {mode: out, **({mode + AB_OFF: off} if ab else {})}
+
+
+class _HostStats:
+    """Per timed generate (``--host-stats``): this process's CPU seconds (every thread: ``time.process_time``), and
+    Python's garbage collections in it (count, and wall ms spent in them, from ``gc.callbacks``). With
+    ``--processes in`` the engine's scheduler, runner and model all run in this process; with ``mp`` only the front
+    end does."""
+
+    def __init__(self) -> None:
+        self.cpu: list[float] = []
+        self.gcs: list[int] = []
+        self.gc_ms: list[float] = []
+        self._t_gc = 0.0
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t_gc = time.perf_counter()
+        else:
+            self.gc_ms[-1] += (time.perf_counter() - self._t_gc) * 1e3
+            self.gcs[-1] += 1
+
+    def __enter__(self) -> "_HostStats":
+        self.gcs.append(0)
+        self.gc_ms.append(0.0)
+        gc.callbacks.append(self._on_gc)
+        self._cpu0 = time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.cpu.append(time.process_time() - self._cpu0)
+        gc.callbacks.remove(self._on_gc)
+
+    def summary(self) -> str:
+        return (f"cpu s per run {[round(c, 3) for c in self.cpu]}; gc collections {self.gcs}, "
+                f"gc ms {[round(g, 1) for g in self.gc_ms]}")
 
 
 def _time_per_request_collection(llm, generate_only, label: str, repeats: int, batch_ms: float) -> None:
@@ -319,6 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--collect-per-request", action="store_true", help="capturing modes: after the timed "
                    "generates, --repeats more whose records are popped with one RPC per request (as verl's server "
                    "does when requests finish apart) instead of one for the batch; prints both collection times")
+    p.add_argument("--host-stats", action="store_true", help="per timed generate: this process's CPU seconds and "
+                   "Python garbage collections (count, ms)")
     p.add_argument("--processes", choices=("in", "mp"), default="in",
                    help="in: the engine inside the timing process (--profile sees it); mp: vLLM's engine core and "
                    "an mp-executor worker in processes of their own (how verl runs it)")
