@@ -226,6 +226,23 @@ def test_cancelled_request_does_not_disturb_its_batch_and_missing_record_fails_a
     assert isinstance(res["r-0"], RuntimeError) and "no routing record" in str(res["r-0"])
 
 
+def test_cancelled_rpc_cancels_its_batch_and_the_queued_requests():
+    srv = types.SimpleNamespace(engine=_GatedEngine(["r-0", "r-1"]))
+
+    async def main():
+        first = asyncio.ensure_future(g.attach_records(srv, "r-0", _out([1]), True))
+        while not srv.engine.calls:
+            await asyncio.sleep(0)
+        queued = asyncio.ensure_future(g.attach_records(srv, "r-1", _out([1]), True))
+        await asyncio.sleep(0)
+        g.record_fetcher(srv)._task.cancel()  # e.g. the server's loop shutting down mid-RPC
+        return await asyncio.wait_for(asyncio.gather(first, queued, return_exceptions=True), timeout=5)
+
+    res = asyncio.run(main())
+    assert all(isinstance(r, asyncio.CancelledError) for r in res), res
+    assert srv.engine.calls == [["r-0"]] and g.record_fetcher(srv)._task is None
+
+
 def test_worker_rpc_installed_on_verl_extension():
     from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 

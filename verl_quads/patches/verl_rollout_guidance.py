@@ -222,8 +222,12 @@ class RecordFetcher:
                     results = await self.engine.collective_rpc(WORKER_METHOD, args=(list(batch),))
                 except BaseException as e:  # noqa: BLE001 -- handed to every waiting request, then re-raised there
                     for fut in batch.values():
-                        if not fut.done():
-                            fut.cancel() if isinstance(e, asyncio.CancelledError) else fut.set_exception(e)
+                        if fut.done():
+                            continue
+                        if isinstance(e, asyncio.CancelledError):
+                            fut.cancel()
+                        else:
+                            fut.set_exception(e)
                     if not isinstance(e, Exception):
                         raise
                     continue
@@ -231,8 +235,11 @@ class RecordFetcher:
                 for rid, fut in batch.items():
                     if not fut.done():
                         fut.set_result(_reply_for(reply, rid))
-        finally:
+        finally:  # cancelled (the loop shutting down): requests queued meanwhile must not wait forever
             self._task = None
+            for fut in self._waiting.values():
+                fut.cancel()
+            self._waiting = {}
 
 
 def _reply_for(reply: dict, request_id: str) -> dict:
