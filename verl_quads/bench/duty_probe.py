@@ -1,0 +1,135 @@
+"""Per-call time of the dense W4A16 decode GEMM and of cuBLAS BF16 at one token when the device is busy only part of
+the time, as in a batch-1 engine step (issue #5, session 23: batch-1 generates of a W4A16 engine swing 0.19-0.29 s
+while BF16's stay steady; hypothesis: our decode kernels are issue-bound, so they slow down with the SM clock,
+while the memory-bound BF16 GEMV does not).
+
+``python -m verl_quads.bench.duty_probe [--shapes qkv,o_proj,d8192] [--gaps-ms 0,1] [--steps 200] [--calls 32]``
+
+Per shape and per gap: ``--steps`` steps of ``--calls`` back-to-back GEMMs ``[1, K] x [N, K]^T`` (weight copies
+rotated so that they do not stay in L2), the step timed between two CUDA events, then a synchronize and a host
+sleep of the gap (0: back to back). First the BF16 baseline (``x @ w.T``), then ``triton`` W4A16
+(``nvfp4_gemm`` on packed weights: the rollout's decode dispatch), then both again (drift). Reported: median us per
+call, W4A16's speed-up over BF16 in the same pass, and the SM clock (MHz, ``torch.cuda.clock_rate``, read from NVML
+after every 10th step; median). On CPU (smoke runs, ``TRITON_INTERPRET=1``): host wall time, no clock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from verl_quads import nvfp4 as nv
+from verl_quads.bench.rollout import SHAPES
+from verl_quads.nvfp4 import triton_gemm as tg
+
+L2_BYTES = 64 << 20  # more weight bytes than the H200's 50 MB L2 per rotation
+
+
+def _clock(dev: torch.device) -> float | None:
+    if dev.type != "cuda":
+        return None
+    try:
+        return float(torch.cuda.clock_rate(dev))
+    except Exception:  # no NVML: the clock column stays empty
+        return None
+
+
+def _steps(call, copies: int, steps: int, calls: int, gap_s: float, dev: torch.device) -> tuple[float, float | None]:
+    """Median seconds per call over ``steps`` steps, and the median SM clock read during them."""
+    per_call, clocks = [], []
+    cuda = dev.type == "cuda"
+    i = 0
+    for s in range(steps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+        else:
+            t = time.perf_counter()
+        for _ in range(calls):
+            call(i % copies)
+            i += 1
+        if cuda:
+            b.record()
+            b.synchronize()
+            per_call.append(a.elapsed_time(b) * 1e-3 / calls)
+        else:
+            per_call.append((time.perf_counter() - t) / calls)
+        if s % 10 == 0:
+            c = _clock(dev)
+            if c is not None:
+                clocks.append(c)
+        if gap_s > 0:
+            time.sleep(gap_s)
+    return statistics.median(per_call), (statistics.median(clocks) if clocks else None)
+
+
+def measure(shape: str, gaps_ms: list[float], steps: int, calls: int, dev: torch.device) -> list[list]:
+    """Rows ``[shape, pass, gap ms, bf16 us, bf16 MHz, w4a16 us, w4a16 MHz, x bf16]``."""
+    _, n, k = SHAPES[shape]
+    g = torch.Generator(device=dev).manual_seed(0)
+    w16 = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+    q = nv.quantize(w16, nv.global_scale_from_amax(w16.abs().amax()), backend="triton")
+    c16 = max(1, -(-L2_BYTES // (w16.numel() * 2))) if dev.type == "cuda" else 1
+    c4 = max(1, -(-L2_BYTES // (q.packed.numel() + q.block_scale.numel()))) if dev.type == "cuda" else 1
+    w16s = [w16] + [w16.clone() for _ in range(c16 - 1)]
+    w4s = [(q.packed, q.block_scale)] + [(q.packed.clone(), q.block_scale.clone()) for _ in range(c4 - 1)]
+    gs = q.global_scale.reshape(())
+    x = torch.randn(1, k, device=dev, generator=g).to(torch.bfloat16)
+    want = nv.fake_quantize(w16, q.global_scale).float() @ x.float().t()
+    op, _ = tg.quantize_activation(x, "w4a16")  # the rollout's W4A16 operand (x itself)
+    got = tg.nvfp4_gemm(op, *w4s[0], gs).float().t()
+    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):  # the call timed is the W4A16 GEMM, not something else
+        raise RuntimeError(f"duty probe {shape}: W4A16 output differs from the QDQ reference "
+                           f"(max |diff| {(got - want).abs().max().item():.3e})")
+
+    def bf16(i):
+        return x @ w16s[i].t()
+
+    def w4a16(i):
+        return tg.nvfp4_gemm(op, w4s[i][0], w4s[i][1], gs)
+
+    rows = []
+    for p in (1, 2):
+        for gap in gaps_ms:
+            t16, mhz16 = _steps(bf16, c16, steps, calls, gap * 1e-3, dev)
+            t4, mhz4 = _steps(w4a16, c4, steps, calls, gap * 1e-3, dev)
+            rows.append([shape, p, gap, t16 * 1e6, mhz16, t4 * 1e6, mhz4, t16 / t4])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m verl_quads.bench.duty_probe", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--shapes", default="qkv,o_proj,d8192", help=f"dense shapes of {sorted(SHAPES)}")
+    p.add_argument("--gaps-ms", default="0,1", help="host sleep after each step, ms (comma-separated)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--calls", type=int, default=32, help="GEMMs per step (a 16-layer step has 32 attention linears)")
+    args = p.parse_args(argv)
+    shapes = [s for s in args.shapes.split(",") if s]
+    bad = [s for s in shapes if s not in SHAPES or SHAPES[s][0]]
+    if bad:
+        p.error(f"--shapes: {bad} are not dense shapes; choose from {sorted(s for s, v in SHAPES.items() if not v[0])}")
+    gaps = [float(v) for v in args.gaps_ms.split(",") if v]
+    if any(v < 0 for v in gaps) or args.steps < 1 or args.calls < 1:
+        p.error("--gaps-ms must be >= 0, --steps and --calls >= 1")
+    dev = torch.device(args.device)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
+    print(f"duty probe: {name}, torch {torch.__version__}, M = 1, {args.steps} steps x {args.calls} calls per "
+          f"(shape, gap, pass), median", flush=True)
+    rows = [r for s in shapes for r in measure(s, gaps, args.steps, args.calls, dev)]
+
+    def mhz(v):
+        return "-" if v is None else f"{v:.0f}"
+
+    print("shape  | pass | gap ms | bf16 us/call | bf16 MHz | w4a16 us/call | w4a16 MHz | x bf16")
+    print("------ | ---- | ------ | ------------ | -------- | ------------- | --------- | ------")
+    for s, pa, gap, t16, m16, t4, m4, ratio in rows:
+        print(f"{s:6s} | {pa:4d} | {gap:6.2f} | {t16:12.2f} | {mhz(m16):>8s} | {t4:13.2f} | {mhz(m4):>9s} | "
+              f"{ratio:5.2f}x")
+
+
+if __name__ == "__main__":
+    main()
