@@ -6,8 +6,8 @@ while the memory-bound BF16 GEMV does not).
 ``python -m verl_quads.bench.duty_probe [--shapes qkv,o_proj,d8192] [--gaps-ms 0,1] [--steps 200] [--calls 32]``
 
 Per shape and per gap: ``--steps`` steps of ``--calls`` back-to-back GEMMs ``[1, K] x [N, K]^T`` (weight copies
-rotated so that they do not stay in L2), the step timed between two CUDA events, then a synchronize and a host
-sleep of the gap (0: back to back). First the BF16 baseline (``x @ w.T``), then ``triton`` W4A16
+rotated so that they do not stay in L2; on CUDA one captured graph per step, replayed, so no host time per call), the
+step timed between two CUDA events, then a synchronize and a host sleep of the gap (0: back to back). First the BF16 baseline (``x @ w.T``), then ``triton`` W4A16
 (``nvfp4_gemm`` on packed weights: the rollout's decode dispatch), then both again (drift). Reported: median us per
 call, W4A16's speed-up over BF16 in the same pass, and the SM clock (MHz, ``torch.cuda.clock_rate``, read from NVML
 after every 10th step; median). On CPU (smoke runs, ``TRITON_INTERPRET=1``): host wall time, no clock.
@@ -41,16 +41,22 @@ def _steps(call, copies: int, steps: int, calls: int, gap_s: float, dev: torch.d
     """Median seconds per call over ``steps`` steps, and the median SM clock read during them."""
     per_call, clocks = [], []
     cuda = dev.type == "cuda"
-    i = 0
+    if cuda:  # one CUDA graph of the step's calls (as the engine replays its decode step): no host time per call
+        call(0)  # compiles
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for j in range(calls):
+                call(j % copies)
     for s in range(steps):
         if cuda:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
+            graph.replay()
         else:
             t = time.perf_counter()
-        for _ in range(calls):
-            call(i % copies)
-            i += 1
+            for j in range(calls):
+                call(j % copies)
         if cuda:
             b.record()
             b.synchronize()
