@@ -34,3 +34,13 @@ def test_duty_probe_checks_the_timed_call_against_the_qdq_reference(monkeypatch)
     monkeypatch.setattr(duty_probe.tg, "nvfp4_gemm", lambda op, w, s, gs: op.values[:, :32] * 0)
     with pytest.raises(RuntimeError, match="differs from the QDQ reference"):
         duty_probe.measure("tiny", [0.0], 1, 1, duty_probe.torch.device("cpu"))
+
+
+def test_duty_probe_eager_host_time_prints_per_call_time_and_profile(capsys, monkeypatch):
+    from verl_quads.bench import duty_probe
+
+    monkeypatch.setitem(duty_probe.SHAPES, "tiny", (False, 32, 64))
+    duty_probe.main(["--device", "cpu", "--shapes", "tiny", "--eager", "2"])
+    out = capsys.readouterr().out
+    assert re.search(r"^\[eager\] tiny M=1 w4a16: [\d.]+ us per eager call .*2 calls$", out, re.M), out
+    assert "tottime" in out and "nvfp4_gemm" in out

@@ -106,6 +106,43 @@ def measure(shape: str, gaps_ms: list[float], steps: int, calls: int, dev: torch
     return rows
 
 
+def eager_host_time(shape: str, calls: int, dev: torch.device, top: int = 15) -> None:
+    """Host time of eager W4A16 calls (``--eager N``; what a step pays per GEMM outside CUDA graphs, e.g. TRACE's
+    eager engines): wall us per call of N back-to-back calls (the device waits for the host: host-bound at M = 1)
+    and the ``top`` functions by own time under cProfile (a second pass of N calls)."""
+    import cProfile
+    import pstats
+
+    _, n, k = SHAPES[shape]
+    g = torch.Generator(device=dev).manual_seed(0)
+    w16 = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16)
+    q = nv.quantize(w16, nv.global_scale_from_amax(w16.abs().amax()), backend="triton")
+    gs = q.global_scale.reshape(())
+    x = torch.randn(1, k, device=dev, generator=g).to(torch.bfloat16)
+
+    def call():
+        op, _ = tg.quantize_activation(x, "w4a16")
+        return tg.nvfp4_gemm(op, q.packed, q.block_scale, gs)
+
+    call()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        call()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    per = (time.perf_counter() - t) / calls
+    print(f"[eager] {shape} M=1 w4a16: {per * 1e6:.1f} us per eager call (quantize_activation + nvfp4_gemm), "
+          f"{calls} calls", flush=True)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m verl_quads.bench.duty_probe", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -113,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gaps-ms", default="0,1", help="host sleep after each step, ms (comma-separated)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--calls", type=int, default=32, help="GEMMs per step (a 16-layer step has 32 attention linears)")
+    p.add_argument("--eager", type=int, default=0, help="instead of the table: host time of N eager W4A16 calls per "
+                   "shape, and a cProfile of them")
     args = p.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     bad = [s for s in shapes if s not in SHAPES or SHAPES[s][0]]
@@ -125,6 +164,10 @@ def main(argv: list[str] | None = None) -> None:
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"
     print(f"duty probe: {name}, torch {torch.__version__}, M = 1, {args.steps} steps x {args.calls} calls per "
           f"(shape, gap, pass), median", flush=True)
+    if args.eager:
+        for s in shapes:
+            eager_host_time(s, args.eager, dev)
+        return
     rows = [r for s in shapes for r in measure(s, gaps, args.steps, args.calls, dev)]
 
     def mhz(v):
