@@ -11,8 +11,8 @@ computed *inside* the vLLM workers to a request's output.
 
 Change (routing, every ``quads_nvfp4`` mode): after the original ``generate`` returns, one worker RPC (shared
 by the requests that finish together: :class:`RecordFetcher`) pops the request's routing record
-(``verl_quads.rollout.capture.RequestRouting``: uint8 expert ids ``[T, layers, top_k]`` + positions, ``layers
-* top_k`` B per computed token) and the wrapper stores its wire form under ``extra_fields["quads_routing"]``
+(``verl_quads.rollout.capture.RequestRouting``: uint8 expert ids ``[T, layers, top_k]`` + positions,
+``layers * top_k`` B per computed token) and the wrapper stores its wire form under ``extra_fields["quads_routing"]``
 (:data:`ROUTING_FIELD`); the QAT engine compares it with its own routers in the log-prob pass
 (``quads/routing_disagreement``). Workers started with ``VERL_QUADS_ROUTING=0`` report routing capture off and
 nothing is attached; a worker with capture on but no record for a completed request raises.

