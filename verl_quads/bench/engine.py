@@ -17,14 +17,15 @@ routing (their default): each timed generation includes collecting every request
 ``collective_rpc`` for the whole batch; verl's server pops with one RPC the requests that finish together,
 ``RecordFetcher`` in ``patches/verl_rollout_guidance.py``); ``<mode>-norouting`` runs the mode with
 ``VERL_QUADS_ROUTING=0`` (what the capture costs, across two engines); ``--collect-per-request`` also times popping
-the records with one RPC per request (verl's server without the batching of ``RecordFetcher``). ``--routing-ab``
-measures the capture's host side within one engine: each timed generate of a capturing mode is followed by one with
-the store's routing switch off (row ``<mode> ab-off``: the runner hook's per-step work and the collection skipped; the
-expert-id copies inside the compiled graphs stay), and the hook's own host time per step is printed. Results are
-printed after each engine, so a run cut short keeps what it measured. Each engine runs in its own Python process, one
-at a time; ``--processes in`` (default): the engine in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so
-``--profile`` sees its kernels); ``mp``: the way verl 0.9.1 runs it (vLLM's engine core in a process of its own, the
-model in a worker process of the ``mp`` executor), where the front end's host work does not share the worker's thread.
+the records with one RPC per request (verl's server without the batching of ``RecordFetcher``); ``--host-stats``
+prints per timed generate the process's CPU seconds and Python garbage collections. ``--routing-ab`` measures the
+capture's host side within one engine: each timed generate of a capturing mode is followed by one with the store's
+routing switch off (row ``<mode> ab-off``: the runner hook's per-step work and the collection skipped; the expert-id
+copies inside the compiled graphs stay), and the hook's own host time per step is printed. Results are printed after
+each engine, so a run cut short keeps what it measured. Each engine runs in its own Python process, one at a time;
+``--processes in`` (default): the engine in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so ``--profile`` sees
+its kernels); ``mp``: the way verl 0.9.1 runs it (vLLM's engine core in a process of its own, the model in a worker
+process of the ``mp`` executor), where the front end's host work does not share the worker's thread.
 """
 
 from __future__ import annotations
