@@ -7,10 +7,11 @@ while the memory-bound BF16 GEMV does not).
 
 Per shape and per gap: ``--steps`` steps of ``--calls`` back-to-back GEMMs ``[1, K] x [N, K]^T`` (weight copies
 rotated so that they do not stay in L2; on CUDA one captured graph per step, replayed, so no host time per call), the
-step timed between two CUDA events, then a synchronize and a host sleep of the gap (0: back to back). First the BF16 baseline (``x @ w.T``), then ``triton`` W4A16
-(``nvfp4_gemm`` on packed weights: the rollout's decode dispatch), then both again (drift). Reported: median us per
-call, W4A16's speed-up over BF16 in the same pass, and the SM clock (MHz, ``torch.cuda.clock_rate``, read from NVML
-after every 10th step; median). On CPU (smoke runs, ``TRITON_INTERPRET=1``): host wall time, no clock.
+step timed between two CUDA events, then a synchronize and a host sleep of the gap (0: back to back). First the BF16
+baseline (``x @ w.T``), then ``triton`` W4A16 (``nvfp4_gemm`` on packed weights: the rollout's decode dispatch), then
+both again (drift). Reported: median us per call, W4A16's speed-up over BF16 in the same pass, and the SM clock (MHz,
+``torch.cuda.clock_rate``, read from NVML after every 10th step; median). On CPU (smoke runs, ``TRITON_INTERPRET=1``):
+host wall time, no clock.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import time
 import torch
 
 from verl_quads import nvfp4 as nv
-from verl_quads.bench.rollout import SHAPES
+from verl_quads.bench.rollout import SHAPES, _bf16_matmul
 from verl_quads.nvfp4 import triton_gemm as tg
 
 L2_BYTES = 64 << 20  # more weight bytes than the H200's 50 MB L2 per rotation
@@ -72,18 +73,24 @@ def _steps(call, copies: int, steps: int, calls: int, gap_s: float, dev: torch.d
     return statistics.median(per_call), (statistics.median(clocks) if clocks else None)
 
 
-def measure(shape: str, gaps_ms: list[float], steps: int, calls: int, dev: torch.device) -> list[list]:
-    """Rows ``[shape, pass, gap ms, bf16 us, bf16 MHz, w4a16 us, w4a16 MHz, x bf16]``."""
+def _operands(shape: str, dev: torch.device):
+    """A random bf16 weight ``[N, K]`` of ``shape``, its NVFP4 form (tensor scale from its amax), that global scale
+    as a 0-d tensor, and one bf16 activation row ``[1, K]`` (seeded: the same in every call)."""
     _, n, k = SHAPES[shape]
     g = torch.Generator(device=dev).manual_seed(0)
     w16 = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16)
     q = nv.quantize(w16, nv.global_scale_from_amax(w16.abs().amax()), backend="triton")
+    x = torch.randn(1, k, device=dev, generator=g).to(torch.bfloat16)
+    return w16, q, q.global_scale.reshape(()), x
+
+
+def measure(shape: str, gaps_ms: list[float], steps: int, calls: int, dev: torch.device) -> list[list]:
+    """Rows ``[shape, pass, gap ms, bf16 us, bf16 MHz, w4a16 us, w4a16 MHz, x bf16]``."""
+    w16, q, gs, x = _operands(shape, dev)
     c16 = max(1, -(-L2_BYTES // (w16.numel() * 2))) if dev.type == "cuda" else 1
     c4 = max(1, -(-L2_BYTES // (q.packed.numel() + q.block_scale.numel()))) if dev.type == "cuda" else 1
     w16s = [w16] + [w16.clone() for _ in range(c16 - 1)]
     w4s = [(q.packed, q.block_scale)] + [(q.packed.clone(), q.block_scale.clone()) for _ in range(c4 - 1)]
-    gs = q.global_scale.reshape(())
-    x = torch.randn(1, k, device=dev, generator=g).to(torch.bfloat16)
     want = nv.fake_quantize(w16, q.global_scale).float() @ x.float().t()
     op, _ = tg.quantize_activation(x, "w4a16")  # the rollout's W4A16 operand (x itself)
     got = tg.nvfp4_gemm(op, *w4s[0], gs).float().t()
@@ -92,7 +99,7 @@ def measure(shape: str, gaps_ms: list[float], steps: int, calls: int, dev: torch
                            f"(max |diff| {(got - want).abs().max().item():.3e})")
 
     def bf16(i):
-        return x @ w16s[i].t()
+        return _bf16_matmul(x, w16s[i])
 
     def w4a16(i):
         return tg.nvfp4_gemm(op, w4s[i][0], w4s[i][1], gs)
@@ -113,12 +120,7 @@ def eager_host_time(shape: str, calls: int, dev: torch.device, top: int = 15) ->
     import cProfile
     import pstats
 
-    _, n, k = SHAPES[shape]
-    g = torch.Generator(device=dev).manual_seed(0)
-    w16 = (torch.randn(n, k, device=dev, generator=g) * 0.02).to(torch.bfloat16)
-    q = nv.quantize(w16, nv.global_scale_from_amax(w16.abs().amax()), backend="triton")
-    gs = q.global_scale.reshape(())
-    x = torch.randn(1, k, device=dev, generator=g).to(torch.bfloat16)
+    _, q, gs, x = _operands(shape, dev)
 
     def call():
         op, _ = tg.quantize_activation(x, "w4a16")
