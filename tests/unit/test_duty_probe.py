@@ -25,6 +25,8 @@ def test_duty_probe_refuses_bad_arguments(monkeypatch):
         duty_probe.main(["--device", "cpu", "--shapes", "w13"])  # grouped: not a dense shape
     with pytest.raises(SystemExit):
         duty_probe.main(["--device", "cpu", "--gaps-ms", "-1"])
+    with pytest.raises(SystemExit):
+        duty_probe.main(["--device", "cpu", "--eager", "1", "--eager-modes", "w4a8"])
 
 
 def test_duty_probe_checks_the_timed_call_against_the_qdq_reference(monkeypatch):
@@ -40,7 +42,13 @@ def test_duty_probe_eager_host_time_prints_per_call_time_and_profile(capsys, mon
     from verl_quads.bench import duty_probe
 
     monkeypatch.setitem(duty_probe.SHAPES, "tiny", (False, 32, 64))
-    duty_probe.main(["--device", "cpu", "--shapes", "tiny", "--eager", "2"])
+    duty_probe.main(["--device", "cpu", "--shapes", "tiny", "--eager", "2", "--eager-modes", "w4a16,trace"])
     out = capsys.readouterr().out
-    assert re.search(r"^\[eager\] tiny M=1 w4a16: [\d.]+ us per eager call .*2 calls$", out, re.M), out
-    assert "tottime" in out and "nvfp4_gemm" in out
+    for mode in ("w4a16", "trace"):
+        for part in ("whole call", "quantize_activation alone", "nvfp4_gemm alone", "bf16 x @ w.T"):
+            assert re.search(rf"^\[eager\] tiny M=1 {mode} {re.escape(part)}.*: [\d.]+ us per call, 2 calls$", out,
+                             re.M), out
+    assert re.search(r"^\[eager\] tiny M=1 trace whole call \+ GuidanceStore.add .*: [\d.]+ us per call, 2 calls$", out,
+                     re.M), out
+    assert "GuidanceStore.add" not in out.split("M=1 trace")[0]  # w4a16 records nothing
+    assert "tottime" in out and "cumulative" in out and "nvfp4_gemm" in out

@@ -7,6 +7,7 @@ exactly E2M1(code) * block_scale for every code, including zero / E4M3-subnormal
 import pytest
 import torch
 
+from verl_quads.nvfp4 import device_info as di
 from verl_quads.nvfp4 import gluon_gemm as gg
 from verl_quads.rollout import emulation as em
 
@@ -217,7 +218,7 @@ def test_dispatch_takes_gluon_only_where_it_can_run(monkeypatch, caplog):
         device, dtype, shape = FakeDevice(), torch.bfloat16, x.shape
 
     monkeypatch.setattr(tg, "_interpreting", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    monkeypatch.setattr(di, "capability", lambda dev=None: (9, 0))
     monkeypatch.setattr(gg, "gluon_available", lambda: (True, ""))
     assert tg.gluon_dense_config(FakeX(), w) is tg.GLUON_TABLE[(4, 8192, 8192)]
 
@@ -229,7 +230,7 @@ def test_dispatch_takes_gluon_only_where_it_can_run(monkeypatch, caplog):
     warns = [r for r in caplog.records if "Gluon W4A16" in r.getMessage()]
     assert len(warns) == 1 and "triton 3.5.0" in warns[0].getMessage()
 
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (8, 0))
+    monkeypatch.setattr(di, "capability", lambda dev=None: (8, 0))
     monkeypatch.setattr(gg, "gluon_available", lambda: (True, ""))
     assert tg.gluon_dense_config(FakeX(), w) is None  # measured on sm_90 only
 

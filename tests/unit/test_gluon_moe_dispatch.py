@@ -7,6 +7,7 @@ runs only on a GPU (tests/gpu/test_gluon_moe_gpu.py)."""
 import pytest
 import torch
 
+from verl_quads.nvfp4 import device_info as di
 from verl_quads.nvfp4 import gluon_moe as gm
 from verl_quads.nvfp4 import triton_gemm as tg
 
@@ -77,7 +78,7 @@ def test_default_dispatch_on_a_hopper_without_usable_gluon_warns_once(monkeypatc
     x = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16, shape=(16, 2048))
     routing = SimpleNamespace(sorted_slots=torch.zeros(128, dtype=torch.int32), block_m=16)  # S = 128: T = 16
     monkeypatch.setattr(tg, "_interpreting", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    monkeypatch.setattr(di, "capability", lambda dev=None: (9, 0))
     monkeypatch.setattr(gg, "gluon_available", lambda: (True, ""))
     assert tg.gluon_grouped_config(x, w, routing) is tg.GLUON_MOE_TABLE[(128, 1536, 2048)]
 
@@ -105,7 +106,7 @@ def test_moe_block_m_takes_the_gluon_routing_where_both_gemms_run_on_gluon(monke
     assert tg.grouped_block_m(s // e) == 64 and tg.GLUON_MOE_ROUTING_BLOCK_M[tg.gluon_moe_bucket(s)] == 32
     assert tg.moe_block_m(s, e, x, w13, w2) == 64  # on CPU (not sm_90, the interpreter): grouped_block_m
     monkeypatch.setattr(tg, "_interpreting", lambda: False)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (9, 0))
+    monkeypatch.setattr(di, "capability", lambda dev=None: (9, 0))
     monkeypatch.setattr(gg, "gluon_available", lambda: (True, ""))
     assert tg.moe_block_m(s, e, x, w13, w2) == 32
     assert tg.moe_block_m(s, e, None, w13, w2) == 64  # GEMM1 an FP4 operand (naive, quads fp4x2): Triton kernels
@@ -116,7 +117,7 @@ def test_moe_block_m_takes_the_gluon_routing_where_both_gemms_run_on_gluon(monke
     assert tg.moe_block_m(32768, e, x, w13, w2) == tg.grouped_block_m(256)  # past the last bucket
     w2_other = torch.zeros(e, 2048, 512, dtype=torch.uint8)  # another intermediate size: no w2 entry
     assert tg.moe_block_m(s, e, x, w13, w2_other) == 64  # one GEMM off Gluon: grouped_block_m for both
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda dev=None: (10, 0))
+    monkeypatch.setattr(di, "capability", lambda dev=None: (10, 0))
     assert tg.moe_block_m(s, e, x, w13, w2) == 64
 
 

@@ -163,6 +163,38 @@ def test_guided_matches_reference():
     assert _eq_q(nv.quantize_guided(noisy, rec, backend="triton"), nv.quantize_guided(noisy, rec, backend="torch"))
 
 
+@pytest.mark.parametrize("kernel", ["v2", "v1"])
+@pytest.mark.parametrize("scale", ["row", "tensor", "per_row_gs", "amax_rows"])
+@pytest.mark.parametrize("shape", [(5, 64), (3, 2, 96), (17, 256), (2, 8192)])
+def test_quantize_with_guidance_matches_quantize_then_extract(shape, scale, kernel, monkeypatch):
+    """The quantize kernel's own guidance bits (GUIDE) are extract_guidance's bytes of the torch reference's codes,
+    for every global-scale route of the kernel (in-kernel row amax; a tensor scale; per-row scales; row amaxes
+    given, and rows too long for one program: amax by torch) and for the v1 kernel (bits by extract_guidance)."""
+    from verl_quads.nvfp4 import triton_kernels as tk
+
+    monkeypatch.setitem(tk.KERNELS, "quantize", kernel)
+    x = _x(shape, torch.bfloat16, seed=7)
+    kw = {"row": dict(amax="row"), "tensor": dict(global_scale=nv.global_scale_from_amax(x.float().abs().amax())),
+          "per_row_gs": dict(global_scale=nv.per_row_global_scale(x)),
+          "amax_rows": dict(amax=x.float().abs().amax(-1, keepdim=True))}[scale]
+    q, rec = nv.quantize_with_guidance(x, backend="triton", check_finite=False, **kw)
+    ref_q = nv.quantize(x, backend="torch", **kw)
+    want = nv.extract_guidance(ref_q)
+    assert _eq_q(q, ref_q)
+    assert rec.bits.dtype == torch.uint8 and rec.bits.shape == want.bits.shape
+    assert torch.equal(rec.bits, want.bits)
+    assert rec.bits.any() and not rec.bits.eq(255).all()  # a record with both bit values (not all one)
+    assert torch.equal(rec.block_scale.view(torch.uint8), want.block_scale.view(torch.uint8))
+    assert torch.equal(rec.global_scale, want.global_scale) and rec.shape == want.shape
+
+
+def test_quantize_with_guidance_torch_backend_is_quantize_then_extract():
+    x = _x((6, 64), torch.float32, seed=3)
+    q, rec = nv.quantize_with_guidance(x, amax="row", backend="torch")
+    want = nv.extract_guidance(nv.quantize(x, amax="row", backend="torch"))
+    assert torch.equal(rec.bits, want.bits) and _eq_q(q, nv.quantize(x, amax="row", backend="torch"))
+
+
 def _composed_guided_qdq(x, rec):
     """The definition of the guided QDQ: the torch reference's guided quantize, then its dequantize."""
     return nv.dequantize(nv.quantize_guided(x, rec, backend="torch"), x.dtype, backend="torch")
@@ -445,8 +477,8 @@ def comp(fn, sig, const, nw):
     assert k.asm["cubin"], fn
     return k
 
-q = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "packed_ptr": "*i64", "scale_ptr": "*u8", "out_ptr": "*i16", "R": "i32",
-     "NBK": "i32", "GS_DIV": "i32", "RT": "constexpr", "CT": "constexpr", "ONE_GS": "constexpr", "MODE": "constexpr",
+q = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "packed_ptr": "*i64", "scale_ptr": "*u8", "out_ptr": "*i16", "bits_ptr": "*u8",
+     "R": "i32", "NBK": "i32", "GS_DIV": "i32", "RT": "constexpr", "CT": "constexpr", "ONE_GS": "constexpr", "MODE": "constexpr",
      "OUT": "constexpr", "FP": "constexpr", "GSRC": "constexpr", "NG": "constexpr", "WRITE_GS": "constexpr"}
 g0 = {"GSRC": 0, "NG": 1, "WRITE_GS": False}  # global scales given (the ASTSource needs every constexpr)
 comp(tk._quant2_kernel, q, dict(g0, RT=1, CT=512, ONE_GS=False, MODE=0, OUT=0, FP=False), 4)
@@ -460,6 +492,9 @@ for gsrc, ng, one, rt, ct in ((1, 1, False, 2, 128), (1, 3, True, 2, 128), (2, 1
          "OUT": 3, "FP": False, "GSRC": gsrc, "NG": ng, "WRITE_GS": False}, 8)
 comp(tk._quant2_kernel, dict(q2, out_ptr="*fp32"), {"RT": 4, "CT": 128, "ONE_GS": False, "MODE": 0, "OUT": 0, "FP": False,
      "GSRC": 2, "NG": 1, "WRITE_GS": True}, 4)
+# TRACE's rollout quantize: per-row scale in the kernel and the guidance bits (GUIDE, int64 bit gathering)
+comp(tk._quant2_kernel, dict(q2, out_ptr="*fp32", bits_ptr="*i16"), {"RT": 4, "CT": 128, "ONE_GS": False, "MODE": 0,
+     "OUT": 0, "FP": False, "GSRC": 2, "NG": 1, "WRITE_GS": True, "GUIDE": True}, 4)
 r = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16", "packed1_ptr": "*i64", "scale1_ptr": "*u8",
      "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32", "NB": "i32", "NSEL": "i32",
      "GS_DIV": "i32", "NTP": "constexpr", "CT": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr", "OUT": "constexpr"}

@@ -23,10 +23,8 @@ import time
 import torch
 
 from verl_quads import nvfp4 as nv
-from verl_quads.bench.rollout import SHAPES, _bf16_matmul
+from verl_quads.bench.rollout import SHAPES, _bf16_matmul, model_graph_copies
 from verl_quads.nvfp4 import triton_gemm as tg
-
-L2_BYTES = 64 << 20  # more weight bytes than the H200's 50 MB L2 per rotation
 
 
 def _clock(dev: torch.device) -> float | None:
@@ -87,8 +85,9 @@ def _operands(shape: str, dev: torch.device):
 def measure(shape: str, gaps_ms: list[float], steps: int, calls: int, dev: torch.device) -> list[list]:
     """Rows ``[shape, pass, gap ms, bf16 us, bf16 MHz, w4a16 us, w4a16 MHz, x bf16]``."""
     w16, q, gs, x = _operands(shape, dev)
-    c16 = max(1, -(-L2_BYTES // (w16.numel() * 2))) if dev.type == "cuda" else 1
-    c4 = max(1, -(-L2_BYTES // (q.packed.numel() + q.block_scale.numel()))) if dev.type == "cuda" else 1
+    cuda = dev.type == "cuda"  # weight copies per rotation: as many as bench rollout --model-graph walks (cold L2)
+    c16 = model_graph_copies(w16.numel() * 2) if cuda else 1
+    c4 = model_graph_copies(q.packed.numel() + q.block_scale.numel()) if cuda else 1
     w16s = [w16] + [w16.clone() for _ in range(c16 - 1)]
     w4s = [(q.packed, q.block_scale)] + [(q.packed.clone(), q.block_scale.clone()) for _ in range(c4 - 1)]
     want = nv.fake_quantize(w16, q.global_scale).float() @ x.float().t()
@@ -113,36 +112,77 @@ def measure(shape: str, gaps_ms: list[float], steps: int, calls: int, dev: torch
     return rows
 
 
-def eager_host_time(shape: str, calls: int, dev: torch.device, top: int = 15) -> None:
-    """Host time of eager W4A16 calls (``--eager N``; what a step pays per GEMM outside CUDA graphs, e.g. TRACE's
-    eager engines): wall us per call of N back-to-back calls (the device waits for the host: host-bound at M = 1)
-    and the ``top`` functions by own time under cProfile (a second pass of N calls)."""
-    import cProfile
-    import pstats
-
-    _, q, gs, x = _operands(shape, dev)
-
-    def call():
-        op, _ = tg.quantize_activation(x, "w4a16")
-        return tg.nvfp4_gemm(op, q.packed, q.block_scale, gs)
-
-    call()
+def _host_us(fn, calls: int, dev: torch.device) -> float:
+    """Wall us per call of ``calls`` back-to-back eager calls of ``fn`` (one call first: compiles, caches)."""
+    fn()
     if dev.type == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(calls):
-        call()
+        fn()
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    per = (time.perf_counter() - t) / calls
-    print(f"[eager] {shape} M=1 w4a16: {per * 1e6:.1f} us per eager call (quantize_activation + nvfp4_gemm), "
-          f"{calls} calls", flush=True)
+    return (time.perf_counter() - t) / calls * 1e6
+
+
+def _stored_calls(x: torch.Tensor, weight: tuple, dev: torch.device, per_step: int = 64):
+    """The ``trace`` linear method's eager call on activation ``x`` and ``weight`` (packed, block scales, global
+    scale): quantize with capture, hand the record to :meth:`GuidanceStore.add` into a step of one request (a fresh
+    store; a step of ``per_step`` calls, then the next step of a new request, as the runner hook opens and ends
+    steps; records are kept, as during a rollout), then the GEMM."""
+    from verl_quads.rollout.capture import GuidanceStore
+
+    store = GuidanceStore()
+    store.enabled = True
+    pos = torch.zeros(1, dtype=torch.int64, device=dev)
+    n = [0]
+
+    def fn():
+        if n[0] % per_step == 0:  # records are kept (as during a rollout): popped by nobody here
+            store.end_step()
+            store.begin_step([f"r{n[0]}"], [0, 1], pos)
+        n[0] += 1
+        a, rec = tg.quantize_activation(x, "trace", capture=True)
+        store.add(n[0] % per_step, "self_attn.o_proj", rec)
+        return tg.nvfp4_gemm(a, *weight)
+
+    return fn
+
+
+def eager_host_time(shape: str, calls: int, dev: torch.device, act_mode: str = "w4a16", top: int = 15) -> None:
+    """Host time of eager NVFP4 calls (``--eager N``; what a step pays per GEMM outside CUDA graphs, e.g. TRACE's
+    eager engines): wall us per call of N back-to-back calls (the device waits for the host: host-bound at M = 1)
+    of the whole call in ``act_mode`` (``trace``: with the guidance record's capture), of its parts
+    (``quantize_activation`` alone, ``nvfp4_gemm`` on a ready operand) and of BF16 ``x @ w.T`` (baseline, same run);
+    then the ``top`` functions by own and by cumulative time under cProfile (a second pass of N whole calls)."""
+    import cProfile
+    import pstats
+
+    w16, q, gs, x = _operands(shape, dev)
+    capture = act_mode == "trace"
+    op, _ = tg.quantize_activation(x, act_mode, capture=capture)
+
+    def call():
+        a, _ = tg.quantize_activation(x, act_mode, capture=capture)
+        return tg.nvfp4_gemm(a, q.packed, q.block_scale, gs)
+
+    parts = {"whole call (quantize_activation + nvfp4_gemm)": call,
+             "quantize_activation alone": lambda: tg.quantize_activation(x, act_mode, capture=capture),
+             "nvfp4_gemm alone": lambda: tg.nvfp4_gemm(op, q.packed, q.block_scale, gs),
+             "bf16 x @ w.T (baseline)": lambda: _bf16_matmul(x, w16)}
+    if capture:
+        parts["whole call + GuidanceStore.add (the trace linear method)"] = _stored_calls(x, (q.packed, q.block_scale,
+                                                                                             gs), dev)
+    for name, fn in parts.items():
+        print(f"[eager] {shape} M=1 {act_mode} {name}: {_host_us(fn, calls, dev):.1f} us per call, {calls} calls",
+              flush=True)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(calls):
         call()
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+    for key in ("tottime", "cumulative"):
+        pstats.Stats(prof).sort_stats(key).print_stats(top)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,12 +194,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--calls", type=int, default=32, help="GEMMs per step (a 16-layer step has 32 attention linears)")
     p.add_argument("--eager", type=int, default=0, help="instead of the table: host time of N eager W4A16 calls per "
                    "shape, and a cProfile of them")
+    p.add_argument("--eager-modes", default="w4a16", help="activation modes of --eager (comma-separated; trace: with "
+                   "the guidance capture)")
     args = p.parse_args(argv)
     shapes = [s for s in args.shapes.split(",") if s]
     bad = [s for s in shapes if s not in SHAPES or SHAPES[s][0]]
     if bad:
         p.error(f"--shapes: {bad} are not dense shapes; choose from {sorted(s for s, v in SHAPES.items() if not v[0])}")
     gaps = [float(v) for v in args.gaps_ms.split(",") if v]
+    modes = [m for m in args.eager_modes.split(",") if m]
+    if any(m not in tg.ACT_MODES for m in modes):
+        p.error(f"--eager-modes: {modes}; allowed: {list(tg.ACT_MODES)}")
     if any(v < 0 for v in gaps) or args.steps < 1 or args.calls < 1:
         p.error("--gaps-ms must be >= 0, --steps and --calls >= 1")
     dev = torch.device(args.device)
@@ -167,8 +212,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"duty probe: {name}, torch {torch.__version__}, M = 1, {args.steps} steps x {args.calls} calls per "
           f"(shape, gap, pass), median", flush=True)
     if args.eager:
-        for s in shapes:
-            eager_host_time(s, args.eager, dev)
+        for mode in modes:
+            for s in shapes:
+                eager_host_time(s, args.eager, dev, mode)
         return
     rows = [r for s in shapes for r in measure(s, gaps, args.steps, args.calls, dev)]
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verl_quads.nvfp4 import device_info as di
 from verl_quads.nvfp4.format import BLOCK_SIZE
 from verl_quads.nvfp4.triton_gemm import _row_gs
 from verl_quads.nvfp4.triton_kernels import _OUT_DTYPES as _OUT
@@ -220,7 +221,7 @@ def dequant_dense_config(act, w_packed: torch.Tensor) -> DequantConfig | None:
     if act.mode != "w4a16" and act.second_packed is not None:
         return None
     rows = dequant_min_rows("w4a16" if act.mode == "w4a16" else "a4", w_packed.shape[0], act.shape[1],
-                            torch.cuda.get_device_capability(x.device))
+                            di.capability(x.device))
     if rows is None or act.shape[0] < rows:
         return None
     if not mm_out_dtype_supported():

@@ -43,10 +43,12 @@ checks them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from verl_quads.nvfp4 import device_info as di
 from verl_quads.nvfp4.format import BLOCK_SIZE, E2M1_VALUES
 
 ROWS = 16  # weight rows per row group (the MMA's M)
@@ -68,14 +70,24 @@ except Exception:  # pragma: no cover - old triton / no triton: this module stil
     gluon = None
 
 
+@functools.cache
 def triton_version() -> tuple[int, int] | None:
-    """(major, minor) of the installed triton, or None."""
+    """(major, minor) of the installed triton, or None (read once: the dispatch asks on every call)."""
     try:
         import triton
 
         return tuple(int(v) for v in triton.__version__.split(".")[:2])
     except Exception:
         return None
+
+
+@functools.cache
+def _gluon_api_missing() -> tuple[str, ...]:
+    """The Gluon API pieces the kernels use that the installed triton lacks (read once)."""
+    need = ("BlockedLayout", "SliceLayout", "NVMMADistributedLayout", "DotOperandLayout", "inline_asm_elementwise",
+            "convert_layout", "join", "permute", "reshape", "atomic_add")
+    return tuple(nm for nm in need if not hasattr(gl, nm)) + (() if hasattr(gluon, "constexpr_function") else
+                                                               ("constexpr_function",))
 
 
 def gluon_available() -> tuple[bool, str]:
@@ -86,10 +98,7 @@ def gluon_available() -> tuple[bool, str]:
     ver = triton_version()
     if ver is None or ver < MIN_TRITON:
         return False, f"triton {_triton.__version__} < {'.'.join(map(str, MIN_TRITON))}"
-    need = ("BlockedLayout", "SliceLayout", "NVMMADistributedLayout", "DotOperandLayout", "inline_asm_elementwise",
-            "convert_layout", "join", "permute", "reshape", "atomic_add")
-    missing = [nm for nm in need if not hasattr(gl, nm)] + ([] if hasattr(gluon, "constexpr_function") else
-                                                            ["constexpr_function"])
+    missing = _gluon_api_missing()
     if missing:
         return False, f"triton {_triton.__version__} Gluon lacks {', '.join(missing)}"
     return True, ""
@@ -1102,16 +1111,11 @@ class GluonConfig:
 
 
 _COUNTERS: dict = {}
-_SMS: dict = {}
 
 
 def _num_sms(dev: torch.device) -> int:
-    if dev.type != "cuda":
-        return 132
-    key = dev.index if dev.index is not None else torch.cuda.current_device()
-    if key not in _SMS:
-        _SMS[key] = torch.cuda.get_device_properties(key).multi_processor_count
-    return _SMS[key]
+    """SMs of ``dev`` (CUDA); 132 (the H200's) elsewhere, so offline plans match the measured ones."""
+    return di.sm_count(dev) if dev.type == "cuda" else 132
 
 
 def plan(w: GluonWeight, cfg: GluonConfig, sms: int = 132) -> tuple[int, int, int, bool]:
@@ -1178,7 +1182,7 @@ def std_supported(x: torch.Tensor, w_packed: torch.Tensor) -> bool:
 
     return (gluon is not None and os.environ.get("TRITON_INTERPRET") != "1" and x.is_cuda
             and x.dtype == torch.bfloat16 and x.dim() == 2 and 1 <= x.shape[0] <= 16 and w_packed.dim() == 2
-            and x.shape[1] % STD_CHUNK == 0 and torch.cuda.get_device_capability(x.device)[0] >= 8)
+            and x.shape[1] % STD_CHUNK == 0 and di.capability(x.device)[0] >= 8)
 
 
 

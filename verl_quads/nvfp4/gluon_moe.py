@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
+from verl_quads.nvfp4 import device_info as di
 from verl_quads.nvfp4.format import BLOCK_SIZE
 from verl_quads.nvfp4.gluon_gemm import ROWS, STD_CHUNK, GluonConfig, _num_sms, _plan, gluon
 
@@ -349,7 +350,7 @@ def grouped_supported(x: torch.Tensor, w_packed: torch.Tensor, block_m: int) -> 
     return (gluon is not None and os.environ.get("TRITON_INTERPRET") != "1" and x.is_cuda
             and x.dtype == torch.bfloat16 and x.dim() == 2 and w_packed.dim() == 3
             and x.shape[1] % STD_CHUNK == 0 and block_m in BLOCK_M_NT
-            and torch.cuda.get_device_capability(x.device)[0] >= 8)
+            and di.capability(x.device)[0] >= 8)
 
 
 def grouped_plan(n: int, k: int, live: int, cfg: GluonConfig, sms: int = 132) -> tuple[int, int, int, bool]:

@@ -55,10 +55,12 @@ Needs sm_90 (TMA), triton >= 3.6 with Gluon, N % 16 == 0, K % 256 == 0 (whole ch
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
+from verl_quads.nvfp4 import device_info as di
 from verl_quads.nvfp4.format import BLOCK_SIZE
 from verl_quads.nvfp4.gluon_gemm import ROWS, STD_CHUNK, gluon, gluon_available
 
@@ -218,7 +220,7 @@ def tma_supported(x: torch.Tensor, w_packed: torch.Tensor) -> tuple[bool, str]:
         return False, why
     if os.environ.get("TRITON_INTERPRET") == "1":
         return False, "the Triton interpreter cannot run TMA kernels"
-    if not x.is_cuda or torch.cuda.get_device_capability(x.device)[0] < 9:
+    if not x.is_cuda or di.capability(x.device)[0] < 9:
         return False, "needs a CUDA GPU of compute capability 9.0+ (TMA)"
     if x.dtype != torch.bfloat16 or x.dim() != 2 or not 1 <= x.shape[0] <= 16:
         return False, f"needs a bf16 activation [1..16, K], got {x.dtype} {tuple(x.shape)}"
@@ -226,6 +228,13 @@ def tma_supported(x: torch.Tensor, w_packed: torch.Tensor) -> tuple[bool, str]:
     if w_packed.dim() != 2 or n % ROWS or k % (2 * STD_CHUNK):
         return False, f"needs N % 16 == 0 and K % 256 == 0, got weight {tuple(w_packed.shape)}, K {k}"
     return True, ""
+
+
+@functools.cache
+def _nvmma(swizzle_bytes: int, bits: int, rank: int):
+    """The shared-memory layout of a descriptor (immutable; built once per kind: each build validates its fields,
+    host time an eager call pays three times)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle_bytes, element_bitwidth=bits, rank=rank)
 
 
 def gluon_w4a16_tma(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
@@ -257,15 +266,14 @@ def gluon_w4a16_tma(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
     kw, kb = k // 8, k // BLOCK_SIZE
     grid_n, stages, cps, _ = tma_plan(n, k, cfg)
     r = cfg.nwr
-    nvmma = gl.NVMMASharedLayout
     wd = TensorDescriptor(w_packed.view(torch.int32), [n // ROWS, 2, 8, kw // 32, 32], [16 * kw, 8 * kw, kw, 32, 1],
-                          [r, 2, 8, cps // 2, 32], nvmma(swizzle_byte_width=0, element_bitwidth=32, rank=5))
+                          [r, 2, 8, cps // 2, 32], _nvmma(0, 32, 5))
     sd = TensorDescriptor(w_scale.view(torch.uint8), [n // ROWS, 2, 8, kb], [16 * kb, 8 * kb, kb, 1], [r, 2, 8, cps * 8],
-                          nvmma(swizzle_byte_width=0, element_bitwidth=8, rank=4))
+                          _nvmma(0, 8, 4))
     mx = staged_rows(m)
     # 128-byte swizzle where a slice's KS chunks span whole 8-row swizzle periods (else unswizzled: M = 1 at KS 2)
     xd = TensorDescriptor(x, [c, 1, m, 2, 64], [STD_CHUNK, m * k, k, 64, 1], [cps, 1, mx, 2, 64],
-                          nvmma(swizzle_byte_width=128 if cfg.ks * mx * 2 >= 8 else 0, element_bitwidth=16, rank=5))
+                          _nvmma(128 if cfg.ks * mx * 2 >= 8 else 0, 16, 5))
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     gs = w_gs.reshape(1)
     _w4a16_tma_kernel[(grid_n,)](wd, sd, xd, gs, bias if bias is not None else gs, out, m, n, stages,

@@ -73,11 +73,13 @@ above.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
 import torch
 
+from verl_quads.nvfp4 import device_info as di
 from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
 from verl_quads.nvfp4.gluon_gemm import GluonConfig
 from verl_quads.nvfp4.gluon_moe import GroupedConfig
@@ -1091,7 +1093,7 @@ def _interpreting() -> bool:
 
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+        return di.sm_count(device)
     return 1  # the interpreter: no split-K by default
 
 
@@ -1119,6 +1121,13 @@ def pick_config(rows_per_group: int, m_tiles: int, n: int, k: int, device: torch
     entry = mid_config(rows_per_group, n, k, grouped, a4)
     if entry is not None and (block_m is None or entry.block_m == block_m):
         return entry
+    return _heuristic_config(bm, a4, m_tiles, n, k, _num_sms(device))
+
+
+@functools.lru_cache(maxsize=4096)
+def _heuristic_config(bm: int, a4: bool, m_tiles: int, n: int, k: int, sms: int) -> GemmConfig:
+    """:func:`pick_config`'s heuristic (a pure function of its integers: cached, as an eager decode step asks it
+    for every GEMM and building the config costs host time)."""
     if bm <= 32 and a4:
         cfg = GemmConfig(block_m=bm, block_n=64, block_k=128, block_k2=64, num_warps=4, num_stages=3, swap=True)
     elif bm <= 32:
@@ -1128,7 +1137,7 @@ def pick_config(rows_per_group: int, m_tiles: int, n: int, k: int, device: torch
     else:
         cfg = GemmConfig(block_m=128, block_n=128, block_k=64, block_k2=64, num_warps=8, num_stages=3)
     tiles = m_tiles * -(-n // cfg.block_n)
-    target = (4 if bm <= 32 else 2) * _num_sms(device)
+    target = (4 if bm <= 32 else 2) * sms
     split = 1
     while tiles * split * 2 <= target and k // (cfg.block_k * split * 2) >= 2:
         split *= 2
@@ -1504,7 +1513,7 @@ def gluon_dense_config(x: torch.Tensor, w_packed: torch.Tensor) -> GluonConfig |
     here: they raise where the kernel cannot run."""
     if _interpreting() or x.device.type != "cuda" or x.dtype != torch.bfloat16 or w_packed.dim() != 2:
         return None
-    cfg = gluon_table_entry(x.shape[0], w_packed.shape[0], x.shape[1], torch.cuda.get_device_capability(x.device))
+    cfg = gluon_table_entry(x.shape[0], w_packed.shape[0], x.shape[1], di.capability(x.device))
     if cfg is None:
         return None
     return cfg if _gluon_runs(_GLUON_WARNED, "decode kernel", "dense W4A16 decode GEMMs at M <= 16", "8192x8192 at "
@@ -1629,7 +1638,7 @@ def _gluon_grouped_entry(x: torch.Tensor, w_packed: torch.Tensor, k: int, slots:
     dtype, any width), ``slots`` token-slots and routing ``block_m``, before the routing exists (moe_block_m)."""
     if _interpreting() or x.device.type != "cuda" or x.dtype != torch.bfloat16 or w_packed.dim() != 3:
         return None
-    cfg = gluon_moe_table_entry(slots, w_packed.shape[1], k, block_m, torch.cuda.get_device_capability(x.device))
+    cfg = gluon_moe_table_entry(slots, w_packed.shape[1], k, block_m, di.capability(x.device))
     if cfg is None:
         return None
     return cfg if _gluon_runs(_GLUON_MOE_WARNED, "MoE kernel", "grouped W4A16 expert GEMMs at 4..256 tokens",
@@ -1908,8 +1917,10 @@ def quantize_activation(
         r = nv.residual_quantize(x, residual_ratio, amax="row", per_token=residual_per_token,
                                  granularity=residual_granularity, backend="triton", check_finite=False)
         return _residual_operand(r, mode, x.dtype), None
-    q = nv.quantize(x, amax="row", backend="triton", check_finite=False)
-    record = nv.extract_guidance(q) if (mode == "trace" and capture) else None
+    if mode == "trace" and capture:  # the record's bits come out of the quantize kernel (no launch of their own)
+        q, record = nv.quantize_with_guidance(x, amax="row", backend="triton", check_finite=False)
+    else:
+        q, record = nv.quantize(x, amax="row", backend="triton", check_finite=False), None
     first = NVFP4Tensor(q.packed, q.block_scale, _row_gs(q.global_scale, x.shape[0]).unsqueeze(-1), q.shape, q.dtype)
     return ActOperand(mode, x.dtype, first=first), record
 

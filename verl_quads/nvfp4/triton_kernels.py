@@ -50,8 +50,9 @@ import os
 
 import torch
 
+from verl_quads.nvfp4 import device_info as di
 from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
-from verl_quads.nvfp4.guidance import GuidanceRecord
+from verl_quads.nvfp4.guidance import GuidanceRecord, extract_guidance
 from verl_quads.nvfp4.reference import (
     _check_amax,
     _check_global_scale,
@@ -683,10 +684,11 @@ if triton is not None:
 
     @triton.jit
     def _quant2_kernel(
-        x_ptr, gs_ptr, packed_ptr, scale_ptr, out_ptr,
+        x_ptr, gs_ptr, packed_ptr, scale_ptr, out_ptr, bits_ptr,
         R, NBK, GS_DIV,
         RT: tl.constexpr, CT: tl.constexpr, ONE_GS: tl.constexpr, MODE: tl.constexpr, OUT: tl.constexpr,
         FP: tl.constexpr, GSRC: tl.constexpr = 0, NG: tl.constexpr = 1, WRITE_GS: tl.constexpr = False,
+        GUIDE: tl.constexpr = False,
     ):
         """Quantize (MODE 0: packed int64 word + E4M3 byte per block) or QDQ (MODE 1) of x viewed as
         [R, NBK, 16]; program (i, j) handles rows i*RT.. (RT of them) x blocks j*CT.. (CT of them).
@@ -699,7 +701,9 @@ if triton is not None:
         on the magnitudes' bit patterns (integer order = float order for |x|, NaN above Inf, so a NaN
         row gets scale 1.0 as torch's amax + nan_to_num give it). WRITE_GS (GSRC 1, 2, MODE 0, which
         has no QDQ output): also store the float32 global scale of each row's entry through out_ptr
-        (at r // GS_DIV; 0 if ONE_GS; r for GSRC 2)."""
+        (at r // GS_DIV; 0 if ONE_GS; r for GSRC 2). GUIDE (MODE 0): also store each block's TRACE guidance bits
+        (the low bit of its 16 codes, element j in bit j: :func:`verl_quads.nvfp4.guidance.extract_guidance`'s
+        bytes) as one int16 through bits_ptr."""
         i = tl.arange(0, RT * CT)
         r = tl.program_id(0) * RT + i // CT
         c = tl.program_id(1) * CT + i % CT
@@ -742,6 +746,13 @@ if triton is not None:
             word = (w1.to(tl.int64) << 32) | (w0.to(tl.int64) & 0xFFFFFFFF)
             tl.store(packed_ptr + b, word, mask=bmask)
             tl.store(scale_ptr + b, sbyte.to(tl.uint8), mask=bmask)
+            if GUIDE:  # element e's code is nibble e of the word: gather bit 4e to bit e by halving strides
+                g = word & 0x1111111111111111
+                g = (g | (g >> 3)) & 0x0303030303030303
+                g = (g | (g >> 6)) & 0x000F000F000F000F
+                g = (g | (g >> 12)) & 0x000000FF000000FF
+                g = (g | (g >> 24)) & 0xFFFF
+                tl.store(bits_ptr + b, g.to(tl.int16), mask=bmask)
 
     @triton.jit
     def _bits_threshold(eb, NSEL, NVALID):
@@ -1054,7 +1065,7 @@ def _auto_gluon(x: torch.Tensor, gs: torch.Tensor, w, nbp: int, packed: bool, st
     rows = GLUON_RESIDUAL_AUTO.get(nbp)
     if rows is None or packed or stop or x.shape[0] < rows or not x.is_cuda:
         return False
-    if not gluon_residual_measured_on(torch.cuda.get_device_capability(x.device)):
+    if not gluon_residual_measured_on(di.capability(x.device)):
         return False
     from verl_quads.nvfp4 import gluon_residual as gr
 
@@ -1111,13 +1122,16 @@ def _out_arg(out: torch.Tensor) -> torch.Tensor:
     return out.view(torch.int16) if out.dtype == torch.bfloat16 else out
 
 
-def _quant2(xc, g, div, a0, a1, a2, k, mode: int, out: int, gsrc: int = 0, ng: int = 1, gs_out=None) -> None:
+def _quant2(xc, g, div, a0, a1, a2, k, mode: int, out: int, gsrc: int = 0, ng: int = 1, gs_out=None,
+            bits=None) -> None:
     """Launch ``_quant2_kernel`` on contiguous ``xc`` ``[..., K]`` (rows = numel / K): MODE 0 writes
     packed words ``a0`` (int64 view) and scale bytes ``a1``; MODE 1 the QDQ into ``a2``. ``gsrc``/``ng``:
     the kernel's GSRC/NG (``g`` holds global scales, amaxes, or nothing for 2); ``gs_out`` (MODE 0
     only, passed in a2's place): float32 buffer for the global scales the kernel derives (GSRC 1, 2),
-    or None. GSRC 2 needs whole rows per program (:func:`_row_amax_fits`)."""
+    or None. GSRC 2 needs whole rows per program (:func:`_row_amax_fits`). ``bits`` (MODE 0 only): uint8
+    ``[..., K/8]`` for the TRACE guidance bits of the codes (GUIDE), or None."""
     assert gs_out is None or mode == 0
+    assert bits is None or mode == 0
     cfg = QUANT2_CONFIG["quantize" if mode == 0 else "qdq"]
     nbk = k // BLOCK_SIZE
     rows = xc.numel() // k
@@ -1125,9 +1139,10 @@ def _quant2(xc, g, div, a0, a1, a2, k, mode: int, out: int, gsrc: int = 0, ng: i
     rt = cfg["blocks"] // ct
     # plain integer grid math: triton.cdiv / next_power_of_2 are jit-callable objects (host time per call)
     _quant2_kernel[(-(-rows // rt), -(-nbk // ct))](
-        xc, g, a0, a1, a2 if gs_out is None else gs_out, rows, nbk, div, RT=rt, CT=ct,
-        ONE_GS=gsrc != 2 and g.numel() == ng, MODE=mode, OUT=out, FP=cfg.get("fp", False), GSRC=gsrc, NG=ng,
-        WRITE_GS=gs_out is not None, num_warps=cfg["num_warps"], enable_fp_fusion=False)
+        xc, g, a0, a1, a2 if gs_out is None else gs_out, a1 if bits is None else bits.view(torch.int16), rows, nbk,
+        div, RT=rt, CT=ct, ONE_GS=gsrc != 2 and g.numel() == ng, MODE=mode, OUT=out, FP=cfg.get("fp", False),
+        GSRC=gsrc, NG=ng, WRITE_GS=gs_out is not None, GUIDE=bits is not None, num_warps=cfg["num_warps"],
+        enable_fp_fusion=False)
 
 
 def _pow2(n: int) -> int:
@@ -1214,6 +1229,21 @@ def quantize(x: torch.Tensor, global_scale=None, *, amax=None, check_finite: boo
     """Triton :func:`verl_quads.nvfp4.quantize`. ``amax`` (instead of ``global_scale``): see
     :func:`fake_quantize`; the result's ``global_scale`` is the float32 scale the kernel derived (amax's
     shape; 0-d for a group; ``[..., 1]`` for "row")."""
+    return _quantize(x, global_scale, amax, check_finite, None)
+
+
+def quantize_with_guidance(x: torch.Tensor, global_scale=None, *, amax=None,
+                           check_finite: bool = True) -> tuple[NVFP4Tensor, GuidanceRecord]:
+    """Triton :func:`verl_quads.nvfp4.quantize_with_guidance`: :func:`quantize` whose kernel also writes the
+    guidance bits (no launch of its own; the ``v1`` kernel has no such output: the bits come from
+    :func:`~verl_quads.nvfp4.guidance.extract_guidance` there, the same bytes)."""
+    bits = torch.empty(*x.shape[:-1], x.shape[-1] // 8, dtype=torch.uint8, device=x.device)
+    q = _quantize(x, global_scale, amax, check_finite, bits)
+    return q, GuidanceRecord(bits, q.block_scale, q.global_scale, q.shape)
+
+
+def _quantize(x: torch.Tensor, global_scale, amax, check_finite: bool, bits: torch.Tensor | None) -> NVFP4Tensor:
+    """:func:`quantize`; ``bits`` (uint8 ``[..., K/8]``): also filled with the codes' guidance bits."""
     xc, launch, gs = _prepare_amax(x, global_scale, amax, check_finite, 0)
     k = x.shape[-1]
     lead = tuple(x.shape[:-1])
@@ -1223,14 +1253,17 @@ def quantize(x: torch.Tensor, global_scale=None, *, amax=None, check_finite: boo
     words = packed.view(torch.int64)  # one 8-byte word per block (see _block_word)
     if launch is not None:
         g, div, gsrc, ng, gs = launch
-        _quant2(xc, g, div, words, scale, words, k, 0, 0, gsrc, ng, gs)
+        _quant2(xc, g, div, words, scale, words, k, 0, 0, gsrc, ng, gs, bits)
     elif nblk:
         g, div = _gs_rows(gs, lead)
         if KERNELS["quantize"] == "v2":
-            _quant2(xc, g, div, words, scale, words, k, 0, 0)
+            _quant2(xc, g, div, words, scale, words, k, 0, 0, bits=bits)
         else:
             _launch(_quant_kernel, _grid(nblk), xc, g, words, scale, words, nblk, k // BLOCK_SIZE, div,
                     MODE=0, OUT=0)
+            if bits is not None:
+                bits.copy_(extract_guidance(NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs, x.shape,
+                                                        x.dtype)).bits)
     return NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs, x.shape, x.dtype)
 
 

@@ -15,6 +15,9 @@ batch's request ids, ``query_start_loc`` and ``positions`` before the forward an
 :meth:`GuidanceStore.add` stores the step's records; :meth:`GuidanceStore.pop` later gathers one
 request's rows over all its steps (prefill + each decode step), sorted by position.
 Forwards outside ``_model_forward`` (profiling/dummy runs) open no step and record nothing.
+On CUDA a step's records stay on the device until the step ends, then go to pinned host memory in one
+non-blocking copy per kind of tensor (:func:`_flush_to_host`; :meth:`GuidanceStore.pop` waits for them): until
+session 24 every record was copied with three blocking ``.cpu()`` calls inside its GEMM.
 
 Limits (documented, not hidden): with prefix caching, cached prompt positions are never computed
 and have no record (disable it for TRACE); the last sampled token is never fed through the model,
@@ -174,6 +177,50 @@ class _Step:
     policy_version: int | None
     records: dict[Key, GuidanceRecord] = field(default_factory=dict)
     expert_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    copied: "torch.cuda.Event | None" = None  # CUDA records: recorded after their copies to the host
+
+    def wait_copies(self) -> None:
+        """Wait until the step's records have reached host memory (no-op without CUDA records)."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
+
+def _to_host_together(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Host copies of same-dtype CUDA ``tensors``: ONE device concatenation, ONE pinned host buffer and ONE copy
+    that does not wait (enqueued on the current stream); returns views of that buffer in the tensors' shapes."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    out, o = [], 0
+    for t in tensors:
+        out.append(host[o:o + t.numel()].view(t.shape))
+        o += t.numel()
+    return out
+
+
+def _flush_to_host(step: _Step) -> None:
+    """Move a finished step's CUDA records to host memory: per kind of tensor (bits, block scales, global scales,
+    expert ids) one concatenation on the device and one non-blocking copy into one pinned buffer, then one event
+    (:meth:`_Step.wait_copies`, which :meth:`GuidanceStore.pop` calls). Why not per record: a blocking ``.cpu()``
+    per tensor of each guided GEMM (3 per GEMM) stopped the host until the device had run everything queued, and
+    a pinned buffer per tensor costs an allocation each; this costs 4 copies per step. Stream order makes the
+    copies read the records before later kernels reuse their memory."""
+    keys = [k for k, r in step.records.items() if r.bits.is_cuda]
+    layers = [layer for layer, t in step.expert_ids.items() if t.is_cuda]
+    if not keys and not layers:
+        return
+    recs = [step.records[k] for k in keys]
+    if keys:
+        bits = _to_host_together([r.bits for r in recs])
+        scales = _to_host_together([r.block_scale.view(torch.uint8) for r in recs])
+        gss = _to_host_together([r.global_scale for r in recs])
+        for k, r, b, sc, g in zip(keys, recs, bits, scales, gss):
+            step.records[k] = GuidanceRecord(b, sc.view(torch.float8_e4m3fn), g, r.shape)
+    if layers:
+        for layer, t in zip(layers, _to_host_together([step.expert_ids[layer] for layer in layers])):
+            step.expert_ids[layer] = t
+    step.copied = torch.cuda.Event()
+    step.copied.record()
 
 
 ROUTING_ENV = "VERL_QUADS_ROUTING"
@@ -224,6 +271,8 @@ class GuidanceStore:
             return
         if self.routing:
             self._end_routing_step(step)
+        if self.enabled:
+            _flush_to_host(step)
         if self.enabled and step.records:
             qsl = step.query_start_loc
             with self._lock:
@@ -308,16 +357,16 @@ class GuidanceStore:
         return self._current is not None
 
     def add(self, layer: int, gemm: str, record: GuidanceRecord, expert_ids: torch.Tensor | None = None) -> None:
-        """Store a batch record (leading dim = batch rows, padding rows beyond the step dropped)."""
+        """Store a batch record (leading dim = batch rows, padding rows beyond the step dropped). CUDA records stay
+        on the device until the step ends (:func:`_flush_to_host`: copied together, without waiting)."""
         step = self._current
         if step is None:
             return
         n = step.query_start_loc[-1]
         rec = slice_record(record, slice(0, n))
-        rec = GuidanceRecord(rec.bits.cpu(), rec.block_scale.cpu(), rec.global_scale.cpu(), rec.shape)
         step.records[(layer, gemm)] = rec
         if expert_ids is not None:
-            step.expert_ids[layer] = expert_ids[:n].detach().to("cpu", torch.int64).clone()
+            step.expert_ids[layer] = expert_ids[:n].detach().to(torch.int64, copy=True)
 
     # --- read by the driver (through collective_rpc) ---
     def request_ids(self) -> list[str]:
@@ -342,6 +391,8 @@ class GuidanceStore:
             parts = self._trace.pop(request_id)
         if not parts:
             return None
+        for s, _ in parts:
+            s.wait_copies()
         versions = {s.policy_version for s, _ in parts}
         if len(versions) > 1:
             raise ValueError(

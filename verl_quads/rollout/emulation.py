@@ -140,8 +140,10 @@ def quantize_activation(x: torch.Tensor, q: ActQuant) -> tuple[torch.Tensor, Gui
             backend=q.backend, check_finite=False,
         )
         return r.dequantize(torch.float32), None
-    xq = nvfp4.quantize(x, gs, backend=q.backend, check_finite=False)
-    record = nvfp4.extract_guidance(xq) if (q.mode == "trace" and q.capture) else None
+    if q.mode == "trace" and q.capture:
+        xq, record = nvfp4.quantize_with_guidance(x, gs, backend=q.backend, check_finite=False)
+    else:
+        xq, record = nvfp4.quantize(x, gs, backend=q.backend, check_finite=False), None
     return nvfp4.dequantize(xq, torch.float32, backend=q.backend), record
 
 

@@ -220,8 +220,10 @@ def activation_passes(x: torch.Tensor, mode: str, residual_ratio: float = 0.5, r
         return passes, None
     if mode not in ("naive", "trace"):
         raise ValueError(f"quads_nvfp4 native: W4A4 mode must be naive, quads or trace, got {mode!r}")
-    q = nvfp4.quantize(x, amax="row", backend="auto", check_finite=False)
-    record = nvfp4.extract_guidance(q) if (mode == "trace" and capture) else None
+    if mode == "trace" and capture:
+        q, record = nvfp4.quantize_with_guidance(x, amax="row", backend="auto", check_finite=False)
+    else:
+        q, record = nvfp4.quantize(x, amax="row", backend="auto", check_finite=False), None
     return [(q.packed, q.block_scale, _row_vector(q.global_scale, m))], record
 
 

@@ -1,0 +1,51 @@
+"""TRACE's guidance store on CUDA (verl_quads/rollout/capture.py): records handed over by the guided GEMMs are copied
+to pinned host memory without waiting, and a pop after the steps gives each request exactly its rows of every record
+(bits, block scales, global scales, expert ids), even when the device tensors are rewritten right after the hand-over
+(in stream order, as the caching allocator reuses them) and the device is still busy when the records are added."""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+def test_cuda_records_copied_without_waiting_pop_exact_rows():
+    from verl_quads import nvfp4 as nv
+    from verl_quads.rollout.capture import GuidanceStore
+
+    store = GuidanceStore()
+    store.enabled = True
+    g = torch.Generator(device="cuda").manual_seed(0)
+    reqs = ["a", "b", "c"]
+    want: dict[str, list] = {r: [] for r in reqs}
+    busy = torch.randn(4096, 4096, device="cuda")
+    for step in range(6):
+        n_per = [4, 2, 3] if step == 0 else [1, 1, 1]
+        qsl = [0]
+        for n in n_per:
+            qsl.append(qsl[-1] + n)
+        n = qsl[-1]
+        pos = torch.tensor([p for k in n_per for p in (range(k) if step == 0 else [step + 3])], device="cuda")
+        store.begin_step(reqs, qsl, pos)
+        for _ in range(4):  # the device is busy: the copies are still pending when the host goes on
+            busy = busy @ busy / 64.0
+        x = (torch.randn(n + 2, 64, device="cuda", generator=g) * 3).to(torch.bfloat16)  # 2 padding rows
+        q, rec = nv.quantize_with_guidance(x, amax="row", backend="triton", check_finite=False)
+        ids = torch.randint(0, 128, (n + 2, 8), device="cuda", generator=g, dtype=torch.int32)
+        store.add(5, "mlp.experts.w2", rec, expert_ids=ids)
+        host = (rec.bits[:n].cpu(), rec.block_scale[:n].view(torch.uint8).cpu(), rec.global_scale[:n].cpu(),
+                ids[:n].to(torch.int64).cpu())  # the reference (waits)
+        for t in (rec.bits, rec.block_scale.view(torch.uint8), rec.global_scale, ids):
+            t.fill_(0)  # the device memory rewritten after the hand-over, in stream order
+        store.end_step()
+        for j, r in enumerate(reqs):
+            want[r].append(tuple(h[qsl[j]:qsl[j + 1]] for h in host))
+    for r in reqs:
+        got = store.pop(r)
+        rec = got.records[(5, "mlp.experts.w2")]
+        assert rec.bits.device.type == "cpu" and rec.bits.is_pinned()
+        assert torch.equal(rec.bits, torch.cat([w[0] for w in want[r]]))
+        assert torch.equal(rec.block_scale.view(torch.uint8), torch.cat([w[1] for w in want[r]]))
+        assert torch.equal(rec.global_scale, torch.cat([w[2] for w in want[r]]))
+        assert torch.equal(got.expert_ids[5], torch.cat([w[3] for w in want[r]]))
+        assert rec.bits.any()  # real records, not the zeros written after
