@@ -3,7 +3,8 @@ the time, as in a batch-1 engine step (issue #5, session 23: batch-1 generates o
 while BF16's stay steady; hypothesis: our decode kernels are issue-bound, so they slow down with the SM clock,
 while the memory-bound BF16 GEMV does not).
 
-``python -m verl_quads.bench.duty_probe [--shapes qkv,o_proj,d8192] [--gaps-ms 0,1] [--steps 200] [--calls 32]``
+``python -m verl_quads.bench.duty_probe [--shapes qkv,o_proj,d8192] [--gaps-ms 0,1] [--steps 200] [--calls 32]``;
+``--eager N [--eager-modes w4a16,trace]``: instead, the host time of eager calls (:func:`eager_host_time`).
 
 Per shape and per gap: ``--steps`` steps of ``--calls`` back-to-back GEMMs ``[1, K] x [N, K]^T`` (weight copies
 rotated so that they do not stay in L2; on CUDA one captured graph per step, replayed, so no host time per call), the
@@ -192,8 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gaps-ms", default="0,1", help="host sleep after each step, ms (comma-separated)")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--calls", type=int, default=32, help="GEMMs per step (a 16-layer step has 32 attention linears)")
-    p.add_argument("--eager", type=int, default=0, help="instead of the table: host time of N eager W4A16 calls per "
-                   "shape, and a cProfile of them")
+    p.add_argument("--eager", type=int, default=0, help="instead of the table: host time of N eager NVFP4 calls per "
+                   "shape and --eager-modes mode, split into parts, and a cProfile of them")
     p.add_argument("--eager-modes", default="w4a16", help="activation modes of --eager (comma-separated; trace: with "
                    "the guidance capture)")
     args = p.parse_args(argv)
