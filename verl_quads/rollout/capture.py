@@ -15,9 +15,10 @@ batch's request ids, ``query_start_loc`` and ``positions`` before the forward an
 :meth:`GuidanceStore.add` stores the step's records; :meth:`GuidanceStore.pop` later gathers one
 request's rows over all its steps (prefill + each decode step), sorted by position.
 Forwards outside ``_model_forward`` (profiling/dummy runs) open no step and record nothing.
-On CUDA a step's records stay on the device until the step ends, then go to pinned host memory in one
-non-blocking copy per kind of tensor (:func:`_flush_to_host`; :meth:`GuidanceStore.pop` waits for them): until
-session 24 every record was copied with three blocking ``.cpu()`` calls inside its GEMM.
+On CUDA a step's records stay on the device until the step ends, then go to host memory in one non-blocking copy
+per kind of tensor, into chunks of pinned memory (:func:`_flush_to_host`, :class:`PinnedArena`;
+:meth:`GuidanceStore.pop` waits for them): until session 24 every record was copied with three blocking ``.cpu()``
+calls inside its GEMM.
 
 Limits (documented, not hidden): with prefix caching, cached prompt positions are never computed
 and have no record (disable it for TRACE); the last sampled token is never fed through the model,
@@ -185,11 +186,43 @@ class _Step:
             self.copied.synchronize()
 
 
-def _to_host_together(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Host copies of same-dtype CUDA ``tensors``: ONE device concatenation, ONE pinned host buffer and ONE copy
-    that does not wait (enqueued on the current stream); returns views of that buffer in the tensors' shapes."""
+#: bytes of one pinned host chunk the TRACE records of successive steps are carved from (:class:`PinnedArena`)
+ARENA_CHUNK_BYTES = 64 << 20
+
+
+class PinnedArena:
+    """Host buffers for the steps' records, carved from pinned chunks of :data:`ARENA_CHUNK_BYTES` (a request larger
+    than a chunk gets a chunk of its own): one page-locked allocation per chunk instead of one per step and kind of
+    tensor (pinning costs host time roughly per byte, and nothing is freed while a rollout's records wait to be
+    popped). A chunk is a plain tensor: the records are views of it, so it is freed (back to torch's pinned-memory
+    cache, which reuses it) once the last record cut from it is dropped. Segments start at multiples of
+    :data:`ALIGN` bytes, so any dtype view of one is aligned. ``alloc(nbytes)``: a uint8 tensor of that many bytes
+    (default: pinned host memory; tests pass a plain one)."""
+
+    ALIGN = 16
+
+    def __init__(self, alloc=None, chunk_bytes: int | None = None) -> None:
+        self._alloc = alloc or (lambda n: torch.empty(n, dtype=torch.uint8, pin_memory=True))
+        self._chunk_bytes = chunk_bytes or ARENA_CHUNK_BYTES
+        self._chunk: torch.Tensor | None = None
+        self._used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` fresh bytes (uint8 ``[nbytes]``), not shared with any earlier ``take``."""
+        if nbytes > self._chunk_bytes:
+            return self._alloc(nbytes)
+        start = -(-self._used // self.ALIGN) * self.ALIGN
+        if self._chunk is None or start + nbytes > self._chunk.numel():
+            self._chunk, start = self._alloc(self._chunk_bytes), 0
+        self._used = start + nbytes
+        return self._chunk[start:start + nbytes]
+
+
+def _to_host_together(tensors: list[torch.Tensor], arena: PinnedArena) -> list[torch.Tensor]:
+    """Host copies of same-dtype CUDA ``tensors``: ONE device concatenation and ONE copy that does not wait (enqueued
+    on the current stream) into ``arena`` memory; returns views of that memory in the tensors' shapes."""
     flat = torch.cat([t.reshape(-1) for t in tensors])
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host = arena.take(flat.numel() * flat.element_size()).view(flat.dtype)
     host.copy_(flat, non_blocking=True)
     out, o = [], 0
     for t in tensors:
@@ -198,26 +231,26 @@ def _to_host_together(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-def _flush_to_host(step: _Step) -> None:
+def _flush_to_host(step: _Step, arena: PinnedArena) -> None:
     """Move a finished step's CUDA records to host memory: per kind of tensor (bits, block scales, global scales,
-    expert ids) one concatenation on the device and one non-blocking copy into one pinned buffer, then one event
-    (:meth:`_Step.wait_copies`, which :meth:`GuidanceStore.pop` calls). Why not per record: a blocking ``.cpu()``
-    per tensor of each guided GEMM (3 per GEMM) stopped the host until the device had run everything queued, and
-    a pinned buffer per tensor costs an allocation each; this costs 4 copies per step. Stream order makes the
-    copies read the records before later kernels reuse their memory."""
+    expert ids) one concatenation on the device and one non-blocking copy into pinned ``arena`` memory, then one
+    event (:meth:`_Step.wait_copies`, which :meth:`GuidanceStore.pop` calls). Why not per record: a blocking
+    ``.cpu()`` per tensor of each guided GEMM (3 per GEMM) stopped the host until the device had run everything
+    queued, and a pinned buffer per tensor costs an allocation each; this costs 4 copies per step. Stream order makes
+    the copies read the records before later kernels reuse their memory."""
     keys = [k for k, r in step.records.items() if r.bits.is_cuda]
     layers = [layer for layer, t in step.expert_ids.items() if t.is_cuda]
     if not keys and not layers:
         return
     recs = [step.records[k] for k in keys]
     if keys:
-        bits = _to_host_together([r.bits for r in recs])
-        scales = _to_host_together([r.block_scale.view(torch.uint8) for r in recs])
-        gss = _to_host_together([r.global_scale for r in recs])
+        bits = _to_host_together([r.bits for r in recs], arena)
+        scales = _to_host_together([r.block_scale.view(torch.uint8) for r in recs], arena)
+        gss = _to_host_together([r.global_scale for r in recs], arena)
         for k, r, b, sc, g in zip(keys, recs, bits, scales, gss):
             step.records[k] = GuidanceRecord(b, sc.view(torch.float8_e4m3fn), g, r.shape)
     if layers:
-        for layer, t in zip(layers, _to_host_together([step.expert_ids[layer] for layer in layers])):
+        for layer, t in zip(layers, _to_host_together([step.expert_ids[layer] for layer in layers], arena)):
             step.expert_ids[layer] = t
     step.copied = torch.cuda.Event()
     step.copied.record()
@@ -239,6 +272,7 @@ class GuidanceStore:
         # as one of its requests is not popped; a pop touches only its own request's steps)
         self._trace: RequestIndex[list[tuple[_Step, slice]]] = RequestIndex()
         self._current: _Step | None = None
+        self._arena = PinnedArena()  # host memory of TRACE's CUDA records (allocated on first use)
         self._routing_buf: dict[int, torch.Tensor] = {}  # layer -> int16 [rows, top_k] (persistent)
         # the model's registered layers' buffers are the columns of one int16 [rows, L, top_k] tensor: a step's rows
         # of every layer are then one contiguous block (base[:n]), not L slices stacked on the host every step
@@ -272,7 +306,7 @@ class GuidanceStore:
         if self.routing:
             self._end_routing_step(step)
         if self.enabled:
-            _flush_to_host(step)
+            _flush_to_host(step, self._arena)
         if self.enabled and step.records:
             qsl = step.query_start_loc
             with self._lock:
