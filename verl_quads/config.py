@@ -208,9 +208,6 @@ class QuantConfig:
             return []
         backend = self.backend if backend is None else backend
         out = []
-        if self.rollout_mode == "trace":
-            out.append("trace mode: guidance is recorded by Python code in each forward, which torch.compile "
-                       "traces once and a CUDA graph replay never runs, so records would be missing")
         if backend == "torch":
             out.append("quant_config.backend=torch: backend 'torch' (the reference emulation) runs data-dependent "
                        "Python in each forward (per-expert loops, host reads) that torch.compile cannot trace and "

@@ -66,8 +66,8 @@ SHOWN = [  # (metric key, column title, format)
 def rollout_overrides(quant: str) -> list[str]:
     """Rollout settings the mode needs beyond ``actor.quant`` (which configures vLLM's ``quads_nvfp4``
     engine by itself, verl_quads/patches/hydra_rollout_quant_mirror.py): the trace rollout refuses
-    prefix caching (cached prompt positions would carry no guidance); its other need, an eager engine,
-    every demo run sets (:func:`grpo_command`)."""
+    prefix caching (cached prompt positions would carry no guidance). (The demo runs vLLM CPU's torch backend,
+    which needs an eager engine in every mode: :func:`grpo_command` sets it.)"""
     if QuantConfig(quant=quant).rollout_mode == "trace":
         return ["actor_rollout_ref.rollout.enable_prefix_caching=False"]
     return []

@@ -13,7 +13,9 @@ module reuses. What only a GPU engine exercises, and is checked here:
   (a graph replays fixed addresses);
 - routing capture out of CUDA graphs (non-blocking copies): every request's record, the eager engine's routing;
 - the layers' output on the engine's real activations == ``verl_quads.nvfp4`` QDQ + a plain matmul;
-- ``trace``: an eager engine records guidance that reproduces the rollout's codes; a compiled one is refused.
+- ``trace``: an eager engine records guidance that reproduces the rollout's codes; a CUDA-graph engine (Dynamo-eager,
+  the same kernels) records the eager engine's guidance bit for bit, its decode steps replaying the graphs' copies
+  into the store's persistent buffers; with Inductor every computed position has a record.
 
 Attention runs vLLM's ``TRITON_ATTN`` backend (the FlashAttention extension is not carried to the device; attention
 is not ours). Engines run in-process, one at a time.
@@ -202,7 +204,7 @@ def test_methods_on_cuda_match_nvfp4_qdq_plus_plain_matmul(engine, ckpts):
     assert n_checked >= 3 * 8
 
 
-def test_trace_eager_engine_guidance_reproduces_codes_and_compiled_is_refused(engine, ckpts):
+def test_trace_eager_engine_guidance_reproduces_codes(engine, ckpts):
     llm = engine.start(ckpts[0], "trace", eager=True)
     get_store().clear()
     lin, moe, records = cpu.capture_activations(llm)
@@ -223,7 +225,54 @@ def test_trace_eager_engine_guidance_reproduces_codes_and_compiled_is_refused(en
             assert torch.equal(guided.block_scale.view(torch.uint8), rollout.block_scale.view(torch.uint8))
             n_checked += 1
     assert n_checked >= sum(g.num_tokens for g in guidance.values()) * cpu.LAYERS * 3
-    engine.close()
-    with pytest.raises(Exception, match=r"needs an eager engine.*trace mode"):
-        engine.start(ckpts[0], "trace", eager=False)
-    engine.close_failed()
+
+
+def _guidance_in_prompt_order(llm) -> list:
+    return sorted(collect_guidance(llm).values(), key=lambda g: int(g.external_id))
+
+
+def test_trace_cuda_graph_engine_records_the_eager_engines_guidance(engine, ckpts):
+    """TRACE under vLLM's default execution (compiled, CUDA graphs). Dynamo with the eager backend and every vLLM
+    custom op (the same kernels as eager) + graphs: the same tokens and, per request, the same positions and the same
+    records of every guided GEMM (bits, block scales, global scales, w2 expert ids) as the eager engine, bit for
+    bit; its decode steps (4 prompts: a captured batch size) replay graphs, so those records come from the replayed
+    copies into the store's persistent buffers, the prefill's from the ops' Python (not captured: too many tokens).
+    Inductor + graphs: every request has every guided GEMM's record at every computed position (its bf16 fusions
+    change activations slightly: the share of equal bits is printed)."""
+    prompts = cpu.PROMPTS + ["Weng earns 12 an hour. How much"]
+    llm = engine.start(ckpts[0], "trace", eager=True)
+    _check_layers_on_cuda(llm, "trace")
+    get_store().clear()
+    ref, _ = cpu.generate(llm, prompts)
+    g_ref = _guidance_in_prompt_order(llm)
+    assert len(g_ref) == len(prompts)
+    for name, cc in (("dynamo-eager+graphs", {"backend": "eager", "custom_ops": ["all"]}), ("inductor+graphs", {})):
+        llm = engine.start(ckpts[0], "trace", eager=False, compilation=cc)
+        assert _graphs_on(llm)
+        get_store().clear()
+        cpu.generate(llm, prompts)  # warm-up (compiles the Triton kernels)
+        collect_guidance(llm)
+        res, dt = cpu.generate(llm, prompts)
+        got = _guidance_in_prompt_order(llm)
+        assert len(got) == len(prompts)
+        equal_bits, total_bits = 0, 0
+        for p, a, b in zip(prompts, g_ref, got):
+            t = len(llm.get_tokenizer()(p).input_ids) + cpu.MAX_TOKENS - 1
+            assert b.positions.tolist() == list(range(t)), name
+            assert set(b.records) == set(a.records) and len(b.records) == cpu.LAYERS * 4, name
+            assert set(b.expert_ids) == set(a.expert_ids) == set(range(cpu.LAYERS)), name
+            for key, ra in a.records.items():
+                rb = b.records[key]
+                assert rb.shape == ra.shape and rb.bits.shape == ra.bits.shape, (name, key)
+                equal_bits += int((rb.bits == ra.bits).sum())
+                total_bits += rb.bits.numel()
+                if name == "dynamo-eager+graphs":
+                    assert torch.equal(rb.bits, ra.bits), (p, key)
+                    assert torch.equal(rb.block_scale.view(torch.uint8), ra.block_scale.view(torch.uint8)), (p, key)
+                    assert torch.equal(rb.global_scale, ra.global_scale), (p, key)
+            if name == "dynamo-eager+graphs":
+                assert all(torch.equal(b.expert_ids[l], a.expert_ids[l]) for l in a.expert_ids), p
+        if name == "dynamo-eager+graphs":
+            assert res == ref  # tokens and logprobs
+        print(f"[trace] {name}: {dt * 1e3:.0f} ms for {len(prompts)} prompts x {cpu.MAX_TOKENS} tokens; guidance "
+              f"bytes equal to eager's: {equal_bits / total_bits:.4f}")

@@ -388,15 +388,16 @@ def test_trace_refuses_prefix_caching(engines, ckpts):
     engines.close_failed()
 
 
-@pytest.mark.parametrize("mode, why", [("trace", "trace mode: guidance is recorded by Python code"),
-                                       ("w4a16", "backend 'torch' \\(the reference emulation\\)")])
-def test_eager_only_configurations_refuse_a_compiled_engine(engines, ckpts, mode, why):
-    """vLLM's default (no enforce_eager) compiles the model and, on GPUs, replays CUDA graphs: TRACE's Python-side
-    guidance capture would miss records, and the torch backend's data-dependent forward does not trace (before:
+@pytest.mark.parametrize("mode", ["trace", "w4a16"])
+def test_eager_only_configurations_refuse_a_compiled_engine(engines, ckpts, mode):
+    """vLLM's default (no enforce_eager) compiles the model and, on GPUs, replays CUDA graphs: the torch backend
+    (the one vLLM CPU runs, for every mode, trace included) has a data-dependent forward that does not trace (before:
     torch._dynamo's "Could not guard on data-dependent expression" from inside vLLM's compile). The engine is
-    refused while building its layers, naming the setting, the reason and verl's key."""
+    refused while building its layers, naming the setting, the reason and verl's key. (A triton-backend trace
+    engine runs with graphs: tests/gpu/test_rollout_vllm_gpu.py.)"""
     engines.close()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    why = "backend 'torch' \\(the reference emulation\\)"
     with pytest.raises(Exception, match=rf"needs an eager engine.*compilation_config\.mode=.*{why}.*"
                                         r"rollout\.enforce_eager=True"):
         vllm.LLM(str(ckpts[0]), quantization="quads_nvfp4", enforce_eager=False, dtype="bfloat16", max_model_len=128,

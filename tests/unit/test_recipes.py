@@ -98,7 +98,8 @@ def test_recipe_composes_with_verl(tmp_path, recipe, mode):
         qc = quant_config_from_args(qc_args)
         assert qc.rollout_mode == quant.rollout_mode
     if mode == "trace":
-        assert rollout.enable_prefix_caching is False and rollout.enforce_eager is True
+        # CUDA graphs stay on (verl's default): the triton / native backends record guidance inside them
+        assert rollout.enable_prefix_caching is False and rollout.enforce_eager is False
 
 
 def test_a_typo_fails_composition():

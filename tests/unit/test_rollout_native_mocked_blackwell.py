@@ -201,13 +201,21 @@ def test_native_trace_captures_the_torch_backends_record(monkeypatch):
     x, w, bias = _data()
     act = ActQuant("trace", capture=True)
     out = {}
-    for backend in ("torch", "native"):
+    # "native compiled": under torch.compile the capture runs as the custom op verl_quads::nvfp4_native_linear_guided
+    # (what a CUDA-graph engine records and replays); Dynamo never traces the store
+    for name in ("torch", "native", "native compiled"):
+        backend = name.split()[0]
         m = QuadsNVFP4LinearMethod(act, backend, capture_key=(3, "mlp.down_proj"))
         _, layer = _layer(backend, act, w)
-        out[backend] = (m.apply(layer, x, bias), recs.pop((3, "mlp.down_proj")))
-    rt, rn = out["torch"][1], out["native"][1]
-    assert torch.equal(rt.bits, rn.bits) and torch.equal(rt.block_scale.view(torch.uint8), rn.block_scale.view(torch.uint8))
-    assert torch.equal(rt.global_scale, rn.global_scale)
+        fn = torch.compile(m.apply, backend="eager", fullgraph=True) if "compiled" in name else m.apply
+        out[name] = (fn(layer, x, bias), recs.pop((3, "mlp.down_proj")))
+    rt = out["torch"][1]
+    for name in ("native", "native compiled"):
+        rn = out[name][1]
+        assert torch.equal(rt.bits, rn.bits) and torch.equal(rt.block_scale.view(torch.uint8),
+                                                             rn.block_scale.view(torch.uint8)), name
+        assert torch.equal(rt.global_scale, rn.global_scale), name
+    assert torch.equal(out["native compiled"][0], out["native"][0])
     # the native output under capture is the same as without capture
     mn, ln = _layer("native", ActQuant("trace"), w)
     assert torch.equal(out["native"][0], mn.apply(ln, x, bias))

@@ -34,19 +34,32 @@ def _rollout(*overrides):
     return omega_conf_to_dataclass(cfg.actor_rollout_ref.rollout)
 
 
-#: What a trace rollout needs beyond actor.quant (verl's defaults are the opposite; recipes/modes/trace.args)
-TRACE_NEEDS = ["actor_rollout_ref.rollout.enable_prefix_caching=False", "actor_rollout_ref.rollout.enforce_eager=True"]
+#: What a trace rollout needs beyond actor.quant (verl's default is the opposite; recipes/modes/trace.args)
+TRACE_NEEDS = ["actor_rollout_ref.rollout.enable_prefix_caching=False"]
+EAGER = "actor_rollout_ref.rollout.enforce_eager=True"
 
 
-@pytest.mark.parametrize("missing", [TRACE_NEEDS, TRACE_NEEDS[:1], TRACE_NEEDS[1:]])
-def test_trace_rollout_without_eager_or_with_prefix_caching_fails_at_config_time(missing):
-    """verl's defaults (prefix caching on, compiled / CUDA-graph engine) would make the trace vLLM engine refuse
-    to start inside a Ray worker: the rollout config refuses them first, in the driver, naming each key."""
-    given = [o for o in TRACE_NEEDS if o not in missing]
-    with pytest.raises(Exception, match=r"actor\.quant=trace needs") as e:
-        _rollout("actor_rollout_ref.actor.quant=trace", *given)
-    for o in TRACE_NEEDS:
-        assert (o in str(e.value)) == (o in missing), (o, str(e.value))
+def test_trace_rollout_with_prefix_caching_fails_at_config_time():
+    """verl's default (prefix caching on) would make the trace vLLM engine refuse to start inside a Ray worker: the
+    rollout config refuses it first, in the driver, naming the key."""
+    with pytest.raises(Exception, match=r"actor\.quant=trace needs actor_rollout_ref\.rollout\.enable_prefix_caching"
+                                        r"=False") as e:
+        _rollout("actor_rollout_ref.actor.quant=trace", EAGER)
+    assert "enforce_eager" not in str(e.value)
+
+
+def test_trace_rollout_runs_compiled_unless_its_backend_needs_eager():
+    """A trace rollout on the GPU backends records guidance inside CUDA graphs (verl's default enforce_eager=False is
+    accepted: backend auto, triton, native); the torch backend (the reference emulation) needs an eager engine:
+    refused in the driver, naming the key and the reason."""
+    for backend in ("auto", "triton", "native"):
+        _rollout("actor_rollout_ref.actor.quant=trace", f"actor_rollout_ref.actor.quant_config.backend={backend}",
+                 *TRACE_NEEDS)
+    with pytest.raises(Exception, match=rf"actor\.quant=trace needs {EAGER.replace('.', '[.]')} \(.*backend 'torch'"):
+        _rollout("actor_rollout_ref.actor.quant=trace", "actor_rollout_ref.actor.quant_config.backend=torch",
+                 *TRACE_NEEDS)
+    _rollout("actor_rollout_ref.actor.quant=trace", "actor_rollout_ref.actor.quant_config.backend=torch",
+             *TRACE_NEEDS, EAGER)
 
 
 @pytest.mark.parametrize("quant", QUANT_MODES)

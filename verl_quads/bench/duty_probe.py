@@ -151,7 +151,7 @@ def _stored_calls(x: torch.Tensor, weight: tuple, dev: torch.device, per_step: i
 
 
 def eager_host_time(shape: str, calls: int, dev: torch.device, act_mode: str = "w4a16", top: int = 15) -> None:
-    """Host time of eager NVFP4 calls (``--eager N``; what a step pays per GEMM outside CUDA graphs, e.g. TRACE's
+    """Host time of eager NVFP4 calls (``--eager N``; what a step pays per GEMM outside CUDA graphs, e.g. in
     eager engines): wall us per call of N back-to-back calls (the device waits for the host: host-bound at M = 1)
     of the whole call in ``act_mode`` (``trace``: with the guidance record's capture), of its parts
     (``quantize_activation`` alone, ``nvfp4_gemm`` on a ready operand) and of BF16 ``x @ w.T`` (baseline, same run);

@@ -388,8 +388,6 @@ def main(argv: list[str] | None = None) -> None:
 
     cuda = torch.cuda.is_available()
     eager = {"auto": not cuda, "yes": True, "no": False}[args.eager]
-    if any(m.startswith("trace") for m in modes) and not eager:
-        raise SystemExit("--modes trace needs an eager engine (TRACE records guidance in Python): pass --eager yes")
     if args.profile and args.processes != "in":
         raise SystemExit("--profile needs --processes in (the profiler sees this process only)")
     if args.child:

@@ -200,7 +200,7 @@ def check_rollout_execution(qc: QuantConfig, *, enable_prefix_caching: Any, enfo
         need.append("actor_rollout_ref.rollout.enforce_eager=True (" + "; ".join(why) + ")")
     if need:
         raise ValueError(f"actor_rollout_ref.actor.quant={qc.quant} needs " + "; ".join(need) +
-                         (" (recipes/modes/trace.args sets both)" if qc.rollout_mode == "trace" else ""))
+                         (" (recipes/modes/trace.args sets the first)" if qc.rollout_mode == "trace" else ""))
 
 
 def _make_rollout_class():

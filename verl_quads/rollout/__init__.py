@@ -13,7 +13,7 @@ Modules (each imports vLLM; only import them inside a vLLM process or a test tha
 
 Usage (vLLM alone)::
 
-    LLM(path, quantization="quads_nvfp4", enable_prefix_caching=False, enforce_eager=True,  # both for trace only
+    LLM(path, quantization="quads_nvfp4", enable_prefix_caching=False,  # trace only (cached prompts: no guidance)
         hf_overrides={"quantization_config": {"quant_method": "quads_nvfp4", "quant": "quads",
                                                "residual_ratio": 0.5}})
 

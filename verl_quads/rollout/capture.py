@@ -11,14 +11,18 @@ slot's expert ids are kept beside it.
 
 How rows become (request, position): the GEMMs see a flat batch of token rows. A wrapper around
 the model runner's ``_model_forward`` (installed only in ``trace`` mode) opens a *step* with the
-batch's request ids, ``query_start_loc`` and ``positions`` before the forward and closes it after;
-:meth:`GuidanceStore.add` stores the step's records; :meth:`GuidanceStore.pop` later gathers one
-request's rows over all its steps (prefill + each decode step), sorted by position.
-Forwards outside ``_model_forward`` (profiling/dummy runs) open no step and record nothing.
-On CUDA a step's records stay on the device until the step ends, then go to host memory in one non-blocking copy
-per kind of tensor, into chunks of pinned memory (:func:`_flush_to_host`, :class:`PinnedArena`;
-:meth:`GuidanceStore.pop` waits for them): until session 24 every record was copied with three blocking ``.cpu()``
-calls inside its GEMM.
+batch's request ids, ``query_start_loc`` and ``positions`` before the forward and closes it after.
+Every forward's guided GEMMs copy their records into persistent per-GEMM buffers (:meth:`GuidanceStore.add`, rows =
+``max_num_batched_tokens``), whether or not a step is open; that is what makes TRACE work under CUDA graphs (vLLM's
+default on GPUs, since session 25): the Python runs once while a graph is captured and every replay repeats the
+copies. The hook's ``end_step`` then takes the step's rows ``[0, n)`` of every guided GEMM of the model it executes;
+:meth:`GuidanceStore.pop` later gathers one request's rows over all its steps (prefill + each decode step), sorted by
+position. Forwards outside ``_model_forward`` (profiling/dummy/capture runs) open no step: their rows are never taken.
+On CUDA the step's rows go to host memory in one non-blocking copy per kind of tensor, into chunks of pinned memory
+(:func:`_flush_to_host`, :class:`PinnedArena`; :meth:`GuidanceStore.pop` waits for them): until session 24 every
+record was copied with three blocking ``.cpu()`` calls inside its GEMM. Device memory: per token and guided GEMM of
+input width K, K/8 + K/16 + 4 bytes (x top_k for ``mlp.experts.w2``, + 8 * top_k of expert ids), times
+``max_num_batched_tokens`` rows, held for the engine's life.
 
 Limits (documented, not hidden): with prefix caching, cached prompt positions are never computed
 and have no record (disable it for TRACE); the last sampled token is never fed through the model,
@@ -38,8 +42,8 @@ environment variable ``VERL_QUADS_ROUTING=0`` in the vLLM worker processes): eac
 installs the runner step hook) and copies its ``topk_ids`` into a persistent per-layer device
 buffer ``int16 [max_num_batched_tokens, top_k]`` on every forward (:func:`record_routing`); the layers'
 buffers are the columns of one ``[max_num_batched_tokens, L, top_k]`` tensor. The copy
-is one kernel into a fixed address, so it is recorded in a CUDA graph and replayed with it (unlike
-TRACE's Python-side capture, which needs ``enforce_eager``); the step hook takes the first ``n`` rows of
+is one kernel into a fixed address, so it is recorded in a CUDA graph and replayed with it (as TRACE's record copies,
+:meth:`GuidanceStore.add`); the step hook takes the first ``n`` rows of
 that tensor after the forward, outside the graph, and hands them with the step's positions to the
 :class:`~verl_quads.rollout.routing_log.RoutingLog`, which copies them to pinned host memory WITHOUT waiting
 (waited for, and the ids checked, only when a request's record is popped) and indexes them per request. Why not
@@ -179,6 +183,7 @@ class _Step:
     records: dict[Key, GuidanceRecord] = field(default_factory=dict)
     expert_ids: dict[int, torch.Tensor] = field(default_factory=dict)
     copied: "torch.cuda.Event | None" = None  # CUDA records: recorded after their copies to the host
+    written: set = field(default_factory=set)  # guided GEMMs whose Python ran in this step (eager / uncaptured)
 
     def wait_copies(self) -> None:
         """Wait until the step's records have reached host memory (no-op without CUDA records)."""
@@ -273,12 +278,20 @@ class GuidanceStore:
         self._trace: RequestIndex[list[tuple[_Step, slice]]] = RequestIndex()
         self._current: _Step | None = None
         self._arena = PinnedArena()  # host memory of TRACE's CUDA records (allocated on first use)
+        # TRACE's persistent device buffers, one set per guided GEMM (rows = max_num_batched_tokens): every forward
+        # writes its records there (one copy each: recorded in a CUDA graph and replayed with it), end_step takes
+        # the step's rows (see add / end_step)
+        self._trace_buf: dict[Key, GuidanceRecord] = {}
+        self._trace_ids: dict[int, torch.Tensor] = {}  # MoE layer -> int64 [rows, top_k] (mlp.experts.w2 slots)
+        self._trace_in_graph: set[Key] = set()  # buffers written while a CUDA graph was being captured
+        # guided GEMMs of the model the runner executes now (set by the runner hook; None outside vLLM's runner)
+        self.active_trace_keys: list[Key] | None = None
         self._routing_buf: dict[int, torch.Tensor] = {}  # layer -> int16 [rows, top_k] (persistent)
         # the model's registered layers' buffers are the columns of one int16 [rows, L, top_k] tensor: a step's rows
         # of every layer are then one contiguous block (base[:n]), not L slices stacked on the host every step
         self._routing_base: torch.Tensor | None = None
         self._routing_base_layers: tuple[int, ...] = ()
-        self._routing_rows = 0  # preferred buffer rows (max_num_batched_tokens)
+        self._rows = 0  # preferred rows of the persistent buffers (max_num_batched_tokens)
         self._routing_layers: set[int] = set()  # MoE layers of the model built last in this process
         # captured MoE layers of the model the runner is executing now (set by the runner hook per step;
         # None outside vLLM's runner, e.g. unit tests): an engine without quads_nvfp4 experts has []
@@ -306,7 +319,7 @@ class GuidanceStore:
         if self.routing:
             self._end_routing_step(step)
         if self.enabled:
-            _flush_to_host(step, self._arena)
+            self._take_trace_rows(step)
         if self.enabled and step.records:
             qsl = step.query_start_loc
             with self._lock:
@@ -335,7 +348,7 @@ class GuidanceStore:
         same = buf is not None and buf.device.type == device.type and device.index in (None, buf.device.index)
         if same and buf.shape[0] >= rows and buf.shape[1] == top_k:
             return buf
-        shape = (max(rows, self._routing_rows), top_k)
+        shape = (max(rows, self._rows), top_k)
         layers = tuple(sorted(self._routing_layers))
         if layer in layers:
             base = torch.full((shape[0], len(layers), top_k), -1, dtype=torch.int16, device=device)
@@ -390,17 +403,103 @@ class GuidanceStore:
     def in_step(self) -> bool:
         return self._current is not None
 
-    def add(self, layer: int, gemm: str, record: GuidanceRecord, expert_ids: torch.Tensor | None = None) -> None:
-        """Store a batch record (leading dim = batch rows, padding rows beyond the step dropped). CUDA records stay
-        on the device until the step ends (:func:`_flush_to_host`: copied together, without waiting)."""
-        step = self._current
-        if step is None:
+    # --- TRACE guidance (trace mode) ---
+    def prefer_rows_of_current_engine(self) -> None:
+        """Size later persistent buffers (routing, TRACE) at the building engine's ``max_num_batched_tokens`` (the
+        most rows one forward has; without a vLLM config context, e.g. unit tests: sized by the first forward)."""
+        try:
+            from vllm.config import get_current_vllm_config
+
+            rows = int(get_current_vllm_config().scheduler_config.max_num_batched_tokens)
+        except Exception:  # no vLLM config context
             return
-        n = step.query_start_loc[-1]
-        rec = slice_record(record, slice(0, n))
-        step.records[(layer, gemm)] = rec
+        self._rows = max(self._rows, rows)
+
+    def register_trace_gemm(self, layer: int, gemm: str) -> None:
+        """Called by a guided GEMM's quant method when vLLM builds its layer: sizes the buffers
+        (:meth:`prefer_rows_of_current_engine`) and forgets that a CUDA graph of an earlier engine in this process
+        captured this GEMM's buffer (only one in-process engine runs at a time; the new one captures its own)."""
+        self.prefer_rows_of_current_engine()
+        self._trace_in_graph.discard((layer, gemm))
+
+    def _trace_buffer(self, key: Key, record: GuidanceRecord) -> GuidanceRecord:
+        """``key``'s persistent buffers with at least ``record``'s rows and its row shape (allocated at
+        max(rows, max_num_batched_tokens); reallocated only for a larger forward, refused once a CUDA graph holds
+        the old address: its replays would write where nothing reads)."""
+        buf = self._trace_buf.get(key)
+        m, dev = record.bits.shape[0], record.bits.device
+        fits = buf is not None and buf.bits.device == dev and buf.bits.shape[0] >= m \
+            and buf.shape[1:] == record.shape[1:] and buf.global_scale.shape[1:] == record.global_scale.shape[1:]
+        if fits:
+            return buf
+        if key in self._trace_in_graph:
+            raise RuntimeError(
+                f"verl-quads TRACE: guided GEMM {key} got {m} rows of shape {list(record.shape[1:])} on {dev}, but its "
+                f"record buffer ({'none' if buf is None else list(buf.bits.shape)}) is already captured in a CUDA "
+                "graph: reallocating it would leave the graph writing to the old one. vLLM sizes it at "
+                "max_num_batched_tokens before capturing; this forward exceeds that"
+            )
+        rows = max(m, self._rows)
+
+        def empty(t: torch.Tensor) -> torch.Tensor:
+            return torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=dev)
+
+        buf = GuidanceRecord(empty(record.bits), empty(record.block_scale.view(torch.uint8)).view(torch.float8_e4m3fn),
+                             empty(record.global_scale), torch.Size((rows, *record.shape[1:])))
+        self._trace_buf[key] = buf
+        return buf
+
+    def add(self, layer: int, gemm: str, record: GuidanceRecord, expert_ids: torch.Tensor | None = None) -> None:
+        """Write one guided GEMM's batch record (leading dim = the forward's token rows; for ``mlp.experts.w2``
+        ``[T, top_k, ...]`` with the slots' expert ids ``[T, top_k]``) into its persistent buffers, rows ``[0, T)``:
+        one device copy per tensor, whether or not a step is open. Why copies into fixed buffers: under CUDA graphs
+        (vLLM's default) this Python runs once, while the graph is captured, and each replay re-runs only the copy
+        kernels; :meth:`end_step` then takes the step's rows of every guided GEMM of the model, written by this
+        forward whether it ran eagerly or replayed. Rows beyond the step (padding) are never taken."""
+        key = (layer, gemm)
+        buf = self._trace_buffer(key, record)
+        m = record.bits.shape[0]
+        buf.bits[:m].copy_(record.bits)
+        buf.block_scale[:m].view(torch.uint8).copy_(record.block_scale.view(torch.uint8))
+        buf.global_scale[:m].copy_(record.global_scale)
         if expert_ids is not None:
-            step.expert_ids[layer] = expert_ids[:n].detach().to(torch.int64, copy=True)
+            ids = self._trace_ids.get(layer)
+            if ids is None or ids.device != expert_ids.device or ids.shape[0] < m or ids.shape[1:] != expert_ids.shape[1:]:
+                ids = self._trace_ids[layer] = torch.full((buf.bits.shape[0], *expert_ids.shape[1:]), -1,
+                                                          dtype=torch.int64, device=expert_ids.device)
+            ids[:m].copy_(expert_ids)
+        if record.bits.is_cuda and torch.cuda.is_current_stream_capturing():
+            self._trace_in_graph.add(key)
+        elif self._current is not None:
+            self._current.written.add(key)
+
+    def _take_trace_rows(self, step: _Step) -> None:
+        """The step's rows ``[0, n)`` of every guided GEMM's buffers -> ``step.records`` / ``step.expert_ids``, then
+        to host memory (CUDA: :func:`_flush_to_host`, without waiting; CPU: copies, the buffers are rewritten next
+        forward). Which GEMMs: those of the model the runner executes (``active_trace_keys``), else (outside vLLM's
+        runner) those written in this step. A step whose forward ran our Python (eager, or compiled without a
+        graph, in an engine without graphs) must have written every one of them; a replayed CUDA graph runs no
+        Python and wrote them all."""
+        keys = self.active_trace_keys if self.active_trace_keys is not None else sorted(step.written)
+        # with graphs some ops may replay while others (outside the graphs) run Python: completeness is then only
+        # checkable in engines that never captured one
+        strict = bool(step.written) and not self._trace_in_graph
+        missing = [k for k in keys if k not in self._trace_buf or (strict and k not in step.written)]
+        if missing:
+            raise RuntimeError(f"verl-quads TRACE: guided GEMMs {missing} wrote no guidance record in this step "
+                               f"(written: {sorted(step.written)})")
+        n = step.query_start_loc[-1]
+        for key in keys:
+            step.records[key] = slice_record(self._trace_buf[key], slice(0, n))
+            if key[1] == "mlp.experts.w2" and key[0] in self._trace_ids:
+                step.expert_ids[key[0]] = self._trace_ids[key[0]][:n]
+        if any(r.bits.is_cuda for r in step.records.values()):
+            _flush_to_host(step, self._arena)
+        else:
+            for key, r in step.records.items():
+                step.records[key] = GuidanceRecord(r.bits.clone(), r.block_scale.clone(), r.global_scale.clone(),
+                                                   r.shape)
+            step.expert_ids = {layer: t.clone() for layer, t in step.expert_ids.items()}
 
     # --- read by the driver (through collective_rpc) ---
     def request_ids(self) -> list[str]:
@@ -485,12 +584,7 @@ def enable_routing_capture(layer_name: str) -> int | None:
                        layer_name)
         return None
     store = get_store()
-    try:
-        from vllm.config import get_current_vllm_config
-
-        store._routing_rows = max(store._routing_rows, int(get_current_vllm_config().scheduler_config.max_num_batched_tokens))
-    except Exception:  # no vLLM config context (unit tests): buffers are sized by the first forward
-        pass
+    store.prefer_rows_of_current_engine()
     install_runner_hook()
     store.routing = True
     layer = int(m.group(1))
@@ -550,9 +644,9 @@ def collect_routing(llm, request_ids: list[str] | None = None) -> dict[str, Requ
 _HOOK_LOCK = threading.Lock()
 
 
-def _runner_capture(runner) -> tuple[bool, list[int]] | None:
-    """What this runner's model captures, computed once per runner: (whether any ``quads_nvfp4`` layer records
-    TRACE guidance, the decoder-layer indices whose routing is captured); None if the runner has no model yet.
+def _runner_capture(runner) -> tuple[list[Key], list[int]] | None:
+    """What this runner's model captures, computed once per runner: (the ``(layer, gemm)`` keys of its guided GEMMs
+    (TRACE), the decoder-layer indices whose routing is captured); None if the runner has no model yet.
     Both come from the model the runner executes, not from the process-wide store: another engine built earlier
     in the same process (a trace engine before a naive one, a quads one before a stock BF16 one, or the reverse)
     thus never leaves its capture switched on, or its layers expected, here."""
@@ -561,15 +655,19 @@ def _runner_capture(runner) -> tuple[bool, list[int]] | None:
         model = getattr(runner, "model", None)
         if model is None:
             return None
-        trace, layers = False, set()
+        keys, layers = set(), set()
         for m in model.modules():
             method = getattr(m, "quant_method", None)
             idx = getattr(method, "routing_layer", None)
             if idx is not None:
                 layers.add(int(idx))
-            trace = trace or getattr(method, "capture_key", None) is not None \
-                or getattr(method, "capture_layer", None) is not None
-        found = runner._verl_quads_capture = (trace, sorted(layers))
+            key = getattr(method, "capture_key", None)
+            if key is not None:
+                keys.add((int(key[0]), str(key[1])))
+            moe_layer = getattr(method, "capture_layer", None)
+            if moe_layer is not None:
+                keys.update({(int(moe_layer), "mlp.experts.w13"), (int(moe_layer), "mlp.experts.w2")})
+        found = runner._verl_quads_capture = (sorted(keys), sorted(layers))
     return found
 
 
@@ -598,7 +696,8 @@ def install_runner_hook() -> None:
             store = get_store()
             found = _runner_capture(self)  # cached on the runner after its first step
             if found is not None:
-                store.enabled, store.active_routing_layers = found
+                store.active_trace_keys, store.active_routing_layers = found
+                store.enabled = bool(store.active_trace_keys)
             if not (store.enabled or store.routing):
                 return orig(self, *args, **kwargs)
             positions = kwargs.get("positions", args[1] if len(args) > 1 else None)

@@ -124,6 +124,10 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
 
             native.check_linear_shape(getattr(layer, "prefix", type(layer).__name__),
                                       sum(output_partition_sizes), input_size_per_partition)
+        if self.capture_key is not None:
+            from verl_quads.rollout.capture import get_store
+
+            get_store().register_trace_gemm(*self.capture_key)
         if self.packed:
             self._create_packed(layer, input_size_per_partition, output_partition_sizes, extra_weight_attrs)
             return
@@ -199,31 +203,58 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
 
     def _apply_triton(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The ``triton`` backend: activation quantized by the NVFP4 core (same codes as the torch
-        backend), then one fused dequantize + GEMM launch reading the packed weight. Without guidance
-        capture it runs as the custom op ``torch.ops.verl_quads.nvfp4_linear`` (opaque to
-        torch.compile); with capture (trace) eagerly, handing the record to the guidance store."""
-        from verl_quads.nvfp4 import triton_gemm
+        backend), then one fused dequantize + GEMM launch reading the packed weight. Runs as a custom op
+        (opaque to torch.compile): ``torch.ops.verl_quads.nvfp4_linear``, or with guidance capture (trace)
+        ``torch.ops.verl_quads.nvfp4_linear_guided``, which also writes the record into the guidance store's
+        persistent buffers (recorded in CUDA graphs with the GEMM); eagerly the latter's function is called
+        directly (no dispatcher round trip)."""
+        from verl_quads.nvfp4 import triton_gemm  # noqa: F401  (registers torch.ops.verl_quads.nvfp4_linear)
 
         x2 = x.reshape(-1, x.shape[-1])
-        capture = self.act.capture and self.capture_key is not None
-        if not capture:
-            y = torch.ops.verl_quads.nvfp4_linear(
-                x2, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, bias, self.act.mode,
-                self.act.residual_ratio, self.act.residual_per_token, self.act.residual_combine,
-                self.act.residual_granularity,
-            )
-            return y.reshape(*x.shape[:-1], y.shape[-1])
-        op, record = triton_gemm.quantize_activation(
-            x2, self.act.mode, residual_ratio=self.act.residual_ratio,
-            residual_per_token=self.act.residual_per_token, capture=capture,
-            residual_combine=self.act.residual_combine, residual_granularity=self.act.residual_granularity,
-        )
-        if record is not None and capture:
-            from verl_quads.rollout.capture import get_store
-
-            get_store().add(*self.capture_key, record)
-        y = triton_gemm.nvfp4_gemm(op, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, bias)
+        a = self.act
+        args = (x2, layer.weight_packed, layer.weight_scale, layer.weight_global_scale, bias, a.mode,
+                a.residual_ratio, a.residual_per_token, a.residual_combine, a.residual_granularity)
+        if not (a.capture and self.capture_key is not None):
+            y = torch.ops.verl_quads.nvfp4_linear(*args)
+        elif torch.compiler.is_compiling():
+            y = torch.ops.verl_quads.nvfp4_linear_guided(*args, *self.capture_key)
+        else:
+            y = _linear_guided(*args, *self.capture_key)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-__all__ = ["KERNEL_PARAMS", "QuadsNVFP4LinearMethod", "set_kernel_param", "shared_global_scale"]
+def _linear_guided(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
+                   bias: torch.Tensor | None, act_mode: str, residual_ratio: float, residual_per_token: bool,
+                   residual_combine: str, residual_granularity: str, layer: int, gemm: str) -> torch.Tensor:
+    """``triton`` linear ``[M, K] -> [M, N]`` that also hands its input's guidance record (decoder layer ``layer``,
+    GEMM ``gemm``) to the guidance store (:meth:`~verl_quads.rollout.capture.GuidanceStore.add`: copies into
+    persistent buffers, so a CUDA graph replays them)."""
+    from verl_quads.nvfp4 import triton_gemm
+    from verl_quads.rollout.capture import get_store
+
+    op, record = triton_gemm.quantize_activation(
+        x, act_mode, residual_ratio=residual_ratio, residual_per_token=residual_per_token, capture=True,
+        residual_combine=residual_combine, residual_granularity=residual_granularity,
+    )
+    if record is not None:
+        get_store().add(layer, gemm, record)
+    return triton_gemm.nvfp4_gemm(op, w_packed, w_scale, w_gs, bias)
+
+
+# A side effect the compiler does not see (the store's buffers): harmless, as the output is always used (the op is
+# never dropped) and the buffers are read only after the forward (end_step).
+linear_guided_op = torch.library.custom_op(
+    "verl_quads::nvfp4_linear_guided", _linear_guided, mutates_args=(),
+    schema="(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_gs, Tensor? bias, str act_mode, "
+           "float residual_ratio, bool residual_per_token, str residual_combine, str residual_granularity, "
+           "int layer, str gemm) -> Tensor",
+)
+
+
+@linear_guided_op.register_fake
+def _(x, w_packed, w_scale, w_gs, bias, act_mode, residual_ratio, residual_per_token, residual_combine,
+      residual_granularity, layer, gemm):
+    return x.new_empty(x.shape[0], w_packed.shape[0])
+
+
+__all__ = ["KERNEL_PARAMS", "QuadsNVFP4LinearMethod", "linear_guided_op", "set_kernel_param", "shared_global_scale"]

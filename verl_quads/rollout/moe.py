@@ -81,6 +81,11 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
 
         # routing capture (quads/routing_disagreement), every quantized mode unless VERL_QUADS_ROUTING=0
         self.routing_layer = enable_routing_capture(getattr(layer, "layer_name", ""))
+        if self.capture_layer is not None:
+            from verl_quads.rollout.capture import get_store
+
+            for gemm in ("mlp.experts.w13", "mlp.experts.w2"):
+                get_store().register_trace_gemm(self.capture_layer, gemm)
         for name, dim in (("hidden", hidden_size), ("intermediate", intermediate_size_per_partition)):
             if dim % 16:
                 raise ValueError(f"quads_nvfp4 MoE: {name} size {dim} is not a multiple of 16 (NVFP4 block)")
@@ -200,7 +205,10 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
         :meth:`forward_reference` (same activation codes; float32 summation order differs) with ONE
         grouped launch per expert GEMM (:func:`verl_quads.nvfp4.triton_gemm.moe_forward`). Without
         guidance capture it runs as the custom op ``torch.ops.verl_quads.nvfp4_moe`` (opaque to
-        torch.compile); with capture (trace) eagerly, handing the records to the guidance store."""
+        torch.compile); with capture (trace) as Python handing the records to the guidance store, which copies
+        them into persistent buffers. On CUDA vLLM runs every MoE layer through its own custom op
+        (``torch.ops.vllm.moe_forward``), so this Python runs eagerly or while a CUDA graph is captured, whose
+        replays repeat the copies."""
         from verl_quads.nvfp4 import triton_gemm as tg
 
         t, _ = x.shape

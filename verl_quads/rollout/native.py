@@ -265,6 +265,37 @@ def _(x, w_packed, w_scale_swizzled, alpha, bias, act_mode, residual_ratio, resi
     return x.new_empty(x.shape[0], w_packed.shape[0])
 
 
+def _native_linear_guided(x: torch.Tensor, w_packed: torch.Tensor, w_scale_swizzled: torch.Tensor, alpha: torch.Tensor,
+                          bias: torch.Tensor | None, act_mode: str, residual_ratio: float, residual_per_token: bool,
+                          residual_granularity: str, layer: int, gemm: str) -> torch.Tensor:
+    """The native linear that also hands its input's guidance record (decoder layer ``layer``, GEMM ``gemm``) to the
+    guidance store, whose copies into persistent buffers a CUDA graph replays (as the triton backend's guided op)."""
+    if x.shape[0] == 0:
+        return x.new_empty(0, w_packed.shape[0])
+    passes, record = activation_passes(x, act_mode, residual_ratio, residual_per_token, capture=True,
+                                       residual_granularity=residual_granularity)
+    if record is not None:
+        from verl_quads.rollout.capture import get_store
+
+        get_store().add(layer, gemm, record)
+    return gemm_passes(passes, w_packed, w_scale_swizzled, alpha, bias, x.dtype)
+
+
+#: The capturing native linear (trace) as an opaque custom op: its side effect (the store's buffers) is read only
+#: after the forward, and its output is always used, so the compiler neither drops nor reorders it harmfully.
+native_linear_guided_op = torch.library.custom_op(
+    "verl_quads::nvfp4_native_linear_guided", _native_linear_guided, mutates_args=(),
+    schema="(Tensor x, Tensor w_packed, Tensor w_scale_swizzled, Tensor alpha, Tensor? bias, str act_mode, "
+           "float residual_ratio, bool residual_per_token, str residual_granularity, int layer, str gemm) -> Tensor",
+)
+
+
+@native_linear_guided_op.register_fake
+def _(x, w_packed, w_scale_swizzled, alpha, bias, act_mode, residual_ratio, residual_per_token, residual_granularity,
+      layer, gemm):
+    return x.new_empty(x.shape[0], w_packed.shape[0])
+
+
 def apply_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act,
                  capture_key: tuple[int, str] | None) -> torch.Tensor:
     """Forward of a ``quads_nvfp4`` linear layer with backend ``native`` (see module docstring).
@@ -278,21 +309,14 @@ def apply_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
         y = torch.ops.verl_quads.nvfp4_linear(x2, layer.weight_packed, layer.weight_scale, layer.weight_global_scale,
                                               bias, "w4a16", act.residual_ratio, act.residual_per_token)
         return y.reshape(*x.shape[:-1], y.shape[-1])
-    capture = act.capture and capture_key is not None
-    if not capture:
-        y = torch.ops.verl_quads.nvfp4_native_linear(x2, layer.weight_packed, getattr(layer, SWIZZLED_SCALE),
-                                                     getattr(layer, ALPHA), bias, act.mode, act.residual_ratio,
-                                                     act.residual_per_token, act.residual_granularity)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
-    if x2.shape[0] == 0:
-        return x.new_empty(*x.shape[:-1], layer.weight_packed.shape[0])
-    passes, record = activation_passes(x2, act.mode, act.residual_ratio, act.residual_per_token, capture=True,
-                                       residual_granularity=act.residual_granularity)
-    if record is not None:
-        from verl_quads.rollout.capture import get_store
-
-        get_store().add(*capture_key, record)
-    y = gemm_passes(passes, layer.weight_packed, getattr(layer, SWIZZLED_SCALE), getattr(layer, ALPHA), bias, x.dtype)
+    args = (x2, layer.weight_packed, getattr(layer, SWIZZLED_SCALE), getattr(layer, ALPHA), bias, act.mode,
+            act.residual_ratio, act.residual_per_token, act.residual_granularity)
+    if not (act.capture and capture_key is not None):
+        y = torch.ops.verl_quads.nvfp4_native_linear(*args)
+    elif torch.compiler.is_compiling():
+        y = torch.ops.verl_quads.nvfp4_native_linear_guided(*args, *capture_key)
+    else:
+        y = _native_linear_guided(*args, *capture_key)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -308,6 +332,7 @@ __all__ = [
     "fp4_ops_unavailable_reason",
     "gemm_passes",
     "log_w4a16_choice",
+    "native_linear_guided_op",
     "native_linear_op",
     "prepare_linear",
 ]

@@ -12,8 +12,9 @@ How to turn it on (vLLM alone; verl's glue will pass ``actor.quant`` the same wa
    blocks; ``residual_combine="auto"``, resolved once in :class:`QuadsNVFP4Config` on the concrete backend:
    ``bf16`` on torch/triton, ``fp4x2`` on native, logged at INFO). The dict travels with the model config to
    every worker process. ``quantization=`` may then be omitted. Modes that need an eager engine
-   (:meth:`verl_quads.config.QuantConfig.eager_reasons`: ``trace``, ``backend="torch"``, per-call selection) also need
-   ``enforce_eager=True``; ``trace`` also ``enable_prefix_caching=False``.
+   (:meth:`verl_quads.config.QuantConfig.eager_reasons`: ``backend="torch"``, per-call selection) also need
+   ``enforce_eager=True``; ``trace`` needs ``enable_prefix_caching=False`` (and runs with CUDA graphs on the GPU
+   backends: its records are copied into persistent buffers inside them, :mod:`verl_quads.rollout.capture`).
 2. ``LLM(model, quantization="quads_nvfp4")`` with no quantization config: vLLM builds the config
    with no arguments (``get_config_filenames() == []``); it then reads the JSON object in the
    environment variable ``VERL_QUADS_QUANT_CONFIG`` (same keys; the variable must be set before
