@@ -10,6 +10,7 @@ Modules (each imports vLLM; only import them inside a vLLM process or a test tha
 - :mod:`.emulation`: the ``torch`` backend arithmetic (QDQ through :mod:`verl_quads.nvfp4`, float32 GEMM).
 - :mod:`.capture`: TRACE guidance store keyed by (request id, position, layer, GEMM) + runner hook.
 - :mod:`.backend`: backend choice by device, clear errors for what cannot run.
+- :mod:`.ops`: registration of the linear forwards as torch custom ops (opaque to torch.compile).
 
 Usage (vLLM alone)::
 

@@ -177,7 +177,7 @@ class RequestGuidance(RequestCapture):
 class _Step:
     req_ids: list[str]
     query_start_loc: list[int]
-    positions: torch.Tensor | None  # int64 [N] on the host (TRACE only)
+    positions: torch.Tensor | None  # int64 [N] on the host (TRACE only; set at end_step, CUDA: ready after copied)
     device_positions: torch.Tensor  # the step's positions [N]: a view of the runner's persistent buffer (routing)
     policy_version: int | None
     records: dict[Key, GuidanceRecord] = field(default_factory=dict)
@@ -237,16 +237,23 @@ def _to_host_together(tensors: list[torch.Tensor], arena: PinnedArena) -> list[t
 
 
 def _flush_to_host(step: _Step, arena: PinnedArena) -> None:
-    """Move a finished step's CUDA records to host memory: per kind of tensor (bits, block scales, global scales,
-    expert ids) one concatenation on the device and one non-blocking copy into pinned ``arena`` memory, then one
-    event (:meth:`_Step.wait_copies`, which :meth:`GuidanceStore.pop` calls). Why not per record: a blocking
-    ``.cpu()`` per tensor of each guided GEMM (3 per GEMM) stopped the host until the device had run everything
-    queued, and a pinned buffer per tensor costs an allocation each; this costs 4 copies per step. Stream order makes
-    the copies read the records before later kernels reuse their memory."""
+    """Move a finished step's CUDA records and positions to host memory: per kind of tensor (bits, block scales,
+    global scales, int64 = positions + expert ids) one concatenation on the device and one non-blocking copy into
+    pinned ``arena`` memory, then one event (:meth:`_Step.wait_copies`, which :meth:`GuidanceStore.pop` calls). Why
+    not per record: a blocking ``.cpu()`` per tensor of each guided GEMM (3 per GEMM) stopped the host until the
+    device had run everything queued, and a pinned buffer per tensor costs an allocation each; this costs 4 copies
+    per step. Stream order makes the copies read the buffers before the next forward rewrites them."""
     keys = [k for k, r in step.records.items() if r.bits.is_cuda]
     layers = [layer for layer, t in step.expert_ids.items() if t.is_cuda]
-    if not keys and not layers:
-        return
+    pos = step.device_positions
+    if pos.is_cuda:
+        pos_host, *ids = _to_host_together([pos.to(torch.int64)] + [step.expert_ids[la] for la in layers], arena)
+        step.positions = pos_host
+        step.expert_ids.update(zip(layers, ids))
+    else:
+        step.positions = pos.to(torch.int64, copy=True)
+        if layers:
+            step.expert_ids.update(zip(layers, _to_host_together([step.expert_ids[la] for la in layers], arena)))
     recs = [step.records[k] for k in keys]
     if keys:
         bits = _to_host_together([r.bits for r in recs], arena)
@@ -254,11 +261,9 @@ def _flush_to_host(step: _Step, arena: PinnedArena) -> None:
         gss = _to_host_together([r.global_scale for r in recs], arena)
         for k, r, b, sc, g in zip(keys, recs, bits, scales, gss):
             step.records[k] = GuidanceRecord(b, sc.view(torch.float8_e4m3fn), g, r.shape)
-    if layers:
-        for layer, t in zip(layers, _to_host_together([step.expert_ids[layer] for layer in layers], arena)):
-            step.expert_ids[layer] = t
-    step.copied = torch.cuda.Event()
-    step.copied.record()
+    if keys or layers or pos.is_cuda:
+        step.copied = torch.cuda.Event()
+        step.copied.record()
 
 
 ROUTING_ENV = "VERL_QUADS_ROUTING"
@@ -305,12 +310,9 @@ class GuidanceStore:
             self._current = None
             return
         # The runner's positions buffer is persistent; vLLM rewrites it for the next step on the same stream, after
-        # this step's forward and end_step: the routing log's non-blocking copy from the buffer itself, enqueued in
-        # end_step, runs before that rewrite (stream order; no device clone per step). TRACE reads positions on the
-        # host during the step, so it copies them now and waits.
-        dev = positions[:n].detach()
-        host = dev.to("cpu", torch.int64, copy=True) if self.enabled else None  # a copy on CPU runners too
-        self._current = _Step(list(req_ids), list(query_start_loc), host, dev, self.policy_version)
+        # this step's forward and end_step: the non-blocking copies from the buffer itself (routing log, TRACE's
+        # flush), enqueued in end_step, run before that rewrite (stream order; no device clone, no host wait per step)
+        self._current = _Step(list(req_ids), list(query_start_loc), None, positions[:n].detach(), self.policy_version)
 
     def end_step(self) -> None:
         step, self._current = self._current, None
@@ -493,13 +495,14 @@ class GuidanceStore:
             step.records[key] = slice_record(self._trace_buf[key], slice(0, n))
             if key[1] == "mlp.experts.w2" and key[0] in self._trace_ids:
                 step.expert_ids[key[0]] = self._trace_ids[key[0]][:n]
-        if any(r.bits.is_cuda for r in step.records.values()):
+        if step.device_positions.is_cuda or any(r.bits.is_cuda for r in step.records.values()):
             _flush_to_host(step, self._arena)
         else:
             for key, r in step.records.items():
                 step.records[key] = GuidanceRecord(r.bits.clone(), r.block_scale.clone(), r.global_scale.clone(),
                                                    r.shape)
             step.expert_ids = {layer: t.clone() for layer, t in step.expert_ids.items()}
+            step.positions = step.device_positions.to(torch.int64, copy=True)
 
     # --- read by the driver (through collective_rpc) ---
     def request_ids(self) -> list[str]:

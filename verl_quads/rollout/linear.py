@@ -31,6 +31,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from verl_quads.rollout import emulation
 from verl_quads.rollout.emulation import ActQuant
+from verl_quads.rollout.ops import linear_custom_op
 
 KERNEL_PARAMS = ("weight_packed", "weight_scale", "weight_global_scale")
 
@@ -241,20 +242,11 @@ def _linear_guided(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tenso
     return triton_gemm.nvfp4_gemm(op, w_packed, w_scale, w_gs, bias)
 
 
-# A side effect the compiler does not see (the store's buffers): harmless, as the output is always used (the op is
-# never dropped) and the buffers are read only after the forward (end_step).
-linear_guided_op = torch.library.custom_op(
-    "verl_quads::nvfp4_linear_guided", _linear_guided, mutates_args=(),
-    schema="(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_gs, Tensor? bias, str act_mode, "
-           "float residual_ratio, bool residual_per_token, str residual_combine, str residual_granularity, "
-           "int layer, str gemm) -> Tensor",
+linear_guided_op = linear_custom_op(
+    "nvfp4_linear_guided", _linear_guided,
+    "(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_gs, Tensor? bias, str act_mode, float residual_ratio, "
+    "bool residual_per_token, str residual_combine, str residual_granularity, int layer, str gemm) -> Tensor",
 )
-
-
-@linear_guided_op.register_fake
-def _(x, w_packed, w_scale, w_gs, bias, act_mode, residual_ratio, residual_per_token, residual_combine,
-      residual_granularity, layer, gemm):
-    return x.new_empty(x.shape[0], w_packed.shape[0])
 
 
 __all__ = ["KERNEL_PARAMS", "QuadsNVFP4LinearMethod", "linear_guided_op", "set_kernel_param", "shared_global_scale"]

@@ -73,6 +73,7 @@ import torch
 
 from verl_quads import nvfp4
 from verl_quads.nvfp4 import BLOCK_SIZE
+from verl_quads.rollout.ops import linear_custom_op
 
 logger = logging.getLogger("verl_quads")
 
@@ -252,17 +253,11 @@ def _native_linear(x: torch.Tensor, w_packed: torch.Tensor, w_scale_swizzled: to
 
 
 #: The non-capturing native linear as an opaque custom op for torch.compile (as the triton backend's).
-native_linear_op = torch.library.custom_op(
-    "verl_quads::nvfp4_native_linear", _native_linear, mutates_args=(),
-    schema="(Tensor x, Tensor w_packed, Tensor w_scale_swizzled, Tensor alpha, Tensor? bias, str act_mode, "
-           "float residual_ratio, bool residual_per_token, str residual_granularity='channel') -> Tensor",
+native_linear_op = linear_custom_op(
+    "nvfp4_native_linear", _native_linear,
+    "(Tensor x, Tensor w_packed, Tensor w_scale_swizzled, Tensor alpha, Tensor? bias, str act_mode, "
+    "float residual_ratio, bool residual_per_token, str residual_granularity='channel') -> Tensor",
 )
-
-
-@native_linear_op.register_fake
-def _(x, w_packed, w_scale_swizzled, alpha, bias, act_mode, residual_ratio, residual_per_token,
-      residual_granularity="channel"):
-    return x.new_empty(x.shape[0], w_packed.shape[0])
 
 
 def _native_linear_guided(x: torch.Tensor, w_packed: torch.Tensor, w_scale_swizzled: torch.Tensor, alpha: torch.Tensor,
@@ -281,19 +276,12 @@ def _native_linear_guided(x: torch.Tensor, w_packed: torch.Tensor, w_scale_swizz
     return gemm_passes(passes, w_packed, w_scale_swizzled, alpha, bias, x.dtype)
 
 
-#: The capturing native linear (trace) as an opaque custom op: its side effect (the store's buffers) is read only
-#: after the forward, and its output is always used, so the compiler neither drops nor reorders it harmfully.
-native_linear_guided_op = torch.library.custom_op(
-    "verl_quads::nvfp4_native_linear_guided", _native_linear_guided, mutates_args=(),
-    schema="(Tensor x, Tensor w_packed, Tensor w_scale_swizzled, Tensor alpha, Tensor? bias, str act_mode, "
-           "float residual_ratio, bool residual_per_token, str residual_granularity, int layer, str gemm) -> Tensor",
+#: The capturing native linear (trace) as an opaque custom op (see :func:`~verl_quads.rollout.ops.linear_custom_op`).
+native_linear_guided_op = linear_custom_op(
+    "nvfp4_native_linear_guided", _native_linear_guided,
+    "(Tensor x, Tensor w_packed, Tensor w_scale_swizzled, Tensor alpha, Tensor? bias, str act_mode, "
+    "float residual_ratio, bool residual_per_token, str residual_granularity, int layer, str gemm) -> Tensor",
 )
-
-
-@native_linear_guided_op.register_fake
-def _(x, w_packed, w_scale_swizzled, alpha, bias, act_mode, residual_ratio, residual_per_token, residual_granularity,
-      layer, gemm):
-    return x.new_empty(x.shape[0], w_packed.shape[0])
 
 
 def apply_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None, act,
