@@ -87,6 +87,8 @@ from verl_quads.rollout.routing_log import ROUTING_MAX_MB_ENV, RequestRouting, R
 logger = logging.getLogger("verl_quads")
 
 Key = tuple[int, str]  # (decoder layer index, GEMM name)
+#: the guided GEMMs of a captured MoE layer (its routed experts' two GEMM inputs)
+MOE_GUIDED_GEMMS = ("mlp.experts.w13", "mlp.experts.w2")
 
 
 def slice_record(rec: GuidanceRecord, rows: slice | torch.Tensor) -> GuidanceRecord:
@@ -246,14 +248,10 @@ def _flush_to_host(step: _Step, arena: PinnedArena) -> None:
     keys = [k for k, r in step.records.items() if r.bits.is_cuda]
     layers = [layer for layer, t in step.expert_ids.items() if t.is_cuda]
     pos = step.device_positions
-    if pos.is_cuda:
-        pos_host, *ids = _to_host_together([pos.to(torch.int64)] + [step.expert_ids[la] for la in layers], arena)
-        step.positions = pos_host
-        step.expert_ids.update(zip(layers, ids))
-    else:
-        step.positions = pos.to(torch.int64, copy=True)
-        if layers:
-            step.expert_ids.update(zip(layers, _to_host_together([step.expert_ids[la] for la in layers], arena)))
+    int64 = ([pos.to(torch.int64)] if pos.is_cuda else []) + [step.expert_ids[la] for la in layers]
+    hosts = _to_host_together(int64, arena) if int64 else []
+    step.positions = hosts.pop(0) if pos.is_cuda else pos.to(torch.int64, copy=True)
+    step.expert_ids.update(zip(layers, hosts))
     recs = [step.records[k] for k in keys]
     if keys:
         bits = _to_host_together([r.bits for r in recs], arena)
@@ -669,7 +667,7 @@ def _runner_capture(runner) -> tuple[list[Key], list[int]] | None:
                 keys.add((int(key[0]), str(key[1])))
             moe_layer = getattr(method, "capture_layer", None)
             if moe_layer is not None:
-                keys.update({(int(moe_layer), "mlp.experts.w13"), (int(moe_layer), "mlp.experts.w2")})
+                keys.update((int(moe_layer), gemm) for gemm in MOE_GUIDED_GEMMS)
         found = runner._verl_quads_capture = (sorted(keys), sorted(layers))
     return found
 
@@ -727,6 +725,7 @@ def install_runner_hook() -> None:
 
 __all__ = [
     "GuidanceStore",
+    "MOE_GUIDED_GEMMS",
     "RequestGuidance",
     "RequestRouting",
     "ROUTING_ENV",

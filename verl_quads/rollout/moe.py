@@ -82,9 +82,9 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
         # routing capture (quads/routing_disagreement), every quantized mode unless VERL_QUADS_ROUTING=0
         self.routing_layer = enable_routing_capture(getattr(layer, "layer_name", ""))
         if self.capture_layer is not None:
-            from verl_quads.rollout.capture import get_store
+            from verl_quads.rollout.capture import MOE_GUIDED_GEMMS, get_store
 
-            for gemm in ("mlp.experts.w13", "mlp.experts.w2"):
+            for gemm in MOE_GUIDED_GEMMS:
                 get_store().register_trace_gemm(self.capture_layer, gemm)
         for name, dim in (("hidden", hidden_size), ("intermediate", intermediate_size_per_partition)):
             if dim % 16:
