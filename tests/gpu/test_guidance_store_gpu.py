@@ -33,8 +33,10 @@ def test_cuda_records_copied_without_waiting_pop_exact_rows():
         store.begin_step(reqs, qsl, posbuf[: n + 2])
         for _ in range(4):  # the device is busy: the copies are still pending when the host goes on
             busy = busy @ busy / 64.0
-        x = (torch.randn(n + 2, 64, device="cuda", generator=g) * 3).to(torch.bfloat16)  # 2 padding rows
+        x = (torch.randn((n + 2) * 8, 64, device="cuda", generator=g) * 3).to(torch.bfloat16)  # 2 padding rows
         q, rec = nv.quantize_with_guidance(x, amax="row", backend="triton", check_finite=False)
+        rec = nv.GuidanceRecord(rec.bits.reshape(n + 2, 8, -1), rec.block_scale.reshape(n + 2, 8, -1),
+                                rec.global_scale.reshape(n + 2, 8, 1), torch.Size((n + 2, 8, 64)))  # [T, top_k, I]
         ids = torch.randint(0, 128, (n + 2, 8), device="cuda", generator=g, dtype=torch.int32)
         store.add(5, "mlp.experts.w2", rec, expert_ids=ids)
         host = (rec.bits[:n].cpu(), rec.block_scale[:n].view(torch.uint8).cpu(), rec.global_scale[:n].cpu(),
@@ -43,7 +45,7 @@ def test_cuda_records_copied_without_waiting_pop_exact_rows():
             busy = busy @ busy / 64.0
         step_obj = store._current
         store.end_step()
-        assert step_obj.copied is not None and step_obj.records[(5, "mlp.experts.w2")].bits.is_pinned()
+        assert step_obj.copied is not None and step_obj.packed.is_pinned()
         assert step_obj.positions.is_pinned()  # copied without waiting, like the records
         # the store now holds host buffers only; the device memory is rewritten (as the caching allocator reuses it)
         # in stream order after the copies

@@ -81,6 +81,7 @@ def test_a_guided_gemm_that_never_wrote_is_refused_even_after_replay():
 def test_buffers_sized_once_and_not_reallocated_under_a_captured_graph():
     store = GuidanceStore()
     store._rows = 16  # max_num_batched_tokens of the building engine
+    store.register_trace_gemm(*QKV, k=32)  # what the layer does when vLLM builds it
     store.add(*QKV, _record(torch.randn(3, 32)))
     buf = store._trace_buf[QKV]
     assert buf.bits.shape == (16, 4) and buf.block_scale.shape == (16, 2) and buf.global_scale.shape == (16, 1)
@@ -89,7 +90,7 @@ def test_buffers_sized_once_and_not_reallocated_under_a_captured_graph():
     store._trace_in_graph.add(QKV)  # as if a CUDA graph had captured it
     with pytest.raises(RuntimeError, match=r"already captured in a CUDA graph.*max_num_batched_tokens"):
         store.add(*QKV, _record(torch.randn(17, 32)))
-    store.register_trace_gemm(*QKV)  # a new engine builds this GEMM: it will capture its own graphs
+    store.register_trace_gemm(*QKV, k=32)  # a new engine builds this GEMM: it will capture its own graphs
     store.add(*QKV, _record(torch.randn(17, 32)))
     assert store._trace_buf[QKV].bits.shape[0] == 17
 

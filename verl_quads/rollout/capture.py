@@ -12,17 +12,20 @@ slot's expert ids are kept beside it.
 How rows become (request, position): the GEMMs see a flat batch of token rows. A wrapper around
 the model runner's ``_model_forward`` (installed only in ``trace`` mode) opens a *step* with the
 batch's request ids, ``query_start_loc`` and ``positions`` before the forward and closes it after.
-Every forward's guided GEMMs copy their records into persistent per-GEMM buffers (:meth:`GuidanceStore.add`, rows =
-``max_num_batched_tokens``), whether or not a step is open; that is what makes TRACE work under CUDA graphs (vLLM's
-default on GPUs, since session 25): the Python runs once while a graph is captured and every replay repeats the
-copies. The hook's ``end_step`` then takes the step's rows ``[0, n)`` of every guided GEMM of the model it executes;
-:meth:`GuidanceStore.pop` later gathers one request's rows over all its steps (prefill + each decode step), sorted by
-position. Forwards outside ``_model_forward`` (profiling/dummy/capture runs) open no step: their rows are never taken.
-On CUDA the step's rows go to host memory in one non-blocking copy per kind of tensor, into chunks of pinned memory
-(:func:`_flush_to_host`, :class:`PinnedArena`; :meth:`GuidanceStore.pop` waits for them): until session 24 every
-record was copied with three blocking ``.cpu()`` calls inside its GEMM. Device memory: per token and guided GEMM of
-input width K, K/8 + K/16 + 4 bytes (x top_k for ``mlp.experts.w2``, + 8 * top_k of expert ids), times
-``max_num_batched_tokens`` rows, held for the engine's life.
+Every forward's guided GEMMs copy their records into one persistent device buffer ``uint8 [rows, B]`` (rows =
+``max_num_batched_tokens``): a token's row holds the records of every guided GEMM of the model side by side
+(:mod:`.trace_rows`; laid out from the GEMMs the layers register when vLLM builds them, so it is allocated once, at
+the first forward), written by :meth:`GuidanceStore.add` whether or not a step is open; that is what makes TRACE work
+under CUDA graphs (vLLM's default on GPUs, since session 25): the Python runs once while a graph is captured and every
+replay repeats the copies. The hook's ``end_step`` then takes the step's rows ``[0, n)``: ONE non-blocking copy into
+chunks of pinned host memory (:func:`_flush_to_host`, :class:`PinnedArena`) plus one for the positions (until
+session 26 a few tensor operations per guided GEMM and step: 1.5-3.9 ms of host time per decode step with 64 guided
+GEMMs, 1.75x the naive engine's time at batch 1 on the H200; until session 24 three blocking ``.cpu()`` calls per
+record inside its GEMM). :meth:`GuidanceStore.pop` waits for those copies and gathers one request's rows over all its
+steps (prefill + each decode step) with one concatenation, sorted by position. Forwards outside ``_model_forward``
+(profiling/dummy/capture runs) open no step: their rows are never taken. Device memory: per token and guided GEMM of
+input width K, K/8 + K/16 + 4 bytes (x top_k for ``mlp.experts.w2``, + 8 * top_k of expert ids; each part padded to
+8 bytes), times ``max_num_batched_tokens`` rows, held for the engine's life.
 
 Limits (documented, not hidden): with prefix caching, cached prompt positions are never computed
 and have no record (disable it for TRACE); the last sampled token is never fed through the model,
@@ -83,6 +86,7 @@ import torch
 from verl_quads.nvfp4 import GuidanceRecord
 from verl_quads.rollout.request_ids import RequestCapture, RequestIndex, external_request_id
 from verl_quads.rollout.routing_log import ROUTING_MAX_MB_ENV, RequestRouting, RoutingLog
+from verl_quads.rollout.trace_rows import GemmRows, TraceRowLayout
 
 logger = logging.getLogger("verl_quads")
 
@@ -175,6 +179,14 @@ class RequestGuidance(RequestCapture):
         return GuidanceRecord(r.bits[i], r.block_scale[i], r.global_scale[i], torch.Size(r.shape[1:]))
 
 
+def _guidance_views(layout: TraceRowLayout, rows: torch.Tensor,
+                    keys: set[Key]) -> tuple[dict[Key, GuidanceRecord], dict[int, torch.Tensor]]:
+    """:meth:`TraceRowLayout.views` of ``rows`` restricted to the guided GEMMs ``keys`` (and their expert ids)."""
+    records, ids = layout.views(rows)
+    return ({k: r for k, r in records.items() if k in keys},
+            {layer: t for layer, t in ids.items() if layout.ids_key[layer] in keys})
+
+
 @dataclass
 class _Step:
     req_ids: list[str]
@@ -182,8 +194,11 @@ class _Step:
     positions: torch.Tensor | None  # int64 [N] on the host (TRACE only; set at end_step, CUDA: ready after copied)
     device_positions: torch.Tensor  # the step's positions [N]: a view of the runner's persistent buffer (routing)
     policy_version: int | None
-    records: dict[Key, GuidanceRecord] = field(default_factory=dict)
-    expert_ids: dict[int, torch.Tensor] = field(default_factory=dict)
+    # TRACE: the step's rows of the store's record buffer (uint8 [N, layout.row_bytes], on the host; CUDA: ready
+    # after copied), the layout they were written in, and the guided GEMMs of the model that wrote them
+    packed: torch.Tensor | None = None
+    layout: TraceRowLayout | None = None
+    keys: tuple[Key, ...] = ()
     copied: "torch.cuda.Event | None" = None  # CUDA records: recorded after their copies to the host
     written: set = field(default_factory=set)  # guided GEMMs whose Python ran in this step (eager / uncaptured)
 
@@ -191,6 +206,11 @@ class _Step:
         """Wait until the step's records have reached host memory (no-op without CUDA records)."""
         if self.copied is not None:
             self.copied.synchronize()
+
+    def guidance(self, rows: slice) -> tuple[dict[Key, GuidanceRecord], dict[int, torch.Tensor]]:
+        """Views of rows ``rows`` of the step's records: ``{key: GuidanceRecord}`` of its guided GEMMs and
+        ``{layer: expert ids}`` of those with slots (call :meth:`wait_copies` first)."""
+        return _guidance_views(self.layout, self.packed[rows], set(self.keys))
 
 
 #: bytes of one pinned host chunk the TRACE records of successive steps are carved from (:class:`PinnedArena`)
@@ -225,43 +245,23 @@ class PinnedArena:
         return self._chunk[start:start + nbytes]
 
 
-def _to_host_together(tensors: list[torch.Tensor], arena: PinnedArena) -> list[torch.Tensor]:
-    """Host copies of same-dtype CUDA ``tensors``: ONE device concatenation and ONE copy that does not wait (enqueued
-    on the current stream) into ``arena`` memory; returns views of that memory in the tensors' shapes."""
-    flat = torch.cat([t.reshape(-1) for t in tensors])
-    host = arena.take(flat.numel() * flat.element_size()).view(flat.dtype)
-    host.copy_(flat, non_blocking=True)
-    out, o = [], 0
-    for t in tensors:
-        out.append(host[o:o + t.numel()].view(t.shape))
-        o += t.numel()
-    return out
-
-
-def _flush_to_host(step: _Step, arena: PinnedArena) -> None:
-    """Move a finished step's CUDA records and positions to host memory: per kind of tensor (bits, block scales,
-    global scales, int64 = positions + expert ids) one concatenation on the device and one non-blocking copy into
-    pinned ``arena`` memory, then one event (:meth:`_Step.wait_copies`, which :meth:`GuidanceStore.pop` calls). Why
-    not per record: a blocking ``.cpu()`` per tensor of each guided GEMM (3 per GEMM) stopped the host until the
-    device had run everything queued, and a pinned buffer per tensor costs an allocation each; this costs 4 copies
-    per step. Stream order makes the copies read the buffers before the next forward rewrites them."""
-    keys = [k for k, r in step.records.items() if r.bits.is_cuda]
-    layers = [layer for layer, t in step.expert_ids.items() if t.is_cuda]
+def _flush_to_host(step: _Step, rows: torch.Tensor, arena: PinnedArena) -> None:
+    """Move a finished step's CUDA record rows (``rows``: uint8 ``[n, B]``, the first rows of the store's persistent
+    buffer) and positions to pinned ``arena`` memory: two copies that do not wait (enqueued on the current stream),
+    then one event (:meth:`_Step.wait_copies`, which :meth:`GuidanceStore.pop` calls). Stream order makes the copies
+    read the buffers before the next forward rewrites them."""
+    n, width = rows.shape
+    step.packed = arena.take(n * width).view(n, width)
+    step.packed.copy_(rows, non_blocking=True)
     pos = step.device_positions
-    int64 = ([pos.to(torch.int64)] if pos.is_cuda else []) + [step.expert_ids[la] for la in layers]
-    hosts = _to_host_together(int64, arena) if int64 else []
-    step.positions = hosts.pop(0) if pos.is_cuda else pos.to(torch.int64, copy=True)
-    step.expert_ids.update(zip(layers, hosts))
-    recs = [step.records[k] for k in keys]
-    if keys:
-        bits = _to_host_together([r.bits for r in recs], arena)
-        scales = _to_host_together([r.block_scale.view(torch.uint8) for r in recs], arena)
-        gss = _to_host_together([r.global_scale for r in recs], arena)
-        for k, r, b, sc, g in zip(keys, recs, bits, scales, gss):
-            step.records[k] = GuidanceRecord(b, sc.view(torch.float8_e4m3fn), g, r.shape)
-    if keys or layers or pos.is_cuda:
-        step.copied = torch.cuda.Event()
-        step.copied.record()
+    if pos.is_cuda:
+        pos = pos.to(torch.int64)
+        step.positions = arena.take(pos.numel() * 8).view(torch.int64)
+        step.positions.copy_(pos, non_blocking=True)
+    else:
+        step.positions = pos.to(torch.int64, copy=True)
+    step.copied = torch.cuda.Event()
+    step.copied.record()
 
 
 ROUTING_ENV = "VERL_QUADS_ROUTING"
@@ -281,11 +281,15 @@ class GuidanceStore:
         self._trace: RequestIndex[list[tuple[_Step, slice]]] = RequestIndex()
         self._current: _Step | None = None
         self._arena = PinnedArena()  # host memory of TRACE's CUDA records (allocated on first use)
-        # TRACE's persistent device buffers, one set per guided GEMM (rows = max_num_batched_tokens): every forward
-        # writes its records there (one copy each: recorded in a CUDA graph and replayed with it), end_step takes
-        # the step's rows (see add / end_step)
+        # TRACE's persistent device buffer: uint8 [rows, B], a token's row holding every guided GEMM's record
+        # (rows = max_num_batched_tokens, layout from the GEMMs' shapes: see add / end_step); _trace_buf and
+        # _trace_ids are typed views of it per GEMM / per MoE layer (mlp.experts.w2 expert ids, int64 [rows, top_k])
+        self._trace_rows: torch.Tensor | None = None
+        self._trace_layout: TraceRowLayout | None = None
         self._trace_buf: dict[Key, GuidanceRecord] = {}
-        self._trace_ids: dict[int, torch.Tensor] = {}  # MoE layer -> int64 [rows, top_k] (mlp.experts.w2 slots)
+        self._trace_ids: dict[int, torch.Tensor] = {}
+        self._trace_shapes: dict[Key, GemmRows] = {}  # every guided GEMM known: registered by its layer, or seen
+        self._trace_building: set[Key] = set()  # GEMMs registered by the model being built (register_trace_gemm)
         self._trace_in_graph: set[Key] = set()  # buffers written while a CUDA graph was being captured
         # guided GEMMs of the model the runner executes now (set by the runner hook; None outside vLLM's runner)
         self.active_trace_keys: list[Key] | None = None
@@ -320,7 +324,7 @@ class GuidanceStore:
             self._end_routing_step(step)
         if self.enabled:
             self._take_trace_rows(step)
-        if self.enabled and step.records:
+        if self.enabled and step.keys:
             qsl = step.query_start_loc
             with self._lock:
                 for i, r in enumerate(step.req_ids):
@@ -415,69 +419,93 @@ class GuidanceStore:
             return
         self._rows = max(self._rows, rows)
 
-    def register_trace_gemm(self, layer: int, gemm: str) -> None:
-        """Called by a guided GEMM's quant method when vLLM builds its layer: sizes the buffers
-        (:meth:`prefer_rows_of_current_engine`) and forgets that a CUDA graph of an earlier engine in this process
-        captured this GEMM's buffer (only one in-process engine runs at a time; the new one captures its own)."""
+    def register_trace_gemm(self, layer: int, gemm: str, k: int, slots: int | None = None) -> None:
+        """Called by a guided GEMM's quant method when vLLM builds its layer, with the shape of its records (``k``
+        input channels; ``slots`` = top_k for ``mlp.experts.w2``): sizes the buffer
+        (:meth:`prefer_rows_of_current_engine`) and lays it out for every GEMM of the model, so the first forward
+        allocates it once. vLLM builds a model's layers once, in order: a GEMM registered again means a NEW model
+        (a later engine in this process; only one runs at a time), so the earlier model's buffer, GEMMs and CUDA
+        graph marks are forgotten (the new engine captures its own)."""
         self.prefer_rows_of_current_engine()
-        self._trace_in_graph.discard((layer, gemm))
+        key = (layer, gemm)
+        if key in self._trace_building:
+            self._trace_building = set()
+            self._trace_shapes = {}
+            self._trace_rows, self._trace_layout, self._trace_buf, self._trace_ids = None, None, {}, {}
+            self._trace_in_graph = set()
+        self._trace_building.add(key)
+        self._trace_shapes[key] = GemmRows(k, slots)
 
-    def _trace_buffer(self, key: Key, record: GuidanceRecord) -> GuidanceRecord:
-        """``key``'s persistent buffers with at least ``record``'s rows and its row shape (allocated at
-        max(rows, max_num_batched_tokens); reallocated only for a larger forward, refused once a CUDA graph holds
-        the old address: its replays would write where nothing reads)."""
-        buf = self._trace_buf.get(key)
-        m, dev = record.bits.shape[0], record.bits.device
-        fits = buf is not None and buf.bits.device == dev and buf.bits.shape[0] >= m \
-            and buf.shape[1:] == record.shape[1:] and buf.global_scale.shape[1:] == record.global_scale.shape[1:]
-        if fits:
-            return buf
-        if key in self._trace_in_graph:
+    def _relayout(self, rows: int, device: torch.device) -> None:
+        """(Re)allocate the record buffer for every known guided GEMM (``_trace_shapes``) with at least ``rows``
+        rows on ``device``, keeping what the old buffer's GEMMs hold (a forward may be half written). Refused once a
+        CUDA graph holds the old buffer: its replays would write where nothing reads."""
+        if self._trace_in_graph:
+            old = None if self._trace_rows is None else list(self._trace_rows.shape)
             raise RuntimeError(
-                f"verl-quads TRACE: guided GEMM {key} got {m} rows of shape {list(record.shape[1:])} on {dev}, but its "
-                f"record buffer ({'none' if buf is None else list(buf.bits.shape)}) is already captured in a CUDA "
-                "graph: reallocating it would leave the graph writing to the old one. vLLM sizes it at "
-                "max_num_batched_tokens before capturing; this forward exceeds that"
+                f"verl-quads TRACE: a forward of {rows} rows on {device} needs a new record buffer (the current one: "
+                f"{old} bytes, GEMMs {sorted(self._trace_layout.gemms) if self._trace_layout else []}; needed: "
+                f"{sorted(self._trace_shapes)}), but the current one is already captured in a CUDA graph "
+                f"(GEMMs {sorted(self._trace_in_graph)}): reallocating it would leave the graph writing to the old "
+                "one. vLLM sizes it at max_num_batched_tokens before capturing; this forward exceeds that or runs "
+                "a GEMM its layers did not register"
             )
-        rows = max(m, self._rows)
-
-        def empty(t: torch.Tensor) -> torch.Tensor:
-            return torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=dev)
-
-        buf = GuidanceRecord(empty(record.bits), empty(record.block_scale.view(torch.uint8)).view(torch.float8_e4m3fn),
-                             empty(record.global_scale), torch.Size((rows, *record.shape[1:])))
-        self._trace_buf[key] = buf
-        return buf
+        old_rows, old_layout = self._trace_rows, self._trace_layout
+        same_dev = old_rows is not None and old_rows.device == device
+        rows = max(rows, self._rows, old_rows.shape[0] if same_dev else 0)
+        layout = TraceRowLayout(self._trace_shapes)
+        base = torch.zeros((rows, layout.row_bytes), dtype=torch.uint8, device=device)
+        bufs, ids = layout.views(base)
+        for t in ids.values():
+            t.fill_(-1)
+        if same_dev:
+            for key, g in old_layout.gemms.items():
+                if layout.gemms.get(key) == g:
+                    new, had, m = bufs[key], self._trace_buf[key], old_rows.shape[0]
+                    for dst, src in zip((new.bits, new.block_scale, new.global_scale),
+                                        (had.bits, had.block_scale, had.global_scale)):
+                        dst[:m].view(torch.uint8).copy_(src.view(torch.uint8))
+                    if g.slots is not None:
+                        ids[key[0]][:m].copy_(self._trace_ids[key[0]])
+        self._trace_rows, self._trace_layout, self._trace_buf, self._trace_ids = base, layout, bufs, ids
 
     def add(self, layer: int, gemm: str, record: GuidanceRecord, expert_ids: torch.Tensor | None = None) -> None:
         """Write one guided GEMM's batch record (leading dim = the forward's token rows; for ``mlp.experts.w2``
-        ``[T, top_k, ...]`` with the slots' expert ids ``[T, top_k]``) into its persistent buffers, rows ``[0, T)``:
-        one device copy per tensor, whether or not a step is open. Why copies into fixed buffers: under CUDA graphs
-        (vLLM's default) this Python runs once, while the graph is captured, and each replay re-runs only the copy
-        kernels; :meth:`end_step` then takes the step's rows of every guided GEMM of the model, written by this
-        forward whether it ran eagerly or replayed. Rows beyond the step (padding) are never taken."""
+        ``[T, top_k, ...]`` with the slots' expert ids ``[T, top_k]``) into its part of the persistent record buffer,
+        rows ``[0, T)``: one device copy per tensor, whether or not a step is open. Why copies into a fixed buffer:
+        under CUDA graphs (vLLM's default) this Python runs once, while the graph is captured, and each replay re-runs
+        only the copy kernels; :meth:`end_step` then takes the step's rows, written by this forward whether it ran
+        eagerly or replayed. Rows beyond the step (padding) are never taken. A record whose shape differs from the
+        one its layer registered is an error; a GEMM that registered nothing (direct use, tests) is laid out when
+        first seen."""
         key = (layer, gemm)
-        buf = self._trace_buffer(key, record)
-        m = record.bits.shape[0]
+        shape = GemmRows.of(record, expert_ids)
+        known = self._trace_shapes.get(key)
+        if known is not None and known != shape:
+            raise RuntimeError(f"verl-quads TRACE: guided GEMM {key} registered records of {known} at layer build, "
+                               f"but a forward hands it {shape} (record {list(record.shape)})")
+        m, dev = record.bits.shape[0], record.bits.device
+        base = self._trace_rows
+        if known is None or base is None or base.device != dev or base.shape[0] < m \
+                or key not in self._trace_layout.gemms:
+            self._trace_shapes[key] = shape
+            self._relayout(m, dev)
+        buf = self._trace_buf[key]
         buf.bits[:m].copy_(record.bits)
         buf.block_scale[:m].view(torch.uint8).copy_(record.block_scale.view(torch.uint8))
         buf.global_scale[:m].copy_(record.global_scale)
         if expert_ids is not None:
-            ids = self._trace_ids.get(layer)
-            if ids is None or ids.device != expert_ids.device or ids.shape[0] < m or ids.shape[1:] != expert_ids.shape[1:]:
-                ids = self._trace_ids[layer] = torch.full((buf.bits.shape[0], *expert_ids.shape[1:]), -1,
-                                                          dtype=torch.int64, device=expert_ids.device)
-            ids[:m].copy_(expert_ids)
+            self._trace_ids[layer][:m].copy_(expert_ids)
         if record.bits.is_cuda and torch.cuda.is_current_stream_capturing():
             self._trace_in_graph.add(key)
         elif self._current is not None:
             self._current.written.add(key)
 
     def _take_trace_rows(self, step: _Step) -> None:
-        """The step's rows ``[0, n)`` of every guided GEMM's buffers -> ``step.records`` / ``step.expert_ids``, then
-        to host memory (CUDA: :func:`_flush_to_host`, without waiting; CPU: copies, the buffers are rewritten next
-        forward). Which GEMMs: those of the model the runner executes (``active_trace_keys``), else (outside vLLM's
-        runner) those written in this step. A step whose forward ran our Python (eager, or compiled without a
+        """The step's rows ``[0, n)`` of the record buffer -> ``step.packed`` in host memory (CUDA:
+        :func:`_flush_to_host`, without waiting; CPU: a copy, the buffer is rewritten next forward). Which GEMMs: those
+        of the model the runner executes (``active_trace_keys``), else (outside vLLM's runner) those written in this
+        step. A step whose forward ran our Python (eager, or compiled without a
         graph, in an engine without graphs) must have written every one of them; a replayed CUDA graph runs no
         Python and wrote them all."""
         keys = self.active_trace_keys if self.active_trace_keys is not None else sorted(step.written)
@@ -488,18 +516,15 @@ class GuidanceStore:
         if missing:
             raise RuntimeError(f"verl-quads TRACE: guided GEMMs {missing} wrote no guidance record in this step "
                                f"(written: {sorted(step.written)})")
+        if not keys:
+            return
         n = step.query_start_loc[-1]
-        for key in keys:
-            step.records[key] = slice_record(self._trace_buf[key], slice(0, n))
-            if key[1] == "mlp.experts.w2" and key[0] in self._trace_ids:
-                step.expert_ids[key[0]] = self._trace_ids[key[0]][:n]
-        if step.device_positions.is_cuda or any(r.bits.is_cuda for r in step.records.values()):
-            _flush_to_host(step, self._arena)
-        else:
-            for key, r in step.records.items():
-                step.records[key] = GuidanceRecord(r.bits.clone(), r.block_scale.clone(), r.global_scale.clone(),
-                                                   r.shape)
-            step.expert_ids = {layer: t.clone() for layer, t in step.expert_ids.items()}
+        rows = self._trace_rows[:n]
+        step.layout, step.keys = self._trace_layout, tuple(keys)
+        if rows.is_cuda:
+            _flush_to_host(step, rows, self._arena)
+        else:  # the buffer is rewritten by the next forward
+            step.packed = rows.clone()
             step.positions = step.device_positions.to(torch.int64, copy=True)
 
     # --- read by the driver (through collective_rpc) ---
@@ -539,11 +564,23 @@ class GuidanceStore:
         last = {}
         for j, p in zip(order.tolist(), positions.tolist()):
             last[p] = j
-        keep = torch.tensor([last[p] for p in sorted(last)], dtype=torch.int64)
-        keys = set.intersection(*(set(s.records) for s, _ in parts))
-        records = {k: slice_record(cat_records([slice_record(s.records[k], sl) for s, sl in parts]), keep) for k in keys}
-        layers = set.intersection(*(set(s.expert_ids) for s, _ in parts))
-        experts = {l: torch.cat([s.expert_ids[l][sl] for s, sl in parts])[keep] for l in layers}
+        keep_list = [last[p] for p in sorted(last)]
+        in_order = keep_list == list(range(positions.numel()))  # no recomputed position (the usual case)
+        keep = torch.tensor(keep_list, dtype=torch.int64)
+        keys = set.intersection(*(set(s.keys) for s, _ in parts))
+        if all(s.layout is parts[0][0].layout for s, _ in parts):  # one concatenation of the request's rows
+            rows = torch.cat([s.packed[sl] for s, sl in parts])
+            if not in_order:
+                rows = rows.index_select(0, keep)
+            recs, ids = _guidance_views(parts[0][0].layout, rows, keys)
+        else:  # the buffer was laid out again during the request (e.g. a larger forward without CUDA graphs)
+            per = [s.guidance(sl) for s, sl in parts]
+            recs = {k: slice_record(cat_records([p[0][k] for p in per]), keep) for k in keys}
+            layers = set.intersection(*(set(p[1]) for p in per))
+            ids = {la: torch.cat([p[1][la] for p in per])[keep] for la in layers}
+        records = {k: GuidanceRecord(r.bits.contiguous(), r.block_scale.contiguous(), r.global_scale.contiguous(),
+                                     r.shape) for k, r in sorted(recs.items())}
+        experts = {la: t.contiguous() for la, t in sorted(ids.items())}
         return RequestGuidance(request_id, positions[keep], records, experts, versions.pop())
 
     def clear(self) -> None:

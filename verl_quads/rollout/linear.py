@@ -128,7 +128,7 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
         if self.capture_key is not None:
             from verl_quads.rollout.capture import get_store
 
-            get_store().register_trace_gemm(*self.capture_key)
+            get_store().register_trace_gemm(*self.capture_key, k=input_size_per_partition)
         if self.packed:
             self._create_packed(layer, input_size_per_partition, output_partition_sizes, extra_weight_attrs)
             return

@@ -84,8 +84,10 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
         if self.capture_layer is not None:
             from verl_quads.rollout.capture import MOE_GUIDED_GEMMS, get_store
 
-            for gemm in MOE_GUIDED_GEMMS:
-                get_store().register_trace_gemm(self.capture_layer, gemm)
+            w13, w2 = MOE_GUIDED_GEMMS  # their records: the layer input [T, H]; each slot's input [T, top_k, I]
+            get_store().register_trace_gemm(self.capture_layer, w13, k=hidden_size)
+            get_store().register_trace_gemm(self.capture_layer, w2, k=intermediate_size_per_partition,
+                                            slots=self.moe.experts_per_token)
         for name, dim in (("hidden", hidden_size), ("intermediate", intermediate_size_per_partition)):
             if dim % 16:
                 raise ValueError(f"quads_nvfp4 MoE: {name} size {dim} is not a multiple of 16 (NVFP4 block)")
