@@ -72,6 +72,23 @@ def test_engine_bench_routing_ab_switches_the_host_capture_off_in_the_same_engin
                      r"one RPC for the batch [\d.]+ ms$", out, re.M), out[-3000:]
 
 
+def test_engine_bench_trace_collects_every_requests_guidance(capsys, tmp_path):
+    """A trace engine's timed generates also pop every request's guidance (what verl's server hands the trainer)."""
+    from verl_quads.bench import engine
+
+    engine.main(["--modes", "trace", "--batch-sizes", "2", "--max-tokens", "3", "--prompt-len", "5", "--repeats", "1",
+                 "--layers", "1", "--hidden", "64", "--heads", "2", "--kv-heads", "1", "--head-dim", "32",
+                 "--experts", "4", "--top-k", "2", "--moe-inter", "64", "--vocab", "512", "--kv-cache-gb", "0.05",
+                 "--model-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    # one layer, every GEMM guided: qkv / o_proj (K 64), experts w13 (K 64) and w2 (K 64, 2 slots):
+    # 3 x (64/8 + 64/16 + 4) + 2 x (64/8 + 64/16 + 4) = 80 bytes per token; 5 prompt + 2 fed-back positions
+    assert re.search(r"^\[guidance\] trace batch 2: 2 requests, each 7 positions x 4 guided GEMMs, 80 bytes per "
+                     r"token$", out, re.M), out[-3000:]
+    assert re.search(r"^\[time\] trace batch 2: median [\d.]+ s of \[[^\]]*\]; routing collection median [\d.]+ ms; "
+                     r"guidance collection median [\d.]+ ms$", out, re.M), out[-3000:]
+
+
 def test_engine_bench_refuses_bad_arguments():
     from verl_quads.bench import engine
 

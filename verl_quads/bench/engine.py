@@ -15,7 +15,9 @@ warm-up), then ``--repeats`` timed generations; reported: median seconds, genera
 = the BF16 engine's median time / this mode's at the same batch size (> 1: faster). The quantized modes capture
 routing (their default): each timed generation includes collecting every request's record (``collect_routing``: one
 ``collective_rpc`` for the whole batch; verl's server pops with one RPC the requests that finish together,
-``RecordFetcher`` in ``patches/verl_rollout_guidance.py``); ``<mode>-norouting`` runs the mode with
+``RecordFetcher`` in ``patches/verl_rollout_guidance.py``), and ``trace`` also every request's guidance
+(``collect_guidance``, one ``collective_rpc``: the records verl's server pops for the trainer; until session 26 this
+bench left them in the worker); ``<mode>-norouting`` runs the mode with
 ``VERL_QUADS_ROUTING=0`` (what the capture costs, across two engines); ``--collect-per-request`` also times popping
 the records with one RPC per request (verl's server without the batching of ``RecordFetcher``); ``--host-stats``
 prints per timed generate the process's CPU seconds and Python garbage collections. ``--routing-ab`` measures the
@@ -104,6 +106,13 @@ def _worker_routing(worker, on: bool | None = None) -> bool:
     return get_store().routing
 
 
+def _worker_trace(worker) -> bool:
+    """In the worker (``collective_rpc``): whether the capture store records TRACE guidance."""
+    from verl_quads.rollout.capture import get_store
+
+    return get_store().enabled
+
+
 def _worker_hook_time(worker, reset: bool = False) -> list[float]:
     """In the worker (``collective_rpc``): ``[seconds, steps]`` spent in the store's step hook since the last reset
     (the timing wrappers of :func:`_time_hook` are installed on the first call)."""
@@ -148,7 +157,7 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
 
     import vllm
 
-    from verl_quads.rollout.capture import collect_routing
+    from verl_quads.rollout.capture import collect_guidance, collect_routing
 
     t0 = time.perf_counter()
     # in: the engine in this (child) process (--profile sees it); mp: vLLM's own processes (worker calls pickled)
@@ -165,6 +174,9 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
     routing = on_worker(_worker_routing)  # the worker's store (this process's with --processes in)
     if routing != (mode != "bf16" and not mode.endswith(NO_ROUTING)):
         raise RuntimeError(f"bench engine: mode {mode} has routing capture {'on' if routing else 'off'}")
+    tracing = on_worker(_worker_trace)
+    if tracing != mode.startswith("trace"):
+        raise RuntimeError(f"bench engine: mode {mode} has TRACE guidance capture {'on' if tracing else 'off'}")
     sp = vllm.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
     rng = random.Random(0)
     out: dict[int, list[float]] = {}
@@ -172,17 +184,25 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
     ab = args.routing_ab and routing
 
     collect_s: list[float] = []  # seconds of each routing collection (inside the timed generate)
+    guide_s: list[float] = []  # seconds of each guidance collection (trace; inside the timed generate)
+    guides: list = []  # the last generate's guidance (trace)
 
     def generate(prompts):
         res = llm.generate(prompts, sp, use_tqdm=False)
+        recs = {}
         if routing:  # what verl does after a rollout: every request's routing record, popped from the worker
             t = time.perf_counter()
             recs = collect_routing(llm)
             collect_s.append(time.perf_counter() - t)
             if len(recs) != len(prompts):
                 raise RuntimeError(f"{mode}: routing records of {len(recs)} requests, expected {len(prompts)}")
-            return res, recs
-        return res, {}
+        if tracing:  # and TRACE's guidance, what the trainer's guided quantizer reads
+            t = time.perf_counter()
+            guides[:] = collect_guidance(llm).values()
+            guide_s.append(time.perf_counter() - t)
+            if len(guides) != len(prompts):
+                raise RuntimeError(f"{mode}: guidance of {len(guides)} requests, expected {len(prompts)}")
+        return res, recs
 
     for b in args.batch_sizes:
         prompts = [{"prompt_token_ids": [rng.randrange(1, args.vocab) for _ in range(args.prompt_len)]}
@@ -196,8 +216,13 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
             r0 = next(iter(recs.values()))
             print(f"[routing] {mode} batch {b}: {len(recs)} records, each experts {tuple(r0.experts.shape)} "
                   f"{r0.experts.dtype}", flush=True)
+        if guides:
+            g0 = guides[0]
+            print(f"[guidance] {mode} batch {b}: {len(guides)} requests, each {g0.num_tokens} positions x "
+                  f"{len(g0.records)} guided GEMMs, {g0.bytes_per_token:.0f} bytes per token", flush=True)
         times, times_off = [], []
         collect_s.clear()
+        guide_s.clear()
         if ab:
             on_worker(_worker_hook_time, True)  # installs the timing wrappers on the first call; zeroes them
         host = _HostStats() if args.host_stats else None
@@ -216,6 +241,8 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
                     routing = on_worker(_worker_routing, True)
         out[b] = times
         collected = f"; routing collection median {statistics.median(collect_s) * 1e3:.1f} ms" if collect_s else ""
+        if guide_s:
+            collected += f"; guidance collection median {statistics.median(guide_s) * 1e3:.1f} ms"
         print(f"[time] {mode} batch {b}: median {statistics.median(times):.3f} s of {times}{collected}", flush=True)
         if host is not None:
             print(f"[host] {mode} batch {b}: {host.summary()}", flush=True)
