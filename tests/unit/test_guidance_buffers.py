@@ -10,22 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from guidance_records import records_equal, row_record
 
-from verl_quads import nvfp4
 from verl_quads.rollout.capture import GuidanceStore, get_store
 from verl_quads.rollout.emulation import ActQuant
 
 QKV, O = (0, "self_attn.qkv_proj"), (0, "self_attn.o_proj")
-
-
-def _record(x):
-    gs = nvfp4.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
-    return nvfp4.extract_guidance(nvfp4.quantize(x, gs, backend="torch"))
-
-
-def _equal(a, b) -> bool:
-    return torch.equal(a.bits, b.bits) and torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(
-        torch.uint8)) and torch.equal(a.global_scale, b.global_scale)
 
 
 def test_replayed_steps_take_rows_written_without_python():
@@ -37,13 +27,13 @@ def test_replayed_steps_take_rows_written_without_python():
     store = GuidanceStore()
     store.enabled = True
     store.active_trace_keys = [QKV, O]
-    store.add(*QKV, _record(torch.randn(4, 32)))  # "capture" at the padded batch size 4: nothing taken
-    store.add(*O, _record(torch.randn(4, 64)))
+    store.add(*QKV, row_record(torch.randn(4, 32)))  # "capture" at the padded batch size 4: nothing taken
+    store.add(*O, row_record(torch.randn(4, 64)))
     assert store.request_ids() == []
     steps = [torch.randn(4, 32), torch.randn(4, 32)]
     for i, x in enumerate(steps):
         store.begin_step(["a", "b"], [0, 1, 2], torch.tensor([5 + i, 9 + i, 0, 0]))  # 2 real rows + padding
-        rec = _record(x)  # the replayed kernels' output
+        rec = row_record(x)  # the replayed kernels' output
         buf = store._trace_buf[QKV]
         buf.bits[:4].copy_(rec.bits)
         buf.block_scale[:4].view(torch.uint8).copy_(rec.block_scale.view(torch.uint8))
@@ -52,17 +42,17 @@ def test_replayed_steps_take_rows_written_without_python():
     a, b = store.pop("a"), store.pop("b")
     assert a.positions.tolist() == [5, 6] and b.positions.tolist() == [9, 10]
     assert set(a.records) == {QKV, O}
-    assert _equal(a.records[QKV], _record(torch.stack([steps[0][0], steps[1][0]])))
-    assert _equal(b.records[QKV], _record(torch.stack([steps[0][1], steps[1][1]])))
+    assert records_equal(a.records[QKV], row_record(torch.stack([steps[0][0], steps[1][0]])))
+    assert records_equal(b.records[QKV], row_record(torch.stack([steps[0][1], steps[1][1]])))
 
 
 def test_eager_step_writing_some_guided_gemms_is_refused():
     store = GuidanceStore()
     store.enabled = True
     store.active_trace_keys = [QKV, O]
-    store.add(*O, _record(torch.randn(2, 64)))  # an earlier forward wrote O's buffer
+    store.add(*O, row_record(torch.randn(2, 64)))  # an earlier forward wrote O's buffer
     store.begin_step(["a"], [0, 2], torch.tensor([0, 1]))
-    store.add(*QKV, _record(torch.randn(2, 32)))
+    store.add(*QKV, row_record(torch.randn(2, 32)))
     with pytest.raises(RuntimeError, match=r"guided GEMMs \[\(0, 'self_attn.o_proj'\)\] wrote no guidance"):
         store.end_step()
 
@@ -71,7 +61,7 @@ def test_a_guided_gemm_that_never_wrote_is_refused_even_after_replay():
     store = GuidanceStore()
     store.enabled = True
     store.active_trace_keys = [QKV, O]
-    store.add(*QKV, _record(torch.randn(2, 32)))
+    store.add(*QKV, row_record(torch.randn(2, 32)))
     store._trace_in_graph.add(QKV)  # what add() records when it runs inside a CUDA graph capture (no GPU here)
     store.begin_step(["a"], [0, 1], torch.tensor([0]))
     with pytest.raises(RuntimeError, match="o_proj"):
@@ -82,16 +72,16 @@ def test_buffers_sized_once_and_not_reallocated_under_a_captured_graph():
     store = GuidanceStore()
     store._rows = 16  # max_num_batched_tokens of the building engine
     store.register_trace_gemm(*QKV, k=32)  # what the layer does when vLLM builds it
-    store.add(*QKV, _record(torch.randn(3, 32)))
+    store.add(*QKV, row_record(torch.randn(3, 32)))
     buf = store._trace_buf[QKV]
     assert buf.bits.shape == (16, 4) and buf.block_scale.shape == (16, 2) and buf.global_scale.shape == (16, 1)
-    store.add(*QKV, _record(torch.randn(16, 32)))
+    store.add(*QKV, row_record(torch.randn(16, 32)))
     assert store._trace_buf[QKV].bits.data_ptr() == buf.bits.data_ptr()  # the same storage: graphs stay valid
     store._trace_in_graph.add(QKV)  # as if a CUDA graph had captured it
     with pytest.raises(RuntimeError, match=r"already captured in a CUDA graph.*max_num_batched_tokens"):
-        store.add(*QKV, _record(torch.randn(17, 32)))
+        store.add(*QKV, row_record(torch.randn(17, 32)))
     store.register_trace_gemm(*QKV, k=32)  # a new engine builds this GEMM: it will capture its own graphs
-    store.add(*QKV, _record(torch.randn(17, 32)))
+    store.add(*QKV, row_record(torch.randn(17, 32)))
     assert store._trace_buf[QKV].bits.shape[0] == 17
 
 
@@ -101,12 +91,12 @@ def test_w2_records_keep_their_slots_expert_ids():
     key = (1, "mlp.experts.w2")
     x = torch.randn(3, 2, 32)  # [T, top_k, I]
     ids = torch.tensor([[0, 5], [7, -1], [2, 3]])
-    rec = _record(x)
+    rec = row_record(x)
     store.begin_step(["r"], [0, 3], torch.tensor([0, 1, 2]))
     store.add(*key, rec, expert_ids=ids)
     store.end_step()
     g = store.pop("r")
-    assert _equal(g.records[key], rec) and g.records[key].shape == (3, 2, 32)
+    assert records_equal(g.records[key], rec) and g.records[key].shape == (3, 2, 32)
     assert g.expert_ids[1].dtype == torch.int64 and g.expert_ids[1].tolist() == ids.tolist()
 
 
@@ -139,7 +129,7 @@ def test_compiled_guided_linear_records_as_eager(compile_backend):
             out[name] = (y, store.pop(name))
         (ye, ge), (yc, gc) = out["eager"], out["compiled"]
         assert torch.equal(ye, yc)
-        assert set(gc.records) == {O} and _equal(gc.records[O], ge.records[O])
-        assert _equal(ge.records[O], _record(x))  # the rollout's codes (per-token global scale)
+        assert set(gc.records) == {O} and records_equal(gc.records[O], ge.records[O])
+        assert records_equal(ge.records[O], row_record(x))  # the rollout's codes (per-token global scale)
     finally:
         store.enabled, store.active_trace_keys = saved

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from guidance_records import row_record
 
 pytest.importorskip("vllm")
 
@@ -321,11 +322,6 @@ def test_backend_triton_on_mocked_cuda_gpu(monkeypatch, cap, requested):
     assert resolve_backend(requested, device_type="cuda") == "triton"
 
 
-def _record(x):
-    gs = nvfp4.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
-    return nvfp4.extract_guidance(nvfp4.quantize(x, gs, backend="torch"))
-
-
 def test_guidance_store_keys_rows_by_request_and_position():
     store = GuidanceStore()
     store.enabled = True
@@ -333,19 +329,19 @@ def test_guidance_store_keys_rows_by_request_and_position():
     # step 1: prefill of two requests (3 and 2 tokens), step 2: one decode token each
     x1, x2 = torch.randn(5, 32), torch.randn(2, 32)
     store.begin_step(["a-0123abcd", "b-89abcdef"], [0, 3, 5], torch.tensor([0, 1, 2, 0, 1]))
-    store.add(0, "self_attn.qkv_proj", _record(x1))
+    store.add(0, "self_attn.qkv_proj", row_record(x1))
     store.end_step()
     store.begin_step(["b-89abcdef", "a-0123abcd"], [0, 1, 2], torch.tensor([2, 3, 7, 7]))  # padded positions
-    store.add(0, "self_attn.qkv_proj", _record(torch.cat([x2, torch.randn(1, 32)])))  # a padding row
+    store.add(0, "self_attn.qkv_proj", row_record(torch.cat([x2, torch.randn(1, 32)])))  # a padding row
     store.end_step()
-    store.add(0, "self_attn.qkv_proj", _record(x1))  # outside a step: ignored
+    store.add(0, "self_attn.qkv_proj", row_record(x1))  # outside a step: ignored
     assert store.request_ids() == ["a-0123abcd", "b-89abcdef"]
     a = store.pop("a")  # external id resolves to the internal one
     assert a.request_id == "a-0123abcd" and a.external_id == "a"
     assert a.positions.tolist() == [0, 1, 2, 3]
     want = torch.cat([x1[:3], x2[1:2]])
     got = a.records[(0, "self_attn.qkv_proj")]
-    assert torch.equal(got.bits, _record(want).bits) and torch.equal(got.global_scale, _record(want).global_scale)
+    assert torch.equal(got.bits, row_record(want).bits) and torch.equal(got.global_scale, row_record(want).global_scale)
     rec = a.record(3, 0, "self_attn.qkv_proj")
     assert torch.equal(nvfp4.quantize_guided(x2[1], rec, backend="torch").packed,
                        nvfp4.quantize(x2[1], rec.global_scale, backend="torch").packed)
@@ -371,13 +367,13 @@ def test_guidance_store_keeps_each_steps_positions_from_a_persistent_buffer():
     for step, (pos, rows) in enumerate([([0, 1], x[:2]), ([2], x[2:3])]):
         buf[: len(pos)] = torch.tensor(pos)
         store.begin_step(["r"], [0, len(pos)], buf[: len(pos)])
-        store.add(0, "self_attn.qkv_proj", _record(rows))
+        store.add(0, "self_attn.qkv_proj", row_record(rows))
         store.routing_buffer(0, len(pos), 2, "cpu")[: len(pos)].fill_(step)
         store.end_step()
         buf.fill_(-7)  # the runner prepares its next step
     g = store.pop("r")
     assert g.positions.tolist() == [0, 1, 2]
-    assert torch.equal(g.records[(0, "self_attn.qkv_proj")].bits, _record(x).bits)  # per-row scales: row-wise
+    assert torch.equal(g.records[(0, "self_attn.qkv_proj")].bits, row_record(x).bits)  # per-row scales: row-wise
     r = store.pop_routing("r")
     assert r.positions.tolist() == [0, 1, 2] and r.experts.tolist() == [[[0, 0]], [[0, 0]], [[1, 1]]]
 
@@ -388,7 +384,7 @@ def test_guidance_store_refuses_mixed_policy_versions():
     for version, pos in ((1, 0), (2, 1)):
         store.policy_version = version
         store.begin_step(["r"], [0, 1], torch.tensor([pos]))
-        store.add(5, "self_attn.o_proj", _record(torch.randn(1, 16)))
+        store.add(5, "self_attn.o_proj", row_record(torch.randn(1, 16)))
         store.end_step()
     with pytest.raises(ValueError, match="policy versions"):
         store.pop("r")

@@ -5,22 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from guidance_records import records_equal, row_record
 
-from verl_quads import nvfp4
 from verl_quads.rollout.capture import GuidanceStore
 from verl_quads.rollout.trace_rows import GemmRows, TraceRowLayout
 
 QKV, O, W13, W2 = (3, "self_attn.qkv_proj"), (3, "self_attn.o_proj"), (3, "mlp.experts.w13"), (3, "mlp.experts.w2")
-
-
-def _record(x):
-    gs = nvfp4.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
-    return nvfp4.extract_guidance(nvfp4.quantize(x, gs, backend="torch"))
-
-
-def _equal(a, b) -> bool:
-    return (torch.equal(a.bits, b.bits)
-            and torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8)) and torch.equal(a.global_scale, b.global_scale) and tuple(a.shape) == tuple(b.shape))
 
 
 def test_layout_sections_are_aligned_and_views_round_trip_every_dtype():
@@ -30,7 +20,7 @@ def test_layout_sections_are_aligned_and_views_round_trip_every_dtype():
     assert layout.row_bytes == (8 + 8 + 8) + (8 + 8 + 8) + (16 + 8 + 16 + 24)
     assert layout.ids_key == {3: W2}
     torch.manual_seed(0)
-    recs = {QKV: _record(torch.randn(5, 16)), O: _record(torch.randn(5, 48)), W2: _record(torch.randn(5, 3, 32))}
+    recs = {QKV: row_record(torch.randn(5, 16)), O: row_record(torch.randn(5, 48)), W2: row_record(torch.randn(5, 3, 32))}
     ids = torch.randint(0, 128, (5, 3))
     # a buffer whose first row is not at offset 0 of its storage, as a request's rows inside a pinned chunk
     base = torch.zeros(7 * layout.row_bytes, dtype=torch.uint8)[layout.row_bytes:].view(6, -1)[1:]
@@ -42,7 +32,7 @@ def test_layout_sections_are_aligned_and_views_round_trip_every_dtype():
     id_views[3].copy_(ids)
     again, again_ids = layout.views(base.clone())  # the bytes alone carry everything
     for k, r in recs.items():
-        assert _equal(again[k], r), k
+        assert records_equal(again[k], r), k
     assert again_ids[3].dtype == torch.int64 and torch.equal(again_ids[3], ids)
     with pytest.raises(ValueError, match=r"expected uint8 \[R, 112\]"):
         layout.views(torch.zeros(2, 96, dtype=torch.uint8))
@@ -52,7 +42,7 @@ def test_gemm_rows_refuse_bad_shapes():
     with pytest.raises(ValueError, match="multiple of 16"):
         GemmRows(24)
     with pytest.raises(ValueError, match=r"expected \[T, K\] without expert ids or \[T, top_k, K\]"):
-        GemmRows.of(_record(torch.randn(2, 3, 16)), None)
+        GemmRows.of(row_record(torch.randn(2, 3, 16)), None)
     with pytest.raises(ValueError, match="two GEMMs with expert slots"):
         TraceRowLayout({(1, "a"): GemmRows(16, 2), (1, "b"): GemmRows(16, 2)})
 
@@ -66,14 +56,14 @@ def test_registered_gemms_share_one_buffer_allocated_at_the_first_forward():
     store.register_trace_gemm(*QKV, k=16)
     store.register_trace_gemm(*W13, k=16)
     store.register_trace_gemm(*W2, k=32, slots=2)
-    store.add(*QKV, _record(torch.randn(4, 16)))
+    store.add(*QKV, row_record(torch.randn(4, 16)))
     base = store._trace_rows
     assert base.shape == (8, store._trace_layout.row_bytes) and set(store._trace_layout.gemms) == {QKV, W13, W2}
-    store.add(*W13, _record(torch.randn(4, 16)))
-    store.add(*W2, _record(torch.randn(4, 2, 32)), expert_ids=torch.zeros(4, 2, dtype=torch.int64))
+    store.add(*W13, row_record(torch.randn(4, 16)))
+    store.add(*W2, row_record(torch.randn(4, 2, 32)), expert_ids=torch.zeros(4, 2, dtype=torch.int64))
     assert store._trace_rows is base
     with pytest.raises(RuntimeError, match=r"\(3, 'mlp.experts.w2'\) registered records of .*slots=2.*slots=4"):
-        store.add(*W2, _record(torch.randn(4, 4, 32)), expert_ids=torch.zeros(4, 4, dtype=torch.int64))
+        store.add(*W2, row_record(torch.randn(4, 4, 32)), expert_ids=torch.zeros(4, 4, dtype=torch.int64))
 
 
 def test_pop_across_a_relayout_and_a_new_model():
@@ -91,23 +81,23 @@ def test_pop_across_a_relayout_and_a_new_model():
         n = x.shape[0]
         ids.append(torch.randint(0, 9, (n, 2)))
         store.begin_step(["r", "s"], [0, 1, n], torch.arange(n) + 10 * i)
-        store.add(*QKV, _record(x))
-        store.add(*W2, _record(w), expert_ids=ids[-1])
+        store.add(*QKV, row_record(x))
+        store.add(*W2, row_record(w), expert_ids=ids[-1])
         store.end_step()
         layouts.append(store._trace_layout)
     assert layouts[0] is not layouts[1] and layouts[0].row_bytes == layouts[1].row_bytes  # same layout, larger
     r = store.pop("r")
     assert r.positions.tolist() == [0, 10]
-    assert _equal(r.records[QKV], _record(torch.stack([xs[0][0], xs[1][0]])))
-    assert _equal(r.records[W2], _record(torch.stack([ws[0][0], ws[1][0]])))
+    assert records_equal(r.records[QKV], row_record(torch.stack([xs[0][0], xs[1][0]])))
+    assert records_equal(r.records[W2], row_record(torch.stack([ws[0][0], ws[1][0]])))
     assert torch.equal(r.expert_ids[3], torch.stack([ids[0][0], ids[1][0]]))
     assert all(t.is_contiguous() for rec in r.records.values() for t in (rec.bits, rec.block_scale, rec.global_scale))
     s = store.pop("s")
     assert s.positions.tolist() == [1, 11, 12, 13, 14]
-    assert _equal(s.records[QKV], _record(torch.cat([xs[0][1:], xs[1][1:]])))
+    assert records_equal(s.records[QKV], row_record(torch.cat([xs[0][1:], xs[1][1:]])))
     store.register_trace_gemm(*QKV, k=16)  # a new model: only QKV guided now
     store.begin_step(["t"], [0, 1], torch.tensor([0]))
-    store.add(*QKV, _record(xs[0][:1]))
+    store.add(*QKV, row_record(xs[0][:1]))
     store.end_step()
     t = store.pop("t")
-    assert set(t.records) == {QKV} and t.expert_ids == {} and _equal(t.records[QKV], _record(xs[0][:1]))
+    assert set(t.records) == {QKV} and t.expert_ids == {} and records_equal(t.records[QKV], row_record(xs[0][:1]))

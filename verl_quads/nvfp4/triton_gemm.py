@@ -80,6 +80,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from verl_quads.nvfp4 import device_info as di
+from verl_quads.nvfp4.custom_ops import linear_custom_op
 from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
 from verl_quads.nvfp4.gluon_gemm import GluonConfig
 from verl_quads.nvfp4.gluon_moe import GroupedConfig
@@ -2525,8 +2526,8 @@ def moe_combine(y: torch.Tensor, slot_weights: torch.Tensor, slot_experts: torch
 
 
 # --- torch custom ops: the same calls as opaque nodes for torch.compile (vLLM compiles the model;
-# Dynamo must not trace the launch code). No guidance capture through them (a Python side effect):
-# the rollout calls the functions above directly when it captures.
+# Dynamo must not trace the launch code). Without guidance capture: the rollout's capturing linear has its own op
+# (verl_quads::nvfp4_linear_guided, rollout/linear.py).
 
 def _linear_op(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
                bias: torch.Tensor | None, act_mode: str, residual_ratio: float,
@@ -2546,11 +2547,11 @@ def _moe_op(x: torch.Tensor, slot_weights: torch.Tensor, expert_ids: torch.Tenso
                        residual_combine=residual_combine, residual_granularity=residual_granularity)
 
 
-linear_op = torch.library.custom_op(
-    "verl_quads::nvfp4_linear", _linear_op, mutates_args=(),
-    schema="(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_gs, Tensor? bias, str act_mode, "
-           "float residual_ratio, bool residual_per_token, str residual_combine='fp4x2', "
-           "str residual_granularity='block') -> Tensor",
+linear_op = linear_custom_op(
+    "nvfp4_linear", _linear_op,
+    "(Tensor x, Tensor w_packed, Tensor w_scale, Tensor w_gs, Tensor? bias, str act_mode, "
+    "float residual_ratio, bool residual_per_token, str residual_combine='fp4x2', "
+    "str residual_granularity='block') -> Tensor",
 )
 moe_op = torch.library.custom_op(
     "verl_quads::nvfp4_moe", _moe_op, mutates_args=(),
@@ -2559,12 +2560,6 @@ moe_op = torch.library.custom_op(
            "float residual_ratio, bool residual_per_token, str residual_combine='fp4x2', "
            "str residual_granularity='block') -> Tensor",
 )
-
-
-@linear_op.register_fake
-def _(x, w_packed, w_scale, w_gs, bias, act_mode, residual_ratio, residual_per_token, residual_combine="fp4x2",
-      residual_granularity="block"):
-    return x.new_empty(x.shape[0], w_packed.shape[0])
 
 
 @moe_op.register_fake

@@ -31,7 +31,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from verl_quads.rollout import emulation
 from verl_quads.rollout.emulation import ActQuant
-from verl_quads.rollout.ops import linear_custom_op
+from verl_quads.nvfp4.custom_ops import linear_custom_op, op_or_function
 
 KERNEL_PARAMS = ("weight_packed", "weight_scale", "weight_global_scale")
 
@@ -217,10 +217,8 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
                 a.residual_ratio, a.residual_per_token, a.residual_combine, a.residual_granularity)
         if not (a.capture and self.capture_key is not None):
             y = torch.ops.verl_quads.nvfp4_linear(*args)
-        elif torch.compiler.is_compiling():
-            y = torch.ops.verl_quads.nvfp4_linear_guided(*args, *self.capture_key)
         else:
-            y = _linear_guided(*args, *self.capture_key)
+            y = op_or_function(torch.ops.verl_quads.nvfp4_linear_guided, _linear_guided, *args, *self.capture_key)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -73,7 +73,7 @@ import torch
 
 from verl_quads import nvfp4
 from verl_quads.nvfp4 import BLOCK_SIZE
-from verl_quads.rollout.ops import linear_custom_op
+from verl_quads.nvfp4.custom_ops import linear_custom_op, op_or_function
 
 logger = logging.getLogger("verl_quads")
 
@@ -276,7 +276,8 @@ def _native_linear_guided(x: torch.Tensor, w_packed: torch.Tensor, w_scale_swizz
     return gemm_passes(passes, w_packed, w_scale_swizzled, alpha, bias, x.dtype)
 
 
-#: The capturing native linear (trace) as an opaque custom op (see :func:`~verl_quads.rollout.ops.linear_custom_op`).
+#: The capturing native linear (trace) as an opaque custom op
+#: (see :func:`~verl_quads.nvfp4.custom_ops.linear_custom_op`).
 native_linear_guided_op = linear_custom_op(
     "nvfp4_native_linear_guided", _native_linear_guided,
     "(Tensor x, Tensor w_packed, Tensor w_scale_swizzled, Tensor alpha, Tensor? bias, str act_mode, "
@@ -301,10 +302,8 @@ def apply_linear(layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | N
             act.residual_ratio, act.residual_per_token, act.residual_granularity)
     if not (act.capture and capture_key is not None):
         y = torch.ops.verl_quads.nvfp4_native_linear(*args)
-    elif torch.compiler.is_compiling():
-        y = torch.ops.verl_quads.nvfp4_native_linear_guided(*args, *capture_key)
     else:
-        y = _native_linear_guided(*args, *capture_key)
+        y = op_or_function(torch.ops.verl_quads.nvfp4_native_linear_guided, _native_linear_guided, *args, *capture_key)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

@@ -1,5 +1,7 @@
-"""Registration of the rollout's linear forwards as torch custom ops (opaque to torch.compile: vLLM compiles the
-model, and Dynamo must not trace launch code or the guidance store)."""
+"""Registration of NVFP4 linear forwards as torch custom ops (opaque to torch.compile: vLLM compiles the model, and
+Dynamo must not trace launch code or the rollout's guidance store): the core's ``verl_quads::nvfp4_linear``
+(:mod:`.triton_gemm`) and the rollout's native / guided linears (:mod:`verl_quads.rollout.linear`,
+:mod:`verl_quads.rollout.native`)."""
 
 from __future__ import annotations
 
@@ -23,4 +25,10 @@ def linear_custom_op(name: str, fn: Callable[..., torch.Tensor], schema: str):
     return op
 
 
-__all__ = ["linear_custom_op"]
+def op_or_function(op, fn: Callable[..., torch.Tensor], *args) -> torch.Tensor:
+    """``op(*args)`` while torch.compile traces (an opaque node in its graph), else ``fn(*args)``, the op's own
+    function called directly: in eager engines the dispatcher round trip is host time on every call."""
+    return op(*args) if torch.compiler.is_compiling() else fn(*args)
+
+
+__all__ = ["linear_custom_op", "op_or_function"]
