@@ -12,6 +12,7 @@ import pytest
 import torch
 from guidance_records import records_equal, row_record
 
+from verl_quads.rollout import capture
 from verl_quads.rollout.capture import GuidanceStore, get_store
 from verl_quads.rollout.emulation import ActQuant
 
@@ -101,7 +102,7 @@ def test_w2_records_keep_their_slots_expert_ids():
 
 
 @pytest.mark.parametrize("compile_backend", ["eager", "inductor"])
-def test_compiled_guided_linear_records_as_eager(compile_backend):
+def test_compiled_guided_linear_records_as_eager(compile_backend, monkeypatch):
     """The guided linear of the triton backend under torch.compile runs as the custom op
     ``verl_quads::nvfp4_linear_guided`` (Dynamo does not trace the store); its output and records are the eager
     call's, bit for bit (same kernels)."""
@@ -116,20 +117,18 @@ def test_compiled_guided_linear_records_as_eager(compile_backend):
         set_kernel_param(layer, name, t)
     method = QuadsNVFP4LinearMethod(ActQuant("trace", capture=True), backend="triton", capture_key=O)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
+    # the process's store as the op sees it, fresh: engines built earlier in this process registered their GEMMs
+    monkeypatch.setattr(capture, "_STORE", GuidanceStore())
     store = get_store()
-    saved = (store.enabled, store.active_trace_keys)
     store.enabled, store.active_trace_keys = True, None
-    try:
-        out = {}
-        for name, fn in (("eager", method.apply),
-                         ("compiled", torch.compile(method.apply, backend=compile_backend, fullgraph=True))):
-            store.begin_step([name], [0, 3], torch.arange(3))
-            y = fn(layer, x)
-            store.end_step()
-            out[name] = (y, store.pop(name))
-        (ye, ge), (yc, gc) = out["eager"], out["compiled"]
-        assert torch.equal(ye, yc)
-        assert set(gc.records) == {O} and records_equal(gc.records[O], ge.records[O])
-        assert records_equal(ge.records[O], row_record(x))  # the rollout's codes (per-token global scale)
-    finally:
-        store.enabled, store.active_trace_keys = saved
+    out = {}
+    for name, fn in (("eager", method.apply),
+                     ("compiled", torch.compile(method.apply, backend=compile_backend, fullgraph=True))):
+        store.begin_step([name], [0, 3], torch.arange(3))
+        y = fn(layer, x)
+        store.end_step()
+        out[name] = (y, store.pop(name))
+    (ye, ge), (yc, gc) = out["eager"], out["compiled"]
+    assert torch.equal(ye, yc)
+    assert set(gc.records) == {O} and records_equal(gc.records[O], ge.records[O])
+    assert records_equal(ge.records[O], row_record(x))  # the rollout's codes (per-token global scale)

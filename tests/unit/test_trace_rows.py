@@ -101,3 +101,17 @@ def test_pop_across_a_relayout_and_a_new_model():
     store.end_step()
     t = store.pop("t")
     assert set(t.records) == {QKV} and t.expert_ids == {} and records_equal(t.records[QKV], row_record(xs[0][:1]))
+
+
+def test_a_model_built_after_a_forward_replaces_the_buffer_even_with_other_gemms():
+    """A second engine in the process whose guided GEMMs are all different keys (another depth, other guided layers):
+    its registrations come after the first model's buffer exists, so they start a new layout, and the first model's
+    CUDA-graph marks do not block the new model's first forward."""
+    store = GuidanceStore()
+    store.register_trace_gemm(*QKV, k=16)
+    store.add(*QKV, row_record(torch.randn(2, 16)))
+    store._trace_in_graph.add(QKV)  # the first engine captured its graphs (no GPU here)
+    other = (7, "self_attn.qkv_proj")
+    store.register_trace_gemm(*other, k=32)
+    store.add(*other, row_record(torch.randn(2, 32)))
+    assert set(store._trace_layout.gemms) == {other} and not store._trace_in_graph - {other}

@@ -423,12 +423,13 @@ class GuidanceStore:
         """Called by a guided GEMM's quant method when vLLM builds its layer, with the shape of its records (``k``
         input channels; ``slots`` = top_k for ``mlp.experts.w2``): sizes the buffer
         (:meth:`prefer_rows_of_current_engine`) and lays it out for every GEMM of the model, so the first forward
-        allocates it once. vLLM builds a model's layers once, in order: a GEMM registered again means a NEW model
-        (a later engine in this process; only one runs at a time), so the earlier model's buffer, GEMMs and CUDA
-        graph marks are forgotten (the new engine captures its own)."""
+        allocates it once. vLLM builds a model's layers once, in order, before its first forward (its weight reload
+        does not create them again): a GEMM registered again, or any registered once a buffer exists, means a NEW
+        model (a later engine in this process; only one runs at a time: the earlier one must not run again), so the
+        earlier model's buffer, GEMMs and CUDA graph marks are forgotten (the new engine captures its own)."""
         self.prefer_rows_of_current_engine()
         key = (layer, gemm)
-        if key in self._trace_building:
+        if key in self._trace_building or self._trace_rows is not None:
             self._trace_building = set()
             self._trace_shapes = {}
             self._trace_rows, self._trace_layout, self._trace_buf, self._trace_ids = None, None, {}, {}
