@@ -29,9 +29,9 @@ import torch
 from vllm.model_executor.layers.linear import LinearMethodBase
 from vllm.model_executor.utils import set_weight_attrs
 
+from verl_quads.nvfp4.custom_ops import linear_custom_op, op_or_function
 from verl_quads.rollout import emulation
 from verl_quads.rollout.emulation import ActQuant
-from verl_quads.nvfp4.custom_ops import linear_custom_op, op_or_function
 
 KERNEL_PARAMS = ("weight_packed", "weight_scale", "weight_global_scale")
 
