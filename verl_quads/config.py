@@ -69,7 +69,7 @@ RESIDUAL_COMBINES = ("auto", "fp4x2", "bf16")
 #: (:class:`verl_quads.rollout.emulation.ActQuant`) and the NVFP4 core see; never ``auto``.
 RESIDUAL_COMBINE_FORMS = ("fp4x2", "bf16")
 #: QUADS residual selection granularity (== verl_quads.nvfp4.RESIDUAL_GRANULARITIES; kept here so this module needs no torch).
-RESIDUAL_GRANULARITIES = ("block", "channel")
+RESIDUAL_GRANULARITIES = ("block", "channel", "channel_sampled")
 WEIGHT_QDQS = ("auto", "per_forward", "per_version")
 
 _TRAINER_OF = {"none": "none", "naive": "none", "w4a16": "w4a16", "quads": "w4a16", "trace": "trace", "w4a4_qat": "w4a4_qat"}
@@ -100,8 +100,11 @@ class QuantConfig:
         residual_granularity: QUADS selection unit, one of :data:`RESIDUAL_GRANULARITIES`: ``channel``
             (default: the ``round(k * K)`` single channels per token with the largest squared residual)
             or ``block`` (the ``round(k * K / 16)`` 16-channel blocks with the largest residual energy;
-            the only unit of per-call selection). Every rollout backend runs both (``torch``, ``triton``,
-            ``native``). Only read in the rollout's ``quads`` mode (and validated only there).
+            the only unit of per-call selection) or ``channel_sampled`` (single channels per token whose squared
+            residual reaches the row's threshold, the ``round(k * S)``-th largest of a fixed sample of S ~ 512
+            of its channels: about ``k * K`` channels, no exact rank; docs/quads_selection.md). Every rollout
+            backend runs each (``torch``, ``triton``, ``native``). Only read in the rollout's ``quads`` mode (and
+            validated only there).
         guided_layers: TRACE: number of last decoder layers whose GEMM inputs are guided (> 0).
         trace_base_mode: trainer mode for the layers TRACE does not guide (``w4a16`` or ``w4a4_qat``).
         ignore: regex patterns of module names kept in BF16 (see :data:`DEFAULT_IGNORE`).
@@ -146,14 +149,15 @@ class QuantConfig:
             raise ValueError(
                 f"actor_rollout_ref.actor.quant_config.residual_granularity={self.residual_granularity!r}: allowed: "
                 f"{', '.join(RESIDUAL_GRANULARITIES)} (channel: single channels per token, the default; block: "
-                "16-channel blocks)"
+                "16-channel blocks; channel_sampled: single channels over a threshold from a fixed sample of the row)"
             )
-        if self.quant == "quads" and self.residual_granularity == "channel" and not self.residual_per_token:
+        if self.quant == "quads" and self.residual_granularity != "block" and not self.residual_per_token:
             raise ValueError(
                 "actor_rollout_ref.actor.quant_config.residual_per_token=false selects once per GEMM call, which is "
-                "defined for 16-channel blocks only, but residual_granularity='channel' (the default) selects channels "
-                "per token: set actor_rollout_ref.actor.quant_config.residual_granularity=block for per-call "
-                "selection, or residual_per_token=true for the channel rule"
+                f"defined for 16-channel blocks only, but residual_granularity={self.residual_granularity!r}"
+                f"{' (the default)' if self.residual_granularity == 'channel' else ''} selects channels per token: "
+                "set actor_rollout_ref.actor.quant_config.residual_granularity=block for per-call selection, or "
+                "residual_per_token=true for the channel rules"
             )
         if not isinstance(self.guided_layers, int) or self.guided_layers < 1:
             raise ValueError(

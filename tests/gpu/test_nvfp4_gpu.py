@@ -151,26 +151,33 @@ def test_fused_per_token_residual_is_batch_invariant_on_gpu(residual_kernel):
     assert torch.equal(full[100:137], part)
 
 
-def _same_channel(x, ratio, gs, **kw):
-    """granularity='channel' (verl_quads/nvfp4/triton_channel.py) vs the torch reference on the same device: packed
-    codes, scale bytes, global scales (bytes and shape), selected channels, QDQ output bytes."""
-    t = nv.residual_quantize(x, ratio, gs, granularity="channel", backend="triton", **kw)
-    r = nv.residual_quantize(x, ratio, gs, granularity="channel", backend="torch", **kw)
-    assert torch.equal(t.channel_idx, r.channel_idx), (ratio, (t.channel_idx != r.channel_idx).float().mean().item())
+def _same_selection(t, r):
+    if r.granularity == "channel_sampled":
+        assert torch.equal(t.selected, r.selected), (t.selected != r.selected).float().mean().item()
+    else:
+        assert torch.equal(t.channel_idx, r.channel_idx), (t.channel_idx != r.channel_idx).float().mean().item()
+
+
+def _same_channel(x, ratio, gs, granularity="channel", **kw):
+    """granularity='channel' (or 'channel_sampled'; verl_quads/nvfp4/triton_channel.py) vs the torch reference on
+    the same device: packed codes, scale bytes, global scales (bytes and shape), the selection, QDQ output bytes."""
+    t = nv.residual_quantize(x, ratio, gs, granularity=granularity, backend="triton", **kw)
+    r = nv.residual_quantize(x, ratio, gs, granularity=granularity, backend="torch", **kw)
+    _same_selection(t, r)
     for a, b in ((t.first, r.first), (t.second, r.second)):
         assert _eq(a, b) and _same_bytes(a.global_scale.reshape(-1), b.global_scale.reshape(-1))
         assert a.global_scale.shape == b.global_scale.shape
-    fr = nv.residual_fake_quantize(x, ratio, gs, granularity="channel", backend="torch", **kw)
-    assert _same_bytes(nv.residual_fake_quantize(x, ratio, gs, granularity="channel", backend="triton", **kw), fr)
+    fr = nv.residual_fake_quantize(x, ratio, gs, granularity=granularity, backend="torch", **kw)
+    assert _same_bytes(nv.residual_fake_quantize(x, ratio, gs, granularity=granularity, backend="triton", **kw), fr)
     if gs is not None and gs.dim() == 2 and gs.shape[0] == x.shape[0]:  # per-row: also derived in the kernel
         assert torch.equal(gs, nv.per_row_global_scale(x))
-        tr = nv.residual_quantize(x, ratio, amax="row", granularity="channel", backend="triton", check_finite=False,
+        tr = nv.residual_quantize(x, ratio, amax="row", granularity=granularity, backend="triton", check_finite=False,
                                   **kw)
-        assert torch.equal(tr.channel_idx, r.channel_idx)
+        _same_selection(tr, r)
         for a, b in ((tr.first, r.first), (tr.second, r.second)):
             assert _eq(a, b) and _same_bytes(a.global_scale.reshape(-1), b.global_scale.reshape(-1))
             assert a.global_scale.shape == b.global_scale.shape
-        assert _same_bytes(nv.residual_fake_quantize(x, ratio, amax="row", granularity="channel", backend="triton",
+        assert _same_bytes(nv.residual_fake_quantize(x, ratio, amax="row", granularity=granularity, backend="triton",
                                                      check_finite=False, **kw), fr)
 
 
@@ -203,7 +210,7 @@ def test_channel_residual_bit_exact(dtype):
         _same_channel(t, ratio, nv.per_row_global_scale(t))
 
 
-def _same_channel_underflow_and_tied_candidates(seed: int, rows: int = 4) -> None:
+def _same_channel_underflow_and_tied_candidates(seed: int, rows: int = 4, granularity: str = "channel") -> None:
     """``rows`` x 4096 bf16 rows: residuals whose squares underflow to +0 (every score ties at 0; the largest |R| is
     cut by channel order; odd rows start with 64 zeros), and 60 / 120 / 180 tied candidates (R = +-0.25 in 4 / 8 / 12
     blocks, zero elsewhere) with k = 1/64 .. 1/32: the channel kernel's bytes == the torch reference
@@ -212,14 +219,14 @@ def _same_channel_underflow_and_tied_candidates(seed: int, rows: int = 4) -> Non
     xt = (torch.randn(rows, 4096, device="cuda", generator=g) * 1e-25).to(torch.bfloat16)
     xt[1::2, :64] = 0.0
     for ratio in (0.25, 0.5):
-        _same_channel(xt, ratio, nv.per_row_global_scale(xt))
+        _same_channel(xt, ratio, nv.per_row_global_scale(xt), granularity)
     for nblk, ratio in ((4, 32 / 4096), (8, 77 / 4096), (12, 128 / 4096)):
         xr = torch.zeros(rows, 4096, device="cuda")
         xr[:, 1024: 1024 + nblk * 16] = 1.25
         xr[:, 1024: 1024 + nblk * 16: 16] = 6.0
         xr[1::2, 1025: 1024 + nblk * 16: 2] = -1.25
         xr = xr.to(torch.bfloat16)
-        _same_channel(xr, ratio, nv.per_row_global_scale(xr))
+        _same_channel(xr, ratio, nv.per_row_global_scale(xr), granularity)
 
 
 @pytest.mark.parametrize("variant", ["default", "compact cta", "compact fallback", "s9", "ra", "at"])
@@ -269,6 +276,26 @@ def test_channel_default_at_4096_bit_exact():
     xd = _x(16, 4096, torch.float32, seed=42)
     _same_channel(xd, 0.5, nv.per_row_global_scale(xd), score_weight=torch.rand(4096, device="cuda"))
     _same_channel_underflow_and_tied_candidates(seed=43)
+
+
+@pytest.mark.parametrize("variant", ["default", "sw4", "sw8 sr128"])
+def test_channel_sampled_bit_exact(variant):
+    """granularity='channel_sampled' (session 27: the row's threshold from a fixed sample of its scores): the kernel's
+    bytes and selection mask == the torch reference at decode and many-row launches of K = 768 / 2048 / 4096 / 8192
+    (1, 2, 4, 8 samples per block), a non-power-of-two block count, k = 0.5 (per-row scale and amax='row'), k =
+    0.125 / 1 / 0, fp32 rows with a score weight, a per-tensor scale (two launches), underflowing and tied rows; the
+    CHANNEL_VARIANTS launch variants timed by the probe."""
+    with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
+        for m, k in ((1, 8192), (16, 8192), (300, 8192), (1024, 4096), (64, 2048), (7, 768), (5, 16 * 33)):
+            xk = _x(m, k, torch.bfloat16, seed=60 + m + k)
+            _same_channel(xk, 0.5, nv.per_row_global_scale(xk), "channel_sampled")
+        xs = _x(16, 8192, torch.bfloat16, seed=61)
+        for ratio in (0.125, 1.0, 0.0):
+            _same_channel(xs, ratio, nv.per_row_global_scale(xs), "channel_sampled")
+        _same_channel(xs, 0.5, nv.global_scale_from_amax(xs.float().abs().amax()), "channel_sampled")
+        xd = _x(16, 4096, torch.float32, seed=62)
+        _same_channel(xd, 0.5, nv.per_row_global_scale(xd), "channel_sampled", score_weight=torch.rand(4096, device="cuda"))
+        _same_channel_underflow_and_tied_candidates(seed=63, granularity="channel_sampled")
 
 
 def test_channel_many_rows_reread_bit_exact():

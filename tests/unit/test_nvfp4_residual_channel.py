@@ -133,7 +133,8 @@ def test_rows_are_independent_and_leading_dims_are_refused():
 
 def test_errors_name_the_option_and_the_allowed_values(monkeypatch):
     x = torch.randn(4, 32)
-    with pytest.raises(ValueError, match=r"granularity must be one of \('block', 'channel'\).*'row'"):
+    with pytest.raises(ValueError,
+                       match=r"granularity must be one of \('block', 'channel', 'channel_sampled'\).*'row'"):
         _q(x, 0.5, "row")
     with pytest.raises(ValueError, match="per token.*per_token=False"):
         _q(x, 0.5, per_token=False)
@@ -579,7 +580,7 @@ sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
        "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr", "STOP": "constexpr", "scr_ptr": "*i32",
        "COMPACT": "constexpr", "CAP": "constexpr", "TR": "constexpr", "WT": "constexpr", "RA": "constexpr",
-       "AT": "constexpr", "RX": "constexpr"}
+       "AT": "constexpr", "RX": "constexpr", "SAMPLE": "constexpr", "NSS": "i32", "SP": "constexpr", "SB": "constexpr"}
 # the last fields: (COMPACT bits, CAP) of the compacted search (0, 1: the full-row search; 8 bits: with 2 tile bits per
 # step, TR = 2; 11 bits: the warp tile, WT, with session 10's candidate chunks (AT) and R_sel amax (RA); 12 bits: the
 # same with session 17's many-row form, x re-read after the search (RX))
@@ -605,7 +606,8 @@ for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in 
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
         "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "ROW_GS": row_gs, "STOP": stop,
         "COMPACT": comp, "CAP": cap, "TR": 2 if comp in (8, 11, 12) else 1, "WT": comp in (11, 12),
-        "RA": comp in (11, 12) and not has_w, "AT": comp in (11, 12), "RX": comp == 12}),
+        "RA": comp in (11, 12) and not has_w, "AT": comp in (11, 12), "RX": comp == 12, "SAMPLE": False, "SP": 1,
+        "SB": 2}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
     # the compacted search's tile round trip: scratch stores, a barrier, scratch loads
@@ -613,6 +615,24 @@ for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in 
     # values and codes carry signs by OR-ing bits: a float negation would be 0.0 - v under triton 3.6 (+0.0 for -0.0)
     neg = re.findall(r"fneg|fsub (?:<\d+ x )?float>? (?:zeroinitializer|-?0\.000000e\+00)", k.asm["llir"])
     assert not neg, (xt, pack, maxnreg, neg[:3])
+# granularity="channel_sampled" (SAMPLE): one / four / sixteen samples per block, 2 or 3 bits per search step, the
+# int64 counts past 512 blocks, R_sel's amax from the row's largest |R| (RA) and x read again after the search (RX)
+for xt, ot, pack, nbp, nw, maxnreg, sp, sb, ra, rx in (
+        ("*bf16", "*i16", False, 512, 8, 128, 1, 2, True, False),
+        ("*bf16", "*i16", False, 256, 4, 128, 2, 3, True, True),
+        ("*bf16", "*i64", True, 128, 4, None, 4, 2, False, False),
+        ("*fp32", "*fp32", False, 4, 1, None, 16, 2, False, True),
+        ("*bf16", "*i16", False, 1024, 16, 64, 1, 2, True, False)):
+    s = dict(sig, x_ptr=xt, out_ptr=ot, idx_ptr="*u8" if pack else "*i64")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
+    k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
+        "NBP": nbp, "HAS_W": False, "PACK": pack, "OUT": 0 if pack else 3, "GS2": 0, "ROW_GS": True, "STOP": 0,
+        "COMPACT": 0, "CAP": 1, "TR": 1, "WT": False, "RA": ra, "AT": False, "RX": rx, "SAMPLE": True, "SP": sp,
+        "SB": sb}), target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
+    assert k.asm["cubin"]
+    neg = re.findall(r"fneg|fsub (?:<\d+ x )?float>? (?:zeroinitializer|-?0\.000000e\+00)", k.asm["llir"])
+    assert not neg, (xt, pack, nbp, neg[:3])
 print("compiled")
 """
 

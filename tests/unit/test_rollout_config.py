@@ -216,7 +216,8 @@ def test_linear_and_moe_methods_channel_granularity_torch_backend_and_refusals()
             ActQuant("quads", 0.5, False, **kw)
     assert ActQuant("quads", 0.5, False, residual_granularity="block").residual_per_token is False
     ActQuant("naive", 0.5, False)  # the granularity is read in quads only
-    with pytest.raises(ValueError, match=r"residual_granularity.*must be one of \('block', 'channel'\), got 'row'"):
+    with pytest.raises(ValueError,
+                       match=r"residual_granularity.*one of \('block', 'channel', 'channel_sampled'\), got 'row'"):
         ActQuant("quads", residual_granularity="row")
     QuadsNVFP4LinearMethod(chan, "native")
     QuadsNVFP4LinearMethod(chan, "triton")

@@ -38,7 +38,7 @@ def _weights(n: int, k: int, dev: str, g: torch.Generator):
 
 
 def run(shapes: list[str], ms: list[int], variants: tuple[str, ...] = ("default",), repeat: int = 1,
-        dev: str = "cuda") -> str:
+        dev: str = "cuda", granularity: str = "channel") -> str:
     from verl_quads import nvfp4 as nv
     from verl_quads.bench.rollout import SHAPES, _time
     from verl_quads.nvfp4 import triton_channel as tc
@@ -68,7 +68,7 @@ def run(shapes: list[str], ms: list[int], variants: tuple[str, ...] = ("default"
 
             def quads_q():
                 return tg.quantize_activation(x, "quads", residual_ratio=0.5, residual_per_token=True,
-                                              residual_combine="bf16", residual_granularity="channel")[0]
+                                              residual_combine="bf16", residual_granularity=granularity)[0]
 
             op_n = naive_q()
             t_nf, t_nq, t_ng = (us(lambda: tg.nvfp4_gemm(naive_q(), wp, wsc, wgs)), us(naive_q),
@@ -81,16 +81,21 @@ def run(shapes: list[str], ms: list[int], variants: tuple[str, ...] = ("default"
             t_gemm = us(lambda: tg.nvfp4_gemm(op_q, wp, wsc, wgs))
             rows.append([tag, f"quads-bf16: w4a16 GEMM alone on the bf16 operand"
                          f"{' (gluon ' + gcfg.label + ')' if gcfg else ''}", "-", t_gemm, t_gemm / t_nf, "-"])
-            ref = nv.residual_fake_quantize(x, 0.5, amax="row", per_token=True, granularity="channel",
+            ref = nv.residual_fake_quantize(x, 0.5, amax="row", per_token=True, granularity=granularity,
                                             backend="torch", check_finite=False)
             for rep in range(repeat):
                 for v in variants:
                     with tc.channel_config(**tc.CHANNEL_VARIANTS[v]):
                         nbp = tc._check_row(k)
                         comp = tc._compact_args(m, k, nbp)
-                        desc = (f"{tc._launch_warps(m, k, nbp)} warps, "
-                                + (f"compact J={comp[0]} cap={comp[1]}" if comp else "full-row search"))
-                        label = f"quads-bf16 channel {v!r}" + (f" (repeat {rep + 1})" if rep else "")
+                        if granularity == "channel_sampled":
+                            comp = None
+                            desc = (f"{tc.CHANNEL_CONFIG['sample_warps'].get(nbp, tc._warps(nbp))} warps, sampled, "
+                                    f"maxnreg {tc.CHANNEL_CONFIG['sample_maxnreg'] or tc.CHANNEL_CONFIG['qdq_maxnreg']}")
+                        else:
+                            desc = (f"{tc._launch_warps(m, k, nbp)} warps, "
+                                    + (f"compact J={comp[0]} cap={comp[1]}" if comp else "full-row search"))
+                        label = f"quads-bf16 {granularity} {v!r}" + (f" (repeat {rep + 1})" if rep else "")
                         try:
                             same = torch.equal(quads_q().values.view(torch.int16), ref.view(torch.int16))
                             if not same:
@@ -110,7 +115,7 @@ def run(shapes: list[str], ms: list[int], variants: tuple[str, ...] = ("default"
                     print(summary[-1], flush=True)
         del wp, wsc
         torch.cuda.empty_cache() if dev == "cuda" else None
-    out = print_table(f"QUADS-bf16 (channel, k=0.5) vs naive W4A4, dense, warm L2, graph replay ({device_name()}); "
+    out = print_table(f"QUADS-bf16 ({granularity}, k=0.5) vs naive W4A4, dense, warm L2, graph replay ({device_name()}); "
                       "x naive = time / naive whole call", ["point", "what", "launch", "us", "x naive", "note"], rows)
     return out + "\n" + "\n".join(summary)
 
@@ -123,16 +128,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeat", type=int, default=1, help="time the variants this many times (noise check)")
     p.add_argument("--phases", default="", help="comma-separated MxK: also the STOP timing probes there")
     p.add_argument("--phase-variants", default=None, help="variants of --phases (default: --variants)")
+    p.add_argument("--granularity", default="channel", choices=("channel", "channel_sampled"),
+                   help="the QUADS rule timed (the variants apply to its kernel)")
     p.add_argument("--device", default="cuda", help="cuda; cpu = a functional smoke run (TRITON_INTERPRET=1)")
     a = p.parse_args(argv)
     variants = tuple(a.variants.split(","))
-    print(run(a.shapes.split(","), [int(v) for v in a.ms.split(",")], variants, a.repeat, a.device), flush=True)
+    print(run(a.shapes.split(","), [int(v) for v in a.ms.split(",")], variants, a.repeat, a.device, a.granularity),
+          flush=True)
     if a.phases:  # after the main table (a run cut by a time limit keeps it)
         from verl_quads.bench.nvfp4 import run_channel_probe
 
         shapes = [tuple(int(v) for v in s.split("x")) for s in a.phases.split(",")]
         run_channel_probe(shapes, ratios=(0.5,), device=a.device,
-                          variants=tuple((a.phase_variants or a.variants).split(",")))
+                          variants=tuple((a.phase_variants or a.variants).split(",")), granularity=a.granularity)
 
 
 if __name__ == "__main__":

@@ -524,14 +524,16 @@ def _phase_times(phases, launch, tm):
 
 
 def run_channel_probe(shapes=CHANNEL_PROBE_SHAPES, dtype: torch.dtype = torch.bfloat16, ratios=(0.5, 1.0),
-                      device: str = "cuda", variants: tuple[str, ...] = ("default",)) -> str:
+                      device: str = "cuda", variants: tuple[str, ...] = ("default",),
+                      granularity: str = "channel") -> str:
     """Where the channel kernel's time goes (QDQ launch, per-row global scale, bench input as ``--channel``): the
     kernel's STOP timing probes (``CHANNEL_PROBE_PHASES``: the launch returns after a phase, storing one row that
     depends on it; NOT results: their bytes are not checked) timed like the whole kernel (CUDA-graph replay), with
     the rows' search length (``_bits_search_steps``: max / mean over rows; the launch waits for its slowest row).
     k = 1 selects every channel, so its search takes 0 steps: the k = 0.5 minus k = 1 difference at STOP 2 is the
     search chain. ``variants``: ``CHANNEL_VARIANTS`` names, each probed (a compacted-search variant's search column:
-    ``_compact_search_stats``). ``device`` other than "cuda": functional smoke run only."""
+    ``_compact_search_stats``). ``granularity="channel_sampled"``: that rule's launches (no search-length column).
+    ``device`` other than "cuda": functional smoke run only."""
     from verl_quads.nvfp4 import triton_channel as tc
 
     tm = graph_time_s if device == "cuda" else (lambda f: median_time_s(f, 0, 1, 1))
@@ -544,13 +546,17 @@ def run_channel_probe(shapes=CHANNEL_PROBE_SHAPES, dtype: torch.dtype = torch.bf
             st = _bits_search_steps(x, ratio, gs_row)
             for variant in variants:
                 with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
-                    comp = tc._compact_args(m, k, tc._check_row(k))
-                    if comp is None:
+                    sampled = granularity == "channel_sampled"
+                    comp = None if sampled else tc._compact_args(m, k, tc._check_row(k))
+                    if sampled:
+                        steps = "- (sampled threshold)"
+                    elif comp is None:
                         steps = f"{int(st.max())} / {float(st.float().mean()):.1f}"
                     else:
                         steps = _compact_search_stats(x, ratio, gs_row, *comp[:2])
                     phases = CHANNEL_PROBE_PHASES if comp is None else CHANNEL_PROBE_PHASES_COMPACT
-                    launch = lambda stop: tc._run(x, ratio, gs_row, None, None, False, packed=False, stop=stop)  # noqa: E731
+                    def launch(stop, sampled=sampled):
+                        return tc._run(x, ratio, gs_row, None, None, False, packed=False, stop=stop, sampled=sampled)
                     for stop, what, t, prev, err in _phase_times(phases, launch, tm):
                         rows.append([f"{m}x{k}", f"{ratio:g}", variant, f"STOP {stop}: {what}", steps,
                                      "ERROR" if err else t,

@@ -61,13 +61,18 @@ class Mode:
     cfg: QuantConfig
 
 
+#: How the probe's report names each QUADS selection unit.
+_UNIT_NAMES = {"channel": "channels", "block": "16-channel blocks", "channel_sampled": "channels (sampled threshold)"}
+
+
 def parse_mode(text: str, *, guided_layers: int = 20) -> Mode:
     """``bf16``/``none``, ``naive``, ``w4a16``, ``w4a4_qat``, ``trace``, ``quads`` or ``quads@<ratio>``.
 
     ``quads@<ratio>`` is the product default (:class:`verl_quads.config.QuantConfig`: per token, the channel
     rule, ``residual_granularity="channel"``); a suffix names another rule: ``:block`` (per token, 16-channel
     blocks: ``residual_granularity="block"``), ``:call`` (per-call selection, 16-channel blocks:
-    ``residual_per_token=False, residual_granularity="block"``), ``:channel`` (the default rule spelled out;
+    ``residual_per_token=False, residual_granularity="block"``), ``:sampled`` (per token, single channels over a
+    sampled threshold: ``residual_granularity="channel_sampled"``), ``:channel`` (the default rule spelled out;
     displayed without suffix). ``:token`` (per-token blocks until session 5) is refused."""
     t = text.strip()
     if t in ("bf16", "none"):
@@ -80,9 +85,9 @@ def parse_mode(text: str, *, guided_layers: int = 20) -> Mode:
                 raise ValueError(f"probe: {text!r}: ':token' (per-token 16-channel blocks until session 5) is gone since "
                                  "the channel rule became the default: write quads@R:block for the block rule, quads@R "
                                  "for the channel rule")
-            if sel not in ("channel", "block", "call"):
+            if sel not in ("channel", "block", "call", "sampled"):
                 raise ValueError(f"probe: bad QUADS selection in {text!r} (want quads@0.5 (channel rule, the default), "
-                                 "quads@0.5:block or quads@0.5:call)")
+                                 "quads@0.5:block, quads@0.5:call or quads@0.5:sampled)")
         if "@" in t:
             try:
                 ratio = float(t.split("@", 1)[1])
@@ -90,13 +95,14 @@ def parse_mode(text: str, *, guided_layers: int = 20) -> Mode:
                 raise ValueError(f"probe: bad QUADS ratio in {text!r} (want quads@0.5)") from e
         name = f"quads@{ratio:g}" + (f":{sel}" if sel != "channel" else "")
         return Mode(name, QuantConfig("quads", residual_ratio=ratio, residual_per_token=sel != "call",
-                                      residual_granularity="channel" if sel == "channel" else "block"))
+                                      residual_granularity={"channel": "channel", "sampled": "channel_sampled"}.get(
+                                          sel, "block")))
     if t == "trace":
         return Mode("trace", QuantConfig("trace", guided_layers=guided_layers))
     if t in ("naive", "w4a16", "w4a4_qat"):
         return Mode(t, QuantConfig(t))
     raise ValueError(f"probe: unknown mode {text!r}; allowed: bf16, naive, w4a16, w4a4_qat, "
-                     "quads[@ratio][:block|:call], trace")
+                     "quads[@ratio][:block|:call|:sampled], trace")
 
 
 @dataclass
@@ -620,7 +626,7 @@ def format_tables(res: ProbeResult) -> str:
 
         lines.append("QUADS selection: " + "; ".join(
             f"{n}: k={r['residual_ratio']:g} {'per token' if r['residual_per_token'] else 'per call'} "
-            f"{'channels' if r['residual_granularity'] == 'channel' else '16-channel blocks'}{_op(n)}"
+            f"{_UNIT_NAMES[r['residual_granularity']]}{_op(n)}"
             for n, r in res.quads_rules.items())
             + (" [operand bf16: Q(x)+Q(R_sel) summed in float32, rounded once to the activation dtype, then the "
                "W4A16 GEMM (what residual_combine=auto runs on the emulated torch/triton backends); fp4x2: two FP4 "

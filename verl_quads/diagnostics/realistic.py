@@ -247,7 +247,8 @@ def train(model, ids: torch.Tensor, *, seconds: float, seq: int, batch: int, lr:
 #: QUADS selection rules compared by :func:`selection_rule_errors`: (per_token, output-aware score, granularity).
 SELECTION_RULES = {"per_call": (False, False, "block"), "per_token": (True, False, "block"),
                    "per_call_outaware": (False, True, "block"), "per_token_outaware": (True, True, "block"),
-                   "per_token_channel": (True, False, "channel")}
+                   "per_token_channel": (True, False, "channel"),
+                   "per_token_channel_sampled": (True, False, "channel_sampled")}
 
 
 def selection_rule_errors(model, input_ids: torch.Tensor, ratios: tuple[float, ...], max_rows: int = 4096) -> dict:
@@ -260,7 +261,9 @@ def selection_rule_errors(model, input_ids: torch.Tensor, ratios: tuple[float, .
     ``||(Q_k(X) - X) W^T||_F / ||X W^T||_F`` in float32 with per-token global scales (the rollout's
     convention), where ``Q_k`` is :func:`verl_quads.nvfp4.residual_fake_quantize` (torch reference);
     the output-aware rules pass ``score_weight = (W.float() ** 2).sum(0)``; ``per_token_channel`` selects
-    single channels (``granularity="channel"``, the same number of compensated channels per row). Per-call rules select once
+    single channels (``granularity="channel"``, the same number of compensated channels per row),
+    ``per_token_channel_sampled`` the same over a sampled threshold (``granularity="channel_sampled"``: about that
+    many channels per row). Per-call rules select once
     per GEMM call: for experts, per expert's group of routed rows (as the rollout's MoE calls do).
     ``naive`` (k = 0) is the baseline. Returns ``{"gemms": {name: {rule@k: err}}, "mean": {rule@k: mean err},
     "median_ratio_to_naive": {...}}``.

@@ -39,7 +39,14 @@ from verl_quads.nvfp4.layout import (
     unswizzle_block_scale,
 )
 from verl_quads.nvfp4.reference import global_scale_from_amax, per_row_global_scale, validate_input
-from verl_quads.nvfp4.residual import ChannelResidualNVFP4, ResidualNVFP4, num_selected_blocks, num_selected_channels
+from verl_quads.nvfp4.residual import (
+    CHANNEL_GRANULARITIES,
+    ChannelResidualNVFP4,
+    ResidualNVFP4,
+    SampledChannelResidualNVFP4,
+    num_selected_blocks,
+    num_selected_channels,
+)
 from verl_quads.nvfp4.residual import GRANULARITIES as RESIDUAL_GRANULARITIES
 from verl_quads.nvfp4.residual import check_granularity as _check_granularity
 from verl_quads.nvfp4.residual import residual_quantize as _residual_quantize_ref
@@ -150,11 +157,12 @@ def _residual(
 ):
     """The backend dispatch of :func:`residual_quantize` (``qdq=False``) and :func:`residual_fake_quantize`."""
     if _residual_use_triton(x, backend, granularity, per_token):
-        if granularity == "channel":
+        if granularity in CHANNEL_GRANULARITIES:
             from verl_quads.nvfp4 import triton_channel
 
             fn = triton_channel.residual_fake_quantize if qdq else triton_channel.residual_quantize
-            return fn(x, ratio, global_scale, amax=amax, score_weight=score_weight, check_finite=check_finite)
+            return fn(x, ratio, global_scale, amax=amax, score_weight=score_weight, check_finite=check_finite,
+                      granularity=granularity)
         from verl_quads.nvfp4 import triton_kernels
 
         fn = triton_kernels.residual_fake_quantize if qdq else triton_kernels.residual_quantize
@@ -239,7 +247,9 @@ def fake_quantize_guided(
 __all__ = [
     "BACKENDS",
     "BLOCK_SIZE",
+    "CHANNEL_GRANULARITIES",
     "ChannelResidualNVFP4",
+    "SampledChannelResidualNVFP4",
     "E2M1_VALUES",
     "E4M3_MAX",
     "FP4_MAX",

@@ -48,6 +48,24 @@ single channels instead of 16-blocks:
   :func:`~verl_quads.nvfp4.global_scale_from_amax`), so it adds exactly 0;
 - compensated activation ``deq(Q(x)) + deq(Q(R_sel))`` summed in float32, cast once.
 
+``granularity="channel_sampled"`` (per token only; :func:`residual_quantize_channel_sampled`, the Triton kernel
+:mod:`verl_quads.nvfp4.triton_channel` gives the same bytes): the channel rule with the row's threshold taken from a
+fixed sample of its scores instead of an exact rank over all of them (docs/quads_selection.md, "Sampled threshold"):
+
+- scores ``s[m, c]`` as in the channel rule; the sample of a row is ``P`` channels per 16-block, ``P = min(16,
+  max(1, 512 // NBP))`` (``NBP`` = ``K / 16`` rounded up to a power of two: about 512 sampled channels, the whole row
+  up to K = 512), channels ``16 b + ((b + i * 16 / P) mod 16)``, ``i < P``, of block ``b`` (:func:`sample_channels`;
+  each position within a block equally often);
+- ``n_s = round(ratio * S)`` (half away from zero; ``S = P * K / 16`` samples), clamped to ``[1, S]`` when
+  ``n_sel > 0`` (:func:`num_sampled_threshold_rank`); the threshold ``T[m]`` is the ``n_s``-th highest sampled
+  score of the row;
+- selected: every channel with ``s[m, c] >= T[m]`` (ties at T all selected); ``n_sel = 0`` selects nothing and
+  ``n_sel = K`` (ratio 1) everything, as the channel rule. The count per row is ``n_sel`` only on average (a row's
+  count is a sample quantile: about ``ratio * K`` channels, within a few percent at K >= 2048), which is what makes
+  the rule cheap: no exact rank over the whole row;
+- ``R_sel``, the second pass and the compensated activation exactly as the channel rule; the selection is returned
+  as a bool mask ``[M, K]`` (:class:`SampledChannelResidualNVFP4`).
+
 At ``ratio = 1`` both rules select everything and give the same bytes. The channel rule's second
 pass is a dense ``[M, K]`` FP4 operand, as the block rule's is in the GEMMs that run it as a second
 ``tl.dot`` over a dense operand (``residual_combine=fp4x2``) or sum the two QDQ operands
@@ -74,7 +92,10 @@ from verl_quads.nvfp4.reference import (
 )
 
 #: Residual selection granularities: 16-channel blocks (default) or single channels (per token only).
-GRANULARITIES = ("block", "channel")
+GRANULARITIES = ("block", "channel", "channel_sampled")
+
+#: The granularities that select single channels per token (second pass dense ``[M, K]``).
+CHANNEL_GRANULARITIES = ("channel", "channel_sampled")
 
 
 @dataclass(frozen=True)
@@ -145,17 +166,44 @@ class ChannelResidualNVFP4:
         return out.to(dtype or self.first.dtype)
 
 
+@dataclass(frozen=True)
+class SampledChannelResidualNVFP4:
+    """Both passes of a ``granularity="channel_sampled"`` residual compensation of ``x`` ``[M, K]`` (module
+    docstring): as :class:`ChannelResidualNVFP4`, with the selection as a mask (its count varies per row).
+
+    Attributes:
+        first: ``Q(x)``, logical shape ``[M, K]``.
+        second: ``Q(R_sel)``, dense logical shape ``[M, K]`` (as the channel rule's).
+        selected: bool ``[M, K]``, the channels whose residual is compensated.
+        ratio: the requested fraction of channels.
+    """
+
+    first: NVFP4Tensor
+    second: NVFP4Tensor
+    selected: torch.Tensor
+    ratio: float
+    granularity: ClassVar[str] = "channel_sampled"
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``deq(first) + deq(second)`` summed in float32, cast once to ``dtype`` (default x's)."""
+        from verl_quads.nvfp4 import dequantize  # the backend dispatcher (triton for CUDA tensors)
+
+        out = dequantize(self.first, torch.float32) + dequantize(self.second, torch.float32)
+        return out.to(dtype or self.first.dtype)
+
+
 def check_granularity(granularity: str, per_token: bool) -> None:
     """``granularity`` must be one of :data:`GRANULARITIES`; ``"channel"`` is per token only."""
     if granularity not in GRANULARITIES:
         raise ValueError(
             f"residual granularity must be one of {GRANULARITIES} (block: 16-channel blocks; channel: single "
-            f"channels, per token), got {granularity!r}"
+            f"channels, per token; channel_sampled: single channels over a sampled threshold, per token), got "
+            f"{granularity!r}"
         )
-    if granularity == "channel" and not per_token:
+    if granularity in CHANNEL_GRANULARITIES and not per_token:
         raise ValueError(
-            "residual granularity='channel' selects channels per token (row) only; per_token=False (one selection "
-            "per GEMM call) is defined for granularity='block' only"
+            f"residual granularity={granularity!r} selects channels per token (row) only; per_token=False (one "
+            "selection per GEMM call) is defined for granularity='block' only"
         )
 
 
@@ -174,6 +222,52 @@ def select_channels(residual: torch.Tensor, n_sel: int, score_weight: torch.Tens
         score = score * score_weight
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices
     return torch.sort(order[..., :n_sel], dim=-1).values
+
+
+def samples_per_block(k: int) -> int:
+    """``P``, the sampled channels per 16-block under ``granularity="channel_sampled"``: ``min(16, max(1, 512 //
+    NBP))`` with ``NBP`` = the block count ``K / 16`` rounded up to a power of two (a sample of about 512 channels;
+    the whole row up to 512 channels)."""
+    nbp = 1 << max(0, (k // BLOCK_SIZE - 1).bit_length())
+    return min(BLOCK_SIZE, max(1, 512 // nbp))
+
+
+def sample_channels(k: int, device=None) -> torch.Tensor:
+    """The sampled channels of a row of ``K`` channels (``granularity="channel_sampled"``), int64 ``[K / 16 * P]``
+    (``P`` = :func:`samples_per_block`): of block ``b``, channels ``16 b + ((b + i * 16 / P) mod 16)``,
+    ``i = 0 .. P - 1`` (each position within a block equally often)."""
+    p = samples_per_block(k)
+    b = torch.arange(k // BLOCK_SIZE, dtype=torch.int64, device=device)[:, None]
+    i = torch.arange(p, dtype=torch.int64, device=device)[None, :] * (BLOCK_SIZE // p)
+    return (b * BLOCK_SIZE + (b + i) % BLOCK_SIZE).flatten()
+
+
+def num_sampled_threshold_rank(k: int, ratio: float) -> int:
+    """``n_s``: the rank (1 = highest) of the sampled score that is a row's threshold under
+    ``granularity="channel_sampled"``: ``round(ratio * S)`` half away from zero (``S = K / 16 * P`` sampled
+    channels, :func:`samples_per_block`), clamped to ``[1, S]``; 0 when no channel is selected
+    (``num_selected_channels(K, ratio) == 0``)."""
+    if num_selected_channels(k, ratio) == 0:
+        return 0
+    n = k // BLOCK_SIZE * samples_per_block(k)
+    return min(n, max(1, int(math.floor(ratio * n + 0.5))))
+
+
+def select_channels_sampled(residual: torch.Tensor, ratio: float,
+                            score_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Bool mask ``[M, K]`` of the channels selected by ``granularity="channel_sampled"`` (module docstring): per
+    row, score ``>=`` the ``n_s``-th highest score of the sample (all channels at ratio 1, none at n_sel = 0)."""
+    score = residual.to(torch.float32).square()
+    if score_weight is not None:
+        score = score * score_weight
+    m, k = score.shape
+    n_sel = num_selected_channels(k, ratio)
+    if n_sel == 0 or n_sel == k:
+        return torch.full((m, k), n_sel == k, dtype=torch.bool, device=score.device)
+    n_s = num_sampled_threshold_rank(k, ratio)
+    sample = score[:, sample_channels(k, score.device)]
+    threshold = torch.topk(sample, n_s, dim=-1, largest=True, sorted=True).values[:, -1:]
+    return score >= threshold
 
 
 def _second_pass_scale(r_sel: torch.Tensor, first: NVFP4Tensor) -> torch.Tensor:
@@ -212,6 +306,28 @@ def residual_quantize_channel(
         r_sel = torch.where(mask, residual, torch.zeros((), dtype=torch.float32, device=x.device))
     second = quantize(r_sel, _second_pass_scale(r_sel, first), check_finite=False)
     return ChannelResidualNVFP4(first, second, idx, ratio)
+
+
+def residual_quantize_channel_sampled(
+    x: torch.Tensor,
+    ratio: float,
+    global_scale: torch.Tensor | float | None = None,
+    *,
+    score_weight: torch.Tensor | None = None,
+    check_finite: bool = True,
+) -> SampledChannelResidualNVFP4:
+    """``granularity="channel_sampled"`` residual compensation of a 2-D ``x`` ``[M, K]`` (module docstring)."""
+    validate_input(x, check_finite=check_finite)
+    if x.dim() != 2:
+        raise ValueError(f"residual_quantize: x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
+    first = quantize(x, global_scale, check_finite=False)
+    residual = x.to(torch.float32) - dequantize_to_float32(first)
+    num_selected_channels(x.shape[1], ratio)  # validates the ratio
+    w = check_score_weight(score_weight, x.shape[1], x.device, check_values=check_finite)
+    mask = select_channels_sampled(residual, ratio, w)
+    r_sel = torch.where(mask, residual, torch.zeros((), dtype=torch.float32, device=x.device))
+    second = quantize(r_sel, _second_pass_scale(r_sel, first), check_finite=False)
+    return SampledChannelResidualNVFP4(first, second, mask, ratio)
 
 
 def num_selected_blocks(k: int, ratio: float) -> int:
@@ -277,7 +393,7 @@ def residual_quantize(
     score_weight: torch.Tensor | None = None,
     granularity: str = "block",
     check_finite: bool = True,
-) -> ResidualNVFP4 | ChannelResidualNVFP4:
+) -> ResidualNVFP4 | ChannelResidualNVFP4 | SampledChannelResidualNVFP4:
     """Residual-compensated NVFP4 of a 2-D activation ``x`` ``[M, K]`` (float32/bf16/fp16).
 
     ``global_scale`` is the first pass's (as in :func:`~verl_quads.nvfp4.quantize`); the second
@@ -290,6 +406,9 @@ def residual_quantize(
     check_granularity(granularity, per_token)
     if granularity == "channel":
         return residual_quantize_channel(x, ratio, global_scale, score_weight=score_weight, check_finite=check_finite)
+    if granularity == "channel_sampled":
+        return residual_quantize_channel_sampled(x, ratio, global_scale, score_weight=score_weight,
+                                                 check_finite=check_finite)
     validate_input(x, check_finite=check_finite)
     if x.dim() != 2:
         raise ValueError(f"residual_quantize: x must be 2-D [tokens, K], got shape {tuple(x.shape)}")

@@ -60,8 +60,15 @@ import torch
 
 from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
 from verl_quads.nvfp4.reference import global_scale_from_amax
-from verl_quads.nvfp4.residual import ChannelResidualNVFP4, num_selected_channels
+from verl_quads.nvfp4.residual import (
+    ChannelResidualNVFP4,
+    SampledChannelResidualNVFP4,
+    num_sampled_threshold_rank,
+    num_selected_channels,
+    samples_per_block,
+)
 from verl_quads.nvfp4.residual import residual_quantize_channel as _ref_residual_quantize_channel
+from verl_quads.nvfp4.residual import residual_quantize_channel_sampled as _ref_residual_quantize_channel_sampled
 from verl_quads.nvfp4 import triton_kernels as tk
 
 triton = tk.triton
@@ -178,7 +185,8 @@ CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
                   "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4, 512: 8},
                   "compact_rmax": (256, 512), "compact_tile_chunks": (256, 512),
-                  "compact_many_regs": {256: (264, 128), 512: (132, 128)}}
+                  "compact_many_regs": {256: (264, 128), 512: (132, 128)}, "sample_warps": {}, "sample_maxnreg": None,
+                  "sample_rmax": False, "sample_reread": False, "sample_step_bits": 2}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -219,7 +227,28 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                             "compact_tile_chunks": (256,)},
                     "ra at": {"compact_rmax": True, "compact_tile_chunks": True},
                     # session 17: the many-row launches before (4 warps at K = 8192, no re-read of x, uncapped)
-                    "s16": {"compact_many_warps": {256: 4, 512: 4}, "compact_many_regs": {}}}
+                    "s16": {"compact_many_warps": {256: 4, 512: 4}, "compact_many_regs": {}},
+                    # session 27 (granularity="channel_sampled" launches): warps at K = 4096 / 8192, register caps
+                    "sw4": {"sample_warps": {256: 4, 512: 4}}, "sw8": {"sample_warps": {256: 8, 512: 8}},
+                    "sw16": {"sample_warps": {256: 16, 512: 16}}, "sr128": {"sample_maxnreg": 128},
+                    "sw4 sr128": {"sample_warps": {256: 4, 512: 4}, "sample_maxnreg": 128},
+                    "sw8 sr128": {"sample_warps": {256: 8, 512: 8}, "sample_maxnreg": 128},
+                    "sr96": {"sample_maxnreg": 96},
+                    "sw8 sr128 ra": {"sample_warps": {256: 8, 512: 8}, "sample_maxnreg": 128, "sample_rmax": True},
+                    "sw4 sr128 ra": {"sample_warps": {256: 4, 512: 4}, "sample_maxnreg": 128, "sample_rmax": True},
+                    "sw8 ra rx": {"sample_warps": {256: 8, 512: 8}, "sample_rmax": True, "sample_reread": True},
+                    "sw8 sr128 ra rx": {"sample_warps": {256: 8, 512: 8}, "sample_maxnreg": 128, "sample_rmax": True,
+                                        "sample_reread": True},
+                    "sw4 sr128 ra rx": {"sample_warps": {256: 4, 512: 4}, "sample_maxnreg": 128, "sample_rmax": True,
+                                        "sample_reread": True},
+                    "sw4 ra rx": {"sample_warps": {256: 4, 512: 4}, "sample_rmax": True, "sample_reread": True},
+                    "sw16 ra rx": {"sample_warps": {256: 16, 512: 16}, "sample_rmax": True, "sample_reread": True},
+                    "sw8 sr128 ra b3": {"sample_warps": {256: 8, 512: 8}, "sample_maxnreg": 128, "sample_rmax": True,
+                                        "sample_step_bits": 3},
+                    "sw4 sr128 ra b3": {"sample_warps": {256: 4, 512: 4}, "sample_maxnreg": 128, "sample_rmax": True,
+                                        "sample_step_bits": 3},
+                    "sw8 sr96 ra rx": {"sample_warps": {256: 8, 512: 8}, "sample_maxnreg": 96, "sample_rmax": True,
+                                       "sample_reread": True}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -517,13 +546,123 @@ if triton is not None:
         return th, cstar, rmx
 
     @triton.jit
+    def _sample_pos(e0, e1, c, OFF: tl.constexpr):
+        """Per block b the score of channel 16 b + ((b + OFF) mod 16) ([NBP]; padding blocks -1)."""
+        j = tl.arange(0, 8)[None, :]
+        p = ((c + OFF) % 16)[:, None]
+        return tl.maximum(tl.max(tl.where(j == p, e0, -1), axis=1), tl.max(tl.where(j + 8 == p, e1, -1), axis=1))
+
+    @triton.jit
+    def _min_max(a, b, c, d):
+        return tl.minimum(a, c), tl.maximum(b, d)
+
+    @triton.jit
+    def _sum3(a, b, c, d, e, f):
+        return a + d, b + e, c + f
+
+    @triton.jit
+    def _pick(n, cand, th, cnt, NSS):
+        """(th, cnt) raised to (cand, n) where n >= NSS (candidates tried in increasing order)."""
+        return tl.where(n >= NSS, cand, th), tl.where(n >= NSS, n, cnt)
+
+    @triton.jit
+    def _sample_threshold(e0, e1, c, NSS, NB, NBP: tl.constexpr, SP: tl.constexpr, rpart=None,
+                          RA: tl.constexpr = False, SB: tl.constexpr = 2):
+        """The row's threshold under ``granularity="channel_sampled"`` (int32 score bits; select ``e >= T``): the
+        NSS-th highest of the sampled scores (SP per block: channels 16 b + ((b + i 16 / SP) mod 16), taken from the
+        thread's own block, no data movement), NSS > 0; 0x7FFFFFFF (nothing) for NSS == 0, 0 (everything) for
+        NSS < 0. MSB-first search over the sample, two bits per step (three counts packed in one reduction: 10-bit
+        fields while NBP <= 512, i.e. <= 512 samples, else 16-bit fields of an int64), stopped once exactly NSS
+        samples are >= th; T = the least sample >= th. RA (rpart: int32 [NBP], per thread the largest |R| bits): that
+        last reduction also takes rpart's max (SP == 1; else its own), returned as rmx (the row's largest |R| bits;
+        else 0). SB = 3 (NBP <= 512): three bits per step while three remain (seven counts as 10-bit fields of three
+        int32 sums in one tuple reduction). Returns (T, rmx)."""
+        if SP == 1:
+            samp = _sample_pos(e0, e1, c, 0)
+        elif SP == 2:
+            samp = tl.reshape(tl.join(_sample_pos(e0, e1, c, 0), _sample_pos(e0, e1, c, 8)), (NBP * 2,))
+        else:  # the sampled entries of the row tile, the others -1 (never counted)
+            j = tl.arange(0, 8)[None, :]
+            cc = c[:, None]
+            m0 = ((j - cc) % (16 // SP)) == 0  # (q - b) mod 16 is a multiple of 16 / SP (q = position in block)
+            m1 = ((j + 8 - cc) % (16 // SP)) == 0
+            samp = tl.reshape(tl.join(tl.where(m0, e0, -1), tl.where(m1, e1, -1)), (NBP * 16,))
+        th = tl.full((), 0, tl.int32)
+        if NSS > 0:
+            cnt = th + NB * SP
+            k = th * 0
+            while (k < 31) & (cnt != NSS):
+                if (SB == 3) & (NBP <= 512) & (k < 29):
+                    d1 = th | (1 << (28 - k))
+                    d2 = th | (2 << (28 - k))
+                    d3 = th | (3 << (28 - k))
+                    d4 = th | (4 << (28 - k))
+                    d5 = th | (5 << (28 - k))
+                    d6 = th | (6 << (28 - k))
+                    d7 = th | (7 << (28 - k))
+                    pa, pb, pc = tl.reduce((_at_least(samp, d1) + (_at_least(samp, d2) << 10)
+                                            + (_at_least(samp, d3) << 20),
+                                            _at_least(samp, d4) + (_at_least(samp, d5) << 10)
+                                            + (_at_least(samp, d6) << 20),
+                                            _at_least(samp, d7)), 0, _sum3)
+                    th, cnt = _pick(pa & 1023, d1, th, cnt, NSS)  # counts fall as the candidate rises
+                    th, cnt = _pick((pa >> 10) & 1023, d2, th, cnt, NSS)
+                    th, cnt = _pick(pa >> 20, d3, th, cnt, NSS)
+                    th, cnt = _pick(pb & 1023, d4, th, cnt, NSS)
+                    th, cnt = _pick((pb >> 10) & 1023, d5, th, cnt, NSS)
+                    th, cnt = _pick(pb >> 20, d6, th, cnt, NSS)
+                    th, cnt = _pick(pc, d7, th, cnt, NSS)
+                    k += 3
+                elif k < 30:
+                    c1 = th | (1 << (29 - k))
+                    c2 = th | (2 << (29 - k))
+                    c3 = th | (3 << (29 - k))
+                    if NBP <= 512:
+                        sp = tl.sum(_at_least(samp, c1) + (_at_least(samp, c2) << 10) + (_at_least(samp, c3) << 20),
+                                    axis=0)
+                        n1 = sp & 1023
+                        n2 = (sp >> 10) & 1023
+                        n3 = sp >> 20
+                    else:
+                        sp = tl.sum(_at_least(samp, c1).to(tl.int64) + (_at_least(samp, c2).to(tl.int64) << 16)
+                                    + (_at_least(samp, c3).to(tl.int64) << 32), axis=0)
+                        n1 = (sp & 65535).to(tl.int32)
+                        n2 = ((sp >> 16) & 65535).to(tl.int32)
+                        n3 = (sp >> 32).to(tl.int32)
+                    th = tl.where(n3 >= NSS, c3, tl.where(n2 >= NSS, c2, tl.where(n1 >= NSS, c1, th)))
+                    cnt = tl.where(n3 >= NSS, n3, tl.where(n2 >= NSS, n2, tl.where(n1 >= NSS, n1, cnt)))
+                    k += 2
+                else:
+                    cand = th | 1
+                    n = tl.sum(_at_least(samp, cand), axis=0)
+                    take = n >= NSS
+                    th = tl.where(take, cand, th)
+                    cnt = tl.where(take, n, cnt)
+                    k += 1
+            if RA and SP == 1:  # samp and rpart are both [NBP]: one reduction
+                th, rmx = tl.reduce((tl.where(samp >= th, samp, 0x7FFFFFFF), rpart), 0, _min_max)
+            else:
+                th = tl.min(tl.where(samp >= th, samp, 0x7FFFFFFF), axis=0)
+                rmx = th * 0
+                if RA:
+                    rmx = tl.max(rpart, axis=0)
+        else:
+            rmx = th * 0
+            if RA:
+                rmx = tl.max(rpart, axis=0)
+            if NSS == 0:
+                th = th + 0x7FFFFFFF
+        return th, rmx
+
+    @triton.jit
     def _channel_row_kernel(
         x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
         NB, NSEL, GS_DIV,
         NBP: tl.constexpr, HAS_W: tl.constexpr, PACK: tl.constexpr, OUT: tl.constexpr, GS2: tl.constexpr,
         ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0, scr_ptr=None, COMPACT: tl.constexpr = 0,
         CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False, RA: tl.constexpr = False,
-        AT: tl.constexpr = False, RX: tl.constexpr = False,
+        AT: tl.constexpr = False, RX: tl.constexpr = False, SAMPLE: tl.constexpr = False, NSS=0,
+        SP: tl.constexpr = 1, SB: tl.constexpr = 2,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -548,7 +687,11 @@ if triton is not None:
         ``_bits_threshold`` + ``_row_ties``. RA (COMPACT > 0, no HAS_W): R_sel's row amax without its own reduction
         where the row's largest |R| is selected (its score fl(|R|**2) is the row's largest: selected when > th, or
         == th with every entry >= th selected); else the reduction. RX (``compact_many_regs``): x is read again after
-        the threshold search and Q(x), R recomputed from it (the same values), so the search holds only the scores."""
+        the threshold search and Q(x), R recomputed from it (the same values), so the search holds only the scores.
+        SAMPLE: ``granularity="channel_sampled"``: the selection is ``e >= _sample_threshold(NSS)`` (SP samples per
+        block, :func:`~verl_quads.nvfp4.residual.samples_per_block`; NSS = the
+        threshold's rank in the sample, 0 = none, -1 = all; NSEL unused), and PACK stores it as a uint8 [M, K] mask to
+        idx_ptr instead of channel indices."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
         cmask = c < NB
@@ -585,7 +728,31 @@ if triton is not None:
         m2 = cmask[:, None]
         e0 = tl.where(m2, s0.to(tl.int32, bitcast=True), -1)  # padding: never selected
         e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
-        if COMPACT > 0:
+        if SAMPLE:
+            rpart = tl.zeros([NBP], tl.int32)
+            if RA and not HAS_W:
+                rpart = tl.max(tl.maximum(tl.abs(r0), tl.abs(r1)).to(tl.int32, bitcast=True), axis=1)
+            th, rmx = _sample_threshold(e0, e1, c, NSS, NB, NBP, SP, rpart, RA and not HAS_W, SB)
+            if STOP == 2:
+                _store_halves(out_ptr, b, tl.where(e0 >= th, v0, 0.0), tl.where(e1 >= th, v1, 0.0), cmask, OUT)
+                return
+            if RX:  # x, Q(x), R and the scores were dead during the search: the same values again
+                x0, x1 = _load_halves_ev(x_ptr, b, cmask, "evict_first")
+                v0 = _hold_qdq_half(x0, os, factor, True)
+                v1 = _hold_qdq_half(x1, os, factor, True)
+                r0 = x0 - v0
+                r1 = x1 - v1
+                s0 = r0 * r0
+                s1 = r1 * r1
+                if HAS_W:
+                    w0, w1 = _load_halves(w_ptr, c, cmask)
+                    s0 = s0 * w0
+                    s1 = s1 * w1
+                e0 = tl.where(m2, s0.to(tl.int32, bitcast=True), -1)
+                e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
+            sel0 = e0 >= th
+            sel1 = e1 >= th
+        elif COMPACT > 0:
             rpart = tl.zeros([NBP], tl.int32)
             if RA and not HAS_W:
                 rpart = tl.max(tl.maximum(tl.abs(r0), tl.abs(r1)).to(tl.int32, bitcast=True), axis=1)
@@ -612,7 +779,7 @@ if triton is not None:
                 t0, t1 = _row_ties(e0, e1, th, NSEL)
                 sel0 = (e0 > th) | t0
                 sel1 = (e1 > th) | t1
-        if RX:  # x, Q(x) and R were dead during the search (fewer registers held): the same values again
+        if RX and not SAMPLE:  # x, Q(x) and R were dead during the search (fewer registers held): the same values
             x0, x1 = _load_halves_ev(x_ptr, b, cmask, "evict_first")
             v0 = _hold_qdq_half(x0, os, factor, True)
             v1 = _hold_qdq_half(x1, os, factor, True)
@@ -621,7 +788,9 @@ if triton is not None:
         rs0 = tl.where(sel0, r0, 0.0)
         rs1 = tl.where(sel1, r1, 0.0)
         ra = tl.maximum(tl.max(tl.abs(rs0), axis=1), tl.max(tl.abs(rs1), axis=1))
-        if (COMPACT > 0) and RA and not HAS_W:
+        if SAMPLE and RA and not HAS_W:  # the row's largest score is selected unless nothing is (NSS == 0)
+            amax = tl.zeros([NBP], tl.float32) + tl.where(NSS == 0, 0.0, rmx.to(tl.float32, bitcast=True))
+        elif (COMPACT > 0) and RA and not HAS_W:
             rmf = rmx.to(tl.float32, bitcast=True)
             emax = (rmf * rmf).to(tl.int32, bitcast=True)  # = the largest score (squaring is monotone)
             if (emax > th) | ((emax == th) & (cstar == 0x7FFFFFFF)):
@@ -647,11 +816,16 @@ if triton is not None:
                 tl.store(scale1_ptr + b, sbyte.to(tl.uint8), mask=cmask)
                 tl.store(packed2_ptr + b, _tile_word(rs0, rs1, os2), mask=cmask)
                 tl.store(scale2_ptr + b, sb2.to(tl.uint8), mask=cmask)
-                k0, k1 = _half_ranks(sel0.to(tl.int32), sel1.to(tl.int32))
-                ch = c[:, None] * 16 + tl.arange(0, 8)[None, :]
-                base = idx_ptr + row * NSEL - 1
-                tl.store(base + k0, ch, mask=sel0)  # cast to idx_ptr's int64
-                tl.store(base + k1, ch + 8, mask=sel1)
+                if SAMPLE:  # the mask, uint8 [M, K]
+                    off = b[:, None] * 16 + tl.arange(0, 8)[None, :]
+                    tl.store(idx_ptr + off, sel0.to(tl.uint8), mask=cmask[:, None])
+                    tl.store(idx_ptr + off + 8, sel1.to(tl.uint8), mask=cmask[:, None])
+                else:
+                    k0, k1 = _half_ranks(sel0.to(tl.int32), sel1.to(tl.int32))
+                    ch = c[:, None] * 16 + tl.arange(0, 8)[None, :]
+                    base = idx_ptr + row * NSEL - 1
+                    tl.store(base + k0, ch, mask=sel0)  # cast to idx_ptr's int64
+                    tl.store(base + k1, ch + 8, mask=sel1)
                 if GS2 == 0:
                     tl.store(gs2_ptr + row + c * 0, gs2, mask=c == 0)
             else:
@@ -759,8 +933,9 @@ def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int, int, bool] | None
 
 
 def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_finite: bool, packed: bool,
-         stop: int = 0):
-    """Both entry points; ``stop`` > 0: the kernel's STOP timing probe (QDQ only; the output is not a result)."""
+         stop: int = 0, sampled: bool = False):
+    """Both entry points; ``stop`` > 0: the kernel's STOP timing probe (QDQ only; the output is not a result);
+    ``sampled``: ``granularity="channel_sampled"`` (else "channel")."""
     if stop and packed:
         raise ValueError("triton_channel: the STOP timing probe runs the QDQ launch only (packed=False)")
     num_selected_channels(x.shape[-1] if x.dim() else 0, ratio)  # validates the ratio first
@@ -775,7 +950,8 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
     gs, xc, w = tk._residual_prepare(x, global_scale, score_weight, check_finite, row_scale=row_gs)
     m, k = x.shape
     if m == 0 or k == 0:  # nothing to launch; the reference defines the (empty) result and its shapes
-        r = _ref_residual_quantize_channel(x, ratio, gs, score_weight=w, check_finite=False)
+        ref = _ref_residual_quantize_channel_sampled if sampled else _ref_residual_quantize_channel
+        r = ref(x, ratio, gs, score_weight=w, check_finite=False)
         return r if packed else r.dequantize(x.dtype)
     nb = k // BLOCK_SIZE
     nbp = _check_row(k)
@@ -788,8 +964,13 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
     wt = w if w is not None else g1
     meta = dict(NB=nb, NSEL=n_sel, GS_DIV=div1, NBP=nbp, HAS_W=w is not None, ROW_GS=row_gs, num_warps=_launch_warps(m, k, nbp),
                 enable_fp_fusion=False, **({"STOP": int(stop)} if stop else {}))
-    comp = _compact_args(m, k, nbp)
+    comp = None if sampled else _compact_args(m, k, nbp)
     many_cap = _many_regs(m, nbp) if comp is not None else None
+    if sampled:
+        meta.update(SAMPLE=True, NSS=-1 if n_sel == k else num_sampled_threshold_rank(k, ratio),
+                    SP=samples_per_block(k), num_warps=int(CHANNEL_CONFIG["sample_warps"].get(nbp, _warps(nbp))),
+                    RA=_on("sample_rmax", nbp), RX=_on("sample_reread", nbp),
+                    SB=int(CHANNEL_CONFIG["sample_step_bits"]))
     if comp is not None:
         bits, cap, tr, warp_tile = comp
         meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile, RA=_on("compact_rmax", nbp),
@@ -802,6 +983,8 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
         kern[(m,)](xc, g1, wt, xc, xc, xc, xc, xc, xc, amax_rows, PACK=False, OUT=0, GS2=2, **meta)
         gs2_mode, gs2_arg = 1, global_scale_from_amax(amax_rows.amax())
     cap = _maxnreg(packed, meta["num_warps"], compact=comp is not None, many_cap=many_cap)
+    if sampled and CHANNEL_CONFIG["sample_maxnreg"] is not None:
+        cap = int(CHANNEL_CONFIG["sample_maxnreg"])
     if cap is not None and xc.is_cuda:  # the interpreter has no registers
         meta["maxnreg"] = cap
     if not packed:
@@ -814,7 +997,10 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
     scale1 = torch.empty(m, nb, dtype=torch.uint8, device=dev)
     codes2 = torch.empty(m, k // 2, dtype=torch.uint8, device=dev)
     scale2 = torch.empty(m, nb, dtype=torch.uint8, device=dev)
-    idx_buf = torch.empty(m, max(n_sel, 1), dtype=torch.int64, device=dev)  # n_sel = 0: nothing stored
+    if sampled:
+        idx_buf = torch.empty(m, k, dtype=torch.uint8, device=dev)  # the selection mask
+    else:
+        idx_buf = torch.empty(m, max(n_sel, 1), dtype=torch.int64, device=dev)  # n_sel = 0: nothing stored
     gs2_rows = torch.empty(m, dtype=torch.float32, device=dev) if gs2_arg is None else gs2_arg
     kern[(m,)](xc, g1, wt, xc, codes1.view(torch.int64), scale1, codes2.view(torch.int64), scale2,
                idx_buf, gs2_rows, PACK=True, OUT=0, GS2=gs2_mode, **meta)
@@ -824,22 +1010,35 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
         gs2 = gs2_rows.unsqueeze(-1) if per_row else gs2_rows.reshape(())  # the reference's shapes
     first = NVFP4Tensor(codes1, scale1.view(torch.float8_e4m3fn), gs, x.shape, x.dtype)
     second = NVFP4Tensor(codes2, scale2.view(torch.float8_e4m3fn), gs2, torch.Size((m, k)), torch.float32)
+    if sampled:
+        return SampledChannelResidualNVFP4(first, second, idx_buf.view(torch.bool), ratio)
     return ChannelResidualNVFP4(first, second, idx_buf[:, :n_sel], ratio)
 
 
 def residual_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, amax=None,
-                      score_weight: torch.Tensor | None = None, check_finite: bool = True) -> ChannelResidualNVFP4:
+                      score_weight: torch.Tensor | None = None, check_finite: bool = True,
+                      granularity: str = "channel") -> ChannelResidualNVFP4 | SampledChannelResidualNVFP4:
     """Triton :func:`verl_quads.nvfp4.residual_quantize` with ``granularity="channel"`` (per token): x 2-D
     ``[M, K]`` float32/bf16/fp16; returns a :class:`ChannelResidualNVFP4` with the reference's bytes.
     ``amax="row"``: the first pass's global scale is each row's :func:`~verl_quads.nvfp4.per_row_global_scale`,
     derived inside the kernel (returned as ``first.global_scale`` ``[M, 1]``); another ``amax`` tensor: its
-    :func:`~verl_quads.nvfp4.global_scale_from_amax` by torch first."""
-    return _run(x, ratio, global_scale, amax, score_weight, check_finite, packed=True)
+    :func:`~verl_quads.nvfp4.global_scale_from_amax` by torch first. ``granularity="channel_sampled"``: that rule
+    (a :class:`SampledChannelResidualNVFP4`)."""
+    return _run(x, ratio, global_scale, amax, score_weight, check_finite, packed=True,
+                sampled=_sampled(granularity))
 
 
 def residual_fake_quantize(x: torch.Tensor, ratio: float, global_scale=None, *, amax=None,
-                           score_weight: torch.Tensor | None = None, check_finite: bool = True) -> torch.Tensor:
+                           score_weight: torch.Tensor | None = None, check_finite: bool = True,
+                           granularity: str = "channel") -> torch.Tensor:
     """Triton :func:`verl_quads.nvfp4.residual_fake_quantize` with ``granularity="channel"``: ``deq(Q(x)) +
     deq(Q(R_sel))`` in x's dtype and shape ``[M, K]``, one launch (two with a per-tensor scale and M > 1;
-    one with ``amax="row"``, see :func:`residual_quantize`)."""
-    return _run(x, ratio, global_scale, amax, score_weight, check_finite, packed=False)
+    one with ``amax="row"``, see :func:`residual_quantize`; ``granularity`` as there)."""
+    return _run(x, ratio, global_scale, amax, score_weight, check_finite, packed=False,
+                sampled=_sampled(granularity))
+
+
+def _sampled(granularity: str) -> bool:
+    if granularity not in ("channel", "channel_sampled"):
+        raise ValueError(f"triton_channel: granularity must be 'channel' or 'channel_sampled', got {granularity!r}")
+    return granularity == "channel_sampled"

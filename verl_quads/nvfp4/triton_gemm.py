@@ -86,6 +86,7 @@ from verl_quads.nvfp4.gluon_gemm import GluonConfig
 from verl_quads.nvfp4.gluon_moe import GroupedConfig
 from verl_quads.nvfp4.gluon_tma import TmaConfig, gluon_w4a16_tma
 from verl_quads.nvfp4.guidance import GuidanceRecord
+from verl_quads.nvfp4.residual import CHANNEL_GRANULARITIES, num_selected_channels
 from verl_quads.nvfp4.triton_kernels import _OUT_DTYPES, check_available, triton
 
 if triton is not None:
@@ -1851,8 +1852,8 @@ def _residual_operand(r, mode: str, dtype: torch.dtype) -> ActOperand:
     gs1 = _row_gs(r.first.global_scale, m)
     first = NVFP4Tensor(r.first.packed, r.first.block_scale, gs1.unsqueeze(-1), r.first.shape, r.first.dtype)
     gs2 = _row_gs(r.second.global_scale, m)
-    if r.granularity == "channel":  # the second pass is already dense [M, K] (+0 codes outside the selection)
-        if r.channel_idx.shape[-1] == 0:
+    if r.granularity in CHANNEL_GRANULARITIES:  # the second pass is already dense [M, K] (+0 codes outside)
+        if num_selected_channels(k, r.ratio) == 0:
             return ActOperand(mode, dtype, first=first)
         return ActOperand(mode, dtype, first=first, second_packed=r.second.packed.contiguous(),
                           second_scale=r.second.block_scale.contiguous(), second_gs=gs2)
@@ -1892,8 +1893,8 @@ def quantize_activation(
     ``nvfp4.residual_fake_quantize(x, residual_ratio, per-token global scale)`` in x's dtype (the same
     bytes as the core's torch reference).
 
-    ``residual_granularity`` (``quads``): ``block`` (default) or ``channel`` (per token only; the core's channel
-    rule, :mod:`verl_quads.nvfp4.triton_channel`): ``bf16`` as above; ``fp4x2`` -> ``Q(x)`` and the rule's dense
+    ``residual_granularity`` (``quads``): ``block`` (default), ``channel`` or ``channel_sampled`` (per token only;
+    the core's channel rules, :mod:`verl_quads.nvfp4.triton_channel`): ``bf16`` as above; ``fp4x2`` -> ``Q(x)`` and the rule's dense
     ``Q(R_sel)`` ``[M, K]`` as the second FP4 operand (the dense form the per-token block rule is scattered into;
     same GEMM cost)."""
     from verl_quads import nvfp4 as nv

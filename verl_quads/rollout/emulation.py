@@ -29,7 +29,8 @@ the engine resolves once where the backend is known (:func:`verl_quads.config.re
 
 QUADS selection unit (``ActQuant.residual_granularity``, default as :class:`verl_quads.config.QuantConfig`):
 ``channel`` (default: single channels per token, :mod:`verl_quads.nvfp4.residual`; with ``backend="auto"`` on
-CUDA tensors the core runs its Triton kernel, :mod:`verl_quads.nvfp4.triton_channel`, same bytes) or ``block``
+CUDA tensors the core runs its Triton kernel, :mod:`verl_quads.nvfp4.triton_channel`, same bytes), its variant
+``channel_sampled`` (the row's threshold from a fixed sample of its scores; the same kernel module) or ``block``
 (16-channel blocks; the only unit of per-call selection, ``residual_per_token=False``). The NVFP4 core's own
 default (:func:`verl_quads.nvfp4.residual_quantize`, the ``triton_gemm`` functions) stays ``block``: this
 module always passes the unit explicitly. The plugin's
@@ -69,7 +70,8 @@ class ActQuant:
         residual_combine: ``quads`` only, a concrete form: ``fp4x2`` (default) or ``bf16`` (module docstring);
             ``auto`` (the quant_config default) is refused: the engine resolves it first
             (:func:`verl_quads.config.resolve_residual_combine`).
-        residual_granularity: ``quads`` only: ``channel`` (default, per token only) or ``block`` (module docstring).
+        residual_granularity: ``quads`` only: ``channel`` (default, per token only), ``channel_sampled`` (per token
+            only) or ``block`` (module docstring).
     """
 
     mode: str
@@ -102,12 +104,12 @@ class ActQuant:
                 f"ActQuant.residual_granularity (quant_config.residual_granularity) must be one of "
                 f"{RESIDUAL_GRANULARITIES}, got {self.residual_granularity!r}"
             )
-        if self.mode == "quads" and self.residual_granularity == "channel" and not self.residual_per_token:
+        if self.mode == "quads" and self.residual_granularity != "block" and not self.residual_per_token:
             raise ValueError(
                 "ActQuant: residual_per_token=False (per-call selection, quant_config.residual_per_token) is defined "
-                "for 16-channel blocks only, but residual_granularity='channel' (the default) selects channels per "
-                "token: pass residual_granularity='block' (quant_config.residual_granularity=block) for per-call "
-                "selection"
+                f"for 16-channel blocks only, but residual_granularity={self.residual_granularity!r}"
+                f"{' (the default)' if self.residual_granularity == 'channel' else ''} selects channels per token: "
+                "pass residual_granularity='block' (quant_config.residual_granularity=block) for per-call selection"
             )
 
 
@@ -158,7 +160,7 @@ def check_gemm_input_length(q: ActQuant, backend: str, k: int, where: str) -> No
     channels (after its padding); the check asks the kernel module itself, so it moves with that limit. Raises
     ValueError naming the layer, K, the limit and what to set instead, so an engine fails when it builds the
     model, not at its first generation."""
-    if q.mode != "quads" or q.residual_granularity != "channel" or backend not in ("triton", "native"):
+    if q.mode != "quads" or q.residual_granularity == "block" or backend not in ("triton", "native"):
         return
     from verl_quads.nvfp4 import triton_channel
 
@@ -167,7 +169,7 @@ def check_gemm_input_length(q: ActQuant, backend: str, k: int, where: str) -> No
     except NotImplementedError as e:
         raise ValueError(
             f"quads_nvfp4: {where}: GEMM input of K = {k} channels per row is too long for the QUADS channel rule "
-            f"(quant_config.residual_granularity=channel, the default) on backend {backend!r}: {e}. Set "
+            f"(quant_config.residual_granularity={q.residual_granularity}) on backend {backend!r}: {e}. Set "
             "actor_rollout_ref.actor.quant_config.residual_granularity=block (the 16-channel block rule has no row "
             "limit), or add the layer to quant_config.ignore"
         ) from e

@@ -199,16 +199,16 @@ def activation_passes(x: torch.Tensor, mode: str, residual_ratio: float = 0.5, r
     ``quads`` with a non-empty selection; ``record`` is the :class:`~verl_quads.nvfp4.GuidanceRecord`
     (``trace`` with ``capture``) or None. Codes are the core's (same as the ``torch`` backend).
     ``residual_granularity``: the QUADS selection rule (default as :class:`verl_quads.config.QuantConfig`:
-    ``channel``, whose second pass is already a dense ``[M, K]`` FP4 tensor in the original 16-blocks, so it is
-    the second operand as it is; or ``block``, whose selected blocks are scattered into that dense form; per-call
+    ``channel`` or ``channel_sampled``, whose second pass is already a dense ``[M, K]`` FP4 tensor in the original
+    16-blocks, so it is the second operand as it is; or ``block``, whose selected blocks are scattered into that dense form; per-call
     selection, ``residual_per_token=False``, needs ``block``)."""
     m, k = x.shape
     # amax="row": the per-token scale (per_row_global_scale) derived inside the triton kernels where they can
-    if mode == "quads" and residual_granularity == "channel":
+    if mode == "quads" and residual_granularity in nvfp4.CHANNEL_GRANULARITIES:
         r = nvfp4.residual_quantize(x, residual_ratio, amax="row", per_token=residual_per_token, backend="auto",
-                                    check_finite=False, granularity="channel")
+                                    check_finite=False, granularity=residual_granularity)
         passes = [(r.first.packed, r.first.block_scale, _row_vector(r.first.global_scale, m))]
-        if r.channel_idx.shape[-1]:
+        if nvfp4.num_selected_channels(k, residual_ratio):
             passes.append((r.second.packed, r.second.block_scale, _row_vector(r.second.global_scale, m)))
         return passes, None
     if mode == "quads":
