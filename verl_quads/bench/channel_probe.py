@@ -90,8 +90,9 @@ def run(shapes: list[str], ms: list[int], variants: tuple[str, ...] = ("default"
                         comp = tc._compact_args(m, k, nbp)
                         if granularity == "channel_sampled":
                             comp = None
-                            desc = (f"{tc.CHANNEL_CONFIG['sample_warps'].get(nbp, tc._warps(nbp))} warps, sampled, "
-                                    f"maxnreg {tc.CHANNEL_CONFIG['sample_maxnreg'] or tc.CHANNEL_CONFIG['qdq_maxnreg']}")
+                            cfg = tc.CHANNEL_CONFIG
+                            desc = (f"{cfg['sample_warps'].get(nbp, tc._warps(nbp))} warps, sampled, maxnreg "
+                                    f"{cfg['sample_maxnreg'].get(nbp, cfg['qdq_maxnreg'])}")
                         else:
                             desc = (f"{tc._launch_warps(m, k, nbp)} warps, "
                                     + (f"compact J={comp[0]} cap={comp[1]}" if comp else "full-row search"))

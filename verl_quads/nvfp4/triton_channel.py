@@ -180,13 +180,28 @@ tl = tk.tl
 #: the program (CTA-wide counts, ``compact_warp_tile`` False) instead of a copy per warp: 141 M, 240 us (probe 258 vs
 #: 241 at 4096x8192, 67.7 vs 64.1 at 1024x8192, +1-1.2 us at 16 / 256 rows). The instructions are spread over every
 #: phase (first pass ~27 per element, the 12 full-row bits ~39, the rest: compaction, tile, selection, second pass).
+#: ``sample_*`` (``granularity="channel_sampled"``, session 27, issue #5: QUADS at dense M >= 1024): ``sample_warps``
+#: {NBP: warps} (else ``_warps``), ``sample_maxnreg`` {NBP: register cap} (else the QDQ / packed caps),
+#: ``sample_rmax`` (bool or NBPs: R_sel's amax = the row's largest |R|, taken in the threshold's last reduction; the
+#: largest score is always selected unless nothing is; not with a score weight), ``sample_reread`` (x read again after
+#: the search, as compact_many_regs), ``sample_step_bits`` (2 or 3 bits per search step over the sample). H200
+#: (``python -m verl_quads.bench.channel_probe --granularity channel_sampled``, docs/bench_rollout_h200_session27.txt,
+#: bytes == torch reference at every point; kernel alone, us, warm L2): 4096x8192 130-140 (the exact rule's launch 274),
+#: 1024x8192 34.7-35.9 (68.7), 256x8192 11.3, 16x8192 8.6-8.9, 1x8192 6.2-6.4 (10.0); 4096x4096 60-62 (109), 1024x4096
+#: 18.7-18.9 (28.6), 256x4096 8.5-8.7, 16x4096 7.3-7.5, 1x4096 5.2-5.5 (7.1). Measured slower or equal: 16 warps at K =
+#: 8192 with the 64-register QDQ cap (the first launch: 139-143 at 4096 rows, 38.3 at 1024), 8 warps at K = 4096 (92-101
+#: at 4096 rows), 4 warps at K = 8192 (183-191), x re-read after the search (131-140 / 65-69), three bits per step
+#: (144 / 69: more compares per reduction), a 96-register cap. Where the time goes (STOP probes, call 3): at 4096x8192
+#: load + first pass 43 us, threshold search +54, selection + amax +5.5, second pass + store +12; at 4096x4096 23 / +24 /
+#: +3.4 / +7.9 -- the search's ~10 dependent CTA-wide reductions (two bits per step until exactly NSS samples are >= th).
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 1 << 30, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
                   "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4, 512: 8},
                   "compact_rmax": (256, 512), "compact_tile_chunks": (256, 512),
-                  "compact_many_regs": {256: (264, 128), 512: (132, 128)}, "sample_warps": {}, "sample_maxnreg": None,
-                  "sample_rmax": False, "sample_reread": False, "sample_step_bits": 2}
+                  "compact_many_regs": {256: (264, 128), 512: (132, 128)}, "sample_warps": {256: 4, 512: 8},
+                  "sample_maxnreg": {256: 128, 512: 128}, "sample_rmax": (256, 512), "sample_reread": False,
+                  "sample_step_bits": 2}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -228,27 +243,13 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     "ra at": {"compact_rmax": True, "compact_tile_chunks": True},
                     # session 17: the many-row launches before (4 warps at K = 8192, no re-read of x, uncapped)
                     "s16": {"compact_many_warps": {256: 4, 512: 4}, "compact_many_regs": {}},
-                    # session 27 (granularity="channel_sampled" launches): warps at K = 4096 / 8192, register caps
-                    "sw4": {"sample_warps": {256: 4, 512: 4}}, "sw8": {"sample_warps": {256: 8, 512: 8}},
-                    "sw16": {"sample_warps": {256: 16, 512: 16}}, "sr128": {"sample_maxnreg": 128},
-                    "sw4 sr128": {"sample_warps": {256: 4, 512: 4}, "sample_maxnreg": 128},
-                    "sw8 sr128": {"sample_warps": {256: 8, 512: 8}, "sample_maxnreg": 128},
-                    "sr96": {"sample_maxnreg": 96},
-                    "sw8 sr128 ra": {"sample_warps": {256: 8, 512: 8}, "sample_maxnreg": 128, "sample_rmax": True},
-                    "sw4 sr128 ra": {"sample_warps": {256: 4, 512: 4}, "sample_maxnreg": 128, "sample_rmax": True},
-                    "sw8 ra rx": {"sample_warps": {256: 8, 512: 8}, "sample_rmax": True, "sample_reread": True},
-                    "sw8 sr128 ra rx": {"sample_warps": {256: 8, 512: 8}, "sample_maxnreg": 128, "sample_rmax": True,
-                                        "sample_reread": True},
-                    "sw4 sr128 ra rx": {"sample_warps": {256: 4, 512: 4}, "sample_maxnreg": 128, "sample_rmax": True,
-                                        "sample_reread": True},
-                    "sw4 ra rx": {"sample_warps": {256: 4, 512: 4}, "sample_rmax": True, "sample_reread": True},
-                    "sw16 ra rx": {"sample_warps": {256: 16, 512: 16}, "sample_rmax": True, "sample_reread": True},
-                    "sw8 sr128 ra b3": {"sample_warps": {256: 8, 512: 8}, "sample_maxnreg": 128, "sample_rmax": True,
-                                        "sample_step_bits": 3},
-                    "sw4 sr128 ra b3": {"sample_warps": {256: 4, 512: 4}, "sample_maxnreg": 128, "sample_rmax": True,
-                                        "sample_step_bits": 3},
-                    "sw8 sr96 ra rx": {"sample_warps": {256: 8, 512: 8}, "sample_maxnreg": 96, "sample_rmax": True,
-                                       "sample_reread": True}}
+                    # session 27 (granularity="channel_sampled" launches; the default: 8 warps at K = 8192, 4 at
+                    # K = 4096, 128-register caps there, R_sel's amax from the row's largest |R|): the first launch
+                    # (_warps, the QDQ cap, R_sel's amax by its own reduction), x re-read after the search, three
+                    # bits per search step, 8 / 16 warps at K = 4096 / 8192 (all measured slower or equal)
+                    "sampled first": {"sample_warps": {}, "sample_maxnreg": {}, "sample_rmax": False},
+                    "sampled rx": {"sample_reread": True}, "sampled b3": {"sample_step_bits": 3},
+                    "sampled w8 w16": {"sample_warps": {256: 8, 512: 16}}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -983,8 +984,8 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
         kern[(m,)](xc, g1, wt, xc, xc, xc, xc, xc, xc, amax_rows, PACK=False, OUT=0, GS2=2, **meta)
         gs2_mode, gs2_arg = 1, global_scale_from_amax(amax_rows.amax())
     cap = _maxnreg(packed, meta["num_warps"], compact=comp is not None, many_cap=many_cap)
-    if sampled and CHANNEL_CONFIG["sample_maxnreg"] is not None:
-        cap = int(CHANNEL_CONFIG["sample_maxnreg"])
+    if sampled and nbp in CHANNEL_CONFIG["sample_maxnreg"]:
+        cap = int(CHANNEL_CONFIG["sample_maxnreg"][nbp])
     if cap is not None and xc.is_cuda:  # the interpreter has no registers
         meta["maxnreg"] = cap
     if not packed:
