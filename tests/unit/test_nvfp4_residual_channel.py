@@ -616,18 +616,18 @@ for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in 
     neg = re.findall(r"fneg|fsub (?:<\d+ x )?float>? (?:zeroinitializer|-?0\.000000e\+00)", k.asm["llir"])
     assert not neg, (xt, pack, maxnreg, neg[:3])
 # granularity="channel_sampled" (SAMPLE): one / four / sixteen samples per block, 2 or 3 bits per search step, the
-# int64 counts past 512 blocks, R_sel's amax from the row's largest |R| (RA) and x read again after the search (RX)
-for xt, ot, pack, nbp, nw, maxnreg, sp, sb, ra, rx in (
-        ("*bf16", "*i16", False, 512, 8, 128, 1, 2, True, False),
-        ("*bf16", "*i16", False, 256, 4, 128, 2, 3, True, True),
-        ("*bf16", "*i64", True, 128, 4, None, 4, 2, False, False),
-        ("*fp32", "*fp32", False, 4, 1, None, 16, 2, False, True),
-        ("*bf16", "*i16", False, 1024, 16, 64, 1, 2, True, False)):
+# int64 counts past 512 blocks, R_sel's amax from the row's largest |R| (RA)
+for xt, ot, pack, nbp, nw, maxnreg, sp, sb, ra in (
+        ("*bf16", "*i16", False, 512, 8, 128, 1, 2, True),
+        ("*bf16", "*i16", False, 256, 4, 128, 2, 3, True),
+        ("*bf16", "*i64", True, 128, 4, None, 4, 2, False),
+        ("*fp32", "*fp32", False, 4, 1, None, 16, 2, False),
+        ("*bf16", "*i16", False, 1024, 16, 64, 1, 2, True)):
     s = dict(sig, x_ptr=xt, out_ptr=ot, idx_ptr="*u8" if pack else "*i64")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
         "NBP": nbp, "HAS_W": False, "PACK": pack, "OUT": 0 if pack else 3, "GS2": 0, "ROW_GS": True, "STOP": 0,
-        "COMPACT": 0, "CAP": 1, "TR": 1, "WT": False, "RA": ra, "AT": False, "RX": rx, "SAMPLE": True, "SP": sp,
+        "COMPACT": 0, "CAP": 1, "TR": 1, "WT": False, "RA": ra, "AT": False, "RX": False, "SAMPLE": True, "SP": sp,
         "SB": sb}), target=GPUTarget("cuda", 90, 32),
         options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]

@@ -183,14 +183,15 @@ tl = tk.tl
 #: ``sample_*`` (``granularity="channel_sampled"``, session 27, issue #5: QUADS at dense M >= 1024): ``sample_warps``
 #: {NBP: warps} (else ``_warps``), ``sample_maxnreg`` {NBP: register cap} (else the QDQ / packed caps),
 #: ``sample_rmax`` (bool or NBPs: R_sel's amax = the row's largest |R|, taken in the threshold's last reduction; the
-#: largest score is always selected unless nothing is; not with a score weight), ``sample_reread`` (x read again after
-#: the search, as compact_many_regs), ``sample_step_bits`` (2 or 3 bits per search step over the sample). H200
+#: largest score is always selected unless nothing is; not with a score weight), ``sample_step_bits`` (2 or 3 bits per
+#: search step over the sample). H200
 #: (``python -m verl_quads.bench.channel_probe --granularity channel_sampled``, docs/bench_rollout_h200_session27.txt,
 #: bytes == torch reference at every point; kernel alone, us, warm L2): 4096x8192 130-140 (the exact rule's launch 274),
 #: 1024x8192 34.7-35.9 (68.7), 256x8192 11.3, 16x8192 8.6-8.9, 1x8192 6.2-6.4 (10.0); 4096x4096 60-62 (109), 1024x4096
 #: 18.7-18.9 (28.6), 256x4096 8.5-8.7, 16x4096 7.3-7.5, 1x4096 5.2-5.5 (7.1). Measured slower or equal: 16 warps at K =
 #: 8192 with the 64-register QDQ cap (the first launch: 139-143 at 4096 rows, 38.3 at 1024), 8 warps at K = 4096 (92-101
-#: at 4096 rows), 4 warps at K = 8192 (183-191), x re-read after the search (131-140 / 65-69), three bits per step
+#: at 4096 rows), 4 warps at K = 8192 (183-191), x re-read after the search (131-140 / 65-69; removed after the
+#: measurement, as compact_many_regs' re-read it held only the sample during the search), three bits per step
 #: (144 / 69: more compares per reduction), a 96-register cap. Where the time goes (STOP probes, call 3): at 4096x8192
 #: load + first pass 43 us, threshold search +54, selection + amax +5.5, second pass + store +12; at 4096x4096 23 / +24 /
 #: +3.4 / +7.9 -- the search's ~10 dependent CTA-wide reductions (two bits per step until exactly NSS samples are >= th).
@@ -200,7 +201,7 @@ CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_
                   "compact_warp_tile": True, "compact_many_rows": 132, "compact_many_warps": {256: 4, 512: 8},
                   "compact_rmax": (256, 512), "compact_tile_chunks": (256, 512),
                   "compact_many_regs": {256: (264, 128), 512: (132, 128)}, "sample_warps": {256: 4, 512: 8},
-                  "sample_maxnreg": {256: 128, 512: 128}, "sample_rmax": (256, 512), "sample_reread": False,
+                  "sample_maxnreg": {256: 128, 512: 128}, "sample_rmax": (256, 512),
                   "sample_step_bits": 2}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
@@ -245,10 +246,10 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     "s16": {"compact_many_warps": {256: 4, 512: 4}, "compact_many_regs": {}},
                     # session 27 (granularity="channel_sampled" launches; the default: 8 warps at K = 8192, 4 at
                     # K = 4096, 128-register caps there, R_sel's amax from the row's largest |R|): the first launch
-                    # (_warps, the QDQ cap, R_sel's amax by its own reduction), x re-read after the search, three
-                    # bits per search step, 8 / 16 warps at K = 4096 / 8192 (all measured slower or equal)
+                    # (_warps, the QDQ cap, R_sel's amax by its own reduction), three bits per search step, 8 / 16
+                    # warps at K = 4096 / 8192 (all measured slower or equal)
                     "sampled first": {"sample_warps": {}, "sample_maxnreg": {}, "sample_rmax": False},
-                    "sampled rx": {"sample_reread": True}, "sampled b3": {"sample_step_bits": 3},
+                    "sampled b3": {"sample_step_bits": 3},
                     "sampled w8 w16": {"sample_warps": {256: 8, 512: 16}}}
 
 if triton is not None:
@@ -737,20 +738,6 @@ if triton is not None:
             if STOP == 2:
                 _store_halves(out_ptr, b, tl.where(e0 >= th, v0, 0.0), tl.where(e1 >= th, v1, 0.0), cmask, OUT)
                 return
-            if RX:  # x, Q(x), R and the scores were dead during the search: the same values again
-                x0, x1 = _load_halves_ev(x_ptr, b, cmask, "evict_first")
-                v0 = _hold_qdq_half(x0, os, factor, True)
-                v1 = _hold_qdq_half(x1, os, factor, True)
-                r0 = x0 - v0
-                r1 = x1 - v1
-                s0 = r0 * r0
-                s1 = r1 * r1
-                if HAS_W:
-                    w0, w1 = _load_halves(w_ptr, c, cmask)
-                    s0 = s0 * w0
-                    s1 = s1 * w1
-                e0 = tl.where(m2, s0.to(tl.int32, bitcast=True), -1)
-                e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
             sel0 = e0 >= th
             sel1 = e1 >= th
         elif COMPACT > 0:
@@ -780,7 +767,7 @@ if triton is not None:
                 t0, t1 = _row_ties(e0, e1, th, NSEL)
                 sel0 = (e0 > th) | t0
                 sel1 = (e1 > th) | t1
-        if RX and not SAMPLE:  # x, Q(x) and R were dead during the search (fewer registers held): the same values
+        if RX:  # x, Q(x) and R were dead during the search (fewer registers held): the same values again
             x0, x1 = _load_halves_ev(x_ptr, b, cmask, "evict_first")
             v0 = _hold_qdq_half(x0, os, factor, True)
             v1 = _hold_qdq_half(x1, os, factor, True)
@@ -970,7 +957,7 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
     if sampled:
         meta.update(SAMPLE=True, NSS=-1 if n_sel == k else num_sampled_threshold_rank(k, ratio),
                     SP=samples_per_block(k), num_warps=int(CHANNEL_CONFIG["sample_warps"].get(nbp, _warps(nbp))),
-                    RA=_on("sample_rmax", nbp), RX=_on("sample_reread", nbp),
+                    RA=_on("sample_rmax", nbp),
                     SB=int(CHANNEL_CONFIG["sample_step_bits"]))
     if comp is not None:
         bits, cap, tr, warp_tile = comp
