@@ -37,7 +37,8 @@ def _run_toy(tmp_path, main, AutoTokenizer):
     tok = AutoTokenizer.from_pretrained(tmp_path / "ckpt")
     assert tok("def f(x):").input_ids[0] == tok.convert_tokens_to_ids("<|bos|>") != tok.eos_token_id
     assert set(data["selection_rules"]["mean"]) == {"naive", "per_call@0.5", "per_token@0.5", "per_call_outaware@0.5",
-                                                   "per_token_outaware@0.5", "per_token_channel@0.5"}
+                                                   "per_token_outaware@0.5", "per_token_channel@0.5",
+                                                   "per_token_channel_sampled@0.5"}
     assert set(data["outliers_init"]) == set(data["outliers_trained"]) == {
         f"layer{i}.{k}" for i in range(2) for k in ("attn_in", "mlp_in")}
     for v in data["outliers_trained"].values():
