@@ -1,6 +1,8 @@
 """Triton fast path of the QUADS residual rule with ``granularity="channel"`` (per token; definition in
 :mod:`.residual`, docs/quads_selection.md). Same bytes as :func:`verl_quads.nvfp4.residual.residual_quantize_channel`
-(packed codes, E4M3 scale bytes, global scales, selected channels) and as its QDQ form.
+(packed codes, E4M3 scale bytes, global scales, selected channels) and as its QDQ form. Also ``granularity=
+"channel_sampled"`` (the row's threshold from a fixed sample of its scores; SAMPLE launches of the same kernel,
+``_sample_threshold``; same bytes as :func:`verl_quads.nvfp4.residual.residual_quantize_channel_sampled`).
 
 One program per row of ``x`` ``[M, K]`` (``_channel_row_kernel``), the whole row held on chip as two float32
 ``[NBP, 8]`` halves (elements 0..7 / 8..15 of each 16-block; NB = K / 16 blocks padded to a power of two NBP), one
