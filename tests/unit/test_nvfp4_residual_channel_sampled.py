@@ -14,24 +14,10 @@ import pytest
 import torch
 
 import verl_quads.nvfp4 as nv
+from test_nvfp4_residual_channel import _DEV, _bytes_eq, _needs_interp, _rows  # the channel rule's test fixtures
 from verl_quads.nvfp4 import residual as res
 
-_needs_interp = pytest.mark.skipif(
-    not torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1",
-    reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it on CPU)",
-)
-_DEV = "cuda" if torch.cuda.is_available() else "cpu"
 _G = "channel_sampled"
-
-
-def _rows(m, k, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(m, k, generator=g) / torch.rand(m, k, generator=g).clamp(min=0.05)
-    x[0] = 0.0  # an all-zero row: every score ties at +0
-    if k >= 32:
-        x[-1, :16] *= 1e-5  # a block scale in the E4M3 subnormal range
-        x[-1, 16:32] = -0.0
-    return x.to(dtype).to(_DEV)
 
 
 def test_sample_positions_and_threshold_rank_by_hand():
@@ -156,11 +142,6 @@ def test_errors_name_the_rule():
 
 
 # ---- the Triton kernel: the reference's bytes ---------------------------------------------------------------------
-
-def _bytes_eq(a, b):
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                     b.reshape(-1).view(torch.uint8))
-
 
 def _same(x, ratio, gs, **kw):
     """Triton vs torch reference: both passes' codes, scale bytes, global scales, the selection mask, the QDQ output

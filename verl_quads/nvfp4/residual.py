@@ -132,6 +132,15 @@ class ResidualNVFP4:
         return out.to(dtype or self.first.dtype)
 
 
+def _dense_sum(first: NVFP4Tensor, second: NVFP4Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``deq(first) + deq(second)`` (both dense ``[M, K]``) summed in float32, cast once to ``dtype`` (default
+    first's source dtype): the compensated activation of the channel rules."""
+    from verl_quads.nvfp4 import dequantize  # the backend dispatcher (triton for CUDA tensors)
+
+    out = dequantize(first, torch.float32) + dequantize(second, torch.float32)
+    return out.to(dtype or first.dtype)
+
+
 @dataclass(frozen=True)
 class ChannelResidualNVFP4:
     """Both passes of a ``granularity="channel"`` residual compensation of ``x`` ``[M, K]`` (module docstring).
@@ -160,10 +169,7 @@ class ChannelResidualNVFP4:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``deq(first) + deq(second)`` summed in float32, cast once to ``dtype`` (default x's)."""
-        from verl_quads.nvfp4 import dequantize  # the backend dispatcher (triton for CUDA tensors)
-
-        out = dequantize(self.first, torch.float32) + dequantize(self.second, torch.float32)
-        return out.to(dtype or self.first.dtype)
+        return _dense_sum(self.first, self.second, dtype)
 
 
 @dataclass(frozen=True)
@@ -186,10 +192,7 @@ class SampledChannelResidualNVFP4:
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``deq(first) + deq(second)`` summed in float32, cast once to ``dtype`` (default x's)."""
-        from verl_quads.nvfp4 import dequantize  # the backend dispatcher (triton for CUDA tensors)
-
-        out = dequantize(self.first, torch.float32) + dequantize(self.second, torch.float32)
-        return out.to(dtype or self.first.dtype)
+        return _dense_sum(self.first, self.second, dtype)
 
 
 def check_granularity(granularity: str, per_token: bool) -> None:
@@ -214,12 +217,16 @@ def num_selected_channels(k: int, ratio: float) -> int:
     return int(math.floor(ratio * k + 0.5))
 
 
+def _channel_scores(residual: torch.Tensor, score_weight: torch.Tensor | None) -> torch.Tensor:
+    """Float32 ``R**2`` per channel (times ``score_weight``): the channel rules' score."""
+    score = residual.to(torch.float32).square()
+    return score if score_weight is None else score * score_weight
+
+
 def select_channels(residual: torch.Tensor, n_sel: int, score_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Per row, the ``n_sel`` channels with the highest float32 score ``R**2`` (times ``score_weight``),
     ties to the lower channel index; int64 ``[M, n_sel]`` sorted ascending."""
-    score = residual.to(torch.float32).square()
-    if score_weight is not None:
-        score = score * score_weight
+    score = _channel_scores(residual, score_weight)
     order = torch.sort(score, dim=-1, descending=True, stable=True).indices
     return torch.sort(order[..., :n_sel], dim=-1).values
 
@@ -257,9 +264,7 @@ def select_channels_sampled(residual: torch.Tensor, ratio: float,
                             score_weight: torch.Tensor | None = None) -> torch.Tensor:
     """Bool mask ``[M, K]`` of the channels selected by ``granularity="channel_sampled"`` (module docstring): per
     row, score ``>=`` the ``n_s``-th highest score of the sample (all channels at ratio 1, none at n_sel = 0)."""
-    score = residual.to(torch.float32).square()
-    if score_weight is not None:
-        score = score * score_weight
+    score = _channel_scores(residual, score_weight)
     m, k = score.shape
     n_sel = num_selected_channels(k, ratio)
     if n_sel == 0 or n_sel == k:
@@ -281,6 +286,26 @@ def _second_pass_scale(r_sel: torch.Tensor, first: NVFP4Tensor) -> torch.Tensor:
     return global_scale_from_amax(amax)
 
 
+def _channel_passes(x, ratio, global_scale, score_weight, check_finite, select):
+    """The two passes of a channel rule over a 2-D ``x`` ``[M, K]``: ``Q(x)``, the residual in float32, the
+    selection ``select(residual, w)`` -> (its result, the bool mask ``[M, K]`` or None = every channel), ``R_sel``
+    and ``Q(R_sel)``. Returns (first, second, the selection's result)."""
+    validate_input(x, check_finite=check_finite)
+    if x.dim() != 2:
+        raise ValueError(f"residual_quantize: x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
+    first = quantize(x, global_scale, check_finite=False)
+    residual = x.to(torch.float32) - dequantize_to_float32(first)
+    num_selected_channels(x.shape[1], ratio)  # validates the ratio
+    w = check_score_weight(score_weight, x.shape[1], x.device, check_values=check_finite)
+    result, mask = select(residual, w)
+    if mask is None:
+        r_sel = residual
+    else:
+        r_sel = torch.where(mask, residual, torch.zeros((), dtype=torch.float32, device=x.device))
+    second = quantize(r_sel, _second_pass_scale(r_sel, first), check_finite=False)
+    return first, second, result
+
+
 def residual_quantize_channel(
     x: torch.Tensor,
     ratio: float,
@@ -290,21 +315,16 @@ def residual_quantize_channel(
     check_finite: bool = True,
 ) -> ChannelResidualNVFP4:
     """``granularity="channel"`` residual compensation of a 2-D ``x`` ``[M, K]`` (module docstring)."""
-    validate_input(x, check_finite=check_finite)
-    if x.dim() != 2:
-        raise ValueError(f"residual_quantize: x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
-    m, k = x.shape
-    first = quantize(x, global_scale, check_finite=False)
-    residual = x.to(torch.float32) - dequantize_to_float32(first)
-    n_sel = num_selected_channels(k, ratio)
-    w = check_score_weight(score_weight, k, x.device, check_values=check_finite)
-    idx = select_channels(residual, n_sel, w)
-    if n_sel == k:
-        r_sel = residual
-    else:
-        mask = torch.zeros((m, k), dtype=torch.bool, device=x.device).scatter_(1, idx, True)
-        r_sel = torch.where(mask, residual, torch.zeros((), dtype=torch.float32, device=x.device))
-    second = quantize(r_sel, _second_pass_scale(r_sel, first), check_finite=False)
+
+    def select(residual, w):
+        m, k = residual.shape
+        n_sel = num_selected_channels(k, ratio)
+        idx = select_channels(residual, n_sel, w)
+        if n_sel == k:
+            return idx, None
+        return idx, torch.zeros((m, k), dtype=torch.bool, device=residual.device).scatter_(1, idx, True)
+
+    first, second, idx = _channel_passes(x, ratio, global_scale, score_weight, check_finite, select)
     return ChannelResidualNVFP4(first, second, idx, ratio)
 
 
@@ -317,16 +337,12 @@ def residual_quantize_channel_sampled(
     check_finite: bool = True,
 ) -> SampledChannelResidualNVFP4:
     """``granularity="channel_sampled"`` residual compensation of a 2-D ``x`` ``[M, K]`` (module docstring)."""
-    validate_input(x, check_finite=check_finite)
-    if x.dim() != 2:
-        raise ValueError(f"residual_quantize: x must be 2-D [tokens, K], got shape {tuple(x.shape)}")
-    first = quantize(x, global_scale, check_finite=False)
-    residual = x.to(torch.float32) - dequantize_to_float32(first)
-    num_selected_channels(x.shape[1], ratio)  # validates the ratio
-    w = check_score_weight(score_weight, x.shape[1], x.device, check_values=check_finite)
-    mask = select_channels_sampled(residual, ratio, w)
-    r_sel = torch.where(mask, residual, torch.zeros((), dtype=torch.float32, device=x.device))
-    second = quantize(r_sel, _second_pass_scale(r_sel, first), check_finite=False)
+
+    def select(residual, w):
+        mask = select_channels_sampled(residual, ratio, w)
+        return mask, mask
+
+    first, second, mask = _channel_passes(x, ratio, global_scale, score_weight, check_finite, select)
     return SampledChannelResidualNVFP4(first, second, mask, ratio)
 
 
