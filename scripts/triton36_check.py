@@ -352,17 +352,18 @@ def scenarios_core():
 
 def scenarios_channel():
     """QUADS channel rule (triton_channel): CHANNEL_CONFIG at the rollout's shapes (bf16, amax="row", per token),
-    score weights / given scales at two, fp16 / fp32 at one, every CHANNEL_VARIANTS entry at three."""
+    score weights / given scales at two, fp16 / fp32 at one, every CHANNEL_VARIANTS entry at four (the "sampled ..."
+    entries with granularity="channel_sampled", also at 4096 rows), granularity="channel_sampled" at six."""
     import torch
 
     from verl_quads import nvfp4
     from verl_quads.nvfp4 import triton_channel as tc
 
-    def channel(x, amax="row", sw=None, gs=None):
+    def channel(x, amax="row", sw=None, gs=None, granularity="channel"):
         nvfp4.residual_quantize(x, 0.5, gs, amax=amax, per_token=True, score_weight=sw, backend="triton",
-                                granularity="channel")
+                                granularity=granularity)
         nvfp4.residual_fake_quantize(x, 0.5, gs, amax=amax, per_token=True, score_weight=sw, backend="triton",
-                                     granularity="channel")
+                                     granularity=granularity)
 
     for m, k in [(1, 768), (1, 2048), (16, 2048), (16, 8192), (64, 4096), (256, 768), (256, 8192), (1024, 2048),
                  (1024, 4096), (4, 32768)]:
@@ -378,10 +379,15 @@ def scenarios_channel():
         with scenario(f"channel CHANNEL_CONFIG {dt} 16x8192"):
             channel(_x(16, 8192, dt))
     for vname, over in tc.CHANNEL_VARIANTS.items():
-        for m, k in [(1, 2048), (16, 8192), (256, 2048), (256, 8192)]:
+        sampled = vname.startswith("sampled")
+        shapes = [(1, 2048), (16, 8192), (256, 2048), (256, 8192)] + ([(4096, 4096), (4096, 8192)] if sampled else [])
+        for m, k in shapes:
             with scenario(f"channel CHANNEL_VARIANTS[{vname!r}] bfloat16 {m}x{k}"):
                 with tc.channel_config(**over):
-                    channel(_x(m, k))
+                    channel(_x(m, k), granularity="channel_sampled" if sampled else "channel")
+    for m, k in [(1, 4096), (1, 8192), (1024, 4096), (1024, 8192), (4096, 4096), (4096, 8192)]:
+        with scenario(f"channel_sampled CHANNEL_CONFIG bfloat16 {m}x{k}"):
+            channel(_x(m, k), granularity="channel_sampled")
 
 
 ACT_VARIANTS = [  # (act_mode, residual_per_token, residual_combine, residual_granularity)

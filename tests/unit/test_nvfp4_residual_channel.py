@@ -580,7 +580,8 @@ sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16",
        "NB": "i32", "NSEL": "i32", "GS_DIV": "i32", "NBP": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr",
        "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr", "STOP": "constexpr", "scr_ptr": "*i32",
        "COMPACT": "constexpr", "CAP": "constexpr", "TR": "constexpr", "WT": "constexpr", "RA": "constexpr",
-       "AT": "constexpr", "RX": "constexpr", "SAMPLE": "constexpr", "NSS": "i32", "SP": "constexpr", "SB": "constexpr"}
+       "AT": "constexpr", "RX": "constexpr", "SAMPLE": "constexpr", "NSS": "i32", "SP": "constexpr", "SB": "constexpr",
+       "TIN": "constexpr", "th_ptr": "*i32"}
 # the last fields: (COMPACT bits, CAP) of the compacted search (0, 1: the full-row search; 8 bits: with 2 tile bits per
 # step, TR = 2; 11 bits: the warp tile, WT, with session 10's candidate chunks (AT) and R_sel amax (RA); 12 bits: the
 # same with session 17's many-row form, x re-read after the search (RX))
@@ -607,7 +608,7 @@ for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in 
         "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "ROW_GS": row_gs, "STOP": stop,
         "COMPACT": comp, "CAP": cap, "TR": 2 if comp in (8, 11, 12) else 1, "WT": comp in (11, 12),
         "RA": comp in (11, 12) and not has_w, "AT": comp in (11, 12), "RX": comp == 12, "SAMPLE": False, "SP": 1,
-        "SB": 2}),
+        "SB": 2, "TIN": False}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
     # the compacted search's tile round trip: scratch stores, a barrier, scratch loads
@@ -628,11 +629,39 @@ for xt, ot, pack, nbp, nw, maxnreg, sp, sb, ra in (
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
         "NBP": nbp, "HAS_W": False, "PACK": pack, "OUT": 0 if pack else 3, "GS2": 0, "ROW_GS": True, "STOP": 0,
         "COMPACT": 0, "CAP": 1, "TR": 1, "WT": False, "RA": ra, "AT": False, "RX": False, "SAMPLE": True, "SP": sp,
-        "SB": sb}), target=GPUTarget("cuda", 90, 32),
+        "SB": sb, "TIN": False}), target=GPUTarget("cuda", 90, 32),
         options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
     neg = re.findall(r"fneg|fsub (?:<\d+ x )?float>? (?:zeroinitializer|-?0\.000000e\+00)", k.asm["llir"])
     assert not neg, (xt, pack, nbp, neg[:3])
+# the split search (session 28): the sampled scores, the batched search (10-bit / 16-bit count fields), the row kernel
+# reading the thresholds (TIN)
+for xt, nbp, sp, has_w, row_gs, nw in (("*bf16", 512, 1, False, True, 8), ("*fp32", 256, 2, True, False, 4),
+                                       ("*fp16", 4, 16, False, True, 1)):
+    s = {"x_ptr": xt, "gs_ptr": "*fp32", "w_ptr": "*fp32", "samp_ptr": "*i32", "NB": "i32", "GS_DIV": "i32",
+         "NBP": "constexpr", "SP": "constexpr", "HAS_W": "constexpr", "ROW_GS": "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
+    k = triton.compile(ASTSource(fn=tc._sample_scores_kernel, signature=s, attrs=attrs, constexprs={
+        "NBP": nbp, "SP": sp, "HAS_W": has_w, "ROW_GS": row_gs}), target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": nw, "enable_fp_fusion": False})
+    assert k.asm["cubin"]
+    neg = re.findall(r"fneg|fsub (?:<\d+ x )?float>? (?:zeroinitializer|-?0\.000000e\+00)", k.asm["llir"])
+    assert not neg, (xt, nbp, neg[:3])
+for spad, rows, nw in ((512, 8, 4), (2048, 4, 4), (64, 1, 1)):
+    s = {"samp_ptr": "*i32", "th_ptr": "*i32", "M": "i32", "S": "i32", "NSS": "i32", "SPAD": "constexpr",
+         "ROWS": "constexpr"}
+    k = triton.compile(ASTSource(fn=tc._sample_search_kernel, signature=s, constexprs={"SPAD": spad, "ROWS": rows}),
+                       target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
+    assert k.asm["cubin"]
+for pack in (False, True):
+    s = dict(sig, out_ptr="*i64" if pack else "*i16", idx_ptr="*u8" if pack else "*i64")
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
+    k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
+        "NBP": 512, "HAS_W": False, "PACK": pack, "OUT": 0 if pack else 3, "GS2": 0, "ROW_GS": True, "STOP": 0,
+        "COMPACT": 0, "CAP": 1, "TR": 1, "WT": False, "RA": False, "AT": False, "RX": False, "SAMPLE": True, "SP": 1,
+        "SB": 2, "TIN": True}), target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": 8, "enable_fp_fusion": False, "maxnreg": 128})
+    assert k.asm["cubin"]
 print("compiled")
 """
 

@@ -174,6 +174,10 @@ def test_triton_sampled_kernel_matches_reference(dtype):
 
 @_needs_interp
 def test_triton_sampled_kernel_ties_weights_scale_layouts_and_rows():
+    _ties_weights_scale_layouts_and_rows()
+
+
+def _ties_weights_scale_layouts_and_rows():
     # ties: x = +-1.25 with one 6.0 per block (row amax 6: the grid is exact; 6.0 -> R = 0, +-1.25 -> R = -+0.25):
     # 60 scores of 1/16 and 4 of 0; the whole row is the sample and its 19th highest (round(.3 * 64)) is a tie at
     # 1/16, so all 60 are selected (the exact rule takes the lowest 19)
@@ -198,7 +202,7 @@ def test_triton_sampled_kernel_ties_weights_scale_layouts_and_rows():
 
 
 @_needs_interp
-@pytest.mark.parametrize("variant", ["default", "sampled first", "sampled b3"])
+@pytest.mark.parametrize("variant", ["default", "sampled first", "sampled b3", "sampled split"])
 def test_triton_sampled_launch_variants_match_reference(variant):
     """The CHANNEL_CONFIG sample_* options timed on the H200 (the default: R_sel's amax from the row's largest |R| at
     K = 4096 / 8192; the first launch without it; three bits per search step) give the
@@ -211,6 +215,48 @@ def test_triton_sampled_launch_variants_match_reference(variant):
             _same(x, ratio, nv.per_row_global_scale(x))
         x = _rows(2, 256, torch.float32, seed=5)
         _same(x, 0.5, nv.per_row_global_scale(x), score_weight=torch.rand(256).to(_DEV))  # no max-|R| shortcut
+
+
+@_needs_interp
+@pytest.mark.parametrize("search_rows", [1, 8, 16])
+def test_triton_sampled_split_search_matches_reference(search_rows):
+    """The split search (CHANNEL_CONFIG sample_split_rows: the sampled scores by one kernel, the thresholds of
+    ``sample_search_rows`` rows per program by a second, the fused kernel reading them): the same bytes for ties, a
+    score weight, per-tensor / per-row / derived scales, one row, 1 / 2 / 8 / 16 samples per block, k at its ends
+    (no split: nothing to search), and batches whose rows finish their searches at different steps."""
+    from verl_quads.nvfp4 import triton_channel as tc
+
+    with tc.channel_config(sample_split_rows=0, sample_search_rows=search_rows):
+        _ties_weights_scale_layouts_and_rows()
+        for k, m, ratio in ((8192, 3, 0.5), (4096, 9, 0.25), (1024, 17, 0.5), (16 * 33, 5, 0.75), (48, 4, 1.0)):
+            x = _rows(m, k, torch.bfloat16, seed=k + m)
+            _same(x, ratio, nv.per_row_global_scale(x))
+        x = _rows(6, 256, torch.float16, seed=3)
+        x[2] = 0.0  # every score 0: the threshold search runs all 31 bits (T = 0, every channel selected)
+        t = _same(x, 0.5, nv.per_row_global_scale(x))
+        assert t.selected[2].all() and not t.selected[1].all()
+
+
+def test_triton_sampled_split_routing():
+    """Where the split search runs (the H200 measured it faster at K = 8192 past 1024 rows only), and the variants."""
+    from verl_quads.nvfp4 import triton_channel as tc
+
+    assert tc._split(1025, 512) and not tc._split(1024, 512)
+    assert not tc._split(4096, 256) and not tc._split(4096, 1024)
+    with tc.channel_config(**tc.CHANNEL_VARIANTS["sampled split"]):
+        assert tc._split(1, 256) and tc._split(1, 512)
+    with tc.channel_config(**tc.CHANNEL_VARIANTS["sampled fused"]):
+        assert not tc._split(1 << 20, 512)
+
+
+@_needs_interp
+def test_triton_sampled_split_config_errors():
+    from verl_quads.nvfp4 import triton_channel as tc
+
+    x = torch.randn(4, 64, device=_DEV)
+    with tc.channel_config(sample_split_rows=0, sample_search_rows=6):
+        with pytest.raises(ValueError, match=r"sample_search_rows'\] must be a power of two"):
+            nv.residual_fake_quantize(x, 0.5, amax="row", granularity=_G, backend="triton")
 
 
 @pytest.mark.parametrize("combine", ["fp4x2", "bf16"])

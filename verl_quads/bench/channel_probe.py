@@ -16,7 +16,9 @@ as ``bench rollout``'s main table times its rows (warm L2: one call captured in 
 ``MxK`` shapes for the variants.
 
     python -m verl_quads.bench.channel_probe [--shapes d4096,d8192] [--ms 1,4,16,64] [--variants default,...]
-        [--phases 16x4096] [--repeat 2]
+        [--phases 16x4096] [--repeat 2] [--split-phases]
+
+``--split-phases``: instead, the ``granularity="channel_sampled"`` split search's kernels alone (``split_phases``).
 """
 
 from __future__ import annotations
@@ -37,10 +39,71 @@ def _weights(n: int, k: int, dev: str, g: torch.Generator):
     return q.packed, q.block_scale, q.global_scale.reshape(())
 
 
+def _timer(dev: str):
+    """us of a call: on a GPU as ``bench rollout``'s main table (warm L2, graph replay); on CPU (TRITON_INTERPRET=1)
+    a functional smoke run, one call."""
+    if dev == "cuda":
+        from verl_quads.bench.rollout import _time
+
+        return lambda f: _time(f)[0] * 1e6
+    from verl_quads.bench.timing import median_time_s
+
+    return lambda f: median_time_s(f, 0, 1, 1) * 1e6
+
+
+def _sampled_desc(m: int, nbp: int) -> str:
+    """The channel_sampled launch of ``m`` rows (``triton_channel.CHANNEL_CONFIG``) in words."""
+    from verl_quads.nvfp4 import triton_channel as tc
+
+    cfg = tc.CHANNEL_CONFIG
+    warps = cfg["sample_warps"].get(nbp, tc._warps(nbp))
+    cap = cfg["sample_maxnreg"].get(nbp, cfg["qdq_maxnreg"])
+    if not tc._split(m, nbp):
+        return f"{warps} warps, sampled, maxnreg {cap}"
+    return (f"split: scores {tc._warps(nbp)} warps, search {cfg['sample_search_rows']} rows / "
+            f"{cfg['sample_search_warps']} warps, row kernel {warps} warps maxnreg {cap}")
+
+
+def split_phases(shapes: list[str], ms: list[int], variants: tuple[str, ...], dev: str = "cuda") -> str:
+    """The split search's kernels timed alone (``granularity="channel_sampled"`` launches past
+    ``sample_split_rows``; bf16, k = 0.5, amax="row"): the sampled scores, + the batched search (the thresholds),
+    the whole split QDQ; warm L2, graph replay, us."""
+    from verl_quads.bench.rollout import SHAPES
+    from verl_quads.nvfp4 import residual as res
+    from verl_quads.nvfp4 import triton_channel as tc
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    us = _timer(dev)
+    rows = []
+    for name in shapes:
+        k = SHAPES[name][2] if name in SHAPES else int(name.split("x")[1])
+        nb, nbp, sp = k // 16, tc._check_row(k), res.samples_per_block(k)
+        nss = res.num_sampled_threshold_rank(k, 0.5)
+        for m in ms:
+            x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
+            x[:, ::293] *= 30.0
+            gbuf = torch.empty(m, 1, dtype=torch.float32, device=dev)
+            for v in variants:
+                with tc.channel_config(**tc.CHANNEL_VARIANTS[v]):
+                    def part(search):
+                        return tc._split_thresholds(x, gbuf, None, nb, nbp, sp, nss, 1, True, search=search)
+
+                    def whole():
+                        return tc.residual_fake_quantize(x, 0.5, amax="row", granularity="channel_sampled",
+                                                         check_finite=False)
+
+                    t = [us(lambda: part(False)), us(lambda: part(True)), us(whole)]
+                    rows.append([f"{name} M={m}", v, _sampled_desc(m, nbp), f"{t[0]:.2f}", f"{t[1]:.2f}",
+                                 f"{t[2]:.2f}"])
+                    print(" | ".join(str(c) for c in rows[-1]), flush=True)
+    return print_table(f"channel_sampled split search, kernels alone ({device_name()}), us, warm L2 graph replay",
+                       ["point", "variant", "launch", "scores", "scores + search", "whole QDQ"], rows)
+
+
 def run(shapes: list[str], ms: list[int], variants: tuple[str, ...] = ("default",), repeat: int = 1,
         dev: str = "cuda", granularity: str = "channel") -> str:
     from verl_quads import nvfp4 as nv
-    from verl_quads.bench.rollout import SHAPES, _time
+    from verl_quads.bench.rollout import SHAPES
     from verl_quads.nvfp4 import triton_channel as tc
     from verl_quads.nvfp4 import triton_gemm as tg
 
@@ -49,12 +112,7 @@ def run(shapes: list[str], ms: list[int], variants: tuple[str, ...] = ("default"
         raise ValueError(f"channel_probe: unknown variants {bad}; allowed {sorted(tc.CHANNEL_VARIANTS)}")
     g = torch.Generator(device=dev).manual_seed(0)
     rows, summary = [], []
-    if dev == "cuda":
-        us = lambda f: _time(f)[0] * 1e6  # noqa: E731
-    else:  # CPU (TRITON_INTERPRET=1): a functional smoke run, one call each
-        from verl_quads.bench.timing import median_time_s
-
-        us = lambda f: median_time_s(f, 0, 1, 1) * 1e6  # noqa: E731
+    us = _timer(dev)
     for name in shapes:
         n, k = SHAPES[name][1:] if name in SHAPES else (int(v) for v in name.split("x"))
         wp, wsc, wgs = _weights(n, k, dev, g)
@@ -89,10 +147,7 @@ def run(shapes: list[str], ms: list[int], variants: tuple[str, ...] = ("default"
                         nbp = tc._check_row(k)
                         comp = tc._compact_args(m, k, nbp)
                         if granularity == "channel_sampled":
-                            comp = None
-                            cfg = tc.CHANNEL_CONFIG
-                            desc = (f"{cfg['sample_warps'].get(nbp, tc._warps(nbp))} warps, sampled, maxnreg "
-                                    f"{cfg['sample_maxnreg'].get(nbp, cfg['qdq_maxnreg'])}")
+                            desc = _sampled_desc(m, nbp)
                         else:
                             desc = (f"{tc._launch_warps(m, k, nbp)} warps, "
                                     + (f"compact J={comp[0]} cap={comp[1]}" if comp else "full-row search"))
@@ -131,9 +186,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--phase-variants", default=None, help="variants of --phases (default: --variants)")
     p.add_argument("--granularity", default="channel", choices=("channel", "channel_sampled"),
                    help="the QUADS rule timed (the variants apply to its kernel)")
+    p.add_argument("--split-phases", action="store_true",
+                   help="only the channel_sampled split search's kernels alone (--shapes, --ms, --variants)")
     p.add_argument("--device", default="cuda", help="cuda; cpu = a functional smoke run (TRITON_INTERPRET=1)")
     a = p.parse_args(argv)
     variants = tuple(a.variants.split(","))
+    if a.split_phases:
+        print(split_phases(a.shapes.split(","), [int(v) for v in a.ms.split(",")], variants, a.device), flush=True)
+        return
     print(run(a.shapes.split(","), [int(v) for v in a.ms.split(",")], variants, a.repeat, a.device, a.granularity),
           flush=True)
     if a.phases:  # after the main table (a run cut by a time limit keeps it)

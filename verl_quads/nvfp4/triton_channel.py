@@ -2,7 +2,9 @@
 :mod:`.residual`, docs/quads_selection.md). Same bytes as :func:`verl_quads.nvfp4.residual.residual_quantize_channel`
 (packed codes, E4M3 scale bytes, global scales, selected channels) and as its QDQ form. Also ``granularity=
 "channel_sampled"`` (the row's threshold from a fixed sample of its scores; SAMPLE launches of the same kernel,
-``_sample_threshold``; same bytes as :func:`verl_quads.nvfp4.residual.residual_quantize_channel_sampled`).
+``_sample_threshold``; same bytes as :func:`verl_quads.nvfp4.residual.residual_quantize_channel_sampled`); launches
+of many rows run the sampled rule's threshold search in kernels of its own first (``CHANNEL_CONFIG``
+sample_split_rows: ``_sample_scores_kernel``, ``_sample_search_kernel``).
 
 One program per row of ``x`` ``[M, K]`` (``_channel_row_kernel``), the whole row held on chip as two float32
 ``[NBP, 8]`` halves (elements 0..7 / 8..15 of each 16-block; NB = K / 16 blocks padded to a power of two NBP), one
@@ -197,6 +199,19 @@ tl = tk.tl
 #: (144 / 69: more compares per reduction), a 96-register cap. Where the time goes (STOP probes, call 3): at 4096x8192
 #: load + first pass 43 us, threshold search +54, selection + amax +5.5, second pass + store +12; at 4096x4096 23 / +24 /
 #: +3.4 / +7.9 -- the search's ~10 dependent CTA-wide reductions (two bits per step until exactly NSS samples are >= th).
+#: ``sample_split_rows`` (session 28, issue #5; an int: every K, a dict {NBP: rows}, None: never): launches of more
+#: rows take the split search -- ``_sample_scores_kernel`` (the sample, int32 [M, S]: x read once more), then
+#: ``_sample_search_kernel`` (``sample_search_rows`` rows per program of ``sample_search_warps`` warps), then the row
+#: kernel reading each row's threshold (TIN) -- so that the search's dependent reductions no longer hold the row
+#: program's registers (two programs per SM at K = 8192). H200 (``channel_probe --granularity channel_sampled``, bytes
+#: == torch reference at every point, docs/bench_rollout_h200_session28.txt; kernel alone, us): 1 row per 1-warp search
+#: program (shuffle-only reductions, up to 32 programs per SM): 4096x8192 118-129 vs 134-139 fused, 2048x8192 66.6-67.9
+#: vs 72.3-75.3, 1024x8192 33.9-34.6 vs 34.4-36.2; at K = 4096 equal or slower (4096 rows 65.8-66.5 vs 64.8-65.4, 2048
+#: 32.7-33.0 vs 32.2-32.4, 1024 20.1-20.4 vs 18.7) -> the split at K = 8192 past 1024 rows only. Parts at 4096x8192:
+#: scores 22.4 us (64 MB of x read again from HBM), search +15, row kernel +74 (at 4096x4096: 11 / +16 / +36). Measured
+#: slower: 2 / 4 / 8 / 16 rows per search program (4096x8192 search 22-29 us with 2-4 warps, the count reduction over
+#: warps; 256 rows +10 us: one program per SM, latency), 8 warps for the scores kernel, 16 warps capped at 64 / 8 warps
+#: capped at 64 (spills) / uncapped for the row kernel (within noise or slower).
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 1 << 30, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
@@ -204,7 +219,8 @@ CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_
                   "compact_rmax": (256, 512), "compact_tile_chunks": (256, 512),
                   "compact_many_regs": {256: (264, 128), 512: (132, 128)}, "sample_warps": {256: 4, 512: 8},
                   "sample_maxnreg": {256: 128, 512: 128}, "sample_rmax": (256, 512),
-                  "sample_step_bits": 2}
+                  "sample_step_bits": 2, "sample_split_rows": {512: 1024}, "sample_search_rows": 1,
+                  "sample_search_warps": 1}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -252,7 +268,9 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     # warps at K = 4096 / 8192 (all measured slower or equal)
                     "sampled first": {"sample_warps": {}, "sample_maxnreg": {}, "sample_rmax": False},
                     "sampled b3": {"sample_step_bits": 3},
-                    "sampled w8 w16": {"sample_warps": {256: 8, 512: 16}}}
+                    "sampled w8 w16": {"sample_warps": {256: 8, 512: 16}},
+                    # session 28: the split search at every row count / never
+                    "sampled split": {"sample_split_rows": 0}, "sampled fused": {"sample_split_rows": None}}
 
 if triton is not None:
     _scales_inv = tk._scales_inv
@@ -570,6 +588,45 @@ if triton is not None:
         return tl.where(n >= NSS, cand, th), tl.where(n >= NSS, n, cnt)
 
     @triton.jit
+    def _count3(samp, c1, c2, c3, AXIS: tl.constexpr, WIDE: tl.constexpr):
+        """#(samp >= c1), #(samp >= c2), #(samp >= c3) along AXIS (c broadcast against samp, entries in [-1, 2**31))
+        by one reduction: 10-bit fields of an int32 (at most 1023 entries per search), WIDE 16-bit fields of an
+        int64 (at most 65535)."""
+        if WIDE:
+            sp = tl.sum(_at_least(samp, c1).to(tl.int64) + (_at_least(samp, c2).to(tl.int64) << 16)
+                        + (_at_least(samp, c3).to(tl.int64) << 32), axis=AXIS)
+            return (sp & 65535).to(tl.int32), ((sp >> 16) & 65535).to(tl.int32), (sp >> 32).to(tl.int32)
+        else:
+            sp = tl.sum(_at_least(samp, c1) + (_at_least(samp, c2) << 10) + (_at_least(samp, c3) << 20), axis=AXIS)
+            return sp & 1023, (sp >> 10) & 1023, sp >> 20
+
+    @triton.jit
+    def _search_step2(samp, th, cnt, sh, NSS, ROWS: tl.constexpr, WIDE: tl.constexpr):
+        """One two-bit step of the MSB-first search for the NSS-th highest entry of samp: (th, cnt = #(samp >= th))
+        raised to the highest th | d << sh (d = 1, 2, 3) with at least NSS entries at or above it (``_count3``).
+        ROWS: samp [R, N], th and cnt [R] (one search per row, reduced along axis 1); else samp [N], scalars."""
+        c1 = th | (1 << sh)
+        c2 = th | (2 << sh)
+        c3 = th | (3 << sh)
+        if ROWS:
+            n1, n2, n3 = _count3(samp, c1[:, None], c2[:, None], c3[:, None], 1, WIDE)
+        else:
+            n1, n2, n3 = _count3(samp, c1, c2, c3, 0, WIDE)
+        th2 = tl.where(n3 >= NSS, c3, tl.where(n2 >= NSS, c2, tl.where(n1 >= NSS, c1, th)))
+        cnt2 = tl.where(n3 >= NSS, n3, tl.where(n2 >= NSS, n2, tl.where(n1 >= NSS, n1, cnt)))
+        return th2, cnt2
+
+    @triton.jit
+    def _search_step1(samp, th, cnt, NSS, ROWS: tl.constexpr):
+        """The search's last bit (bit 0), as ``_search_step2`` with one candidate."""
+        cand = th | 1
+        if ROWS:
+            n = tl.sum(_at_least(samp, cand[:, None]), axis=1)
+        else:
+            n = tl.sum(_at_least(samp, cand), axis=0)
+        return tl.where(n >= NSS, cand, th), tl.where(n >= NSS, n, cnt)
+
+    @triton.jit
     def _sample_threshold(e0, e1, c, NSS, NB, NBP: tl.constexpr, SP: tl.constexpr, rpart=None,
                           RA: tl.constexpr = False, SB: tl.constexpr = 2):
         """The row's threshold under ``granularity="channel_sampled"`` (int32 score bits; select ``e >= T``): the
@@ -618,30 +675,10 @@ if triton is not None:
                     th, cnt = _pick(pc, d7, th, cnt, NSS)
                     k += 3
                 elif k < 30:
-                    c1 = th | (1 << (29 - k))
-                    c2 = th | (2 << (29 - k))
-                    c3 = th | (3 << (29 - k))
-                    if NBP <= 512:
-                        sp = tl.sum(_at_least(samp, c1) + (_at_least(samp, c2) << 10) + (_at_least(samp, c3) << 20),
-                                    axis=0)
-                        n1 = sp & 1023
-                        n2 = (sp >> 10) & 1023
-                        n3 = sp >> 20
-                    else:
-                        sp = tl.sum(_at_least(samp, c1).to(tl.int64) + (_at_least(samp, c2).to(tl.int64) << 16)
-                                    + (_at_least(samp, c3).to(tl.int64) << 32), axis=0)
-                        n1 = (sp & 65535).to(tl.int32)
-                        n2 = ((sp >> 16) & 65535).to(tl.int32)
-                        n3 = (sp >> 32).to(tl.int32)
-                    th = tl.where(n3 >= NSS, c3, tl.where(n2 >= NSS, c2, tl.where(n1 >= NSS, c1, th)))
-                    cnt = tl.where(n3 >= NSS, n3, tl.where(n2 >= NSS, n2, tl.where(n1 >= NSS, n1, cnt)))
+                    th, cnt = _search_step2(samp, th, cnt, 29 - k, NSS, False, NBP > 512)
                     k += 2
                 else:
-                    cand = th | 1
-                    n = tl.sum(_at_least(samp, cand), axis=0)
-                    take = n >= NSS
-                    th = tl.where(take, cand, th)
-                    cnt = tl.where(take, n, cnt)
+                    th, cnt = _search_step1(samp, th, cnt, NSS, False)
                     k += 1
             if RA and SP == 1:  # samp and rpart are both [NBP]: one reduction
                 th, rmx = tl.reduce((tl.where(samp >= th, samp, 0x7FFFFFFF), rpart), 0, _min_max)
@@ -659,6 +696,71 @@ if triton is not None:
         return th, rmx
 
     @triton.jit
+    def _row_scale(bmax, gs_ptr, row, GS_DIV, NBP: tl.constexpr, ROW_GS: tl.constexpr):
+        """The first pass's global scale of ``row`` and its reciprocal (float32 [NBP], the same in every entry):
+        ROW_GS from the row's amax (the max of its block maxima bmax; padding blocks hold +0.0), else
+        ``gs_ptr[row // GS_DIV]``."""
+        if ROW_GS:
+            gs = _gs_from_amax(tl.zeros([NBP], tl.float32) + tl.max(bmax, axis=0))
+            inv = tl.math.div_rn(tl.full([NBP], 1.0, tl.float32), gs)
+        else:
+            g = tl.load(gs_ptr + row // GS_DIV)
+            gs = tl.zeros([NBP], tl.float32) + g
+            inv = tl.zeros([NBP], tl.float32) + tl.math.div_rn(g * 0.0 + 1.0, g)
+        return gs, inv
+
+    @triton.jit
+    def _sample_scores_kernel(x_ptr, gs_ptr, w_ptr, samp_ptr, NB, GS_DIV, NBP: tl.constexpr, SP: tl.constexpr,
+                              HAS_W: tl.constexpr, ROW_GS: tl.constexpr):
+        """Split search, kernel 1 (``granularity="channel_sampled"``, many rows): the sampled scores of row
+        ``program_id(0)`` of x [M, K] as int32 score bits to samp_ptr [M, NB * SP] (block b's i-th sample, channel
+        16 b + ((b + i 16 / SP) mod 16), at b * SP + i). The row is read whole for its block maxima (the scales);
+        only the sampled channels are rounded (a gather of them, from L1). Same scores as ``_channel_row_kernel``
+        (its first pass, ``R**2`` times the weight)."""
+        row = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, NBP)
+        cmask = c < NB
+        b = row * NB + c
+        x0, x1 = _load_halves(x_ptr, b, cmask)
+        bmax = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
+        gs, inv = _row_scale(bmax, gs_ptr, row, GS_DIV, NBP, ROW_GS)
+        sval, _, os = _scales_inv(bmax, gs, inv)
+        factor = tl.math.div_rn(sval, gs)
+        i = tl.arange(0, SP)[None, :]
+        q = (c[:, None] + i * (16 // SP)) % 16
+        m2 = cmask[:, None]
+        xs = tl.load(x_ptr + b[:, None] * 16 + q, mask=m2, other=0.0).to(tl.float32)
+        r = xs - _hold_qdq_half(xs, os, factor, True)
+        s = r * r
+        if HAS_W:
+            s = s * tl.load(w_ptr + c[:, None] * 16 + q, mask=m2, other=0.0)
+        tl.store(samp_ptr + b[:, None] * SP + i, s.to(tl.int32, bitcast=True), mask=m2)
+
+    @triton.jit
+    def _sample_search_kernel(samp_ptr, th_ptr, M, S, NSS, SPAD: tl.constexpr, ROWS: tl.constexpr):
+        """Split search, kernel 2: the thresholds of ROWS rows per program (``_sample_threshold``'s search with
+        NSS > 0, one reduction per step for all of them): th_ptr[r] = the NSS-th highest of samp_ptr's row r
+        (int32 [M, S], S <= SPAD; two bits per step, 16-bit count fields past 512 samples). A row whose count is
+        exact keeps its threshold through the later steps of its batch mates (a higher candidate with the same
+        count admits no new entry), so T = the least sample >= th is the single-row search's."""
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        rmask = rows < M
+        j = tl.arange(0, SPAD)
+        samp = tl.load(samp_ptr + rows.to(tl.int64)[:, None] * S + j[None, :], mask=rmask[:, None] & (j < S)[None, :],
+                       other=-1)
+        th = tl.zeros([ROWS], tl.int32)
+        cnt = tl.where(rmask, S, NSS)  # rows past M: done
+        k = tl.full((), 0, tl.int32)
+        while (k < 31) & (tl.max((cnt != NSS).to(tl.int32), axis=0) > 0):
+            if k < 30:
+                th, cnt = _search_step2(samp, th, cnt, 29 - k, NSS, True, SPAD > 512)
+                k += 2
+            else:
+                th, cnt = _search_step1(samp, th, cnt, NSS, True)
+                k += 1
+        tl.store(th_ptr + rows, tl.min(tl.where(samp >= th[:, None], samp, 0x7FFFFFFF), axis=1), mask=rmask)
+
+    @triton.jit
     def _channel_row_kernel(
         x_ptr, gs_ptr, w_ptr, out_ptr, packed1_ptr, scale1_ptr, packed2_ptr, scale2_ptr, idx_ptr, gs2_ptr,
         NB, NSEL, GS_DIV,
@@ -666,7 +768,7 @@ if triton is not None:
         ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0, scr_ptr=None, COMPACT: tl.constexpr = 0,
         CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False, RA: tl.constexpr = False,
         AT: tl.constexpr = False, RX: tl.constexpr = False, SAMPLE: tl.constexpr = False, NSS=0,
-        SP: tl.constexpr = 1, SB: tl.constexpr = 2,
+        SP: tl.constexpr = 1, SB: tl.constexpr = 2, TIN: tl.constexpr = False, th_ptr=None,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -695,7 +797,8 @@ if triton is not None:
         SAMPLE: ``granularity="channel_sampled"``: the selection is ``e >= _sample_threshold(NSS)`` (SP samples per
         block, :func:`~verl_quads.nvfp4.residual.samples_per_block`; NSS = the
         threshold's rank in the sample, 0 = none, -1 = all; NSEL unused), and PACK stores it as a uint8 [M, K] mask to
-        idx_ptr instead of channel indices."""
+        idx_ptr instead of channel indices; with TIN the threshold is th_ptr[row] (int32 score bits, the split
+        search: ``_sample_scores_kernel``, ``_sample_search_kernel``; RA must be off)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
         cmask = c < NB
@@ -705,15 +808,9 @@ if triton is not None:
         else:
             x0, x1 = _load_halves(x_ptr, b, cmask)
         bmax = tl.maximum(tl.max(tl.abs(x0), axis=1), tl.max(tl.abs(x1), axis=1))
-        if ROW_GS:  # padding blocks hold +0.0 and do not move the row's amax
-            gs = _gs_from_amax(tl.zeros([NBP], tl.float32) + tl.max(bmax, axis=0))
-            inv = tl.math.div_rn(tl.full([NBP], 1.0, tl.float32), gs)
-            if PACK:
-                tl.store(gs_ptr + row + c * 0, gs, mask=c == 0)
-        else:
-            g = tl.load(gs_ptr + row // GS_DIV)
-            gs = tl.zeros([NBP], tl.float32) + g
-            inv = tl.zeros([NBP], tl.float32) + tl.math.div_rn(g * 0.0 + 1.0, g)
+        gs, inv = _row_scale(bmax, gs_ptr, row, GS_DIV, NBP, ROW_GS)
+        if ROW_GS and PACK:
+            tl.store(gs_ptr + row + c * 0, gs, mask=c == 0)
         sval, sbyte, os = _scales_inv(bmax, gs, inv)
         factor = tl.math.div_rn(sval, gs)
         v0 = _hold_qdq_half(x0, os, factor, True)
@@ -732,7 +829,15 @@ if triton is not None:
         m2 = cmask[:, None]
         e0 = tl.where(m2, s0.to(tl.int32, bitcast=True), -1)  # padding: never selected
         e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
-        if SAMPLE:
+        if SAMPLE and TIN:  # the split search's threshold (RA is off: no row max here)
+            th = tl.load(th_ptr + row)
+            rmx = th * 0
+            if STOP == 2:
+                _store_halves(out_ptr, b, tl.where(e0 >= th, v0, 0.0), tl.where(e1 >= th, v1, 0.0), cmask, OUT)
+                return
+            sel0 = e0 >= th
+            sel1 = e1 >= th
+        elif SAMPLE:
             rpart = tl.zeros([NBP], tl.int32)
             if RA and not HAS_W:
                 rpart = tl.max(tl.maximum(tl.abs(r0), tl.abs(r1)).to(tl.int32, bitcast=True), axis=1)
@@ -778,7 +883,7 @@ if triton is not None:
         rs0 = tl.where(sel0, r0, 0.0)
         rs1 = tl.where(sel1, r1, 0.0)
         ra = tl.maximum(tl.max(tl.abs(rs0), axis=1), tl.max(tl.abs(rs1), axis=1))
-        if SAMPLE and RA and not HAS_W:  # the row's largest score is selected unless nothing is (NSS == 0)
+        if SAMPLE and RA and not HAS_W and not TIN:  # the row's largest score is selected unless nothing is (NSS == 0)
             amax = tl.zeros([NBP], tl.float32) + tl.where(NSS == 0, 0.0, rmx.to(tl.float32, bitcast=True))
         elif (COMPACT > 0) and RA and not HAS_W:
             rmf = rmx.to(tl.float32, bitcast=True)
@@ -922,6 +1027,37 @@ def _compact_args(m: int, k: int, nbp: int) -> tuple[int, int, int, bool] | None
     return bits, cap, int(c["compact_tile_bits"]), wt
 
 
+def _split(m: int, nbp: int) -> bool:
+    """A ``granularity="channel_sampled"`` launch of ``m`` rows of NBP padded blocks takes the split search: more
+    rows than ``sample_split_rows`` (an int: every K; a dict: its entry for NBP, none = never; None = never)."""
+    r = CHANNEL_CONFIG["sample_split_rows"]
+    if isinstance(r, dict):
+        r = r.get(nbp)
+    return r is not None and m > int(r)
+
+
+def _split_thresholds(xc: torch.Tensor, g1: torch.Tensor, w: torch.Tensor | None, nb: int, nbp: int, sp: int,
+                      nss: int, div1: int, row_gs: bool, search: bool = True) -> torch.Tensor:
+    """The split search's thresholds, int32 ``[M]`` score bits (``_sample_scores_kernel`` into an int32 ``[M, NB *
+    SP]`` sample, then ``_sample_search_kernel`` over ``sample_search_rows`` rows per program). ``search=False``
+    (the probe's phase timing): the sample, after the first kernel only."""
+    m = xc.shape[0]
+    cfg = CHANNEL_CONFIG
+    rows = int(cfg["sample_search_rows"])
+    if rows < 1 or rows & (rows - 1):
+        raise ValueError(f"CHANNEL_CONFIG['sample_search_rows'] must be a power of two >= 1, got {rows}")
+    s = nb * sp
+    samp = torch.empty(m, s, dtype=torch.int32, device=xc.device)
+    th = torch.empty(m, dtype=torch.int32, device=xc.device)
+    _sample_scores_kernel[(m,)](xc, g1, w if w is not None else g1, samp, nb, div1, NBP=nbp, SP=sp,
+                                HAS_W=w is not None, ROW_GS=row_gs, enable_fp_fusion=False, num_warps=_warps(nbp))
+    if not search:
+        return samp
+    _sample_search_kernel[(triton.cdiv(m, rows),)](samp, th, m, s, nss, SPAD=tk._pow2(s), ROWS=rows,
+                                                   num_warps=int(cfg["sample_search_warps"]))
+    return th
+
+
 def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_finite: bool, packed: bool,
          stop: int = 0, sampled: bool = False):
     """Both entry points; ``stop`` > 0: the kernel's STOP timing probe (QDQ only; the output is not a result);
@@ -956,11 +1092,16 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
                 enable_fp_fusion=False, **({"STOP": int(stop)} if stop else {}))
     comp = None if sampled else _compact_args(m, k, nbp)
     many_cap = _many_regs(m, nbp) if comp is not None else None
+    split = False
     if sampled:
-        meta.update(SAMPLE=True, NSS=-1 if n_sel == k else num_sampled_threshold_rank(k, ratio),
-                    SP=samples_per_block(k), num_warps=int(CHANNEL_CONFIG["sample_warps"].get(nbp, _warps(nbp))),
-                    RA=_on("sample_rmax", nbp),
-                    SB=int(CHANNEL_CONFIG["sample_step_bits"]))
+        nss = -1 if n_sel == k else num_sampled_threshold_rank(k, ratio)
+        sp = samples_per_block(k)
+        split = nss > 0 and _split(m, nbp)
+        cfg = CHANNEL_CONFIG
+        meta.update(SAMPLE=True, NSS=nss, SP=sp, RA=_on("sample_rmax", nbp) and not split,
+                    num_warps=int(cfg["sample_warps"].get(nbp, _warps(nbp))), SB=int(cfg["sample_step_bits"]))
+        if split:
+            meta.update(TIN=True, th_ptr=_split_thresholds(xc, g1, w, nb, nbp, sp, nss, div1, row_gs))
     if comp is not None:
         bits, cap, tr, warp_tile = comp
         meta.update(COMPACT=bits, CAP=cap, TR=tr, WT=warp_tile, RA=_on("compact_rmax", nbp),
