@@ -2,13 +2,13 @@
 # Builds what tests/gpu/test_rollout_vllm_gpu.py needs on the device tool's H200 (no vLLM there, no network):
 # vLLM 0.24.0 (its wheel requires torch==2.11.0, the H200's torch; CUDA 13 like its torch 2.11.0+cu130) minus the
 # FA2 / FlashMLA / DeepGEMM extensions, plus the wheels of deps.txt, as one payload.tar.xz split into parts of
-# PART bytes (each call's working tree must stay under 64 MiB: ~11 MB of repo + one part). Usage, from the repo root:
+# PART bytes (each call's working tree must stay under 64 MiB: ~13 MB of repo (session 28) + one part). Usage, from the repo root:
 #   bash scripts/h200_vllm024/pack.sh [OUTDIR=.h200v24]      # OUTDIR must be git-ignored (.git/info/exclude)
 # then, in device calls chained within the machine's 30 s warm window (docs/vllm024_engine_h200.txt):
 #   run(command="mkdir -p /tmp/vstage && mv OUTDIR/partK /tmp/vstage/", carry=["OUTDIR/partK"])   for every part but the last
 #   run(command="bash scripts/h200_vllm024/run_engine.sh OUTDIR/partN", carry=["OUTDIR/partN"])
 set -euo pipefail
-OUT=${1:-.h200v24}; PART=${PART:-55000000}
+OUT=${1:-.h200v24}; PART=${PART:-50000000}
 HERE=$(cd "$(dirname "$0")" && pwd)
 source "$HERE/../env.sh" >/dev/null
 V=${VLLM024_DIR:-$HOME/.cache/verl-quads/vllm-0.24.0}   # extracted wheel (tests/unit/test_rollout_vllm024.py makes it)
