@@ -627,6 +627,18 @@ if triton is not None:
         return tl.where(n >= NSS, cand, th), tl.where(n >= NSS, n, cnt)
 
     @triton.jit
+    def _search_step(samp, th, cnt, k, NSS, ROWS: tl.constexpr, WIDE: tl.constexpr):
+        """Step k of the sample search (k bits decided): bits 30 - k and 29 - k by ``_search_step2`` while two
+        remain, else bit 0 by ``_search_step1``. Returns (th, cnt, k after the step)."""
+        if k < 30:
+            th, cnt = _search_step2(samp, th, cnt, 29 - k, NSS, ROWS, WIDE)
+            k += 2
+        else:
+            th, cnt = _search_step1(samp, th, cnt, NSS, ROWS)
+            k += 1
+        return th, cnt, k
+
+    @triton.jit
     def _sample_threshold(e0, e1, c, NSS, NB, NBP: tl.constexpr, SP: tl.constexpr, rpart=None,
                           RA: tl.constexpr = False, SB: tl.constexpr = 2):
         """The row's threshold under ``granularity="channel_sampled"`` (int32 score bits; select ``e >= T``): the
@@ -674,12 +686,8 @@ if triton is not None:
                     th, cnt = _pick(pb >> 20, d6, th, cnt, NSS)
                     th, cnt = _pick(pc, d7, th, cnt, NSS)
                     k += 3
-                elif k < 30:
-                    th, cnt = _search_step2(samp, th, cnt, 29 - k, NSS, False, NBP > 512)
-                    k += 2
                 else:
-                    th, cnt = _search_step1(samp, th, cnt, NSS, False)
-                    k += 1
+                    th, cnt, k = _search_step(samp, th, cnt, k, NSS, False, NBP > 512)
             if RA and SP == 1:  # samp and rpart are both [NBP]: one reduction
                 th, rmx = tl.reduce((tl.where(samp >= th, samp, 0x7FFFFFFF), rpart), 0, _min_max)
             else:
@@ -752,12 +760,7 @@ if triton is not None:
         cnt = tl.where(rmask, S, NSS)  # rows past M: done
         k = tl.full((), 0, tl.int32)
         while (k < 31) & (tl.max((cnt != NSS).to(tl.int32), axis=0) > 0):
-            if k < 30:
-                th, cnt = _search_step2(samp, th, cnt, 29 - k, NSS, True, SPAD > 512)
-                k += 2
-            else:
-                th, cnt = _search_step1(samp, th, cnt, NSS, True)
-                k += 1
+            th, cnt, k = _search_step(samp, th, cnt, k, NSS, True, SPAD > 512)
         tl.store(th_ptr + rows, tl.min(tl.where(samp >= th[:, None], samp, 0x7FFFFFFF), axis=1), mask=rmask)
 
     @triton.jit
