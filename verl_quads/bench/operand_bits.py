@@ -11,7 +11,8 @@ block values, as dequant_gemm decodes them) and activations ``a`` ``[M, K]`` bf1
 ``randn`` (full 8-bit mantissas), the same rounded to 4 / 2 / 1 significant bits, naive's operand (the NVFP4 block
 values of ``x``), the QUADS-bf16 operand (``residual_fake_quantize(x, 0.5, amax="row")``, channel_sampled and
 channel), and zeros. Warm L2, CUDA graph replay (``bench rollout``'s timing), us, with the ratio to ``randn``; the
-SM clock (nvidia-smi) is not sampled: the times are the evidence.
+SM clock (nvidia-smi) is not sampled: the times are the evidence. Repeats alternate the order (forward, reversed), so
+that a drift over the run is not read as an operand effect.
 
     python -m verl_quads.bench.operand_bits [--m 4096] [--k 8192] [--n 8192] [--repeat 2]
 """
@@ -57,7 +58,8 @@ def run(m: int, k: int, n: int, repeat: int = 1) -> str:
     rows = []
     base = None
     for rep in range(repeat):
-        for name, a in ops.items():
+        # every other repeat in reverse order: a drift of the clock over the run (heat) then shows as disagreement
+        for name, a in (list(ops.items()) if rep % 2 == 0 else list(ops.items())[::-1]):
             t = _time(lambda: torch.mm(a, wv.T, out_dtype=torch.float32))[0] * 1e6
             if rep == 0 and name.startswith("randn bf16"):  # the first entry
                 base = t
