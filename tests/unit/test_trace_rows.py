@@ -115,3 +115,62 @@ def test_a_model_built_after_a_forward_replaces_the_buffer_even_with_other_gemms
     store.register_trace_gemm(*other, k=32)
     store.add(*other, row_record(torch.randn(2, 32)))
     assert set(store._trace_layout.gemms) == {other} and not store._trace_in_graph - {other}
+
+
+def _independent_copy(layout, rows, keys):
+    """What a pop handed over before session 28: every view of ``keys`` made contiguous on its own."""
+    views, ids = layout.views(rows)
+    return ({k: r for k, r in views.items() if k in keys},
+            {la: t for la, t in ids.items() if layout.ids_key[la] in keys})
+
+
+@pytest.mark.parametrize("n", [0, 1, 7])
+def test_copy_out_equals_the_views_made_contiguous(n):
+    """``copy_out`` (a pop's records: one strided copy per section kind and run of equally spaced GEMMs) == the
+    views made contiguous one by one, for every GEMM, dtype and shape; its tensors are contiguous and do not share
+    the rows' memory; runs broken by a missing layer, GEMMs of another shape between them, and rows that are not
+    contiguous (the per-view path) give the same."""
+    gemms = {}
+    for layer in range(5):
+        gemms[(layer, "self_attn.qkv_proj")] = GemmRows(32)
+        gemms[(layer, "self_attn.o_proj")] = GemmRows(48 if layer != 2 else 64)  # layer 2's o_proj: another shape
+        gemms[(layer, "mlp.experts.w2")] = GemmRows(16, slots=3)
+    layout = TraceRowLayout(gemms)
+    g = torch.Generator().manual_seed(n)
+    rows = torch.randint(0, 256, (n, layout.row_bytes), dtype=torch.uint8, generator=g)
+    every = set(gemms)
+    some = every - {(1, "self_attn.qkv_proj"), (3, "mlp.experts.w2")}  # runs cut at layers 1 and 3
+    for keys in (every, some, {(4, "self_attn.o_proj")}):
+        want_recs, want_ids = _independent_copy(layout, rows, keys)
+        got_recs, got_ids = layout.copy_out(rows, keys)
+        assert list(got_recs) == sorted(keys) and sorted(got_ids) == sorted(want_ids)
+        for k, w in want_recs.items():
+            r = got_recs[k]
+            for a, b in ((r.bits, w.bits), (r.block_scale, w.block_scale), (r.global_scale, w.global_scale)):
+                assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous(), k
+                assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8)), k
+            assert r.shape == w.shape, k
+        for la, w in want_ids.items():
+            assert got_ids[la].dtype == torch.int64 and got_ids[la].is_contiguous() and torch.equal(got_ids[la], w)
+        if n:  # own memory: the rows may be reused
+            before = {k: r.bits.clone() for k, r in got_recs.items()}
+            rows2 = rows.clone()
+            recs2, _ = layout.copy_out(rows2, keys)
+            rows2.fill_(0)
+            assert all(torch.equal(recs2[k].bits, before[k]) for k in keys)
+    wide = torch.zeros(n, 2 * layout.row_bytes, dtype=torch.uint8)
+    wide[:, :layout.row_bytes] = rows  # rows of a wider buffer: not contiguous (n > 1)
+    got, _ = layout.copy_out(wide[:, :layout.row_bytes], every)
+    want, _ = _independent_copy(layout, rows, every)
+    assert all(torch.equal(got[k].bits, want[k].bits) and got[k].bits.is_contiguous() for k in every)
+    with pytest.raises(ValueError, match=r"expected uint8 \[R, "):
+        layout.copy_out(torch.zeros(2, 8, dtype=torch.uint8), every)
+
+
+def test_copy_out_runs():
+    from verl_quads.rollout.trace_rows import _runs
+
+    keys = [(i, "g") for i in range(7)]
+    assert _runs(keys, [0, 10, 20, 30, 45, 60, 75]) == [keys[:4], keys[4:]]
+    assert _runs(keys[:3], [0, 10, 25]) == [keys[:2], keys[2:3]]
+    assert _runs(keys[:1], [5]) == [keys[:1]]

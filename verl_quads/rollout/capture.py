@@ -573,15 +573,15 @@ class GuidanceStore:
             rows = torch.cat([s.packed[sl] for s, sl in parts])
             if not in_order:
                 rows = rows.index_select(0, keep)
-            recs, ids = _guidance_views(parts[0][0].layout, rows, keys)
+            records, experts = parts[0][0].layout.copy_out(rows, keys)  # contiguous, few copies
         else:  # the buffer was laid out again during the request (e.g. a larger forward without CUDA graphs)
             per = [s.guidance(sl) for s, sl in parts]
             recs = {k: slice_record(cat_records([p[0][k] for p in per]), keep) for k in keys}
             layers = set.intersection(*(set(p[1]) for p in per))
             ids = {la: torch.cat([p[1][la] for p in per])[keep] for la in layers}
-        records = {k: GuidanceRecord(r.bits.contiguous(), r.block_scale.contiguous(), r.global_scale.contiguous(),
-                                     r.shape) for k, r in sorted(recs.items())}
-        experts = {la: t.contiguous() for la, t in sorted(ids.items())}
+            records = {k: GuidanceRecord(r.bits.contiguous(), r.block_scale.contiguous(),
+                                         r.global_scale.contiguous(), r.shape) for k, r in sorted(recs.items())}
+            experts = {la: t.contiguous() for la, t in sorted(ids.items())}
         return RequestGuidance(request_id, positions[keep], records, experts, versions.pop())
 
     def clear(self) -> None:

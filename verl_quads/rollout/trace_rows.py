@@ -17,7 +17,8 @@ starting at a multiple of 8 bytes:
 
 Without slots the leading ``S`` is absent (``[K / 8]``, ``[K / 16]``, ``[1]``). :meth:`TraceRowLayout.views` cuts
 typed views of any ``uint8 [R, B]`` tensor in this layout (the device buffer the GEMMs write, a step's host rows, a
-request's concatenated rows).
+request's concatenated rows); :meth:`TraceRowLayout.copy_out` copies a request's records out of its rows as contiguous
+tensors (what ``GuidanceStore.pop`` hands over), one strided copy per section kind and run of equally spaced GEMMs.
 """
 
 from __future__ import annotations
@@ -126,3 +127,62 @@ class TraceRowLayout:
             if at.ids is not None:
                 ids[key[0]] = cut(at.ids, 8 * g.slots, torch.int64, (g.slots,))
         return records, ids
+
+    def copy_out(self, rows: torch.Tensor, keys: set[Key]) -> tuple[dict[Key, GuidanceRecord], dict[int, torch.Tensor]]:
+        """:meth:`views` of ``keys`` only (and the expert ids of the layers whose GEMM with slots is among them) as
+        CONTIGUOUS tensors that do not share ``rows``' memory (what a popped request hands over: vLLM's RPC and
+        verl's transport copy views anyway), ``rows`` a contiguous uint8 ``[R, row_bytes]``. Why not a
+        ``.contiguous()`` per view: that is three small strided copies per GEMM (192 for 64 guided GEMMs, most of
+        a pop's host time). Here GEMMs of the same name and shape whose sections lie at equal distances in the row
+        (the same GEMM of consecutive layers: one run) are copied together, one strided copy per section kind and
+        run into ``[layers, R, bytes]``, and each GEMM's tensors are slices of it (contiguous, own memory)."""
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != self.row_bytes:
+            raise ValueError(f"TRACE rows: expected uint8 [R, {self.row_bytes}], got {rows.dtype} {list(rows.shape)}")
+        n = rows.shape[0]
+        if n == 0 or not rows.is_contiguous():
+            recs, ids = self.views(rows)
+            return ({k: GuidanceRecord(r.bits.contiguous(), r.block_scale.contiguous(), r.global_scale.contiguous(),
+                                       r.shape) for k, r in recs.items() if k in keys},
+                    {la: t.contiguous() for la, t in ids.items() if self.ids_key[la] in keys})
+        groups: dict[tuple[str, GemmRows], list[Key]] = {}
+        for key in sorted(keys):
+            groups.setdefault((key[1], self.gemms[key]), []).append(key)
+        records, ids = {}, {}
+        for (_, g), members in groups.items():
+            for run in _runs(members, [self._at[k].bits for k in members]):
+                self._copy_run(rows, run, g, records, ids)
+        return dict(sorted(records.items())), dict(sorted(ids.items()))
+
+    def _copy_run(self, rows: torch.Tensor, run: list[Key], g: GemmRows, records: dict, ids: dict) -> None:
+        """One strided copy per section kind of the GEMMs ``run`` (equal shape, sections at equal distances)."""
+        n, s = rows.shape[0], g.slots or 1
+        first = self._at[run[0]]
+        step = self._at[run[1]].bits - first.bits if len(run) > 1 else self.row_bytes
+
+        def block(start: int, nbytes: int) -> torch.Tensor:  # [len(run), n, nbytes], its own memory
+            return rows.as_strided((len(run), n, nbytes), (step, self.row_bytes, 1),
+                                   rows.storage_offset() + start).clone(memory_format=torch.contiguous_format)
+
+        bits = block(first.bits, s * g.k // 8)
+        scale = block(first.scale, s * g.k // 16).view(torch.float8_e4m3fn)
+        gs = block(first.gs, 4 * s).view(torch.float32)
+        eids = None if first.ids is None else block(first.ids, 8 * s).view(torch.int64)
+        for i, key in enumerate(run):
+            records[key] = GuidanceRecord(bits[i].reshape(n, *g.lead, g.k // 8),
+                                          scale[i].reshape(n, *g.lead, g.k // 16),
+                                          gs[i].reshape(n, *g.lead, 1), torch.Size((n, *g.lead, g.k)))
+            if eids is not None:
+                ids[key[0]] = eids[i]
+
+
+def _runs(keys: list[Key], starts: list[int]) -> list[list[Key]]:
+    """``keys`` (sorted) cut into maximal runs whose ``starts`` advance by one constant step."""
+    out: list[list[Key]] = []
+    for i, key in enumerate(keys):
+        run = out[-1] if out else None
+        if run is not None and (len(run) == 1 or starts[i] - starts[i - 1] == starts[i - 1] - starts[i - 2]) \
+                and starts[i] > starts[i - 1]:
+            run.append(key)
+        else:
+            out.append([key])
+    return out
