@@ -832,19 +832,14 @@ if triton is not None:
         m2 = cmask[:, None]
         e0 = tl.where(m2, s0.to(tl.int32, bitcast=True), -1)  # padding: never selected
         e1 = tl.where(m2, s1.to(tl.int32, bitcast=True), -1)
-        if SAMPLE and TIN:  # the split search's threshold (RA is off: no row max here)
-            th = tl.load(th_ptr + row)
-            rmx = th * 0
-            if STOP == 2:
-                _store_halves(out_ptr, b, tl.where(e0 >= th, v0, 0.0), tl.where(e1 >= th, v1, 0.0), cmask, OUT)
-                return
-            sel0 = e0 >= th
-            sel1 = e1 >= th
-        elif SAMPLE:
-            rpart = tl.zeros([NBP], tl.int32)
-            if RA and not HAS_W:
-                rpart = tl.max(tl.maximum(tl.abs(r0), tl.abs(r1)).to(tl.int32, bitcast=True), axis=1)
-            th, rmx = _sample_threshold(e0, e1, c, NSS, NB, NBP, SP, rpart, RA and not HAS_W, SB)
+        if SAMPLE:
+            if TIN:  # the split search's threshold (RA is off: no row max here)
+                th = tl.load(th_ptr + row)
+            else:
+                rpart = tl.zeros([NBP], tl.int32)
+                if RA and not HAS_W:
+                    rpart = tl.max(tl.maximum(tl.abs(r0), tl.abs(r1)).to(tl.int32, bitcast=True), axis=1)
+                th, rmx = _sample_threshold(e0, e1, c, NSS, NB, NBP, SP, rpart, RA and not HAS_W, SB)
             if STOP == 2:
                 _store_halves(out_ptr, b, tl.where(e0 >= th, v0, 0.0), tl.where(e1 >= th, v1, 0.0), cmask, OUT)
                 return
