@@ -86,7 +86,7 @@ import torch
 from verl_quads.nvfp4 import GuidanceRecord
 from verl_quads.rollout.request_ids import RequestCapture, RequestIndex, external_request_id
 from verl_quads.rollout.routing_log import ROUTING_MAX_MB_ENV, RequestRouting, RoutingLog
-from verl_quads.rollout.trace_rows import GemmRows, TraceRowLayout
+from verl_quads.rollout.trace_rows import GemmRows, TraceRowLayout, contiguous_records
 
 logger = logging.getLogger("verl_quads")
 
@@ -579,9 +579,7 @@ class GuidanceStore:
             recs = {k: slice_record(cat_records([p[0][k] for p in per]), keep) for k in keys}
             layers = set.intersection(*(set(p[1]) for p in per))
             ids = {la: torch.cat([p[1][la] for p in per])[keep] for la in layers}
-            records = {k: GuidanceRecord(r.bits.contiguous(), r.block_scale.contiguous(),
-                                         r.global_scale.contiguous(), r.shape) for k, r in sorted(recs.items())}
-            experts = {la: t.contiguous() for la, t in sorted(ids.items())}
+            records, experts = contiguous_records(recs, ids)
         return RequestGuidance(request_id, positions[keep], records, experts, versions.pop())
 
     def clear(self) -> None:

@@ -128,22 +128,24 @@ class TraceRowLayout:
                 ids[key[0]] = cut(at.ids, 8 * g.slots, torch.int64, (g.slots,))
         return records, ids
 
-    def copy_out(self, rows: torch.Tensor, keys: set[Key]) -> tuple[dict[Key, GuidanceRecord], dict[int, torch.Tensor]]:
+    def copy_out(self, rows: torch.Tensor,
+                 keys: set[Key]) -> tuple[dict[Key, GuidanceRecord], dict[int, torch.Tensor]]:
         """:meth:`views` of ``keys`` only (and the expert ids of the layers whose GEMM with slots is among them) as
         CONTIGUOUS tensors that do not share ``rows``' memory (what a popped request hands over: vLLM's RPC and
-        verl's transport copy views anyway), ``rows`` a contiguous uint8 ``[R, row_bytes]``. Why not a
-        ``.contiguous()`` per view: that is three small strided copies per GEMM (192 for 64 guided GEMMs, most of
-        a pop's host time). Here GEMMs of the same name and shape whose sections lie at equal distances in the row
-        (the same GEMM of consecutive layers: one run) are copied together, one strided copy per section kind and
-        run into ``[layers, R, bytes]``, and each GEMM's tensors are slices of it (contiguous, own memory)."""
+        verl's transport copy views anyway), ``rows`` uint8 ``[R, row_bytes]`` (rows not contiguous are copied
+        first). Why not a ``.contiguous()`` per view: that is three small strided copies per GEMM (192 for 64 guided
+        GEMMs, most of a pop's host time). Here GEMMs of the same name and shape whose sections lie at equal
+        distances in the row (the same GEMM of consecutive layers: one run) are copied together, one strided copy
+        per section kind and run into ``[layers, R, bytes]``, and each GEMM's tensors are slices of it (contiguous,
+        own memory)."""
         if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != self.row_bytes:
             raise ValueError(f"TRACE rows: expected uint8 [R, {self.row_bytes}], got {rows.dtype} {list(rows.shape)}")
         n = rows.shape[0]
-        if n == 0 or not rows.is_contiguous():
+        if n == 0:
             recs, ids = self.views(rows)
-            return ({k: GuidanceRecord(r.bits.contiguous(), r.block_scale.contiguous(), r.global_scale.contiguous(),
-                                       r.shape) for k, r in recs.items() if k in keys},
-                    {la: t.contiguous() for la, t in ids.items() if self.ids_key[la] in keys})
+            return contiguous_records({k: r for k, r in recs.items() if k in keys},
+                                      {la: t for la, t in ids.items() if self.ids_key[la] in keys})
+        rows = rows.contiguous()  # rows of a wider buffer: one copy, then the strided copies below
         groups: dict[tuple[str, GemmRows], list[Key]] = {}
         for key in sorted(keys):
             groups.setdefault((key[1], self.gemms[key]), []).append(key)
@@ -175,13 +177,20 @@ class TraceRowLayout:
                 ids[key[0]] = eids[i]
 
 
+def contiguous_records(records: dict[Key, GuidanceRecord],
+                       ids: dict[int, torch.Tensor]) -> tuple[dict[Key, GuidanceRecord], dict[int, torch.Tensor]]:
+    """``records`` and expert ``ids`` with every tensor contiguous (``.contiguous()`` each), sorted by key."""
+    return ({k: GuidanceRecord(r.bits.contiguous(), r.block_scale.contiguous(), r.global_scale.contiguous(), r.shape)
+             for k, r in sorted(records.items())}, {la: t.contiguous() for la, t in sorted(ids.items())})
+
+
 def _runs(keys: list[Key], starts: list[int]) -> list[list[Key]]:
-    """``keys`` (sorted) cut into maximal runs whose ``starts`` advance by one constant step."""
+    """``keys`` (sorted) cut into maximal runs whose ``starts`` (increasing: the layout's sorted order) advance by one
+    constant step."""
     out: list[list[Key]] = []
     for i, key in enumerate(keys):
         run = out[-1] if out else None
-        if run is not None and (len(run) == 1 or starts[i] - starts[i - 1] == starts[i - 1] - starts[i - 2]) \
-                and starts[i] > starts[i - 1]:
+        if run is not None and (len(run) == 1 or starts[i] - starts[i - 1] == starts[i - 1] - starts[i - 2]):
             run.append(key)
         else:
             out.append([key])
