@@ -117,60 +117,96 @@ def test_a_model_built_after_a_forward_replaces_the_buffer_even_with_other_gemms
     assert set(store._trace_layout.gemms) == {other} and not store._trace_in_graph - {other}
 
 
-def _independent_copy(layout, rows, keys):
-    """What a pop handed over before session 28: every view of ``keys`` made contiguous on its own."""
-    views, ids = layout.views(rows)
-    return ({k: r for k, r in views.items() if k in keys},
-            {la: t for la, t in ids.items() if layout.ids_key[la] in keys})
-
-
-@pytest.mark.parametrize("n", [0, 1, 7])
-def test_copy_out_equals_the_views_made_contiguous(n):
-    """``copy_out`` (a pop's records: one strided copy per section kind and run of equally spaced GEMMs) == the
-    views made contiguous one by one, for every GEMM, dtype and shape; its tensors are contiguous and do not share
-    the rows' memory; runs broken by a missing layer, GEMMs of another shape between them, and rows that are not
-    contiguous (the per-view path) give the same."""
-    gemms = {}
-    for layer in range(5):
-        gemms[(layer, "self_attn.qkv_proj")] = GemmRows(32)
-        gemms[(layer, "self_attn.o_proj")] = GemmRows(48 if layer != 2 else 64)  # layer 2's o_proj: another shape
-        gemms[(layer, "mlp.experts.w2")] = GemmRows(16, slots=3)
+def test_spec_round_trip_record_nbytes_and_refused_layouts():
+    """A layout's ``spec`` (plain values) rebuilds an equal layout (same offsets: the views of the same rows are equal
+    bytes); a sender whose rows have another width is refused naming both widths; ``record_nbytes`` = the records'
+    ``GuidanceRecord.nbytes`` of one token (no padding, no expert ids)."""
+    gemms = {(0, "self_attn.qkv_proj"): GemmRows(32), (0, "mlp.experts.w2"): GemmRows(16, slots=3),
+             (2, "self_attn.o_proj"): GemmRows(48)}
     layout = TraceRowLayout(gemms)
-    g = torch.Generator().manual_seed(n)
-    rows = torch.randint(0, 256, (n, layout.row_bytes), dtype=torch.uint8, generator=g)
-    every = set(gemms)
-    some = every - {(1, "self_attn.qkv_proj"), (3, "mlp.experts.w2")}  # runs cut at layers 1 and 3
-    for keys in (every, some, {(4, "self_attn.o_proj")}):
-        want_recs, want_ids = _independent_copy(layout, rows, keys)
-        got_recs, got_ids = layout.copy_out(rows, keys)
-        assert list(got_recs) == sorted(keys) and sorted(got_ids) == sorted(want_ids)
-        for k, w in want_recs.items():
-            r = got_recs[k]
-            for a, b in ((r.bits, w.bits), (r.block_scale, w.block_scale), (r.global_scale, w.global_scale)):
-                assert a.dtype == b.dtype and a.shape == b.shape and a.is_contiguous(), k
-                assert torch.equal(a.view(torch.uint8), b.contiguous().view(torch.uint8)), k
-            assert r.shape == w.shape, k
-        for la, w in want_ids.items():
-            assert got_ids[la].dtype == torch.int64 and got_ids[la].is_contiguous() and torch.equal(got_ids[la], w)
-        if n:  # own memory: the rows may be reused
-            before = {k: r.bits.clone() for k, r in got_recs.items()}
-            rows2 = rows.clone()
-            recs2, _ = layout.copy_out(rows2, keys)
-            rows2.fill_(0)
-            assert all(torch.equal(recs2[k].bits, before[k]) for k in keys)
-    wide = torch.zeros(n, 2 * layout.row_bytes, dtype=torch.uint8)
-    wide[:, :layout.row_bytes] = rows  # rows of a wider buffer: not contiguous (n > 1)
-    got, _ = layout.copy_out(wide[:, :layout.row_bytes], every)
-    want, _ = _independent_copy(layout, rows, every)
-    assert all(torch.equal(got[k].bits, want[k].bits) and got[k].bits.is_contiguous() for k in every)
-    with pytest.raises(ValueError, match=r"expected uint8 \[R, "):
-        layout.copy_out(torch.zeros(2, 8, dtype=torch.uint8), every)
+    spec = layout.spec()
+    assert spec == [[0, "mlp.experts.w2", 16, 3], [0, "self_attn.qkv_proj", 32, 0], [2, "self_attn.o_proj", 48, 0]]
+    back = TraceRowLayout.from_spec(spec, layout.row_bytes)
+    assert back.gemms == layout.gemms and back.row_bytes == layout.row_bytes
+    assert TraceRowLayout.from_spec([list(e) for e in spec], layout.row_bytes) is back  # cached per spec
+    rows = torch.randint(0, 256, (5, layout.row_bytes), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    (a, ida), (b, idb) = layout.views(rows), back.views(rows)
+    for k in gemms:
+        assert torch.equal(a[k].bits, b[k].bits) and torch.equal(a[k].global_scale, b[k].global_scale)
+        assert torch.equal(a[k].block_scale.view(torch.uint8), b[k].block_scale.view(torch.uint8))
+    assert torch.equal(ida[0], idb[0])
+    wide = torch.zeros(5, 3 * layout.row_bytes, dtype=torch.uint8)
+    wide[:, layout.row_bytes:2 * layout.row_bytes] = rows  # rows that are not contiguous: views of the same bytes
+    c, idc = layout.views(wide[:, layout.row_bytes:2 * layout.row_bytes])
+    for k in gemms:
+        assert torch.equal(a[k].bits, c[k].bits) and torch.equal(a[k].global_scale, c[k].global_scale)
+        assert torch.equal(a[k].block_scale.view(torch.uint8), c[k].block_scale.view(torch.uint8))
+    assert torch.equal(ida[0], idc[0])
+    with pytest.raises(ValueError, match=f"rows of {layout.row_bytes + 8} bytes.*lays them out in {layout.row_bytes}"):
+        TraceRowLayout.from_spec(spec, layout.row_bytes + 8)
+    for keys in (set(gemms), {(0, "mlp.experts.w2")}, set()):
+        one = layout.views(rows[:1])[0]
+        assert layout.record_nbytes(keys) == sum(one[k].nbytes for k in keys)
+    assert layout.record_nbytes({(0, "mlp.experts.w2")}) == 3 * (2 + 1 + 4)
 
 
-def test_copy_out_runs():
-    from verl_quads.rollout.trace_rows import _runs
+def _roundtrip(g):
+    """``g`` through the path verl's server takes: to_wire -> the worker RPC's plain form and back -> compact_wire
+    -> the trainer's device move -> from_wire."""
+    from verl_quads.integration.trace import _wires_to_device
+    from verl_quads.patches import verl_rollout_guidance as patch
+    from verl_quads.rollout.capture import RequestGuidance
 
-    keys = [(i, "g") for i in range(7)]
-    assert _runs(keys, [0, 10, 20, 30, 45, 60, 75]) == [keys[:4], keys[4:]]
-    assert _runs(keys[:3], [0, 10, 25]) == [keys[:2], keys[2:3]]
-    assert _runs(keys[:1], [5]) == [keys[:1]]
+    wire = patch.compact_wire(patch.from_plain(patch.to_plain(g.to_wire())))
+    return wire, RequestGuidance.from_wire(_wires_to_device([wire], "cpu")[0])
+
+
+def test_pop_hands_over_the_rows_and_the_wire_carries_them_as_one_tensor():
+    """A request popped from one layout is its rows (one tensor ``[T, row_bytes]``) with typed views as records; the
+    wire carries those rows and the layout, and the trainer's records after the round trip equal the ones the GEMMs
+    wrote (bits, scales, global scales, expert ids), as do a relayout request's (records form); a wire whose row
+    width disagrees with this code's layout, and rows that do not match the positions, are refused."""
+    from verl_quads.rollout.capture import RequestGuidance
+
+    torch.manual_seed(2)
+    store = GuidanceStore()
+    store.enabled, store._rows = True, 8
+    store.register_trace_gemm(*QKV, k=16)
+    store.register_trace_gemm(*W2, k=32, slots=2)
+    xs, ws, ids = [torch.randn(n, 16) for n in (3, 2)], [torch.randn(n, 2, 32) for n in (3, 2)], []
+    for i, (x, w) in enumerate(zip(xs, ws)):  # prefill (r: 2 rows, s: 1), then one decode row each
+        n = x.shape[0]
+        ids.append(torch.randint(0, 200, (n, 2)))
+        store.begin_step(["r", "s"], [0, n - 1, n], torch.tensor([0, 1, 0] if i == 0 else [2, 1]))
+        store.add(*QKV, row_record(x))
+        store.add(*W2, row_record(w), expert_ids=ids[-1])
+        store.end_step()
+    r = store.pop("r")
+    layout = store._trace_layout
+    assert r.rows is not None and tuple(r.rows.shape) == (3, layout.row_bytes) and r.layout is layout
+    want_q = row_record(torch.cat([xs[0][:2], xs[1][:1]]))
+    want_w = row_record(torch.cat([ws[0][:2], ws[1][:1]]))
+    want_ids = torch.cat([ids[0][:2], ids[1][:1]])
+    assert r.nbytes == want_q.nbytes + want_w.nbytes
+    wire, back = _roundtrip(r)
+    assert set(wire) == {"request_id", "positions", "policy_version", "rows", "row_gemms", "row_bytes", "keys"}
+    from verl_quads.patches.verl_rollout_guidance import wire_nbytes
+
+    assert wire_nbytes(wire) == 3 * layout.row_bytes
+    for got in (r, back):
+        assert got.positions.tolist() == [0, 1, 2] and got.request_id == "r"
+        assert records_equal(got.records[QKV], want_q) and records_equal(got.records[W2], want_w)
+        assert torch.equal(got.expert_ids[3], want_ids) and sorted(got.records) == sorted([QKV, W2])
+    bad = dict(wire, row_bytes=wire["row_bytes"] + 8)
+    with pytest.raises(ValueError, match="different verl-quads versions"):
+        RequestGuidance.from_wire(bad)
+    with pytest.raises(ValueError, match=r"do not match 2 positions"):
+        RequestGuidance.from_rows("r", torch.arange(2), r.rows, layout, [QKV])
+    with pytest.raises(ValueError, match=r"not in the record layout"):
+        RequestGuidance.from_rows("r", r.positions, r.rows, layout, [(9, "self_attn.o_proj")])
+    # a records-form request (built by hand, or popped across a relayout) travels as before
+    s = RequestGuidance("s", torch.arange(3), {QKV: want_q, W2: want_w}, {3: want_ids}, policy_version=4)
+    s_wire, s_back = _roundtrip(s)
+    assert "rows" not in s_wire and s_back.rows is None and s_back.policy_version == 4
+    assert records_equal(s_back.records[W2], want_w) and torch.equal(s_back.expert_ids[3], want_ids)
+    assert s.keys == (W2, QKV)  # sorted

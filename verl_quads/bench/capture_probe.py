@@ -18,7 +18,8 @@ expert-id block and of its positions into pinned host memory plus one CUDA event
 Qwen3-MoE decoder layer at the width options (``self_attn.qkv_proj`` K = hidden, ``self_attn.o_proj`` K = heads x
 head_dim, ``mlp.experts.w13`` K = hidden, ``mlp.experts.w2`` K = moe-inter x top_k slots), registered as the layers do
 and written once (a CUDA graph's capture: replays rewrite the buffer without Python), then the steps' hook and one
-``pop`` per request (what verl's server does). Baseline: the same, with the step's record rows (one row of every
+``pop`` per request (what verl's server does), then ``wire ms``: the worker's RPC reply for all of them
+(``to_plain`` of each request's ``to_wire``: the bytes vLLM's msgpack RPC sends). Baseline: the same, with the step's record rows (one row of every
 GEMM per token) in place of the expert-id block.
 """
 
@@ -70,9 +71,10 @@ def _bare_step_s(block: torch.Tensor, positions: torch.Tensor, steps: int) -> fl
 def measure(batch: int, layers: int, top_k: int, steps: int, prompt_len: int, device: torch.device,
             repeats: int) -> dict[str, float]:
     """Median over ``repeats`` of one generate's capture: hook us/step, pop ms, bare us/step."""
+    from verl_quads.patches.verl_rollout_guidance import to_plain
     from verl_quads.rollout.capture import GuidanceStore
 
-    hook, pop, bare = [], [], []
+    hook, pop, bare, wire = [], [], [], []
     rows = batch * prompt_len
     for _ in range(repeats):
         store = GuidanceStore()
@@ -114,12 +116,13 @@ def _trace_gemms(a) -> list[tuple[str, int, int | None]]:
 
 def measure_trace(batch: int, layers: int, gemms: list[tuple[str, int, int | None]], steps: int, prompt_len: int,
                   device: torch.device, repeats: int) -> dict[str, float]:
-    """Median over ``repeats`` of one generate's TRACE capture: hook us/step, pop ms (one pop per request), bare
-    us/step (module docstring)."""
+    """Median over ``repeats`` of one generate's TRACE capture: hook us/step, pop ms (one pop per request), wire ms
+    (the popped requests' RPC reply: ``to_plain`` of their ``to_wire``), bare us/step (module docstring)."""
     from verl_quads.nvfp4 import GuidanceRecord
+    from verl_quads.patches.verl_rollout_guidance import to_plain
     from verl_quads.rollout.capture import GuidanceStore
 
-    hook, pop, bare = [], [], []
+    hook, pop, bare, wire = [], [], [], []
     rows = batch * prompt_len
     for _ in range(repeats):
         store = GuidanceStore()
@@ -159,9 +162,12 @@ def measure_trace(batch: int, layers: int, gemms: list[tuple[str, int, int | Non
             seen = [None if g is None else (g.positions.numel(), len(g.records)) for g in got]
             raise RuntimeError(f"capture probe: popped (rows, records) {seen[:4]}..., expected {batch} requests of "
                                f"{prompt_len + steps} rows and {want} records")
+        t = time.perf_counter()
+        to_plain({g.request_id: g.to_wire() for g in got})
+        wire.append(time.perf_counter() - t)
         bare.append(_bare_step_s(store._trace_rows[:batch], buf, steps))
     return {"hook_us": statistics.median(hook) * 1e6, "pop_ms": statistics.median(pop) * 1e3,
-            "bare_us": statistics.median(bare) * 1e6}
+            "bare_us": statistics.median(bare) * 1e6, "wire_ms": statistics.median(wire) * 1e3}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -185,12 +191,14 @@ def main(argv: list[str] | None = None) -> None:
 
     lines = ["batch | hook us/step | bare us/step | hook / bare | pop ms (all requests)",
              "----- | ------------ | ------------ | ----------- | ---------------------"]
+    if args.what == "trace":
+        lines = [lines[0] + " | wire ms (all requests)", lines[1] + " | ----------------------"]
     for b in sizes:
         r = (measure(b, args.layers, args.top_k, args.steps, args.prompt_len, device, args.repeats)
              if args.what == "routing" else
              measure_trace(b, args.layers, gemms, args.steps, args.prompt_len, device, args.repeats))
         lines.append(f"{b:5d} | {r['hook_us']:12.1f} | {r['bare_us']:12.1f} | {r['hook_us'] / r['bare_us']:10.2f}x | "
-                     f"{r['pop_ms']:.2f}")
+                     f"{r['pop_ms']:.2f}" + (f" | {r['wire_ms']:.2f}" if "wire_ms" in r else ""))
     what = "routing" if args.what == "routing" else f"TRACE ({len(gemms)} guided GEMMs per layer: {gemms})"
     print(f"{what} capture probe: {device_name()}, device {device}, {args.layers} layers top-{args.top_k}, prefill "
           f"{args.prompt_len} rows per request + {args.steps} decode steps, median of {args.repeats}")

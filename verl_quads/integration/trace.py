@@ -1,10 +1,11 @@
 """TRACE in verl's actor passes: the rollout's guidance records -> one TraceBatch per micro-batch.
 
 Data path (verl 0.9.1): the vLLM server returns each sequence's record (``patches/
-verl_rollout_guidance.py``) -> ``non_tensor_batch["quads_guidance"]`` (one wire dict per sequence,
-CPU tensors: bits uint8 ``[T, K/8]``, block scales uint8 (E4M3 bytes) ``[T, K/16]``, global scales
-float32 ``[T, 1]`` (w2: ``[T, top_k, ...]``), expert ids int16 ``[T, top_k]``, ``policy_version``,
-``request_id``) -> ``DataProto.to_tensordict`` keeps it as a per-row list, which verl's
+verl_rollout_guidance.py``) -> ``non_tensor_batch["quads_guidance"]`` (one wire dict per sequence:
+``RequestGuidance.to_wire``, normally ONE uint8 CPU tensor of the sequence's token rows with every guided GEMM's
+record side by side plus the row layout; the per-record form (bits uint8 ``[T, K/8]``, block scales uint8 (E4M3
+bytes) ``[T, K/16]``, global scales float32 ``[T, 1]`` (w2: ``[T, top_k, ...]``), expert ids int16 ``[T, top_k]``)
+only for a request whose record buffer was laid out again mid-request; ``policy_version``, ``request_id``) -> ``DataProto.to_tensordict`` keeps it as a per-row list, which verl's
 ``prepare_micro_batches`` splits (and reorders) together with the rows.
 
 Per micro-batch (:class:`TraceSession.begin_micro_batch`, called from the QAT engine's
@@ -74,8 +75,8 @@ def _rows(td, key: str) -> list:
 
 
 def _wires_to_device(wires: list[dict], device) -> list[dict]:
-    """The wire records with every record tensor (bits, block/global scales, expert ids) on ``device``;
-    ``positions`` stay on the host (they are checked there).
+    """The wire records with every record tensor (rows form: the rows; records form: bits, block/global scales,
+    expert ids) on ``device``; ``positions`` stay on the host (they are checked there).
 
     To a CUDA device all tensors of the micro-batch travel in ONE asynchronous copy: their bytes are
     concatenated (16-byte aligned) into one pinned host buffer, copied with ``non_blocking=True``, and
@@ -84,6 +85,9 @@ def _wires_to_device(wires: list[dict], device) -> list[dict]:
     device = torch.device(device)
     tensors: list[torch.Tensor] = []
     for w in wires:
+        if "rows" in w:  # rows form (RequestGuidance.to_wire): one tensor
+            tensors.append(w["rows"])
+            continue
         for r in w["records"]:
             tensors += [r["bits"], r["block_scale"], r["global_scale"]]
         tensors += [t for _, t in w["expert_ids"]]
@@ -95,6 +99,10 @@ def _wires_to_device(wires: list[dict], device) -> list[dict]:
     out = []
     for w in wires:
         d = dict(w)
+        if "rows" in w:
+            d["rows"] = next(it)
+            out.append(d)
+            continue
         d["records"] = [{**r, "bits": next(it), "block_scale": next(it), "global_scale": next(it)} for r in w["records"]]
         d["expert_ids"] = [[layer, next(it)] for layer, _ in w["expert_ids"]]
         out.append(d)

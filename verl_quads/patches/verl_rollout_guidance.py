@@ -22,8 +22,9 @@ Change (TRACE): when the server's engine is a ``quads_nvfp4`` engine in ``trace`
 (``collective_rpc`` of the method :data:`WORKER_METHOD` that :func:`install_worker_rpc` adds to
 verl's worker extension class ``vLLMColocateWorkerExtension`` inside the vLLM worker process; a
 method name, so no pickled function and no ``VLLM_ALLOW_INSECURE_SERIALIZATION``) and stores its
-wire form (:func:`compact_wire`: bit-packed bits, E4M3 block-scale bytes, float32 global scales,
-int16 expert ids, all CPU tensors) under ``extra_fields["quads_guidance"]``. It therefore becomes
+wire form (``RequestGuidance.to_wire``: one uint8 CPU tensor of the request's token rows, each holding every
+guided GEMM's bit-packed bits, E4M3 block-scale bytes, float32 global scales and expert ids, plus the row layout;
+:func:`compact_wire`) under ``extra_fields["quads_guidance"]``. It therefore becomes
 ``non_tensor_batch["quads_guidance"]`` (one dict per generated sequence, host memory), keyed by the
 request id and stamped with the policy version. Engines not running ``quads_nvfp4``: unchanged (no RPC).
 A trace engine that has no record for a completed request raises (never a silent fallback); an
@@ -61,8 +62,13 @@ ROUTING_FIELD = "quads_routing"
 
 
 def compact_wire(wire: dict) -> dict:
-    """The wire form with expert ids as int16 (vLLM's capture keeps int64; ids < 32768 always hold
-    for the MoE models we support). Everything else is already compact (1 bit/element, 1 byte/16)."""
+    """The records form of a wire with expert ids as int16 (vLLM's capture keeps int64; ids < 32768 always hold
+    for the MoE models we support); everything else is already compact (1 bit/element, 1 byte/16). The rows form
+    (``RequestGuidance.to_wire`` of a popped request: one uint8 tensor ``[T, row bytes]``) is returned as is: its
+    int64 ids are 8 * top_k bytes per token and MoE layer inside the rows (< 2% of a token's row at Qwen3-30B-A3B
+    widths), and cutting them out would copy every row again."""
+    if "rows" in wire:
+        return wire
     out = dict(wire)
     ids = []
     for layer, t in wire["expert_ids"]:
@@ -74,8 +80,11 @@ def compact_wire(wire: dict) -> dict:
 
 
 def wire_nbytes(wire: dict) -> int:
-    """Bytes a wire record holds in tensors: bits + block scales + global scales + expert ids
-    (positions excluded: they are implied, ``0..T-1``)."""
+    """Bytes a wire record holds in tensors (positions excluded: they are implied, ``0..T-1``): the rows form's
+    rows (records, expert ids and the 8-byte alignment padding of each section), the records form's bits + block
+    scales + global scales + expert ids."""
+    if "rows" in wire:
+        return int(wire["rows"].numel())
     n = 0
     for r in wire["records"]:
         n += r["bits"].numel() + r["block_scale"].numel() + 4 * r["global_scale"].numel()

@@ -112,9 +112,18 @@ def cat_records(recs: list[GuidanceRecord]) -> GuidanceRecord:
     )
 
 
-@dataclass
+@dataclass(init=False)
 class RequestGuidance(RequestCapture):
-    """All captured guidance of one request.
+    """All captured guidance of one request, in one of two forms (same records either way).
+
+    - Rows (what :meth:`GuidanceStore.pop` returns when the request's steps share one record layout, i.e. always
+      under CUDA graphs): :attr:`rows` uint8 ``[T, B]``, each token's row holding every guided GEMM's record side
+      by side (:class:`~verl_quads.rollout.trace_rows.TraceRowLayout` :attr:`layout`), ``T`` aligned with
+      ``positions``; :attr:`records` / :attr:`expert_ids` are typed views of it, cut on first use. Why: a pop is
+      then one concatenation of the request's rows and its wire form is that one tensor (until session 29 every
+      record was copied out as its own tensors: 192 per request with 64 guided GEMMs, then copied again to be sent).
+    - Records (a request whose record buffer was laid out again mid-request, or built by hand): :attr:`records`
+      and :attr:`expert_ids` given as tensors; :attr:`rows` is None.
 
     Attributes:
         request_id: vLLM's internal request id.
@@ -126,13 +135,56 @@ class RequestGuidance(RequestCapture):
         policy_version: the weight version the records were made with (None if never set).
     """
 
-    records: dict[Key, GuidanceRecord]
-    expert_ids: dict[int, torch.Tensor] = field(default_factory=dict)
-    policy_version: int | None = None
+    policy_version: int | None
+
+    def __init__(self, request_id: str, positions: torch.Tensor, records: dict[Key, GuidanceRecord],
+                 expert_ids: dict[int, torch.Tensor] | None = None, policy_version: int | None = None) -> None:
+        super().__init__(request_id, positions)
+        self.policy_version = policy_version
+        self._records: dict[Key, GuidanceRecord] | None = records
+        self._expert_ids: dict[int, torch.Tensor] | None = dict(expert_ids or {})
+        self.rows: torch.Tensor | None = None
+        self.layout: TraceRowLayout | None = None
+        self.keys: tuple[Key, ...] = tuple(sorted(records))
+
+    @classmethod
+    def from_rows(cls, request_id: str, positions: torch.Tensor, rows: torch.Tensor, layout: TraceRowLayout,
+                  keys, policy_version: int | None = None) -> "RequestGuidance":
+        """The rows form: ``rows`` uint8 ``[T, layout.row_bytes]`` (``T`` = ``positions.numel()``), of which the
+        guided GEMMs ``keys`` (a subset of ``layout.gemms``) are this request's records."""
+        keys = tuple(sorted(keys))
+        unknown = [k for k in keys if k not in layout.gemms]
+        if unknown:
+            raise ValueError(f"request {request_id!r}: guided GEMMs {unknown} are not in the record layout")
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or tuple(rows.shape) != (positions.numel(), layout.row_bytes):
+            raise ValueError(f"request {request_id!r}: TRACE rows {rows.dtype} {list(rows.shape)} do not match "
+                             f"{positions.numel()} positions of {layout.row_bytes}-byte rows")
+        g = cls(request_id, positions, {}, {}, policy_version)
+        g._records, g._expert_ids = None, None
+        g.rows, g.layout, g.keys = rows, layout, keys
+        return g
+
+    def _cut(self) -> None:
+        records, ids = _guidance_views(self.layout, self.rows, set(self.keys))
+        self._records, self._expert_ids = records, ids
+
+    @property
+    def records(self) -> dict[Key, GuidanceRecord]:
+        if self._records is None:
+            self._cut()
+        return self._records
+
+    @property
+    def expert_ids(self) -> dict[int, torch.Tensor]:
+        if self._expert_ids is None:
+            self._cut()
+        return self._expert_ids
 
     @property
     def nbytes(self) -> int:
         """Bytes of all records (bits + block scales + global scales; expert ids not counted)."""
+        if self.rows is not None:
+            return self.layout.record_nbytes(self.keys) * self.num_tokens
         return sum(r.nbytes for r in self.records.values())
 
     @property
@@ -140,15 +192,16 @@ class RequestGuidance(RequestCapture):
         return self.nbytes / max(self.num_tokens, 1)
 
     def to_wire(self) -> dict:
-        """Plain dict of str/int/list/uint8-int64-float32 tensors (what vLLM's RPC can carry).
-
-        vLLM's msgpack RPC cannot carry dataclasses (a call returning one hangs), hence this form;
-        float8 block scales travel as their uint8 bytes.
-        """
+        """Plain dict of str/int/list/tensors (what vLLM's RPC can carry; vLLM's msgpack RPC cannot carry
+        dataclasses: a call returning one hangs). Rows form: ``rows`` (the one tensor), ``row_gemms`` (the
+        layout, :meth:`TraceRowLayout.spec`), ``row_bytes`` and ``keys``. Records form: ``records`` (per GEMM its
+        bits, block scales as uint8 bytes, global scales, shape) and ``expert_ids``."""
+        head = {"request_id": self.request_id, "positions": self.positions, "policy_version": self.policy_version}
+        if self.rows is not None:
+            return {**head, "rows": self.rows, "row_gemms": self.layout.spec(), "row_bytes": self.layout.row_bytes,
+                    "keys": [list(k) for k in self.keys]}
         return {
-            "request_id": self.request_id,
-            "positions": self.positions,
-            "policy_version": self.policy_version,
+            **head,
             "records": [
                 {"layer": layer, "gemm": gemm, "bits": r.bits, "block_scale": r.block_scale.view(torch.uint8),
                  "global_scale": r.global_scale, "shape": list(r.shape)}
@@ -159,7 +212,11 @@ class RequestGuidance(RequestCapture):
 
     @classmethod
     def from_wire(cls, d: dict) -> "RequestGuidance":
-        """Inverse of :meth:`to_wire`."""
+        """Inverse of :meth:`to_wire` (either form; the rows form's layout is checked against this code's)."""
+        if "rows" in d:
+            layout = TraceRowLayout.from_spec(d["row_gemms"], d["row_bytes"])
+            return cls.from_rows(d["request_id"], d["positions"], d["rows"], layout,
+                                 [(int(la), gm) for la, gm in d["keys"]], d["policy_version"])
         records = {
             (int(r["layer"]), r["gemm"]): GuidanceRecord(
                 r["bits"], r["block_scale"].view(torch.float8_e4m3fn), r["global_scale"], torch.Size(r["shape"])
@@ -573,13 +630,14 @@ class GuidanceStore:
             rows = torch.cat([s.packed[sl] for s, sl in parts])
             if not in_order:
                 rows = rows.index_select(0, keep)
-            records, experts = parts[0][0].layout.copy_out(rows, keys)  # contiguous, few copies
-        else:  # the buffer was laid out again during the request (e.g. a larger forward without CUDA graphs)
-            per = [s.guidance(sl) for s, sl in parts]
-            recs = {k: slice_record(cat_records([p[0][k] for p in per]), keep) for k in keys}
-            layers = set.intersection(*(set(p[1]) for p in per))
-            ids = {la: torch.cat([p[1][la] for p in per])[keep] for la in layers}
-            records, experts = contiguous_records(recs, ids)
+            return RequestGuidance.from_rows(request_id, positions[keep], rows, parts[0][0].layout, keys,
+                                             versions.pop())
+        # the buffer was laid out again during the request (e.g. a larger forward without CUDA graphs): records form
+        per = [s.guidance(sl) for s, sl in parts]
+        recs = {k: slice_record(cat_records([p[0][k] for p in per]), keep) for k in keys}
+        layers = set.intersection(*(set(p[1]) for p in per))
+        ids = {la: torch.cat([p[1][la] for p in per])[keep] for la in layers}
+        records, experts = contiguous_records(recs, ids)
         return RequestGuidance(request_id, positions[keep], records, experts, versions.pop())
 
     def clear(self) -> None:

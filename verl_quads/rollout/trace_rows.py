@@ -17,8 +17,8 @@ starting at a multiple of 8 bytes:
 
 Without slots the leading ``S`` is absent (``[K / 8]``, ``[K / 16]``, ``[1]``). :meth:`TraceRowLayout.views` cuts
 typed views of any ``uint8 [R, B]`` tensor in this layout (the device buffer the GEMMs write, a step's host rows, a
-request's concatenated rows); :meth:`TraceRowLayout.copy_out` copies a request's records out of its rows as contiguous
-tensors (what ``GuidanceStore.pop`` hands over), one strided copy per section kind and run of equally spaced GEMMs.
+request's concatenated rows: what ``GuidanceStore.pop`` hands over and the RPC wire carries, see ``RequestGuidance``);
+:meth:`TraceRowLayout.spec` / :meth:`TraceRowLayout.from_spec` carry a layout over an RPC.
 """
 
 from __future__ import annotations
@@ -102,6 +102,33 @@ class TraceRowLayout:
             self._at[key] = _Sections(bits, scale, gs, ids)
         self.row_bytes = max(o, _ALIGN)
 
+    def spec(self) -> list[list]:
+        """The layout as plain values (what an RPC can carry): ``[[layer, gemm, k, slots or 0], ...]`` in row
+        order; :meth:`from_spec` rebuilds an equal layout (the offsets follow from the GEMMs alone)."""
+        return [[layer, gemm, g.k, g.slots or 0] for (layer, gemm), g in self.gemms.items()]
+
+    @classmethod
+    def from_spec(cls, spec: list, row_bytes: int) -> "TraceRowLayout":
+        """Inverse of :meth:`spec`; ``row_bytes`` is the sender's :attr:`row_bytes`, checked (a ValueError if this
+        code lays the GEMMs out differently, e.g. records from another verl-quads version). Cached per spec: every
+        request of an engine has the same layout."""
+        key = tuple((int(la), str(gm), int(k), int(s)) for la, gm, k, s in spec)
+        layout = _SPEC_CACHE.get(key)
+        if layout is None:
+            layout = cls({(la, gm): GemmRows(k, s or None) for la, gm, k, s in key})
+            if len(_SPEC_CACHE) < 64:
+                _SPEC_CACHE[key] = layout
+        if layout.row_bytes != int(row_bytes):
+            raise ValueError(f"TRACE rows: the sender's layout of {len(key)} GEMMs has rows of {row_bytes} bytes, "
+                             f"this verl-quads lays them out in {layout.row_bytes}: rollout and trainer run "
+                             "different verl-quads versions")
+        return layout
+
+    def record_nbytes(self, keys) -> int:
+        """Bytes per token of the records of ``keys`` (bits + block scales + global scales, no padding, no expert
+        ids): :attr:`GuidanceRecord.nbytes` of one token summed over ``keys``."""
+        return sum((self.gemms[k].slots or 1) * (self.gemms[k].k // 8 + self.gemms[k].k // 16 + 4) for k in keys)
+
     def views(self, rows: torch.Tensor) -> tuple[dict[Key, GuidanceRecord], dict[int, torch.Tensor]]:
         """Typed views of ``rows`` (uint8 ``[R, row_bytes]``, last dim contiguous, 8-byte aligned rows):
         ``{key: GuidanceRecord}`` (bits ``[R, (S,) K/8]``, block scales ``[R, (S,) K/16]``, global scales
@@ -109,72 +136,36 @@ class TraceRowLayout:
         if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != self.row_bytes:
             raise ValueError(f"TRACE rows: expected uint8 [R, {self.row_bytes}], got {rows.dtype} {list(rows.shape)}")
         n = rows.shape[0]
+        if n:
+            # one typed view of the whole rows per dtype, then ONE as_strided per section: a slice + view + reshape
+            # per section cost ~3 ms of host time per request with 64 guided GEMMs (the trainer cuts every request)
+            typed = {dt: rows if dt == torch.uint8 else rows.view(dt)
+                     for dt in (torch.uint8, torch.float8_e4m3fn, torch.float32, torch.int64)}
 
-        def cut(start: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-            t = rows[:, start:start + nbytes]
-            return (t if dtype == torch.uint8 else t.view(dtype)).reshape(n, *shape) if n else \
-                torch.empty((0, *shape), dtype=dtype, device=rows.device)
+        def cut(start: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+            if not n:
+                return torch.empty((0, *shape), dtype=dtype, device=rows.device)
+            t = typed[dtype]
+            inner = [1] * len(shape)
+            for i in range(len(shape) - 2, -1, -1):
+                inner[i] = inner[i + 1] * shape[i + 1]
+            return t.as_strided((n, *shape), (t.stride(0), *inner), t.storage_offset() + start // t.element_size())
 
         records, ids = {}, {}
         for key, g in self.gemms.items():
-            at, s = self._at[key], g.slots or 1
+            at = self._at[key]
             records[key] = GuidanceRecord(
-                cut(at.bits, s * g.k // 8, torch.uint8, (*g.lead, g.k // 8)),
-                cut(at.scale, s * g.k // 16, torch.uint8, (*g.lead, g.k // 16)).view(torch.float8_e4m3fn),
-                cut(at.gs, 4 * s, torch.float32, (*g.lead, 1)),
+                cut(at.bits, torch.uint8, (*g.lead, g.k // 8)),
+                cut(at.scale, torch.float8_e4m3fn, (*g.lead, g.k // 16)),
+                cut(at.gs, torch.float32, (*g.lead, 1)),
                 torch.Size((n, *g.lead, g.k)),
             )
             if at.ids is not None:
-                ids[key[0]] = cut(at.ids, 8 * g.slots, torch.int64, (g.slots,))
+                ids[key[0]] = cut(at.ids, torch.int64, (g.slots,))
         return records, ids
 
-    def copy_out(self, rows: torch.Tensor,
-                 keys: set[Key]) -> tuple[dict[Key, GuidanceRecord], dict[int, torch.Tensor]]:
-        """:meth:`views` of ``keys`` only (and the expert ids of the layers whose GEMM with slots is among them) as
-        CONTIGUOUS tensors that do not share ``rows``' memory (what a popped request hands over: vLLM's RPC and
-        verl's transport copy views anyway), ``rows`` uint8 ``[R, row_bytes]`` (rows not contiguous are copied
-        first). Why not a ``.contiguous()`` per view: that is three small strided copies per GEMM (192 for 64 guided
-        GEMMs, most of a pop's host time). Here GEMMs of the same name and shape whose sections lie at equal
-        distances in the row (the same GEMM of consecutive layers: one run) are copied together, one strided copy
-        per section kind and run into ``[layers, R, bytes]``, and each GEMM's tensors are slices of it (contiguous,
-        own memory)."""
-        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != self.row_bytes:
-            raise ValueError(f"TRACE rows: expected uint8 [R, {self.row_bytes}], got {rows.dtype} {list(rows.shape)}")
-        n = rows.shape[0]
-        if n == 0:
-            recs, ids = self.views(rows)
-            return contiguous_records({k: r for k, r in recs.items() if k in keys},
-                                      {la: t for la, t in ids.items() if self.ids_key[la] in keys})
-        rows = rows.contiguous()  # rows of a wider buffer: one copy, then the strided copies below
-        groups: dict[tuple[str, GemmRows], list[Key]] = {}
-        for key in sorted(keys):
-            groups.setdefault((key[1], self.gemms[key]), []).append(key)
-        records, ids = {}, {}
-        for (_, g), members in groups.items():
-            for run in _runs(members, [self._at[k].bits for k in members]):
-                self._copy_run(rows, run, g, records, ids)
-        return dict(sorted(records.items())), dict(sorted(ids.items()))
 
-    def _copy_run(self, rows: torch.Tensor, run: list[Key], g: GemmRows, records: dict, ids: dict) -> None:
-        """One strided copy per section kind of the GEMMs ``run`` (equal shape, sections at equal distances)."""
-        n, s = rows.shape[0], g.slots or 1
-        first = self._at[run[0]]
-        step = self._at[run[1]].bits - first.bits if len(run) > 1 else self.row_bytes
-
-        def block(start: int, nbytes: int) -> torch.Tensor:  # [len(run), n, nbytes], its own memory
-            return rows.as_strided((len(run), n, nbytes), (step, self.row_bytes, 1),
-                                   rows.storage_offset() + start).clone(memory_format=torch.contiguous_format)
-
-        bits = block(first.bits, s * g.k // 8)
-        scale = block(first.scale, s * g.k // 16).view(torch.float8_e4m3fn)
-        gs = block(first.gs, 4 * s).view(torch.float32)
-        eids = None if first.ids is None else block(first.ids, 8 * s).view(torch.int64)
-        for i, key in enumerate(run):
-            records[key] = GuidanceRecord(bits[i].reshape(n, *g.lead, g.k // 8),
-                                          scale[i].reshape(n, *g.lead, g.k // 16),
-                                          gs[i].reshape(n, *g.lead, 1), torch.Size((n, *g.lead, g.k)))
-            if eids is not None:
-                ids[key[0]] = eids[i]
+_SPEC_CACHE: dict[tuple, TraceRowLayout] = {}
 
 
 def contiguous_records(records: dict[Key, GuidanceRecord],
@@ -182,16 +173,3 @@ def contiguous_records(records: dict[Key, GuidanceRecord],
     """``records`` and expert ``ids`` with every tensor contiguous (``.contiguous()`` each), sorted by key."""
     return ({k: GuidanceRecord(r.bits.contiguous(), r.block_scale.contiguous(), r.global_scale.contiguous(), r.shape)
              for k, r in sorted(records.items())}, {la: t.contiguous() for la, t in sorted(ids.items())})
-
-
-def _runs(keys: list[Key], starts: list[int]) -> list[list[Key]]:
-    """``keys`` (sorted) cut into maximal runs whose ``starts`` (increasing: the layout's sorted order) advance by one
-    constant step."""
-    out: list[list[Key]] = []
-    for i, key in enumerate(keys):
-        run = out[-1] if out else None
-        if run is not None and (len(run) == 1 or starts[i] - starts[i - 1] == starts[i - 1] - starts[i - 2]):
-            run.append(key)
-        else:
-            out.append([key])
-    return out
