@@ -19,8 +19,8 @@ Qwen3-MoE decoder layer at the width options (``self_attn.qkv_proj`` K = hidden,
 head_dim, ``mlp.experts.w13`` K = hidden, ``mlp.experts.w2`` K = moe-inter x top_k slots), registered as the layers do
 and written once (a CUDA graph's capture: replays rewrite the buffer without Python), then the steps' hook and one
 ``pop`` per request (what verl's server does), then ``wire ms``: the worker's RPC reply for all of them
-(``to_plain`` of each request's ``to_wire``: the bytes vLLM's msgpack RPC sends). Baseline: the same, with the step's record rows (one row of every
-GEMM per token) in place of the expert-id block.
+(``to_plain`` of each request's ``to_wire``: the bytes vLLM's msgpack RPC sends). Baseline: the same, with the
+step's record rows (one row of every GEMM per token) in place of the expert-id block.
 """
 
 from __future__ import annotations
@@ -71,10 +71,9 @@ def _bare_step_s(block: torch.Tensor, positions: torch.Tensor, steps: int) -> fl
 def measure(batch: int, layers: int, top_k: int, steps: int, prompt_len: int, device: torch.device,
             repeats: int) -> dict[str, float]:
     """Median over ``repeats`` of one generate's capture: hook us/step, pop ms, bare us/step."""
-    from verl_quads.patches.verl_rollout_guidance import to_plain
     from verl_quads.rollout.capture import GuidanceStore
 
-    hook, pop, bare, wire = [], [], [], []
+    hook, pop, bare = [], [], []
     rows = batch * prompt_len
     for _ in range(repeats):
         store = GuidanceStore()
