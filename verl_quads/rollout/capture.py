@@ -348,6 +348,7 @@ class GuidanceStore:
         self._trace_shapes: dict[Key, GemmRows] = {}  # every guided GEMM known: registered by its layer, or seen
         self._trace_building: set[Key] = set()  # GEMMs registered by the model being built (register_trace_gemm)
         self._trace_in_graph: set[Key] = set()  # buffers written while a CUDA graph was being captured
+        self._trace_step_keys: tuple[Key, ...] = ()  # the guided GEMMs of the last step (one tuple object per change)
         # guided GEMMs of the model the runner executes now (set by the runner hook; None outside vLLM's runner)
         self.active_trace_keys: list[Key] | None = None
         self._routing_buf: dict[int, torch.Tensor] = {}  # layer -> int16 [rows, top_k] (persistent)
@@ -578,7 +579,9 @@ class GuidanceStore:
             return
         n = step.query_start_loc[-1]
         rows = self._trace_rows[:n]
-        step.layout, step.keys = self._trace_layout, tuple(keys)
+        if tuple(keys) != self._trace_step_keys:  # shared by the steps of one engine (pop intersects them)
+            self._trace_step_keys = tuple(keys)
+        step.layout, step.keys = self._trace_layout, self._trace_step_keys
         if rows.is_cuda:
             _flush_to_host(step, rows, self._arena)
         else:  # the buffer is rewritten by the next forward
@@ -625,7 +628,8 @@ class GuidanceStore:
         keep_list = [last[p] for p in sorted(last)]
         in_order = keep_list == list(range(positions.numel()))  # no recomputed position (the usual case)
         keep = torch.tensor(keep_list, dtype=torch.int64)
-        keys = set.intersection(*(set(s.keys) for s, _ in parts))
+        # the guided GEMMs every step wrote (steps of one engine share one keys tuple: one set per distinct tuple)
+        keys = set.intersection(*(set(k) for k in {id(s.keys): s.keys for s, _ in parts}.values()))
         if all(s.layout is parts[0][0].layout for s, _ in parts):  # one concatenation of the request's rows
             rows = torch.cat([s.packed[sl] for s, sl in parts])
             if not in_order:
