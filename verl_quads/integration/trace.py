@@ -5,8 +5,9 @@ verl_rollout_guidance.py``) -> ``non_tensor_batch["quads_guidance"]`` (one wire 
 ``RequestGuidance.to_wire``, normally ONE uint8 CPU tensor of the sequence's token rows with every guided GEMM's
 record side by side plus the row layout; the per-record form (bits uint8 ``[T, K/8]``, block scales uint8 (E4M3
 bytes) ``[T, K/16]``, global scales float32 ``[T, 1]`` (w2: ``[T, top_k, ...]``), expert ids int16 ``[T, top_k]``)
-only for a request whose record buffer was laid out again mid-request; ``policy_version``, ``request_id``) -> ``DataProto.to_tensordict`` keeps it as a per-row list, which verl's
-``prepare_micro_batches`` splits (and reorders) together with the rows.
+only for a request whose record buffer was laid out again mid-request; ``policy_version``, ``request_id``) ->
+``DataProto.to_tensordict`` keeps it as a per-row list, which verl's ``prepare_micro_batches`` splits (and reorders)
+together with the rows.
 
 Per micro-batch (:class:`TraceSession.begin_micro_batch`, called from the QAT engine's
 ``prepare_model_inputs``): the micro-batch's records only are decoded and moved to the model's
