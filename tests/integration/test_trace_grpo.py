@@ -72,12 +72,12 @@ MINI_BATCHES = 2
 
 def expected_bytes_per_token(cfg) -> int:
     """The bytes a token's guidance travels in (one row of ``verl_quads.rollout.trace_rows``, the wire's rows): per
-    layer qkv (K = H), o_proj (K = A), w13 (K = H), w2 (top_k slots of K = I, with int64 expert ids), each GEMM's
+    layer qkv (K = H), o_proj (K = A), w13 (K = H), w2 (top_k slots of K = I, with int16 expert ids), each GEMM's
     bits (K/8 per slot), block scales (K/16 per slot) and float32 global scales (4 per slot) padded to 8 bytes."""
     up = lambda n: -(-n // 8) * 8  # noqa: E731
     rec = lambda k, s=1: up(s * k // 8) + up(s * k // 16) + up(4 * s)  # noqa: E731
     h, a, i, k = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-    return cfg.num_hidden_layers * (rec(h) + rec(a) + rec(h) + rec(i, k) + up(8 * k))
+    return cfg.num_hidden_layers * (rec(h) + rec(a) + rec(h) + rec(i, k) + up(2 * k))
 
 
 def test_grpo_trace_guidance_reaches_trainer(tmp_path):

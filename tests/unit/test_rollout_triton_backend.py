@@ -235,3 +235,14 @@ def test_native_refuses_quads_bf16_combine():
     is refused there (at method construction; no Blackwell GPU needed for the refusal)."""
     with pytest.raises(ValueError, match=r"residual_combine='bf16' is for the emulated backends.*'native'.*'fp4x2'"):
         QuadsNVFP4LinearMethod(ActQuant("quads", residual_combine="bf16"), "native")
+
+
+def test_moe_trace_refuses_expert_ids_beyond_int16():
+    """TRACE keeps each slot's expert id as int16 in the guidance rows: a model with more experts is refused when
+    its MoE layer is built (naming the layer and the limit), never wrapped silently."""
+    cfg = types.SimpleNamespace(has_bias=False, activation=None, num_experts=40000, experts_per_token=2)
+    layer = torch.nn.Module()
+    layer.layer_name = "model.layers.5.mlp.experts"
+    m = QuadsNVFP4MoEMethod(cfg, ActQuant("trace"), capture_layer=5)
+    with pytest.raises(NotImplementedError, match=r"model.layers.5.mlp.experts has 40000 experts.*at most 32767"):
+        m.create_weights(layer, 4, 64, 32, torch.bfloat16, weight_loader=lambda *a: None)

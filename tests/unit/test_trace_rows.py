@@ -16,8 +16,8 @@ QKV, O, W13, W2 = (3, "self_attn.qkv_proj"), (3, "self_attn.o_proj"), (3, "mlp.e
 def test_layout_sections_are_aligned_and_views_round_trip_every_dtype():
     layout = TraceRowLayout({O: GemmRows(48), W2: GemmRows(32, slots=3), QKV: GemmRows(16)})
     assert list(layout.gemms) == sorted([O, W2, QKV])  # sorted (layer, gemm) order, whatever the insertion order
-    # per GEMM: bits S*K/8, scales S*K/16, gs 4*S (+ ids 8*S), each padded to 8 bytes
-    assert layout.row_bytes == (8 + 8 + 8) + (8 + 8 + 8) + (16 + 8 + 16 + 24)
+    # per GEMM: bits S*K/8, scales S*K/16, gs 4*S (+ int16 ids 2*S), each padded to 8 bytes
+    assert layout.row_bytes == (8 + 8 + 8) + (8 + 8 + 8) + (16 + 8 + 16 + 8)
     assert layout.ids_key == {3: W2}
     torch.manual_seed(0)
     recs = {QKV: row_record(torch.randn(5, 16)), O: row_record(torch.randn(5, 48)), W2: row_record(torch.randn(5, 3, 32))}
@@ -33,9 +33,9 @@ def test_layout_sections_are_aligned_and_views_round_trip_every_dtype():
     again, again_ids = layout.views(base.clone())  # the bytes alone carry everything
     for k, r in recs.items():
         assert records_equal(again[k], r), k
-    assert again_ids[3].dtype == torch.int64 and torch.equal(again_ids[3], ids)
-    with pytest.raises(ValueError, match=r"expected uint8 \[R, 112\]"):
-        layout.views(torch.zeros(2, 96, dtype=torch.uint8))
+    assert again_ids[3].dtype == torch.int16 and torch.equal(again_ids[3], ids)
+    with pytest.raises(ValueError, match=r"expected uint8 \[R, 96\]"):
+        layout.views(torch.zeros(2, 112, dtype=torch.uint8))
 
 
 def test_gemm_rows_refuse_bad_shapes():

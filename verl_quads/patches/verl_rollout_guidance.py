@@ -65,8 +65,7 @@ def compact_wire(wire: dict) -> dict:
     """The records form of a wire with expert ids as int16 (vLLM's capture keeps int64; ids < 32768 always hold
     for the MoE models we support); everything else is already compact (1 bit/element, 1 byte/16). The rows form
     (``RequestGuidance.to_wire`` of a popped request: one uint8 tensor ``[T, row bytes]``) is returned as is: its
-    int64 ids are 8 * top_k bytes per token and MoE layer inside the rows (< 2% of a token's row at Qwen3-30B-A3B
-    widths), and cutting them out would copy every row again."""
+    expert ids are int16 inside the rows already."""
     if "rows" in wire:
         return wire
     out = dict(wire)
@@ -81,8 +80,8 @@ def compact_wire(wire: dict) -> dict:
 
 def wire_nbytes(wire: dict) -> int:
     """Bytes a wire record holds in tensors (positions excluded: they are implied, ``0..T-1``): the rows form's
-    rows (records, expert ids and the 8-byte alignment padding of each section), the records form's bits + block
-    scales + global scales + expert ids."""
+    rows (records, int16 expert ids and the 8-byte alignment padding of each section), the records form's bits +
+    block scales + global scales + expert ids."""
     if "rows" in wire:
         return int(wire["rows"].numel())
     n = 0

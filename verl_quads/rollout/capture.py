@@ -24,8 +24,8 @@ GEMMs, 1.75x the naive engine's time at batch 1 on the H200; until session 24 th
 record inside its GEMM). :meth:`GuidanceStore.pop` waits for those copies and gathers one request's rows over all its
 steps (prefill + each decode step) with one concatenation, sorted by position. Forwards outside ``_model_forward``
 (profiling/dummy/capture runs) open no step: their rows are never taken. Device memory: per token and guided GEMM of
-input width K, K/8 + K/16 + 4 bytes (x top_k for ``mlp.experts.w2``, + 8 * top_k of expert ids; each part padded to
-8 bytes), times ``max_num_batched_tokens`` rows, held for the engine's life.
+input width K, K/8 + K/16 + 4 bytes (x top_k for ``mlp.experts.w2``, + 2 * top_k of int16 expert ids; each part
+padded to 8 bytes), times ``max_num_batched_tokens`` rows, held for the engine's life.
 
 Limits (documented, not hidden): with prefix caching, cached prompt positions are never computed
 and have no record (disable it for TRACE); the last sampled token is never fed through the model,
@@ -131,7 +131,8 @@ class RequestGuidance(RequestCapture):
         records: ``{(layer, gemm): GuidanceRecord}``, each with leading dimension T aligned with
             ``positions`` (shape ``[T, K]``, or ``[T, top_k, I]`` for ``mlp.experts.w2``; global
             scales ``[T, 1]`` / ``[T, top_k, 1]``).
-        expert_ids: ``{layer: int64 [T, top_k]}`` routed expert of each slot of ``mlp.experts.w2``.
+        expert_ids: ``{layer: [T, top_k]}`` routed expert of each slot of ``mlp.experts.w2`` (int16 in the rows
+            form; the records form keeps the dtype it was given).
         policy_version: the weight version the records were made with (None if never set).
     """
 
@@ -340,7 +341,7 @@ class GuidanceStore:
         self._arena = PinnedArena()  # host memory of TRACE's CUDA records (allocated on first use)
         # TRACE's persistent device buffer: uint8 [rows, B], a token's row holding every guided GEMM's record
         # (rows = max_num_batched_tokens, layout from the GEMMs' shapes: see add / end_step); _trace_buf and
-        # _trace_ids are typed views of it per GEMM / per MoE layer (mlp.experts.w2 expert ids, int64 [rows, top_k])
+        # _trace_ids are typed views of it per GEMM / per MoE layer (mlp.experts.w2 expert ids, int16 [rows, top_k])
         self._trace_rows: torch.Tensor | None = None
         self._trace_layout: TraceRowLayout | None = None
         self._trace_buf: dict[Key, GuidanceRecord] = {}

@@ -85,6 +85,11 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
             from verl_quads.rollout.capture import MOE_GUIDED_GEMMS, get_store
 
             w13, w2 = MOE_GUIDED_GEMMS  # their records: the layer input [T, H]; each slot's input [T, top_k, I]
+            experts = int(getattr(self.moe, "num_experts", num_experts))  # global ids: what topk_ids hold
+            if experts > 2**15 - 1:
+                raise NotImplementedError(
+                    f"verl-quads TRACE: {getattr(layer, 'layer_name', 'MoE layer')} has {experts} experts; the "
+                    "guidance rows store expert ids as int16 (at most 32767 experts)")
             get_store().register_trace_gemm(self.capture_layer, w13, k=hidden_size)
             get_store().register_trace_gemm(self.capture_layer, w2, k=intermediate_size_per_partition,
                                             slots=self.moe.experts_per_token)
