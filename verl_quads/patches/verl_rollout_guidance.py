@@ -62,8 +62,9 @@ ROUTING_FIELD = "quads_routing"
 
 
 def compact_wire(wire: dict) -> dict:
-    """The records form of a wire with expert ids as int16 (vLLM's capture keeps int64; ids < 32768 always hold
-    for the MoE models we support); everything else is already compact (1 bit/element, 1 byte/16). The rows form
+    """The records form of a wire with expert ids as int16 (a hand-built records form may hold int64 ids; ids <
+    32768 always hold: the MoE layer refuses TRACE beyond that); everything else is already compact (1 bit/element,
+    1 byte/16). The rows form
     (``RequestGuidance.to_wire`` of a popped request: one uint8 tensor ``[T, row bytes]``) is returned as is: its
     expert ids are int16 inside the rows already."""
     if "rows" in wire:
