@@ -67,3 +67,68 @@ def test_cuda_records_copied_without_waiting_pop_exact_rows():
         assert torch.equal(got.expert_ids[5], torch.cat([w[3] for w in want[r]]))
         assert got.positions.tolist() == sorted(torch.cat([w[4] for w in want[r]]).tolist())
         assert rec.bits.any()  # real records, not the zeros written after
+
+
+@pytest.mark.parametrize("k, slots", [(2048, None), (768, 8), (4096, None), (12288, None)])
+def test_quantize_kernel_writes_records_into_store_rows_and_graph_replays_it(k, slots):
+    """The triton quantize kernel writing a record straight into the store's token rows
+    (``GuidanceStore.record_rows`` + ``quantize_with_guidance(out=...)``, what the triton linear / MoE methods do):
+    the same bytes as the record it allocates itself, at real widths (K = 12288: rows too long for one program, the
+    row amax by torch first) and for w2's ``[T, top_k]`` slot rows; captured in a CUDA graph, each replay rewrites the
+    rows from the new input, and a step takes them."""
+    from verl_quads import nvfp4 as nv
+    from verl_quads.rollout.capture import GuidanceStore
+    from verl_quads.rollout.trace_rows import GemmRows
+
+    store = GuidanceStore()
+    store.enabled = True
+    store._rows = 64
+    store.register_trace_gemm(1, "self_attn.o_proj", k=512)  # another GEMM first: the target is not at offset 0
+    key = (3, "mlp.experts.w2" if slots else "self_attn.qkv_proj")
+    store.register_trace_gemm(*key, k=k, slots=slots)
+    store.active_trace_keys = [key]  # what the runner hook sets: a replay runs no Python that could say so
+    t = 37
+    rows_x = t * (slots or 1)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    x = (torch.randn(rows_x, k, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    ids = torch.randint(0, 128, (t, slots), device="cuda", generator=g) if slots else None
+
+    def forward():
+        out = store.record_rows(*key, GemmRows(k, slots), t, x.device, ids)
+        return nv.quantize_with_guidance(x, amax="row", backend="triton", check_finite=False, out=out)
+
+    def expect():
+        return nv.quantize_with_guidance(x, amax="row", backend="triton", check_finite=False)[1]
+
+    def check(rec, want):
+        assert torch.equal(rec.bits.reshape(want.bits.shape).cpu(), want.bits.cpu())
+        assert torch.equal(rec.block_scale.view(torch.uint8).reshape(-1).cpu(),
+                           want.block_scale.view(torch.uint8).reshape(-1).cpu())
+        assert torch.equal(rec.global_scale.reshape(-1).cpu(), want.global_scale.reshape(-1).cpu())
+
+    q, rec = forward()  # eager (lays the buffer out)
+    check(rec, expect())
+    other = store._trace_buf[(1, "self_attn.o_proj")]
+    before = other.bits.clone(), other.block_scale.view(torch.uint8).clone(), other.global_scale.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        forward()  # warm-up outside the capture (Triton compiles)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _, grec = forward()
+    assert key in store._trace_in_graph
+    for step in range(3):
+        x.copy_((torch.randn(rows_x, k, device="cuda", generator=g) * (step + 1)).to(torch.bfloat16))
+        if ids is not None:
+            ids.copy_(torch.randint(0, 128, (t, slots), device="cuda", generator=g))
+        store.begin_step(["r"], [0, t], torch.arange(t, device="cuda"))
+        graph.replay()
+        store.end_step()
+        got = store.pop("r")
+        check(got.records[key], expect())
+        if slots:
+            assert torch.equal(got.expert_ids[3], ids.to(torch.int16).cpu())
+    for a, b in zip(before, (other.bits, other.block_scale.view(torch.uint8), other.global_scale)):
+        assert torch.equal(a, b)  # the neighbouring GEMM's rows untouched

@@ -188,6 +188,75 @@ def test_quantize_with_guidance_matches_quantize_then_extract(shape, scale, kern
     assert torch.equal(rec.global_scale, want.global_scale) and rec.shape == want.shape
 
 
+def _row_record(rows: torch.Tensor, off: int, lead: tuple[int, ...], k: int) -> nv.GuidanceRecord:
+    """A record of views into uint8 token rows ``rows`` [T, B] from byte ``off`` on: bits, block scales, global
+    scales one after another, each [*lead[1:], .] per token (TRACE's row layout with 8-byte aligned sections)."""
+    t, per = rows.shape[0], lead[1] if len(lead) == 2 else 1
+    nb, ns = per * k // 8, per * k // 16
+    so = off + -(-nb // 8) * 8
+    go = so + -(-ns // 8) * 8
+    bits = rows[:, off:off + nb].reshape(*lead, k // 8)
+    scale = rows[:, so:so + ns].view(torch.float8_e4m3fn).reshape(*lead, k // 16)
+    gs = rows[:, go:go + 4 * per].view(torch.float32).reshape(*lead, 1)
+    return nv.GuidanceRecord(bits, scale, gs, torch.Size((*lead, k)))
+
+
+@pytest.mark.parametrize("backend,kernel", [("triton", "v2"), ("triton", "v1"), ("torch", None)])
+@pytest.mark.parametrize("scale", ["row", "row_checked", "tensor", "per_row_gs"])
+@pytest.mark.parametrize("slots", [None, 4])
+def test_quantize_with_guidance_into_token_rows(slots, scale, backend, kernel, monkeypatch):
+    """``out=`` a record of views into TRACE-like token rows (row stride > the record, a token's ``slots`` rows of
+    x side by side): the same bytes as the record quantize_with_guidance allocates itself, every byte of the rows
+    outside the record untouched, for each global-scale route (the kernel writes the scales; a checked route and
+    the v1 kernel copy them) and for the torch backend."""
+    from verl_quads.nvfp4 import triton_kernels as tk
+
+    if kernel is not None:
+        monkeypatch.setitem(tk.KERNELS, "quantize", kernel)
+    t, k = 5, 96
+    x = _x((t * (slots or 1), k), torch.bfloat16, seed=11)
+    kw = {"row": dict(amax="row", check_finite=False), "row_checked": dict(amax="row"),
+          "tensor": dict(global_scale=nv.global_scale_from_amax(x.float().abs().amax()), check_finite=False),
+          "per_row_gs": dict(global_scale=nv.per_row_global_scale(x), check_finite=False)}[scale]
+    lead = (t,) if slots is None else (t, slots)
+    rows = torch.full((t, 24 + -(-(slots or 1) * (k // 8 + k // 16 + 4) // 8) * 8 + 24), 0xA5, dtype=torch.uint8)
+    before = rows.clone()
+    out = _row_record(rows, 24, lead, k)
+    q, rec = nv.quantize_with_guidance(x, backend=backend, out=out, **kw)
+    want_q, want = nv.quantize_with_guidance(x, backend=backend, **kw)
+    assert rec is out and _eq_q(q, want_q)
+    assert torch.equal(out.bits.reshape(want.bits.shape), want.bits)
+    assert torch.equal(out.block_scale.view(torch.uint8).reshape(-1), want.block_scale.view(torch.uint8).reshape(-1))
+    assert torch.equal(out.global_scale.reshape(-1), torch.broadcast_to(want.global_scale, (x.shape[0], 1)).reshape(-1))
+    outside = torch.ones_like(rows, dtype=torch.bool)
+    for t_ in (out.bits, out.block_scale, out.global_scale):
+        v = t_.view(torch.uint8) if t_.dtype != torch.uint8 else t_
+        start = v.data_ptr() - rows.data_ptr()
+        for i in range(t):
+            outside[i, start % rows.shape[1]:start % rows.shape[1] + v[0].numel()] = False
+    assert torch.equal(rows[outside], before[outside])
+    assert not torch.equal(rows[~outside], before[~outside])
+
+
+def test_quantize_with_guidance_out_layout_errors():
+    x = _x((6, 64), torch.float32, seed=3)
+    rows = torch.zeros(6, 64, dtype=torch.uint8)
+    good = _row_record(rows, 0, (6,), 64)
+    bad = {"bits": nv.GuidanceRecord(rows[:, :4], good.block_scale, good.global_scale, good.shape),
+           "block_scale": nv.GuidanceRecord(good.bits, good.block_scale[:5], good.global_scale, good.shape),
+           "global_scale": nv.GuidanceRecord(good.bits, good.block_scale, good.global_scale.double(), good.shape)}
+    for name, out in bad.items():
+        for backend in ("triton", "torch"):
+            with pytest.raises(ValueError, match=f"record.{name}"):
+                nv.quantize_with_guidance(x, amax="row", backend=backend, out=out)
+    two = _row_record(torch.zeros(3, 64, dtype=torch.uint8), 0, (3, 2), 64)  # [T, S] with T * S = 6: fine
+    nv.quantize_with_guidance(x, amax="row", backend="triton", out=two)
+    slots_apart = nv.GuidanceRecord(good.bits.reshape(3, 2, 8)[:, :1], two.block_scale[:, :1], two.global_scale[:, :1],
+                                    two.shape)
+    with pytest.raises(ValueError, match="record.bits"):
+        nv.quantize_with_guidance(x, amax="row", backend="triton", out=slots_apart)
+
+
 def test_quantize_with_guidance_torch_backend_is_quantize_then_extract():
     x = _x((6, 64), torch.float32, seed=3)
     q, rec = nv.quantize_with_guidance(x, amax="row", backend="torch")

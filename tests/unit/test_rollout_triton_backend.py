@@ -15,6 +15,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from verl_quads import nvfp4 as nv  # noqa: E402
 from verl_quads.rollout import capture as capture_mod  # noqa: E402
 from verl_quads.rollout.emulation import ActQuant  # noqa: E402
 from verl_quads.rollout.linear import QuadsNVFP4LinearMethod  # noqa: E402
@@ -29,14 +30,17 @@ pytestmark = [
 ]
 
 
-class _Store:
-    """Collects what the methods hand to the guidance store (the real store needs a model-runner step)."""
-
-    def __init__(self):
-        self.records = {}
-
-    def add(self, layer, gemm, record, expert_ids=None):
-        self.records[(layer, gemm)] = record
+def _one_step(monkeypatch, rows: int, fn):
+    """``fn()`` inside one step of request "r" (``rows`` token rows) of a fresh real guidance store, as the model
+    runner's hook drives it: (fn's output, {key: record} popped for "r", {} if nothing was recorded)."""
+    store = capture_mod.GuidanceStore()
+    store.enabled = True
+    monkeypatch.setattr(capture_mod, "get_store", lambda: store)
+    store.begin_step(["r"], [0, rows], torch.arange(rows))
+    out = fn()
+    store.end_step()
+    g = store.pop("r")
+    return out, ({} if g is None else g.records)
 
 
 def _linear_layer(seed=0):
@@ -92,17 +96,16 @@ def test_linear_apply_triton_equals_torch(monkeypatch, mode, per_token, combine,
     bias = torch.randn(64, dtype=torch.bfloat16)
     outs, recs = {}, {}
     for backend in ("torch", "triton"):
-        store = _Store()
-        monkeypatch.setattr(capture_mod, "get_store", lambda: store)
         act = _act(monkeypatch, backend, mode, per_token, combine, gran, "model.layers.3.self_attn.qkv_proj")
         assert mode != "quads" or act.residual_granularity == (gran or "channel")
         m = QuadsNVFP4LinearMethod(act, backend, capture_key=(3, "self_attn.qkv_proj") if mode == "trace" else None)
-        outs[backend] = m.apply(layer, x, bias)
-        recs[backend] = store.records
+        outs[backend], recs[backend] = _one_step(monkeypatch, 6, lambda: m.apply(layer, x, bias))
     _close(outs["triton"], outs["torch"], f"linear {mode} per_token={per_token} combine={combine} granularity={gran}")
     if mode == "trace":
         a, b = recs["torch"][(3, "self_attn.qkv_proj")], recs["triton"][(3, "self_attn.qkv_proj")]
         assert torch.equal(a.bits, b.bits) and torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8))
+        assert torch.equal(a.global_scale, b.global_scale) and a.shape == b.shape == (6, 96)
+        assert torch.equal(b.bits, nv.extract_guidance(nv.quantize(x.reshape(6, 96), amax="row", backend="torch")).bits)
     else:
         assert not recs["triton"]
 
@@ -138,12 +141,9 @@ def test_moe_apply_triton_equals_torch(monkeypatch, mode, per_token, expert_map,
     tw = torch.softmax(torch.randn(t, 2), -1)
     outs, recs = {}, {}
     for backend in ("torch", "triton"):
-        store = _Store()
-        monkeypatch.setattr(capture_mod, "get_store", lambda: store)
         act = _act(monkeypatch, backend, mode, per_token, combine, gran, "model.layers.5.mlp.experts")
         m = QuadsNVFP4MoEMethod(cfg, act, backend, capture_layer=5 if mode == "trace" else None)
-        outs[backend] = m.apply(layer, x, tw, ids, None, None)
-        recs[backend] = store.records
+        outs[backend], recs[backend] = _one_step(monkeypatch, t, lambda: m.apply(layer, x, tw, ids, None, None))
     _close(outs["triton"], outs["torch"],
            f"moe {mode} per_token={per_token} expert_map={expert_map} combine={combine} granularity={gran}")
     assert set(recs["triton"]) == set(recs["torch"])
@@ -151,6 +151,12 @@ def test_moe_apply_triton_equals_torch(monkeypatch, mode, per_token, expert_map,
         a, b = recs["torch"][key], recs["triton"][key]
         assert a.shape == b.shape and torch.equal(a.bits, b.bits), key
         assert torch.equal(a.block_scale.view(torch.uint8), b.block_scale.view(torch.uint8)), key
+        assert torch.equal(a.global_scale, b.global_scale), key
+    if mode == "trace":  # the w13 record is x's own (the triton kernels wrote the store's rows themselves)
+        assert set(recs["triton"]) == {(5, "mlp.experts.w13"), (5, "mlp.experts.w2")}
+        w13 = recs["triton"][(5, "mlp.experts.w13")]
+        assert torch.equal(w13.bits, nv.extract_guidance(nv.quantize(x, amax="row", backend="torch")).bits)
+        assert recs["triton"][(5, "mlp.experts.w2")].shape == (t, 2, 32)
 
 
 def test_moe_triton_single_token_decode():

@@ -28,7 +28,7 @@ from verl_quads.nvfp4.format import (
     pack_codes,
     unpack_codes,
 )
-from verl_quads.nvfp4.guidance import GuidanceRecord, extract_guidance, pack_bits, unpack_bits
+from verl_quads.nvfp4.guidance import GuidanceRecord, check_record_out, extract_guidance, pack_bits, unpack_bits
 from verl_quads.nvfp4.guidance import quantize_guided as _quantize_guided_ref
 from verl_quads.nvfp4.layout import (
     from_compressed_tensors,
@@ -101,16 +101,31 @@ def quantize_with_guidance(
     amax: torch.Tensor | str | None = None,
     backend: str = "auto",
     check_finite: bool = True,
+    out: GuidanceRecord | None = None,
 ) -> tuple[NVFP4Tensor, GuidanceRecord]:
     """:func:`quantize` and the TRACE guidance record of its codes (:func:`extract_guidance`'s, the same bytes).
     On the triton backend the quantize kernel writes the record's bits itself: one launch instead of the record's
-    ~6 torch ops (host time of an eager rollout step)."""
+    ~6 torch ops (host time of an eager rollout step).
+
+    ``out``: fill this record (returned) instead of allocating one: bits uint8 ``[R, K/8]``, block scales
+    ``[R, K/16]`` (e4m3 or uint8 bytes), global scales float32 ``[R, 1]`` (R = x's rows, any row stride), or
+    ``[T, S, ...]`` with x's row ``t * S + s`` at ``[t, s]`` (TRACE's token rows, whose routed slots are
+    contiguous). On the triton backend the quantize kernel writes all three there (the rollout's TRACE record
+    buffer: no copy kernels); the torch backend copies them."""
     if _use_triton(x, backend):
         from verl_quads.nvfp4 import triton_kernels
 
-        return triton_kernels.quantize_with_guidance(x, global_scale, amax=amax, check_finite=check_finite)
+        return triton_kernels.quantize_with_guidance(x, global_scale, amax=amax, check_finite=check_finite,
+                                                     out=out)
     q = quantize(x, global_scale, amax=amax, backend=backend, check_finite=check_finite)
-    return q, extract_guidance(q)
+    rec = extract_guidance(q)
+    if out is None:
+        return q, rec
+    lead = check_record_out(out, x)
+    out.bits.copy_(rec.bits.reshape(*lead, -1))
+    out.block_scale.view(torch.uint8).copy_(rec.block_scale.view(torch.uint8).reshape(*lead, -1))
+    out.global_scale.copy_(torch.broadcast_to(rec.global_scale, (*x.shape[:-1], 1)).reshape(*lead, 1))
+    return q, out
 
 
 def dequantize(q: NVFP4Tensor, dtype: torch.dtype = torch.bfloat16, *, backend: str = "auto") -> torch.Tensor:

@@ -54,6 +54,30 @@ class GuidanceRecord:
 _BIT_WEIGHTS_ON: dict[torch.device, torch.Tensor] = {}
 
 
+def check_record_out(out: GuidanceRecord, x: torch.Tensor) -> tuple[int, ...]:
+    """Check that ``out`` can receive the guidance record of x ``[..., K]`` and return its leading shape ``L``:
+    bits uint8 ``[*L, K/8]``, block scales (e4m3 or uint8 bytes) ``[*L, K/16]``, global scales float32 ``[*L, 1]``,
+    on x's device, each with a contiguous last dim, where ``L`` is ``(R,)`` (R = x's rows, any row stride) or
+    ``(T, S)`` with T * S = R, x's row ``t * S + s`` going to ``[t, s]`` and a token's S slots contiguous (TRACE's
+    token rows, :mod:`verl_quads.rollout.trace_rows`). Anything else is a ValueError naming the tensor."""
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    lead = tuple(out.bits.shape[:-1])
+    want = {"bits": (out.bits, (torch.uint8,), k // 8),
+            "block_scale": (out.block_scale, (torch.float8_e4m3fn, torch.uint8), k // BLOCK_SIZE),
+            "global_scale": (out.global_scale, (torch.float32,), 1)}
+    for name, (t, dtypes, last) in want.items():
+        ok = (t.dtype in dtypes and t.device == x.device and tuple(t.shape) == (*lead, last) and t.stride(-1) == 1
+              and len(lead) in (1, 2) and lead[0] * (lead[-1] if len(lead) == 2 else 1) == rows
+              and (len(lead) == 1 or t.stride(1) == last))
+        if not ok:
+            raise ValueError(
+                f"NVFP4 guidance output: record.{name} must be {dtypes[0]} on {x.device} shaped [R, {last}] (R = "
+                f"{rows} rows of x {list(x.shape)}) or [T, S, {last}] with T * S = R and slots contiguous, last dim "
+                f"contiguous; got {t.dtype} on {t.device} {list(t.shape)} strides {list(t.stride())}")
+    return lead
+
+
 def _bit_weights(device: torch.device) -> torch.Tensor:
     """:data:`_BIT_WEIGHTS` on ``device``, copied once per device: a CPU -> GPU copy per call would be a
     blocking host transfer in the QAT hot path (TRACE's own guidance for uncovered rows)."""

@@ -1883,6 +1883,7 @@ def quantize_activation(
     capture: bool = False,
     residual_combine: str = "fp4x2",
     residual_granularity: str = "block",
+    record_out: GuidanceRecord | None = None,
 ) -> tuple[ActOperand, GuidanceRecord | None]:
     """Activation operand of one GEMM (``x`` ``[M, K]``), quantized by the NVFP4 core (backend
     ``"triton"``) with one global scale per token, and the guidance record (``trace`` with
@@ -1896,11 +1897,18 @@ def quantize_activation(
     ``residual_granularity`` (``quads``): ``block`` (default), ``channel`` or ``channel_sampled`` (per token only;
     the core's channel rules, :mod:`verl_quads.nvfp4.triton_channel`): ``bf16`` as above; ``fp4x2`` -> ``Q(x)`` and the rule's dense
     ``Q(R_sel)`` ``[M, K]`` as the second FP4 operand (the dense form the per-token block rule is scattered into;
-    same GEMM cost)."""
+    same GEMM cost).
+
+    ``record_out`` (``trace`` with ``capture``): the record to fill (returned), e.g. rows of the rollout's TRACE
+    buffer, which the quantize kernel then writes itself (:func:`verl_quads.nvfp4.quantize_with_guidance`'s
+    ``out``)."""
     from verl_quads import nvfp4 as nv
 
     if mode not in ACT_MODES:
         raise ValueError(f"nvfp4 GEMM: act_mode must be one of {ACT_MODES}, got {mode!r}")
+    if record_out is not None and not (mode == "trace" and capture):
+        raise ValueError(f"nvfp4 GEMM: record_out needs act_mode 'trace' with capture=True (got {mode!r}, "
+                         f"capture={capture})")
     if residual_combine not in RESIDUAL_COMBINES:
         raise ValueError(f"nvfp4 GEMM: residual_combine must be one of {RESIDUAL_COMBINES}, got {residual_combine!r}")
     if x.dim() != 2:
@@ -1920,7 +1928,7 @@ def quantize_activation(
                                  granularity=residual_granularity, backend="triton", check_finite=False)
         return _residual_operand(r, mode, x.dtype), None
     if mode == "trace" and capture:  # the record's bits come out of the quantize kernel (no launch of their own)
-        q, record = nv.quantize_with_guidance(x, amax="row", backend="triton", check_finite=False)
+        q, record = nv.quantize_with_guidance(x, amax="row", backend="triton", check_finite=False, out=record_out)
     else:
         q, record = nv.quantize(x, amax="row", backend="triton", check_finite=False), None
     first = NVFP4Tensor(q.packed, q.block_scale, _row_gs(q.global_scale, x.shape[0]).unsqueeze(-1), q.shape, q.dtype)
@@ -2373,6 +2381,7 @@ def moe_forward(
     residual_combine: str = "fp4x2",
     residual_granularity: str = "block",
     fuse_gate: bool | None = None,
+    record_out=None,
 ) -> torch.Tensor:
     """Routed experts (gated silu) with ONE grouped launch per expert GEMM; ``[T, H]`` in x's dtype.
 
@@ -2391,7 +2400,9 @@ def moe_forward(
 
     ``on_record(gemm, record)`` (trace): receives the guidance record of GEMM1's input
     (``"mlp.experts.w13"``, ``[T, H]``) and of GEMM2's input (``"mlp.experts.w2"``, ``[T * k, I]`` in
-    slot order).
+    slot order). ``record_out(gemm)`` (trace, instead of ``on_record``): returns the record to fill for
+    that GEMM's input (``[T, H]``; ``[T, k, I]`` for ``"mlp.experts.w2"``, x's row ``t * k + s`` at ``[t, s]``),
+    which the quantize kernel writes itself (the rollout's TRACE buffer rows: no copies).
 
     ``fuse_gate``: ``silu(gate) * up`` in GEMM1's epilogue (:func:`verl_quads.nvfp4.gluon_moe.gluon_w4a16_grouped`
     with ``silu_mul``: no separate gate launch, no ``[S, 2I]`` h; the same bytes). It applies where GEMM1 is a bf16
@@ -2410,11 +2421,14 @@ def moe_forward(
     n_exp = w13_packed.shape[0]
     inter = w2_packed.shape[-1] * 2
     s = t * k
-    capture = on_record is not None
+    if on_record is not None and record_out is not None:
+        raise ValueError("moe_forward: pass on_record or record_out, not both")
+    capture = on_record is not None or record_out is not None
     op1, rec = quantize_activation(x, act_mode, residual_ratio=residual_ratio,
                                    residual_per_token=residual_per_token, capture=capture,
-                                   residual_combine=residual_combine, residual_granularity=residual_granularity)
-    if rec is not None:
+                                   residual_combine=residual_combine, residual_granularity=residual_granularity,
+                                   record_out=_record_out(record_out, "mlp.experts.w13", act_mode))
+    if rec is not None and on_record is not None:
         on_record("mlp.experts.w13", rec)
     # the routing's tile height depends on which kernels run the GEMMs (moe_block_m), hence after GEMM1's operand
     routing = moe_align(expert_ids, n_exp, moe_block_m(s, n_exp, op1.values if op1.mode == "w4a16" else None,
@@ -2455,12 +2469,18 @@ def moe_forward(
     else:
         op2, rec2 = quantize_activation(a, act_mode, residual_ratio=residual_ratio,
                                         residual_per_token=residual_per_token, capture=capture,
-                                        residual_combine=residual_combine, residual_granularity=residual_granularity)
-        if rec2 is not None:
+                                        residual_combine=residual_combine, residual_granularity=residual_granularity,
+                                        record_out=_record_out(record_out, "mlp.experts.w2", act_mode))
+        if rec2 is not None and on_record is not None:
             on_record("mlp.experts.w2", rec2)
         a_rows = None
     y = nvfp4_gemm(op2, w2_packed, w2_scale, w2_gs, routing=routing, a_rows=a_rows, out_rows=s, zero_unrouted=False)
     return moe_combine(y, slot_weights, expert_ids)  # (y.reshape(t, k, H).float() * w[..., None]).sum(1).to(x.dtype)
+
+
+def _record_out(record_out, gemm: str, act_mode: str) -> GuidanceRecord | None:
+    """``record_out(gemm)`` where guidance is captured (act_mode ``trace``), else None."""
+    return record_out(gemm) if record_out is not None and act_mode == "trace" else None
 
 
 def moe_silu_mul(h: torch.Tensor, slot_experts: torch.Tensor | None = None) -> torch.Tensor:

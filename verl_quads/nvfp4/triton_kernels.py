@@ -52,7 +52,7 @@ import torch
 
 from verl_quads.nvfp4 import device_info as di
 from verl_quads.nvfp4.format import BLOCK_SIZE, NVFP4Tensor
-from verl_quads.nvfp4.guidance import GuidanceRecord, extract_guidance
+from verl_quads.nvfp4.guidance import GuidanceRecord, check_record_out, extract_guidance
 from verl_quads.nvfp4.reference import (
     _check_amax,
     _check_global_scale,
@@ -684,11 +684,11 @@ if triton is not None:
 
     @triton.jit
     def _quant2_kernel(
-        x_ptr, gs_ptr, packed_ptr, scale_ptr, out_ptr, bits_ptr,
-        R, NBK, GS_DIV,
+        x_ptr, gs_ptr, packed_ptr, scale_ptr, out_ptr, bits_ptr, rsc_ptr, rgs_ptr,
+        R, NBK, GS_DIV, BITS_RS, SC_RS, GS_RS,
         RT: tl.constexpr, CT: tl.constexpr, ONE_GS: tl.constexpr, MODE: tl.constexpr, OUT: tl.constexpr,
         FP: tl.constexpr, GSRC: tl.constexpr = 0, NG: tl.constexpr = 1, WRITE_GS: tl.constexpr = False,
-        GUIDE: tl.constexpr = False,
+        GUIDE: tl.constexpr = False, REC: tl.constexpr = False, SLOTS: tl.constexpr = 1,
     ):
         """Quantize (MODE 0: packed int64 word + E4M3 byte per block) or QDQ (MODE 1) of x viewed as
         [R, NBK, 16]; program (i, j) handles rows i*RT.. (RT of them) x blocks j*CT.. (CT of them).
@@ -703,7 +703,11 @@ if triton is not None:
         has no QDQ output): also store the float32 global scale of each row's entry through out_ptr
         (at r // GS_DIV; 0 if ONE_GS; r for GSRC 2). GUIDE (MODE 0): also store each block's TRACE guidance bits
         (the low bit of its 16 codes, element j in bit j: :func:`verl_quads.nvfp4.guidance.extract_guidance`'s
-        bytes) as one int16 through bits_ptr."""
+        bytes) as one int16 through bits_ptr, row r's block c at ``(r // SLOTS) * BITS_RS + (r % SLOTS) * NBK + c``
+        (int16 units; contiguous bits: SLOTS 1, BITS_RS = NBK). REC (GUIDE): the record's block scale bytes and
+        global scales too, through rsc_ptr (uint8, token row stride SC_RS) and rgs_ptr (float32, one per row r
+        at ``(r // SLOTS) * GS_RS + r % SLOTS``): a record laid out in TRACE's token rows (SLOTS rows of x per
+        token: the routed slots of ``mlp.experts.w2``), written here instead of copied there afterwards."""
         i = tl.arange(0, RT * CT)
         r = tl.program_id(0) * RT + i // CT
         c = tl.program_id(1) * CT + i % CT
@@ -752,7 +756,12 @@ if triton is not None:
                 g = (g | (g >> 6)) & 0x000F000F000F000F
                 g = (g | (g >> 12)) & 0x000000FF000000FF
                 g = (g | (g >> 24)) & 0xFFFF
-                tl.store(bits_ptr + b, g.to(tl.int16), mask=bmask)
+                tok = (r // SLOTS).to(tl.int64)
+                slot = r % SLOTS
+                tl.store(bits_ptr + tok * BITS_RS + slot * NBK + c, g.to(tl.int16), mask=bmask)
+                if REC:
+                    tl.store(rsc_ptr + tok * SC_RS + slot * NBK + c, sbyte.to(tl.uint8), mask=bmask)
+                    tl.store(rgs_ptr + tok * GS_RS + slot, gs, mask=bmask & (c == 0))
 
     @triton.jit
     def _bits_threshold(eb, NSEL, NVALID):
@@ -1122,27 +1131,59 @@ def _out_arg(out: torch.Tensor) -> torch.Tensor:
     return out.view(torch.int16) if out.dtype == torch.bfloat16 else out
 
 
+class _RecordTarget:
+    """Where ``_quant2_kernel`` (GUIDE) writes a guidance record of x's ``rows`` rows of ``nbk`` blocks: bits as
+    int16 ``bits`` (one per block), row r's block c at ``(r // slots) * bits_rs + (r % slots) * nbk + c``; with
+    ``scale`` / ``gs`` (REC) also the block scale bytes (uint8, token stride ``sc_rs``) and the float32 global
+    scale of each row (``(r // slots) * gs_rs + r % slots``). Built by :func:`_record_target`."""
+
+    __slots__ = ("bits", "scale", "gs", "bits_rs", "sc_rs", "gs_rs", "slots")
+
+    def __init__(self, bits, scale, gs, bits_rs: int, sc_rs: int, gs_rs: int, slots: int) -> None:
+        self.bits, self.scale, self.gs = bits, scale, gs
+        self.bits_rs, self.sc_rs, self.gs_rs, self.slots = bits_rs, sc_rs, gs_rs, slots
+
+
+def _record_target(out: GuidanceRecord, x: torch.Tensor) -> _RecordTarget:
+    """The kernel's view of ``out``, a record to fill for x (layouts: :func:`~verl_quads.nvfp4.guidance.
+    check_record_out`, which raises on anything else)."""
+    lead = check_record_out(out, x)
+    if out.bits.stride(0) % 2 or out.bits.data_ptr() % 2:
+        raise ValueError(f"NVFP4 guidance output: record.bits rows must start at even byte addresses (the kernel "
+                         f"writes 2 bytes per block); row stride {out.bits.stride(0)}")
+    slots = lead[1] if len(lead) == 2 else 1
+    return _RecordTarget(out.bits.view(torch.int16), out.block_scale.view(torch.uint8), out.global_scale,
+                         out.bits.stride(0) // 2, out.block_scale.stride(0), out.global_scale.stride(0), slots)
+
+
 def _quant2(xc, g, div, a0, a1, a2, k, mode: int, out: int, gsrc: int = 0, ng: int = 1, gs_out=None,
-            bits=None) -> None:
+            rec: _RecordTarget | None = None) -> None:
     """Launch ``_quant2_kernel`` on contiguous ``xc`` ``[..., K]`` (rows = numel / K): MODE 0 writes
     packed words ``a0`` (int64 view) and scale bytes ``a1``; MODE 1 the QDQ into ``a2``. ``gsrc``/``ng``:
     the kernel's GSRC/NG (``g`` holds global scales, amaxes, or nothing for 2); ``gs_out`` (MODE 0
     only, passed in a2's place): float32 buffer for the global scales the kernel derives (GSRC 1, 2),
-    or None. GSRC 2 needs whole rows per program (:func:`_row_amax_fits`). ``bits`` (MODE 0 only): uint8
-    ``[..., K/8]`` for the TRACE guidance bits of the codes (GUIDE), or None."""
+    or None. GSRC 2 needs whole rows per program (:func:`_row_amax_fits`). ``rec`` (MODE 0 only): where the
+    TRACE guidance bits of the codes go (GUIDE; with its ``scale`` also the record's scales: REC), or None."""
     assert gs_out is None or mode == 0
-    assert bits is None or mode == 0
+    assert rec is None or mode == 0
     cfg = QUANT2_CONFIG["quantize" if mode == 0 else "qdq"]
     nbk = k // BLOCK_SIZE
     rows = xc.numel() // k
     ct = min(cfg["blocks"], _pow2(nbk))
     rt = cfg["blocks"] // ct
+    if rec is None:
+        bits, rsc, rgs, bits_rs, sc_rs, gs_rs, slots, full = a1, a1, a1, 0, 0, 0, 1, False
+    else:
+        bits, rsc, rgs, slots = rec.bits, rec.scale, rec.gs, rec.slots
+        bits_rs, sc_rs, gs_rs, full = rec.bits_rs, rec.sc_rs, rec.gs_rs, rec.scale is not None
+        if not full:
+            rsc = rgs = a1
     # plain integer grid math: triton.cdiv / next_power_of_2 are jit-callable objects (host time per call)
     _quant2_kernel[(-(-rows // rt), -(-nbk // ct))](
-        xc, g, a0, a1, a2 if gs_out is None else gs_out, a1 if bits is None else bits.view(torch.int16), rows, nbk,
-        div, RT=rt, CT=ct, ONE_GS=gsrc != 2 and g.numel() == ng, MODE=mode, OUT=out, FP=cfg.get("fp", False),
-        GSRC=gsrc, NG=ng, WRITE_GS=gs_out is not None, GUIDE=bits is not None, num_warps=cfg["num_warps"],
-        enable_fp_fusion=False)
+        xc, g, a0, a1, a2 if gs_out is None else gs_out, bits, rsc, rgs, rows, nbk, div, bits_rs, sc_rs, gs_rs,
+        RT=rt, CT=ct, ONE_GS=gsrc != 2 and g.numel() == ng, MODE=mode, OUT=out, FP=cfg.get("fp", False),
+        GSRC=gsrc, NG=ng, WRITE_GS=gs_out is not None, GUIDE=rec is not None, REC=full, SLOTS=slots,
+        num_warps=cfg["num_warps"], enable_fp_fusion=False)
 
 
 def _pow2(n: int) -> int:
@@ -1229,21 +1270,34 @@ def quantize(x: torch.Tensor, global_scale=None, *, amax=None, check_finite: boo
     """Triton :func:`verl_quads.nvfp4.quantize`. ``amax`` (instead of ``global_scale``): see
     :func:`fake_quantize`; the result's ``global_scale`` is the float32 scale the kernel derived (amax's
     shape; 0-d for a group; ``[..., 1]`` for "row")."""
-    return _quantize(x, global_scale, amax, check_finite, None)
+    return _quantize(x, global_scale, amax, check_finite, None)[0]
 
 
-def quantize_with_guidance(x: torch.Tensor, global_scale=None, *, amax=None,
-                           check_finite: bool = True) -> tuple[NVFP4Tensor, GuidanceRecord]:
+def quantize_with_guidance(x: torch.Tensor, global_scale=None, *, amax=None, check_finite: bool = True,
+                           out: GuidanceRecord | None = None) -> tuple[NVFP4Tensor, GuidanceRecord]:
     """Triton :func:`verl_quads.nvfp4.quantize_with_guidance`: :func:`quantize` whose kernel also writes the
     guidance bits (no launch of its own; the ``v1`` kernel has no such output: the bits come from
-    :func:`~verl_quads.nvfp4.guidance.extract_guidance` there, the same bytes)."""
-    bits = torch.empty(*x.shape[:-1], x.shape[-1] // 8, dtype=torch.uint8, device=x.device)
-    q = _quantize(x, global_scale, amax, check_finite, bits)
-    return q, GuidanceRecord(bits, q.block_scale, q.global_scale, q.shape)
+    :func:`~verl_quads.nvfp4.guidance.extract_guidance` there, the same bytes). ``out``: a record to fill
+    instead of a new one (layouts: :func:`_record_target`; TRACE's token rows): the v2 kernel writes its bits,
+    block scales and global scales there too (no copies); the returned record is ``out``."""
+    if out is None:
+        bits = torch.empty(*x.shape[:-1], x.shape[-1] // 8, dtype=torch.uint8, device=x.device)
+        q, _ = _quantize(x, global_scale, amax, check_finite, bits, None)
+        return q, GuidanceRecord(bits, q.block_scale, q.global_scale, q.shape)
+    target = _record_target(out, x)
+    q, written = _quantize(x, global_scale, amax, check_finite, None, target)
+    if not written:  # the route had no record outputs: the same bytes, copied
+        lead = out.bits.shape[:-1]
+        target.scale.copy_(q.block_scale.view(torch.uint8).reshape(*lead, -1))
+        out.global_scale.copy_(torch.broadcast_to(q.global_scale, (*x.shape[:-1], 1)).reshape(*lead, 1))
+    return q, out
 
 
-def _quantize(x: torch.Tensor, global_scale, amax, check_finite: bool, bits: torch.Tensor | None) -> NVFP4Tensor:
-    """:func:`quantize`; ``bits`` (uint8 ``[..., K/8]``): also filled with the codes' guidance bits."""
+def _quantize(x: torch.Tensor, global_scale, amax, check_finite: bool, bits: torch.Tensor | None,
+              target: _RecordTarget | None = None) -> tuple[NVFP4Tensor, bool]:
+    """:func:`quantize`, and whether the kernel wrote ``target``'s scales. ``bits`` (uint8 ``[..., K/8]``,
+    contiguous): also filled with the codes' guidance bits; ``target``: where the whole record goes instead (the
+    bits always; the scales by the v2 kernel only, else the caller copies them)."""
     xc, launch, gs = _prepare_amax(x, global_scale, amax, check_finite, 0)
     k = x.shape[-1]
     lead = tuple(x.shape[:-1])
@@ -1251,20 +1305,26 @@ def _quantize(x: torch.Tensor, global_scale, amax, check_finite: bool, bits: tor
     packed = torch.empty(*lead, k // 2, dtype=torch.uint8, device=x.device)
     scale = torch.empty(*lead, k // BLOCK_SIZE, dtype=torch.uint8, device=x.device)
     words = packed.view(torch.int64)  # one 8-byte word per block (see _block_word)
+    rec = target
+    if bits is not None:
+        rec = _RecordTarget(bits.view(torch.int16), None, None, k // BLOCK_SIZE, 0, 0, 1)
+    v2 = launch is not None or KERNELS["quantize"] == "v2"
     if launch is not None:
         g, div, gsrc, ng, gs = launch
-        _quant2(xc, g, div, words, scale, words, k, 0, 0, gsrc, ng, gs, bits)
+        _quant2(xc, g, div, words, scale, words, k, 0, 0, gsrc, ng, gs, rec)
     elif nblk:
         g, div = _gs_rows(gs, lead)
-        if KERNELS["quantize"] == "v2":
-            _quant2(xc, g, div, words, scale, words, k, 0, 0, bits=bits)
+        if v2:
+            _quant2(xc, g, div, words, scale, words, k, 0, 0, rec=rec)
         else:
             _launch(_quant_kernel, _grid(nblk), xc, g, words, scale, words, nblk, k // BLOCK_SIZE, div,
                     MODE=0, OUT=0)
-            if bits is not None:
-                bits.copy_(extract_guidance(NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs, x.shape,
-                                                        x.dtype)).bits)
-    return NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs, x.shape, x.dtype)
+            if rec is not None:
+                guide = extract_guidance(NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs, x.shape, x.dtype))
+                dst = rec.bits.view(torch.uint8)
+                dst.copy_(guide.bits.reshape(dst.shape))
+    q = NVFP4Tensor(packed, scale.view(torch.float8_e4m3fn), gs, x.shape, x.dtype)
+    return q, v2 and nblk > 0
 
 
 def fake_quantize(x: torch.Tensor, global_scale=None, *, amax=None, check_finite: bool = True) -> torch.Tensor:

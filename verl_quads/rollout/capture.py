@@ -12,12 +12,14 @@ slot's expert ids are kept beside it.
 How rows become (request, position): the GEMMs see a flat batch of token rows. A wrapper around
 the model runner's ``_model_forward`` (installed only in ``trace`` mode) opens a *step* with the
 batch's request ids, ``query_start_loc`` and ``positions`` before the forward and closes it after.
-Every forward's guided GEMMs copy their records into one persistent device buffer ``uint8 [rows, B]`` (rows =
+Every forward's guided GEMMs write their records into one persistent device buffer ``uint8 [rows, B]`` (rows =
 ``max_num_batched_tokens``): a token's row holds the records of every guided GEMM of the model side by side
 (:mod:`.trace_rows`; laid out from the GEMMs the layers register when vLLM builds them, so it is allocated once, at
-the first forward), written by :meth:`GuidanceStore.add` whether or not a step is open; that is what makes TRACE work
-under CUDA graphs (vLLM's default on GPUs, since session 25): the Python runs once while a graph is captured and every
-replay repeats the copies. The hook's ``end_step`` then takes the step's rows ``[0, n)``: ONE non-blocking copy into
+the first forward), whether or not a step is open: on the ``triton`` backend the activation quantize kernel writes
+bits, block scales and global scales straight into the GEMM's part of the rows (:meth:`GuidanceStore.record_rows`;
+until session 30 three copy kernels per guided GEMM, :meth:`GuidanceStore.add`, which the torch and native backends
+still use). That is what makes TRACE work under CUDA graphs (vLLM's default on GPUs, since session 25): the Python
+runs once while a graph is captured and every replay repeats the writes into the same addresses. The hook's ``end_step`` then takes the step's rows ``[0, n)``: ONE non-blocking copy into
 chunks of pinned host memory (:func:`_flush_to_host`, :class:`PinnedArena`) plus one for the positions (until
 session 26 a few tensor operations per guided GEMM and step: 1.5-3.9 ms of host time per decode step with 64 guided
 GEMMs, 1.75x the naive engine's time at batch 1 on the H200; until session 24 three blocking ``.cpu()`` calls per
@@ -532,34 +534,49 @@ class GuidanceStore:
     def add(self, layer: int, gemm: str, record: GuidanceRecord, expert_ids: torch.Tensor | None = None) -> None:
         """Write one guided GEMM's batch record (leading dim = the forward's token rows; for ``mlp.experts.w2``
         ``[T, top_k, ...]`` with the slots' expert ids ``[T, top_k]``) into its part of the persistent record buffer,
-        rows ``[0, T)``: one device copy per tensor, whether or not a step is open. Why copies into a fixed buffer:
-        under CUDA graphs (vLLM's default) this Python runs once, while the graph is captured, and each replay re-runs
-        only the copy kernels; :meth:`end_step` then takes the step's rows, written by this forward whether it ran
-        eagerly or replayed. Rows beyond the step (padding) are never taken. A record whose shape differs from the
-        one its layer registered is an error; a GEMM that registered nothing (direct use, tests) is laid out when
-        first seen."""
+        rows ``[0, T)``: one device copy per tensor (:meth:`record_rows` then copies; the ``triton`` backend's quantize
+        kernel writes into :meth:`record_rows` itself instead). A record whose shape differs from the one its layer
+        registered is an error; a GEMM that registered nothing (direct use, tests) is laid out when first seen."""
+        dst = self.record_rows(layer, gemm, GemmRows.of(record, expert_ids), record.bits.shape[0], record.bits.device,
+                               expert_ids)
+        dst.bits.copy_(record.bits)
+        dst.block_scale.view(torch.uint8).copy_(record.block_scale.view(torch.uint8))
+        dst.global_scale.copy_(record.global_scale)
+
+    def record_rows(self, layer: int, gemm: str, shape: GemmRows, m: int, device: torch.device,
+                    expert_ids: torch.Tensor | None = None) -> GuidanceRecord:
+        """Rows ``[0, m)`` of guided GEMM ``(layer, gemm)``'s part of the persistent record buffer, as a record of
+        views (bits uint8 ``[m, (S,) K/8]``, block scales e4m3 ``[m, (S,) K/16]``, global scales float32
+        ``[m, (S,) 1]``, row stride :attr:`TraceRowLayout.row_bytes`) for this forward's record to be written into,
+        whether or not a step is open; ``expert_ids`` (int ``[m, S]``, the GEMM with slots) are copied in here.
+        Why a fixed buffer: under CUDA graphs (vLLM's default) this Python runs once, while the graph is captured,
+        and each replay re-runs only the kernels that write it; :meth:`end_step` then takes the step's rows, written
+        by this forward whether it ran eagerly or replayed. Rows beyond the step (padding) are never taken. A
+        ``shape`` that differs from the one the layer registered is an error; a GEMM that registered nothing is laid
+        out when first seen. The caller must write all three tensors (the step's record is taken as written)."""
         key = (layer, gemm)
-        shape = GemmRows.of(record, expert_ids)
+        if (shape.slots is None) != (expert_ids is None):
+            raise ValueError(f"verl-quads TRACE: guided GEMM {key} with records of {shape} needs expert ids exactly "
+                             "when it has slots")
         known = self._trace_shapes.get(key)
         if known is not None and known != shape:
             raise RuntimeError(f"verl-quads TRACE: guided GEMM {key} registered records of {known} at layer build, "
-                               f"but a forward hands it {shape} (record {list(record.shape)})")
-        m, dev = record.bits.shape[0], record.bits.device
+                               f"but a forward hands it {shape} ({m} token rows)")
+        dev = torch.device(device)
         base = self._trace_rows
         if known is None or base is None or base.device != dev or base.shape[0] < m \
                 or key not in self._trace_layout.gemms:
             self._trace_shapes[key] = shape
             self._relayout(m, dev)
-        buf = self._trace_buf[key]
-        buf.bits[:m].copy_(record.bits)
-        buf.block_scale[:m].view(torch.uint8).copy_(record.block_scale.view(torch.uint8))
-        buf.global_scale[:m].copy_(record.global_scale)
         if expert_ids is not None:
             self._trace_ids[layer][:m].copy_(expert_ids)
-        if record.bits.is_cuda and torch.cuda.is_current_stream_capturing():
+        if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             self._trace_in_graph.add(key)
         elif self._current is not None:
             self._current.written.add(key)
+        buf = self._trace_buf[key]
+        return GuidanceRecord(buf.bits[:m], buf.block_scale[:m], buf.global_scale[:m],
+                              torch.Size((m, *shape.lead, shape.k)))
 
     def _take_trace_rows(self, step: _Step) -> None:
         """The step's rows ``[0, n)`` of the record buffer -> ``step.packed`` in host memory (CUDA:

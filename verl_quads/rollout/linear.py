@@ -225,18 +225,21 @@ class QuadsNVFP4LinearMethod(LinearMethodBase):
 def _linear_guided(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tensor, w_gs: torch.Tensor,
                    bias: torch.Tensor | None, act_mode: str, residual_ratio: float, residual_per_token: bool,
                    residual_combine: str, residual_granularity: str, layer: int, gemm: str) -> torch.Tensor:
-    """``triton`` linear ``[M, K] -> [M, N]`` that also hands its input's guidance record (decoder layer ``layer``,
-    GEMM ``gemm``) to the guidance store (:meth:`~verl_quads.rollout.capture.GuidanceStore.add`: copies into
-    persistent buffers, so a CUDA graph replays them)."""
+    """``triton`` linear ``[M, K] -> [M, N]`` whose activation quantize kernel also writes its input's guidance record
+    (decoder layer ``layer``, GEMM ``gemm``) straight into the guidance store's persistent rows
+    (:meth:`~verl_quads.rollout.capture.GuidanceStore.record_rows`: fixed addresses, so a CUDA graph replays the
+    writes; no copies)."""
     from verl_quads.nvfp4 import triton_gemm
     from verl_quads.rollout.capture import get_store
+    from verl_quads.rollout.trace_rows import GemmRows
 
-    op, record = triton_gemm.quantize_activation(
+    out = None
+    if act_mode == "trace":
+        out = get_store().record_rows(layer, gemm, GemmRows(x.shape[1]), x.shape[0], x.device)
+    op, _ = triton_gemm.quantize_activation(
         x, act_mode, residual_ratio=residual_ratio, residual_per_token=residual_per_token, capture=True,
-        residual_combine=residual_combine, residual_granularity=residual_granularity,
+        residual_combine=residual_combine, residual_granularity=residual_granularity, record_out=out,
     )
-    if record is not None:
-        get_store().add(layer, gemm, record)
     return triton_gemm.nvfp4_gemm(op, w_packed, w_scale, w_gs, bias)
 
 

@@ -228,17 +228,18 @@ class QuadsNVFP4MoEMethod(FusedMoEMethodBase):
             return torch.ops.verl_quads.nvfp4_moe(x, slot_weights, ids, *weights, q.mode, q.residual_ratio,
                                                   q.residual_per_token, q.residual_combine, q.residual_granularity)
         from verl_quads.rollout.capture import get_store
+        from verl_quads.rollout.trace_rows import GemmRows
 
         inter = layer.w2_weight_packed.shape[-1] * 2
 
-        def on_record(gemm: str, rec) -> None:
+        def record_out(gemm: str):
+            # the quantize kernels write the records straight into the store's rows (no copies per forward)
             if gemm == "mlp.experts.w2":
-                self._capture_w2(rec, t, k, inter, ids)
-            else:
-                get_store().add(self.capture_layer, gemm, rec)
+                return get_store().record_rows(self.capture_layer, gemm, GemmRows(inter, k), t, x.device, ids)
+            return get_store().record_rows(self.capture_layer, gemm, GemmRows(x.shape[1]), t, x.device)
 
         return tg.moe_forward(x, slot_weights, ids, *weights, q.mode, residual_ratio=q.residual_ratio,
-                              residual_per_token=q.residual_per_token, on_record=on_record,
+                              residual_per_token=q.residual_per_token, record_out=record_out,
                               residual_combine=q.residual_combine, residual_granularity=q.residual_granularity)
 
     def forward_reference(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor):
