@@ -128,10 +128,11 @@ def _host_us(fn, calls: int, dev: torch.device) -> float:
 
 def _stored_calls(x: torch.Tensor, weight: tuple, dev: torch.device, per_step: int = 64):
     """The ``trace`` linear method's eager call on activation ``x`` and ``weight`` (packed, block scales, global
-    scale): quantize with capture, hand the record to :meth:`GuidanceStore.add` into a step of one request (a fresh
-    store; a step of ``per_step`` calls, then the next step of a new request, as the runner hook opens and ends
-    steps; records are kept, as during a rollout), then the GEMM."""
+    scale): the record's rows from :meth:`GuidanceStore.record_rows` in a step of one request (a fresh store; a step
+    of ``per_step`` calls, then the next step of a new request, as the runner hook opens and ends steps; records are
+    kept, as during a rollout), quantize with capture into them, then the GEMM."""
     from verl_quads.rollout.capture import GuidanceStore
+    from verl_quads.rollout.trace_rows import GemmRows
 
     store = GuidanceStore()
     store.enabled = True
@@ -143,8 +144,8 @@ def _stored_calls(x: torch.Tensor, weight: tuple, dev: torch.device, per_step: i
             store.end_step()
             store.begin_step([f"r{n[0]}"], [0, 1], pos)
         n[0] += 1
-        a, rec = tg.quantize_activation(x, "trace", capture=True)
-        store.add(n[0] % per_step, "self_attn.o_proj", rec)
+        out = store.record_rows(n[0] % per_step, "self_attn.o_proj", GemmRows(x.shape[1]), x.shape[0], x.device)
+        a, _ = tg.quantize_activation(x, "trace", capture=True, record_out=out)
         return tg.nvfp4_gemm(a, *weight)
 
     return fn
@@ -172,8 +173,8 @@ def eager_host_time(shape: str, calls: int, dev: torch.device, act_mode: str = "
              "nvfp4_gemm alone": lambda: tg.nvfp4_gemm(op, q.packed, q.block_scale, gs),
              "bf16 x @ w.T (baseline)": lambda: _bf16_matmul(x, w16)}
     if capture:
-        parts["whole call + GuidanceStore.add (the trace linear method)"] = _stored_calls(x, (q.packed, q.block_scale,
-                                                                                             gs), dev)
+        name = "whole call into GuidanceStore.record_rows (the trace linear method)"
+        parts[name] = _stored_calls(x, (q.packed, q.block_scale, gs), dev)
     for name, fn in parts.items():
         print(f"[eager] {shape} M=1 {act_mode} {name}: {_host_us(fn, calls, dev):.1f} us per call, {calls} calls",
               flush=True)

@@ -19,8 +19,9 @@ the first forward), whether or not a step is open: on the ``triton`` backend the
 bits, block scales and global scales straight into the GEMM's part of the rows (:meth:`GuidanceStore.record_rows`;
 until session 30 three copy kernels per guided GEMM, :meth:`GuidanceStore.add`, which the torch and native backends
 still use). That is what makes TRACE work under CUDA graphs (vLLM's default on GPUs, since session 25): the Python
-runs once while a graph is captured and every replay repeats the writes into the same addresses. The hook's ``end_step`` then takes the step's rows ``[0, n)``: ONE non-blocking copy into
-chunks of pinned host memory (:func:`_flush_to_host`, :class:`PinnedArena`) plus one for the positions (until
+runs once while a graph is captured and every replay repeats the writes into the same addresses. The hook's
+``end_step`` then takes the step's rows ``[0, n)``: ONE non-blocking copy into chunks of pinned host memory
+(:func:`_flush_to_host`, :class:`PinnedArena`) plus one for the positions (until
 session 26 a few tensor operations per guided GEMM and step: 1.5-3.9 ms of host time per decode step with 64 guided
 GEMMs, 1.75x the naive engine's time at batch 1 on the H200; until session 24 three blocking ``.cpu()`` calls per
 record inside its GEMM). :meth:`GuidanceStore.pop` waits for those copies and gathers one request's rows over all its

@@ -264,7 +264,8 @@ def _native_linear_guided(x: torch.Tensor, w_packed: torch.Tensor, w_scale_swizz
                           bias: torch.Tensor | None, act_mode: str, residual_ratio: float, residual_per_token: bool,
                           residual_granularity: str, layer: int, gemm: str) -> torch.Tensor:
     """The native linear that also hands its input's guidance record (decoder layer ``layer``, GEMM ``gemm``) to the
-    guidance store, whose copies into persistent buffers a CUDA graph replays (as the triton backend's guided op)."""
+    guidance store, whose copies into persistent buffers a CUDA graph replays (the triton backend's guided op has its
+    quantize kernel write those buffers directly)."""
     if x.shape[0] == 0:
         return x.new_empty(0, w_packed.shape[0])
     passes, record = activation_passes(x, act_mode, residual_ratio, residual_per_token, capture=True,
