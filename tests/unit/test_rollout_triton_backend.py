@@ -32,7 +32,8 @@ pytestmark = [
 
 def _one_step(monkeypatch, rows: int, fn):
     """``fn()`` inside one step of request "r" (``rows`` token rows) of a fresh real guidance store, as the model
-    runner's hook drives it: (fn's output, {key: record} popped for "r", {} if nothing was recorded)."""
+    runner's hook drives it: (fn's output, {key: record} popped for "r" ({} if nothing was recorded), with the
+    popped expert ids of its MoE layers under the key "expert_ids")."""
     store = capture_mod.GuidanceStore()
     store.enabled = True
     monkeypatch.setattr(capture_mod, "get_store", lambda: store)
@@ -40,7 +41,7 @@ def _one_step(monkeypatch, rows: int, fn):
     out = fn()
     store.end_step()
     g = store.pop("r")
-    return out, ({} if g is None else g.records)
+    return out, ({} if g is None else {**g.records, "expert_ids": g.expert_ids})
 
 
 def _linear_layer(seed=0):
@@ -126,7 +127,7 @@ def _moe_layer(n_exp=4, hidden=64, inter=32, seed=0):
     ("w4a16", False, False, "fp4x2", None), ("naive", False, True, "fp4x2", None),
     ("quads", False, False, "fp4x2", "block"), ("quads", True, False, "fp4x2", None),
     ("quads", True, False, "fp4x2", "block"), ("trace", False, False, "fp4x2", None),
-    ("quads", True, True, "auto", None), ("quads", False, False, "bf16", "block"),
+    ("quads", True, True, "auto", None), ("quads", False, False, "bf16", "block"), ("trace", False, True, "fp4x2", None),
 ])
 def test_moe_apply_triton_equals_torch(monkeypatch, mode, per_token, expert_map, combine, gran):
     layer, cfg = _moe_layer()
@@ -147,6 +148,10 @@ def test_moe_apply_triton_equals_torch(monkeypatch, mode, per_token, expert_map,
     _close(outs["triton"], outs["torch"],
            f"moe {mode} per_token={per_token} expert_map={expert_map} combine={combine} granularity={gran}")
     assert set(recs["triton"]) == set(recs["torch"])
+    if mode == "trace":  # the local expert of each slot (-1: on another rank) stored beside w2's record, int16
+        local = (layer.expert_map[ids] if expert_map else ids).to(torch.int16)
+        for backend in ("torch", "triton"):
+            assert torch.equal(recs[backend].pop("expert_ids")[5], local), backend
     for key in recs["torch"]:
         a, b = recs["torch"][key], recs["triton"][key]
         assert a.shape == b.shape and torch.equal(a.bits, b.bits), key
