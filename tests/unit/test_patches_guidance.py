@@ -93,6 +93,51 @@ def test_rpc_transport_needs_plain_form(monkeypatch):
         g.from_plain({g.TENSOR_KEY: "int64", "shape": [1], "data": 3})
 
 
+def test_popped_rows_travel_as_their_own_bytearray(monkeypatch):
+    """A popped request's rows live in a bytearray (rollout/wire_bytes.py) that the RPC reply carries itself (no
+    tobytes copy); through vLLM's msgpack transport and through pickle (vLLM's worker message queue) the trainer
+    side gets the same rows back; a view or a copy of the rows is sent by value, as before."""
+    import pickle
+
+    from verl_quads.rollout import capture
+    from verl_quads.rollout.capture import GuidanceStore, RequestGuidance
+    from verl_quads.rollout.wire_bytes import backing_bytes, bytes_backed
+
+    store = GuidanceStore()
+    store.enabled = True
+    monkeypatch.setattr(capture, "_STORE", store)  # the worker process's store, as _fetch finds it
+    for step in range(3):
+        store.begin_step(["a", "b"], [0, 2 if step == 0 else 1, 4 if step == 0 else 2],
+                         torch.tensor([0, 1, 0, 1] if step == 0 else [step + 1, step + 1]))
+        store.add(2, "self_attn.o_proj", _row_record_of_steps()[step])
+        store.end_step()
+    assert backing_bytes(store.pop("b").rows) is None  # the default: plain torch memory (sent by value)
+    reply = g._fetch(object(), ["a"])  # the worker RPC: pops with into_bytes
+    plain = reply["records"]["a"]
+    assert isinstance(plain["rows"]["data"], bytearray) and len(plain["rows"]["data"]) == 4 * plain["row_bytes"]
+    want = [r.bits for r in _row_record_of_steps()]
+    for transport in (_vllm_rpc_roundtrip, lambda x: pickle.loads(pickle.dumps(x, protocol=5))):
+        back = RequestGuidance.from_wire(g.from_plain(transport(plain)))
+        assert back.positions.tolist() == [0, 1, 2, 3]
+        assert torch.equal(back.records[(2, "self_attn.o_proj")].bits, torch.cat([want[0][:2], want[1][:1],
+                                                                                 want[2][:1]]))
+    t = bytes_backed((3, 8))
+    t[1].fill_(7)
+    assert backing_bytes(t)[8:16] == bytes([7] * 8)  # the tensor IS the bytearray
+    assert backing_bytes(t[1:]) is None and backing_bytes(t.clone()) is None and backing_bytes(t.view(torch.int8)) \
+        is None
+    assert torch.equal(g.from_plain(g.to_plain(t[1:])), t[1:])
+    assert bytes_backed((0, 8)).shape == (0, 8)
+
+
+def _row_record_of_steps():
+    """The o_proj records of the three steps above (rows of request "a" first)."""
+    from verl_quads import nvfp4 as nv
+
+    xs = [torch.randn(4 if step == 0 else 2, 64, generator=torch.Generator().manual_seed(step)) for step in range(3)]
+    return [nv.extract_guidance(nv.quantize(x, amax="row", backend="torch")) for x in xs]
+
+
 class _Engine:
     """An engine whose workers hold ``records`` (wire form) and answer through vLLM's transport."""
 

@@ -18,7 +18,7 @@ expert-id block and of its positions into pinned host memory plus one CUDA event
 Qwen3-MoE decoder layer at the width options (``self_attn.qkv_proj`` K = hidden, ``self_attn.o_proj`` K = heads x
 head_dim, ``mlp.experts.w13`` K = hidden, ``mlp.experts.w2`` K = moe-inter x top_k slots), registered as the layers do
 and written once (a CUDA graph's capture: replays rewrite the buffer without Python), then the steps' hook and one
-``pop`` per request (what verl's server does), then ``wire ms``: the worker's RPC reply for all of them
+``pop`` per request (``into_bytes``, as verl's worker RPC pops), then ``wire ms``: the worker's RPC reply for all of them
 (``to_plain`` of each request's ``to_wire``: the bytes vLLM's msgpack RPC sends). Baseline: the same, with the
 step's record rows (one row of every GEMM per token) in place of the expert-id block.
 """
@@ -154,7 +154,7 @@ def measure_trace(batch: int, layers: int, gemms: list[tuple[str, int, int | Non
         if device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        got = [store.pop(r) for r in plan[0][0]]
+        got = [store.pop(r, into_bytes=True) for r in plan[0][0]]  # as verl's worker RPC pops them
         pop.append(time.perf_counter() - t)
         want = layers * len(gemms)
         if any(g is None or g.positions.numel() != prompt_len + steps or len(g.records) != want for g in got):

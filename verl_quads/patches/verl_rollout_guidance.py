@@ -106,8 +106,15 @@ TENSOR_KEY = "__verl_quads_tensor__"
 
 
 def to_plain(obj):
-    """Tensors (anywhere in nested dicts/lists) -> msgpack-native dicts of dtype, shape and raw bytes."""
+    """Tensors (anywhere in nested dicts/lists) -> msgpack-native dicts of dtype, shape and raw bytes (a tensor made
+    by :func:`~verl_quads.rollout.wire_bytes.bytes_backed`, e.g. a popped request's TRACE rows: its own
+    ``bytearray``, not a copy)."""
     if isinstance(obj, torch.Tensor):
+        from verl_quads.rollout.wire_bytes import backing_bytes
+
+        data = backing_bytes(obj)
+        if data is not None:
+            return {TENSOR_KEY: "uint8", "shape": list(obj.shape), "data": data}
         t = obj.detach().to("cpu").contiguous()
         return {TENSOR_KEY: str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
                 "data": t.reshape(-1).view(torch.uint8).numpy().tobytes()}
@@ -142,7 +149,8 @@ def _fetch(self, request_ids: list[str]) -> dict:
     from verl_quads.rollout.capture import fetch_guidance, fetch_routing, get_store
 
     store = get_store()
-    records = fetch_guidance(self, list(request_ids)) if store.enabled else {}
+    # into_bytes: the rows' own bytearray is the reply's payload (to_plain), not a copy of them
+    records = fetch_guidance(self, list(request_ids), into_bytes=True) if store.enabled else {}
     routing = fetch_routing(self, list(request_ids)) if store.routing else {}
     return {"enabled": store.enabled, "records": to_plain(records), "routing_enabled": store.routing,
             "routing": to_plain(routing)}
