@@ -539,6 +539,9 @@ def comp(fn, sig, const, nw):
     for p in fn.params:  # trailing constexprs with a default that sig leaves out: their default, as a launch gives
         if p.name not in sig and p.is_constexpr and p.has_default:
             sig[p.name], const[p.name] = "constexpr", p.default
+    missing = [p.name for p in fn.params if p.name not in sig]
+    assert not missing, f"{fn.__name__}: the compile signature misses {missing}"
+    sig = {p.name: sig[p.name] for p in fn.params}  # the attrs' indices count in parameter order
     # as the JIT specializes for aligned tensors: pointers and ints divisible by 16 carry tt.divisibility=16
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig) if sig[n][0] == "*" or n in ("NBK", "NB", "R")}
     k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs), target=GPUTarget("cuda", 90, 32),
@@ -547,7 +550,8 @@ def comp(fn, sig, const, nw):
     return k
 
 q = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "packed_ptr": "*i64", "scale_ptr": "*u8", "out_ptr": "*i16", "bits_ptr": "*u8",
-     "R": "i32", "NBK": "i32", "GS_DIV": "i32", "RT": "constexpr", "CT": "constexpr", "ONE_GS": "constexpr", "MODE": "constexpr",
+     "rsc_ptr": "*u8", "rgs_ptr": "*fp32", "R": "i32", "NBK": "i32", "GS_DIV": "i32", "BITS_RS": "i32", "SC_RS": "i32",
+     "GS_RS": "i32", "RT": "constexpr", "CT": "constexpr", "ONE_GS": "constexpr", "MODE": "constexpr",
      "OUT": "constexpr", "FP": "constexpr", "GSRC": "constexpr", "NG": "constexpr", "WRITE_GS": "constexpr"}
 g0 = {"GSRC": 0, "NG": 1, "WRITE_GS": False}  # global scales given (the ASTSource needs every constexpr)
 comp(tk._quant2_kernel, q, dict(g0, RT=1, CT=512, ONE_GS=False, MODE=0, OUT=0, FP=False), 4)
@@ -564,6 +568,9 @@ comp(tk._quant2_kernel, dict(q2, out_ptr="*fp32"), {"RT": 4, "CT": 128, "ONE_GS"
 # TRACE's rollout quantize: per-row scale in the kernel and the guidance bits (GUIDE, int64 bit gathering)
 comp(tk._quant2_kernel, dict(q2, out_ptr="*fp32", bits_ptr="*i16"), {"RT": 4, "CT": 128, "ONE_GS": False, "MODE": 0,
      "OUT": 0, "FP": False, "GSRC": 2, "NG": 1, "WRITE_GS": True, "GUIDE": True}, 4)
+# ... writing the whole record into TRACE's token rows (REC; SLOTS 8: the routed slots of mlp.experts.w2)
+comp(tk._quant2_kernel, dict(q2, out_ptr="*fp32", bits_ptr="*i16"), {"RT": 4, "CT": 128, "ONE_GS": False, "MODE": 0,
+     "OUT": 0, "FP": False, "GSRC": 2, "NG": 1, "WRITE_GS": True, "GUIDE": True, "REC": True, "SLOTS": 8}, 4)
 r = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16", "packed1_ptr": "*i64", "scale1_ptr": "*u8",
      "packed2_ptr": "*i64", "scale2_ptr": "*u8", "idx_ptr": "*i64", "gs2_ptr": "*fp32", "NB": "i32", "NSEL": "i32",
      "GS_DIV": "i32", "NTP": "constexpr", "CT": "constexpr", "HAS_W": "constexpr", "PACK": "constexpr", "OUT": "constexpr"}
