@@ -216,3 +216,56 @@ def test_emulator_and_probe_header_follow_residual_combine_auto(monkeypatch):
     res.quads_operand = {"quads@0.5": P._quads_operand(vl, cfg)}
     head = next(line for line in P.format_tables(res).splitlines() if line.startswith("QUADS selection"))
     assert "operand fp4x2 (residual_combine=auto, emulated (decomposition) bf16)" in head
+
+
+def test_paired_difference_by_hand():
+    base = [{"logp_gap_p99": 0.5, "k3_kl": 0.1}, {"logp_gap_p99": 0.7, "k3_kl": 0.3}, {"logp_gap_p99": 0.6, "k3_kl": 0.2}]
+    var = [{"logp_gap_p99": 0.4, "k3_kl": 0.1}, {"logp_gap_p99": 0.9, "k3_kl": 0.2}, {"logp_gap_p99": 0.3, "k3_kl": 0.25}]
+    out = S.paired_difference(base, var, keys=("logp_gap_p99", "k3_kl"))
+    d = np.array([-0.1, 0.2, -0.3])  # variant - base, by hand
+    p = out["logp_gap_p99"]
+    assert (p["base"], p["variant"]) == (pytest.approx(0.6), pytest.approx(1.6 / 3))
+    assert p["diff"] == pytest.approx(d.mean()) and p["diff_std"] == pytest.approx(d.std(ddof=1))
+    assert (p["variant_lower"], p["n"]) == (2, 3)
+    assert out["k3_kl"]["variant_lower"] == 1  # 0.1 vs 0.1 is not lower
+    assert S.paired_difference(base[:1], var[:1], keys=("k3_kl",))["k3_kl"]["diff_std"] == 0.0
+    with pytest.raises(ValueError, match="same number"):
+        S.paired_difference(base, var[:2])
+
+
+def test_probe_pairs_a_rule_variant_on_the_base_rollouts_tokens(tiny):
+    """Step 6 of the probe: quads@0.5:block is paired with quads@0.5 (the trace and unrelated modes are not); the
+    base's side of each batch equals the decomposition's independently computed 'both' ablation on the same
+    rollout, the variant's differs (another rule), both on the base's tokens; the table prints the pair."""
+    from verl_quads.diagnostics.probe import format_tables, parse_mode, run_probe, variant_pairs
+
+    names = lambda ms: [(b.name, v.name) for b, v in variant_pairs([parse_mode(m) for m in ms])]  # noqa: E731
+    assert names(["naive", "quads@0.5", "quads@0.5:block", "quads@0.25:sampled", "trace"]) == [
+        ("quads@0.5", "quads@0.5:block")]
+    res = run_probe(tiny, modes=["quads@0.5", "quads@0.5:block"], seeds=(0, 1, 2), max_new_tokens=4, engine="hf",
+                    prompts=("The capital of France is", "def add(a, b):"))
+    pr = res.paired["quads@0.5:block vs quads@0.5"]
+    assert (pr["base"], pr["variant"], [x["seed"] for x in pr["runs"]]) == ("quads@0.5", "quads@0.5:block", [0, 1, 2])
+    both = res.per_mode["quads@0.5"]["decomposition"]["both"]
+    for k in S.GAP_KEYS:
+        assert pr["summary"][k]["base"] == pytest.approx(both[k]["mean"], rel=1e-12, abs=0), k
+    runs_base = res.per_mode["quads@0.5"]["runs"]
+    for x, rb in zip(pr["runs"], runs_base):
+        assert x["base"]["n_tokens"] == x["variant"]["n_tokens"] == rb["n_tokens"]
+        assert 0.0 <= x["tokens_variant_lower"] + x["tokens_equal"] <= 1.0
+    assert any(x["base"]["logp_gap_mean"] != x["variant"]["logp_gap_mean"] for x in pr["runs"])
+    assert pr["summary"]["tokens_equal"]["mean"] < 1.0
+    txt = format_tables(res)
+    assert "== paired on the same tokens" in txt and "quads@0.5:block vs quads@0.5  p99|gap|" in txt
+
+
+def test_probe_prompts_file_json_or_lines(tmp_path):
+    from verl_quads.diagnostics.probe import load_prompts
+
+    (tmp_path / "p.json").write_text('["a\\nb", "c"]')
+    assert load_prompts(tmp_path / "p.json") == ("a\nb", "c")
+    (tmp_path / "p.txt").write_text("a\n\nc\n")
+    assert load_prompts(tmp_path / "p.txt") == ("a", "c")
+    (tmp_path / "bad.json").write_text('{"a": 1}')
+    with pytest.raises(ValueError, match="non-empty list of non-empty strings"):
+        load_prompts(tmp_path / "bad.json")

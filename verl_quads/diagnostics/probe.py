@@ -20,6 +20,11 @@ For each mode and each of ``seeds`` batches:
    from the ``bf16`` mode when it is in the run). Gap statistics are not additive (max, quantiles):
    the parts are reported side by side, not summed.
 5. **Per-layer relative output error** of each decoder layer, emulated rollout (both) vs trainer.
+6. **Paired rule comparison**: for a mode ``B`` and a variant ``B:v`` of it in the same run (e.g. ``quads@0.5`` and
+   ``quads@0.5:sampled``), both modes' emulated rollouts (*both*, as in 4) teacher-forced on ``B``'s rollout tokens of
+   each batch, each against its own trainer: the per-batch differences (variant - base) of the gap statistics and the
+   fraction of tokens where the variant's |gap| is lower, so the rules are compared without the sampling noise of
+   two separate rollouts.
 
 Every statistic is reported as mean ± std over the batches (plus min/max in the JSON).
 """
@@ -459,6 +464,9 @@ class ProbeResult:
     #: QUADS modes -> their operand form: {"residual_combine": the config value, "rollout": the concrete form the
     #: rollout engine runs, "emulated": the form of the emulated rollout (decomposition; the hf engine)}
     quads_operand: dict = field(default_factory=dict)
+    #: "variant vs base" -> {"base", "variant", "runs": per batch {"seed", "base", "variant" (gap stats on the same
+    #: tokens), "tokens_variant_lower", "tokens_equal"}, "summary": :func:`.stats.paired_difference`} (step 6)
+    paired: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
         d = dict(self.__dict__)
@@ -501,7 +509,8 @@ def run_probe(
     prompt_ids = [tok(p).input_ids for p in prompts]
     eng = make_engine(engine, model_dir, device)
     trainer = load_hf(model_dir, "sdpa", device)
-    emu_model = load_hf(model_dir, "sdpa", device) if decompose else None
+    pairs = variant_pairs(mode_objs)
+    emu_model = load_hf(model_dir, "sdpa", device) if decompose or pairs else None
     res = ProbeResult(eng.name, str(model_dir), [m.name for m in mode_objs], list(seeds), len(prompts), max_new_tokens)
     res.quads_rules = {m.name: {k: getattr(m.cfg, k) for k in ("residual_ratio", "residual_per_token",
                                                               "residual_granularity")}
@@ -514,6 +523,8 @@ def run_probe(
     n_steps = len(mode_objs) * len(seeds)
     bar = _progress(n_steps, "probe")
     floor_runs = None
+    kept = {}  # (pair base, seed) -> (its rollout, its trainer's log-probs), for the paired comparison
+    bases = {b.name for b, _ in pairs}
     try:
         for mode in mode_objs:
             runs, decomp_runs, layer_runs, gaps = [], {}, [], []
@@ -529,6 +540,8 @@ def run_probe(
                         row.update(rs)
                 gaps.extend(S.logp_gap(r.logp, tr.logp, r.mask).tolist())
                 runs.append(row)
+                if mode.name in bases:
+                    kept[(mode.name, seed)] = (r, tr.logp)
                 if decompose and mode.cfg.trainer_mode != "trace":
                     _decompose(emu_model, mode, r, tr, device, decomp_runs, layer_runs)
                 bar.update(1)
@@ -546,6 +559,9 @@ def run_probe(
     finally:
         bar.close()
         eng.close()
+    for base, var in pairs:
+        res.paired[f"{var.name} vs {base.name}"] = _paired_same_tokens(
+            emu_model, trainer, base, var, [(seed, *kept[(base.name, seed)]) for seed in seeds], device)
     if floor_runs is not None:
         for entry in res.per_mode.values():
             entry.setdefault("decomposition", {})["engine_floor"] = floor_runs
@@ -570,19 +586,53 @@ def _quads_operand(eng, cfg: QuantConfig) -> dict:
     return {"residual_combine": cfg.residual_combine, "rollout": rollout, "emulated": emulated}
 
 
-def _decompose(model, mode: Mode, r: Rollout, tr: Scored, device, decomp_runs: dict, layer_runs: list) -> None:
+def variant_pairs(modes: list[Mode]) -> list[tuple[Mode, Mode]]:
+    """(base, variant) for every mode named ``base:suffix`` whose ``base`` is also in ``modes`` (step 6), trace
+    excluded (its emulated rollout does not reproduce the real rollout's codes)."""
+    by_name = {m.name: m for m in modes}
+    out = []
+    for m in modes:
+        base = by_name.get(m.name.rpartition(":")[0]) if ":" in m.name else None
+        if base is not None and "trace" not in (base.cfg.trainer_mode, m.cfg.trainer_mode):
+            out.append((base, m))
+    return out
+
+
+def _paired_same_tokens(model, trainer, base: Mode, var: Mode, kept: list, device) -> dict:
+    """Step 6 for one (base, variant) pair; ``kept``: per batch (seed, the base's rollout, its trainer's log-probs)."""
+    runs = []
+    for seed, r, lp_base in kept:
+        lp_var = score_trainer(trainer, var, r, device=device).logp
+        sb = score_emulated(model, _ablation_specs(base)["both"], base.cfg, r, device=device)
+        sv = score_emulated(model, _ablation_specs(var)["both"], var.cfg, r, device=device)
+        gb, gv = S.logp_gap(sb.logp, lp_base, r.mask), S.logp_gap(sv.logp, lp_var, r.mask)
+        runs.append({"seed": seed, "base": S.gap_stats(sb.logp, lp_base, r.mask),
+                     "variant": S.gap_stats(sv.logp, lp_var, r.mask),
+                     "tokens_variant_lower": float((gv < gb).double().mean()),
+                     "tokens_equal": float((gv == gb).double().mean())})
+    summary = S.paired_difference([x["base"] for x in runs], [x["variant"] for x in runs])
+    summary["tokens_variant_lower"] = S.summarize([{"v": x["tokens_variant_lower"]} for x in runs])["v"]
+    summary["tokens_equal"] = S.summarize([{"v": x["tokens_equal"]} for x in runs])["v"]
+    return {"base": base.name, "variant": var.name, "runs": runs, "summary": summary}
+
+
+def _ablation_specs(mode: Mode) -> dict[str, RolloutSpec]:
+    """The emulated rollouts of step 4 for ``mode``: neither / weights_only / activations_only / both."""
     rspec = RolloutSpec.for_rollout_mode(mode.cfg)
     tw, ta = _trainer_mode_spec(mode.cfg)
     ratio, per_tok, gran = mode.cfg.residual_ratio, mode.cfg.residual_per_token, mode.cfg.residual_granularity
     kw = dict(residual_granularity=gran, residual_combine=mode.cfg.residual_combine)
     r_act = rspec.act if rspec.act != "trace" else "naive"
-    variants = {
+    return {
         "neither": RolloutSpec(tw, ta, ratio, per_tok, **kw),
         "weights_only": RolloutSpec(rspec.weights, ta, ratio, per_tok, **kw),
         "activations_only": RolloutSpec(tw, r_act, ratio, per_tok, **kw),
         "both": RolloutSpec(rspec.weights, r_act, ratio, per_tok, **kw),
     }
-    for name, spec in variants.items():
+
+
+def _decompose(model, mode: Mode, r: Rollout, tr: Scored, device, decomp_runs: dict, layer_runs: list) -> None:
+    for name, spec in _ablation_specs(mode).items():
         sc = score_emulated(model, spec, mode.cfg, r, device=device)
         row = S.gap_stats(sc.logp, tr.logp, r.mask)
         row["argmax_differs"] = S.argmax_differs(sc.argmax, tr.argmax, r.mask)
@@ -652,6 +702,21 @@ def format_tables(res: ProbeResult) -> str:
         for name, e in res.per_mode.items():
             le = e.get("layer_rel_error", {})
             lines.append(f"{name:{w}s} " + " ".join(f"{k}={v['mean']:.4f}" for k, v in le.items()))
+    if res.paired:
+        lines += ["", "== paired on the same tokens (per batch: the base's rollout tokens; both modes' emulated "
+                  "rollouts teacher-forced, each vs its trainer; diff = variant - base, lower is better) =="]
+        wp = max(len(k) for k in res.paired)
+        lines.append(f"{'pair':{wp}s} {'metric':>9s} {'base':>9s} {'variant':>9s} {'diff (mean±std)':>20s} "
+                     f"{'variant lower':>13s}")
+        for key, pr in res.paired.items():
+            sm = pr["summary"]
+            for k, label in (("logp_gap_max", "max|gap|"), ("logp_gap_p99", "p99|gap|"),
+                             ("logp_gap_mean", "mean|gap|"), ("k3_kl", "k3 KL")):
+                d = sm[k]
+                lines.append(f"{key:{wp}s} {label:>9s} {d['base']:9.5f} {d['variant']:9.5f} "
+                             f"{d['diff']:+10.5f}±{d['diff_std']:.5f} {d['variant_lower']:>6d}/{d['n']} batches")
+            lines.append(f"{key:{wp}s} tokens where the variant's |gap| is lower: {sm['tokens_variant_lower']['mean']:.3f}"
+                         f", equal: {sm['tokens_equal']['mean']:.3f} (mean over batches)")
     return "\n".join(lines)
 
 
@@ -706,6 +771,20 @@ def write_outputs(res: ProbeResult, out_dir: str | Path, *, make_plot: bool = Tr
     return paths
 
 
+def load_prompts(path: str | Path) -> tuple[str, ...]:
+    """Prompts from ``path``: a ``.json`` file holding a list of strings, else one prompt per non-empty line."""
+    path = Path(path)
+    if path.suffix == ".json":
+        data = json.loads(path.read_text())
+        if not isinstance(data, list) or not data or not all(isinstance(x, str) and x for x in data):
+            raise ValueError(f"--prompts {path}: a .json prompts file must hold a non-empty list of non-empty strings")
+        return tuple(data)
+    prompts = tuple(l.rstrip("\n") for l in path.read_text().splitlines() if l.strip())
+    if not prompts:
+        raise ValueError(f"--prompts {path}: no prompt in the file")
+    return prompts
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
@@ -714,7 +793,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help="comma list: bf16,naive,w4a16,w4a4_qat,quads@R[:block|:call],trace (quads@R: the per-token "
                         "channel rule, the product default; :block per-token 16-channel blocks; :call per-call blocks)")
-    p.add_argument("--prompts", help="file with one prompt per line (default: built-in set)")
+    p.add_argument("--prompts", help="file with one prompt per line, or a .json file holding a list of prompt strings "
+                                     "(e.g. the prompts.json `python -m verl_quads.diagnostics.realistic` writes: "
+                                     "its held-out prompts, which may span lines) (default: built-in set)")
     p.add_argument("--seeds", type=int, default=3, help="number of sampled batches (>= 3)")
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto")
@@ -732,7 +813,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"model: tiny random Qwen3-MoE with injected outlier channels, built at {model}")
     prompts = DEFAULT_PROMPTS
     if a.prompts:
-        prompts = tuple(l.rstrip("\n") for l in open(a.prompts) if l.strip())
+        prompts = load_prompts(a.prompts)
     t0 = time.perf_counter()
     res = run_probe(model, modes=a.modes.split(","), prompts=prompts, seeds=tuple(range(a.seeds)),
                     max_new_tokens=a.max_new_tokens, engine=a.engine, device=a.device,
@@ -742,5 +823,5 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nwrote {', '.join(str(v) for v in paths.values())} in {time.perf_counter() - t0:.1f}s")
 
 
-__all__ = ["DEFAULT_MODES", "DEFAULT_PROMPTS", "Mode", "ProbeResult", "format_tables", "main", "parse_mode", "plot",
-           "run_probe", "score_emulated", "score_trainer", "write_outputs"]
+__all__ = ["DEFAULT_MODES", "DEFAULT_PROMPTS", "Mode", "ProbeResult", "format_tables", "load_prompts", "main",
+           "parse_mode", "plot", "run_probe", "score_emulated", "score_trainer", "variant_pairs", "write_outputs"]

@@ -534,6 +534,8 @@ def main(argv: list[str] | None = None) -> dict:
     # held-out prompts: windows of held-out tokens, decoded back to text
     n_p = min(a.n_prompts, max(1, held.numel() // (a.prompt_tokens * 2)))
     prompts = tuple(tok.decode(held[i * a.prompt_tokens * 2 : i * a.prompt_tokens * 2 + a.prompt_tokens]) for i in range(n_p))
+    # for a later `verl-quads probe --model <ckpt> --prompts <out>/prompts.json` on the same prompts (more seeds/modes)
+    (out / "prompts.json").write_text(json.dumps(list(prompts)))
     res = P.run_probe(ckpt, modes=a.modes.split(","), prompts=prompts, seeds=tuple(range(a.seeds)),
                       max_new_tokens=a.max_new_tokens, engine="hf", device=a.device, guided_layers=cfg.num_hidden_layers)
     t_ph = phase("probe", t_ph)

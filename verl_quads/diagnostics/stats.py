@@ -147,12 +147,35 @@ def summarize(runs: list[dict[str, float]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def paired_difference(base_runs: list[dict[str, float]], variant_runs: list[dict[str, float]],
+                      keys=GAP_KEYS) -> dict[str, dict[str, float]]:
+    """Seed-paired comparison of two modes: ``base_runs[i]`` and ``variant_runs[i]`` measured on the same batch i
+    (same tokens). Per key: ``{"base", "variant"}`` (means), ``"diff"`` (mean of variant - base), ``"diff_std"``
+    (sample std of the per-batch differences, 0 for one batch), ``"variant_lower"`` (batches where the variant's
+    value is strictly lower), ``"n"``. A lower gap is better for every :data:`GAP_KEYS` entry."""
+    if len(base_runs) != len(variant_runs) or not base_runs:
+        raise ValueError(f"paired_difference: need the same number (> 0) of batches, got {len(base_runs)} and "
+                         f"{len(variant_runs)}")
+    out = {}
+    for k in keys:
+        b = [float(r[k]) for r in base_runs]
+        v = [float(r[k]) for r in variant_runs]
+        d = [y - x for x, y in zip(b, v)]
+        n = len(d)
+        mean = sum(d) / n
+        std = math.sqrt(sum((e - mean) ** 2 for e in d) / (n - 1)) if n > 1 else 0.0
+        out[k] = {"base": sum(b) / n, "variant": sum(v) / n, "diff": mean, "diff_std": std,
+                  "variant_lower": sum(1 for x, y in zip(b, v) if y < x), "n": n}
+    return out
+
+
 __all__ = [
     "GAP_KEYS",
     "argmax_differs",
     "closure",
     "gap_stats",
     "logp_gap",
+    "paired_difference",
     "relative_error",
     "routing_disagreement",
     "summarize",
