@@ -101,7 +101,7 @@ def test_popped_rows_travel_as_their_own_bytearray(monkeypatch):
 
     from verl_quads.rollout import capture
     from verl_quads.rollout.capture import GuidanceStore, RequestGuidance
-    from verl_quads.rollout.wire_bytes import backing_bytes, bytes_backed
+    from verl_quads.rollout.wire_bytes import backing_bytes, bytes_backed, bytes_backed_cat
 
     store = GuidanceStore()
     store.enabled = True
@@ -128,6 +128,14 @@ def test_popped_rows_travel_as_their_own_bytearray(monkeypatch):
         is None
     assert torch.equal(g.from_plain(g.to_plain(t[1:])), t[1:])
     assert bytes_backed((0, 8)).shape == (0, 8)
+    # the pop's concatenation (bytearray.join, no zero-fill): torch.cat's bytes, a non-contiguous block included
+    blocks = [torch.randint(0, 256, (n, 8), dtype=torch.uint8) for n in (2, 0, 3)]
+    blocks.append(torch.randint(0, 256, (8, 4), dtype=torch.uint8).t())
+    c = bytes_backed_cat(blocks, 8)
+    assert torch.equal(c, torch.cat(blocks)) and bytes(backing_bytes(c)) == torch.cat(blocks).numpy().tobytes()
+    assert bytes_backed_cat([], 8).shape == (0, 8) and bytes_backed_cat(blocks[1:2], 8).shape == (0, 8)
+    with pytest.raises(ValueError, match=r"block 1 is torch.int8 \(2, 8\) on cpu; need uint8 \[rows, 8\]"):
+        bytes_backed_cat([blocks[0], blocks[0].view(torch.int8)], 8)
 
 
 def _row_record_of_steps():

@@ -90,7 +90,7 @@ from verl_quads.nvfp4 import GuidanceRecord
 from verl_quads.rollout.request_ids import RequestCapture, RequestIndex, external_request_id
 from verl_quads.rollout.routing_log import ROUTING_MAX_MB_ENV, RequestRouting, RoutingLog
 from verl_quads.rollout.trace_rows import GemmRows, TraceRowLayout, contiguous_records
-from verl_quads.rollout.wire_bytes import bytes_backed
+from verl_quads.rollout.wire_bytes import bytes_backed, bytes_backed_cat
 
 logger = logging.getLogger("verl_quads")
 
@@ -626,9 +626,9 @@ class GuidanceStore:
 
         ``request_id``: vLLM's internal id or the caller's external id (see :meth:`resolve`). ``into_bytes``: the
         rows in :func:`~verl_quads.rollout.wire_bytes.bytes_backed` memory, for a caller that sends them as bytes
-        (verl's worker RPC): their bytearray is then sent as is, instead of copied out once more. It costs a
-        zero-fill of fresh memory first (H200 host, 64 requests of ~8 MB: the pop + reply 299-381 ms vs 401-467
-        without; the pop alone 287-358 vs 252-305), hence off for callers that keep the tensors.
+        (verl's worker RPC): their bytearray is then sent as is, instead of copied out once more (H200 host, session
+        30, 64 requests of ~8 MB: the pop + reply 299-381 ms vs 401-467 without); callers that keep the tensors
+        take torch memory (default). See :mod:`~verl_quads.rollout.wire_bytes` for the costs.
         """
         request_id = self.resolve(request_id) or request_id
         with self._lock:
@@ -658,7 +658,7 @@ class GuidanceStore:
             blocks = [s.packed[sl] for s, sl in parts]
             width = parts[0][0].layout.row_bytes
             if into_bytes:
-                rows = torch.cat(blocks, out=bytes_backed((sum(b.shape[0] for b in blocks), width)))
+                rows = bytes_backed_cat(blocks, width)
                 if not in_order:
                     rows = torch.index_select(rows, 0, keep, out=bytes_backed((keep.numel(), width)))
             else:
