@@ -10,8 +10,9 @@ carry a ``bytearray`` as bytes). H200 host, 64 requests x 191 tokens (session 30
 alternating rounds): pop + reply 299-381 ms vs 401-467 ms before; a pop alone cost more that way (the zero-fill of
 ``bytearray(n)``: 287-358 vs 252-305 ms), so callers that keep the tensors do not ask for it. Since session 31 the pop
 builds the bytearray with :func:`bytes_backed_cat` (``bytearray.join`` of the row blocks: one pass over fresh memory, no
-zero-fill; this 2-core CPU, 64 requests x 191 one-row blocks of 43.7 KB: 182 ms vs 228 ms for zero-fill + ``torch.cat``,
-plain ``torch.cat`` 178 ms, one torch thread; not yet re-measured on the H200 host).
+zero-fill): ``capture_probe --what trace --device cpu`` on a 2-core CPU, three alternating rounds, pop of 64 requests
+435-457 ms vs 456-508, 16 requests 119-125 vs 125-148 (docs/bench_capture_probe_pop_join_cpu_session31.txt; not yet
+re-measured on the H200 host).
 """
 
 from __future__ import annotations
