@@ -601,18 +601,18 @@ def variant_pairs(modes: list[Mode]) -> list[tuple[Mode, Mode]]:
 def _paired_same_tokens(model, trainer, base: Mode, var: Mode, kept: list, device) -> dict:
     """Step 6 for one (base, variant) pair; ``kept``: per batch (seed, the base's rollout, its trainer's log-probs)."""
     runs = []
+    spec_b, spec_v = _ablation_specs(base)["both"], _ablation_specs(var)["both"]
     for seed, r, lp_base in kept:
         lp_var = score_trainer(trainer, var, r, device=device).logp
-        sb = score_emulated(model, _ablation_specs(base)["both"], base.cfg, r, device=device)
-        sv = score_emulated(model, _ablation_specs(var)["both"], var.cfg, r, device=device)
+        sb = score_emulated(model, spec_b, base.cfg, r, device=device)
+        sv = score_emulated(model, spec_v, var.cfg, r, device=device)
         gb, gv = S.logp_gap(sb.logp, lp_base, r.mask), S.logp_gap(sv.logp, lp_var, r.mask)
         runs.append({"seed": seed, "base": S.gap_stats(sb.logp, lp_base, r.mask),
                      "variant": S.gap_stats(sv.logp, lp_var, r.mask),
                      "tokens_variant_lower": float((gv < gb).double().mean()),
                      "tokens_equal": float((gv == gb).double().mean())})
     summary = S.paired_difference([x["base"] for x in runs], [x["variant"] for x in runs])
-    summary["tokens_variant_lower"] = S.summarize([{"v": x["tokens_variant_lower"]} for x in runs])["v"]
-    summary["tokens_equal"] = S.summarize([{"v": x["tokens_equal"]} for x in runs])["v"]
+    summary.update(S.summarize([{k: x[k] for k in ("tokens_variant_lower", "tokens_equal")} for x in runs]))
     return {"base": base.name, "variant": var.name, "runs": runs, "summary": summary}
 
 

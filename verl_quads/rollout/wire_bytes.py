@@ -30,7 +30,11 @@ def bytes_backed(shape: tuple[int, ...]) -> torch.Tensor:
     n = math.prod(shape)
     if n == 0:
         return torch.empty(shape, dtype=torch.uint8)
-    buf = bytearray(n)
+    return _over(bytearray(n), shape)
+
+
+def _over(buf: bytearray, shape: tuple[int, ...]) -> torch.Tensor:
+    """The uint8 tensor of ``shape`` over all of ``buf``, carrying ``buf`` for :func:`backing_bytes`."""
     t = torch.frombuffer(buf, dtype=torch.uint8).view(shape)
     setattr(t, _ATTR, buf)
     return t
@@ -47,10 +51,7 @@ def bytes_backed_cat(blocks: list[torch.Tensor], width: int) -> torch.Tensor:
     n = sum(b.shape[0] for b in blocks)
     if n == 0 or width == 0:
         return bytes_backed((n, width))
-    buf = bytearray().join([b.contiguous().numpy() for b in blocks])
-    t = torch.frombuffer(buf, dtype=torch.uint8).view(n, width)
-    setattr(t, _ATTR, buf)
-    return t
+    return _over(bytearray().join([b.contiguous().numpy() for b in blocks]), (n, width))
 
 
 def backing_bytes(t: torch.Tensor) -> bytearray | None:
