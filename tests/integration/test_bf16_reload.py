@@ -130,6 +130,14 @@ def _run(model_dir: Path, only: str, n_syncs: int) -> None:
         th.join(timeout=120)
         assert not th.is_alive() and not errors, errors
 
+    try:
+        _compare(llm, sync, rollout, score, result, n_syncs, only, len(names))
+    finally:  # not left to vLLM's exit-time finalizer: its SIGTERM races the engine monitor thread (abort at exit)
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _compare(llm, sync, rollout, score, result, n_syncs: int, only: str, n_tensors: int) -> None:
+    """Generate, then ``n_syncs`` times sync the same weights and generate again, printing each result."""
     patched = llm.collective_rpc(_patches_on_sync_method)[0]
     before = rollout()
     result(event="before", score=score(before), patched=patched)
@@ -144,7 +152,7 @@ def _run(model_dir: Path, only: str, n_syncs: int) -> None:
                 gap = max((abs(x - y) for x, y in zip(a["logprobs"][:same_prefix], b["logprobs"][:same_prefix])),
                           default=0.0)
                 diffs.append({"prompt": k, "first_token_diff": same_prefix, "max_logprob_gap_prefix": gap})
-        result(event="after_sync", index=i, only=only, n_tensors=len(names), score=score(after),
+        result(event="after_sync", index=i, only=only, n_tensors=n_tensors, score=score(after),
                n_prompts=len(before), n_tokens=sum(len(o["tokens"]) for o in before), diffs=diffs)
 
 

