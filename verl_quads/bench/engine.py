@@ -177,7 +177,6 @@ def _time_engine(llm, mode: str, args: argparse.Namespace) -> dict[str, dict[int
 
     from verl_quads.rollout.capture import collect_guidance, collect_routing
 
-
     def on_worker(fn, *a):
         return llm.collective_rpc(fn, args=a)[0]
 
