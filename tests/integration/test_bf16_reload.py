@@ -131,29 +131,24 @@ def _run(model_dir: Path, only: str, n_syncs: int) -> None:
         assert not th.is_alive() and not errors, errors
 
     try:
-        _compare(llm, sync, rollout, score, result, n_syncs, only, len(names))
+        patched = llm.collective_rpc(_patches_on_sync_method)[0]
+        before = rollout()
+        result(event="before", score=score(before), patched=patched)
+        for i in range(n_syncs):
+            sync()
+            after = rollout()
+            diffs = []
+            for k, (a, b) in enumerate(zip(before, after)):
+                if a["tokens"] != b["tokens"] or a["logprobs"] != b["logprobs"] or a["top5"] != b["top5"]:
+                    n = min(len(a["logprobs"]), len(b["logprobs"]))
+                    same_prefix = next((j for j in range(n) if a["tokens"][j] != b["tokens"][j]), n)
+                    gap = max((abs(x - y) for x, y in zip(a["logprobs"][:same_prefix], b["logprobs"][:same_prefix])),
+                              default=0.0)
+                    diffs.append({"prompt": k, "first_token_diff": same_prefix, "max_logprob_gap_prefix": gap})
+            result(event="after_sync", index=i, only=only, n_tensors=len(names), score=score(after),
+                   n_prompts=len(before), n_tokens=sum(len(o["tokens"]) for o in before), diffs=diffs)
     finally:  # not left to vLLM's exit-time finalizer: its SIGTERM races the engine monitor thread (abort at exit)
         llm.llm_engine.engine_core.shutdown()
-
-
-def _compare(llm, sync, rollout, score, result, n_syncs: int, only: str, n_tensors: int) -> None:
-    """Generate, then ``n_syncs`` times sync the same weights and generate again, printing each result."""
-    patched = llm.collective_rpc(_patches_on_sync_method)[0]
-    before = rollout()
-    result(event="before", score=score(before), patched=patched)
-    for i in range(n_syncs):
-        sync()
-        after = rollout()
-        diffs = []
-        for k, (a, b) in enumerate(zip(before, after)):
-            if a["tokens"] != b["tokens"] or a["logprobs"] != b["logprobs"] or a["top5"] != b["top5"]:
-                n = min(len(a["logprobs"]), len(b["logprobs"]))
-                same_prefix = next((j for j in range(n) if a["tokens"][j] != b["tokens"][j]), n)
-                gap = max((abs(x - y) for x, y in zip(a["logprobs"][:same_prefix], b["logprobs"][:same_prefix])),
-                          default=0.0)
-                diffs.append({"prompt": k, "first_token_diff": same_prefix, "max_logprob_gap_prefix": gap})
-        result(event="after_sync", index=i, only=only, n_tensors=n_tensors, score=score(after),
-               n_prompts=len(before), n_tokens=sum(len(o["tokens"]) for o in before), diffs=diffs)
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.verl, pytest.mark.vllm]
