@@ -27,18 +27,22 @@ Scale granularity (both sides must agree; decided here once):
 - QUADS residual selection (docs/quads_selection.md): per token (row; ``residual_per_token=True``, the
   default): like the per-token global scale, it keeps a token's activation independent of its batch
   mates, so generation is batch-invariant. The unit (``residual_granularity``) is by default
-  ``channel``: the ``round(k * K)`` channels of the row with the largest squared residual, their
-  residual quantized in the original 16-blocks (a dense second operand: the same GEMM work as the block
-  rule at equal k). It is the default because it measured best at equal k (realistic H200 model,
-  session 5: k=0.5 closes p99 0.90 / max 0.95 of the naive -> floor log-prob gap vs 0.67 / 0.74 for
-  blocks). ``block`` (opt-in) selects the ``round(k * K / 16)`` 16-channel blocks of the row with the
-  largest residual energy. Both rules run on every rollout backend (``torch``, ``triton``, ``native``);
-  on CUDA the channel rule's Triton kernel holds a row on chip, so GEMM inputs longer than its
-  ``CHANNEL_CONFIG["max_k"]`` channels are refused when the layer is created.
-  ``residual_per_token=False`` selects once per GEMM call (the sum of the block scores over the call's
-  rows; DESIGN.md §1's first definition; not batch-invariant); it is defined for blocks only, so it
-  needs ``residual_granularity="block"`` set explicitly (with the default ``channel`` it is an error,
-  never a silent switch of rule).
+  ``channel_sampled`` (since session 33): single channels of the row whose squared residual reaches the
+  row's threshold, the ``round(k * S)``-th largest of a fixed sample of S ~ 512 of its channels (about
+  ``k * K`` channels), their residual quantized in the original 16-blocks (a dense second operand: the
+  same GEMM work as the block rule at equal k). ``channel`` selects exactly the ``round(k * K)`` channels
+  with the largest squared residual; it was the default in sessions 6-32 because it measured best at
+  equal k against blocks (realistic H200 model, session 5: k=0.5 closes p99 0.90 / max 0.95 of the naive
+  -> floor log-prob gap vs 0.67 / 0.74 for blocks), and the sampled rule replaced it because, paired on
+  the same tokens, the two could not be told apart (session 33, 16 batches) while the sampled kernel
+  takes about half the time at many rows. ``block`` (opt-in) selects the ``round(k * K / 16)``
+  16-channel blocks of the row with the largest residual energy. All three rules run on every rollout
+  backend (``torch``, ``triton``, ``native``); on CUDA the channel rules' Triton kernel holds a row on
+  chip, so GEMM inputs longer than its ``CHANNEL_CONFIG["max_k"]`` channels are refused when the layer
+  is created. ``residual_per_token=False`` selects once per GEMM call (the sum of the block scores over
+  the call's rows; DESIGN.md §1's first definition; not batch-invariant); it is defined for blocks only,
+  so it needs ``residual_granularity="block"`` set explicitly (with the default it is an error, never a
+  silent switch of rule).
 - QUADS operand form (``residual_combine``): ``fp4x2`` keeps ``Q(x)`` and ``Q(R_sel)`` as two FP4 GEMM
   operands combined in float32 (the arithmetic of an FP4 tensor-core GEMM); ``bf16`` runs the W4A16 GEMM
   on the core's QDQ activation ``residual_fake_quantize(x)`` = ``Q(x) + Q(R_sel)`` summed in float32 and
@@ -70,6 +74,11 @@ RESIDUAL_COMBINES = ("auto", "fp4x2", "bf16")
 RESIDUAL_COMBINE_FORMS = ("fp4x2", "bf16")
 #: QUADS residual selection granularity (== verl_quads.nvfp4.RESIDUAL_GRANULARITIES; kept here so this module needs no torch).
 RESIDUAL_GRANULARITIES = ("block", "channel", "channel_sampled")
+#: The product's QUADS selection rule (``QuantConfig.residual_granularity``'s default; every rollout-side default
+#: -- ActQuant, the HF emulator, the native ops, the probe's ``quads@R`` -- reads this one name). ``channel_sampled``
+#: since session 33: paired on the same tokens it matched the exact ``channel`` rule's log-prob gap on the realistic
+#: H200 model (16 batches, docs/quads_selection.md "Sampled threshold") at about half the kernel time at many rows.
+DEFAULT_RESIDUAL_GRANULARITY = "channel_sampled"
 WEIGHT_QDQS = ("auto", "per_forward", "per_version")
 
 _TRAINER_OF = {"none": "none", "naive": "none", "w4a16": "w4a16", "quads": "w4a16", "trace": "trace", "w4a4_qat": "w4a4_qat"}
@@ -94,15 +103,17 @@ class QuantConfig:
     Attributes:
         quant: user-facing mode, one of :data:`QUANT_MODES`.
         residual_ratio: QUADS fraction k of each activation row compensated, in [0, 1]: ``round(k * K)``
-            channels (``channel`` rule) or ``round(k * K / 16)`` 16-channel blocks (``block`` rule).
+            channels (``channel`` rule; about that many under ``channel_sampled``) or ``round(k * K / 16)``
+            16-channel blocks (``block`` rule).
         residual_per_token: select the compensated residual per token (default, batch-invariant)
             instead of once per GEMM call (``False``: blocks only, needs ``residual_granularity="block"``).
-        residual_granularity: QUADS selection unit, one of :data:`RESIDUAL_GRANULARITIES`: ``channel``
-            (default: the ``round(k * K)`` single channels per token with the largest squared residual)
-            or ``block`` (the ``round(k * K / 16)`` 16-channel blocks with the largest residual energy;
-            the only unit of per-call selection) or ``channel_sampled`` (single channels per token whose squared
-            residual reaches the row's threshold, the ``round(k * S)``-th largest of a fixed sample of S ~ 512
-            of its channels: about ``k * K`` channels, no exact rank; docs/quads_selection.md). Every rollout
+        residual_granularity: QUADS selection unit, one of :data:`RESIDUAL_GRANULARITIES`:
+            ``channel_sampled`` (default, :data:`DEFAULT_RESIDUAL_GRANULARITY`: single channels per token whose
+            squared residual reaches the row's threshold, the ``round(k * S)``-th largest of a fixed sample of
+            S ~ 512 of its channels: about ``k * K`` channels, no exact rank; docs/quads_selection.md) or
+            ``channel`` (the ``round(k * K)`` single channels per token with the largest squared residual) or
+            ``block`` (the ``round(k * K / 16)`` 16-channel blocks with the largest residual energy; the only
+            unit of per-call selection). Every rollout
             backend runs each (``torch``, ``triton``, ``native``). Only read in the rollout's ``quads`` mode (and
             validated only there).
         guided_layers: TRACE: number of last decoder layers whose GEMM inputs are guided (> 0).
@@ -128,7 +139,7 @@ class QuantConfig:
     quant: str = "none"
     residual_ratio: float = 0.5
     residual_per_token: bool = True
-    residual_granularity: str = "channel"
+    residual_granularity: str = DEFAULT_RESIDUAL_GRANULARITY
     guided_layers: int = 20
     trace_base_mode: str = "w4a16"
     ignore: tuple[str, ...] = DEFAULT_IGNORE
@@ -148,14 +159,16 @@ class QuantConfig:
         if self.residual_granularity not in RESIDUAL_GRANULARITIES:
             raise ValueError(
                 f"actor_rollout_ref.actor.quant_config.residual_granularity={self.residual_granularity!r}: allowed: "
-                f"{', '.join(RESIDUAL_GRANULARITIES)} (channel: single channels per token, the default; block: "
-                "16-channel blocks; channel_sampled: single channels over a threshold from a fixed sample of the row)"
+                f"{', '.join(RESIDUAL_GRANULARITIES)} (channel_sampled: single channels per token over a threshold "
+                "from a fixed sample of the row, the default; channel: the row's round(k * K) channels with the "
+                "largest squared residual; block: 16-channel blocks)"
             )
         if self.quant == "quads" and self.residual_granularity != "block" and not self.residual_per_token:
             raise ValueError(
                 "actor_rollout_ref.actor.quant_config.residual_per_token=false selects once per GEMM call, which is "
                 f"defined for 16-channel blocks only, but residual_granularity={self.residual_granularity!r}"
-                f"{' (the default)' if self.residual_granularity == 'channel' else ''} selects channels per token: "
+                f"{' (the default)' if self.residual_granularity == DEFAULT_RESIDUAL_GRANULARITY else ''} selects "
+                "channels per token: "
                 "set actor_rollout_ref.actor.quant_config.residual_granularity=block for per-call selection, or "
                 "residual_per_token=true for the channel rules"
             )

@@ -421,12 +421,13 @@ def test_methods_match_nvfp4_qdq_plus_plain_matmul(engines, ckpts):
     ck = checkpoint_tensors(ckpts[0])
     n_checked = 0
     # quads: the product default as the engine builds it (QuadsNVFP4Config with no options on vLLM CPU: per-token
-    # channels, residual_combine auto -> bf16 on the torch backend), the fp4x2 operand form named explicitly, and
-    # the block rule named explicitly
+    # channels over a sampled threshold, residual_combine auto -> bf16 on the torch backend), the fp4x2 operand form
+    # named explicitly, and the exact channel rule and the block rule named explicitly
     product = QuadsNVFP4Config.from_config({"quant": "quads"}).activation_quant("model.layers.0.mlp.experts")[0]
-    assert (product.residual_granularity, product.residual_combine) == ("channel", "bf16")
+    assert (product.residual_granularity, product.residual_combine) == ("channel_sampled", "bf16")
     cases = [("w4a16", None, ActQuant("w4a16", 0.5)), ("naive", None, ActQuant("naive", 0.5)),
              ("quads", "default", product), ("quads", "fp4x2", ActQuant("quads", 0.5, residual_combine="fp4x2")),
+             ("quads", "channel", ActQuant("quads", 0.5, residual_granularity="channel", residual_combine="fp4x2")),
              ("quads", "block", ActQuant("quads", 0.5, residual_granularity="block", residual_combine="fp4x2"))]
     for mode, case, act in cases:
         ref_gran, ref_combine = act.residual_granularity, act.residual_combine
@@ -445,7 +446,7 @@ def test_methods_match_nvfp4_qdq_plus_plain_matmul(engines, ckpts):
             # same fp32 products; only the summation order may differ -> at most bf16 rounding flips
             torch.testing.assert_close(y, ref, rtol=2**-7, atol=1e-5, msg=f"{mode} {case} {name}")
             n_checked += 1
-    assert n_checked >= 5 * 8
+    assert n_checked >= 6 * 8
 
 
 # ----------------------------------------------------------------------------- 3. per-layer error

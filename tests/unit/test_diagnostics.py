@@ -154,16 +154,18 @@ def test_emulator_padding_rows_do_not_change_per_call_quads_of_valid_rows(tiny):
 
 
 def test_probe_quads_modes_follow_the_product_default_and_name_the_other_rules():
-    """quads@R is QuantConfig's default rule (per-token channels); :block / :call name the block rules; the old
-    ':token' (per-token blocks until session 5) and duplicate names are refused instead of silently re-ruled."""
+    """quads@R is QuantConfig's default rule (per-token channels over a sampled threshold since session 33); :channel
+    names the exact channel rule, :block / :call the block rules; the old ':token' (per-token blocks until session 5)
+    and duplicate names are refused instead of silently re-ruled."""
     from verl_quads.config import QuantConfig
     from verl_quads.diagnostics.probe import parse_mode, run_probe
 
     rule = lambda m: (m.name, m.cfg.residual_ratio, m.cfg.residual_per_token, m.cfg.residual_granularity)  # noqa: E731
-    assert QuantConfig("quads").residual_granularity == "channel"
-    assert rule(parse_mode("quads@0.25")) == ("quads@0.25", 0.25, True, "channel")
-    assert rule(parse_mode("quads")) == ("quads@0.5", 0.5, True, "channel")
-    assert rule(parse_mode("quads@0.25:channel")) == ("quads@0.25", 0.25, True, "channel")
+    assert QuantConfig("quads").residual_granularity == "channel_sampled"
+    assert rule(parse_mode("quads@0.25")) == ("quads@0.25", 0.25, True, "channel_sampled")
+    assert rule(parse_mode("quads")) == ("quads@0.5", 0.5, True, "channel_sampled")
+    assert rule(parse_mode("quads@0.25:sampled")) == ("quads@0.25", 0.25, True, "channel_sampled")
+    assert rule(parse_mode("quads@0.25:channel")) == ("quads@0.25:channel", 0.25, True, "channel")
     assert rule(parse_mode("quads@0.25:block")) == ("quads@0.25:block", 0.25, True, "block")
     assert rule(parse_mode("quads@0.25:call")) == ("quads@0.25:call", 0.25, False, "block")
     with pytest.raises(ValueError, match=r"':token' \(per-token 16-channel blocks until session 5\).*quads@R:block"):
@@ -171,7 +173,7 @@ def test_probe_quads_modes_follow_the_product_default_and_name_the_other_rules()
     with pytest.raises(ValueError, match=r"bad QUADS selection in 'quads@0.5:row'"):
         parse_mode("quads@0.5:row")
     with pytest.raises(ValueError, match=r"name the same mode more than once: \['quads@0.5'\]"):
-        run_probe("/nonexistent", modes=["quads@0.5", "quads@0.5:channel"])
+        run_probe("/nonexistent", modes=["quads@0.5", "quads@0.5:sampled"])
 
 
 def test_emulator_and_probe_header_follow_residual_combine_auto(monkeypatch):

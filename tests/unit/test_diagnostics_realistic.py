@@ -60,13 +60,13 @@ def _run_toy(tmp_path, main, AutoTokenizer):
     px = data["probe_extra"]["per_mode"]
     assert list(px) == ["bf16", "naive", "quads@0.5"] and all("decomposition" not in px[m] or
                                                                set(px[m]["decomposition"]) == {"engine_floor"} for m in px)
-    # plain quads@R is the product default: the per-token channel rule
-    assert data["probe_extra"]["quads_rules"]["quads@0.5"]["residual_granularity"] == "channel"
-    assert "quads@0.5: k=0.5 per token channels" in (tmp_path / "extra" / "probe.txt").read_text()
+    # plain quads@R is the product default: the per-token channel rule over a sampled threshold (session 33)
+    assert data["probe_extra"]["quads_rules"]["quads@0.5"]["residual_granularity"] == "channel_sampled"
+    assert "quads@0.5: k=0.5 per token channels (sampled threshold)" in (tmp_path / "extra" / "probe.txt").read_text()
     # the emulated rollout (hf engine) resolves residual_combine=auto (the default) to bf16, and says so
     assert data["probe_extra"]["quads_operand"]["quads@0.5"] == {"residual_combine": "auto", "rollout": "bf16",
                                                                  "emulated": "bf16"}
-    assert "quads@0.5: k=0.5 per token channels, operand bf16 (residual_combine=auto)" in \
+    assert "quads@0.5: k=0.5 per token channels (sampled threshold), operand bf16 (residual_combine=auto)" in \
         (tmp_path / "extra" / "probe.txt").read_text()
     assert (tmp_path / "extra" / "probe.txt").exists() and "extra_probe" in data["phase_seconds"]
 
@@ -78,7 +78,7 @@ def test_realistic_refuses_the_removed_channel_ratios_flag_and_bad_modes():
 
     from verl_quads.diagnostics.realistic import main
 
-    with pytest.raises(SystemExit, match=r"--channel-ratios was removed: quads@R is the per-token channel rule.*"
+    with pytest.raises(SystemExit, match=r"--channel-ratios was removed: quads@R is the product default rule.*"
                                          r"--block-ratios"):
         main(["--toy", "--seconds", "1", "--channel-ratios", "0.5"])
     with pytest.raises(SystemExit, match=r"--modes / --block-ratios: .*':token'.*quads@R:block"):

@@ -137,7 +137,8 @@ def test_errors_name_the_rule():
     from verl_quads.config import QuantConfig
 
     assert QuantConfig("quads", residual_granularity=_G).residual_granularity == _G
-    with pytest.raises(ValueError, match=r"residual_granularity='channel_sampled' selects channels per token"):
+    with pytest.raises(ValueError, match=r"residual_granularity='channel_sampled' \(the default\) selects channels per "
+                                         r"token"):
         QuantConfig("quads", residual_granularity=_G, residual_per_token=False)
 
 

@@ -79,12 +79,13 @@ def test_quads_activation_of_a_row_depends_on_its_batch_mates_only_per_call(per_
     from verl_quads.config import QuantConfig
     from verl_quads.rollout.emulation import ActQuant, quantize_activation
 
-    # per token: the default rule (channels); per call: blocks (per-call selection is defined for blocks only)
+    # per token: the default rule (channels over a sampled threshold); per call: blocks (per-call selection is
+    # defined for blocks only)
     cfg = QuantConfig("quads", residual_ratio=0.25) if per_token else QuantConfig("quads", residual_ratio=0.25,
                                                                                  residual_per_token=False,
                                                                                  residual_granularity="block")
     assert cfg.residual_per_token is per_token
-    assert cfg.residual_granularity == ("channel" if per_token else "block")
+    assert cfg.residual_granularity == ("channel_sampled" if per_token else "block")
     q = ActQuant(cfg.rollout_mode, cfg.residual_ratio, cfg.residual_per_token,
                  residual_granularity=cfg.residual_granularity)
     x = _activations(m=16)
@@ -104,8 +105,9 @@ def test_per_token_is_the_default_selection():
     from verl_quads.rollout.emulation import ActQuant
 
     assert QuantConfig("quads").residual_per_token is True and ActQuant("quads").residual_per_token is True
-    # the product's default unit is the channel rule; the NVFP4 core's own default stays the block rule (issue #2)
-    assert QuantConfig("quads").residual_granularity == "channel" == ActQuant("quads").residual_granularity
+    # the product's default unit is the sampled-threshold channel rule (session 33); the NVFP4 core's own default
+    # stays the block rule (issue #2)
+    assert QuantConfig("quads").residual_granularity == "channel_sampled" == ActQuant("quads").residual_granularity
     x = _activations(m=8)
     assert nv.residual_quantize(x, 0.5, backend="torch").granularity == "block"
     assert torch.equal(nv.residual_fake_quantize(x, 0.5, backend="torch"),

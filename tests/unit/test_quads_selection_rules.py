@@ -21,26 +21,30 @@ def test_probe_mode_selects_per_token_by_default_and_per_call_on_request():
         parse_mode("quads@0.5:row")
 
 
-def test_probe_mode_channel_rule_and_its_emulator_backend():
-    """quads@R is the per-token channel rule (QuantConfig's default), quads@R:block the per-token block rule; the
-    HF emulator quantizes every mode with the auto backend (the channel rule has its Triton kernel, bit-exact with
-    the torch reference)."""
+def test_probe_mode_channel_rules_and_their_emulator_backend():
+    """quads@R is the per-token sampled-threshold channel rule (QuantConfig's default since session 33),
+    quads@R:channel the exact channel rule, quads@R:block the per-token block rule; the HF emulator quantizes every
+    mode with the auto backend (the channel rules have their Triton kernel, bit-exact with the torch reference)."""
     from verl_quads.config import QuantConfig
     from verl_quads.diagnostics.hf_rollout import RolloutSpec
     from verl_quads.diagnostics.probe import parse_mode
 
     ch = parse_mode("quads@0.25")
-    assert ch.name == "quads@0.25" and ch.cfg.residual_granularity == "channel" == QuantConfig().residual_granularity
+    assert ch.name == "quads@0.25" and ch.cfg.residual_granularity == "channel_sampled"
+    assert QuantConfig().residual_granularity == "channel_sampled"
     assert ch.cfg.residual_per_token is True and ch.cfg.residual_ratio == 0.25
-    assert parse_mode("quads@0.25:channel") == ch
+    assert parse_mode("quads@0.25:sampled") == ch
+    exact = parse_mode("quads@0.25:channel")
+    assert exact.name == "quads@0.25:channel" and exact.cfg.residual_granularity == "channel"
     blk = parse_mode("quads@0.25:block")
     assert blk.name == "quads@0.25:block" and blk.cfg.residual_granularity == "block" and blk.cfg.residual_per_token
     spec = RolloutSpec.for_rollout_mode(ch.cfg)
-    assert spec.residual_granularity == "channel" and spec.act_backend == "auto"
+    assert spec.residual_granularity == "channel_sampled" and spec.act_backend == "auto"
+    assert RolloutSpec.for_rollout_mode(exact.cfg).residual_granularity == "channel"
     assert RolloutSpec.for_rollout_mode(blk.cfg).residual_granularity == "block"
-    assert RolloutSpec(True, "quads").residual_granularity == "channel"
+    assert RolloutSpec(True, "quads").residual_granularity == "channel_sampled"
     assert RolloutSpec.for_rollout_mode(parse_mode("naive").cfg).act_backend == "auto"
-    for kw in ({"residual_granularity": "channel"}, {}):
+    for kw in ({"residual_granularity": "channel"}, {"residual_granularity": "channel_sampled"}, {}):
         with pytest.raises(ValueError, match="blocks only"):
             RolloutSpec(True, "quads", 0.5, False, **kw)
 

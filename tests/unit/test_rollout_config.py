@@ -55,9 +55,9 @@ def test_args_from_dict_env_and_default(monkeypatch):
         ({"quant": "quads", "residual_granularity": "channel", "residual_per_token": False},
          r"residual_per_token=false selects once per GEMM call, which is defined for 16-channel blocks only.*set "
          r"actor_rollout_ref\.actor\.quant_config\.residual_granularity=block"),
-        # per-call selection with the DEFAULT granularity (channel): an error naming the key to set, no silent switch
+        # per-call selection with the DEFAULT granularity (channel_sampled): an error naming the key, no silent switch
         ({"quant": "quads", "residual_per_token": False},
-         r"residual_granularity='channel' \(the default\).*set actor_rollout_ref\.actor\.quant_config\."
+         r"residual_granularity='channel_sampled' \(the default\).*set actor_rollout_ref\.actor\.quant_config\."
          r"residual_granularity=block for per-call selection"),
     ],
 )
@@ -134,11 +134,11 @@ def test_native_refuses_quads_bf16_combine_mocked_blackwell(monkeypatch):
 
 
 def test_residual_granularity_reaches_each_layers_activation_quant(monkeypatch):
-    """quant_config.residual_granularity: default channel (per token), also with no config at all; block (and
+    """quant_config.residual_granularity: default channel_sampled (per token), also with no config at all; block (and
     per-call block selection) is handed to every layer's ActQuant when set (torch backend)."""
     act = QuadsNVFP4Config.from_config({"quant": "quads"}).activation_quant("model.layers.0.mlp.down_proj")[0]
-    assert (act.residual_granularity, act.residual_per_token) == ("channel", True)
-    assert QuadsNVFP4Config().quant_config.residual_granularity == "channel"  # no env var: {"quant": "quads"}
+    assert (act.residual_granularity, act.residual_per_token) == ("channel_sampled", True)
+    assert QuadsNVFP4Config().quant_config.residual_granularity == "channel_sampled"  # no env var: {"quant": "quads"}
     cfg = QuadsNVFP4Config.from_config({"quant": "quads", "residual_granularity": "block", "residual_ratio": 0.25})
     assert cfg.backend == "torch"
     act, idx, gemm = cfg.activation_quant("model.layers.1.self_attn.qkv_proj")
@@ -205,7 +205,9 @@ def test_linear_and_moe_methods_channel_granularity_torch_backend_and_refusals()
     w = em.weight_f32(layer.weight_packed, layer.weight_scale, layer.weight_global_scale)
     want = (op.dequantize(torch.float32) @ w.t()).to(torch.bfloat16).reshape(2, 5, 48)
     assert torch.equal(y, want)
-    assert torch.equal(QuadsNVFP4LinearMethod(ActQuant("quads", 0.25), "torch").apply(layer, x, None), y)  # default
+    sampled = ActQuant("quads", 0.25, True, residual_granularity="channel_sampled")
+    y_default = QuadsNVFP4LinearMethod(ActQuant("quads", 0.25), "torch").apply(layer, x, None)
+    assert torch.equal(y_default, QuadsNVFP4LinearMethod(sampled, "torch").apply(layer, x, None))  # the default rule
     y_blk = QuadsNVFP4LinearMethod(ActQuant("quads", 0.25, True, residual_granularity="block"), "torch").apply(
         layer, x, None)
     assert not torch.equal(y, y_blk)
@@ -239,7 +241,7 @@ def test_channel_rule_row_limit_is_refused_at_layer_creation_on_triton_and_nativ
 
     max_k = triton_channel.CHANNEL_CONFIG["max_k"]
     chan, blk = ActQuant("quads", 0.5), ActQuant("quads", 0.5, residual_granularity="block")
-    assert chan.residual_granularity == "channel"
+    assert chan.residual_granularity == "channel_sampled"  # the default; the exact rule shares the limit (below)
     for backend in ("triton", "native"):
         layer = torch.nn.Module()
         layer.prefix = "model.layers.0.mlp.down_proj"

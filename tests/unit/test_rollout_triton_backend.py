@@ -81,13 +81,14 @@ def _act(monkeypatch, backend, mode, per_token, combine, gran, prefix):
     return act
 
 
-#: QUADS selection unit per case: None = the default (the per-token channel rule); per-call cases need
+#: QUADS selection unit per case: None = the default (the per-token sampled-threshold channel rule since session 33;
+#: "channel" keeps the exact channel rule tested); per-call cases need
 #: "block" (per-call selection is defined for blocks only); ("quads", True, ..., "block") keeps the per-token
 #: block rule tested through the product path. combine "auto": the product default (-> bf16 on both backends,
 #: see _act); fp4x2 and explicit bf16 stay covered.
 @pytest.mark.parametrize("mode, per_token, combine, gran", [
     ("w4a16", False, "fp4x2", None), ("naive", False, "fp4x2", None), ("quads", False, "fp4x2", "block"),
-    ("quads", True, "fp4x2", None), ("quads", True, "fp4x2", "block"),
+    ("quads", True, "fp4x2", None), ("quads", True, "fp4x2", "block"), ("quads", True, "fp4x2", "channel"),
     ("trace", False, "fp4x2", None), ("quads", True, "auto", None), ("quads", False, "bf16", "block"),
 ])
 def test_linear_apply_triton_equals_torch(monkeypatch, mode, per_token, combine, gran):
@@ -98,7 +99,7 @@ def test_linear_apply_triton_equals_torch(monkeypatch, mode, per_token, combine,
     outs, recs = {}, {}
     for backend in ("torch", "triton"):
         act = _act(monkeypatch, backend, mode, per_token, combine, gran, "model.layers.3.self_attn.qkv_proj")
-        assert mode != "quads" or act.residual_granularity == (gran or "channel")
+        assert mode != "quads" or act.residual_granularity == (gran or "channel_sampled")
         m = QuadsNVFP4LinearMethod(act, backend, capture_key=(3, "self_attn.qkv_proj") if mode == "trace" else None)
         outs[backend], recs[backend] = _one_step(monkeypatch, 6, lambda: m.apply(layer, x, bias))
     _close(outs["triton"], outs["torch"], f"linear {mode} per_token={per_token} combine={combine} granularity={gran}")
@@ -126,7 +127,8 @@ def _moe_layer(n_exp=4, hidden=64, inter=32, seed=0):
 @pytest.mark.parametrize("mode, per_token, expert_map, combine, gran", [  # gran: as test_linear_apply_triton_equals_torch
     ("w4a16", False, False, "fp4x2", None), ("naive", False, True, "fp4x2", None),
     ("quads", False, False, "fp4x2", "block"), ("quads", True, False, "fp4x2", None),
-    ("quads", True, False, "fp4x2", "block"), ("trace", False, False, "fp4x2", None),
+    ("quads", True, False, "fp4x2", "block"), ("quads", True, False, "fp4x2", "channel"),
+    ("trace", False, False, "fp4x2", None),
     ("quads", True, True, "auto", None), ("quads", False, False, "bf16", "block"), ("trace", False, True, "fp4x2", None),
 ])
 def test_moe_apply_triton_equals_torch(monkeypatch, mode, per_token, expert_map, combine, gran):

@@ -123,11 +123,12 @@ def test_conflicting_rollout_quantization_fails_naming_both_keys(overrides, mess
 
 
 def test_quads_selection_rule_default_and_per_call_through_the_verl_config():
-    """verl's composed config: quant=quads alone hands vLLM the per-token channel rule (QuantConfig's default);
+    """verl's composed config: quant=quads alone hands vLLM the per-token sampled-threshold channel rule
+    (QuantConfig's default since session 33);
     quant_config.residual_per_token=false alone fails at instantiation naming residual_granularity=block (no silent
     switch of rule); with residual_granularity=block it configures per-call block selection."""
     qc = _rollout("actor_rollout_ref.actor.quant=quads").engine_kwargs["vllm"]["hf_overrides"]["quantization_config"]
-    assert (qc["residual_granularity"], qc["residual_per_token"]) == ("channel", True)
+    assert (qc["residual_granularity"], qc["residual_per_token"]) == ("channel_sampled", True)
     with pytest.raises(InstantiationException, match=r"residual_per_token=false.*set actor_rollout_ref\.actor\."
                                                      r"quant_config\.residual_granularity=block") as ei:
         _rollout("actor_rollout_ref.actor.quant=quads", "actor_rollout_ref.actor.quant_config.residual_per_token=false")

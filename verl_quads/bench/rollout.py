@@ -15,8 +15,8 @@ No vLLM needed: calls :mod:`verl_quads.nvfp4.triton_gemm` directly. Rows (issue 
   (per-token residual selection with the product's default rule G = ``QuantConfig().residual_granularity``,
   read at run time and passed explicitly; graph-capturable) and ``quads-bf16 k=R (G)`` (the opt-in
   ``residual_combine="bf16"`` operand: the core's QDQ activation in bf16, then the w4a16 GEMM), plus one
-  comparison row ``quads-bf16 k=R (other)`` per other selection rule (``block`` when the default is
-  ``channel``); ``--variants`` keeps a subset of the rows; each timed as the whole call
+  comparison row ``quads-bf16 k=R (other)`` per other selection rule (``channel`` and ``block`` under the default
+  ``channel_sampled``); ``--variants`` keeps a subset of the rows; each timed as the whole call
   (activation quantization included) captured in a CUDA graph; ``x bf16`` = BF16 time / this time
   (> 1: faster); weight bandwidth counts the NVFP4 bytes the GEMM must read (codes + block scales;
   the active experts' only) as a fraction of the device-to-device copy bandwidth of the same run.

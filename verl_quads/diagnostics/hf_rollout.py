@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verl_quads.config import RESIDUAL_COMBINES, QuantConfig, resolve_residual_combine
+from verl_quads.config import DEFAULT_RESIDUAL_GRANULARITY, RESIDUAL_COMBINES, QuantConfig, resolve_residual_combine
 from verl_quads.nvfp4 import GuidanceRecord
 from verl_quads.qat.weights import EXPERT_PARAMS, FUSED_GROUPS
 from verl_quads.rollout import emulation
@@ -54,7 +54,7 @@ class RolloutSpec:
         act: activation handling: ``none`` (BF16), ``naive`` (RTN NVFP4), ``quads`` (NVFP4 +
             residual compensation), ``trace`` (naive + guidance capture in the guided layers).
         residual_ratio / residual_per_token / residual_granularity: QUADS options (defaults as
-            :class:`verl_quads.config.QuantConfig`: per token, the channel rule).
+            :class:`verl_quads.config.QuantConfig`: per token, the sampled-threshold channel rule).
         guided_layers: trace: the last N decoder layers capture guidance.
         residual_combine: QUADS operand form, as ``quant_config.residual_combine`` (default ``auto``); the
             emulator runs the emulated (``torch``) arithmetic, so ``auto`` resolves to ``bf16`` as on the
@@ -66,7 +66,7 @@ class RolloutSpec:
     residual_ratio: float = 0.5
     residual_per_token: bool = True
     guided_layers: int = 20
-    residual_granularity: str = "channel"
+    residual_granularity: str = DEFAULT_RESIDUAL_GRANULARITY
     residual_combine: str = "auto"
 
     def __post_init__(self) -> None:

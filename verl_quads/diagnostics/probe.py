@@ -21,7 +21,7 @@ For each mode and each of ``seeds`` batches:
    the parts are reported side by side, not summed.
 5. **Per-layer relative output error** of each decoder layer, emulated rollout (both) vs trainer.
 6. **Paired rule comparison**: for a mode ``B`` and a variant ``B:v`` of it in the same run (e.g. ``quads@0.5`` and
-   ``quads@0.5:sampled``), both modes' emulated rollouts (*both*, as in 4) teacher-forced on ``B``'s rollout tokens of
+   ``quads@0.5:channel``), both modes' emulated rollouts (*both*, as in 4) teacher-forced on ``B``'s rollout tokens of
    each batch, each against its own trainer: the per-batch differences (variant - base) of the gap statistics and the
    fraction of tokens where the variant's |gap| is lower, so the rules are compared without the sampling noise of
    two separate rollouts.
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from verl_quads.config import QuantConfig
+from verl_quads.config import DEFAULT_RESIDUAL_GRANULARITY, QuantConfig
 from verl_quads.diagnostics import stats as S
 from verl_quads.diagnostics.hf_rollout import RolloutEmulator, RolloutSpec, assemble_guidance, assemble_routing
 
@@ -70,44 +70,52 @@ class Mode:
 _UNIT_NAMES = {"channel": "channels", "block": "16-channel blocks", "channel_sampled": "channels (sampled threshold)"}
 
 
-def parse_mode(text: str, *, guided_layers: int = 20) -> Mode:
-    """``bf16``/``none``, ``naive``, ``w4a16``, ``w4a4_qat``, ``trace``, ``quads`` or ``quads@<ratio>``.
+#: The probe's QUADS rule suffixes -> (residual_per_token, residual_granularity).
+_RULE_SUFFIXES = {"channel": (True, "channel"), "sampled": (True, "channel_sampled"), "block": (True, "block"),
+                  "call": (False, "block")}
 
-    ``quads@<ratio>`` is the product default (:class:`verl_quads.config.QuantConfig`: per token, the channel
-    rule, ``residual_granularity="channel"``); a suffix names another rule: ``:block`` (per token, 16-channel
-    blocks: ``residual_granularity="block"``), ``:call`` (per-call selection, 16-channel blocks:
-    ``residual_per_token=False, residual_granularity="block"``), ``:sampled`` (per token, single channels over a
-    sampled threshold: ``residual_granularity="channel_sampled"``), ``:channel`` (the default rule spelled out;
-    displayed without suffix). ``:token`` (per-token blocks until session 5) is refused."""
+
+def parse_mode(text: str, *, guided_layers: int = 20) -> Mode:
+    """``bf16``/``none``, ``naive``, ``w4a16``, ``w4a4_qat``, ``trace``, ``quads`` or ``quads@<ratio>[:<rule>]``.
+
+    ``quads@<ratio>`` is the product default (:class:`verl_quads.config.QuantConfig`: per token,
+    ``residual_granularity=`` :data:`~verl_quads.config.DEFAULT_RESIDUAL_GRANULARITY`, ``channel_sampled`` since
+    session 33); a suffix names a rule: ``:sampled`` (per token, single channels over a sampled threshold:
+    ``residual_granularity="channel_sampled"``), ``:channel`` (per token, the exact ``round(k * K)`` channels:
+    ``residual_granularity="channel"``), ``:block`` (per token, 16-channel blocks: ``residual_granularity="block"``),
+    ``:call`` (per-call selection, 16-channel blocks: ``residual_per_token=False, residual_granularity="block"``).
+    The display name spells the rule unless it is the default (``quads@0.5:sampled`` is shown as ``quads@0.5``).
+    ``:token`` (per-token blocks until session 5) is refused."""
     t = text.strip()
     if t in ("bf16", "none"):
         return Mode("bf16", QuantConfig("none"))
     if t.startswith("quads"):
-        ratio, sel = 0.5, "channel"
+        ratio, sel = 0.5, None
         if ":" in t:
             t, sel = t.split(":", 1)
             if sel == "token":  # meant per-token BLOCKS until session 5: refused rather than silently re-ruled
-                raise ValueError(f"probe: {text!r}: ':token' (per-token 16-channel blocks until session 5) is gone since "
-                                 "the channel rule became the default: write quads@R:block for the block rule, quads@R "
-                                 "for the channel rule")
-            if sel not in ("channel", "block", "call", "sampled"):
-                raise ValueError(f"probe: bad QUADS selection in {text!r} (want quads@0.5 (channel rule, the default), "
-                                 "quads@0.5:block, quads@0.5:call or quads@0.5:sampled)")
+                raise ValueError(f"probe: {text!r}: ':token' (per-token 16-channel blocks until session 5) is gone: "
+                                 "write quads@R:block for the block rule, quads@R:channel for the exact channel rule")
+            if sel not in _RULE_SUFFIXES:
+                raise ValueError(f"probe: bad QUADS selection in {text!r} (want quads@0.5 (the default rule, "
+                                 f"{DEFAULT_RESIDUAL_GRANULARITY}), quads@0.5:sampled, quads@0.5:channel, "
+                                 "quads@0.5:block or quads@0.5:call)")
         if "@" in t:
             try:
                 ratio = float(t.split("@", 1)[1])
             except ValueError as e:
                 raise ValueError(f"probe: bad QUADS ratio in {text!r} (want quads@0.5)") from e
-        name = f"quads@{ratio:g}" + (f":{sel}" if sel != "channel" else "")
-        return Mode(name, QuantConfig("quads", residual_ratio=ratio, residual_per_token=sel != "call",
-                                      residual_granularity={"channel": "channel", "sampled": "channel_sampled"}.get(
-                                          sel, "block")))
+        per_token, gran = _RULE_SUFFIXES[sel] if sel else (True, DEFAULT_RESIDUAL_GRANULARITY)
+        default_rule = per_token and gran == DEFAULT_RESIDUAL_GRANULARITY
+        name = f"quads@{ratio:g}" + ("" if default_rule else f":{sel}")
+        return Mode(name, QuantConfig("quads", residual_ratio=ratio, residual_per_token=per_token,
+                                      residual_granularity=gran))
     if t == "trace":
         return Mode("trace", QuantConfig("trace", guided_layers=guided_layers))
     if t in ("naive", "w4a16", "w4a4_qat"):
         return Mode(t, QuantConfig(t))
     raise ValueError(f"probe: unknown mode {text!r}; allowed: bf16, naive, w4a16, w4a4_qat, "
-                     "quads[@ratio][:block|:call|:sampled], trace")
+                     "quads[@ratio][:sampled|:channel|:block|:call], trace")
 
 
 @dataclass
@@ -503,7 +511,7 @@ def run_probe(
     mode_objs = [parse_mode(m, guided_layers=guided_layers) for m in modes]
     names = [m.name for m in mode_objs]
     dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:  # e.g. quads@0.5 and quads@0.5:channel name the same mode
+    if dup:  # e.g. quads@0.5 and quads@0.5:sampled name the same mode (the default rule)
         raise ValueError(f"probe: modes {list(modes)} name the same mode more than once: {dup}")
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     prompt_ids = [tok(p).input_ids for p in prompts]

@@ -25,7 +25,8 @@ the probe's rollout is then verl-quads' own rollout arithmetic over the HF model
    per-call vs per-token selection, residual energy vs output-aware score (energy weighted by the
    weight's squared column norms), and per-token 16-blocks vs per-token single channels
    (``residual_granularity="channel"``), as relative GEMM output error (:func:`selection_rule_errors`).
-   End to end, the probe's ``quads@R`` modes run the product default (per-token channel rule);
+   End to end, the probe's ``quads@R`` modes run the product default (per-token channel rule over a sampled
+   threshold since session 33; ``quads@R:channel`` the exact channel rule);
    ``--block-ratios 0.125,0.25,0.5`` adds ``quads@R:block`` modes (per-token 16-channel blocks, the
    default before session 6) for the comparison, and ``--modes ...,quads@0.5:call`` per-call selection.
 
@@ -399,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--modes", default="bf16,naive,w4a16,w4a4_qat,quads@0.125,quads@0.25,quads@0.5,quads@0.75,quads@1.0,trace")
     p.add_argument("--block-ratios", default="",
                    help="comma list of QUADS ratios R: append quads@R:block (the per-token 16-channel block rule, "
-                        "residual_granularity='block'; quads@R itself is the channel rule, the product default) to "
+                        "residual_granularity='block'; quads@R itself is the product default rule, channel_sampled) to "
                         "--modes, e.g. 0.125,0.25,0.5 (each is one more probe mode: count it in --probe-reserve-s)")
     p.add_argument("--channel-ratios", default=None, help=argparse.SUPPRESS)  # removed in session 6: refused below
     p.add_argument("--extra-modes", default="",
@@ -421,9 +422,9 @@ def main(argv: list[str] | None = None) -> dict:
     if a.seconds <= 0:
         raise SystemExit(f"--seconds must be > 0, got {a.seconds}")
     if a.channel_ratios is not None:
-        raise SystemExit("--channel-ratios was removed: quads@R is the per-token channel rule now (the product "
-                         "default); use --block-ratios R,... to add the 16-channel block rule (quads@R:block) for the "
-                         "comparison")
+        raise SystemExit("--channel-ratios was removed: quads@R is the product default rule (per-token "
+                         "channels) and quads@R:channel the exact channel rule; use --block-ratios R,... to add the "
+                         "16-channel block rule (quads@R:block) for the comparison")
     try:
         blk = [f"quads@{float(r):g}:block" for r in a.block_ratios.split(",") if r.strip()]
     except ValueError as e:

@@ -28,9 +28,10 @@ the engine resolves once where the backend is known (:func:`verl_quads.config.re
 ``auto``.
 
 QUADS selection unit (``ActQuant.residual_granularity``, default as :class:`verl_quads.config.QuantConfig`):
-``channel`` (default: single channels per token, :mod:`verl_quads.nvfp4.residual`; with ``backend="auto"`` on
-CUDA tensors the core runs its Triton kernel, :mod:`verl_quads.nvfp4.triton_channel`, same bytes), its variant
-``channel_sampled`` (the row's threshold from a fixed sample of its scores; the same kernel module) or ``block``
+``channel_sampled`` (default since session 33: single channels per token over the row's threshold from a fixed
+sample of its scores, :mod:`verl_quads.nvfp4.residual`; with ``backend="auto"`` on CUDA tensors the core runs its
+Triton kernel, :mod:`verl_quads.nvfp4.triton_channel`, same bytes), ``channel`` (the exact ``round(k * K)``
+channels; the same kernel module) or ``block``
 (16-channel blocks; the only unit of per-call selection, ``residual_per_token=False``). The NVFP4 core's own
 default (:func:`verl_quads.nvfp4.residual_quantize`, the ``triton_gemm`` functions) stays ``block``: this
 module always passes the unit explicitly. The plugin's
@@ -46,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from verl_quads import nvfp4
-from verl_quads.config import RESIDUAL_COMBINE_FORMS, RESIDUAL_GRANULARITIES
+from verl_quads.config import DEFAULT_RESIDUAL_GRANULARITY, RESIDUAL_COMBINE_FORMS, RESIDUAL_GRANULARITIES
 from verl_quads.nvfp4 import GuidanceRecord, NVFP4Tensor
 
 W4A4_MODES = ("naive", "quads", "trace")
@@ -70,8 +71,8 @@ class ActQuant:
         residual_combine: ``quads`` only, a concrete form: ``fp4x2`` (default) or ``bf16`` (module docstring);
             ``auto`` (the quant_config default) is refused: the engine resolves it first
             (:func:`verl_quads.config.resolve_residual_combine`).
-        residual_granularity: ``quads`` only: ``channel`` (default, per token only), ``channel_sampled`` (per token
-            only) or ``block`` (module docstring).
+        residual_granularity: ``quads`` only: ``channel_sampled`` (default, as QuantConfig; per token only),
+            ``channel`` (per token only) or ``block`` (module docstring).
     """
 
     mode: str
@@ -80,7 +81,7 @@ class ActQuant:
     capture: bool = False
     backend: str = "torch"
     residual_combine: str = "fp4x2"
-    residual_granularity: str = "channel"
+    residual_granularity: str = DEFAULT_RESIDUAL_GRANULARITY
 
     def __post_init__(self) -> None:
         if self.mode not in RUNTIME_MODES:
@@ -108,7 +109,8 @@ class ActQuant:
             raise ValueError(
                 "ActQuant: residual_per_token=False (per-call selection, quant_config.residual_per_token) is defined "
                 f"for 16-channel blocks only, but residual_granularity={self.residual_granularity!r}"
-                f"{' (the default)' if self.residual_granularity == 'channel' else ''} selects channels per token: "
+                f"{' (the default)' if self.residual_granularity == DEFAULT_RESIDUAL_GRANULARITY else ''} selects "
+                "channels per token: "
                 "pass residual_granularity='block' (quant_config.residual_granularity=block) for per-call selection"
             )
 

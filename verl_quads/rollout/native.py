@@ -72,6 +72,7 @@ import os
 import torch
 
 from verl_quads import nvfp4
+from verl_quads.config import DEFAULT_RESIDUAL_GRANULARITY
 from verl_quads.nvfp4 import BLOCK_SIZE
 from verl_quads.nvfp4.custom_ops import linear_custom_op, op_or_function
 
@@ -191,15 +192,15 @@ def _dense_residual(r, m: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def activation_passes(x: torch.Tensor, mode: str, residual_ratio: float = 0.5, residual_per_token: bool = True,
-                      capture: bool = False, residual_granularity: str = "channel"):
+                      capture: bool = False, residual_granularity: str = DEFAULT_RESIDUAL_GRANULARITY):
     """FP4 operands of the activation ``x`` ``[M, K]`` for the native GEMM, and the guidance record.
 
     Returns ``(passes, record)``: ``passes`` is a list of ``(packed uint8 [M, K/2], block_scale e4m3
     [M, K/16] linear layout, global_scale float32 [M])``, one for ``naive``/``trace``, two for
     ``quads`` with a non-empty selection; ``record`` is the :class:`~verl_quads.nvfp4.GuidanceRecord`
     (``trace`` with ``capture``) or None. Codes are the core's (same as the ``torch`` backend).
-    ``residual_granularity``: the QUADS selection rule (default as :class:`verl_quads.config.QuantConfig`:
-    ``channel`` or ``channel_sampled``, whose second pass is already a dense ``[M, K]`` FP4 tensor in the original
+    ``residual_granularity``: the QUADS selection rule (default as :class:`verl_quads.config.QuantConfig`):
+    ``channel_sampled`` or ``channel``, whose second pass is already a dense ``[M, K]`` FP4 tensor in the original
     16-blocks, so it is the second operand as it is; or ``block``, whose selected blocks are scattered into that dense form; per-call
     selection, ``residual_per_token=False``, needs ``block``)."""
     m, k = x.shape
@@ -244,7 +245,7 @@ def gemm_passes(passes, w_packed: torch.Tensor, w_scale_swizzled: torch.Tensor, 
 
 def _native_linear(x: torch.Tensor, w_packed: torch.Tensor, w_scale_swizzled: torch.Tensor, alpha: torch.Tensor,
                    bias: torch.Tensor | None, act_mode: str, residual_ratio: float,
-                   residual_per_token: bool, residual_granularity: str = "channel") -> torch.Tensor:
+                   residual_per_token: bool, residual_granularity: str = DEFAULT_RESIDUAL_GRANULARITY) -> torch.Tensor:
     if x.shape[0] == 0:
         return x.new_empty(0, w_packed.shape[0])
     passes, _ = activation_passes(x, act_mode, residual_ratio, residual_per_token,
@@ -256,7 +257,8 @@ def _native_linear(x: torch.Tensor, w_packed: torch.Tensor, w_scale_swizzled: to
 native_linear_op = linear_custom_op(
     "nvfp4_native_linear", _native_linear,
     "(Tensor x, Tensor w_packed, Tensor w_scale_swizzled, Tensor alpha, Tensor? bias, str act_mode, "
-    "float residual_ratio, bool residual_per_token, str residual_granularity='channel') -> Tensor",
+    "float residual_ratio, bool residual_per_token, "
+    f"str residual_granularity='{DEFAULT_RESIDUAL_GRANULARITY}') -> Tensor",
 )
 
 

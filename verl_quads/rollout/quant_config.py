@@ -8,8 +8,9 @@ How to turn it on (vLLM alone; verl's glue will pass ``actor.quant`` the same wa
    :meth:`QuadsNVFP4Config.from_config` with it. The keys besides ``quant_method`` are
    :class:`verl_quads.config.QuantConfig`'s fields (``quant``, ``residual_ratio``,
    ``residual_per_token``, ``residual_combine``, ``residual_granularity``, ``guided_layers``, ``ignore``, ``backend``, ...), with its
-   defaults (QUADS: k = 0.5, the per-token channel rule; ``residual_granularity="block"`` for 16-channel
-   blocks; ``residual_combine="auto"``, resolved once in :class:`QuadsNVFP4Config` on the concrete backend:
+   defaults (QUADS: k = 0.5, the per-token channel rule over a sampled threshold, ``channel_sampled``;
+   ``residual_granularity="channel"`` for the exact top-k channels, ``"block"`` for 16-channel blocks;
+   ``residual_combine="auto"``, resolved once in :class:`QuadsNVFP4Config` on the concrete backend:
    ``bf16`` on torch/triton, ``fp4x2`` on native, logged at INFO). The dict travels with the model config to
    every worker process. ``quantization=`` may then be omitted. Modes that need an eager engine
    (:meth:`verl_quads.config.QuantConfig.eager_reasons`: ``backend="torch"``, per-call selection) also need
