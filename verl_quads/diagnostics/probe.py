@@ -799,8 +799,11 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="verl-quads probe", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="HF checkpoint directory (default: build the tiny random Qwen3-MoE with outlier channels)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
-                   help="comma list: bf16,naive,w4a16,w4a4_qat,quads@R[:block|:call],trace (quads@R: the per-token "
-                        "channel rule, the product default; :block per-token 16-channel blocks; :call per-call blocks)")
+                   help="comma list: bf16,naive,w4a16,w4a4_qat,quads@R[:sampled|:channel|:block|:call],trace "
+                        "(quads@R: the product default rule, per-token channels over a sampled threshold = :sampled; "
+                        ":channel the exact per-token top-k channels; :block per-token 16-channel blocks; :call "
+                        "per-call blocks; a mode and its :rule variant in one run are also compared paired on the "
+                        "same tokens)")
     p.add_argument("--prompts", help="file with one prompt per line, or a .json file holding a list of prompt strings "
                                      "(e.g. the prompts.json `python -m verl_quads.diagnostics.realistic` writes: "
                                      "its held-out prompts, which may span lines) (default: built-in set)")
