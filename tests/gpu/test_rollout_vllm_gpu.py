@@ -182,26 +182,30 @@ def test_methods_on_cuda_match_nvfp4_qdq_plus_plain_matmul(engine, ckpts):
     llm = engine.start(ckpts[0], "naive", eager=True)
     lin, moe, records = cpu.capture_activations(llm)
     ck = cpu.checkpoint_tensors(ckpts[0])
+    # quads: the default rule (channel_sampled since session 33) and the exact channel rule
     cases = [("w4a16", ActQuant("w4a16", 0.5)), ("naive", ActQuant("naive", 0.5)),
-             ("quads", ActQuant("quads", 0.5, residual_combine="bf16"))]
+             ("quads", ActQuant("quads", 0.5, residual_combine="bf16")),
+             ("quads", ActQuant("quads", 0.5, residual_combine="bf16", residual_granularity="channel"))]
     n_checked = 0
     for mode, act in cases:
         for kind, name, inp, _ in records[:: max(1, len(records) // 24)]:
             if kind == "linear":
                 y = QuadsNVFP4LinearMethod(act, backend="triton").apply(lin[name], inp)
-                ref = cpu.ref_linear(inp.cpu(), cpu.linear_bf16_weight(ck, name), mode, combine="bf16")
+                ref = cpu.ref_linear(inp.cpu(), cpu.linear_bf16_weight(ck, name), mode, combine="bf16",
+                                     granularity=act.residual_granularity)
                 ref = ref.to(inp.dtype)
             else:
                 x, tw, ti = inp
                 layer = moe[name]
                 y = QuadsNVFP4MoEMethod(layer.moe_config, act, "triton").apply(layer, x, tw, ti, None, None)
                 ref = cpu.ref_experts(x.cpu(), tw.cpu(), ti.cpu(), *cpu.expert_bf16_weights(ck, name), mode,
-                                      combine="bf16").to(x.dtype)
+                                      combine="bf16", granularity=act.residual_granularity).to(x.dtype)
             assert y.is_cuda
             # same fp32 products; only the summation order differs -> at most bf16 rounding flips
-            torch.testing.assert_close(y.cpu(), ref, rtol=2**-7, atol=1e-5, msg=f"{mode} {name}")
+            torch.testing.assert_close(y.cpu(), ref, rtol=2**-7, atol=1e-5,
+                                       msg=f"{mode} {act.residual_granularity} {name}")
             n_checked += 1
-    assert n_checked >= 3 * 8
+    assert n_checked >= 4 * 8
 
 
 def test_trace_eager_engine_guidance_reproduces_codes(engine, ckpts):

@@ -281,14 +281,17 @@ def qdq_f32(t: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     return nvfp4.dequantize(nvfp4.quantize(t, gs, backend="torch"), torch.float32, backend="torch")
 
 
-def act_operand(x: torch.Tensor, mode: str, ratio: float = 0.5, granularity: str = "channel",
+def act_operand(x: torch.Tensor, mode: str, ratio: float = 0.5, granularity: str | None = None,
                 combine: str = "fp4x2") -> torch.Tensor:
-    """Reference activation operand (float32) written directly against verl_quads.nvfp4 (``quads``: per token,
-    ``granularity`` passed explicitly: the product's default rule is ``channel``, the core's own default ``block``;
+    """Reference activation operand (float32) written directly against verl_quads.nvfp4 (``quads``: per token, the
+    rule ``granularity`` required: no default here, since the product's default rule (``channel_sampled`` since
+    session 33) and the core's own (``block``) differ and a caller must say which one its layer ran;
     ``combine``: ``fp4x2`` = the two passes summed in float32, ``bf16`` = the core's QDQ activation, that sum
     rounded once to x's dtype)."""
     if mode in ("w4a16", "bf16"):
         return x.float()
+    if mode == "quads" and granularity is None:
+        raise ValueError("act_operand: quads needs granularity= (the layer's ActQuant.residual_granularity)")
     gs = nvfp4.global_scale_from_amax(x.abs().amax(-1, keepdim=True).float())
     if mode == "quads" and combine == "bf16":
         return nvfp4.residual_fake_quantize(x, ratio, gs, per_token=True, granularity=granularity,
@@ -299,12 +302,12 @@ def act_operand(x: torch.Tensor, mode: str, ratio: float = 0.5, granularity: str
     return qdq_f32(x, gs)
 
 
-def ref_linear(x, w_bf16, mode, ratio=0.5, quant_weight=True, granularity="channel", combine="fp4x2"):
+def ref_linear(x, w_bf16, mode, ratio=0.5, quant_weight=True, granularity=None, combine="fp4x2"):
     w = qdq_f32(w_bf16, nvfp4.global_scale_from_amax(w_bf16.abs().amax().float())) if quant_weight else w_bf16.float()
     return act_operand(x, mode, ratio, granularity, combine) @ w.t()
 
 
-def ref_experts(x, topk_w, topk_ids, w13_bf16, w2_bf16, mode, ratio=0.5, quant_weight=True, granularity="channel",
+def ref_experts(x, topk_w, topk_ids, w13_bf16, w2_bf16, mode, ratio=0.5, quant_weight=True, granularity=None,
                 combine="fp4x2"):
     """Routed experts, float32 result; mirrors the documented arithmetic (per-expert loop)."""
     if quant_weight:
