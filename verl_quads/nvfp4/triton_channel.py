@@ -270,15 +270,10 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     "sampled b3": {"sample_step_bits": 3},
                     "sampled w8 w16": {"sample_warps": {256: 8, 512: 16}},
                     # session 28: the split search at every row count / never
-                    "sampled split": {"sample_split_rows": 0}, "sampled fused": {"sample_split_rows": None},
-                    # session 33 (issue #5, d4096 M = 1024 at 1.11-1.13x naive): fewer warps / other register caps,
-                    # all slower than the default at 16 / 1024 / 4096 rows (docs/bench_rollout_h200_session33.txt)
-                    "sampled w2": {"sample_warps": {256: 2, 512: 8}},
-                    "sampled w2 r168": {"sample_warps": {256: 2, 512: 8}, "sample_maxnreg": {256: 168, 512: 128}},
-                    "sampled r96": {"sample_maxnreg": {256: 96, 512: 128}},
-                    "sampled r168": {"sample_maxnreg": {256: 168, 512: 128}},
-                    "sampled w4@512": {"sample_warps": {256: 4, 512: 4}},
-                    "sampled r168@512": {"sample_maxnreg": {256: 128, 512: 168}}}
+                    "sampled split": {"sample_split_rows": 0}, "sampled fused": {"sample_split_rows": None}}
+# Session 33 (issue #5; docs/bench_rollout_h200_session33.txt, entries removed after the call, they are in commit
+# 904f3a5): sample_warps {256: 2}, sample_maxnreg {256: 96 / 168} (also with 2 warps), 4 warps or a 168-register cap
+# at K = 8192: all slower than the default at 16 / 1024 / 4096 rows.
 
 if triton is not None:
     _scales_inv = tk._scales_inv
