@@ -880,7 +880,8 @@ if triton is not None:
 
         The E2M1 rounding is ``_hold_qdq_half``'s fused magic (FAST: same values as ``_qdq_half``). Session 10
         removed the measured-slower speed options (radix-4 search, pipelined walks, the non-early search, the
-        non-fast rounding, the all-blocks second walk "tiled", the one-walk ``_residual_hold_kernel``): README.
+        non-fast rounding, the all-blocks second walk "tiled", the one-walk ``_residual_hold_kernel``):
+        docs/history/nvfp4_kernels.md.
 
         STOP (timing probe of ``bench nvfp4 --residual-probe`` only; QDQ launches; 0 = the kernel): return after
         step 1 (1), the threshold search (2), or the selection and its index store (3), storing one value per row that
