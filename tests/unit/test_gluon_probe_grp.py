@@ -21,9 +21,22 @@ def test_dense_routing(m):
 
 
 def test_dense_routing_rejects_bad_m():
-    for m in (0, 17):
-        with pytest.raises(ValueError, match="1..16"):
+    for m in (0, 4097):
+        with pytest.raises(ValueError, match="1..4096"):
             dense_routing(m, torch.device("cpu"))
+    with pytest.raises(ValueError, match="32 or 64"):
+        dense_routing(17, torch.device("cpu"), block_m=16)
+
+
+@pytest.mark.parametrize("m,block_m,ends", [(17, 32, [17]), (64, 32, [32, 64]), (100, 64, [64, 100]),
+                                             (256, 64, [64, 128, 192, 256])])
+def test_dense_routing_many_rows(m, block_m, ends):
+    r = dense_routing(m, torch.device("cpu"), block_m)
+    assert r.sorted_slots.tolist() == list(range(m)) and r.block_m == block_m and r.num_experts == 1
+    assert r.tile_expert.tolist() == [0] * len(ends)
+    assert r.tile_row0.tolist() == [e - (e - 1) % block_m - 1 for e in ends] and r.tile_row1.tolist() == ends
+    for t in (r.sorted_slots, r.tile_expert, r.tile_row0, r.tile_row1):
+        assert t.dtype == torch.int32
 
 
 def test_parse_grp():

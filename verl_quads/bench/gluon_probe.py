@@ -73,15 +73,25 @@ def parse_grp(spec: str):
     return parse_std(spec, grouped=True)
 
 
-def dense_routing(m: int, dev):
-    """The routing of a dense GEMM of ``m`` (1..16) activation rows run by the grouped kernel as ONE expert
-    (``--grp``): one M-tile of sorted rows ``[0, m)``, sorted row i = activation row i = output row i; block_m 8 for
-    m <= 8, else 16 (one pass of 1 / 2 MMA n-tiles, as the dense kernel's NT). Every index tensor starts 16-byte
-    aligned (``tile_row1``: element 4 m of ``arange(17)`` repeated 4 times), so all m share one specialization."""
+def dense_routing(m: int, dev, block_m: int = 32):
+    """The routing of a dense GEMM of ``m`` activation rows run by the grouped kernel as ONE expert (``--grp``):
+    sorted row i = activation row i = output row i. ``m`` <= 16: one M-tile of rows ``[0, m)``, block_m 8 for
+    m <= 8, else 16 (one pass of 1 / 2 MMA n-tiles, as the dense kernel's NT); every index tensor starts 16-byte
+    aligned (``tile_row1``: element 4 m of ``arange(17)`` repeated 4 times), so all m share one specialization.
+    ``m`` > 16 (session 34: dense GEMMs of 17..4096 rows): ``ceil(m / block_m)`` M-tiles of ``block_m`` (32 or 64)
+    rows, the last one shorter."""
     from verl_quads.nvfp4.triton_gemm import GroupedRouting
 
-    if not 1 <= m <= 16:
-        raise ValueError(f"dense_routing: m must be 1..16, got {m}")
+    if m < 1 or m > 4096:
+        raise ValueError(f"dense_routing: m must be 1..4096, got {m}")
+    if m > 16:
+        if block_m not in (32, 64):
+            raise ValueError(f"dense_routing: block_m must be 32 or 64 for m > 16, got {block_m}")
+        t = -(-m // block_m)
+        row0 = torch.arange(t, dtype=torch.int32, device=dev) * block_m
+        return GroupedRouting(sorted_slots=torch.arange(m, dtype=torch.int32, device=dev),
+                              tile_expert=torch.zeros(t, dtype=torch.int32, device=dev), tile_row0=row0,
+                              tile_row1=torch.clamp(row0 + block_m, max=m), block_m=block_m, num_experts=1)
     rows = torch.arange(16, dtype=torch.int32, device=dev)
     ends = torch.arange(17, dtype=torch.int32, device=dev).repeat_interleave(4)
     return GroupedRouting(sorted_slots=rows[:m], tile_expert=rows[:1], tile_row0=rows[:1],
@@ -204,7 +214,7 @@ def _time_rot(fn_of_copy, copies: int) -> float:
 
 
 def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_spec: str = "",
-        defaults: bool = True, grp_spec: str = "", tma_spec: str = "") -> str:
+        defaults: bool = True, grp_spec: str = "", tma_spec: str = "", grp_block_m: int = 32) -> str:
     from verl_quads.bench.timing import device_name, print_table
     from verl_quads.nvfp4 import gluon_gemm as gg
     from verl_quads.nvfp4 import triton_gemm as tg
@@ -286,7 +296,7 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
                     from verl_quads.nvfp4 import gluon_moe as gm
 
                     label = f"grp {cfg.label}"
-                    rt, gs1 = dense_routing(m, x.device), wgs.reshape(1)
+                    rt, gs1 = dense_routing(m, x.device, grp_block_m), wgs.reshape(1)
 
                     def call(i, cfg=cfg, rt=rt, gs1=gs1):  # one expert: every row routed, no zero fill
                         return gm.gluon_w4a16_grouped(x, wps[i].unsqueeze(0), wscs[i].unsqueeze(0), gs1, rt,
@@ -396,6 +406,7 @@ def main(argv=None) -> None:
     ap.add_argument("--grp", default="", help="--configs std: grouped-kernel configs run as one expert (parse_grp)")
     ap.add_argument("--tma", default="", help="--configs std: TMA-kernel configs (parse_tma; 'default': "
                     "TMA_SPEC)")
+    ap.add_argument("--grp-block-m", type=int, default=32, help="--grp at M > 16: rows per M-tile (32 or 64)")
     ap.add_argument("--no-bare-default", action="store_true",
                     help="skip the 'default dispatch without GLUON_TABLE' rows")
     ap.add_argument("--sass", action="store_true", help="offline sm_90 compile (no GPU): K-loop SASS counts")
@@ -406,7 +417,7 @@ def main(argv=None) -> None:
     shapes = [NAMED_SHAPES[s] if s in NAMED_SHAPES else tuple(int(v) for v in s.split("x"))
               for s in a.shapes.split(",")]
     run(shapes, [int(v) for v in a.ms.split(",")], a.configs, a.std, not a.no_bare_default, a.grp,
-        TMA_SPEC if a.tma == "default" else a.tma)
+        TMA_SPEC if a.tma == "default" else a.tma, a.grp_block_m)
 
 
 if __name__ == "__main__":
