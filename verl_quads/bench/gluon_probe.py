@@ -17,6 +17,9 @@ fits, as ``bench rollout``'s main table). Every Gluon config is checked against 
 options. H200 session 11 (batches D1 / D2; then also with a cp.async weight ring, ring 2-4, since removed from
 gluon_moe): at the same split the same bytes as the std kernel, slower at every measured point (d8192 / d4096 / qkv /
 o_proj, M = 1, 4, 16): not in the dispatch.
+Session 34 (``--grp-block-m``: past 16 rows, M-tiles of 32 / 64 rows;
+docs/bench_gluon_grp_dense_h200_session34.txt): faster than the dispatch only at M = 32 on 8192x8192 and qkv, slower
+at d4096 / o_proj and at 64-256 rows everywhere: not in the dispatch.
 """
 
 from __future__ import annotations
