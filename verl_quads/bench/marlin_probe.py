@@ -20,10 +20,9 @@ import argparse
 
 import torch
 
+from verl_quads.bench.gluon_probe import NAMED_SHAPES
 from verl_quads.bench.rollout import _rotating, _time, model_graph_copies
 from verl_quads.bench.timing import device_name, print_table
-
-SHAPES = {"d8192": (8192, 8192), "d4096": (4096, 4096), "qkv": (5120, 2048), "o": (2048, 4096)}
 
 
 class _MarlinLayer(torch.nn.Module):
@@ -68,7 +67,7 @@ def run(shapes: list[str], ms: list[int]) -> str:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name in shapes:
-        n, k = SHAPES[name]
+        n, k = NAMED_SHAPES[name]
         w = torch.randn(n, k, device="cuda", generator=g) * 0.02
         w[:, ::97] *= 40.0  # a wide scale range, as trained weights have: small blocks next to large ones
         q = nv.quantize(w, nv.global_scale_from_amax(w.abs().amax()), backend="triton")
