@@ -278,7 +278,8 @@ def test_channel_default_at_4096_bit_exact():
     _same_channel_underflow_and_tied_candidates(seed=43)
 
 
-@pytest.mark.parametrize("variant", ["default", "sampled first", "sampled b3", "sampled split"])
+@pytest.mark.parametrize("variant", ["default", "sampled first", "sampled b3", "sampled split", "s34",
+                                     "sampled no digits", "sampled no pick", "sampled masked"])
 def test_channel_sampled_bit_exact(variant):
     """granularity='channel_sampled' (session 27: the row's threshold from a fixed sample of its scores): the kernel's
     bytes and selection mask == the torch reference at decode and many-row launches of K = 768 / 2048 / 4096 / 8192

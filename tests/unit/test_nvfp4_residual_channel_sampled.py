@@ -203,11 +203,15 @@ def _ties_weights_scale_layouts_and_rows():
 
 
 @_needs_interp
-@pytest.mark.parametrize("variant", ["default", "sampled first", "sampled b3", "sampled split"])
+@pytest.mark.parametrize("variant", ["default", "sampled first", "sampled b3", "sampled split", "s34",
+                                     "sampled no digits", "sampled no pick", "sampled masked", "s34 b3"])
 def test_triton_sampled_launch_variants_match_reference(variant):
     """The CHANNEL_CONFIG sample_* options timed on the H200 (the default: R_sel's amax from the row's largest |R| at
-    K = 4096 / 8192; the first launch without it; three bits per search step) give the
-    same bytes, at one and eight samples per block."""
+    K = 4096 / 8192, the search steps' counts from each sample's digit, the samples picked by a select tree, no block
+    masks where K / 16 is a power of two; the first launch without the amax shortcut; three bits per search step; the
+    split search; session 34's launch and each session-35 option off) give the same bytes, at one, two and eight
+    samples per block, past 512 samples (K = 16384: 1024 samples, the 16-bit count fields), with ties and score
+    weights."""
     from verl_quads.nvfp4 import triton_channel as tc
 
     with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):
@@ -216,6 +220,11 @@ def test_triton_sampled_launch_variants_match_reference(variant):
             _same(x, ratio, nv.per_row_global_scale(x))
         x = _rows(2, 256, torch.float32, seed=5)
         _same(x, 0.5, nv.per_row_global_scale(x), score_weight=torch.rand(256).to(_DEV))  # no max-|R| shortcut
+        if variant != "sampled first":
+            for k in (16384, 4096):  # one / two samples per block (the picked ones)
+                x = _rows(2, k, torch.bfloat16, seed=k + 7)
+                _same(x, 0.5, nv.per_row_global_scale(x))
+            _ties_weights_scale_layouts_and_rows()
 
 
 @_needs_interp

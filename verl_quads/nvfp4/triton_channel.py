@@ -188,7 +188,8 @@ tl = tk.tl
 #: {NBP: warps} (else ``_warps``), ``sample_maxnreg`` {NBP: register cap} (else the QDQ / packed caps),
 #: ``sample_rmax`` (bool or NBPs: R_sel's amax = the row's largest |R|, taken in the threshold's last reduction; the
 #: largest score is always selected unless nothing is; not with a score weight), ``sample_step_bits`` (2 or 3 bits per
-#: search step over the sample). H200
+#: search step over the sample), ``sample_digit_counts`` / ``sample_pick_tree`` / ``sample_full_blocks`` (session 35,
+#: below). H200
 #: (``python -m verl_quads.bench.channel_probe --granularity channel_sampled``, docs/bench_rollout_h200_session27.txt,
 #: bytes == torch reference at every point; kernel alone, us, warm L2): 4096x8192 130-140 (the exact rule's launch 274),
 #: 1024x8192 34.7-35.9 (68.7), 256x8192 11.3, 16x8192 8.6-8.9, 1x8192 6.2-6.4 (10.0); 4096x4096 60-62 (109), 1024x4096
@@ -212,6 +213,19 @@ tl = tk.tl
 #: slower: 2 / 4 / 8 / 16 rows per search program (4096x8192 search 22-29 us with 2-4 warps, the count reduction over
 #: warps; 256 rows +10 us: one program per SM, latency), 8 warps for the scores kernel, 16 warps capped at 64 / 8 warps
 #: capped at 64 (spills) / uncapped for the row kernel (within noise or slower).
+#: Session 35 (issue #5: QUADS at dense M >= 1024; offline sm_90 SASS of the K = 4096 launch first, then H200
+#: ``channel_probe --granularity channel_sampled``, bytes == torch reference at every timed point,
+#: docs/bench_rollout_h200_session35.txt): ``sample_digit_counts`` -- a search step's three counts from each sample's
+#: digit ``clamp((s - th) >> sh, 0, 3)`` as one packed increment (``_digit_count3``; the search loop 79 -> 66 SASS
+#: instructions per step, 3 CTA barriers each either way); ``sample_pick_tree`` -- the samples taken from the
+#: thread's block halves by a select tree on the position's bits (``_sample_pick``) instead of 8 compares, 8 selects
+#: and a max per half; ``sample_full_blocks`` -- launches where K / 16 is a power of two drop the block masks (the
+#: kernel 1776 -> 1624 SASS instructions with all three). Kernel alone (us, two runs; session 34's launch, variant
+#: "s34", in brackets): 4096x4096 56.2-58.7 (62.8-63.4), 1024x4096 16.3-16.6 (18.3-18.6), 1024x8192 32.4-34.5
+#: (35.0-35.6), 16x4096 6.8-6.9 (7.4), 16x8192 8.3 (8.6-8.7); 1 row within noise (whole d4096 M = 1 call 10.6-10.8
+#: vs 11.0-11.2). Measured: each option alone helps (4096x4096 no digits 59.8-60.3, no pick 59.5-59.7, masked
+#: 57.3-57.6); digit counts with three bits per step (a tuple reduction: shuffles instead of REDUX, 169 SASS per step)
+#: not timed; the split search with digit counts at K = 4096 still slower (61 vs 58 us at 4096 rows).
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 1 << 30, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
@@ -220,7 +234,8 @@ CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_
                   "compact_many_regs": {256: (264, 128), 512: (132, 128)}, "sample_warps": {256: 4, 512: 8},
                   "sample_maxnreg": {256: 128, 512: 128}, "sample_rmax": (256, 512),
                   "sample_step_bits": 2, "sample_split_rows": {512: 1024}, "sample_search_rows": 1,
-                  "sample_search_warps": 1}
+                  "sample_search_warps": 1, "sample_digit_counts": True, "sample_pick_tree": True,
+                  "sample_full_blocks": True}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -270,7 +285,15 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     "sampled b3": {"sample_step_bits": 3},
                     "sampled w8 w16": {"sample_warps": {256: 8, 512: 16}},
                     # session 28: the split search at every row count / never
-                    "sampled split": {"sample_split_rows": 0}, "sampled fused": {"sample_split_rows": None}}
+                    "sampled split": {"sample_split_rows": 0}, "sampled fused": {"sample_split_rows": None},
+                    # session 35 (the default has all three): "s34" = the launches before (three compares per sample
+                    # and step, the samples picked by compares + max, the block masks computed at every K); one
+                    # option off each; "s34 b3": three bits per step by compares ("sampled b3": by digits)
+                    "s34": {"sample_digit_counts": False, "sample_pick_tree": False, "sample_full_blocks": False},
+                    "sampled no digits": {"sample_digit_counts": False},
+                    "sampled no pick": {"sample_pick_tree": False},
+                    "sampled masked": {"sample_full_blocks": False},
+                    "s34 b3": {"sample_digit_counts": False, "sample_step_bits": 3}}
 # Session 33 (issue #5; docs/bench_rollout_h200_session33.txt, entries removed after the call, they are in commit
 # 904f3a5): sample_warps {256: 2}, sample_maxnreg {256: 96 / 168} (also with 2 warps), 4 warps or a 168-register cap
 # at K = 8192: all slower than the default at 16 / 1024 / 4096 rows.
@@ -578,6 +601,23 @@ if triton is not None:
         return tl.maximum(tl.max(tl.where(j == p, e0, -1), axis=1), tl.max(tl.where(j + 8 == p, e1, -1), axis=1))
 
     @triton.jit
+    def _pick_half(h, p):
+        """h[b, p[b] mod 8] of h [NBP, 8] (a thread's 8 entries of one block half) by a binary tree of selects on
+        the bits of p (three halvings: 4 + 2 + 1 selects) instead of 8 compares, 8 selects and a max."""
+        lo, hi = tl.split(tl.reshape(h, (h.shape[0], 4, 2)))
+        h4 = tl.where(((p & 1) != 0)[:, None], hi, lo)
+        lo, hi = tl.split(tl.reshape(h4, (h.shape[0], 2, 2)))
+        h2 = tl.where(((p & 2) != 0)[:, None], hi, lo)
+        lo, hi = tl.split(h2)
+        return tl.where((p & 4) != 0, hi, lo)
+
+    @triton.jit
+    def _sample_pick(e0, e1, c, OFF: tl.constexpr):
+        """``_sample_pos`` (the same entries; padding blocks hold -1 in both halves) by ``_pick_half``."""
+        p = (c + OFF) % 16
+        return tl.where(p >= 8, _pick_half(e1, p), _pick_half(e0, p))
+
+    @triton.jit
     def _min_max(a, b, c, d):
         return tl.minimum(a, c), tl.maximum(b, d)
 
@@ -604,14 +644,35 @@ if triton is not None:
             return sp & 1023, (sp >> 10) & 1023, sp >> 20
 
     @triton.jit
-    def _search_step2(samp, th, cnt, sh, NSS, ROWS: tl.constexpr, WIDE: tl.constexpr):
+    def _digit_count3(samp, th, sh, AXIS: tl.constexpr, WIDE: tl.constexpr):
+        """``_count3`` of the candidates th | d << sh (d = 1, 2, 3; th's bits below sh + 2 are 0, so th | d << sh =
+        th + d << sh) from each entry's digit dd = clamp((samp - th) >> sh, 0, 3) (arithmetic shift: entries below
+        th give 0, entries above the 2-bit bucket 3): entry >= th | d << sh exactly when dd >= d, so one packed
+        increment per entry, the fields 1..dd set (``0x100401 >> (30 - 10 dd)``; WIDE: 16-bit fields of an int64),
+        instead of three compares. Same counts (samp in [-1, 2**31), th in [0, 2**31): no overflow)."""
+        dd = tl.minimum(tl.maximum((samp - th) >> sh, 0), 3)
+        if WIDE:
+            sp = tl.sum((dd.to(tl.int64) * 0 + 0x100010001) >> (48 - 16 * dd).to(tl.int64), axis=AXIS)
+            return (sp & 65535).to(tl.int32), ((sp >> 16) & 65535).to(tl.int32), (sp >> 32).to(tl.int32)
+        else:
+            sp = tl.sum((dd * 0 + 0x100401) >> (30 - 10 * dd), axis=AXIS)
+            return sp & 1023, (sp >> 10) & 1023, sp >> 20
+
+    @triton.jit
+    def _search_step2(samp, th, cnt, sh, NSS, ROWS: tl.constexpr, WIDE: tl.constexpr, DG: tl.constexpr = False):
         """One two-bit step of the MSB-first search for the NSS-th highest entry of samp: (th, cnt = #(samp >= th))
-        raised to the highest th | d << sh (d = 1, 2, 3) with at least NSS entries at or above it (``_count3``).
-        ROWS: samp [R, N], th and cnt [R] (one search per row, reduced along axis 1); else samp [N], scalars."""
+        raised to the highest th | d << sh (d = 1, 2, 3) with at least NSS entries at or above it (``_count3``; DG:
+        ``_digit_count3``, the same counts). ROWS: samp [R, N], th and cnt [R] (one search per row, reduced along
+        axis 1); else samp [N], scalars."""
         c1 = th | (1 << sh)
         c2 = th | (2 << sh)
         c3 = th | (3 << sh)
-        if ROWS:
+        if DG:
+            if ROWS:
+                n1, n2, n3 = _digit_count3(samp, th[:, None], sh, 1, WIDE)
+            else:
+                n1, n2, n3 = _digit_count3(samp, th, sh, 0, WIDE)
+        elif ROWS:
             n1, n2, n3 = _count3(samp, c1[:, None], c2[:, None], c3[:, None], 1, WIDE)
         else:
             n1, n2, n3 = _count3(samp, c1, c2, c3, 0, WIDE)
@@ -630,11 +691,11 @@ if triton is not None:
         return tl.where(n >= NSS, cand, th), tl.where(n >= NSS, n, cnt)
 
     @triton.jit
-    def _search_step(samp, th, cnt, k, NSS, ROWS: tl.constexpr, WIDE: tl.constexpr):
-        """Step k of the sample search (k bits decided): bits 30 - k and 29 - k by ``_search_step2`` while two
-        remain, else bit 0 by ``_search_step1``. Returns (th, cnt, k after the step)."""
+    def _search_step(samp, th, cnt, k, NSS, ROWS: tl.constexpr, WIDE: tl.constexpr, DG: tl.constexpr = False):
+        """Step k of the sample search (k bits decided): bits 30 - k and 29 - k by ``_search_step2`` (DG: digit
+        counts) while two remain, else bit 0 by ``_search_step1``. Returns (th, cnt, k after the step)."""
         if k < 30:
-            th, cnt = _search_step2(samp, th, cnt, 29 - k, NSS, ROWS, WIDE)
+            th, cnt = _search_step2(samp, th, cnt, 29 - k, NSS, ROWS, WIDE, DG)
             k += 2
         else:
             th, cnt = _search_step1(samp, th, cnt, NSS, ROWS)
@@ -643,7 +704,8 @@ if triton is not None:
 
     @triton.jit
     def _sample_threshold(e0, e1, c, NSS, NB, NBP: tl.constexpr, SP: tl.constexpr, rpart=None,
-                          RA: tl.constexpr = False, SB: tl.constexpr = 2):
+                          RA: tl.constexpr = False, SB: tl.constexpr = 2, DG: tl.constexpr = False,
+                          PK: tl.constexpr = False):
         """The row's threshold under ``granularity="channel_sampled"`` (int32 score bits; select ``e >= T``): the
         NSS-th highest of the sampled scores (SP per block: channels 16 b + ((b + i 16 / SP) mod 16), taken from the
         thread's own block, no data movement), NSS > 0; 0x7FFFFFFF (nothing) for NSS == 0, 0 (everything) for
@@ -653,7 +715,11 @@ if triton is not None:
         last reduction also takes rpart's max (SP == 1; else its own), returned as rmx (the row's largest |R| bits;
         else 0). SB = 3 (NBP <= 512): three bits per step while three remain (seven counts as 10-bit fields of three
         int32 sums in one tuple reduction). Returns (T, rmx)."""
-        if SP == 1:
+        if (SP == 1) & PK:
+            samp = _sample_pick(e0, e1, c, 0)
+        elif (SP == 2) & PK:
+            samp = tl.reshape(tl.join(_sample_pick(e0, e1, c, 0), _sample_pick(e0, e1, c, 8)), (NBP * 2,))
+        elif SP == 1:
             samp = _sample_pos(e0, e1, c, 0)
         elif SP == 2:
             samp = tl.reshape(tl.join(_sample_pos(e0, e1, c, 0), _sample_pos(e0, e1, c, 8)), (NBP * 2,))
@@ -676,11 +742,17 @@ if triton is not None:
                     d5 = th | (5 << (28 - k))
                     d6 = th | (6 << (28 - k))
                     d7 = th | (7 << (28 - k))
-                    pa, pb, pc = tl.reduce((_at_least(samp, d1) + (_at_least(samp, d2) << 10)
-                                            + (_at_least(samp, d3) << 20),
-                                            _at_least(samp, d4) + (_at_least(samp, d5) << 10)
-                                            + (_at_least(samp, d6) << 20),
-                                            _at_least(samp, d7)), 0, _sum3)
+                    if DG:  # digit dd in 0..7 (d1 .. d7 = th + dd << (28 - k)); fields d1..d3, d4..d6, d7
+                        dd = tl.minimum(tl.maximum((samp - th) >> (28 - k), 0), 7)
+                        pa, pb, pc = tl.reduce(((dd * 0 + 0x100401) >> (30 - 10 * tl.minimum(dd, 3)),
+                                                (dd * 0 + 0x100401) >> (30 - 10 * tl.minimum(tl.maximum(dd - 3, 0), 3)),
+                                                (dd >= 7).to(tl.int32)), 0, _sum3)
+                    else:
+                        pa, pb, pc = tl.reduce((_at_least(samp, d1) + (_at_least(samp, d2) << 10)
+                                                + (_at_least(samp, d3) << 20),
+                                                _at_least(samp, d4) + (_at_least(samp, d5) << 10)
+                                                + (_at_least(samp, d6) << 20),
+                                                _at_least(samp, d7)), 0, _sum3)
                     th, cnt = _pick(pa & 1023, d1, th, cnt, NSS)  # counts fall as the candidate rises
                     th, cnt = _pick((pa >> 10) & 1023, d2, th, cnt, NSS)
                     th, cnt = _pick(pa >> 20, d3, th, cnt, NSS)
@@ -690,7 +762,7 @@ if triton is not None:
                     th, cnt = _pick(pc, d7, th, cnt, NSS)
                     k += 3
                 else:
-                    th, cnt, k = _search_step(samp, th, cnt, k, NSS, False, NBP > 512)
+                    th, cnt, k = _search_step(samp, th, cnt, k, NSS, False, NBP > 512, DG)
             if RA and SP == 1:  # samp and rpart are both [NBP]: one reduction
                 th, rmx = tl.reduce((tl.where(samp >= th, samp, 0x7FFFFFFF), rpart), 0, _min_max)
             else:
@@ -748,7 +820,8 @@ if triton is not None:
         tl.store(samp_ptr + b[:, None] * SP + i, s.to(tl.int32, bitcast=True), mask=m2)
 
     @triton.jit
-    def _sample_search_kernel(samp_ptr, th_ptr, M, S, NSS, SPAD: tl.constexpr, ROWS: tl.constexpr):
+    def _sample_search_kernel(samp_ptr, th_ptr, M, S, NSS, SPAD: tl.constexpr, ROWS: tl.constexpr,
+                              DG: tl.constexpr = False):
         """Split search, kernel 2: the thresholds of ROWS rows per program (``_sample_threshold``'s search with
         NSS > 0, one reduction per step for all of them): th_ptr[r] = the NSS-th highest of samp_ptr's row r
         (int32 [M, S], S <= SPAD; two bits per step, 16-bit count fields past 512 samples). A row whose count is
@@ -763,7 +836,7 @@ if triton is not None:
         cnt = tl.where(rmask, S, NSS)  # rows past M: done
         k = tl.full((), 0, tl.int32)
         while (k < 31) & (tl.max((cnt != NSS).to(tl.int32), axis=0) > 0):
-            th, cnt, k = _search_step(samp, th, cnt, k, NSS, True, SPAD > 512)
+            th, cnt, k = _search_step(samp, th, cnt, k, NSS, True, SPAD > 512, DG)
         tl.store(th_ptr + rows, tl.min(tl.where(samp >= th[:, None], samp, 0x7FFFFFFF), axis=1), mask=rmask)
 
     @triton.jit
@@ -774,7 +847,8 @@ if triton is not None:
         ROW_GS: tl.constexpr = False, STOP: tl.constexpr = 0, scr_ptr=None, COMPACT: tl.constexpr = 0,
         CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False, RA: tl.constexpr = False,
         AT: tl.constexpr = False, RX: tl.constexpr = False, SAMPLE: tl.constexpr = False, NSS=0,
-        SP: tl.constexpr = 1, SB: tl.constexpr = 2, TIN: tl.constexpr = False, th_ptr=None,
+        SP: tl.constexpr = 1, SB: tl.constexpr = 2, TIN: tl.constexpr = False, th_ptr=None, DG: tl.constexpr = False,
+        PK: tl.constexpr = False, FULLB: tl.constexpr = False,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -807,7 +881,7 @@ if triton is not None:
         search: ``_sample_scores_kernel``, ``_sample_search_kernel``; RA must be off)."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
-        cmask = c < NB
+        cmask = c < (NBP if FULLB else NB)  # FULLB: NB == NBP, every block real (the compiler drops the masks)
         b = row * NB + c
         if RX:  # x is read again after the search (L2): keep it there
             x0, x1 = _load_halves_ev(x_ptr, b, cmask, "evict_last")
@@ -842,7 +916,7 @@ if triton is not None:
                 rpart = tl.zeros([NBP], tl.int32)
                 if RA and not HAS_W:
                     rpart = tl.max(tl.maximum(tl.abs(r0), tl.abs(r1)).to(tl.int32, bitcast=True), axis=1)
-                th, rmx = _sample_threshold(e0, e1, c, NSS, NB, NBP, SP, rpart, RA and not HAS_W, SB)
+                th, rmx = _sample_threshold(e0, e1, c, NSS, NB, NBP, SP, rpart, RA and not HAS_W, SB, DG, PK)
             if STOP == 2:
                 _store_halves(out_ptr, b, tl.where(e0 >= th, v0, 0.0), tl.where(e1 >= th, v1, 0.0), cmask, OUT)
                 return
@@ -1055,6 +1129,7 @@ def _split_thresholds(xc: torch.Tensor, g1: torch.Tensor, w: torch.Tensor | None
     if not search:
         return samp
     _sample_search_kernel[(triton.cdiv(m, rows),)](samp, th, m, s, nss, SPAD=tk._pow2(s), ROWS=rows,
+                                                   DG=bool(cfg["sample_digit_counts"]),
                                                    num_warps=int(cfg["sample_search_warps"]))
     return th
 
@@ -1100,7 +1175,9 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
         split = nss > 0 and _split(m, nbp)
         cfg = CHANNEL_CONFIG
         meta.update(SAMPLE=True, NSS=nss, SP=sp, RA=_on("sample_rmax", nbp) and not split,
-                    num_warps=int(cfg["sample_warps"].get(nbp, _warps(nbp))), SB=int(cfg["sample_step_bits"]))
+                    num_warps=int(cfg["sample_warps"].get(nbp, _warps(nbp))), SB=int(cfg["sample_step_bits"]),
+                    DG=bool(cfg["sample_digit_counts"]), PK=bool(cfg["sample_pick_tree"]),
+                    FULLB=bool(cfg["sample_full_blocks"]) and nb == nbp)
         if split:
             meta.update(TIN=True, th_ptr=_split_thresholds(xc, g1, w, nb, nbp, sp, nss, div1, row_gs))
     if comp is not None:
