@@ -279,7 +279,7 @@ def test_channel_default_at_4096_bit_exact():
 
 
 @pytest.mark.parametrize("variant", ["default", "sampled first", "sampled b3", "sampled split", "s34",
-                                     "sampled no digits", "sampled no pick", "sampled masked"])
+                                     "sampled no digits", "sampled no pick", "sampled masked", "sampled where"])
 def test_channel_sampled_bit_exact(variant):
     """granularity='channel_sampled' (session 27: the row's threshold from a fixed sample of its scores): the kernel's
     bytes and selection mask == the torch reference at decode and many-row launches of K = 768 / 2048 / 4096 / 8192

@@ -204,14 +204,15 @@ def _ties_weights_scale_layouts_and_rows():
 
 @_needs_interp
 @pytest.mark.parametrize("variant", ["default", "sampled first", "sampled b3", "sampled split", "s34",
-                                     "sampled no digits", "sampled no pick", "sampled masked", "s34 b3"])
+                                     "sampled no digits", "sampled no pick", "sampled masked", "s34 b3",
+                                     "sampled where"])
 def test_triton_sampled_launch_variants_match_reference(variant):
     """The CHANNEL_CONFIG sample_* options timed on the H200 (the default: R_sel's amax from the row's largest |R| at
     K = 4096 / 8192, the search steps' counts from each sample's digit, the samples picked by a select tree, no block
-    masks where K / 16 is a power of two; the first launch without the amax shortcut; three bits per search step; the
-    split search; session 34's launch and each session-35 option off) give the same bytes, at one, two and eight
-    samples per block, past 512 samples (K = 16384: 1024 samples, the 16-bit count fields), with ties and score
-    weights."""
+    masks where K / 16 is a power of two, R_sel by a bit mask; the first launch without the amax shortcut; three bits
+    per search step; the split search; session 34's launch and each session-35 option off) give the same bytes, at
+    one, two and eight samples per block, past 512 samples (K = 16384: 1024 samples, the 16-bit count fields), with
+    ties and score weights."""
     from verl_quads.nvfp4 import triton_channel as tc
 
     with tc.channel_config(**tc.CHANNEL_VARIANTS[variant]):

@@ -219,13 +219,17 @@ tl = tk.tl
 #: digit ``clamp((s - th) >> sh, 0, 3)`` as one packed increment (``_digit_count3``; the search loop 79 -> 66 SASS
 #: instructions per step, 3 CTA barriers each either way); ``sample_pick_tree`` -- the samples taken from the
 #: thread's block halves by a select tree on the position's bits (``_sample_pick``) instead of 8 compares, 8 selects
-#: and a max per half; ``sample_full_blocks`` -- launches where K / 16 is a power of two drop the block masks (the
-#: kernel 1776 -> 1624 SASS instructions with all three). Kernel alone (us, two runs; session 34's launch, variant
-#: "s34", in brackets): 4096x4096 56.2-58.7 (62.8-63.4), 1024x4096 16.3-16.6 (18.3-18.6), 1024x8192 32.4-34.5
-#: (35.0-35.6), 16x4096 6.8-6.9 (7.4), 16x8192 8.3 (8.6-8.7); 1 row within noise (whole d4096 M = 1 call 10.6-10.8
-#: vs 11.0-11.2). Measured: each option alone helps (4096x4096 no digits 59.8-60.3, no pick 59.5-59.7, masked
-#: 57.3-57.6); digit counts with three bits per step (a tuple reduction: shuffles instead of REDUX, 169 SASS per step)
-#: not timed; the split search with digit counts at K = 4096 still slower (61 vs 58 us at 4096 rows).
+#: and a max per half; ``sample_full_blocks`` -- launches where K / 16 is a power of two drop the block masks;
+#: ``sample_mask_select`` -- R_sel = R's bits AND a mask from the sign of e - th, so that the 32 per-thread selection
+#: predicates are not packed into bit masks around the second-pass scale's divisions (the kernel 1776 -> 1544 SASS
+#: instructions with all four). Call 2, the first three (us, two runs; session 34's launch, variant "s34", in
+#: brackets): 4096x4096 56.2-58.7 (62.8-63.4), 1024x4096 16.3-16.6 (18.3-18.6), 1024x8192 32.4-34.5 (35.0-35.6),
+#: 16x4096 6.8-6.9 (7.4), 16x8192 8.3 (8.6-8.7); 1 row within noise (whole d4096 M = 1 call 10.6-10.8 vs 11.0-11.2);
+#: each option alone helps (4096x4096 no digits 59.8-60.3, no pick 59.5-59.7, masked 57.3-57.6). Call 3, three runs
+#: each, with / without the mask select (s34): 4096x4096 52.2-56.1 / 54.6-56.1 (61.5-67.3), 1024x4096 16.0 / 16.4-16.5
+#: (18.4-18.7), 1024x8192 31.1-32.3 / 32.5-33.0 (35.4-36.2), 16x4096 6.6 / 6.8-7.0 (7.2-7.3). Digit counts with three
+#: bits per step (a tuple reduction: shuffles instead of REDUX, 169 SASS per step) not timed; the split search with
+#: digit counts at K = 4096 still slower (61 vs 58 us at 4096 rows).
 CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_maxnreg": 64, "pack_maxnreg": 64,
                   "pack_maxnreg_min_warps": 16, "compact_max_rows": 1 << 30, "compact_min_k": 2048, "compact_bits": 12,
                   "compact_cap": 256, "compact_maxnreg": None, "compact_tile_bits": 2, "compact_warps": {512: 8},
@@ -235,7 +239,7 @@ CHANNEL_CONFIG = {"elems_per_thread": 16, "max_warps": 16, "max_k": 32768, "qdq_
                   "sample_maxnreg": {256: 128, 512: 128}, "sample_rmax": (256, 512),
                   "sample_step_bits": 2, "sample_split_rows": {512: 1024}, "sample_search_rows": 1,
                   "sample_search_warps": 1, "sample_digit_counts": True, "sample_pick_tree": True,
-                  "sample_full_blocks": True}
+                  "sample_full_blocks": True, "sample_mask_select": True}
 
 #: Named CHANNEL_CONFIG overrides timed side by side by ``python -m verl_quads.bench.nvfp4 --channel`` and run against
 #: the reference by tests/gpu (same bytes): the default and the kernel without register caps. Tried at decode sizes in
@@ -286,14 +290,17 @@ CHANNEL_VARIANTS = {"default": {}, "uncapped": {"qdq_maxnreg": None, "pack_maxnr
                     "sampled w8 w16": {"sample_warps": {256: 8, 512: 16}},
                     # session 28: the split search at every row count / never
                     "sampled split": {"sample_split_rows": 0}, "sampled fused": {"sample_split_rows": None},
-                    # session 35 (the default has all three): "s34" = the launches before (three compares per sample
-                    # and step, the samples picked by compares + max, the block masks computed at every K); one
-                    # option off each; "s34 b3": three bits per step by compares ("sampled b3": by digits)
-                    "s34": {"sample_digit_counts": False, "sample_pick_tree": False, "sample_full_blocks": False},
+                    # session 35 (the default has all four): "s34" = the launches before (three compares per sample
+                    # and step, the samples picked by compares + max, the block masks computed at every K, R_sel by
+                    # selects); one option off each; "s34 b3": three bits per step by compares ("sampled b3": by
+                    # digits)
+                    "s34": {"sample_digit_counts": False, "sample_pick_tree": False, "sample_full_blocks": False,
+                            "sample_mask_select": False},
                     "sampled no digits": {"sample_digit_counts": False},
                     "sampled no pick": {"sample_pick_tree": False},
                     "sampled masked": {"sample_full_blocks": False},
-                    "s34 b3": {"sample_digit_counts": False, "sample_step_bits": 3}}
+                    "s34 b3": {"sample_digit_counts": False, "sample_step_bits": 3},
+                    "sampled where": {"sample_mask_select": False}}
 # Session 33 (issue #5; docs/bench_rollout_h200_session33.txt, entries removed after the call, they are in commit
 # 904f3a5): sample_warps {256: 2}, sample_maxnreg {256: 96 / 168} (also with 2 warps), 4 warps or a 168-register cap
 # at K = 8192: all slower than the default at 16 / 1024 / 4096 rows.
@@ -848,7 +855,7 @@ if triton is not None:
         CAP: tl.constexpr = 1, TR: tl.constexpr = 1, WT: tl.constexpr = False, RA: tl.constexpr = False,
         AT: tl.constexpr = False, RX: tl.constexpr = False, SAMPLE: tl.constexpr = False, NSS=0,
         SP: tl.constexpr = 1, SB: tl.constexpr = 2, TIN: tl.constexpr = False, th_ptr=None, DG: tl.constexpr = False,
-        PK: tl.constexpr = False, FULLB: tl.constexpr = False,
+        PK: tl.constexpr = False, FULLB: tl.constexpr = False, MS: tl.constexpr = False,
     ):
         """Per-token channel-rule residual compensation of row ``program_id(0)`` of x [M, K] (module docstring).
 
@@ -922,6 +929,9 @@ if triton is not None:
                 return
             sel0 = e0 >= th
             sel1 = e1 >= th
+            if MS:  # all-ones where e >= th (e - th >= 0: no overflow, e in [-1, 2**31), th in [0, 2**31))
+                ms0 = ~((e0 - th) >> 31)
+                ms1 = ~((e1 - th) >> 31)
         elif COMPACT > 0:
             rpart = tl.zeros([NBP], tl.int32)
             if RA and not HAS_W:
@@ -955,8 +965,12 @@ if triton is not None:
             v1 = _hold_qdq_half(x1, os, factor, True)
             r0 = x0 - v0
             r1 = x1 - v1
-        rs0 = tl.where(sel0, r0, 0.0)
-        rs1 = tl.where(sel1, r1, 0.0)
+        if SAMPLE and MS:  # R_sel by a bit mask: no per-channel predicates to keep across the gs2 divisions
+            rs0 = (r0.to(tl.int32, bitcast=True) & ms0).to(tl.float32, bitcast=True)
+            rs1 = (r1.to(tl.int32, bitcast=True) & ms1).to(tl.float32, bitcast=True)
+        else:
+            rs0 = tl.where(sel0, r0, 0.0)
+            rs1 = tl.where(sel1, r1, 0.0)
         ra = tl.maximum(tl.max(tl.abs(rs0), axis=1), tl.max(tl.abs(rs1), axis=1))
         if SAMPLE and RA and not HAS_W and not TIN:  # the row's largest score is selected unless nothing is (NSS == 0)
             amax = tl.zeros([NBP], tl.float32) + tl.where(NSS == 0, 0.0, rmx.to(tl.float32, bitcast=True))
@@ -1177,7 +1191,7 @@ def _run(x: torch.Tensor, ratio: float, global_scale, amax, score_weight, check_
         meta.update(SAMPLE=True, NSS=nss, SP=sp, RA=_on("sample_rmax", nbp) and not split,
                     num_warps=int(cfg["sample_warps"].get(nbp, _warps(nbp))), SB=int(cfg["sample_step_bits"]),
                     DG=bool(cfg["sample_digit_counts"]), PK=bool(cfg["sample_pick_tree"]),
-                    FULLB=bool(cfg["sample_full_blocks"]) and nb == nbp)
+                    FULLB=bool(cfg["sample_full_blocks"]) and nb == nbp, MS=bool(cfg["sample_mask_select"]))
         if split:
             meta.update(TIN=True, th_ptr=_split_thresholds(xc, g1, w, nb, nbp, sp, nss, div1, row_gs))
     if comp is not None:
