@@ -721,7 +721,8 @@ if triton is not None:
         samples are >= th; T = the least sample >= th. RA (rpart: int32 [NBP], per thread the largest |R| bits): that
         last reduction also takes rpart's max (SP == 1; else its own), returned as rmx (the row's largest |R| bits;
         else 0). SB = 3 (NBP <= 512): three bits per step while three remain (seven counts as 10-bit fields of three
-        int32 sums in one tuple reduction). Returns (T, rmx)."""
+        int32 sums in one tuple reduction). DG: the counts from each sample's digit (``_digit_count3``); PK (SP 1 or
+        2): the samples taken by ``_sample_pick``. Returns (T, rmx)."""
         if (SP == 1) & PK:
             samp = _sample_pick(e0, e1, c, 0)
         elif (SP == 2) & PK:
@@ -885,7 +886,9 @@ if triton is not None:
         block, :func:`~verl_quads.nvfp4.residual.samples_per_block`; NSS = the
         threshold's rank in the sample, 0 = none, -1 = all; NSEL unused), and PACK stores it as a uint8 [M, K] mask to
         idx_ptr instead of channel indices; with TIN the threshold is th_ptr[row] (int32 score bits, the split
-        search: ``_sample_scores_kernel``, ``_sample_search_kernel``; RA must be off)."""
+        search: ``_sample_scores_kernel``, ``_sample_search_kernel``; RA must be off). Speed-only options of SAMPLE
+        launches (``CHANNEL_CONFIG`` sample_*; the same bytes): DG digit counts, PK sample pick tree, FULLB (NB ==
+        NBP) no block masks, MS R_sel by a bit mask."""
         row = tl.program_id(0).to(tl.int64)
         c = tl.arange(0, NBP)
         cmask = c < (NBP if FULLB else NB)  # FULLB: NB == NBP, every block real (the compiler drops the masks)
