@@ -581,7 +581,10 @@ sig = {"x_ptr": "*bf16", "gs_ptr": "*fp32", "w_ptr": "*fp32", "out_ptr": "*i16",
        "OUT": "constexpr", "GS2": "constexpr", "ROW_GS": "constexpr", "STOP": "constexpr", "scr_ptr": "*i32",
        "COMPACT": "constexpr", "CAP": "constexpr", "TR": "constexpr", "WT": "constexpr", "RA": "constexpr",
        "AT": "constexpr", "RX": "constexpr", "SAMPLE": "constexpr", "NSS": "i32", "SP": "constexpr", "SB": "constexpr",
-       "TIN": "constexpr", "th_ptr": "*i32"}
+       "TIN": "constexpr", "th_ptr": "*i32", "DG": "constexpr", "PK": "constexpr", "FULLB": "constexpr",
+       "MS": "constexpr"}
+OFF35 = {"DG": False, "PK": False, "FULLB": False, "MS": False}  # session 35's channel_sampled options, off / on
+ON35 = {"DG": True, "PK": True, "FULLB": True, "MS": True}
 # the last fields: (COMPACT bits, CAP) of the compacted search (0, 1: the full-row search; 8 bits: with 2 tile bits per
 # step, TR = 2; 11 bits: the warp tile, WT, with session 10's candidate chunks (AT) and R_sel amax (RA); 12 bits: the
 # same with session 17's many-row form, x re-read after the search (RX))
@@ -608,7 +611,7 @@ for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in 
         "NBP": nbp, "HAS_W": has_w, "PACK": pack, "OUT": out, "GS2": gs2, "ROW_GS": row_gs, "STOP": stop,
         "COMPACT": comp, "CAP": cap, "TR": 2 if comp in (8, 11, 12) else 1, "WT": comp in (11, 12),
         "RA": comp in (11, 12) and not has_w, "AT": comp in (11, 12), "RX": comp == 12, "SAMPLE": False, "SP": 1,
-        "SB": 2, "TIN": False}),
+        "SB": 2, "TIN": False, **OFF35}),
         target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
     # the compacted search's tile round trip: scratch stores, a barrier, scratch loads
@@ -616,20 +619,24 @@ for xt, ot, pack, out, gs2, has_w, nbp, nw, maxnreg, row_gs, stop, comp, cap in 
     # values and codes carry signs by OR-ing bits: a float negation would be 0.0 - v under triton 3.6 (+0.0 for -0.0)
     neg = re.findall(r"fneg|fsub (?:<\d+ x )?float>? (?:zeroinitializer|-?0\.000000e\+00)", k.asm["llir"])
     assert not neg, (xt, pack, maxnreg, neg[:3])
-# granularity="channel_sampled" (SAMPLE): one / four / sixteen samples per block, 2 or 3 bits per search step, the
-# int64 counts past 512 blocks, R_sel's amax from the row's largest |R| (RA)
-for xt, ot, pack, nbp, nw, maxnreg, sp, sb, ra in (
-        ("*bf16", "*i16", False, 512, 8, 128, 1, 2, True),
-        ("*bf16", "*i16", False, 256, 4, 128, 2, 3, True),
-        ("*bf16", "*i64", True, 128, 4, None, 4, 2, False),
-        ("*fp32", "*fp32", False, 4, 1, None, 16, 2, False),
-        ("*bf16", "*i16", False, 1024, 16, 64, 1, 2, True)):
+# granularity="channel_sampled" (SAMPLE): one / two / four / sixteen samples per block, 2 or 3 bits per search step,
+# the int64 counts past 512 blocks, R_sel's amax from the row's largest |R| (RA); session 35's options (digit counts,
+# the sample pick tree, no block masks, R_sel by a bit mask) on and off
+for xt, ot, pack, nbp, nw, maxnreg, sp, sb, ra, opts in (
+        ("*bf16", "*i16", False, 512, 8, 128, 1, 2, True, ON35),
+        ("*bf16", "*i16", False, 512, 8, 128, 1, 2, True, OFF35),
+        ("*bf16", "*i16", False, 256, 4, 128, 2, 2, True, ON35),
+        ("*bf16", "*i16", False, 256, 4, 128, 2, 3, True, ON35),
+        ("*bf16", "*i16", False, 256, 4, 128, 2, 3, True, OFF35),
+        ("*bf16", "*i64", True, 128, 4, None, 4, 2, False, ON35),
+        ("*fp32", "*fp32", False, 4, 1, None, 16, 2, False, OFF35),
+        ("*bf16", "*i16", False, 1024, 16, 64, 1, 2, True, ON35)):
     s = dict(sig, x_ptr=xt, out_ptr=ot, idx_ptr="*u8" if pack else "*i64")
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(s) if s[n][0] == "*" or n == "NB"}
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
         "NBP": nbp, "HAS_W": False, "PACK": pack, "OUT": 0 if pack else 3, "GS2": 0, "ROW_GS": True, "STOP": 0,
         "COMPACT": 0, "CAP": 1, "TR": 1, "WT": False, "RA": ra, "AT": False, "RX": False, "SAMPLE": True, "SP": sp,
-        "SB": sb, "TIN": False}), target=GPUTarget("cuda", 90, 32),
+        "SB": sb, "TIN": False, **opts}), target=GPUTarget("cuda", 90, 32),
         options={"num_warps": nw, "enable_fp_fusion": False, "maxnreg": maxnreg})
     assert k.asm["cubin"]
     neg = re.findall(r"fneg|fsub (?:<\d+ x )?float>? (?:zeroinitializer|-?0\.000000e\+00)", k.asm["llir"])
@@ -647,10 +654,11 @@ for xt, nbp, sp, has_w, row_gs, nw in (("*bf16", 512, 1, False, True, 8), ("*fp3
     assert k.asm["cubin"]
     neg = re.findall(r"fneg|fsub (?:<\d+ x )?float>? (?:zeroinitializer|-?0\.000000e\+00)", k.asm["llir"])
     assert not neg, (xt, nbp, neg[:3])
-for spad, rows, nw in ((512, 8, 4), (2048, 4, 4), (64, 1, 1)):
+for spad, rows, nw, dg in ((512, 8, 4, False), (2048, 4, 4, True), (64, 1, 1, False), (512, 1, 1, True)):
     s = {"samp_ptr": "*i32", "th_ptr": "*i32", "M": "i32", "S": "i32", "NSS": "i32", "SPAD": "constexpr",
-         "ROWS": "constexpr"}
-    k = triton.compile(ASTSource(fn=tc._sample_search_kernel, signature=s, constexprs={"SPAD": spad, "ROWS": rows}),
+         "ROWS": "constexpr", "DG": "constexpr"}
+    k = triton.compile(ASTSource(fn=tc._sample_search_kernel, signature=s,
+                                 constexprs={"SPAD": spad, "ROWS": rows, "DG": dg}),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
     assert k.asm["cubin"]
 for pack in (False, True):
@@ -659,7 +667,7 @@ for pack in (False, True):
     k = triton.compile(ASTSource(fn=tc._channel_row_kernel, signature=s, attrs=attrs, constexprs={
         "NBP": 512, "HAS_W": False, "PACK": pack, "OUT": 0 if pack else 3, "GS2": 0, "ROW_GS": True, "STOP": 0,
         "COMPACT": 0, "CAP": 1, "TR": 1, "WT": False, "RA": False, "AT": False, "RX": False, "SAMPLE": True, "SP": 1,
-        "SB": 2, "TIN": True}), target=GPUTarget("cuda", 90, 32),
+        "SB": 2, "TIN": True, **(ON35 if pack else OFF35)}), target=GPUTarget("cuda", 90, 32),
         options={"num_warps": 8, "enable_fp_fusion": False, "maxnreg": 128})
     assert k.asm["cubin"]
 print("compiled")
