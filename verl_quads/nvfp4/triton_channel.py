@@ -213,7 +213,8 @@ tl = tk.tl
 #: slower: 2 / 4 / 8 / 16 rows per search program (4096x8192 search 22-29 us with 2-4 warps, the count reduction over
 #: warps; 256 rows +10 us: one program per SM, latency), 8 warps for the scores kernel, 16 warps capped at 64 / 8 warps
 #: capped at 64 (spills) / uncapped for the row kernel (within noise or slower).
-#: Session 35 (issue #5: QUADS at dense M >= 1024; offline sm_90 SASS of the K = 4096 launch first, then H200
+#: Session 35 (issue #5: QUADS at dense M >= 1024; offline sm_90 SASS of the K = 4096 launch first,
+#: ``scripts/sass_channel.py``, then H200
 #: ``channel_probe --granularity channel_sampled``, bytes == torch reference at every timed point,
 #: docs/bench_rollout_h200_session35.txt): ``sample_digit_counts`` -- a search step's three counts from each sample's
 #: digit ``clamp((s - th) >> sh, 0, 3)`` as one packed increment (``_digit_count3``; the search loop 79 -> 66 SASS
