@@ -615,7 +615,8 @@ def scenarios_gluon_moe():
 
 def scenarios_floor():
     """The dense Gluon kernel's weight-read floor probe (verl_quads.bench.gluon_floor): every mode kind at the probe's
-    default grids, d8192 and d4096."""
+    default grids, d8192 and d4096; the feasibility probe's read / empty kernels (verl_quads.bench.dense_floor)."""
+    from verl_quads.bench import dense_floor as df
     from verl_quads.bench import gluon_floor as gf
     from verl_quads.bench.gluon_probe import parse_std
     from verl_quads.nvfp4 import gluon_gemm as gg
@@ -634,6 +635,11 @@ def scenarios_floor():
                         continue
                     gf.floor_launch(wp, ws, cfg, mode, out,
                                     gf.fix_buffers(n, grid_n, split, wp.device, mode[4]) if mode[3] else None)
+    for rc in df.READ_CONFIGS:
+        with scenario(f"dense_floor read {rc.label}"):
+            df.read_sum(torch.zeros(df.weight_words(4096, 4096), dtype=torch.int32), rc)
+    with scenario("dense_floor empty"):
+        df.empty_launch(torch.empty(df.EMPTY_PROGRAMS, dtype=torch.int32))
 
 
 def scenarios_tma():

@@ -316,6 +316,33 @@ def test_std_ks_with_global_split(cfg, m, n, k, bias):
     assert all(torch.equal(gg.gluon_w4a16_std(*args, cfg), ref) for _ in range(20))
 
 
+@pytest.mark.parametrize("cfg", [G(8, 1, 1, 2, prefetch=False, dec=3, ks=8, up=4), G(16, 1, 1, 2, prefetch=False, dec=3,
+                                                                                ks=16, up=2),
+                                 G(4, 1, 2, 2, prefetch=False, dec=3, ks=4, up=4), G(8, 1, 1, 2, rg=2, dec=3, ks=8,
+                                                                                 prefetch=False, up=4)],
+                         ids=lambda c: c.label)
+@pytest.mark.parametrize("m, bias", [(1, False), (4, True), (16, False)])
+def test_std_ks_up_bit_equal_loop(cfg, m, bias):
+    """``up`` (session 36: a slice's chunks all loaded before the first is decoded) gives the loop's bytes: the same
+    MMAs in the same order (4096x4096: chunks per slice == up for these configs)."""
+    from dataclasses import replace
+
+    n = k = 4096
+    y, args = _std_case(m, n, k, cfg, seed=m, bias=bias, w_seed=m + 5)
+    assert gg.std_plan(n, k, cfg)[2] // cfg.ks == cfg.up
+    want = gg.gluon_w4a16_std(*args, replace(cfg, up=0))
+    assert torch.equal(y, want), f"{cfg.label} M={m}: {int((y != want).sum())} outputs differ"
+
+
+def test_std_ks_up_rejects():
+    q = em.quantize_weight(_w((4096, 4096)))
+    gs = q.global_scale.reshape(())
+    for cfg in (G(8, 1, 1, 2, prefetch=False, ks=8, up=2), G(8, 1, 1, 2, prefetch=True, ks=8, up=4),
+                G(8, 1, 1, 2, prefetch=False, up=4), G(8, 1, 1, 2, prefetch=False, ks=8, up=8)):
+        with pytest.raises(ValueError, match="up"):
+            gg.gluon_w4a16_std(_x(2, 4096), q.packed, q.block_scale, gs, None, cfg)
+
+
 def test_std_ks_one_hot_exact():
     _one_hot_case(lambda p, s, gs, x: gg.gluon_w4a16_std(x, p, s, gs, None, KS_CFGS[0]), f"std {KS_CFGS[0].label}")
 

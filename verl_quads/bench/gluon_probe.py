@@ -36,7 +36,8 @@ from verl_quads.bench.rollout import L2_FLUSH_BYTES, _err, _rotating, _time
 NAMED_SHAPES = {"qkv": (5120, 2048), "o": (2048, 4096), "d8192": (8192, 8192), "d4096": (4096, 4096)}
 
 _SPEC_KEYS = {"w": "num_warps", "kc": "kc", "s": "split", "o": "occ", "pf": "prefetch", "rg": "rg", "ev": "wev",
-              "d": "dec", "r": "maxnreg", "pd": "pfd", "xs": "xs", "xsc": "xsc", "xsb": "xsb", "ks": "ks"}
+              "d": "dec", "r": "maxnreg", "pd": "pfd", "xs": "xs", "xsc": "xsc", "xsb": "xsb", "ks": "ks",
+              "up": "up"}
 
 
 #: extra keys of :func:`parse_grp` (the grouped kernel's GroupedConfig): nt (n-tiles per pass), nts
@@ -46,7 +47,7 @@ _GRP_KEYS = {**_SPEC_KEYS, "nt": "nt", "nts": "nts"}
 def parse_std(spec: str, grouped: bool = False):
     """``w8:pf0,w4:rg2:ev2:d3`` -> GluonConfigs of the standard-layout kernel: colon-separated ``<key><int>`` with
     keys w (num_warps), kc, s (split, 0 auto), o (occ), pf (prefetch), pd (pfd), rg, ev (wev), d (dec), r (maxnreg),
-    xs (0/1), xsc, xsb, ks (K slices inside a program);
+    xs (0/1), xsc, xsb, ks (K slices inside a program), up (ks: a slice's chunks loaded up front);
     defaults
     w4 kc1 s0 o2 pf1 rg1 ev0 d1. ``grouped``: GroupedConfigs (:func:`parse_grp`)."""
     import re

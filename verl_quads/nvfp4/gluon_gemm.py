@@ -1008,11 +1008,18 @@ if gluon is not None:
         return wd, sc, xv
 
     @gluon.jit
+    def _ks_step(acc, wd, sc, xv, KS: gl.constexpr, NWR: gl.constexpr, R: gl.constexpr, NT: gl.constexpr,
+                 DEC: gl.constexpr):
+        """One loaded chunk of every K slice (``_ks_loads``) decoded and multiplied into acc."""
+        wd = gl.convert_layout(gl.reshape(wd, (KS, R, 2, 8, 4, 2, 2)), ks_pair_layout(KS, NWR), assert_trivial=True)
+        return _ks_chunk_mma(acc, wd, sc, xv, KS, NWR, R, NT, DEC)
+
+    @gluon.jit
     def _w4a16_ks_kernel(x_ptr, w_ptr, s_ptr, gs_ptr, bias_ptr, out_ptr, part_ptr, cnt_ptr,
                          M, N, K, KW, KB, C, CPS, CPSL,
                          KS: gl.constexpr, NWR: gl.constexpr, RG: gl.constexpr, NT: gl.constexpr,
                          SPLIT: gl.constexpr, EVEN: gl.constexpr, PF: gl.constexpr, HAS_BIAS: gl.constexpr,
-                         DEC: gl.constexpr = 3, WEV: gl.constexpr = 0):
+                         DEC: gl.constexpr = 3, WEV: gl.constexpr = 0, UP: gl.constexpr = 0):
         """The standard-layout kernel (:func:`_w4a16_std_kernel`, one 128-element chunk per iteration, WPT 4) with
         split-K INSIDE the program: KS x NWR warps, warp ``(s, w)`` takes row groups ``w, w + NWR, ..`` (RG of them;
         a program: 16 NWR RG weight rows) over K slice s, chunks ``c_lo + s CPSL + [0, CPSL)`` of the program's range
@@ -1022,7 +1029,9 @@ if gluon is not None:
         without the global round trip (partial stores, acq_rel counter, the last program's re-reads): with SPLIT 1
         and the same slice boundaries the bytes equal the global split's. SPLIT > 1: that sum is the program's
         partial of the global fixup. The activation comes straight from global memory (each warp its slice's
-        columns). PF: register prefetch of the next chunk (EVEN: the one past the last re-reads it)."""
+        columns). PF: register prefetch of the next chunk (EVEN: the one past the last re-reads it). UP (2 to 4,
+        EVEN, CPSL == UP, no PF): the slice's UP chunks are all loaded before the first is decoded (one DRAM round
+        trip per warp instead of UP; the same MMAs in the same order)."""
         MMA: gl.constexpr = ks_mma_layout(KS, NWR)
         R: gl.constexpr = NWR * RG
         BN: gl.constexpr = R * 16
@@ -1049,21 +1058,35 @@ if gluon is not None:
         xoff = xn * K + (c_lo + lx) * 128 + _iota(4, 3, 5, LX) * 32 + _iota(32, 4, 5, LX)
 
         acc = gl.zeros([KS, BN, NT * 8], gl.float32, MMA)
-        jn = gl.minimum(CPSL, n)  # local chunks of the longest slice
-        if PF >= 1:
-            nxt = _ks_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, lw, ls, lx, 0, n, EVEN, WEV)
-        for j in range(0, jn):
+        if UP > 0:
+            w0, s0, x0 = _ks_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, lw, ls, lx, 0, n, EVEN, WEV)
+            w1, s1, x1 = _ks_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, lw, ls, lx, 1, n, EVEN, WEV)
+            if UP >= 3:
+                w2, s2, x2 = _ks_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, lw, ls, lx, 2, n, EVEN, WEV)
+            if UP >= 4:
+                w3, s3, x3 = _ks_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, lw, ls, lx, 3, n, EVEN, WEV)
+            acc = _ks_step(acc, w0, s0, x0, KS, NWR, R, NT, DEC)
+            acc = _ks_step(acc, w1, s1, x1, KS, NWR, R, NT, DEC)
+            if UP >= 3:
+                acc = _ks_step(acc, w2, s2, x2, KS, NWR, R, NT, DEC)
+            if UP >= 4:
+                acc = _ks_step(acc, w3, s3, x3, KS, NWR, R, NT, DEC)
+        else:
+            jn = gl.minimum(CPSL, n)  # local chunks of the longest slice
             if PF >= 1:
-                cur = nxt
-                jj = j + 1
-                if EVEN:
-                    jj = gl.minimum(jj, jn - 1)
-                nxt = _ks_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, lw, ls, lx, jj, n, EVEN, WEV)
-            else:
-                cur = _ks_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, lw, ls, lx, j, n, EVEN, WEV)
-            wd, sc, xv = cur
-            wd = gl.convert_layout(gl.reshape(wd, (KS, R, 2, 8, 4, 2, 2)), LP, assert_trivial=True)
-            acc = _ks_chunk_mma(acc, wd, sc, xv, KS, NWR, R, NT, DEC)
+                nxt = _ks_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, lw, ls, lx, 0, n, EVEN, WEV)
+            for j in range(0, jn):
+                if PF >= 1:
+                    cur = nxt
+                    jj = j + 1
+                    if EVEN:
+                        jj = gl.minimum(jj, jn - 1)
+                    nxt = _ks_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, lw, ls, lx, jj, n, EVEN, WEV)
+                else:
+                    cur = _ks_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, lw, ls, lx, j, n, EVEN, WEV)
+                wd, sc, xv = cur
+                wd = gl.convert_layout(gl.reshape(wd, (KS, R, 2, 8, 4, 2, 2)), LP, assert_trivial=True)
+                acc = _ks_chunk_mma(acc, wd, sc, xv, KS, NWR, R, NT, DEC)
 
         z = ks_reduce(acc, gs_ptr, KS, NWR, BN, NT)
         ks_store(z, out_ptr, part_ptr, cnt_ptr, bias_ptr, M, N, pid_n, pid_k, BN, NT, NW, SPLIT, HAS_BIAS)
@@ -1081,7 +1104,9 @@ class GluonConfig:
     10): ``rg`` row groups per warp, ``wev`` weight-load cache hint, ``dec`` pair decode (3: mask + multiply),
     ``pfd`` prefetch depth, ``xs`` / ``xsc`` / ``xsb`` activation staged in shared memory -- none changes the bytes
     of the result at a given split (same decoded registers, same MMA / summation order per output row); ``ks`` K
-    slices inside a program (split 1: the bytes of the plain kernel at split ``ks`` with the same slice boundaries)."""
+    slices inside a program (split 1: the bytes of the plain kernel at split ``ks`` with the same slice boundaries);
+    ``up`` (ks kernel) all ``up`` chunks of a slice loaded before the first is decoded (the same bytes: same order of
+    MMAs and sums)."""
 
     num_warps: int = 4
     kc: int = 2
@@ -1098,6 +1123,7 @@ class GluonConfig:
     xsc: int = 0  # xs: chunks (128 K elements) staged at a time (0: the program's whole K range, <= 64 KB of smem)
     xsb: int = 1  # xs: stage buffers (2: the next stage is copied while this one is used)
     ks: int = 1  # standard-layout kernel: K slices inside a program (num_warps / ks warps per slice; kc 1, no xs)
+    up: int = 0  # ks kernel: every chunk of a slice loaded before any is used (= chunks per slice, 2 to 4; even, pf0)
 
     @property
     def label(self) -> str:
@@ -1107,7 +1133,7 @@ class GluonConfig:
                 f"{f' ev{self.wev}' if self.wev else ''}{f' d{self.dec}' if self.dec != 1 else ''}"
                 f"{f' pd{self.pfd}' if self.pfd else ''}{' xs' if self.xs else ''}"
                 f"{f' xsc{self.xsc}' if self.xsc else ''}{f' xsb{self.xsb}' if self.xsb != 1 else ''}"
-                f"{f' ks{self.ks}' if self.ks != 1 else ''}")
+                f"{f' ks{self.ks}' if self.ks != 1 else ''}{f' up{self.up}' if self.up else ''}")
 
 
 _COUNTERS: dict = {}
@@ -1231,6 +1257,11 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
     x = x.contiguous()
     nt = 1 if m <= 8 else 2
     grid_n, split, cps, even = std_plan(n, k, cfg, _num_sms(x.device))
+    if cfg.up and (cfg.ks < 2 or cfg.up not in (2, 3, 4) or not even or cps // cfg.ks != cfg.up or cfg.prefetch
+                   or cfg.pfd):
+        raise ValueError(f"gluon_w4a16_std: up (a slice's chunks loaded up front) needs ks > 1, no prefetch, every "
+                         f"slice full and up (2 to 4) == its chunks; got up {cfg.up}, ks {cfg.ks}, prefetch "
+                         f"{cfg.prefetch}/{cfg.pfd}, chunks per slice {cps // max(1, cfg.ks)}, full {even} at K={k}")
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
@@ -1249,7 +1280,7 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
             x, w_packed.view(torch.int32), w_scale.view(torch.uint8), gs, bias if bias is not None else gs, out, part,
             cnt, m, n, k, k // 8, k // BLOCK_SIZE, k // STD_CHUNK, cps, cps // cfg.ks,
             KS=cfg.ks, NWR=cfg.num_warps // cfg.ks, RG=cfg.rg, NT=nt, SPLIT=split, EVEN=even,
-            PF=int(cfg.prefetch or cfg.pfd > 0), HAS_BIAS=bias is not None, DEC=cfg.dec, WEV=cfg.wev,
+            PF=int(cfg.prefetch or cfg.pfd > 0), HAS_BIAS=bias is not None, DEC=cfg.dec, WEV=cfg.wev, UP=cfg.up,
             num_warps=cfg.num_warps, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
         return out
     xc = max(1, min(cfg.xsc or cps, cps, 32 // (cfg.xsb * nt))) if cfg.xs else 1  # <= 64 KB of staged activation

@@ -1449,7 +1449,12 @@ _G8_D3 = GluonConfig(num_warps=8, kc=1, occ=2, prefetch=False, dec=3)
 #: d4096 M=4 / 16 ks8 8.17 / 8.16, 14.3 / 15.6 vs 7.34 / 7.68, 9.97 / 10.3. Also D3: d8192 M=16 xs with 256-row
 #: programs (w8 rg2 xs, half the staged-activation traffic) 21.1 / 20.4 (split 8), 27.4 / 27.6 (split 16) vs the
 #: entry's 21.0 / 20.3: the activation traffic is not what M=16 costs over M=4.
-_G8_KS8_D3 = GluonConfig(num_warps=8, kc=1, split=1, occ=2, prefetch=False, dec=3, ks=8)
+#: Session 36 (issue #5, H200 gluon_probe, cold / warm us, docs/bench_dense_floor_h200_session36.txt): ncu saw this
+#: entry latency-bound at d4096 M=1 (0.38 instructions per scheduler and cycle, 62% of cycles no eligible warp): each
+#: warp's 4 chunks were 4 loads-then-decode round trips. ``up=4`` loads all 4 before decoding the first (the same
+#: bytes, torch.equal): call 5 6.45 / 6.12 vs 6.79 / 6.34 (M=4: 7.53 / 7.34, slower than the xs entry's 7.20 / 7.45;
+#: d8192 ks8 s2 up4: slower than the TMA entry); taken at M=1 (the entry before: the same without up).
+_G8_KS8_D3_UP4 = GluonConfig(num_warps=8, kc=1, split=1, occ=2, prefetch=False, dec=3, ks=8, up=4)
 _G4_PF_D3_XS, _G4_RG2_PF_D3_XS = (GluonConfig(num_warps=4, kc=1, occ=2, dec=3, xs=True),
                                    GluonConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3, xs=True))
 #: Session 13 (issue #5: d8192 M=16 ~5 us slower than M=4; H200 batch E1, one run, cold / warm us): the split-K fixup
@@ -1485,7 +1490,7 @@ _T_KS2_W2_U4_NS3 = TmaConfig(ks=2, nwr=2, u=4, ns=3)
 GLUON_TABLE: dict[tuple[int, int, int], GluonConfig | TmaConfig] = {
     (1, 8192, 8192): _T_KS2_W2_U4_NS3, (2, 8192, 8192): _T_KS2_W2_U4_NS3, (4, 8192, 8192): _T_KS2_W2_U4_NS3,
     (8, 8192, 8192): _T_KS2_W2_U4_NS3, (16, 8192, 8192): _G4_RG2_PF_D3_XS_R128,
-    (1, 4096, 4096): _G8_KS8_D3, (2, 4096, 4096): _G4_PF_D3_XS, (4, 4096, 4096): _G4_PF_D3_XS, (8, 4096, 4096): _G4_PF_D3_XS,
+    (1, 4096, 4096): _G8_KS8_D3_UP4, (2, 4096, 4096): _G4_PF_D3_XS, (4, 4096, 4096): _G4_PF_D3_XS, (8, 4096, 4096): _G4_PF_D3_XS,
     (16, 4096, 4096): _G4_PF_D3_XS_R128,
     (2, 5120, 2048): _G8_D3, (4, 5120, 2048): _G4_PF_D3_XS, (8, 5120, 2048): _G4_PF_D3_XS,
     (16, 5120, 2048): _G4_PF_D3_XS,
