@@ -1453,7 +1453,8 @@ _G8_D3 = GluonConfig(num_warps=8, kc=1, occ=2, prefetch=False, dec=3)
 #: entry latency-bound at d4096 M=1 (0.38 instructions per scheduler and cycle, 62% of cycles no eligible warp): each
 #: warp's 4 chunks were 4 loads-then-decode round trips. ``up=4`` loads all 4 before decoding the first (the same
 #: bytes, torch.equal): call 5 6.45 / 6.12 vs 6.79 / 6.34 (M=4: 7.53 / 7.34, slower than the xs entry's 7.20 / 7.45;
-#: d8192 ks8 s2 up4: slower than the TMA entry); taken at M=1 (the entry before: the same without up).
+#: d8192 ks8 s2 up4: slower than the TMA entry); call 6, twice alternated: 6.44 / 6.43 vs 6.80 / 6.82 cold; main
+#: bench d4096 M=1 5.99 us = 1.98x cuBLAS (session 35: 6.65, 1.83x). Taken at M=1 (the entry before: the same, no up).
 _G8_KS8_D3_UP4 = GluonConfig(num_warps=8, kc=1, split=1, occ=2, prefetch=False, dec=3, ks=8, up=4)
 _G4_PF_D3_XS, _G4_RG2_PF_D3_XS = (GluonConfig(num_warps=4, kc=1, occ=2, dec=3, xs=True),
                                    GluonConfig(num_warps=4, kc=1, occ=2, rg=2, dec=3, xs=True))
