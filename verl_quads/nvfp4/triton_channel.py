@@ -652,18 +652,24 @@ if triton is not None:
             return sp & 1023, (sp >> 10) & 1023, sp >> 20
 
     @triton.jit
+    def _digit_fields(d):
+        """For digits d in 0..3 (int32): an int32 whose 10-bit fields 1..d hold 1 (field f at bits 10 (f - 1)), the
+        packed increment of #(digit >= 1), #(digit >= 2), #(digit >= 3)."""
+        return (d * 0 + 0x100401) >> (30 - 10 * d)
+
+    @triton.jit
     def _digit_count3(samp, th, sh, AXIS: tl.constexpr, WIDE: tl.constexpr):
         """``_count3`` of the candidates th | d << sh (d = 1, 2, 3; th's bits below sh + 2 are 0, so th | d << sh =
         th + d << sh) from each entry's digit dd = clamp((samp - th) >> sh, 0, 3) (arithmetic shift: entries below
         th give 0, entries above the 2-bit bucket 3): entry >= th | d << sh exactly when dd >= d, so one packed
-        increment per entry, the fields 1..dd set (``0x100401 >> (30 - 10 dd)``; WIDE: 16-bit fields of an int64),
+        increment per entry, the fields 1..dd set (``_digit_fields``; WIDE: 16-bit fields of an int64),
         instead of three compares. Same counts (samp in [-1, 2**31), th in [0, 2**31): no overflow)."""
         dd = tl.minimum(tl.maximum((samp - th) >> sh, 0), 3)
         if WIDE:
             sp = tl.sum((dd.to(tl.int64) * 0 + 0x100010001) >> (48 - 16 * dd).to(tl.int64), axis=AXIS)
             return (sp & 65535).to(tl.int32), ((sp >> 16) & 65535).to(tl.int32), (sp >> 32).to(tl.int32)
         else:
-            sp = tl.sum((dd * 0 + 0x100401) >> (30 - 10 * dd), axis=AXIS)
+            sp = tl.sum(_digit_fields(dd), axis=AXIS)
             return sp & 1023, (sp >> 10) & 1023, sp >> 20
 
     @triton.jit
@@ -753,8 +759,8 @@ if triton is not None:
                     d7 = th | (7 << (28 - k))
                     if DG:  # digit dd in 0..7 (d1 .. d7 = th + dd << (28 - k)); fields d1..d3, d4..d6, d7
                         dd = tl.minimum(tl.maximum((samp - th) >> (28 - k), 0), 7)
-                        pa, pb, pc = tl.reduce(((dd * 0 + 0x100401) >> (30 - 10 * tl.minimum(dd, 3)),
-                                                (dd * 0 + 0x100401) >> (30 - 10 * tl.minimum(tl.maximum(dd - 3, 0), 3)),
+                        pa, pb, pc = tl.reduce((_digit_fields(tl.minimum(dd, 3)),
+                                                _digit_fields(tl.minimum(tl.maximum(dd - 3, 0), 3)),
                                                 (dd >= 7).to(tl.int32)), 0, _sum3)
                     else:
                         pa, pb, pc = tl.reduce((_at_least(samp, d1) + (_at_least(samp, d2) << 10)
