@@ -1085,8 +1085,7 @@ if gluon is not None:
                 else:
                     cur = _ks_loads(w_ptr, s_ptr, x_ptr, woff, soff, xoff, lw, ls, lx, j, n, EVEN, WEV)
                 wd, sc, xv = cur
-                wd = gl.convert_layout(gl.reshape(wd, (KS, R, 2, 8, 4, 2, 2)), LP, assert_trivial=True)
-                acc = _ks_chunk_mma(acc, wd, sc, xv, KS, NWR, R, NT, DEC)
+                acc = _ks_step(acc, wd, sc, xv, KS, NWR, R, NT, DEC)
 
         z = ks_reduce(acc, gs_ptr, KS, NWR, BN, NT)
         ks_store(z, out_ptr, part_ptr, cnt_ptr, bias_ptr, M, N, pid_n, pid_k, BN, NT, NW, SPLIT, HAS_BIAS)

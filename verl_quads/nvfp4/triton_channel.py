@@ -626,6 +626,14 @@ if triton is not None:
         return tl.where(p >= 8, _pick_half(e1, p), _pick_half(e0, p))
 
     @triton.jit
+    def _sample_at(e0, e1, c, OFF: tl.constexpr, PK: tl.constexpr):
+        """The per-block sample at offset OFF ([NBP]): ``_sample_pick`` (PK) or ``_sample_pos``, the same entries."""
+        if PK:
+            return _sample_pick(e0, e1, c, OFF)
+        else:
+            return _sample_pos(e0, e1, c, OFF)
+
+    @triton.jit
     def _min_max(a, b, c, d):
         return tl.minimum(a, c), tl.maximum(b, d)
 
@@ -730,14 +738,10 @@ if triton is not None:
         else 0). SB = 3 (NBP <= 512): three bits per step while three remain (seven counts as 10-bit fields of three
         int32 sums in one tuple reduction). DG: the counts from each sample's digit (``_digit_count3``); PK (SP 1 or
         2): the samples taken by ``_sample_pick``. Returns (T, rmx)."""
-        if (SP == 1) & PK:
-            samp = _sample_pick(e0, e1, c, 0)
-        elif (SP == 2) & PK:
-            samp = tl.reshape(tl.join(_sample_pick(e0, e1, c, 0), _sample_pick(e0, e1, c, 8)), (NBP * 2,))
-        elif SP == 1:
-            samp = _sample_pos(e0, e1, c, 0)
+        if SP == 1:
+            samp = _sample_at(e0, e1, c, 0, PK)
         elif SP == 2:
-            samp = tl.reshape(tl.join(_sample_pos(e0, e1, c, 0), _sample_pos(e0, e1, c, 8)), (NBP * 2,))
+            samp = tl.reshape(tl.join(_sample_at(e0, e1, c, 0, PK), _sample_at(e0, e1, c, 8, PK)), (NBP * 2,))
         else:  # the sampled entries of the row tile, the others -1 (never counted)
             j = tl.arange(0, 8)[None, :]
             cc = c[:, None]
