@@ -131,9 +131,9 @@ def verdict(goal_us: float, floor_us: float) -> str:
 
 
 def run(shapes: list[str], ms: list[int]) -> str:
-    from verl_quads.bench.rollout import SHAPES, _bf16_matmul, _rotating, _time, model_graph_copies
+    from verl_quads.bench.rollout import (SHAPES, _bf16_matmul, _rotating, _time, model_graph_copies,
+                                          model_graph_weights)
     from verl_quads.bench.timing import device_name, print_table
-    from verl_quads import nvfp4 as nv
     from verl_quads.nvfp4 import triton_gemm as tg
 
     if not torch.cuda.is_available():
@@ -157,7 +157,7 @@ def run(shapes: list[str], ms: list[int]) -> str:
     if not torch.equal(e_out, torch.arange(EMPTY_PROGRAMS, dtype=torch.int32, device=dev)):
         raise RuntimeError("dense_floor: the empty kernel stored wrong values")
     empty = both(lambda i: empty_launch(e_out), 8)
-    floor_rows.append(["-", "empty (132 programs, one store each)", "-", f"{empty[0]:.2f}", f"{empty[1]:.2f}", "-"])
+    floor_rows.append(["-", f"empty ({EMPTY_PROGRAMS} programs, one store each)", "-", f"{empty[0]:.2f}", f"{empty[1]:.2f}", "-"])
     for name in shapes:
         grouped, n, k = SHAPES[name]
         if grouped:
@@ -185,14 +185,8 @@ def run(shapes: list[str], ms: list[int]) -> str:
         floor1 = min(t[0] for t in reads)  # each method's own fastest read
         floorc = min(t[1] for t in reads)
         del bufs
-        w = torch.randn(n, k, device=dev, generator=g) * 0.02
-        q = nv.quantize(w, nv.global_scale_from_amax(w.abs().amax()), backend="triton")
-        w16 = w.to(torch.bfloat16)
-        del w
-        c16 = model_graph_copies(w16.numel() * 2)
-        w16s = [w16] + [w16.clone() for _ in range(c16 - 1)]
-        fp4s = [(q.packed, q.block_scale)] + [(q.packed.clone(), q.block_scale.clone()) for _ in range(c4 - 1)]
-        gs = q.global_scale.reshape(())
+        w16s, fp4s, gs = model_graph_weights(n, k, dev, g)
+        c16 = len(w16s)
         for m in ms:
             x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
             b = both(lambda i: _bf16_matmul(x, w16s[i]), c16)
@@ -201,7 +195,7 @@ def run(shapes: list[str], ms: list[int]) -> str:
                 o, _ = tg.quantize_activation(x, "w4a16")
                 return tg.nvfp4_gemm(o, fp4s[i][0], fp4s[i][1], gs)
 
-            f = both(w4, c4)
+            f = both(w4, len(fp4s))
             goal = (b[0] / GOAL_RATIO, b[1] / GOAL_RATIO)
             point_rows.append([f"{name} M={m}", f"{b[0]:.2f}", f"{goal[0]:.2f}", f"{f[0]:.2f}", f"{b[0] / f[0]:.2f}x",
                                f"{floor1:.2f}", f"{b[1]:.2f}", f"{goal[1]:.2f}", f"{f[1]:.2f}", f"{b[1] / f[1]:.2f}x",

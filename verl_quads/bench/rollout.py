@@ -456,6 +456,23 @@ def model_graph_copies(bytes_per_copy: int, flush_bytes: int | None = None) -> i
     return max(2, min(MODEL_GRAPH_MAX_COPIES, -(-flush // max(1, bytes_per_copy))))
 
 
+def model_graph_weights(n: int, k: int, dev, g: torch.Generator, flush_bytes: int | None = None):
+    """One random dense weight ``[n, k]`` (``randn * 0.02`` from ``g``) in the copies ``--model-graph`` walks:
+    (bf16 copies, NVFP4 ``(packed, block_scale)`` copies, 0-d float32 global scale); each form's copy count is
+    :func:`model_graph_copies` of its own bytes (the NVFP4 form: codes + block scales)."""
+    from verl_quads import nvfp4 as nv
+
+    w = torch.randn(n, k, device=dev, generator=g, dtype=torch.float32) * 0.02
+    q = nv.quantize(w, nv.global_scale_from_amax(w.abs().amax()), backend="triton")
+    w_bf16 = w.to(torch.bfloat16)
+    del w
+    c16 = model_graph_copies(w_bf16.numel() * 2, flush_bytes)
+    c4 = model_graph_copies(q.packed.numel() + q.block_scale.numel(), flush_bytes)
+    bf16_copies = [w_bf16] + [w_bf16.clone() for _ in range(c16 - 1)]
+    fp4_copies = [(q.packed, q.block_scale)] + [(q.packed.clone(), q.block_scale.clone()) for _ in range(c4 - 1)]
+    return bf16_copies, fp4_copies, q.global_scale.reshape(())
+
+
 def _bf16_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The dense BF16 baseline, ``x @ w.T`` (cuBLAS): ``x`` ``[M, K]``, ``w`` ``[N, K]``."""
     return x @ w.t()
@@ -471,7 +488,6 @@ def run_model_graph(shapes: list[str], ms: list[int], ratios: list[float], varia
     per step, not per layer. Same variants, same activation quantization per call, BF16 ``torch.matmul``
     (cuBLAS) baseline timed the same way in the same run (its own copy count: bytes differ); the per-call
     times of the main table's method (one call per graph, one weight) are printed next to it."""
-    from verl_quads import nvfp4 as nv
     from verl_quads.nvfp4 import triton_gemm as tg
 
     dev = DEVICE
@@ -487,20 +503,13 @@ def run_model_graph(shapes: list[str], ms: list[int], ratios: list[float], varia
         grouped, n, k = SHAPES[name]
         if grouped:
             raise ValueError(f"--model-graph times dense shapes only, not {name!r}")
-        w = torch.randn(n, k, device=dev, generator=g, dtype=torch.float32) * 0.02
-        q = nv.quantize(w, nv.global_scale_from_amax(w.abs().amax()), backend="triton")
-        w_bf16 = w.to(torch.bfloat16)
-        del w
-        c16 = model_graph_copies(w_bf16.numel() * 2, flush_bytes)
-        c4 = model_graph_copies(q.packed.numel() + q.block_scale.numel(), flush_bytes)
-        bf16_copies = [w_bf16] + [w_bf16.clone() for _ in range(c16 - 1)]
-        fp4_copies = [(q.packed, q.block_scale)] + [(q.packed.clone(), q.block_scale.clone()) for _ in range(c4 - 1)]
-        gs = q.global_scale.reshape(())
+        bf16_copies, fp4_copies, gs = model_graph_weights(n, k, dev, g, flush_bytes)
+        c16, c4 = len(bf16_copies), len(fp4_copies)
         for m in ms:
             tag = f"{name} M={m}"
             x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
             x[:, ::293] *= 30.0
-            t1, how1 = _time(lambda: _bf16_matmul(x, w_bf16))
+            t1, how1 = _time(lambda: _bf16_matmul(x, bf16_copies[0]))
             tc, howc = _time(_rotating(lambda i: _bf16_matmul(x, bf16_copies[i]), c16))
             tc /= c16
             times[(name, m, "bf16")] = (t1, tc)
