@@ -122,6 +122,7 @@ def patch_host(mods) -> list[str]:
 
     import torch
 
+    from verl_quads.nvfp4 import moe_routing as mr
     from verl_quads.nvfp4 import triton_gemm as tg
 
     class Props:
@@ -152,17 +153,22 @@ def patch_host(mods) -> list[str]:
             ns: dict = {}
             exec(code, m.__dict__, ns)
             setattr(m, name, ns[name])
+            # modules that imported the function by name (triton_gemm / triton_stream: gemm_shared.num_sms) call it
+            # through their own binding
+            for other in list(sys.modules.values()):
+                if getattr(other, "__name__", "").startswith("verl_quads.") and vars(other).get(name) is fn:
+                    setattr(other, name, ns[name])
             rewritten.append(f"{mod.rsplit('.', 1)[-1]}.{name}")
 
     # moe_align's routing feeds host code (quads per-call selection indexes with sorted_slots): record its
     # launches, return the torch reference's routing (same layout, real values)
-    orig_align = tg.moe_align
+    orig_align = mr.moe_align
 
     def moe_align(expert_ids, num_experts, block_m):
         orig_align(expert_ids, num_experts, block_m)
-        return tg.moe_align_reference(expert_ids, num_experts, block_m)
+        return mr.moe_align_reference(expert_ids, num_experts, block_m)
 
-    tg.moe_align = moe_align
+    mr.moe_align = tg.moe_align = moe_align  # triton_gemm.moe_forward calls the name it imported
 
     # the decode-once path's cuBLAS call (aten::mm.dtype exists for CUDA only): its float32 product as zeros, like
     # every kernel output here, so that the launches around it (block values, scale epilogue) are recorded
@@ -404,7 +410,9 @@ def scenarios_gemm():
     pick_config), every table entry explicitly, the GPU test's StreamConfig VARIANTS, the gemv probes."""
     import torch
 
+    from verl_quads.nvfp4 import moe_routing as mr
     from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.nvfp4 import triton_stream as ts
 
     # dense, default dispatch: the w4a16 / rollout-default activation forms at every M bucket that has a table entry
     # or a pick_config tile, the other forms at decode / mid / prefill M
@@ -461,15 +469,15 @@ def scenarios_gemm():
                                        residual_combine=comb, residual_granularity=gran)
     with scenario("moe_align 512 experts"):  # decode with more experts than the moe scenarios': the one launch
         for t in (1, 16):
-            tg.moe_align(_ids(t, experts=512), 512, 16)
+            mr.moe_align(_ids(t, experts=512), 512, 16)
     with scenario("moe_align past MOE_ALIGN_ONE_LAUNCH_MAX slots"):  # the two launches: histogram, scan + scatter
-        tg.moe_align(_ids(tg.MOE_ALIGN_ONE_LAUNCH_MAX // MOE["top_k"] + 1), MOE["experts"], 128)
+        mr.moe_align(_ids(mr.MOE_ALIGN_ONE_LAUNCH_MAX // MOE["top_k"] + 1), MOE["experts"], 128)
 
     # every DECODE_TABLE / MID_TABLE entry at its own shape, explicitly
-    for (grouped, b, n, k), cfg in tg.DECODE_TABLE.items():
+    for (grouped, b, n, k), cfg in ts.DECODE_TABLE.items():
         for dt in DTYPES:
             with scenario(f"DECODE_TABLE {(grouped, b, n, k)} {dt}"):
-                _gemm(tg, grouped, b, n, k, tg.decode_config(b, n, k, grouped, getattr(torch, dt)), dt)
+                _gemm(tg, grouped, b, n, k, ts.decode_config(b, n, k, grouped, getattr(torch, dt)), dt)
     for (grouped, b, n, k, a4), cfg in tg.MID_TABLE.items():
         with scenario(f"MID_TABLE {(grouped, b, n, k, a4)}"):
             _gemm(tg, grouped, b * e if grouped else b, n, k, cfg, "bfloat16", mode="naive" if a4 else "w4a16")
@@ -493,7 +501,7 @@ def scenarios_gemm():
 
     from verl_quads.bench import gemv_probe as gp
 
-    for c in dict.fromkeys(c for c in tg.DECODE_TABLE.values() if c.mma == 0):
+    for c in dict.fromkeys(c for c in ts.DECODE_TABLE.values() if c.mma == 0):
         for grouped, n, k in ((False, 8192, 8192), (True, 2 * inter, h)):
             with scenario(f"gemv probe {c.label} grouped={grouped} {n}x{k}"):
                 wp, ws, _ = _weight(n, k, e if grouped else None)
@@ -516,13 +524,15 @@ def scenarios_gemm():
 
 def _gemm(tg, grouped, rows, n, k, cfg, dt, mode="w4a16"):
     """One nvfp4_gemm of ``rows`` rows (grouped: token-slots over the MoE experts) with ``cfg``."""
+    from verl_quads.nvfp4 import moe_routing as mr
+
     e = MOE["experts"]
     if grouped:
         t = max(1, rows // MOE["top_k"])
         ids = _ids(t)
         s = ids.numel()
         bm = cfg.block_m if isinstance(cfg, tg.GemmConfig) else tg.grouped_block_m(-(-s // min(e, s)))
-        routing = tg.moe_align(ids, e, bm)
+        routing = mr.moe_align(ids, e, bm)
         act, _ = tg.quantize_activation(_x(t, k, dt), mode)
         tg.nvfp4_gemm(act, *_weight(n, k, e), routing=routing, a_rows=routing.sorted_tokens, out_rows=s, config=cfg)
     else:
@@ -535,13 +545,15 @@ def _gpu_stream_variants(tg):
     with ``SC`` = StreamConfig; the test module itself is not imported: it needs pytest and the GPU tests' helpers)."""
     import ast
 
+    from verl_quads.nvfp4 import triton_stream as ts
+
     path = os.path.join(ROOT, "tests", "gpu", "test_nvfp4_gemm_stream_gpu.py")
     with open(path) as f:
         tree = ast.parse(f.read())
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "VARIANTS" for t in node.targets):
             expr = compile(ast.Expression(node.value), path, "eval")
-            return list(eval(expr, {"SC": tg.StreamConfig, "tg": tg}))  # noqa: S307 (the repo's own test source)
+            return list(eval(expr, {"SC": ts.StreamConfig, "tg": tg, "ts": ts}))  # noqa: S307 (the repo's own test source)
     raise RuntimeError(f"no VARIANTS list in {path}")
 
 
@@ -580,6 +592,7 @@ def scenarios_gluon_moe():
     (verl_quads.bench.gluon_moe_probe, "all"), both MoE GEMMs, routing block_m 8 / 16 / 32."""
     from verl_quads.bench import gluon_moe_probe
     from verl_quads.nvfp4 import gluon_moe as gm
+    from verl_quads.nvfp4 import moe_routing as mr
     from verl_quads.nvfp4 import triton_gemm as tg
 
     e = MOE["experts"]
@@ -590,7 +603,7 @@ def scenarios_gluon_moe():
                     if getattr(cfg, "nt", 0) and (gm.BLOCK_M_NT[bm] % cfg.nt):
                         continue
                     ids = _ids(t)
-                    routing = tg.moe_align(ids, e, bm)
+                    routing = mr.moe_align(ids, e, bm)
                     rows = t if gemm == "w13" else ids.numel()
                     a_rows = routing.sorted_tokens if gemm == "w13" else None
                     gm.gluon_w4a16_grouped(_x(rows, k), *_weight(n, k, e), routing, a_rows=a_rows,
@@ -604,7 +617,7 @@ def scenarios_gluon_moe():
         with scenario(f"GLUON_MOE_TABLE {(bucket, n, k)} {gemm} {cfg.label} unfused / fused gate"):
             ids = _ids(t)
             bm = tg.GLUON_MOE_ROUTING_BLOCK_M.get(bucket) or tg.grouped_block_m(-(-ids.numel() // min(e, ids.numel())))
-            routing = tg.moe_align(ids, e, bm)
+            routing = mr.moe_align(ids, e, bm)
             rows = t if gemm == "w13" else ids.numel()
             a_rows = routing.sorted_tokens if gemm == "w13" else None
             for fuse in ((False, True) if gemm == "w13" and not gm.silu_mul_refusal(n, k, min(e, ids.numel()), cfg)

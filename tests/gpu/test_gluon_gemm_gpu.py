@@ -250,12 +250,13 @@ def test_gluon_table_entry_dispatch(key):
     smallest M: within the bound of the torch reference, and the bytes of gluon_w4a16_std (gluon_w4a16_tma for a
     TmaConfig entry) with the entry's config (the dispatch took the entry)."""
     from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.nvfp4 import triton_stream as ts
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("GLUON_TABLE entries are taken on sm_90 only")
     bucket, n, k = key
     cfg = tg.GLUON_TABLE[key]
-    lo = max([b for b in tg.DECODE_BUCKETS if b < bucket], default=0) + 1
+    lo = max([b for b in ts.DECODE_BUCKETS if b < bucket], default=0) + 1
     q = em.quantize_weight(_w((n, k), seed=bucket))
     gs = q.global_scale.reshape(())
     wf = em.weight_f32(q.packed, q.block_scale, gs)

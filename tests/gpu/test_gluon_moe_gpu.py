@@ -17,6 +17,7 @@ import torch
 from _gemm_helpers import capture_graph
 from verl_quads.nvfp4 import gluon_gemm as gg
 from verl_quads.nvfp4 import gluon_moe as gm
+from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
 from verl_quads.rollout import emulation as em
 
@@ -96,7 +97,7 @@ def _routed_inputs(tokens, e, topk, n, k, per_token, block_m=None, dead_frac=0.0
     s = tokens * topk
     x = _x(tokens if per_token else s, k, seed)
     bm = block_m or tg.grouped_block_m(-(-s // min(e, s)))
-    return q_w, gs, ids, s, x, bm, tg.moe_align(ids, e, bm)
+    return q_w, gs, ids, s, x, bm, mr.moe_align(ids, e, bm)
 
 
 def _gemm_case(gemm, tokens, cfg, e=128, topk=8, n=None, k=None, block_m=None, dead_frac=0.0, seed=0):
@@ -165,7 +166,7 @@ def test_grouped_split_deterministic_and_graph(cfg, tokens):
     q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
     gs = q_w.global_scale.reshape(-1)
     ids = _ids(tokens, e, topk)
-    routing = tg.moe_align(ids, e, 16)
+    routing = mr.moe_align(ids, e, 16)
     x = _x(tokens, k)
     assert gm.grouped_plan(n, k, e, cfg)[1] == 4
 
@@ -220,7 +221,7 @@ def test_block_m64_equals_block_m32(gemm, tokens, e, dead, cfg):
     order per output element -- only which program computes a row, in how many n-tiles, differs)."""
     y, x, q_w, gs, ids, routing = _gemm_case(gemm, tokens, cfg, e=e, block_m=64, dead_frac=dead, seed=tokens)
     assert routing.block_m == 64
-    r32 = tg.moe_align(ids, e, 32)
+    r32 = mr.moe_align(ids, e, 32)
     y32 = gm.gluon_w4a16_grouped(x, q_w.packed, q_w.block_scale, gs, r32,
                                  a_rows=r32.sorted_tokens if gemm == "w13" else None, out_rows=ids.numel(),
                                  cfg=dataclasses.replace(cfg, nt=min(cfg.nt, 4)))
@@ -244,22 +245,22 @@ def test_grouped_rejects_unsupported():
     gs = q_w.global_scale.reshape(-1)
     ids = _ids(3, e, 2)
     with pytest.raises(ValueError):  # block_m 128
-        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 128))
+        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, mr.moe_align(ids, e, 128))
     with pytest.raises(ValueError):  # float32 activation
-        gm.gluon_w4a16_grouped(_x(3, k).float(), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16))
+        gm.gluon_w4a16_grouped(_x(3, k).float(), q_w.packed, q_w.block_scale, gs, mr.moe_align(ids, e, 16))
     with pytest.raises(ValueError):  # nt 4 does not divide block_m / 8 = 2
-        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16), cfg=G(nt=4))
+        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, mr.moe_align(ids, e, 16), cfg=G(nt=4))
     with pytest.raises(ValueError):  # nt 8 does not divide block_m / 8 = 4
-        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 32), cfg=G(nt=8))
+        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, mr.moe_align(ids, e, 32), cfg=G(nt=8))
     for bad in (G(kc=2, xs=True), G(rg=3), G(pfd=2), G(xsb=2), G(nts=3), G(nt=3), G(dec=2), G(wev=1)):
         with pytest.raises(ValueError):
-            gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16), cfg=bad)
+            gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, mr.moe_align(ids, e, 16), cfg=bad)
     with pytest.raises(ValueError, match="ks .split-K inside the program. is a dense-kernel option"):
-        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, tg.moe_align(ids, e, 16), cfg=G(ks=8))
+        gm.gluon_w4a16_grouped(_x(3, k), q_w.packed, q_w.block_scale, gs, mr.moe_align(ids, e, 16), cfg=G(ks=8))
     with pytest.raises(ValueError):  # K % 128 != 0
         q2 = em.quantize_weight(_w((e, n, 1040)), reduce_dims=(1, 2))
         gm.gluon_w4a16_grouped(_x(3, 1040), q2.packed, q2.block_scale, q2.global_scale.reshape(-1),
-                               tg.moe_align(ids, e, 16))
+                               mr.moe_align(ids, e, 16))
 
 
 @pytest.mark.parametrize("key", sorted(tg.GLUON_MOE_TABLE), ids=lambda k: f"S{k[0]}-{k[1]}x{k[2]}")
@@ -404,7 +405,7 @@ def test_moe_forward_t1024_block_m32_equals_session12_block_m64(mode, pt, comb, 
     assert op1.mode == "w4a16" and tg.grouped_block_m(s // e) == 64
     assert tg.moe_block_m(s, e, op1.values, w[0], w[3]) == 32 and tg.moe_block_m(s, e, None, w[0], w[3]) == 64
     y = tg.moe_forward(x, sw, ids, *w, mode, **kw)
-    r64 = tg.moe_align(ids, e, 64)
+    r64 = mr.moe_align(ids, e, 64)
     a = gm.gluon_w4a16_grouped(op1.values, *w[:3], r64, a_rows=r64.sorted_tokens, out_rows=s, cfg=S12_BM64["w13"],
                                zero_unrouted=mode != "w4a16", silu_mul=True)  # as moe_forward
     op2, _ = tg.quantize_activation(a, mode, **kw)

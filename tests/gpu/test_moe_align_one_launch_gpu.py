@@ -1,4 +1,4 @@
-"""moe_align in ONE launch, decode included (issue #5; verl_quads/nvfp4/triton_gemm.py
+"""moe_align in ONE launch, decode included (issue #5; verl_quads/nvfp4/moe_routing.py
 ``_moe_align_one_launch``, ``_moe_align_fused_kernel``) on a CUDA GPU (the H200): every output tensor == the torch
 reference (``moe_align_reference``, torch.equal) at Qwen3-30B-A3B routing (128 experts, top-8, some ids -1) and at
 E = 8 / 256 / 257 / 512 / 1024, also replayed from a CUDA graph with new ids; moe_align's default dispatch (every
@@ -12,6 +12,7 @@ the reference before it is timed.
 import pytest
 import torch
 
+from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
 
 pytestmark = pytest.mark.gpu
@@ -61,9 +62,9 @@ def _label(kw):
 @pytest.mark.parametrize("kw", [{}, dict(chunk=16, eb=8)], ids=["default", "chunk16-eb8"])
 def test_one_launch_equals_torch_reference(tokens, e, block_m, kw):
     ids = _ids(tokens, e, seed=tokens + e)
-    ref = tg.moe_align_reference(ids, e, block_m)
+    ref = mr.moe_align_reference(ids, e, block_m)
     outs = _outs(ref)
-    tg._moe_align_one_launch(ids.reshape(-1), e, ids.shape[-1], block_m, outs, **kw)
+    mr._moe_align_one_launch(ids.reshape(-1), e, ids.shape[-1], block_m, outs, **kw)
     for o, f in zip(outs, FIELDS):
         assert torch.equal(o, getattr(ref, f)), f
 
@@ -73,17 +74,17 @@ def test_one_launch_equals_torch_reference(tokens, e, block_m, kw):
                                                 (2, 256, 16)])
 def test_moe_align_one_launch_graph_replay(tokens, e, block_m):
     """moe_align (default dispatch: one launch at these sizes) captured once, replayed with new ids == reference."""
-    assert tokens * 8 <= tg.MOE_ALIGN_ONE_LAUNCH_MAX
+    assert tokens * 8 <= mr.MOE_ALIGN_ONE_LAUNCH_MAX
     ids = _ids(tokens, e, seed=1)
     graph = torch.cuda.CUDAGraph()
-    tg.moe_align(ids, e, block_m)  # compile outside the capture
+    mr.moe_align(ids, e, block_m)  # compile outside the capture
     with torch.cuda.graph(graph):
-        cap = tg.moe_align(ids, e, block_m)
+        cap = mr.moe_align(ids, e, block_m)
     for seed in (2, 3):
         ids.copy_(_ids(tokens, e, seed=seed, local_frac=0.8 if seed == 2 else 1.0))
         graph.replay()
         torch.cuda.synchronize()
-        ref = tg.moe_align_reference(ids, e, block_m)
+        ref = mr.moe_align_reference(ids, e, block_m)
         for f in FIELDS:
             assert torch.equal(getattr(cap, f), getattr(ref, f)), (seed, f)
 
@@ -105,7 +106,7 @@ def test_moe_align_dispatch_equals_reference(e, tokens):
     s = tokens * 8
     bm = tg.grouped_block_m(-(-s // min(e, s)))
     ids = _ids(tokens, e, seed=s + e)
-    got, ref = tg.moe_align(ids, e, bm), tg.moe_align_reference(ids, e, bm)
+    got, ref = mr.moe_align(ids, e, bm), mr.moe_align_reference(ids, e, bm)
     for f in FIELDS:
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
 
@@ -120,31 +121,31 @@ def test_moe_align_one_launch_sweep(monkeypatch, slots):
     bm = tg.grouped_block_m(-(-slots // min(e, slots)))
     ids = _ids(tokens, e, seed=slots)
     flat = ids.reshape(-1)
-    ref = tg.moe_align_reference(ids, e, bm)
-    one = tg.MOE_ALIGN_ONE_LAUNCH_MAX
-    base = {"moe_align (default dispatch)": lambda: tg.moe_align(ids, e, bm)}
+    ref = mr.moe_align_reference(ids, e, bm)
+    one = mr.MOE_ALIGN_ONE_LAUNCH_MAX
+    base = {"moe_align (default dispatch)": lambda: mr.moe_align(ids, e, bm)}
     if slots > 256:
-        base["two launches (hist, scan + scatter)"] = lambda: tg.moe_align(ids, e, bm)
+        base["two launches (hist, scan + scatter)"] = lambda: mr.moe_align(ids, e, bm)
     rows, bad = {}, []
 
     def time_base():
         for lb, fn in base.items():
-            monkeypatch.setattr(tg, "MOE_ALIGN_ONE_LAUNCH_MAX", 0 if lb.startswith("two") else one)
+            monkeypatch.setattr(mr, "MOE_ALIGN_ONE_LAUNCH_MAX", 0 if lb.startswith("two") else one)
             r = fn()
             if not all(torch.equal(getattr(r, f), getattr(ref, f)) for f in FIELDS):
                 bad.append(lb)
             rows.setdefault(lb, []).append(_graph_us(fn))
-        monkeypatch.setattr(tg, "MOE_ALIGN_ONE_LAUNCH_MAX", one)
+        monkeypatch.setattr(mr, "MOE_ALIGN_ONE_LAUNCH_MAX", one)
 
     time_base()
     fns = {}
     for kw in _variants(slots):
         outs = _outs(ref)
-        tg._moe_align_one_launch(flat, e, topk, bm, outs, **kw)
+        mr._moe_align_one_launch(flat, e, topk, bm, outs, **kw)
         if not _same(outs, ref):
             bad.append(_label(kw))
             continue
-        fns[_label(kw)] = lambda outs=outs, kw=kw: tg._moe_align_one_launch(flat, e, topk, bm, outs, **kw)
+        fns[_label(kw)] = lambda outs=outs, kw=kw: mr._moe_align_one_launch(flat, e, topk, bm, outs, **kw)
     x = torch.zeros(1, device=DEV)
     fns["empty launch (torch add_ of 1 element)"] = lambda: x.add_(0)
     for _ in range(2):
@@ -152,7 +153,7 @@ def test_moe_align_one_launch_sweep(monkeypatch, slots):
             rows.setdefault(lb, []).append(_graph_us(fn))
     time_base()
     w = max(len(k) for k in rows)
-    print(f"\nmoe_align S={slots} (128 experts, top-8, block_m {bm}, default chunk {tg._moe_align_chunk(slots)}), "
+    print(f"\nmoe_align S={slots} (128 experts, top-8, block_m {bm}, default chunk {mr._moe_align_chunk(slots)}), "
           "CUDA graph, us (two runs):\n" + "\n".join(
               f"  {k.ljust(w)} | " + " | ".join(f"{v:6.2f}" for v in vs) for k, vs in rows.items()), flush=True)
     assert not bad, f"!= moe_align_reference: {bad}"

@@ -14,7 +14,9 @@ import torch
 from _gemm_helpers import capture_graph
 from _gemm_helpers import rand_w as _w
 from _gemm_helpers import rand_x as _x
+from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
+from verl_quads.nvfp4 import triton_stream as ts
 from verl_quads.rollout import emulation as em
 
 pytestmark = pytest.mark.gpu
@@ -90,7 +92,7 @@ def test_grouped_experts_real_shapes(mode, per_token, gemm, tokens):
         rows_of = lambda slots: slots  # noqa: E731
     op, _ = tg.quantize_activation(x, mode, residual_per_token=per_token)
     xf, _ = em.quantize_activation(x, em.ActQuant(mode, 0.5, per_token, residual_granularity="block"))
-    routing = tg.moe_align(ids, e, tg.grouped_block_m(-(-s // min(e, s))))
+    routing = mr.moe_align(ids, e, tg.grouped_block_m(-(-s // min(e, s))))
     y = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing,
                       a_rows=rows_of(routing.sorted_slots), out_rows=s)
     flat = ids.reshape(-1)
@@ -132,7 +134,7 @@ def test_mid_table_natural_tiles_real_shapes(key, cfg, dtype):
         x = _x(m, k).to(dtype)
         q_w = em.quantize_weight(_w((n, k)))
         gs = q_w.global_scale.reshape(())
-        assert tg.decode_config(m, n, k, False) is None
+        assert ts.decode_config(m, n, k, False) is None
         assert tg.pick_config(m, -(-m // tg.pick_block_m(m)), n, k, dev) is cfg
         wf = em.weight_f32(q_w.packed, q_w.block_scale, gs)
         xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, True))
@@ -151,13 +153,13 @@ def test_mid_table_natural_tiles_real_shapes(key, cfg, dtype):
     rows_of = (lambda sl: torch.div(sl, topk, rounding_mode="floor")) if w13 else (lambda sl: sl)  # noqa: E731
     per = -(-s // min(e, s))
     assert per == b
-    routing = tg.moe_align(ids, e, tg.grouped_block_m(per))
+    routing = mr.moe_align(ids, e, tg.grouped_block_m(per))
     t_max = routing.tile_expert.numel()
     assert tg.pick_config(per, t_max, n, k, dev, block_m=routing.block_m, grouped=True) is cfg
     # session 8: a DECODE_TABLE stream entry can take this routing's slot count first (w13 at 128 slots: measured
     # faster); the tile is then checked when passed explicitly (it still serves other expert counts, e.g. 256
     # experts at 1 slot per expert)
-    shadowed = tg.decode_config(s, n, k, True, dtype) is not None
+    shadowed = ts.decode_config(s, n, k, True, dtype) is not None
     op, _ = tg.quantize_activation(x, "w4a16")
     y = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing, a_rows=rows_of(routing.sorted_slots),
                       out_rows=s, config=cfg if shadowed else None)
@@ -186,7 +188,7 @@ def test_moe_align_triton_equals_torch_reference(tokens, block_m):
     g = torch.Generator(device=DEV).manual_seed(7)
     ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
     ids[torch.rand(tokens, topk, device=DEV, generator=g) > 0.9] = -1
-    got, ref = tg.moe_align(ids, e, block_m), tg.moe_align_reference(ids, e, block_m)
+    got, ref = mr.moe_align(ids, e, block_m), mr.moe_align_reference(ids, e, block_m)
     for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
 
@@ -216,7 +218,7 @@ def test_grouped_launch_replays_in_a_cuda_graph():
     ids = torch.randint(0, e, (tokens, topk), device=DEV)
 
     def run():
-        r = tg.moe_align(ids, e, 16)
+        r = mr.moe_align(ids, e, 16)
         op, _ = tg.quantize_activation(x, "naive")
         return tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=r,
                              a_rows=torch.div(r.sorted_slots, topk, rounding_mode="floor"), out_rows=tokens * topk)
@@ -304,20 +306,20 @@ def test_moe_align_decode_real_sizes(tokens, e, block_m):
     """Decode routing (top-8, S = 8 / 16 slots) through moe_align's default dispatch (the one launch since session
     12) == the torch reference bit for bit, also replayed from a CUDA graph with new ids."""
     topk = 8
-    assert tokens * topk <= tg.MOE_ALIGN_ONE_LAUNCH_MAX
+    assert tokens * topk <= mr.MOE_ALIGN_ONE_LAUNCH_MAX
     g = torch.Generator(device=DEV).manual_seed(tokens + e)
     ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
     ids[torch.rand(tokens, topk, device=DEV, generator=g) > 0.9] = -1
-    got, ref = tg.moe_align(ids, e, block_m), tg.moe_align_reference(ids, e, block_m)
+    got, ref = mr.moe_align(ids, e, block_m), mr.moe_align_reference(ids, e, block_m)
     for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        cap = tg.moe_align(ids, e, block_m)
+        cap = mr.moe_align(ids, e, block_m)
     ids.copy_(torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk])
     graph.replay()
     torch.cuda.synchronize()
-    ref = tg.moe_align_reference(ids, e, block_m)
+    ref = mr.moe_align_reference(ids, e, block_m)
     for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
         assert torch.equal(getattr(cap, f), getattr(ref, f)), f
 
@@ -333,7 +335,7 @@ def test_moe_align_paths_timed(monkeypatch, e, slots):
     CUDA-graph timings of one call each (us; min / median printed; informational: where MOE_ALIGN_ONE_LAUNCH_MAX
     belongs at decode sizes), and which path the default dispatch takes."""
     topk = 8
-    default = tg.MOE_ALIGN_ONE_LAUNCH_MAX
+    default = mr.MOE_ALIGN_ONE_LAUNCH_MAX
     rows = []
     for s in slots:
         tokens = s // topk
@@ -341,18 +343,18 @@ def test_moe_align_paths_timed(monkeypatch, e, slots):
         g = torch.Generator(device=DEV).manual_seed(s + e)
         ids = torch.rand(tokens, e, device=DEV, generator=g).argsort(-1)[:, :topk]
         ids[torch.rand(tokens, topk, device=DEV, generator=g) > 0.9] = -1
-        ref = tg.moe_align_reference(ids, e, bm)
+        ref = mr.moe_align_reference(ids, e, bm)
         for name, limit in _ALIGN_PATHS.items():
-            monkeypatch.setattr(tg, "MOE_ALIGN_ONE_LAUNCH_MAX", limit)
-            got = tg.moe_align(ids, e, bm)
+            monkeypatch.setattr(mr, "MOE_ALIGN_ONE_LAUNCH_MAX", limit)
+            got = mr.moe_align(ids, e, bm)
             for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
                 assert torch.equal(getattr(got, f), getattr(ref, f)), (s, e, name, f)
         times = {name: [] for name in _ALIGN_PATHS}
         for _ in range(5):
             for name, limit in _ALIGN_PATHS.items():
-                monkeypatch.setattr(tg, "MOE_ALIGN_ONE_LAUNCH_MAX", limit)
-                times[name].append(_graph_us(lambda: tg.moe_align(ids, e, bm)))
-        monkeypatch.setattr(tg, "MOE_ALIGN_ONE_LAUNCH_MAX", default)
+                monkeypatch.setattr(mr, "MOE_ALIGN_ONE_LAUNCH_MAX", limit)
+                times[name].append(_graph_us(lambda: mr.moe_align(ids, e, bm)))
+        monkeypatch.setattr(mr, "MOE_ALIGN_ONE_LAUNCH_MAX", default)
         took = "one launch" if s <= default else "two launches"
         rows.append(f"S={s:4d} bm={bm:3d} (default: {took:12s}): " + " | ".join(
             f"{name} {min(t):6.2f} / {sorted(t)[2]:6.2f}" for name, t in times.items()))
@@ -438,7 +440,7 @@ def test_moe_forward_unrouted_slots_unset_equals_zero_filled(mode, tokens):
     torch.full((64, 2 * inter * topk), float("nan"), device=DEV)  # leave NaN in the caching allocator's blocks
     got = tg.moe_forward(x, sw, ids, *w13, *w2, mode)
     s = tokens * topk
-    routing = tg.moe_align(ids, e, tg.grouped_block_m(-(-s // min(e, s))))
+    routing = mr.moe_align(ids, e, tg.grouped_block_m(-(-s // min(e, s))))
     op1, _ = tg.quantize_activation(x, mode)
     h = tg.nvfp4_gemm(op1, *w13, routing=routing, a_rows=routing.sorted_tokens, out_rows=s)
     op2, _ = tg.quantize_activation(tg.moe_silu_mul(h), mode)

@@ -19,12 +19,14 @@ from _gemm_helpers import capture_graph
 from _gemm_helpers import check_close as _check
 from _gemm_helpers import rand_w as _w
 from _gemm_helpers import rand_x as _x
+from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
+from verl_quads.nvfp4 import triton_stream as ts
 from verl_quads.rollout import emulation as em
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
-SC = tg.StreamConfig
+SC = ts.StreamConfig
 
 VARIANTS = [
     SC(block_m=1, block_n=128, block_kw=16, num_warps=4),
@@ -122,7 +124,7 @@ def test_stream_grouped(cfg, gemm, tokens):
     s = tokens * topk
     x = _x(tokens if gemm == "w13" else s, k)
     rows_of = (lambda sl: torch.div(sl, topk, rounding_mode="floor")) if gemm == "w13" else (lambda sl: sl)
-    routing = tg.moe_align(ids, e, tg.pick_block_m(-(-s // min(e, s))))
+    routing = mr.moe_align(ids, e, tg.pick_block_m(-(-s // min(e, s))))
     op, _ = tg.quantize_activation(x, "w4a16")
     y = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing, a_rows=rows_of(routing.sorted_slots),
                       out_rows=s, config=cfg)
@@ -146,7 +148,7 @@ def test_stream_fixup_bit_identical_over_many_runs(grouped):
         q_w = em.quantize_weight(_w((e, n, k)), reduce_dims=(1, 2))
         gs = q_w.global_scale.reshape(-1)
         ids = torch.rand(tokens, e, device=DEV, generator=torch.Generator(device=DEV).manual_seed(3)).argsort(-1)[:, :topk]
-        routing = tg.moe_align(ids, e, 16)
+        routing = mr.moe_align(ids, e, 16)
         op, _ = tg.quantize_activation(_x(tokens, k), "w4a16")
         kw = dict(routing=routing, a_rows=routing.sorted_tokens, out_rows=tokens * topk)
     else:
@@ -170,11 +172,11 @@ def test_stream_replays_in_a_cuda_graph_and_dispatch(monkeypatch):
     q_w = em.quantize_weight(_w((n, k)))
     gs = q_w.global_scale.reshape(())
     cfg = SC(block_m=1, block_n=64, block_kw=16, split_k=4)
-    monkeypatch.setitem(tg.DECODE_TABLE, (False, 1, n, k), cfg)
+    monkeypatch.setitem(ts.DECODE_TABLE, (False, 1, n, k), cfg)
     # GLUON_TABLE is checked first and has had a (1, 4096, 4096) entry since session 13 (77052b6): without it the
     # default dispatch reaches DECODE_TABLE, the lookup this test is about
     monkeypatch.delitem(tg.GLUON_TABLE, (1, n, k), raising=False)
-    assert tg.decode_config(1, n, k, False) is cfg
+    assert ts.decode_config(1, n, k, False) is cfg
     x = _x(m, k)
     y_direct = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16", config=cfg)
     assert torch.equal(tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16"), y_direct)

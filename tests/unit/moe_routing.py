@@ -4,7 +4,7 @@ and launch spies on every kernel moe_align can launch."""
 import torch
 from launch_spy import LaunchSpy
 
-from verl_quads.nvfp4 import triton_gemm as tg
+from verl_quads.nvfp4 import moe_routing as mr
 
 #: every kernel moe_align can launch: the one launch, then the two launches' histogram and scan + scatter
 ALIGN_KERNELS = ("_moe_align_fused_kernel", "_moe_hist_kernel", "_moe_scan_scatter_kernel")
@@ -22,8 +22,9 @@ def routing_ids(tokens, top_k, e, local_frac, seed, one_expert=None, dtype=torch
 
 
 def spy_align(monkeypatch) -> dict:
-    """Replace each of :data:`ALIGN_KERNELS` in triton_gemm by a :class:`LaunchSpy` (for this test): name -> spy."""
-    spies = {n: LaunchSpy(getattr(tg, n)) for n in ALIGN_KERNELS}
+    """Replace each of :data:`ALIGN_KERNELS` in verl_quads.nvfp4.moe_routing by a :class:`LaunchSpy` (for this
+    test): name -> spy."""
+    spies = {n: LaunchSpy(getattr(mr, n)) for n in ALIGN_KERNELS}
     for n, sp in spies.items():
-        monkeypatch.setattr(tg, n, sp)
+        monkeypatch.setattr(mr, n, sp)
     return spies

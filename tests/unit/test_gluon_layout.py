@@ -217,7 +217,7 @@ def test_dispatch_takes_gluon_only_where_it_can_run(monkeypatch, caplog):
     class FakeX:  # a CUDA-looking bf16 activation, shape [4, 8192]
         device, dtype, shape = FakeDevice(), torch.bfloat16, x.shape
 
-    monkeypatch.setattr(tg, "_interpreting", lambda: False)
+    monkeypatch.setattr(tg, "interpreting", lambda: False)
     monkeypatch.setattr(di, "capability", lambda dev=None: (9, 0))
     monkeypatch.setattr(gg, "gluon_available", lambda: (True, ""))
     assert tg.gluon_dense_config(FakeX(), w) is tg.GLUON_TABLE[(4, 8192, 8192)]

@@ -9,7 +9,9 @@ import torch
 
 from verl_quads.nvfp4 import device_info as di
 from verl_quads.nvfp4 import gluon_moe as gm
+from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
+from verl_quads.nvfp4 import triton_stream as ts
 
 
 def test_table_entries_and_exact_bucket_lookup():
@@ -47,8 +49,8 @@ def _grouped_case(e=4, n=32, k=128, tokens=3, topk=2):
 
 def test_dispatch_never_picks_gluon_on_cpu(monkeypatch):
     x, packed, scale, gs, ids = _grouped_case()
-    routing = tg.moe_align_reference(ids, packed.shape[0], 16)
-    monkeypatch.setitem(tg.GLUON_MOE_TABLE, (tg.decode_bucket(6), packed.shape[1], x.shape[1]), gm.GroupedConfig())
+    routing = mr.moe_align_reference(ids, packed.shape[0], 16)
+    monkeypatch.setitem(tg.GLUON_MOE_TABLE, (ts.decode_bucket(6), packed.shape[1], x.shape[1]), gm.GroupedConfig())
     assert tg.gluon_moe_table_entry(6, packed.shape[1], x.shape[1], 16, (9, 0)) is not None  # an entry for this shape
     assert tg.gluon_grouped_config(x, packed, routing) is None  # ... but not on a CPU tensor
     assert not gm.grouped_supported(x, packed, 16)
@@ -56,7 +58,7 @@ def test_dispatch_never_picks_gluon_on_cpu(monkeypatch):
 
 def test_explicit_config_raises_where_it_cannot_run():
     x, packed, scale, gs, ids = _grouped_case()
-    routing = tg.moe_align_reference(ids, packed.shape[0], 16)
+    routing = mr.moe_align_reference(ids, packed.shape[0], 16)
     act, _ = tg.quantize_activation(x, "w4a16")
     with pytest.raises((ValueError, RuntimeError)):
         tg.nvfp4_gemm(act, packed, scale, gs, routing=routing, a_rows=routing.sorted_tokens, out_rows=6,
@@ -77,7 +79,7 @@ def test_default_dispatch_on_a_hopper_without_usable_gluon_warns_once(monkeypatc
     w = torch.zeros(128, 1536, 1024, dtype=torch.uint8)  # [E, N, K/2]: K = 2048
     x = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16, shape=(16, 2048))
     routing = SimpleNamespace(sorted_slots=torch.zeros(128, dtype=torch.int32), block_m=16)  # S = 128: T = 16
-    monkeypatch.setattr(tg, "_interpreting", lambda: False)
+    monkeypatch.setattr(tg, "interpreting", lambda: False)
     monkeypatch.setattr(di, "capability", lambda dev=None: (9, 0))
     monkeypatch.setattr(gg, "gluon_available", lambda: (True, ""))
     assert tg.gluon_grouped_config(x, w, routing) is tg.GLUON_MOE_TABLE[(128, 1536, 2048)]
@@ -105,7 +107,7 @@ def test_moe_block_m_takes_the_gluon_routing_where_both_gemms_run_on_gluon(monke
     x = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16, shape=(1024, 2048))
     assert tg.grouped_block_m(s // e) == 64 and tg.GLUON_MOE_ROUTING_BLOCK_M[tg.gluon_moe_bucket(s)] == 32
     assert tg.moe_block_m(s, e, x, w13, w2) == 64  # on CPU (not sm_90, the interpreter): grouped_block_m
-    monkeypatch.setattr(tg, "_interpreting", lambda: False)
+    monkeypatch.setattr(tg, "interpreting", lambda: False)
     monkeypatch.setattr(di, "capability", lambda dev=None: (9, 0))
     monkeypatch.setattr(gg, "gluon_available", lambda: (True, ""))
     assert tg.moe_block_m(s, e, x, w13, w2) == 32

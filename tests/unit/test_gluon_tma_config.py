@@ -7,6 +7,7 @@ import torch
 
 from verl_quads.bench.gluon_probe import TMA_CONFIGS, parse_tma
 from verl_quads.nvfp4 import gluon_tma as gt
+from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
 
 T = gt.TmaConfig
@@ -58,7 +59,7 @@ def test_refusals_on_cpu():
         gt.gluon_w4a16_tma(x, w, torch.zeros(64, 32, dtype=torch.uint8).view(torch.float8_e4m3fn),
                            torch.ones(1))
     act, _ = tg.quantize_activation(x, "w4a16")
-    routing = tg.moe_align_reference(torch.zeros(2, 1, dtype=torch.int64), 1, 16)
+    routing = mr.moe_align_reference(torch.zeros(2, 1, dtype=torch.int64), 1, 16)
     with pytest.raises(ValueError, match="dense w4a16 GEMMs only"):
         tg.nvfp4_gemm(act, w.unsqueeze(0), torch.zeros(1, 64, 32, dtype=torch.uint8).view(torch.float8_e4m3fn),
                       torch.ones(1), routing=routing, config=T())

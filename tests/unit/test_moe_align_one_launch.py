@@ -1,4 +1,4 @@
-"""moe_align in ONE launch (verl_quads/nvfp4/triton_gemm.py, issue #5): ``_moe_align_one_launch``
+"""moe_align in ONE launch (verl_quads/nvfp4/moe_routing.py, issue #5): ``_moe_align_one_launch``
 (``_moe_align_fused_kernel``) and the dispatch of ``moe_align`` to it at 1 <= S <= MOE_ALIGN_ONE_LAUNCH_MAX
 token-slots at any number of experts, decode included (until session 12 a register kernel took S <= 16 slots at
 <= 256 experts, and a one-program scratch kernel S <= 256 slots at more experts; both are gone).
@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from verl_quads.nvfp4 import triton_gemm as tg
+from verl_quads.nvfp4 import moe_routing as mr
 
 sys.path.insert(0, os.path.dirname(__file__))
 from moe_routing import routing_ids, spy_align  # noqa: E402
@@ -31,10 +31,10 @@ _ids = functools.partial(routing_ids, device=DEV)
 
 def _run(ids, e, block_m, **kw):
     """(_moe_align_one_launch outputs, reference) with the outputs pre-filled with -7 (unwritten entries show)."""
-    ref = tg.moe_align_reference(ids, e, block_m)
+    ref = mr.moe_align_reference(ids, e, block_m)
     flat = ids.reshape(-1).contiguous()
     outs = tuple(torch.full_like(getattr(ref, f), -7) for f in FIELDS)
-    tg._moe_align_one_launch(flat, e, ids.shape[-1], block_m, outs, **kw)
+    mr._moe_align_one_launch(flat, e, ids.shape[-1], block_m, outs, **kw)
     return outs, ref
 
 
@@ -129,8 +129,8 @@ def test_moe_align_dispatch_is_one_launch(monkeypatch, tokens, top_k, e, block_m
     kernel, nothing else; == the reference bit for bit (stable order within an expert, -1 last, same tile table)."""
     spies = spy_align(monkeypatch)
     ids = _ids(tokens, top_k, e, local_frac, seed=seed, one_expert=one_expert)
-    assert 1 <= ids.numel() <= tg.MOE_ALIGN_ONE_LAUNCH_MAX
-    got, ref = tg.moe_align(ids, e, block_m), tg.moe_align_reference(ids, e, block_m)
+    assert 1 <= ids.numel() <= mr.MOE_ALIGN_ONE_LAUNCH_MAX
+    got, ref = mr.moe_align(ids, e, block_m), mr.moe_align_reference(ids, e, block_m)
     want = {n: 0 for n in spies}
     want["_moe_align_fused_kernel"] = 1
     assert {n: sp.launches for n, sp in spies.items()} == want
@@ -141,10 +141,10 @@ def test_moe_align_dispatch_is_one_launch(monkeypatch, tokens, top_k, e, block_m
 def test_past_the_one_launch_limit_two_launches(monkeypatch):
     """Past MOE_ALIGN_ONE_LAUNCH_MAX slots (lowered to 512 here, to keep the interpreter quick): the histogram
     launch, then scan + scatter; same result."""
-    monkeypatch.setattr(tg, "MOE_ALIGN_ONE_LAUNCH_MAX", 512)
+    monkeypatch.setattr(mr, "MOE_ALIGN_ONE_LAUNCH_MAX", 512)
     spies = spy_align(monkeypatch)
     ids = _ids(80, 8, 128, 0.9, seed=9)
-    got, ref = tg.moe_align(ids, 128, 16), tg.moe_align_reference(ids, 128, 16)
+    got, ref = mr.moe_align(ids, 128, 16), mr.moe_align_reference(ids, 128, 16)
     assert (spies["_moe_hist_kernel"].launches, spies["_moe_align_fused_kernel"].launches) == (1, 0)
     _assert_same(tuple(getattr(got, f) for f in FIELDS), ref, "two launches")
 
@@ -152,19 +152,19 @@ def test_past_the_one_launch_limit_two_launches(monkeypatch):
 def test_one_launch_rejects_bad_options():
     ids = _ids(40, 8, 128, 1.0, seed=1)
     flat = ids.reshape(-1)
-    ref = tg.moe_align_reference(ids, 128, 16)
+    ref = mr.moe_align_reference(ids, 128, 16)
     outs = tuple(torch.empty_like(getattr(ref, f)) for f in FIELDS)
     for chunk in (48, 8):
         with pytest.raises(ValueError, match="chunk"):
-            tg._moe_align_one_launch(flat, 128, 8, 16, outs, chunk=chunk)
+            mr._moe_align_one_launch(flat, 128, 8, 16, outs, chunk=chunk)
     with pytest.raises(ValueError, match="eb"):
-        tg._moe_align_one_launch(flat, 128, 8, 16, outs, eb=12)
+        mr._moe_align_one_launch(flat, 128, 8, 16, outs, eb=12)
 
 
 def test_chunk_rule():
     """Chunks of 32..128 slots, at most 64 scatter programs up to 8192 slots (the H200 measurement behind
     _moe_align_chunk: the fastest chunk at 512 / 2048 / 4096 / 8192 / 16384 slots)."""
     for s in (257, 512, 2048, 2049, 4096, 8192, 16384):
-        c = tg._moe_align_chunk(s)
+        c = mr._moe_align_chunk(s)
         assert 32 <= c <= 128 and c & (c - 1) == 0 and (-(-s // c) <= 64 or c == 128), (s, c)
-    assert [tg._moe_align_chunk(s) for s in (512, 2048, 4096, 8192, 16384)] == [32, 32, 64, 128, 128]
+    assert [mr._moe_align_chunk(s) for s in (512, 2048, 4096, 8192, 16384)] == [32, 32, 64, 128, 128]

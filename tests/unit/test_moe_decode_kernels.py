@@ -1,7 +1,8 @@
-"""The MoE layer's decode kernels (verl_quads/nvfp4/triton_gemm.py, issue #5): moe_align with no slot (no launch; its
-one launch at decode sizes is counted in test_moe_align_one_launch.py::test_moe_align_dispatch_is_one_launch; the
-register kernel that took S <= 16 slots until session 12 tied it on the H200 and is gone), the gate ``moe_silu_mul``
-and the router-weighted combine ``moe_combine``, each one launch.
+"""The MoE layer's decode kernels (verl_quads/nvfp4/moe_routing.py and triton_gemm.py, issue #5): moe_align with no
+slot (no launch; its one launch at decode sizes is counted in
+test_moe_align_one_launch.py::test_moe_align_dispatch_is_one_launch; the register kernel that took S <= 16 slots until
+session 12 tied it on the H200 and is gone), the gate ``moe_silu_mul`` and the router-weighted combine
+``moe_combine``, each one launch.
 
 On CPU under TRITON_INTERPRET=1 at small shapes. The routing is compared with torch.equal against the torch
 reference (``moe_align_reference``). The gate's exp under the interpreter is numpy's float32 exp (libdevice
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -36,7 +38,7 @@ def test_moe_align_no_slots_launches_nothing(monkeypatch):
     """S == 0 (no token): empty int32 outputs on the ids' device, no launch; == the reference."""
     spies = spy_align(monkeypatch)
     ids = torch.empty(0, 8, dtype=torch.int64, device=DEV)
-    got, ref = tg.moe_align(ids, 128, 16), tg.moe_align_reference(ids, 128, 16)
+    got, ref = mr.moe_align(ids, 128, 16), mr.moe_align_reference(ids, 128, 16)
     assert [spies[n].launches for n in ALIGN_KERNELS] == [0, 0, 0]
     for f in FIELDS:
         t = getattr(got, f)
@@ -161,7 +163,7 @@ def test_moe_forward_equals_its_zero_filled_composition(mode):
     ids = torch.tensor([[1, -1], [3, 0], [-1, 1]], device=DEV)
     sw = torch.rand(t, k, generator=g).to(DEV)
     got = tg.moe_forward(x, sw, ids, *w13, *w2, mode)
-    routing = tg.moe_align(ids, e, tg.grouped_block_m(-(-t * k // min(e, t * k))))
+    routing = mr.moe_align(ids, e, tg.grouped_block_m(-(-t * k // min(e, t * k))))
     op1, _ = tg.quantize_activation(x, mode)
     h = tg.nvfp4_gemm(op1, *w13, routing=routing, a_rows=routing.sorted_tokens, out_rows=t * k)
     assert not h[ids.reshape(-1) < 0].any()  # the default still zero-fills
@@ -174,6 +176,7 @@ _SM90_MOE = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
 
 def comp(fn, sig, const, nw):
@@ -186,8 +189,8 @@ ptrs = {p: "*i32" for p in ("ids_ptr", "te_ptr", "tr0_ptr", "tr1_ptr", "sorted_p
 ints = {n: "i32" for n in ("S", "E", "TOPK", "T_MAX", "P")}
 for s, ep in ((8, 128), (16, 256), (8, 512)):  # decode M=1 / M=2 (8 / 16 slots) at 128 / 256 / 512 experts
     t_max, nq = -(-s // 16) + min(ep, s), ep // 16  # as _moe_align_one_launch (eb 16) at block_m 16
-    k = comp(tg._moe_align_fused_kernel, dict(ptrs, **ints),
-             dict(SP=16, C=tg._moe_align_chunk(s), EP=ep, BM=16, EB=16, MT=2,
+    k = comp(mr._moe_align_fused_kernel, dict(ptrs, **ints),
+             dict(SP=16, C=mr._moe_align_chunk(s), EP=ep, BM=16, EB=16, MT=2,
                   TD=max(16, triton.next_power_of_2(-(-t_max // nq)))), 8)
     assert k.asm["cubin"] and "ld.global" in k.asm["ptx"]
 for dt, code in (("bf16", 3), ("fp16", 2), ("fp32", 0)):

@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
 from verl_quads.nvfp4.dequant_gemm import DequantConfig, block_values, dequant_dense_config, dequant_min_rows
 from verl_quads.nvfp4.format import NVFP4Tensor
@@ -119,7 +120,7 @@ def test_refusals_are_clear():
         tg.nvfp4_gemm(tg.quantize_activation(x, "w4a16")[0], q_w.packed, q_w.block_scale, gs, config="dequant")
     with pytest.raises(ValueError, match="block_scale"):
         block_values(q_w.packed, q_w.block_scale[:, :2], torch.bfloat16)
-    routing = tg.moe_align_reference(torch.zeros(4, 1, dtype=torch.int32, device=DEV), 1, 16)
+    routing = mr.moe_align_reference(torch.zeros(4, 1, dtype=torch.int32, device=DEV), 1, 16)
     with pytest.raises(ValueError, match="dense GEMMs only"):
         tg.nvfp4_gemm(tg.quantize_activation(x, "w4a16")[0], q_w.packed[None], q_w.block_scale[None],
                       q_w.global_scale.reshape(1), routing=routing, config=cfg)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from verl_quads import nvfp4 as nv
+from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
 from verl_quads.rollout import emulation as em
 
@@ -164,7 +165,7 @@ def test_bad_inputs_fail_clearly():
 
 def test_moe_align_tile_table():
     ids = torch.tensor([[2, 0], [2, -1], [1, 2], [2, 0], [2, 2]], device=DEV)
-    r = tg.moe_align(ids, 4, 2)
+    r = mr.moe_align(ids, 4, 2)
     flat = ids.reshape(-1)
     slots = r.sorted_slots.long()
     assert flat[slots].tolist() == [0, 0, 1, 2, 2, 2, 2, 2, 2, -1]
@@ -185,7 +186,7 @@ def test_moe_align_triton_equals_torch_reference(tokens, top_k, e, block_m, loca
     ids = torch.randint(0, e, (tokens, top_k), generator=g)
     ids[torch.rand(tokens, top_k, generator=g) > local_frac] = -1
     ids = ids.to(DEV)
-    got, ref = tg.moe_align(ids, e, block_m), tg.moe_align_reference(ids, e, block_m)
+    got, ref = mr.moe_align(ids, e, block_m), mr.moe_align_reference(ids, e, block_m)
     for f in ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"):
         assert torch.equal(getattr(got, f), getattr(ref, f)), f
     # and the reference is right: rows sorted by expert, stable
@@ -207,7 +208,7 @@ def test_grouped_matches_per_expert_reference(mode, per_token):
     act = em.ActQuant(mode, 0.5, per_token, residual_granularity="block")  # triton_gemm's default rule: blocks
     xf, _ = em.quantize_activation(x, act)  # one call over all tokens (the experts' shared input)
     op, _ = tg.quantize_activation(x, mode, residual_per_token=per_token)
-    routing = tg.moe_align(ids, e, 16)
+    routing = mr.moe_align(ids, e, 16)
     rows = torch.div(routing.sorted_slots, topk, rounding_mode="floor")
     cfg = tg.GemmConfig(block_m=16, block_n=32, block_k=32, block_k2=32, split_k=1, num_warps=4, num_stages=2)
     y = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing, a_rows=rows, out_rows=t * topk,
@@ -238,7 +239,7 @@ def test_grouped_quads_per_expert_selection_and_split_k():
     gs = q_w.global_scale.reshape(-1)
     op = tg.quads_grouped_operand(xs, sizes, [0, 1, 2], e, 0.25)
     ids = torch.tensor([[0], [0], [0], [0], [2], [2], [2]], device=DEV)
-    routing = tg.moe_align(ids, e, 16)
+    routing = mr.moe_align(ids, e, 16)
     cfg = tg.GemmConfig(block_m=16, block_n=16, block_k=32, block_k2=32, split_k=2, num_warps=4, num_stages=2)
     y = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing,
                       a_rows=torch.arange(7, dtype=torch.int32, device=DEV), out_rows=7, config=cfg)

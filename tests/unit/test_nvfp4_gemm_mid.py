@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from verl_quads.bench import rollout as br
+from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
+from verl_quads.nvfp4 import triton_stream as ts
 
 from sm90_compile import compile_for_sm90_in_subprocess
 
@@ -64,7 +66,7 @@ def test_mid_compile_worker_runs_each_job():
     returned as a failure line, not raised."""
     jobs = [("moe w13", True, 32, 64, 2, "w4a16", tg.GemmConfig(block_m=16, block_n=16, block_k=32, swap=True)),
             ("moe w13", True, 32, 64, 2, "naive", tg.GemmConfig(block_m=16, block_n=32, block_k=32)),
-            ("d", False, 32, 64, 3, "w4a16", tg.StreamConfig(block_m=16, block_n=16, block_kw=16, mma=2)),
+            ("d", False, 32, 64, 3, "w4a16", ts.StreamConfig(block_m=16, block_n=16, block_kw=16, mma=2)),
             ("d", False, 32, 64, 3, "naive", tg.GemmConfig(block_m=8, block_n=16, block_k=32))]  # block_m < 16
     failed = br._mid_compile_jobs(jobs, 4, 2, DEV)
     assert len(failed) == 1 and "naive" in failed[0] and "bad config" in failed[0], failed
@@ -88,7 +90,7 @@ def test_sweep_mid_end_to_end_tiny_shapes(monkeypatch):
     monkeypatch.setattr(br, "_mid_stage1", lambda *a: list(dict.fromkeys(
         [tg.replace(c, block_n=16, block_k=32, num_stages=2) for c in s1(*a)[:2]])))
     monkeypatch.setattr(br, "_mid_stage2", lambda c, k: s2(c, k)[:1])
-    monkeypatch.setattr(br, "_mid_stream", lambda rows, cur: [tg.StreamConfig(block_m=16, block_n=16, block_kw=16,
+    monkeypatch.setattr(br, "_mid_stream", lambda rows, cur: [ts.StreamConfig(block_m=16, block_n=16, block_kw=16,
                                                                               mma=2)])
     text = br.run_sweep_mid(["moe", "d4096"], [8], profile=False, workers=1)
     assert "WRONG" not in text and "failed:" not in text
@@ -107,7 +109,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from verl_quads.bench import rollout as br
+from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
+from verl_quads.nvfp4 import triton_stream as ts
 
 # every --sweep-mid candidate at the H200's shapes (132 SMs); compile the largest of each kind
 cands = set()
@@ -186,19 +190,19 @@ def test_mid_table_dispatch_and_grouped_block_m():
         if grouped:
             assert c.block_m == tg.MID_GROUPED_BLOCK_M[b], (b, n, k, a4)
     for gone in ((False, 16, 8192, 8192), (False, 16, 4096, 4096), (False, 4, 8192, 8192), (False, 4, 4096, 4096)):
-        assert gone not in tg.DECODE_TABLE
+        assert gone not in ts.DECODE_TABLE
     # session 9: dense M <= 4 d4096 takes the bucket-4 tile (13.2 us vs 21.4 for the removed stream entry); d8192 has
     # no bucket-4 entry and keeps its bucket-16 one; d8192 M=2 takes the block_m=2 stream entry, M=3 does not
     d4 = tg.MID_TABLE[(False, 4, 4096, 4096, False)]
     assert tg.pick_config(4, 1, 4096, 4096, cpu) is d4 and tg.pick_config(2, 1, 4096, 4096, cpu) is d4
     assert tg.pick_config(5, 1, 4096, 4096, cpu) is tg.MID_TABLE[(False, 16, 4096, 4096, False)]
     assert tg.pick_config(4, 1, 8192, 8192, cpu) is tg.MID_TABLE[(False, 16, 8192, 8192, False)]
-    assert tg.decode_config(4, 4096, 4096, False) is None and tg.decode_config(3, 8192, 8192, False) is None
-    assert tg.decode_config(2, 8192, 8192, False) is tg.DECODE_TABLE[(False, 2, 8192, 8192)]
-    assert tg.decode_config(512, 2048, 768, True) is tg.DECODE_TABLE[(True, 512, 2048, 768)]
+    assert ts.decode_config(4, 4096, 4096, False) is None and ts.decode_config(3, 8192, 8192, False) is None
+    assert ts.decode_config(2, 8192, 8192, False) is ts.DECODE_TABLE[(False, 2, 8192, 8192)]
+    assert ts.decode_config(512, 2048, 768, True) is ts.DECODE_TABLE[(True, 512, 2048, 768)]
     # session 8: the block_scale stream entry beat the MID_TABLE tile for MoE w13 at 128 slots (109 vs 125 us)
-    assert tg.decode_config(128, 1536, 2048, True) is tg.DECODE_TABLE[(True, 128, 1536, 2048)]
-    assert tg.decode_config(16, 8192, 8192, False) is None and tg.decode_config(4, 8192, 8192, False) is None
+    assert ts.decode_config(128, 1536, 2048, True) is ts.DECODE_TABLE[(True, 128, 1536, 2048)]
+    assert ts.decode_config(16, 8192, 8192, False) is None and ts.decode_config(4, 8192, 8192, False) is None
 
 
 @needs_kernels
@@ -276,7 +280,7 @@ def test_w4a16_swapped_natural_tile_matches_reference(grouped):
         e, topk, tokens = 3, 2, 5
         q = em.quantize_weight((torch.randn(e, n, k, generator=g) * 0.05).to(DEV), reduce_dims=(1, 2))
         ids = torch.tensor([[0, 2], [2, 1], [1, 0], [2, 0], [0, 1]], device=DEV)
-        routing = tg.moe_align(ids, e, 16)
+        routing = mr.moe_align(ids, e, 16)
         x = torch.randn(tokens, k, generator=g).to(torch.bfloat16).to(DEV)
         gs = q.global_scale.reshape(-1)
 
@@ -345,7 +349,7 @@ def test_mid_table_swapped_configs_match_reference(cfg, grouped, mode):
             q = em.quantize_weight((torch.randn(e, n, k, generator=g) * 0.05).to(DEV), reduce_dims=(1, 2))
             gs = q.global_scale.reshape(-1)
             ids = torch.tensor([[0, 2], [2, 1], [1, 0], [2, 0], [0, 1], [2, 1]], device=DEV)
-            routing = tg.moe_align(ids, e, cfg.block_m)
+            routing = mr.moe_align(ids, e, cfg.block_m)
             x = (torch.randn(tokens, k, generator=g) * 2).to(dtype).to(DEV)
             rows = [(slot, ex, slot // topk) for slot, ex in enumerate(ids.reshape(-1).tolist())]
 

@@ -19,7 +19,10 @@ import os
 import pytest
 import torch
 
+from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
+from verl_quads.nvfp4 import gemm_shared
+from verl_quads.nvfp4 import triton_stream as ts
 from verl_quads.rollout import emulation as em
 
 from sm90_compile import compile_for_sm90_in_subprocess
@@ -29,7 +32,7 @@ pytestmark = pytest.mark.skipif(
     reason="Triton kernels need a GPU or TRITON_INTERPRET=1 (scripts/test.sh sets it on CPU)",
 )
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-SC = tg.StreamConfig
+SC = ts.StreamConfig
 
 
 def _x(m, k, dtype=torch.bfloat16, seed=0):
@@ -191,7 +194,7 @@ def test_stream_grouped_matches_per_expert_reference(cfg):
     gs = q_w.global_scale.reshape(-1)
     ids = torch.tensor([[0, 3], [3, 1], [3, -1], [0, 3], [1, 3], [3, 0]], device=DEV)
     xf, _ = em.quantize_activation(x, em.ActQuant("w4a16", 0.5, False))
-    routing = tg.moe_align(ids, e, 16)
+    routing = mr.moe_align(ids, e, 16)
     rows = torch.div(routing.sorted_slots, topk, rounding_mode="floor")
     op, _ = tg.quantize_activation(x, "w4a16")
     y = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing, a_rows=rows, out_rows=t * topk,
@@ -224,19 +227,19 @@ def test_stream_config_errors_and_dispatch_table(monkeypatch):
                         config=SC(decode="f16x2", late_scale=True, x_pairs=True))
     # the table: (grouped, power-of-two rows bucket, N, K); the smallest bucket >= rows that has an entry
     c4, c16 = SC(block_m=2, block_n=32), SC(block_m=4)
-    monkeypatch.setitem(tg.DECODE_TABLE, (False, 4, 16, 64), c4)
-    monkeypatch.setitem(tg.DECODE_TABLE, (False, 16, 16, 64), c16)
-    assert tg.decode_config(1, 16, 64, False) is c4 and tg.decode_config(4, 16, 64, False) is c4
-    assert tg.decode_config(5, 16, 64, False) is c16 and tg.decode_config(16, 16, 64, False) is c16
-    assert tg.decode_config(17, 16, 64, False) is None
-    assert tg.decode_config(3, 16, 64, True) is None and tg.decode_config(3, 32, 64, False) is None
-    assert tg.decode_bucket(1) == 1 and tg.decode_bucket(24) == 32 and tg.decode_bucket(129) == 256
-    assert tg.decode_bucket(513) is None
+    monkeypatch.setitem(ts.DECODE_TABLE, (False, 4, 16, 64), c4)
+    monkeypatch.setitem(ts.DECODE_TABLE, (False, 16, 16, 64), c16)
+    assert ts.decode_config(1, 16, 64, False) is c4 and ts.decode_config(4, 16, 64, False) is c4
+    assert ts.decode_config(5, 16, 64, False) is c16 and ts.decode_config(16, 16, 64, False) is c16
+    assert ts.decode_config(17, 16, 64, False) is None
+    assert ts.decode_config(3, 16, 64, True) is None and ts.decode_config(3, 32, 64, False) is None
+    assert ts.decode_bucket(1) == 1 and ts.decode_bucket(24) == 32 and ts.decode_bucket(129) == 256
+    assert ts.decode_bucket(513) is None
     # an entry measured with x_pairs (16-bit activation pairs): the same tiling without it for float32 activations
     cx = SC(block_m=1, block_n=16, decode="f16x2", late_scale=True, x_pairs=True)
-    monkeypatch.setitem(tg.DECODE_TABLE, (True, 8, 16, 64), cx)
-    assert tg.decode_config(8, 16, 64, True, torch.bfloat16) is cx and tg.decode_config(8, 16, 64, True) is cx
-    assert tg.decode_config(8, 16, 64, True, torch.float32) == tg.replace(cx, x_pairs=False)
+    monkeypatch.setitem(ts.DECODE_TABLE, (True, 8, 16, 64), cx)
+    assert ts.decode_config(8, 16, 64, True, torch.bfloat16) is cx and ts.decode_config(8, 16, 64, True) is cx
+    assert ts.decode_config(8, 16, 64, True, torch.float32) == tg.replace(cx, x_pairs=False)
 
 
 def test_stream_x_pairs_is_bit_identical():
@@ -271,14 +274,14 @@ def test_stream_split_k_fixup_is_bit_identical_to_reduction_launch():
     e, topk, k = 3, 2, 128
     q_e = em.quantize_weight(_w((e, 24, k)), reduce_dims=(1, 2))
     ids = torch.tensor([[0, 2], [2, -1], [1, 2]], device=DEV)
-    routing = tg.moe_align(ids, e, 16)
+    routing = mr.moe_align(ids, e, 16)
     op, _ = tg.quantize_activation(_x(3, k), "w4a16")
     rows = torch.div(routing.sorted_slots, topk, rounding_mode="floor")
     cfg = SC(block_m=16, block_n=16, block_kw=16, split_k=2, mma=1)
     ys = [tg.nvfp4_gemm(op, q_e.packed, q_e.block_scale, q_e.global_scale.reshape(-1), routing=routing, a_rows=rows,
                         out_rows=6, config=c) for c in (cfg, tg.replace(cfg, fixup=True))]
     assert torch.equal(ys[0], ys[1]) and not ys[1][3].any()  # slot 3 is not local: 0
-    assert not tg._FIXUP_COUNTERS[str(torch.device(DEV))].any()
+    assert not gemm_shared._FIXUP_COUNTERS[str(torch.device(DEV))].any()
 
 
 _SM90_STREAM = r"""
@@ -286,32 +289,33 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from verl_quads.nvfp4 import triton_gemm as tg
+from verl_quads.nvfp4 import triton_stream as ts
 
 ptrs = {"x_ptr": "*bf16", "w_ptr": "*i32", "ws_ptr": "*u8", "wgs_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*i16",
         "part_ptr": "*fp32", "cnt_ptr": "*i32", "arow_ptr": "*i32", "orow_ptr": "*i32", "tile_e_ptr": "*i32",
         "tile_r0_ptr": "*i32", "tile_r1_ptr": "*i32"}
 ints = ["M", "N", "K", "KW", "KB", "OUT_ROWS", "KW_PER_SPLIT", "SPLIT"]
-for cfg, grouped in ((tg.StreamConfig(block_m=1, block_n=128, block_kw=16, prefetch=False, pipe=3, fixup=True,
+for cfg, grouped in ((ts.StreamConfig(block_m=1, block_n=128, block_kw=16, prefetch=False, pipe=3, fixup=True,
                                       decode="f16x2", late_scale=True), False),
-                     (tg.StreamConfig(block_m=4, block_n=64, block_kw=16, decode="f16x2", late_scale=True), True),
-                     (tg.StreamConfig(block_m=16, block_n=128, block_kw=16, mma=2, decode="bf16x2"), False),
-                     (tg.StreamConfig(block_m=1, block_n=256, block_kw=16, fixup=True, decode="f16x2", late_scale=True,
+                     (ts.StreamConfig(block_m=4, block_n=64, block_kw=16, decode="f16x2", late_scale=True), True),
+                     (ts.StreamConfig(block_m=16, block_n=128, block_kw=16, mma=2, decode="bf16x2"), False),
+                     (ts.StreamConfig(block_m=1, block_n=256, block_kw=16, fixup=True, decode="f16x2", late_scale=True,
                                       block_scale=True), False),
-                     (tg.StreamConfig(block_m=1, block_n=16, block_kw=64, num_warps=2, decode="f16x2", late_scale=True,
+                     (ts.StreamConfig(block_m=1, block_n=16, block_kw=64, num_warps=2, decode="f16x2", late_scale=True,
                                       block_scale=True), True),
-                     (tg.StreamConfig(block_m=4, block_n=16, block_kw=64, decode="f16x2", late_scale=True,
+                     (ts.StreamConfig(block_m=4, block_n=16, block_kw=64, decode="f16x2", late_scale=True,
                                       block_scale=True, x_pairs=True), True),
-                     (tg.StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=8, decode="f16x2", late_scale=True,
+                     (ts.StreamConfig(block_m=2, block_n=16, block_kw=128, num_warps=8, decode="f16x2", late_scale=True,
                                       block_scale=True, x_pairs=True), False),
-                     (tg.StreamConfig(block_m=1, block_n=16, block_kw=128, decode="f16x2", late_scale=True,
+                     (ts.StreamConfig(block_m=1, block_n=16, block_kw=128, decode="f16x2", late_scale=True,
                                       block_scale=True, x_pairs=True, prefetch=False, pipe=3, fixup=True), True)):
-    const = tg._stream_constexprs(cfg, grouped=grouped, tm=16 if grouped else cfg.block_m, partial=True,
+    const = ts.stream_constexprs(cfg, grouped=grouped, tm=16 if grouped else cfg.block_m, partial=True,
                                   fixup=cfg.fixup, has_bias=False, out_code=1, dt=1, even=True, interpreting=False)
     sig = dict(ptrs, **{i: "i32" for i in ints}, **{c: "constexpr" for c in const})
     # as the JIT specializes: pointers and N, K, ... divisible by 16 carry tt.divisibility=16
     attrs = {(i,): [["tt.divisibility", 16]] for i, nm in enumerate(sig)
              if sig[nm][0] == "*" or nm in ("N", "K", "KW", "KB", "KW_PER_SPLIT")}
-    k = triton.compile(ASTSource(fn=tg._w4a16_stream_kernel, signature=sig, constexprs=const, attrs=attrs),
+    k = triton.compile(ASTSource(fn=ts._w4a16_stream_kernel, signature=sig, constexprs=const, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg.num_warps})
     # the GPU-only forms are in the code: the inline fp16 -> fp32 conversions, the packed bf16 scale multiply
     assert k.asm["cubin"] and ("cvt.f32.f16" if cfg.late_scale else "mul.bf16x2") in k.asm["ptx"], cfg.label
@@ -451,15 +455,16 @@ def test_gemv_probe_config_errors():
 _SM90_PROBE = r"""
 from verl_quads.bench import gemv_probe as gp
 from verl_quads.nvfp4 import triton_gemm as tg
-entry = tg.DECODE_TABLE[(False, 1, 8192, 8192)]
+from verl_quads.nvfp4 import triton_stream as ts
+entry = ts.DECODE_TABLE[(False, 1, 8192, 8192)]
 cases = [(entry, 0, 1, {}), (entry, 1, 1, {}), (entry, 2, 1, {})]
 for u in (1, 2, 4):
-    cases.append((tg.StreamConfig(block_n=256, block_kw=16, prefetch=False), 0, u, {}))
-cases += [(tg.StreamConfig(block_n=128, block_kw=32, num_warps=8), 0, 1, {"cache": ".cg"}),
-          (tg.StreamConfig(block_n=128, block_kw=32, num_warps=8), 0, 1, {"evict": "evict_first"}),
-          (tg.StreamConfig(block_n=128, block_kw=16, prefetch=False, pipe=3), 0, 1, {}),
-          (tg.StreamConfig(block_n=16, block_kw=128, prefetch=True), 0, 1, {"scales": 0}),
-          (tg.StreamConfig(block_n=16, block_kw=128, prefetch=True), 0, 1, {"scales": 2})]
+    cases.append((ts.StreamConfig(block_n=256, block_kw=16, prefetch=False), 0, u, {}))
+cases += [(ts.StreamConfig(block_n=128, block_kw=32, num_warps=8), 0, 1, {"cache": ".cg"}),
+          (ts.StreamConfig(block_n=128, block_kw=32, num_warps=8), 0, 1, {"evict": "evict_first"}),
+          (ts.StreamConfig(block_n=128, block_kw=16, prefetch=False, pipe=3), 0, 1, {}),
+          (ts.StreamConfig(block_n=16, block_kw=128, prefetch=True), 0, 1, {"scales": 0}),
+          (ts.StreamConfig(block_n=16, block_kw=128, prefetch=True), 0, 1, {"scales": 2})]
 for cfg, stage, u, hint in cases:
     c = gp.probe_sass_counts(cfg, stage, u, **hint)
     want = gp.expected_word_vectors(cfg, u)

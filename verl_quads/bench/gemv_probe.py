@@ -27,13 +27,13 @@ import os
 
 import torch
 
-from verl_quads.nvfp4 import triton_gemm as tg
+from verl_quads.nvfp4 import triton_stream as ts
 from verl_quads.nvfp4.triton_kernels import triton
 
 if triton is not None:
     import triton.language as tl
 
-    from verl_quads.nvfp4.triton_gemm import _e2m1_pair, _e2m1_word, _stream_load, _stream_x
+    from verl_quads.nvfp4.triton_stream import _e2m1_pair, _e2m1_word, _stream_load, _stream_x
 
     @triton.jit
     def _probe_words(w_ptr, ws_ptr, wrow, rmask, kw0, kw_hi, KW, KB, BKW: tl.constexpr, EVEN: tl.constexpr,
@@ -161,7 +161,7 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def probe_constexprs(cfg: "tg.StreamConfig", stage: int, even: bool, unroll: int = 1, cache: str = "",
+def probe_constexprs(cfg: "ts.StreamConfig", stage: int, even: bool, unroll: int = 1, cache: str = "",
                      evict: str = "", interpreting: bool = False, scales: int = 1) -> dict:
     """Compile-time arguments of ``_gemv_probe_kernel`` for the tiling / loop of ``cfg`` (a CUDA-core
     StreamConfig, ``mma=0``; its ``block_m`` is ignored: one activation row per program)."""
@@ -187,14 +187,14 @@ def probe_constexprs(cfg: "tg.StreamConfig", stage: int, even: bool, unroll: int
                 SCALES=scales, BS=bs)
 
 
-def make_probe(cfg: "tg.StreamConfig", stage: int, w_packed: torch.Tensor, w_scale: torch.Tensor, x: torch.Tensor,
+def make_probe(cfg: "ts.StreamConfig", stage: int, w_packed: torch.Tensor, w_scale: torch.Tensor, x: torch.Tensor,
                experts: torch.Tensor, a_rows: torch.Tensor, unroll: int = 1, cache: str = "", evict: str = "",
                scales: int | None = None):
     """A zero-argument launcher of the probe over weight ``w_packed`` (uint8 ``[N, K/2]`` or ``[E, N, K/2]``,
     contiguous) / ``w_scale`` (float8_e4m3 or uint8 ``[..., N, K/16]``), activation ``x`` (bf16 ``[rows, K]``),
     one program row per entry of ``experts`` (int32, expert index; 0 for a dense weight) reading activation row
     ``a_rows[i]`` (int32). ``scales`` (stage 0): None = the config's form (2, a per-block tile, with
-    ``block_scale``; else 1, per word). Grid and K ranges as the stream kernel's launch (:func:`triton_gemm.stream_split` with
+    ``block_scale``; else 1, per word). Grid and K ranges as the stream kernel's launch (:func:`triton_stream.stream_split` with
     ``live = len(experts)``). Returns ``(launch, info)``: ``launch()`` runs it and returns the int32 ``out``
     (one value per program); ``info`` has ``grid``, ``programs``, ``split``, ``kw_per``."""
     if triton is None:
@@ -207,7 +207,7 @@ def make_probe(cfg: "tg.StreamConfig", stage: int, w_packed: torch.Tensor, w_sca
     dev = w_packed.device
     live = experts.numel()
     n_tiles = -(-n // cfg.block_n)
-    split, kw_per, even = tg.stream_split(cfg, kw, live, n_tiles, dev)
+    split, kw_per, even = ts.stream_split(cfg, kw, live, n_tiles, dev)
     even = even and kw_per % (cfg.block_kw * unroll) == 0
     if scales is None:
         scales = 2 if (cfg.block_scale and stage == 0) else 1
@@ -223,7 +223,7 @@ def make_probe(cfg: "tg.StreamConfig", stage: int, w_packed: torch.Tensor, w_sca
     return launch, dict(grid=grid, programs=live * n_tiles * split, split=split, kw_per=kw_per)
 
 
-def probe_sass_counts(cfg: "tg.StreamConfig", stage: int, unroll: int = 1, cache: str = "", evict: str = "",
+def probe_sass_counts(cfg: "ts.StreamConfig", stage: int, unroll: int = 1, cache: str = "", evict: str = "",
                       scales: int = 1) -> dict:
     """Offline (no GPU): compile the probe for sm_90 with triton's bundled ptxas (aligned sizes as the JIT
     specializes them, full K ranges), disassemble it with the wheel's ``cuobjdump`` and count global loads.
@@ -271,7 +271,7 @@ def make_flat_read(words: torch.Tensor, programs: int, block: int, unroll: int =
     return launch, wpp
 
 
-def expected_word_vectors(cfg: "tg.StreamConfig", unroll: int = 1) -> int:
+def expected_word_vectors(cfg: "ts.StreamConfig", unroll: int = 1) -> int:
     """16-byte weight-word loads per thread per loop iteration: ``block_n * block_kw * unroll`` words over
     ``32 * num_warps`` threads, 4 words per vector (what an LDG count of a probe must reach)."""
     return max(1, cfg.block_n * cfg.block_kw * unroll // (4 * 32 * cfg.num_warps))

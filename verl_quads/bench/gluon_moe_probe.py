@@ -118,6 +118,7 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
     of the unfused result)."""
     from verl_quads.bench.timing import device_name, print_table
     from verl_quads.nvfp4 import gluon_moe as gm
+    from verl_quads.nvfp4 import moe_routing as mr
     from verl_quads.nvfp4 import triton_gemm as tg
     from verl_quads.rollout import emulation as em
 
@@ -132,10 +133,10 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
         s = t * TOP_K
         # routing as moe_forward builds it for w4a16 on sm_90 (moe_block_m where both GEMMs have entries: T=1024 32)
         bm = tg.GLUON_MOE_ROUTING_BLOCK_M.get(tg.gluon_moe_bucket(s)) or tg.grouped_block_m(-(-s // min(E, s)))
-        routings[t] = tg.moe_align(ids_of[t], E, bm)
+        routings[t] = mr.moe_align(ids_of[t], E, bm)
         # the Gluon kernel takes routing block_m 8 / 16 / 32 / 64: past 64 its own 64-row tile table
         groutings[t] = (routings[t] if routings[t].block_m in gm.BLOCK_M_NT
-                        else tg.moe_align(ids_of[t], E, max(gm.BLOCK_M_NT)))
+                        else mr.moe_align(ids_of[t], E, max(gm.BLOCK_M_NT)))
         x = torch.randn(t, HIDDEN, device=dev, generator=g)
         x[:, ::293] *= 30.0
         xs[t] = x.to(torch.bfloat16)
@@ -282,6 +283,7 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
     twin (checked before timing)."""
     from verl_quads.bench.timing import print_table
     from verl_quads.nvfp4 import gluon_moe as gm
+    from verl_quads.nvfp4 import moe_routing as mr
     from verl_quads.nvfp4 import triton_gemm as tg
     from verl_quads.nvfp4.gluon_moe import GroupedConfig as C
 
@@ -318,7 +320,7 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
                 tg.GLUON_MOE_TABLE.update(saved)
 
         def gluon(i):
-            r = tg.moe_align(ids, E, bm)
+            r = mr.moe_align(ids, E, bm)
             h = gm.gluon_w4a16_grouped(x, *w13[i], r, a_rows=r.sorted_tokens, out_rows=s, cfg=c13,
                                        zero_unrouted=False)
             a = tg.moe_silu_mul(h, ids)
@@ -326,7 +328,7 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
             return tg.moe_combine(y, sw, ids)
 
         def gluon_fused(i):
-            r = tg.moe_align(ids, E, bm)
+            r = mr.moe_align(ids, E, bm)
             a = gm.gluon_w4a16_grouped(x, *w13[i], r, a_rows=r.sorted_tokens, out_rows=s, cfg=c13,
                                        zero_unrouted=False, silu_mul=True)
             y = gm.gluon_w4a16_grouped(a, *w2[i], r, out_rows=s, cfg=c2, zero_unrouted=False)
@@ -369,12 +371,12 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
                   f"({bw / tw:.2f}x)", flush=True)
         # the Gluon layer's parts, each launched alone on the outputs of the previous ones (cold: GEMMs over the
         # weight copies; the other parts touch no weights)
-        r = tg.moe_align(ids, E, bm)
+        r = mr.moe_align(ids, E, bm)
         h = gm.gluon_w4a16_grouped(x, *w13[0], r, a_rows=r.sorted_tokens, out_rows=s, cfg=c13, zero_unrouted=False)
         a = tg.moe_silu_mul(h, ids)
         y = gm.gluon_w4a16_grouped(a, *w2[0], r, out_rows=s, cfg=c2, zero_unrouted=False)
 
-        steps = (("moe_align", lambda i: tg.moe_align(ids, E, bm), 1),
+        steps = (("moe_align", lambda i: mr.moe_align(ids, E, bm), 1),
                  ("w13 gluon", lambda i: gm.gluon_w4a16_grouped(x, *w13[i], r, a_rows=r.sorted_tokens, out_rows=s,
                                                                 cfg=c13, zero_unrouted=False), copies),
                  ("moe_silu_mul", lambda i: tg.moe_silu_mul(h, ids), 1),
@@ -416,13 +418,13 @@ def _align_kernels(ids, bm):
     itself (checked == moe_align_reference)."""
     import triton
 
-    from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.nvfp4 import moe_routing as mr
 
     flat = ids.reshape(-1).contiguous()
     s = flat.numel()
     if s == 0:
         return []
-    r = tg.moe_align(ids, E, bm)
+    r = mr.moe_align(ids, E, bm)
     i32 = dict(dtype=torch.int32, device=flat.device)
     t_max = r.tile_expert.numel()
     ep = triton.next_power_of_2(E + 2)
@@ -431,23 +433,23 @@ def _align_kernels(ids, bm):
     hist, start = torch.empty(p, ep, **i32), torch.empty(ep, **i32)
     te, tr0, tr1, so, st = (torch.empty(t_max, **i32), torch.empty(t_max, **i32), torch.empty(t_max, **i32),
                             torch.empty(s, **i32), torch.empty(s, **i32))
-    tg._moe_hist_kernel[(p,)](flat, hist, s, E, C=chunk, EP=ep)
-    ref = tg.moe_align_reference(ids, E, bm)
+    mr._moe_hist_kernel[(p,)](flat, hist, s, E, C=chunk, EP=ep)
+    ref = mr.moe_align_reference(ids, E, bm)
     same = all(torch.equal(getattr(r, f), getattr(ref, f)) for f in
                ("sorted_slots", "tile_expert", "tile_row0", "tile_row1", "sorted_tokens"))
-    tg._moe_align_one_launch(flat, E, TOP_K, bm, (te, tr0, tr1, so, st))
+    mr._moe_align_one_launch(flat, E, TOP_K, bm, (te, tr0, tr1, so, st))
     one_same = all(torch.equal(a, getattr(ref, f)) for a, f in zip(
         (te, tr0, tr1, so, st), ("tile_expert", "tile_row0", "tile_row1", "sorted_slots", "sorted_tokens")))
     return [(f"  align: hist ({p} programs)", _time_rot(
-        lambda i: tg._moe_hist_kernel[(p,)](flat, hist, s, E, C=chunk, EP=ep), 1)),
+        lambda i: mr._moe_hist_kernel[(p,)](flat, hist, s, E, C=chunk, EP=ep), 1)),
         (f"  align: scan + tile table + scatter ({p} programs)", _time_rot(
-            lambda i: tg._moe_scan_scatter_kernel[(p,)](flat, hist, te, tr0, tr1, so, st, s, E, TOP_K, p, t_max,
+            lambda i: mr._moe_scan_scatter_kernel[(p,)](flat, hist, te, tr0, tr1, so, st, s, E, TOP_K, p, t_max,
                                                         C=chunk, EP=ep, PP=triton.next_power_of_2(p), BM=bm, TT=32,
                                                         num_warps=8), 1)),
         (f"  align: one launch ({'== reference' if one_same else 'WRONG'})", _time_rot(
-            lambda i: tg._moe_align_one_launch(flat, E, TOP_K, bm, (te, tr0, tr1, so, st)), 1)),
+            lambda i: mr._moe_align_one_launch(flat, E, TOP_K, bm, (te, tr0, tr1, so, st)), 1)),
         ("  align: empty launch (torch add 1 elt)", _time_rot(lambda i: start[:1].add_(0), 1)),
-        (f"  moe_align ({'== reference' if same else 'WRONG'})", _time_rot(lambda i: tg.moe_align(ids, E, bm), 1))]
+        (f"  moe_align ({'== reference' if same else 'WRONG'})", _time_rot(lambda i: mr.moe_align(ids, E, bm), 1))]
 
 
 def main(argv=None) -> None:

@@ -176,7 +176,7 @@ def _point_configs(which: str, cfgs: list, m: int, n: int, k: int) -> list:
     session-9 entry (where there was one); else ``cfgs``."""
     if which != "table-xs":
         return cfgs
-    from verl_quads.nvfp4.triton_gemm import decode_bucket
+    from verl_quads.nvfp4.triton_stream import decode_bucket
 
     key = (decode_bucket(m), n, k)
     out = [("std", c, 0) for c in (xs_candidates().get(key), xs_alternatives().get(key), session9_entries().get(key))

@@ -31,7 +31,7 @@ few launch configurations of the w4a16 / naive GEMM per (shape, M) to tune
 :func:`triton_gemm.pick_config`.
 
 ``--sweep-decode`` (issue #5, decode): every variant of the W4A16 weight-streaming kernel
-(:class:`triton_gemm.StreamConfig`: tile, split-K, warps, stages, CUDA-core FMA vs tensor-core dot,
+(:class:`triton_stream.StreamConfig`: tile, split-K, warps, stages, CUDA-core FMA vs tensor-core dot,
 ``bits`` vs ``f16`` E2M1 decode, prefetch) at M = 1, 4, 16 for d4096, d8192 and the MoE layer's two
 grouped GEMMs (w13, w2; random top-8 routing over 128 experts), timed with cold L2 (each timed replay
 calls the GEMM once per weight copy / routing, >= 256 MB read), each checked against the torch
@@ -44,7 +44,7 @@ and a paste-ready ``DECODE_TABLE``.
 (most important first, for ``--budget-s``) for the MoE layer's w13 / w2 grouped GEMMs and dense GEMMs, a
 focused set of tensor-core :class:`triton_gemm.GemmConfig` launch configurations (swap or not, block_m /
 block_n / block_k, split_k, warps, stages: <= 25 in stage 1, split / stages / warps variations of the
-fastest two in stage 2) and at M <= 64 a few tensor-core :class:`triton_gemm.StreamConfig` variants, for
+fastest two in stage 2) and at M <= 64 a few tensor-core :class:`triton_stream.StreamConfig` variants, for
 ``w4a16`` and ``naive`` (stage 1 only), cold L2, each checked against the torch reference; the BF16
 baselines; a torch.profiler table of the MoE layer's kernels at the largest M (is it the GEMM?); a
 summary (default dispatch vs fastest correct per point) and a paste-ready ``MID_TABLE``.
@@ -138,6 +138,7 @@ def _moe_layer_rows(ms: list[int], ratios: list[float], bw: float, dev: str, g: 
     ``torch._grouped_mm`` w2, router-weighted ``index_add_``; expert offsets precomputed, i.e. the
     baseline gets its routing metadata for free)."""
     from verl_quads import nvfp4 as nv
+    from verl_quads.nvfp4 import moe_routing as mr
     from verl_quads.nvfp4 import triton_gemm as tg
 
     e, hidden, inter = NUM_EXPERTS, SHAPES["w13"][2], SHAPES["w13"][1] // 2
@@ -180,7 +181,7 @@ def _moe_layer_rows(ms: list[int], ratios: list[float], bw: float, dev: str, g: 
             print(f"{tag}: bf16 layer baseline failed ({type(ex).__name__}: {ex})", flush=True)
             t_base = float("nan")
         bm = tg.moe_block_m(m * TOP_K, e, x, qs["w13"][0], qs["w2"][0])  # w4a16's routing (w4a16 values = x)
-        t_align, how = _time(lambda: tg.moe_align(ids, e, bm))
+        t_align, how = _time(lambda: mr.moe_align(ids, e, bm))
         rows.append([tag, "moe_align (routing sort + tile table)", how, t_align * 1e6, "-", "-", "-"])
         for label, mode, r, comb, gran in _variants(ratios, variants):
             def fn(mode=mode, r=r, comb=comb, gran=gran):
@@ -316,6 +317,7 @@ def _goal_lines(times: dict, ms: list[int], ratios: list[float], gran: str | Non
 
 def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool, variants: tuple[str, ...] = ()) -> str:
     from verl_quads import nvfp4 as nv
+    from verl_quads.nvfp4 import moe_routing as mr
     from verl_quads.nvfp4 import triton_gemm as tg
 
     dev = DEVICE
@@ -357,7 +359,7 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool, vari
                 active = int(ids.unique().numel())
                 n_rows = m if name == "w13" else s
                 x = torch.randn(n_rows, k, device=dev, generator=g).to(torch.bfloat16)
-                routing = tg.moe_align(ids, e, tg.grouped_block_m(-(-s // min(e, s))))
+                routing = mr.moe_align(ids, e, tg.grouped_block_m(-(-s // min(e, s))))
                 a_rows = routing.sorted_tokens if name == "w13" else routing.sorted_slots
                 counts = torch.bincount(ids.reshape(-1), minlength=e)
                 offs = torch.cumsum(counts, 0).to(torch.int32)
@@ -365,7 +367,7 @@ def run(shapes: list[str], ms: list[int], ratios: list[float], sweep: bool, vari
                 base_fn, base_label = _bf16_grouped(x_sorted, w_bf16.transpose(-2, -1), offs, counts.tolist())
                 wbytes = active * n * k * 9 // 16
                 bf16_bytes = active * n * k * 2
-                t_align, how = _time(lambda: tg.moe_align(ids, e, routing.block_m))
+                t_align, how = _time(lambda: mr.moe_align(ids, e, routing.block_m))
                 rows.append([tag, "moe_align (routing sort + tile table)", how, t_align * 1e6, "-", "-", "-"])
             else:
                 x = torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16)
@@ -565,7 +567,7 @@ def _focus_variants(rows: int, grouped: bool, current, tokens: int = 1):
     (with 4 rows per chunk when rows > 2, i.e. also against the tensor-core entry at M=16). The
     nibble-major activation (``xperm``) and pipelined ``bits`` variants of the previous focus run were
     slower or are already in the table: not repeated."""
-    from verl_quads.nvfp4.triton_gemm import StreamConfig
+    from verl_quads.nvfp4.triton_stream import StreamConfig
 
     bm = 1 if rows <= 1 else (2 if rows <= 2 else 4)
     out = [current] if current is not None else []
@@ -652,7 +654,7 @@ def _decode_variants(rows: int, grouped: bool, tokens: int):
     CUDA-core kernel (dense M <= 4 or any grouped GEMM: ~1-3 rows per expert at decode) and the
     tensor-core one (dense M >= 4, grouped at >= 16 tokens), then decode / prefetch / split-K / stages
     variations of the fastest correct few. ``rows``: M (dense) or rows per active expert (grouped)."""
-    from verl_quads.nvfp4.triton_gemm import StreamConfig
+    from verl_quads.nvfp4.triton_stream import StreamConfig
 
     first = []
     if grouped or rows <= 4:
@@ -691,8 +693,8 @@ def _decode_variants(rows: int, grouped: bool, tokens: int):
 
 
 def _auto_split(cfg, m_rows_live: int, n: int, k: int) -> int:
-    """The split_k that split_k=0 resolves to (mirrors triton_gemm._stream_gemm)."""
-    from verl_quads.nvfp4.triton_gemm import _num_sms
+    """The split_k that split_k=0 resolves to (mirrors triton_stream.stream_gemm)."""
+    from verl_quads.nvfp4.gemm_shared import num_sms as _num_sms
 
     kw = k // 8
     n_tiles = -(-n // cfg.block_n)
@@ -745,7 +747,9 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
     ``focus``: only :func:`_focus_variants` (<= 6 per GEMM), no stage 2."""
     import time
 
+    from verl_quads.nvfp4 import moe_routing as mr
     from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.nvfp4 import triton_stream as ts
 
     dev = DEVICE
     out = [f"device: {device_name()}"]
@@ -784,7 +788,7 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
                 copies = max(1, min(64, -(-L2_FLUSH_BYTES // wbytes)))
                 id_sets = [ids0] + [torch.rand(m, e, device=dev, generator=g).argsort(-1)[:, :TOP_K]
                                     for _ in range(copies - 1)]
-                routs = [tg.moe_align(ids, e, tg.pick_block_m(per)) for ids in id_sets]
+                routs = [mr.moe_align(ids, e, tg.pick_block_m(per)) for ids in id_sets]
                 a_rows = [r.sorted_tokens if name.endswith("w13") else r.sorted_slots for r in routs]
                 x_sorted = [x[ar.long()].contiguous() for ar in a_rows]
                 offs = [torch.cumsum(torch.bincount(ids.reshape(-1), minlength=e), 0).to(torch.int32) for ids in id_sets]
@@ -845,7 +849,7 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
                     print(f"  {tag} {label}: failed {type(ex).__name__}: {str(ex)[:160]}", flush=True)
                     return None
                 rows.append([tag, label, "ok" if ok else "WRONG", t * 1e6, t_base / t, wbytes / t / 1e9, wbytes / t / bw,
-                             f"{rel:.2e}", cfg.label if isinstance(cfg, tg.StreamConfig) else "-"])
+                             f"{rel:.2e}", cfg.label if isinstance(cfg, ts.StreamConfig) else "-"])
                 return t, ok
 
             default = tg.pick_config(per, routs[0].tile_expert.numel() if grouped else -(-m // tg.pick_block_m(m)),
@@ -854,7 +858,7 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
             r_def = measure("tensor-core kernel (pick_config, before #5 decode)", default)
             first, second = _decode_variants(per, grouped, m)
             if focus:
-                first = _focus_variants(per, grouped, tg.decode_config(s_slots if grouped else m, n, k, grouped), m)
+                first = _focus_variants(per, grouped, ts.decode_config(s_slots if grouped else m, n, k, grouped), m)
             timed = []
             for i_cfg, cfg in enumerate(first):
                 if i_cfg and over_budget():
@@ -879,7 +883,7 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
                         f"{(r_def[0] * 1e6) if r_def else float('nan'):.1f} us")
                 summary.append(line)
                 print(line, flush=True)
-                bucket = tg.decode_bucket(s_slots if grouped else m)
+                bucket = ts.decode_bucket(s_slots if grouped else m)
                 if bucket is not None and (r_def is None or not r_def[1] or t_best < r_def[0]):
                     table[(grouped, bucket, n, k)] = best
             del op
@@ -894,13 +898,13 @@ def run_sweep_decode(shapes: list[str], ms: list[int], budget_s: float = 1e9, fo
     if "moe" in shapes and table:
         # the whole routed-experts layer with the table just found (moe_forward dispatches w4a16 through it);
         # timed like the main bench (one routing: the active experts' NVFP4 weights may stay in L2)
-        saved = dict(tg.DECODE_TABLE)
-        tg.DECODE_TABLE.update(table)
+        saved = dict(ts.DECODE_TABLE)
+        ts.DECODE_TABLE.update(table)
         try:
             layer_rows = _moe_layer_rows(ms, [], bw, dev, g, {})
         finally:
-            tg.DECODE_TABLE.clear()
-            tg.DECODE_TABLE.update(saved)
+            ts.DECODE_TABLE.clear()
+            ts.DECODE_TABLE.update(saved)
         out.append(print_table("MoE layer (moe_forward) with the DECODE_TABLE below (w4a16 only; naive unchanged); "
                                "one routing, warm L2 as in the main bench",
                                ["shape", "kernel", "timing", "us", "x bf16", "weight GB/s", "of copy BW"], layer_rows))
@@ -1014,7 +1018,7 @@ def _mid_stage2(cfg, k: int):
 def _mid_stream(rows: int, current):
     """StreamConfig (tensor-core, ``mma`` 1/2) variants of the weight-streaming kernel at M <= 64:
     the current DECODE_TABLE entry (may be None) and 4 tiles with bits / bf16x2 decode."""
-    from verl_quads.nvfp4.triton_gemm import StreamConfig
+    from verl_quads.nvfp4.triton_stream import StreamConfig
 
     out = [current] if current is not None else []
     bm = 16 if rows <= 16 else 32
@@ -1027,7 +1031,7 @@ def _mid_stream(rows: int, current):
 
 def _cfg_label(cfg) -> str:
     """Short name of a GemmConfig / StreamConfig for tables, e.g. ``tc swap bm16 n64 k128 s1 w4 st3``."""
-    from verl_quads.nvfp4.triton_gemm import StreamConfig
+    from verl_quads.nvfp4.triton_stream import StreamConfig
 
     if cfg is None:
         return "default"
@@ -1060,6 +1064,7 @@ def _profile_moe_layer(m: int, modes: tuple[str, ...], calls: int = 5) -> str:
     block_m / GemmConfig / StreamConfig each GEMM resolves to."""
     from verl_quads.bench.profile import kernel_table
     from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.nvfp4 import triton_stream as ts
 
     dev = DEVICE
     g = torch.Generator(device=dev).manual_seed(1)
@@ -1077,7 +1082,7 @@ def _profile_moe_layer(m: int, modes: tuple[str, ...], calls: int = 5) -> str:
             f"{f' (w4a16: {bm16}, the Gluon kernels)' if bm16 != bm else ''}, {t_max} M-tiles in the grid); "
             f"torch.profiler, {calls} eager calls per mode, device kernels only"]
     for name, n, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
-        stream = tg.decode_config(s, n, k, True)
+        stream = ts.decode_config(s, n, k, True)
         tc, tc4 = (tg.pick_config(per, t_max, n, k, torch.device(dev), block_m=bm, grouped=True, a4=a4)
                    for a4 in (False, True))
         text.append(f"  {name} [{n}x{k}] default: w4a16 -> {_cfg_label(stream) if stream else _cfg_label(tc)}; "
@@ -1111,6 +1116,7 @@ def _mid_compile_jobs(jobs: list, num_experts: int, top_k: int, device: str = "c
     once on random data of the point's shapes (Triton's JIT compiles it for exactly the specialization the
     timed launch has and stores it in its on-disk cache, where the parent process finds it). Returns one
     line per failed job (the parent reports it again when it measures that config)."""
+    from verl_quads.nvfp4 import moe_routing as mr
     from verl_quads.nvfp4 import triton_gemm as tg
 
     g = torch.Generator(device=device).manual_seed(0)
@@ -1131,7 +1137,7 @@ def _mid_compile_jobs(jobs: list, num_experts: int, top_k: int, device: str = "c
             if grouped:
                 s = m * top_k
                 bm = cfg.block_m if isinstance(cfg, tg.GemmConfig) else tg.grouped_block_m(-(-s // min(e, s)))
-                r = tg.moe_align(ids, e, bm)
+                r = mr.moe_align(ids, e, bm)
                 tg.nvfp4_gemm(ops[mode], wp, wsc, wgs, routing=r,
                               a_rows=r.sorted_tokens if name.endswith("w13") else r.sorted_slots, out_rows=s, config=cfg)
             else:
@@ -1207,10 +1213,12 @@ def run_sweep_mid(shapes: list[str], ms: list[int], budget_s: float = 1e9, profi
     import time
 
     from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.nvfp4 import gemm_shared
+    from verl_quads.nvfp4 import triton_stream as ts
 
     dev = DEVICE
     t_start = time.perf_counter()
-    sms = tg._num_sms(torch.device(dev))
+    sms = gemm_shared.num_sms(torch.device(dev))
     gemms = []  # (name, grouped, n, k)
     for s in shapes:
         if s == "moe":
@@ -1234,7 +1242,7 @@ def run_sweep_mid(shapes: list[str], ms: list[int], budget_s: float = 1e9, profi
                 m_tiles = (-(-slots // bm_def) + min(e, slots)) if grouped else -(-m // bm_def)
                 tc_def = {md: tg.pick_config(per, m_tiles, n, k, torch.device(dev), block_m=bm_def if grouped else None,
                                              grouped=grouped, a4=md != "w4a16") for md in ("w4a16", "naive")}
-                stream_def = tg.decode_config(slots, n, k, grouped)
+                stream_def = ts.decode_config(slots, n, k, grouped)
                 cands = {md: _mid_stage1(per, grouped, group_rows, n, k, sms, md != "w4a16", tc_def[md])
                          for md in ("w4a16", "naive")}
                 streams = _mid_stream(per if grouped else m, stream_def) if m <= 64 else []
@@ -1261,6 +1269,7 @@ def _sweep_mid_measure(points, gemms, shapes, ms, budget_s, profile, pool, out, 
     stage 2 (compiled by ``pool`` meanwhile), tables."""
     import time
 
+    from verl_quads.nvfp4 import moe_routing as mr
     from verl_quads.nvfp4 import triton_gemm as tg
     from verl_quads.rollout import emulation as em
 
@@ -1309,7 +1318,7 @@ def _sweep_mid_measure(points, gemms, shapes, ms, budget_s, profile, pool, out, 
 
             def rout(bm, i, id_sets=id_sets, routs=routs, e=e):
                 if (bm, i) not in routs:
-                    routs[(bm, i)] = tg.moe_align(id_sets[i], e, bm)
+                    routs[(bm, i)] = mr.moe_align(id_sets[i], e, bm)
                 return routs[(bm, i)]
 
             def arows(r, name=name):
@@ -1481,9 +1490,9 @@ def stream_sass_count(cfg, grouped: bool = False) -> tuple[int, float, dict]:
     import re
 
     from verl_quads.bench.sass import compile_sm90, sass_and_loop
-    from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.nvfp4 import triton_stream as ts
 
-    const = tg._stream_constexprs(cfg, grouped=grouped, tm=16 if grouped else cfg.block_m, partial=True, fixup=cfg.fixup,
+    const = ts.stream_constexprs(cfg, grouped=grouped, tm=16 if grouped else cfg.block_m, partial=True, fixup=cfg.fixup,
                                   has_bias=False, out_code=1, dt=1, even=True, interpreting=False)
     ptrs = ["x_ptr", "w_ptr", "ws_ptr", "wgs_ptr", "bias_ptr", "out_ptr", "part_ptr", "cnt_ptr", "arow_ptr", "orow_ptr",
             "tile_e_ptr", "tile_r0_ptr", "tile_r1_ptr"]
@@ -1491,7 +1500,7 @@ def stream_sass_count(cfg, grouped: bool = False) -> tuple[int, float, dict]:
     sig = dict(zip(ptrs, types))
     sig.update({n: "i32" for n in ("M", "N", "K", "KW", "KB", "OUT_ROWS", "KW_PER_SPLIT", "SPLIT")})
     sig.update({c: "constexpr" for c in const})
-    kern = compile_sm90(tg._w4a16_stream_kernel, sig, const, ("N", "K", "KW", "KB", "KW_PER_SPLIT"), cfg.num_warps,
+    kern = compile_sm90(ts._w4a16_stream_kernel, sig, const, ("N", "K", "KW", "KB", "KW_PER_SPLIT"), cfg.num_warps,
                         cfg.num_stages)
     _, body = sass_and_loop(kern)
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for t in body)
@@ -1502,7 +1511,7 @@ def stream_sass_count(cfg, grouped: bool = False) -> tuple[int, float, dict]:
 def run_sass_count(shapes: list[str], ms: list[int]) -> str:
     """``--sass-count``: :func:`stream_sass_count` of the ``--focus`` variants (incl. the current
     DECODE_TABLE entry) of each decode GEMM, as a table (no GPU needed)."""
-    from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.nvfp4 import triton_stream as ts
 
     gemms = []
     for s in shapes:
@@ -1513,7 +1522,7 @@ def run_sass_count(shapes: list[str], ms: list[int]) -> str:
         for m in ms:
             slots = m * TOP_K if grouped else m
             per = -(-slots // min(NUM_EXPERTS, slots)) if grouped else m
-            cur = tg.decode_config(slots, n, k, grouped)
+            cur = ts.decode_config(slots, n, k, grouped)
             for cfg in _focus_variants(per, grouped, cur, m):
                 key = (cfg, grouped)
                 if key not in seen:
@@ -1555,7 +1564,9 @@ def run_gemv_roofline(budget_s: float = 120.0, points=None, tilings=None, sectio
     import time
 
     from verl_quads.bench import gemv_probe as gp
+    from verl_quads.nvfp4 import moe_routing as mr
     from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.nvfp4 import triton_stream as ts
 
     dev = DEVICE
     t_start = time.perf_counter()
@@ -1588,7 +1599,7 @@ def run_gemv_roofline(budget_s: float = 120.0, points=None, tilings=None, sectio
             copies = e // TOP_K  # disjoint groups of 8 consecutive experts
             x = torch.randn(m if name.endswith("w13") else s_slots, k, device=dev, generator=g).to(torch.bfloat16)
             id_sets = [torch.arange(c * TOP_K, (c + 1) * TOP_K, device=dev).reshape(1, TOP_K) for c in range(copies)]
-            routs = [tg.moe_align(ids, e, tg.pick_block_m(1)) for ids in id_sets]
+            routs = [mr.moe_align(ids, e, tg.pick_block_m(1)) for ids in id_sets]
             a_rows = [r.sorted_tokens if name.endswith("w13") else r.sorted_slots for r in routs]
             x_sorted = [x[ar.long()].contiguous() for ar in a_rows]
             offs = [torch.cumsum(torch.bincount(ids.reshape(-1), minlength=e), 0).to(torch.int32) for ids in id_sets]
@@ -1648,13 +1659,13 @@ def run_gemv_roofline(budget_s: float = 120.0, points=None, tilings=None, sectio
         t_copy = _time(_rotating(copy, copies))[0] / copies
         t_base = _time(_rotating(base, nb))[0] / nb
         t_def = _time(_rotating(full, copies))[0] / copies
-        cur = tg.decode_config(s_slots if grouped else m, n, k, grouped)
+        cur = ts.decode_config(s_slots if grouped else m, n, k, grouped)
         row("(a) copy", f"d2d copy of the packed bytes ({2 * wbytes / t_copy / 1e9:.0f} GB/s read+write)", t_copy, t_def)
         rows.append([tag, "(a) bf16", base_label, t_base * 1e6, bbytes / t_base / 1e9, bbytes / t_base / bw,
                      f"{t_base / t_def:.2f}", "bf16 bytes"])
         row("(a) default", f"nvfp4_gemm w4a16 = {cur.label if cur else 'tensor-core kernel (no DECODE_TABLE entry)'}",
             t_def, t_def, f"{t_base / t_def:.2f}x bf16")
-        pcfg = cur if (cur is not None and cur.mma == 0) else tg.decode_config(1, n, k, grouped)
+        pcfg = cur if (cur is not None and cur.mma == 0) else ts.decode_config(1, n, k, grouped)
 
         def time_probe(cfg, stage, **kw):
             launch_of = []
@@ -1799,14 +1810,14 @@ def run_gemv_roofline(budget_s: float = 120.0, points=None, tilings=None, sectio
 
 
 def _num_sms_dev() -> int:
-    from verl_quads.nvfp4.triton_gemm import _num_sms
+    from verl_quads.nvfp4.gemm_shared import num_sms as _num_sms
 
     return _num_sms(torch.device(DEVICE))
 
 
 def StreamConfigRO(block_n: int, block_kw: int, num_warps: int):
     """A CUDA-core StreamConfig with only the read side set (block_m 1, prefetch, split_k auto at occ 4)."""
-    from verl_quads.nvfp4.triton_gemm import StreamConfig
+    from verl_quads.nvfp4.triton_stream import StreamConfig
 
     return StreamConfig(block_m=1, block_n=block_n, block_kw=block_kw, num_warps=num_warps, prefetch=True)
 
@@ -1825,7 +1836,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sweep-decode", action="store_true",
                    help="time every W4A16 weight-streaming kernel variant at decode M (default --m 1,4,16, shapes "
                         f"{DECODE_SHAPES}) with cold L2, check each against the torch reference, print the fastest "
-                        "correct per shape and a paste-ready triton_gemm.DECODE_TABLE")
+                        "correct per shape and a paste-ready triton_stream.DECODE_TABLE")
     p.add_argument("--sweep-mid", action="store_true",
                    help="issue #5, 16..256 rows: time a focused set of tensor-core GemmConfigs (swap, block_m/n/k, "
                         "split_k, warps, stages; stage 2 around the fastest two) and, at M <= 64, stream-kernel "

@@ -300,13 +300,14 @@ __all__ = [
     "validate_input",
 ]
 
-#: Fused NVFP4 dequantize + GEMM (the rollout's ``triton`` backend), imported on first use (needs triton).
-_GEMM_EXPORTS = ("nvfp4_linear", "nvfp4_gemm", "moe_align")
+#: Fused NVFP4 dequantize + GEMM (the rollout's ``triton`` backend) and its MoE routing, imported on first use (needs
+#: triton): name -> module.
+_GEMM_EXPORTS = {"nvfp4_linear": "triton_gemm", "nvfp4_gemm": "triton_gemm", "moe_align": "moe_routing"}
 
 
 def __getattr__(name: str):
     if name in _GEMM_EXPORTS:
-        from verl_quads.nvfp4 import triton_gemm
+        import importlib
 
-        return getattr(triton_gemm, name)
+        return getattr(importlib.import_module(f"verl_quads.nvfp4.{_GEMM_EXPORTS[name]}"), name)
     raise AttributeError(f"module 'verl_quads.nvfp4' has no attribute {name!r}")

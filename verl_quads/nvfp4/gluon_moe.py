@@ -7,7 +7,7 @@ its N side; :func:`~verl_quads.nvfp4.gluon_gemm.std_weight_offsets` / :func:`~ve
 called as they are, on the expert's weight pointers), the same numerics (exact products, float32 sums, ``* (256 / gs_e)`` once, one bf16 cast):
 the same bound vs the torch reference as every other kernel.
 
-Routing: the tile table of :func:`verl_quads.nvfp4.triton_gemm.moe_align` (``GroupedRouting``, as the stream and
+Routing: the tile table of :func:`verl_quads.nvfp4.moe_routing.moe_align` (``GroupedRouting``, as the stream and
 tensor-core kernels get it). One launch per GEMM, grid ``(N tiles, M-tiles T_max, split)``: program (n, t, k) reads
 expert ``tile_expert[t]`` (tiles with expert -1, past the last expert's, do nothing) and its sorted rows
 ``[tile_row0[t], tile_row1[t])`` (at most ``block_m`` rows: 8, 16, 32 or 64) in passes of 8 NT rows (the MMA's N;
@@ -382,7 +382,7 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
                         cfg: GluonConfig = GluonConfig(kc=1, occ=2), zero_unrouted: bool = True,
                         silu_mul: bool = False) -> torch.Tensor:
     """Grouped W4A16: ``x`` bf16 ``[rows, K]``, NVFP4 experts ``w_packed`` uint8 ``[E, N, K/2]``, ``w_scale`` e4m3
-    ``[E, N, K/16]``, ``w_gs`` float32 ``[E]``; ``routing`` a :class:`~verl_quads.nvfp4.triton_gemm.GroupedRouting`
+    ``[E, N, K/16]``, ``w_gs`` float32 ``[E]``; ``routing`` a :class:`~verl_quads.nvfp4.moe_routing.GroupedRouting`
     (block_m 8, 16, 32 or 64); sorted row i reads ``x[a_rows[i]]`` (default ``routing.sorted_slots[i]``, as
     :func:`~verl_quads.nvfp4.triton_gemm.nvfp4_gemm`) and is written to row ``routing.sorted_slots[i]`` of the bf16
     ``[out_rows, N]`` result (default S rows); rows of slots with no local expert are 0 (``zero_unrouted=False``:
