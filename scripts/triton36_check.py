@@ -112,9 +112,9 @@ _DEVICE_TEST = re.compile(r"""(?<![\w.])([A-Za-z_][\w.]*?)\.type\s*(==|!=)\s*(["
 
 
 def patch_host(mods) -> list[str]:
-    """The host-side answers of the H200. ``check_available`` / ``_interpreting`` already answer as on a GPU (no
+    """The host-side answers of the H200. ``check_available`` / ``interpreting`` already answer as on a GPU (no
     TRITON_INTERPRET, every tensor ``is_cuda``). A CPU tensor's ``.device.type`` cannot say "cuda": every module-level
-    function of the kernel modules that tests ``<expr>.type == "cuda"`` (or ``!=``) is re-defined from its source with
+    function of ``mods`` that tests ``<expr>.type == "cuda"`` (or ``!=``) is re-defined from its source with
     that test replaced by True (False), and the torch.cuda queries it may then make answer for one H200 (sm_90,
     132 SMs, no graph capture). Returns the rewritten functions' names."""
     import __future__
@@ -564,10 +564,11 @@ def scenarios_gluon():
     import torch
 
     from verl_quads.bench import gluon_probe
+    from verl_quads.nvfp4 import gluon_dispatch as gd
     from verl_quads.nvfp4 import gluon_gemm as gg
     from verl_quads.nvfp4 import triton_gemm as tg
 
-    for (b, n, k), cfg in tg.GLUON_TABLE.items():
+    for (b, n, k), cfg in gd.GLUON_TABLE.items():
         with scenario(f"GLUON_TABLE {(b, n, k)} via nvfp4_linear (default dispatch)"):
             w = _weight(n, k)
             for m in sorted({max(1, b // 2 + 1), b}):
@@ -591,6 +592,7 @@ def scenarios_gluon_moe():
     """The grouped Gluon W4A16 kernel (gluon_moe.gluon_w4a16_grouped) at the configs of its probe
     (verl_quads.bench.gluon_moe_probe, "all"), both MoE GEMMs, routing block_m 8 / 16 / 32."""
     from verl_quads.bench import gluon_moe_probe
+    from verl_quads.nvfp4 import gluon_dispatch as gd
     from verl_quads.nvfp4 import gluon_moe as gm
     from verl_quads.nvfp4 import moe_routing as mr
     from verl_quads.nvfp4 import triton_gemm as tg
@@ -611,12 +613,12 @@ def scenarios_gluon_moe():
     # every GLUON_MOE_TABLE entry at its own bucket, routing as moe_forward builds it where both GEMMs run on the Gluon
     # kernel (moe_block_m: GLUON_MOE_ROUTING_BLOCK_M, else grouped_block_m), with the w13 gate fused into the epilogue
     # (silu_mul) and without
-    for (bucket, n, k), cfg in sorted(tg.GLUON_MOE_TABLE.items()):
+    for (bucket, n, k), cfg in sorted(gd.GLUON_MOE_TABLE.items()):
         t = max(1, bucket // MOE["top_k"])
         gemm = "w13" if k == MOE["hidden"] else "w2"
         with scenario(f"GLUON_MOE_TABLE {(bucket, n, k)} {gemm} {cfg.label} unfused / fused gate"):
             ids = _ids(t)
-            bm = tg.GLUON_MOE_ROUTING_BLOCK_M.get(bucket) or tg.grouped_block_m(-(-ids.numel() // min(e, ids.numel())))
+            bm = gd.GLUON_MOE_ROUTING_BLOCK_M.get(bucket) or tg.grouped_block_m(-(-ids.numel() // min(e, ids.numel())))
             routing = mr.moe_align(ids, e, bm)
             rows = t if gemm == "w13" else ids.numel()
             a_rows = routing.sorted_tokens if gemm == "w13" else None
@@ -855,7 +857,8 @@ def main() -> int:
             mods.append(mod)
         except Exception as e:  # reported as a drive error: its kernels are not checked
             DRIVE_ERRORS.append((f"import {mod}", f"{type(e).__name__}: {e}".splitlines()[0][:300]))
-    rewritten = patch_host(mods)
+    # and the host-only modules of verl_quads.nvfp4 (gluon_dispatch: the Gluon tables' lookups test the device too)
+    rewritten = patch_host(sorted(set(mods) | {m for m in sys.modules if m.startswith("verl_quads.nvfp4.")}))
     print(f"triton36_check: triton {triton.__version__} (sm_90 offline), kernel modules: {', '.join(mods)}; "
           f"device-type tests read as CUDA in: {', '.join(rewritten)}", flush=True)
     for g in args.groups.split(","):

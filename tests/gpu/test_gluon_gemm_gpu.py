@@ -239,9 +239,9 @@ def test_std_options_one_hot_exact(cfg):
 
 
 def _table_keys():
-    from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.nvfp4 import gluon_dispatch as gd
 
-    return sorted(tg.GLUON_TABLE)
+    return sorted(gd.GLUON_TABLE)
 
 
 @pytest.mark.parametrize("key", _table_keys(), ids=lambda kk: f"b{kk[0]}-{kk[1]}x{kk[2]}")
@@ -249,13 +249,14 @@ def test_gluon_table_entry_dispatch(key):
     """Every GLUON_TABLE entry through the default dense dispatch (nvfp4_linear w4a16) at the bucket's largest and
     smallest M: within the bound of the torch reference, and the bytes of gluon_w4a16_std (gluon_w4a16_tma for a
     TmaConfig entry) with the entry's config (the dispatch took the entry)."""
+    from verl_quads.nvfp4 import gluon_dispatch as gd
     from verl_quads.nvfp4 import triton_gemm as tg
     from verl_quads.nvfp4 import triton_stream as ts
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("GLUON_TABLE entries are taken on sm_90 only")
     bucket, n, k = key
-    cfg = tg.GLUON_TABLE[key]
+    cfg = gd.GLUON_TABLE[key]
     lo = max([b for b in ts.DECODE_BUCKETS if b < bucket], default=0) + 1
     q = em.quantize_weight(_w((n, k), seed=bucket))
     gs = q.global_scale.reshape(())
@@ -279,11 +280,11 @@ XS_CANDIDATES = sorted(xs_candidates().items()) + sorted(xs_alternatives().items
 def test_xs_candidate_dispatch(key, cfg, monkeypatch):
     """The xs twin of each GLUON_TABLE entry put in the table: the same checks as test_gluon_table_entry_dispatch
     (bytes of gluon_w4a16_std with the config, bound vs the torch reference) at the bucket's smallest and largest M."""
-    from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.nvfp4 import gluon_dispatch as gd
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("GLUON_TABLE entries are taken on sm_90 only")
-    monkeypatch.setitem(tg.GLUON_TABLE, key, cfg)
+    monkeypatch.setitem(gd.GLUON_TABLE, key, cfg)
     test_gluon_table_entry_dispatch(key)
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from _gemm_helpers import capture_graph
+from verl_quads.nvfp4 import gluon_dispatch as gd
 from verl_quads.nvfp4 import gluon_gemm as gg
 from verl_quads.nvfp4 import gluon_moe as gm
 from verl_quads.nvfp4 import moe_routing as mr
@@ -130,7 +131,7 @@ def test_grouped_configs(gemm, tokens, cfg):
 @pytest.mark.parametrize("cfg", [CFGS[0], CFGS[2], G(4, 1, 3, 2), G(4, 1, 3, 2, nt=1), G(4, 1, 3, 2, rg=2, xs=True),
                                  G(4, 1, 0, 2, nt=1, rg=2), G(8, 1, 0, 2, nt=1, xs=True, pfd=2),
                                  G(4, 1, 2, 2, nts=1, rg=2, xs=True, xsc=2, xsb=2),
-                                 tg.GLUON_MOE_TABLE[(2048, 1536, 2048)], tg.GLUON_MOE_TABLE[(2048, 2048, 768)]],
+                                 gd.GLUON_MOE_TABLE[(2048, 1536, 2048)], gd.GLUON_MOE_TABLE[(2048, 2048, 768)]],
                          ids=lambda c: c.label.replace(" ", "_"))
 @pytest.mark.parametrize("n, k, block_m, e, topk, tokens", [
     (200, 384, 8, 8, 2, 40),  # N % 64 != 0, 3 chunks, ~10 rows per expert in 8-row tiles (2 tiles per expert)
@@ -263,7 +264,7 @@ def test_grouped_rejects_unsupported():
                                mr.moe_align(ids, e, 16))
 
 
-@pytest.mark.parametrize("key", sorted(tg.GLUON_MOE_TABLE), ids=lambda k: f"S{k[0]}-{k[1]}x{k[2]}")
+@pytest.mark.parametrize("key", sorted(gd.GLUON_MOE_TABLE), ids=lambda k: f"S{k[0]}-{k[1]}x{k[2]}")
 def test_default_dispatch_takes_the_table(key):
     """Each GLUON_MOE_TABLE entry at its measured point (Qwen3-30B-A3B experts, T = slots / 8 tokens, routing as
     moe_forward builds it): nvfp4_gemm's default dispatch picks it (on this sm_90 GPU) and returns the explicit
@@ -274,9 +275,9 @@ def test_default_dispatch_takes_the_table(key):
     gemm = "w13" if (n, k) == (1536, 2048) else "w2"
     tokens = slots // 8
     # routing as moe_forward builds it where both GEMMs run on this kernel (moe_block_m)
-    y, x, q_w, gs, ids, routing = _gemm_case(gemm, tokens, tg.GLUON_MOE_TABLE[key],
-                                             block_m=tg.GLUON_MOE_ROUTING_BLOCK_M.get(slots))
-    assert tg.gluon_grouped_config(x, q_w.packed, routing) is tg.GLUON_MOE_TABLE[key]
+    y, x, q_w, gs, ids, routing = _gemm_case(gemm, tokens, gd.GLUON_MOE_TABLE[key],
+                                             block_m=gd.GLUON_MOE_ROUTING_BLOCK_M.get(slots))
+    assert gd.gluon_grouped_config(x, q_w.packed, routing) is gd.GLUON_MOE_TABLE[key]
     op, _ = tg.quantize_activation(x, "w4a16")
     yd = tg.nvfp4_gemm(op, q_w.packed, q_w.block_scale, gs, routing=routing,
                        a_rows=routing.sorted_tokens if gemm == "w13" else None, out_rows=tokens * 8)
@@ -299,7 +300,7 @@ def _fused_vs_unfused(tokens, cfg, e=128, topk=8, inter=768, k=2048, block_m=Non
 
 
 #: T=1 has no GLUON_MOE_TABLE entry: an explicit one-K-range config (the planned split of G(4, 1, 0, 2) is > 1 there)
-FUSED_POINTS = [(1, G(4, 1, 1, 2, nt=1))] + [(key[0] // 8, cfg) for key, cfg in sorted(tg.GLUON_MOE_TABLE.items())
+FUSED_POINTS = [(1, G(4, 1, 1, 2, nt=1))] + [(key[0] // 8, cfg) for key, cfg in sorted(gd.GLUON_MOE_TABLE.items())
                                               if key[1:] == (1536, 2048)]
 
 

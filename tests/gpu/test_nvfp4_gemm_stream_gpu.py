@@ -19,6 +19,7 @@ from _gemm_helpers import capture_graph
 from _gemm_helpers import check_close as _check
 from _gemm_helpers import rand_w as _w
 from _gemm_helpers import rand_x as _x
+from verl_quads.nvfp4 import gluon_dispatch as gd
 from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
 from verl_quads.nvfp4 import triton_stream as ts
@@ -175,7 +176,7 @@ def test_stream_replays_in_a_cuda_graph_and_dispatch(monkeypatch):
     monkeypatch.setitem(ts.DECODE_TABLE, (False, 1, n, k), cfg)
     # GLUON_TABLE is checked first and has had a (1, 4096, 4096) entry since session 13 (77052b6): without it the
     # default dispatch reaches DECODE_TABLE, the lookup this test is about
-    monkeypatch.delitem(tg.GLUON_TABLE, (1, n, k), raising=False)
+    monkeypatch.delitem(gd.GLUON_TABLE, (1, n, k), raising=False)
     assert ts.decode_config(1, n, k, False) is cfg
     x = _x(m, k)
     y_direct = tg.nvfp4_linear(x, q_w.packed, q_w.block_scale, gs, None, "w4a16", config=cfg)

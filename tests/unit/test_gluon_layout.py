@@ -132,15 +132,16 @@ def test_plan_covers_all_chunks():
 def test_dispatch_never_picks_gluon_on_cpu_or_interpreter():
     """GLUON_TABLE (dense bf16 w4a16, M <= 16, sm_90 only): on CPU / under the interpreter the default dispatch
     does not choose it; an explicit GluonConfig there raises (no silent fallback)."""
+    from verl_quads.nvfp4 import gluon_dispatch as gd
     from verl_quads.nvfp4 import triton_gemm as tg
 
     from verl_quads.nvfp4.gluon_tma import TmaConfig
 
-    assert tg.GLUON_TABLE and all(isinstance(c, (gg.GluonConfig, TmaConfig)) for c in tg.GLUON_TABLE.values())
-    assert all(b <= 16 for b, _, _ in tg.GLUON_TABLE)
+    assert gd.GLUON_TABLE and all(isinstance(c, (gg.GluonConfig, TmaConfig)) for c in gd.GLUON_TABLE.values())
+    assert all(b <= 16 for b, _, _ in gd.GLUON_TABLE)
     packed, scale, gs = _weight(4096, 4096)
     x = torch.randn(4, 4096).to(torch.bfloat16)
-    assert tg.gluon_dense_config(x, packed) is None  # CPU tensor
+    assert gd.gluon_dense_config(x, packed) is None  # CPU tensor
     assert not gg.std_supported(x, packed)
     act, _ = tg.quantize_activation(x[:, :128], "w4a16")
     with pytest.raises((ValueError, RuntimeError)):
@@ -200,13 +201,13 @@ def test_dispatch_takes_gluon_only_where_it_can_run(monkeypatch, caplog):
     triton version; never on other capabilities / M > 16 / K % 128; an explicit GluonConfig raises instead."""
     import logging
 
-    from verl_quads.nvfp4 import triton_gemm as tg
+    from verl_quads.nvfp4 import gluon_dispatch as gd
 
-    assert tg.gluon_table_entry(4, 8192, 8192, (9, 0)) is tg.GLUON_TABLE[(4, 8192, 8192)]
-    assert tg.gluon_table_entry(3, 8192, 8192, (9, 0)) is tg.GLUON_TABLE[(4, 8192, 8192)]  # next bucket
+    assert gd.gluon_table_entry(4, 8192, 8192, (9, 0)) is gd.GLUON_TABLE[(4, 8192, 8192)]
+    assert gd.gluon_table_entry(3, 8192, 8192, (9, 0)) is gd.GLUON_TABLE[(4, 8192, 8192)]  # next bucket
     for args in [(4, 8192, 8192, (10, 0)), (4, 8192, 8192, (8, 0)), (1, 2048, 4096, (9, 0)), (32, 8192, 8192, (9, 0)),
                  (4, 8192, 8000, (9, 0)), (4, 1234, 8192, (9, 0))]:
-        assert tg.gluon_table_entry(*args) is None, args
+        assert gd.gluon_table_entry(*args) is None, args
 
     x = torch.zeros(4, 8192, dtype=torch.bfloat16)
     w = torch.zeros(8192, 4096, dtype=torch.uint8)
@@ -217,22 +218,22 @@ def test_dispatch_takes_gluon_only_where_it_can_run(monkeypatch, caplog):
     class FakeX:  # a CUDA-looking bf16 activation, shape [4, 8192]
         device, dtype, shape = FakeDevice(), torch.bfloat16, x.shape
 
-    monkeypatch.setattr(tg, "interpreting", lambda: False)
+    monkeypatch.setattr(gd, "interpreting", lambda: False)
     monkeypatch.setattr(di, "capability", lambda dev=None: (9, 0))
     monkeypatch.setattr(gg, "gluon_available", lambda: (True, ""))
-    assert tg.gluon_dense_config(FakeX(), w) is tg.GLUON_TABLE[(4, 8192, 8192)]
+    assert gd.gluon_dense_config(FakeX(), w) is gd.GLUON_TABLE[(4, 8192, 8192)]
 
     monkeypatch.setattr(gg, "gluon_available", lambda: (False, "triton 3.5.0 < 3.6"))
-    monkeypatch.setattr(tg, "_GLUON_WARNED", [])
-    with caplog.at_level(logging.WARNING, logger=tg.__name__):
-        assert tg.gluon_dense_config(FakeX(), w) is None
-        assert tg.gluon_dense_config(FakeX(), w) is None
+    monkeypatch.setattr(gd, "_GLUON_WARNED", [])
+    with caplog.at_level(logging.WARNING, logger=gd.__name__):
+        assert gd.gluon_dense_config(FakeX(), w) is None
+        assert gd.gluon_dense_config(FakeX(), w) is None
     warns = [r for r in caplog.records if "Gluon W4A16" in r.getMessage()]
     assert len(warns) == 1 and "triton 3.5.0" in warns[0].getMessage()
 
     monkeypatch.setattr(di, "capability", lambda dev=None: (8, 0))
     monkeypatch.setattr(gg, "gluon_available", lambda: (True, ""))
-    assert tg.gluon_dense_config(FakeX(), w) is None  # measured on sm_90 only
+    assert gd.gluon_dense_config(FakeX(), w) is None  # measured on sm_90 only
 
     # explicit request where it cannot run: a clear error, no fallback
     monkeypatch.setattr(gg, "gluon_available", lambda: (False, "triton 3.5.0 < 3.6"))

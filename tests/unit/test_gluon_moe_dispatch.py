@@ -1,13 +1,14 @@
-"""Grouped Gluon W4A16 dispatch (triton_gemm.GLUON_MOE_TABLE / gluon_moe_table_entry / gluon_grouped_config; the kernel
-in verl_quads/nvfp4/gluon_moe.py) on CPU: the table's shape, its exact-bucket lookup (unmeasured buckets, capabilities
-and routing tile heights keep the current dispatch), that the default dispatch never picks the Gluon kernel on CPU /
-under the Triton interpreter, and that an explicit GroupedConfig there raises (no silent fallback). The kernel itself
-runs only on a GPU (tests/gpu/test_gluon_moe_gpu.py)."""
+"""Grouped Gluon W4A16 dispatch (gluon_dispatch.GLUON_MOE_TABLE / gluon_moe_table_entry / gluon_grouped_config; the
+kernel in verl_quads/nvfp4/gluon_moe.py) on CPU: the table's shape, its exact-bucket lookup (unmeasured buckets,
+capabilities and routing tile heights keep the current dispatch), that the default dispatch never picks the Gluon kernel
+on CPU / under the Triton interpreter, and that an explicit GroupedConfig there raises (no silent fallback). The kernel
+itself runs only on a GPU (tests/gpu/test_gluon_moe_gpu.py)."""
 
 import pytest
 import torch
 
 from verl_quads.nvfp4 import device_info as di
+from verl_quads.nvfp4 import gluon_dispatch as gd
 from verl_quads.nvfp4 import gluon_moe as gm
 from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
@@ -15,26 +16,26 @@ from verl_quads.nvfp4 import triton_stream as ts
 
 
 def test_table_entries_and_exact_bucket_lookup():
-    assert tg.GLUON_MOE_TABLE and all(isinstance(c, gm.GroupedConfig) for c in tg.GLUON_MOE_TABLE.values())
-    for (b, n, k), cfg in tg.GLUON_MOE_TABLE.items():
-        assert b in tg.GLUON_MOE_BUCKETS and k % 128 == 0
-        lower = max((x for x in tg.GLUON_MOE_BUCKETS if x < b), default=0)
+    assert gd.GLUON_MOE_TABLE and all(isinstance(c, gm.GroupedConfig) for c in gd.GLUON_MOE_TABLE.values())
+    for (b, n, k), cfg in gd.GLUON_MOE_TABLE.items():
+        assert b in gd.GLUON_MOE_BUCKETS and k % 128 == 0
+        lower = max((x for x in gd.GLUON_MOE_BUCKETS if x < b), default=0)
         for slots in (lower + 1, b):
             for bm in (8, 16, 32):
                 if (bm // 8) % (cfg.nt or 1) == 0:
-                    assert tg.gluon_moe_table_entry(slots, n, k, bm, (9, 0)) is cfg
+                    assert gd.gluon_moe_table_entry(slots, n, k, bm, (9, 0)) is cfg
                 else:  # the entry's n-tiles do not fit this routing's tiles: the current dispatch
-                    assert tg.gluon_moe_table_entry(slots, n, k, bm, (9, 0)) is None
-        assert tg.gluon_moe_table_entry(b, n, k, 16, (10, 0)) is None  # measured on sm_90 only
-        assert tg.gluon_moe_table_entry(b, n, k, 16, (8, 0)) is None
-        assert tg.gluon_moe_table_entry(b, n, k, 64, (9, 0)) is None  # measured on 8..32-row tiles only
-        assert tg.gluon_moe_table_entry(b, n, k, 128, (9, 0)) is None  # routing tile height the kernel does not take
-        if (lower, n, k) not in tg.GLUON_MOE_TABLE and lower:
-            assert tg.gluon_moe_table_entry(lower, n, k, 16, (9, 0)) is None  # an unmeasured bucket: no entry
-    assert tg.gluon_moe_table_entry(8, 1536, 2048, 16, (9, 0)) is None  # T=1 (8 slots): the stream entries stay
-    assert tg.gluon_moe_table_entry(4096, 1536, 2048, 32, (9, 0)) is None  # an unmeasured bucket (T=512)
-    assert tg.gluon_moe_table_entry(16384, 1536, 2048, 32, (9, 0)) is None  # past the last bucket
-    assert tg.gluon_moe_bucket(2048) == tg.gluon_moe_bucket(1025) == 2048 and tg.gluon_moe_bucket(512) == 512
+                    assert gd.gluon_moe_table_entry(slots, n, k, bm, (9, 0)) is None
+        assert gd.gluon_moe_table_entry(b, n, k, 16, (10, 0)) is None  # measured on sm_90 only
+        assert gd.gluon_moe_table_entry(b, n, k, 16, (8, 0)) is None
+        assert gd.gluon_moe_table_entry(b, n, k, 64, (9, 0)) is None  # measured on 8..32-row tiles only
+        assert gd.gluon_moe_table_entry(b, n, k, 128, (9, 0)) is None  # routing tile height the kernel does not take
+        if (lower, n, k) not in gd.GLUON_MOE_TABLE and lower:
+            assert gd.gluon_moe_table_entry(lower, n, k, 16, (9, 0)) is None  # an unmeasured bucket: no entry
+    assert gd.gluon_moe_table_entry(8, 1536, 2048, 16, (9, 0)) is None  # T=1 (8 slots): the stream entries stay
+    assert gd.gluon_moe_table_entry(4096, 1536, 2048, 32, (9, 0)) is None  # an unmeasured bucket (T=512)
+    assert gd.gluon_moe_table_entry(16384, 1536, 2048, 32, (9, 0)) is None  # past the last bucket
+    assert gd.gluon_moe_bucket(2048) == gd.gluon_moe_bucket(1025) == 2048 and gd.gluon_moe_bucket(512) == 512
 
 
 def _grouped_case(e=4, n=32, k=128, tokens=3, topk=2):
@@ -50,9 +51,9 @@ def _grouped_case(e=4, n=32, k=128, tokens=3, topk=2):
 def test_dispatch_never_picks_gluon_on_cpu(monkeypatch):
     x, packed, scale, gs, ids = _grouped_case()
     routing = mr.moe_align_reference(ids, packed.shape[0], 16)
-    monkeypatch.setitem(tg.GLUON_MOE_TABLE, (ts.decode_bucket(6), packed.shape[1], x.shape[1]), gm.GroupedConfig())
-    assert tg.gluon_moe_table_entry(6, packed.shape[1], x.shape[1], 16, (9, 0)) is not None  # an entry for this shape
-    assert tg.gluon_grouped_config(x, packed, routing) is None  # ... but not on a CPU tensor
+    monkeypatch.setitem(gd.GLUON_MOE_TABLE, (ts.decode_bucket(6), packed.shape[1], x.shape[1]), gm.GroupedConfig())
+    assert gd.gluon_moe_table_entry(6, packed.shape[1], x.shape[1], 16, (9, 0)) is not None  # an entry for this shape
+    assert gd.gluon_grouped_config(x, packed, routing) is None  # ... but not on a CPU tensor
     assert not gm.grouped_supported(x, packed, 16)
 
 
@@ -79,16 +80,16 @@ def test_default_dispatch_on_a_hopper_without_usable_gluon_warns_once(monkeypatc
     w = torch.zeros(128, 1536, 1024, dtype=torch.uint8)  # [E, N, K/2]: K = 2048
     x = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16, shape=(16, 2048))
     routing = SimpleNamespace(sorted_slots=torch.zeros(128, dtype=torch.int32), block_m=16)  # S = 128: T = 16
-    monkeypatch.setattr(tg, "interpreting", lambda: False)
+    monkeypatch.setattr(gd, "interpreting", lambda: False)
     monkeypatch.setattr(di, "capability", lambda dev=None: (9, 0))
     monkeypatch.setattr(gg, "gluon_available", lambda: (True, ""))
-    assert tg.gluon_grouped_config(x, w, routing) is tg.GLUON_MOE_TABLE[(128, 1536, 2048)]
+    assert gd.gluon_grouped_config(x, w, routing) is gd.GLUON_MOE_TABLE[(128, 1536, 2048)]
 
     monkeypatch.setattr(gg, "gluon_available", lambda: (False, "triton 3.5.0 < 3.6"))
-    monkeypatch.setattr(tg, "_GLUON_MOE_WARNED", [])
-    with caplog.at_level(logging.WARNING, logger=tg.__name__):
-        assert tg.gluon_grouped_config(x, w, routing) is None
-        assert tg.gluon_grouped_config(x, w, routing) is None
+    monkeypatch.setattr(gd, "_GLUON_MOE_WARNED", [])
+    with caplog.at_level(logging.WARNING, logger=gd.__name__):
+        assert gd.gluon_grouped_config(x, w, routing) is None
+        assert gd.gluon_grouped_config(x, w, routing) is None
     warns = [r.getMessage() for r in caplog.records if "Gluon W4A16 MoE kernel" in r.getMessage()]
     assert len(warns) == 1 and "triton 3.5.0" in warns[0] and "grouped W4A16 expert GEMMs" in warns[0]
 
@@ -105,9 +106,9 @@ def test_moe_block_m_takes_the_gluon_routing_where_both_gemms_run_on_gluon(monke
     w13 = torch.zeros(e, 1536, 1024, dtype=torch.uint8)  # [E, 2I, H/2]: H = 2048
     w2 = torch.zeros(e, 2048, 384, dtype=torch.uint8)  # [E, H, I/2]: I = 768
     x = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16, shape=(1024, 2048))
-    assert tg.grouped_block_m(s // e) == 64 and tg.GLUON_MOE_ROUTING_BLOCK_M[tg.gluon_moe_bucket(s)] == 32
+    assert tg.grouped_block_m(s // e) == 64 and gd.GLUON_MOE_ROUTING_BLOCK_M[gd.gluon_moe_bucket(s)] == 32
     assert tg.moe_block_m(s, e, x, w13, w2) == 64  # on CPU (not sm_90, the interpreter): grouped_block_m
-    monkeypatch.setattr(tg, "interpreting", lambda: False)
+    monkeypatch.setattr(gd, "interpreting", lambda: False)
     monkeypatch.setattr(di, "capability", lambda dev=None: (9, 0))
     monkeypatch.setattr(gg, "gluon_available", lambda: (True, ""))
     assert tg.moe_block_m(s, e, x, w13, w2) == 32
@@ -132,5 +133,5 @@ def test_grouped_config_labels_are_stable():
     assert G(4, 1, 0, 2, xs=True).label == "w4 kc1 sa2 pf1 xs"
     assert G(4, 1, 0, 2, rg=2, dec=3, nt=2, xs=True).label == "w4 kc1 sa2 pf1 rg2 d3 nt2 xs"
     assert G(4, 1, 0, 2, prefetch=False, nt=1).label == "w4 kc1 sa2 pf0 nt1"
-    for key, cfg in tg.GLUON_MOE_TABLE.items():
+    for key, cfg in gd.GLUON_MOE_TABLE.items():
         assert len(cfg.label.split()) == len(set(cfg.label.split())), (key, cfg.label)  # no option printed twice

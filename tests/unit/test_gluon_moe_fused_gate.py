@@ -7,6 +7,7 @@ the default keeps the unfused path. The kernel runs on a GPU only (tests/gpu/tes
 import pytest
 import torch
 
+from verl_quads.nvfp4 import gluon_dispatch as gd
 from verl_quads.nvfp4 import gluon_moe as gm
 from verl_quads.nvfp4 import triton_gemm as tg
 
@@ -28,13 +29,13 @@ def test_refusal_rules():
     assert gm.silu_mul_refusal(1536, 2048, 8, G(4, 1, 1, 2, nt=1)) == ""
 
 
-@pytest.mark.parametrize("key", sorted(k for k in tg.GLUON_MOE_TABLE if k[1:] == (1536, 2048)),
+@pytest.mark.parametrize("key", sorted(k for k in gd.GLUON_MOE_TABLE if k[1:] == (1536, 2048)),
                          ids=lambda k: f"S{k[0]}")
 def test_table_w13_entries_fuse_at_their_points(key):
     """Each w13 GLUON_MOE_TABLE entry runs one K range at its bucket's slot count on 132 SMs (the H200), so the
     default moe_forward fuses the gate there (the GPU test checks the bytes)."""
     slots, n, k = key
-    assert gm.silu_mul_refusal(n, k, min(128, slots), tg.GLUON_MOE_TABLE[key], sms=132) == ""
+    assert gm.silu_mul_refusal(n, k, min(128, slots), gd.GLUON_MOE_TABLE[key], sms=132) == ""
 
 
 def _case(tokens=3, e=4, hidden=128, inter=64, topk=2):

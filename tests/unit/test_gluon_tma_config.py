@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from verl_quads.bench.gluon_probe import TMA_CONFIGS, parse_tma
+from verl_quads.nvfp4 import gluon_dispatch as gd
 from verl_quads.nvfp4 import gluon_tma as gt
 from verl_quads.nvfp4 import moe_routing as mr
 from verl_quads.nvfp4 import triton_gemm as tg
@@ -68,7 +69,7 @@ def test_refusals_on_cpu():
 def test_table_entries_fit():
     """Every TmaConfig entry of GLUON_TABLE fits the H200's shared memory at its bucket's largest M, on a shape the
     kernel supports (N % 16, K % 256)."""
-    entries = [(key, c) for key, c in tg.GLUON_TABLE.items() if isinstance(c, T)]
+    entries = [(key, c) for key, c in gd.GLUON_TABLE.items() if isinstance(c, T)]
     assert entries
     for (bucket, n, k), c in entries:
         assert c.smem_bytes(bucket) <= gt.SMEM_LIMIT and n % 16 == 0 and k % 256 == 0, (bucket, n, k, c)

@@ -281,7 +281,7 @@ def test_stream_split_k_fixup_is_bit_identical_to_reduction_launch():
     ys = [tg.nvfp4_gemm(op, q_e.packed, q_e.block_scale, q_e.global_scale.reshape(-1), routing=routing, a_rows=rows,
                         out_rows=6, config=c) for c in (cfg, tg.replace(cfg, fixup=True))]
     assert torch.equal(ys[0], ys[1]) and not ys[1][3].any()  # slot 3 is not local: 0
-    assert not gemm_shared._FIXUP_COUNTERS[str(torch.device(DEV))].any()
+    assert not gemm_shared._TILE_COUNTERS[("stream", str(torch.device(DEV)))].any()
 
 
 _SM90_STREAM = r"""

@@ -104,6 +104,7 @@ def run(shapes: list[str], ms: list[int], variants: tuple[str, ...] = ("default"
         dev: str = "cuda", granularity: str = "channel") -> str:
     from verl_quads import nvfp4 as nv
     from verl_quads.bench.rollout import SHAPES
+    from verl_quads.nvfp4 import gluon_dispatch as gd
     from verl_quads.nvfp4 import triton_channel as tc
     from verl_quads.nvfp4 import triton_gemm as tg
 
@@ -135,7 +136,7 @@ def run(shapes: list[str], ms: list[int], variants: tuple[str, ...] = ("default"
                      [tag, "naive: activation quantize alone", "-", t_nq, t_nq / t_nf, "-"],
                      [tag, "naive: W4A4 GEMM alone", "-", t_ng, t_ng / t_nf, f"sum of parts {t_nq + t_ng:.3g}"]]
             op_q = quads_q()
-            gcfg = tg.gluon_dense_config(op_q.values, wp) if dev == "cuda" else None
+            gcfg = gd.gluon_dense_config(op_q.values, wp) if dev == "cuda" else None
             t_gemm = us(lambda: tg.nvfp4_gemm(op_q, wp, wsc, wgs))
             rows.append([tag, f"quads-bf16: w4a16 GEMM alone on the bf16 operand"
                          f"{' (gluon ' + gcfg.label + ')' if gcfg else ''}", "-", t_gemm, t_gemm / t_nf, "-"])

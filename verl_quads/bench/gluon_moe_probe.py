@@ -117,6 +117,7 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
     ...", where :func:`~verl_quads.nvfp4.gluon_moe.silu_mul_refusal` allows it; check = bytes equal to moe_silu_mul
     of the unfused result)."""
     from verl_quads.bench.timing import device_name, print_table
+    from verl_quads.nvfp4 import gluon_dispatch as gd
     from verl_quads.nvfp4 import gluon_moe as gm
     from verl_quads.nvfp4 import moe_routing as mr
     from verl_quads.nvfp4 import triton_gemm as tg
@@ -132,7 +133,7 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
         sw_of[t] = torch.softmax(torch.randn(t, TOP_K, device=dev, generator=g), -1)
         s = t * TOP_K
         # routing as moe_forward builds it for w4a16 on sm_90 (moe_block_m where both GEMMs have entries: T=1024 32)
-        bm = tg.GLUON_MOE_ROUTING_BLOCK_M.get(tg.gluon_moe_bucket(s)) or tg.grouped_block_m(-(-s // min(E, s)))
+        bm = gd.GLUON_MOE_ROUTING_BLOCK_M.get(gd.gluon_moe_bucket(s)) or tg.grouped_block_m(-(-s // min(E, s)))
         routings[t] = mr.moe_align(ids_of[t], E, bm)
         # the Gluon kernel takes routing block_m 8 / 16 / 32 / 64: past 64 its own 64-row tile table
         groutings[t] = (routings[t] if routings[t].block_m in gm.BLOCK_M_NT
@@ -203,9 +204,9 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
                     lambda i: tg.nvfp4_gemm(op, *wq[i], routing=routing, a_rows=a_rows, out_rows=s,
                                             zero_unrouted=False), cp)
             res[("default dispatch", "check")] = (werr, ok)
-            key = (tg.gluon_moe_bucket(s), n, k) if hasattr(tg, "gluon_moe_bucket") else None
-            if key in tg.GLUON_MOE_TABLE:  # the dispatch this table entry replaced (same run, same L2 state)
-                entry = tg.GLUON_MOE_TABLE.pop(key)
+            key = (gd.gluon_moe_bucket(s), n, k) if hasattr(gd, "gluon_moe_bucket") else None
+            if key in gd.GLUON_MOE_TABLE:  # the dispatch this table entry replaced (same run, same L2 state)
+                entry = gd.GLUON_MOE_TABLE.pop(key)
                 try:
                     y = tg.nvfp4_gemm(op, *wq[0], routing=routing, a_rows=a_rows, out_rows=s)
                     res[("dispatch without its GLUON_MOE_TABLE entry", "check")] = _check(y, xf, wf_of, slots_of,
@@ -215,7 +216,7 @@ def run(tokens: list[int], gemms: list[str], which: str = "quick", layer: bool =
                             lambda i: tg.nvfp4_gemm(op, *wq[i], routing=routing, a_rows=a_rows, out_rows=s,
                                                     zero_unrouted=False), cp)
                 finally:
-                    tg.GLUON_MOE_TABLE[key] = entry
+                    gd.GLUON_MOE_TABLE[key] = entry
             for cfg in cfgs:
                 label = f"gluon {cfg.label}"
                 try:
@@ -282,6 +283,7 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
     into the w13 GEMM, vs BF16 (torch._grouped_mm). Column ``same``: the fused layer ``torch.equal`` its unfused
     twin (checked before timing)."""
     from verl_quads.bench.timing import print_table
+    from verl_quads.nvfp4 import gluon_dispatch as gd
     from verl_quads.nvfp4 import gluon_moe as gm
     from verl_quads.nvfp4 import moe_routing as mr
     from verl_quads.nvfp4 import triton_gemm as tg
@@ -300,8 +302,8 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
         offs = torch.cumsum(counts, 0).to(torch.int32)
         bm = routings[t].block_m
         cap = torch.cuda.get_device_capability()
-        c13 = best.get(("w13", t)) or tg.gluon_moe_table_entry(s, *SHAPES["w13"], bm, cap) or dflt
-        c2 = best.get(("w2", t)) or tg.gluon_moe_table_entry(s, *SHAPES["w2"], bm, cap) or dflt
+        c13 = best.get(("w13", t)) or gd.gluon_moe_table_entry(s, *SHAPES["w13"], bm, cap) or dflt
+        c2 = best.get(("w2", t)) or gd.gluon_moe_table_entry(s, *SHAPES["w2"], bm, cap) or dflt
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         why13 = gm.silu_mul_refusal(*SHAPES["w13"], min(E, s), c13, sms)
 
@@ -312,12 +314,12 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
             return tg.moe_forward(x, sw, ids, *w13[i], *w2[i], "w4a16", fuse_gate=False)
 
         def before(i):  # moe_forward without this bucket's GLUON_MOE_TABLE entries
-            keys = [k for k in tg.GLUON_MOE_TABLE if k[0] == tg.gluon_moe_bucket(s)]
-            saved = {k: tg.GLUON_MOE_TABLE.pop(k) for k in keys}
+            keys = [k for k in gd.GLUON_MOE_TABLE if k[0] == gd.gluon_moe_bucket(s)]
+            saved = {k: gd.GLUON_MOE_TABLE.pop(k) for k in keys}
             try:
                 return tg.moe_forward(x, sw, ids, *w13[i], *w2[i], "w4a16")
             finally:
-                tg.GLUON_MOE_TABLE.update(saved)
+                gd.GLUON_MOE_TABLE.update(saved)
 
         def gluon(i):
             r = mr.moe_align(ids, E, bm)
@@ -356,7 +358,7 @@ def _layer(tokens, weights, ids_of, sw_of, xs, routings, best) -> str:
             variants.append((lb, gluon_fused))
         else:
             print(f"layer T={t}: no fused gate with w13 {c13.label}: {why13}", flush=True)
-        if hasattr(tg, "gluon_moe_bucket") and any(k[0] == tg.gluon_moe_bucket(s) for k in tg.GLUON_MOE_TABLE):
+        if hasattr(gd, "gluon_moe_bucket") and any(k[0] == gd.gluon_moe_bucket(s) for k in gd.GLUON_MOE_TABLE):
             variants.insert(3, ("moe_forward without the GLUON_MOE_TABLE entries here", before))
         for lb, fn in variants:
             try:

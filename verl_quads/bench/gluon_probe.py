@@ -220,6 +220,7 @@ def _time_rot(fn_of_copy, copies: int) -> float:
 def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_spec: str = "",
         defaults: bool = True, grp_spec: str = "", tma_spec: str = "", grp_block_m: int = 32) -> str:
     from verl_quads.bench.timing import device_name, print_table
+    from verl_quads.nvfp4 import gluon_dispatch as gd
     from verl_quads.nvfp4 import gluon_gemm as gg
     from verl_quads.nvfp4 import triton_gemm as tg
     from verl_quads.rollout import emulation as em
@@ -256,22 +257,22 @@ def run(shapes: list[tuple[int, int]], ms: list[int], which: str = "all", std_sp
             t_cub = _time_rot(lambda i: x @ wbs[i].t(), bcopies)
             tw_cub = _time_warm(lambda: x @ wbf.t())
             rows.append([tag, "cuBLAS bf16 torch.matmul", "-", t_cub * 1e6, 1.0, tw_cub * 1e6, 1.0, "-"])
-            saved = dict(tg.GLUON_TABLE)
+            saved = dict(gd.GLUON_TABLE)
             t_def = float("nan")
             for label_d, table in (("default dispatch without GLUON_TABLE", {}), ("default dispatch", saved)):
                 if not defaults and table == {}:
                     continue
-                tg.GLUON_TABLE.clear()
-                tg.GLUON_TABLE.update(table)
+                gd.GLUON_TABLE.clear()
+                gd.GLUON_TABLE.update(table)
                 try:
                     y = tg.nvfp4_linear(x, wp, wsc, wgs, None, "w4a16")
                     rel, ok = _err(y, ref, bound)
                     t_def = _time_rot(lambda i: tg.nvfp4_linear(x, wps[i], wscs[i], wgs, None, "w4a16"), copies)
                     tw_def = _time_warm(lambda: tg.nvfp4_linear(x, wp, wsc, wgs, None, "w4a16"))
                 finally:
-                    tg.GLUON_TABLE.clear()
-                    tg.GLUON_TABLE.update(saved)
-                gcfg = tg.gluon_dense_config(x, wp) if table else None
+                    gd.GLUON_TABLE.clear()
+                    gd.GLUON_TABLE.update(saved)
+                gcfg = gd.gluon_dense_config(x, wp) if table else None
                 rows.append([tag, f"{label_d} (nvfp4_linear w4a16{', gluon ' + gcfg.label if gcfg else ''})",
                              "ok" if ok else "WRONG", t_def * 1e6, t_cub / t_def, tw_def * 1e6, tw_cub / tw_def,
                              f"{rel:.2e}"])

@@ -6,7 +6,7 @@ in-kernel fixup.
 Split-K: a GEMM whose grid would not fill the GPU splits K across programs; each program writes a float32 partial
 ``[split, rows, N]`` and the partials are summed in the fixed order s = 0, 1, ... (deterministic, batch-invariant),
 either by :func:`splitk_reduce` (one launch: sum, bias, one cast) or, for the stream kernel's ``fixup``, by the last
-program of each output tile, which finds out it is last through :func:`fixup_counters`.
+program of each output tile, which finds out it is last through :func:`tile_counters`.
 """
 
 from __future__ import annotations
@@ -83,22 +83,26 @@ def splitk_reduce(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tens
     return out
 
 
-_FIXUP_COUNTERS: dict = {}
+_TILE_COUNTERS: dict[tuple[str, str], torch.Tensor] = {}
 
 
-def fixup_counters(dev: torch.device, size: int) -> torch.Tensor | None:
-    """Zeroed int32 per-tile counters for the split-K fixup (>= ``size``; each launch leaves them 0),
-    one buffer per device, grown when needed. None while a CUDA graph is being captured and the buffer
-    must grow (a zero-fill recorded in the graph would not run before eager use); the caller then uses
-    the reduction launch, which gives the same bits."""
-    key = str(dev)
-    buf = _FIXUP_COUNTERS.get(key)
+def tile_counters(dev: torch.device, size: int, owner: str, min_size: int = 4096) -> torch.Tensor | None:
+    """Zeroed int32 per-tile counters of an in-kernel split-K fixup: at least ``size`` of them (``min_size`` at the
+    first allocation), one buffer per (``owner``, device) -- ``owner`` names the kernel family ("stream",
+    "gluon_dense", "gluon_grouped"), so families do not share counters -- grown when needed. Every launch leaves the
+    counters it used at 0 (its last program per tile resets them), so the buffer is reused as it is.
+
+    Returns None while a CUDA graph is being captured and the buffer must grow: a zero-fill recorded in the graph would
+    not run before the next eager use. The caller then takes the reduction launch (the stream kernel: the same bits)
+    or raises."""
+    key = (owner, str(dev))
+    buf = _TILE_COUNTERS.get(key)
     if buf is None or buf.numel() < size:
         if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        buf = torch.zeros(max(size, 4096), dtype=torch.int32, device=dev)
-        _FIXUP_COUNTERS[key] = buf
+        buf = torch.zeros(max(size, min_size), dtype=torch.int32, device=dev)
+        _TILE_COUNTERS[key] = buf
     return buf
 
 
-__all__ = ["fixup_counters", "interpreting", "num_sms", "splitk_reduce"]
+__all__ = ["interpreting", "num_sms", "splitk_reduce", "tile_counters"]

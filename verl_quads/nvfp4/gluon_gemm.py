@@ -36,7 +36,7 @@ slice boundaries, without the global round trip).
 
 Needs triton >= 3.6 with Gluon (``triton.experimental.gluon``) and an sm_80+ GPU (mma.sync). The permuted-layout
 kernel is a prototype (not in the dispatch); the standard-layout kernel (:func:`gluon_w4a16_std`) serves the dense
-dispatch's ``triton_gemm.GLUON_TABLE`` and, through its shared helpers, the grouped kernel of
+dispatch's ``gluon_dispatch.GLUON_TABLE`` and, through its shared helpers, the grouped kernel of
 :mod:`verl_quads.nvfp4.gluon_moe`. ``verl_quads.bench.gluon_probe`` times them; tests/gpu/test_gluon_gemm_gpu.py
 checks them.
 """
@@ -50,6 +50,7 @@ import torch
 
 from verl_quads.nvfp4 import device_info as di
 from verl_quads.nvfp4.format import BLOCK_SIZE, E2M1_VALUES
+from verl_quads.nvfp4.gemm_shared import tile_counters
 
 ROWS = 16  # weight rows per row group (the MMA's M)
 CHUNK = 64  # K elements per chunk (4 MMA K-steps of 16)
@@ -1135,9 +1136,6 @@ class GluonConfig:
                 f"{f' ks{self.ks}' if self.ks != 1 else ''}{f' up{self.up}' if self.up else ''}")
 
 
-_COUNTERS: dict = {}
-
-
 def _num_sms(dev: torch.device) -> int:
     """SMs of ``dev`` (CUDA); 132 (the H200's) elsewhere, so offline plans match the measured ones."""
     return di.sm_count(dev) if dev.type == "cuda" else 132
@@ -1183,11 +1181,9 @@ def gluon_w4a16(x: torch.Tensor, w: GluonWeight, cfg: GluonConfig = GluonConfig(
     out = torch.empty(m, w.n, dtype=torch.bfloat16, device=x.device)
     if split > 1:
         part = torch.empty(split, m, w.n, dtype=torch.float32, device=x.device)
-        key = str(x.device)
-        cnt = _COUNTERS.get(key)
-        if cnt is None or cnt.numel() < grid_n:
-            cnt = torch.zeros(max(grid_n, 4096), dtype=torch.int32, device=x.device)
-            _COUNTERS[key] = cnt
+        cnt = tile_counters(x.device, grid_n, "gluon_dense")
+        if cnt is None:
+            raise RuntimeError("gluon_w4a16: first use of a larger grid inside CUDA-graph capture")
     else:
         part, cnt = out, out
     _w4a16_kernel[(grid_n, split)](
@@ -1264,13 +1260,9 @@ def gluon_w4a16_std(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.Tens
     out = torch.empty(m, n, dtype=torch.bfloat16, device=x.device)
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        key = str(x.device)
-        cnt = _COUNTERS.get(key)
-        if cnt is None or cnt.numel() < grid_n:
-            if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("gluon_w4a16_std: first use of a larger grid inside CUDA-graph capture")
-            cnt = torch.zeros(max(grid_n, 4096), dtype=torch.int32, device=x.device)
-            _COUNTERS[key] = cnt
+        cnt = tile_counters(x.device, grid_n, "gluon_dense")
+        if cnt is None:
+            raise RuntimeError("gluon_w4a16_std: first use of a larger grid inside CUDA-graph capture")
     else:
         part, cnt = out, out
     gs = w_gs.reshape(1)

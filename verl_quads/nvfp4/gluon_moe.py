@@ -45,6 +45,7 @@ import torch
 
 from verl_quads.nvfp4 import device_info as di
 from verl_quads.nvfp4.format import BLOCK_SIZE
+from verl_quads.nvfp4.gemm_shared import tile_counters
 from verl_quads.nvfp4.gluon_gemm import ROWS, STD_CHUNK, GluonConfig, _num_sms, _plan, gluon
 
 if gluon is not None:
@@ -340,8 +341,6 @@ def _nt(cfg: GluonConfig, block_m: int) -> int:
         raise ValueError(f"gluon_w4a16_grouped: nt {nt} must be 1, 2, 4 or 8 and divide block_m / 8 = {full}")
     return nt
 
-_COUNTERS: dict = {}
-
 
 def grouped_supported(x: torch.Tensor, w_packed: torch.Tensor, block_m: int) -> bool:
     """Whether :func:`gluon_w4a16_grouped` can run this GEMM: Gluon importable, not under the Triton interpreter,
@@ -444,14 +443,9 @@ def gluon_w4a16_grouped(x: torch.Tensor, w_packed: torch.Tensor, w_scale: torch.
     grid_n, split, cps, even = grouped_plan(n, k, live, cfg, _num_sms(dev))
     if split > 1:
         part = torch.empty(split, rows_out, n, dtype=torch.float32, device=dev)
-        key = str(dev)
-        cnt = _COUNTERS.get(key)
-        need = t_max * grid_n * passes
-        if cnt is None or cnt.numel() < need:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("gluon_w4a16_grouped: first use of a larger grid inside CUDA-graph capture")
-            cnt = torch.zeros(max(need, 1 << 16), dtype=torch.int32, device=dev)
-            _COUNTERS[key] = cnt
+        cnt = tile_counters(dev, t_max * grid_n * passes, "gluon_grouped", min_size=1 << 16)
+        if cnt is None:
+            raise RuntimeError("gluon_w4a16_grouped: first use of a larger grid inside CUDA-graph capture")
     else:
         part, cnt = out, arow
     args = (x, w_packed.view(torch.int32), w_scale.view(torch.uint8), w_gs.reshape(-1), out, part, cnt,

@@ -11,7 +11,7 @@ built together as fp16 halves; with ``late_scale`` the block scale multiplies ea
 ``bf16x2`` (tensor cores: bf16 halves scaled by a packed bf16 multiply); ``verl-quads bench rollout --sass-count``
 counts their K-loop instructions offline. Chosen for w4a16 on CUDA by :data:`DECODE_TABLE` (shape -> config, filled
 from ``verl-quads bench rollout --sweep-decode``); shapes not in it use the tensor-core kernel (and on sm_90 the Gluon
-tables of :mod:`.triton_gemm` come first).
+tables of :mod:`.gluon_dispatch` come first).
 
 Layouts: weight ``w_packed`` uint8 ``[N, K/2]`` or ``[E, N, K/2]`` viewed as int32 words ``[..., N, K/8]`` (element
 ``8w + j`` in nibble j of word w, low nibble first), ``w_scale`` float8_e4m3fn ``[..., N, K/16]``, ``w_gs`` float32
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from verl_quads.nvfp4.format import BLOCK_SIZE
-from verl_quads.nvfp4.gemm_shared import fixup_counters, interpreting, num_sms, splitk_reduce
+from verl_quads.nvfp4.gemm_shared import interpreting, num_sms, splitk_reduce, tile_counters
 from verl_quads.nvfp4.triton_kernels import _OUT_DTYPES, triton
 
 if TYPE_CHECKING:
@@ -778,7 +778,7 @@ def stream_gemm(act: ActOperand, w_packed: torch.Tensor, w_scale: torch.Tensor, 
     if interpreting():
         dt = 0  # the interpreter's bf16/fp16 tl.dot is wrong (triton 3.9); float32 gives the same exact products
     dummy = w_gs
-    counters = fixup_counters(dev, m_tiles * n_tiles) if (cfg.fixup and split > 1) else None
+    counters = tile_counters(dev, m_tiles * n_tiles, "stream") if (cfg.fixup and split > 1) else None
     fixup = counters is not None
     # grouped: rows of slots with no local expert belong to no tile and are never written -> zeros
     # (zero_unrouted=False: left unset, for callers that never read them: moe_forward)
