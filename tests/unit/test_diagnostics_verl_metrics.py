@@ -5,7 +5,6 @@ numbers on synthetic batches next to verl's own debug metrics."""
 from __future__ import annotations
 
 import inspect
-import math
 import subprocess
 import sys
 import textwrap

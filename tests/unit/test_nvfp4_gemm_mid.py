@@ -86,7 +86,7 @@ def test_sweep_mid_end_to_end_tiny_shapes(monkeypatch):
     monkeypatch.setattr(br, "L2_FLUSH_BYTES", 1)
     if DEV == "cpu":
         monkeypatch.setattr(br, "median_time_s", lambda fn, *a, **k: 1e-3)  # each config still runs once (check)
-    s1, s2, st = br._mid_stage1, br._mid_stage2, br._mid_stream
+    s1, s2 = br._mid_stage1, br._mid_stage2
     monkeypatch.setattr(br, "_mid_stage1", lambda *a: list(dict.fromkeys(
         [tg.replace(c, block_n=16, block_k=32, num_stages=2) for c in s1(*a)[:2]])))
     monkeypatch.setattr(br, "_mid_stage2", lambda c, k: s2(c, k)[:1])

@@ -191,7 +191,7 @@ def test_quantize_with_guidance_matches_quantize_then_extract(shape, scale, kern
 def _row_record(rows: torch.Tensor, off: int, lead: tuple[int, ...], k: int) -> nv.GuidanceRecord:
     """A record of views into uint8 token rows ``rows`` [T, B] from byte ``off`` on: bits, block scales, global
     scales one after another, each [*lead[1:], .] per token (TRACE's row layout with 8-byte aligned sections)."""
-    t, per = rows.shape[0], lead[1] if len(lead) == 2 else 1
+    per = lead[1] if len(lead) == 2 else 1
     nb, ns = per * k // 8, per * k // 16
     so = off + -(-nb // 8) * 8
     go = so + -(-ns // 8) * 8

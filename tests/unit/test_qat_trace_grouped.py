@@ -18,7 +18,7 @@ from qat_models import tiny_model, tokens
 
 import verl_quads.qat.model as qm
 from verl_quads.config import QuantConfig
-from verl_quads.nvfp4 import GuidanceRecord, fake_quantize, per_row_global_scale
+from verl_quads.nvfp4 import fake_quantize, per_row_global_scale
 from verl_quads.qat import GuidanceKey, InMemoryGuidanceStore, TraceBatch, apply_qat, trace_context
 
 UIDS = ["a/0", "b/0"]

@@ -1609,7 +1609,6 @@ def run_gemv_roofline(budget_s: float = 120.0, points=None, tilings=None, sectio
             experts = [ids.reshape(-1).to(torch.int32) for ids in id_sets]
             arows = torch.arange(TOP_K, device=dev, dtype=torch.int32) if not name.endswith("w13") else \
                 torch.zeros(TOP_K, device=dev, dtype=torch.int32)
-            live = TOP_K
 
             def base(i):
                 return torch._grouped_mm(x_sorted[i], w_t, offs=offs[i])
@@ -1632,7 +1631,6 @@ def run_gemv_roofline(budget_s: float = 120.0, points=None, tilings=None, sectio
             wbs = [w_bf16[0]] + [w_bf16[0].clone() for _ in range(nb - 1)]
             zero = torch.zeros(1, device=dev, dtype=torch.int32)
             arows = zero
-            live = 1
 
             def base(i):
                 return x @ wbs[i].t()

@@ -278,7 +278,6 @@ if triton is not None:
         b = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
         bmask = b < NBLK
         j = tl.arange(0, 8)
-        m2 = bmask[:, None]
         xe, xo = _load_pairs(x_ptr, b, bmask, SPLIT)
         gs = tl.load(gs_ptr + (b // NBK) // GS_DIV, mask=bmask, other=1.0)
         vec_max = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
@@ -299,7 +298,6 @@ if triton is not None:
         b = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
         bmask = b < NBLK
         j = tl.arange(0, 8)
-        m2 = bmask[:, None]
         w = tl.load(packed_ptr + b, mask=bmask, other=0)
         p = ((w[:, None] >> (8 * j[None, :]).to(tl.int64)) & 0xFF).to(tl.int32)
         sb = tl.load(scale_ptr + b, mask=bmask, other=0).to(tl.int32)
@@ -468,7 +466,6 @@ if triton is not None:
         blk = tl.load(idx_ptr + s, mask=smask, other=0)
         src = row * NBK + blk  # the source block's index in the block layout
         j = tl.arange(0, 8)
-        m2 = smask[:, None]
         xe, xo = _load_pairs(x_ptr, src, smask, SPLIT)
         gs1 = tl.load(gs1_ptr + row // GS1_DIV, mask=smask, other=1.0)
         s1 = _e4m3_decode(tl.load(scale1_ptr + src, mask=smask, other=0).to(tl.int32))
@@ -549,7 +546,6 @@ if triton is not None:
         b = tl.program_id(0).to(tl.int64) * BLK + tl.arange(0, BLK)
         bmask = b < NBLK
         j = tl.arange(0, 8)
-        m2 = bmask[:, None]
         xe, xo = _load_pairs(x_ptr, b, bmask, SPLIT)
         sval = _e4m3_decode(tl.load(scale_ptr + b, mask=bmask, other=0).to(tl.int32))
         gs = tl.load(gs_ptr + (b // NBK) // GS_DIV, mask=bmask, other=1.0)

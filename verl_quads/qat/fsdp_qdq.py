@@ -326,7 +326,6 @@ def install(model: nn.Module) -> ShardQDQ:
 
     # (name, module, param name, kind, transposed, group key) in model order; fused groups contiguous
     todo: list[tuple[str, nn.Module, str, str, bool]] = []
-    groups: dict[str, list[int]] = {}
     done: set[str] = set()
     for name, (kind, _gemm, _layer, _act) in state.modules.items():
         mod = model.get_submodule(name)
