@@ -108,6 +108,12 @@ def kernel_modules() -> list[str]:
     return sorted(mods)
 
 
+def host_modules(mods: list[str]) -> list[str]:
+    """The modules :func:`patch_host` rewrites: the kernel modules ``mods`` and every imported module of
+    verl_quads.nvfp4 (host-only ones too: gluon_dispatch's table lookups test the device)."""
+    return sorted(set(mods) | {m for m in sys.modules if m.startswith("verl_quads.nvfp4.")})
+
+
 _DEVICE_TEST = re.compile(r"""(?<![\w.])([A-Za-z_][\w.]*?)\.type\s*(==|!=)\s*(["'])cuda\3""")
 
 
@@ -857,8 +863,7 @@ def main() -> int:
             mods.append(mod)
         except Exception as e:  # reported as a drive error: its kernels are not checked
             DRIVE_ERRORS.append((f"import {mod}", f"{type(e).__name__}: {e}".splitlines()[0][:300]))
-    # and the host-only modules of verl_quads.nvfp4 (gluon_dispatch: the Gluon tables' lookups test the device too)
-    rewritten = patch_host(sorted(set(mods) | {m for m in sys.modules if m.startswith("verl_quads.nvfp4.")}))
+    rewritten = patch_host(host_modules(mods))
     print(f"triton36_check: triton {triton.__version__} (sm_90 offline), kernel modules: {', '.join(mods)}; "
           f"device-type tests read as CUDA in: {', '.join(rewritten)}", flush=True)
     for g in args.groups.split(","):

@@ -87,3 +87,47 @@ def test_resources_reports_registers_of_an_sm90_compile(tmp_path):
     probe.write_text(f"T36_PATH = {str(_PATH)!r}\n" + _RESOURCES_PROBE)
     compile_for_sm90_in_subprocess(f"import runpy; runpy.run_path({str(probe)!r}, run_name='__main__')",
                                    "offline check: on a GPU machine the kernels compile for the device itself")
+
+
+_PATCH_HOST_PROBE = r'''
+import importlib.util
+import torch
+
+spec = importlib.util.spec_from_file_location("t36", T36_PATH)
+t36 = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(t36)
+from verl_quads.nvfp4 import gemm_shared, gluon_dispatch, gluon_gemm, triton_gemm, triton_stream
+
+mods = [m for m in t36.kernel_modules() if m.startswith("verl_quads.nvfp4.")]
+for m in mods:
+    __import__(m)
+t36.patch_host(t36.host_modules(mods))
+cpu = torch.device("cpu")
+# the rewritten num_sms answers for the H200 in every module that imported it by name (the split-K plans)
+for mod in (gemm_shared, triton_gemm, triton_stream):
+    assert mod.num_sms is gemm_shared.num_sms and mod.num_sms(cpu) == 132, mod.__name__
+# a host-only dispatch module (no kernel) is rewritten too: the dense Gluon table entry is taken on a "GPU" tensor
+gluon_gemm.gluon_available = lambda: (True, "")  # whatever this machine's triton has
+x = torch.zeros(4, 8192, dtype=torch.bfloat16)
+w = torch.zeros(8192, 4096, dtype=torch.uint8)
+assert gluon_dispatch.gluon_dense_config(x, w) is gluon_dispatch.GLUON_TABLE[(4, 8192, 8192)]
+print("patched")
+'''
+
+
+def test_patch_host_reaches_imported_names_and_dispatch_modules(tmp_path):
+    """The dry H200 of the offline check: a host function rewritten to read every tensor as a CUDA one must be the
+    one every module calls -- also modules that imported it by name (triton_gemm / triton_stream import
+    gemm_shared.num_sms: the split-K plans answered 1 SM there and 27 launches went unchecked) and modules without a
+    kernel (gluon_dispatch: the Gluon table entries were never taken). Run in a subprocess: patch_host replaces
+    torch.cuda queries process-wide."""
+    import subprocess
+
+    probe = tmp_path / "patch_host_probe.py"
+    probe.write_text(f"T36_PATH = {str(_PATH)!r}\n" + _PATCH_HOST_PROBE)
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    root = str(_PATH.parents[1])
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, str(probe)], capture_output=True, text=True, env=env, cwd=root, timeout=300)
+    assert r.returncode == 0 and "patched" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

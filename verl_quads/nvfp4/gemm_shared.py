@@ -1,12 +1,12 @@
-"""What the rollout's two Triton GEMM kernels share (:mod:`.triton_gemm`'s tensor-core kernel, :mod:`.triton_stream`'s
-weight-streaming kernel): the tensor-core dot of a tile (``_dot1``), whether kernels run under the interpreter, the
-SM count a split-K plan fills, the fixed-order split-K reduction and the per-tile counters of the stream kernel's
-in-kernel fixup.
+"""What the rollout's GEMM kernels share: the tensor-core dot of a tile (``_dot1``: :mod:`.triton_gemm`'s tensor-core
+kernel and :mod:`.triton_stream`'s weight-streaming kernel), whether kernels run under the interpreter, the SM count a
+split-K plan fills, the fixed-order split-K reduction and the per-tile counters of the in-kernel split-K fixups (the
+stream kernel and the Gluon kernels of :mod:`.gluon_gemm` / :mod:`.gluon_moe`).
 
 Split-K: a GEMM whose grid would not fill the GPU splits K across programs; each program writes a float32 partial
 ``[split, rows, N]`` and the partials are summed in the fixed order s = 0, 1, ... (deterministic, batch-invariant),
-either by :func:`splitk_reduce` (one launch: sum, bias, one cast) or, for the stream kernel's ``fixup``, by the last
-program of each output tile, which finds out it is last through :func:`tile_counters`.
+either by :func:`splitk_reduce` (one launch: sum, bias, one cast) or, in a kernel with a fixup, by the last program
+of each output tile, which finds out it is last through a counter of :func:`tile_counters`.
 """
 
 from __future__ import annotations
