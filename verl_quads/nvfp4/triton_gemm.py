@@ -47,9 +47,9 @@ Layouts (all contiguous, row-major):
   as packed ``[M, NSEL2 * 8]`` + e4m3 ``[M, NSEL2]`` + float32 ``[M]`` and a block table.
 
 Grouped MoE GEMM (one launch for all experts): token-slots are sorted by expert (stable, see
-:func:`verl_quads.nvfp4.moe_routing.moe_align`); the launch grid has a fixed upper bound of M-tiles (``cdiv(S, BM) + min(E, S)``),
-each tile reads its expert and row range from a tile table built on the device (no host sync, so
-the launch can be captured in a CUDA graph); tiles past the last expert's do no work. A tile's rows
+:func:`verl_quads.nvfp4.moe_routing.moe_align`); the launch grid has a fixed upper bound of M-tiles
+(``cdiv(S, BM) + min(E, S)``), each tile reads its expert and row range from a tile table built on the device (no
+host sync, so the launch can be captured in a CUDA graph); tiles past the last expert's do no work. A tile's rows
 are gathered through ``a_rows`` (e.g. slot -> token for the first expert GEMM) and written through
 ``out_rows`` (slot order).
 
