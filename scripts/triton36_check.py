@@ -117,6 +117,15 @@ def host_modules(mods: list[str]) -> list[str]:
 _DEVICE_TEST = re.compile(r"""(?<![\w.])([A-Za-z_][\w.]*?)\.type\s*(==|!=)\s*(["'])cuda\3""")
 
 
+def _replace_everywhere(name: str, old, new) -> None:
+    """``new`` for ``old`` under ``name`` in every loaded verl_quads module that holds it: the defining module and
+    those that imported it by name (triton_gemm / triton_stream call gemm_shared.num_sms, triton_gemm.moe_forward
+    calls moe_routing.moe_align through their own bindings)."""
+    for mod in list(sys.modules.values()):
+        if getattr(mod, "__name__", "").startswith("verl_quads.") and vars(mod).get(name) is old:
+            setattr(mod, name, new)
+
+
 def patch_host(mods) -> list[str]:
     """The host-side answers of the H200. ``check_available`` / ``interpreting`` already answer as on a GPU (no
     TRITON_INTERPRET, every tensor ``is_cuda``). A CPU tensor's ``.device.type`` cannot say "cuda": every module-level
@@ -129,7 +138,6 @@ def patch_host(mods) -> list[str]:
     import torch
 
     from verl_quads.nvfp4 import moe_routing as mr
-    from verl_quads.nvfp4 import triton_gemm as tg
 
     class Props:
         multi_processor_count = H200_SMS
@@ -158,12 +166,7 @@ def patch_host(mods) -> list[str]:
                            dont_inherit=True)
             ns: dict = {}
             exec(code, m.__dict__, ns)
-            setattr(m, name, ns[name])
-            # modules that imported the function by name (triton_gemm / triton_stream: gemm_shared.num_sms) call it
-            # through their own binding
-            for other in list(sys.modules.values()):
-                if getattr(other, "__name__", "").startswith("verl_quads.") and vars(other).get(name) is fn:
-                    setattr(other, name, ns[name])
+            _replace_everywhere(name, fn, ns[name])
             rewritten.append(f"{mod.rsplit('.', 1)[-1]}.{name}")
 
     # moe_align's routing feeds host code (quads per-call selection indexes with sorted_slots): record its
@@ -174,7 +177,7 @@ def patch_host(mods) -> list[str]:
         orig_align(expert_ids, num_experts, block_m)
         return mr.moe_align_reference(expert_ids, num_experts, block_m)
 
-    mr.moe_align = tg.moe_align = moe_align  # triton_gemm.moe_forward calls the name it imported
+    _replace_everywhere("moe_align", orig_align, moe_align)
 
     # the decode-once path's cuBLAS call (aten::mm.dtype exists for CUDA only): its float32 product as zeros, like
     # every kernel output here, so that the launches around it (block values, scale epilogue) are recorded
